@@ -1,0 +1,46 @@
+// Kernel parameter blocks shared by the launchers and the one binding file.
+// Torch-free on purpose: every .cu here builds with plain nvcc (CI compiles
+// them for sm_80 and sm_90 without torch).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace minipaged {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Prefill, dense or varlen. Strides are in elements; the last dim is contiguous.
+// Dense:  q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D]; cu_seqlens_* == nullptr and
+//         every sequence has seqlen_q = max_seqlen_q, seqlen_k = max_seqlen_k.
+// Varlen: q [Tq, Hq, D], k/v [Tk, Hkv, D]; sequence b spans rows
+//         [cu_seqlens_q[b], cu_seqlens_q[b+1]) and the *_batch_stride fields are 0.
+// Causal masking is bottom-right aligned: row i sees key j iff j < Nk - Nq + i + 1.
+// Rows that see no key are written as exact zeros.
+struct PrefillParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  const int32_t* cu_seqlens_q;  // [batch + 1] or nullptr (dense)
+  const int32_t* cu_seqlens_k;  // [batch + 1] or nullptr (dense)
+  int batch;
+  int num_q_heads;
+  int num_kv_heads;
+  int head_dim;       // 64 or 128
+  int max_seqlen_q;   // dense: Nq
+  int max_seqlen_k;   // dense: Nk
+  float scale;        // softmax scale (1/sqrt(D) by default), not yet multiplied by log2(e)
+  bool causal;
+  DType dtype;
+  int num_sms;        // multiprocessors on the device, for launch heuristics
+};
+
+// Both return cudaSuccess or the launch error; they never synchronize.
+cudaError_t launch_prefill_wmma(const PrefillParams& p, cudaStream_t stream);
+cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream);
+
+}  // namespace minipaged
