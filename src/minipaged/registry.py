@@ -51,6 +51,8 @@ class Backend:
     ops: Mapping[str, str]
     devices: tuple[str, ...]
     availability: Callable[[str], tuple[bool, str]]
+    dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    head_dims: tuple[int, ...] = (64, 128)
     description: str = ""
     _resolved: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -137,6 +139,8 @@ _BACKENDS: dict[str, Backend] = {
             ops={op: f"minipaged.reference:{op}" for op in OPS},
             devices=("cpu", "cuda"),
             availability=_torch_availability,
+            dtypes=("float16", "bfloat16", "float32"),
+            head_dims=(64, 128, 256),
             description="plain PyTorch, fp32 softmax: the oracle",
         ),
         Backend(
@@ -144,6 +148,8 @@ _BACKENDS: dict[str, Backend] = {
             ops={op: f"minipaged.triton.ops:{op}" for op in OPS},
             devices=("cuda", "cpu"),
             availability=_triton_availability,
+            dtypes=("float16", "bfloat16", "float32"),
+            head_dims=(64, 128, 256),
             description="Triton: FA2 prefill, split-KV paged decode",
         ),
         Backend(

@@ -1,0 +1,132 @@
+"""Launch configurations for the Triton kernels.
+
+A small measured table instead of `triton.autotune`: autotuning re-times every
+config on the first call of each new shape key, which would pollute benchmarks
+and break CUDA-graph capture of decode. The table is keyed on what changes the
+best tile: head dim, element size, causal or not, and whether there are enough
+query tiles to fill the GPU. Under TRITON_INTERPRET=1 every op uses small fixed
+tiles so the CPU interpreter stays fast.
+
+Nothing here imports triton: the numbers are plain ints.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; a small stand-in on CPU (interpreter)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+# (head_dim, element_bytes, causal) -> config for long sequences on sm_90.
+# Filled from measurements on an H200 (see bench/notes_triton.md); entries that
+# were never measured are conservative choices that fit 227 KB of shared memory.
+_PREFILL_SM90 = {
+    (64, 2, True): PrefillConfig(128, 128, 8, 3),
+    (64, 2, False): PrefillConfig(128, 128, 8, 3),
+    (128, 2, True): PrefillConfig(128, 128, 8, 3),
+    (128, 2, False): PrefillConfig(128, 128, 8, 3),
+    (256, 2, True): PrefillConfig(128, 64, 8, 2),
+    (256, 2, False): PrefillConfig(128, 64, 8, 2),
+    (64, 4, True): PrefillConfig(64, 64, 4, 2),
+    (64, 4, False): PrefillConfig(64, 64, 4, 2),
+    (128, 4, True): PrefillConfig(64, 32, 4, 2),
+    (128, 4, False): PrefillConfig(64, 32, 4, 2),
+    (256, 4, True): PrefillConfig(32, 32, 4, 1),
+    (256, 4, False): PrefillConfig(32, 32, 4, 1),
+}
+
+# Environment override for tuning runs: "BM,BN,WARPS,STAGES".
+_PREFILL_ENV = "MINIPAGED_TRITON_PREFILL_CONFIG"
+_DECODE_ENV = "MINIPAGED_TRITON_DECODE_CONFIG"
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads: int,
+                   max_seqlen_q: int, device: torch.device) -> PrefillConfig:
+    if interpreting() or device.type != "cuda":
+        return PrefillConfig(16, 16, 4, 1)
+    env = os.environ.get(_PREFILL_ENV)
+    if env:
+        bm, bn, w, s = (int(x) for x in env.split(","))
+        return PrefillConfig(bm, bn, w, s)
+    elem = torch.empty((), dtype=dtype).element_size()
+    major, _ = torch.cuda.get_device_capability(device)
+    cfg = _PREFILL_SM90.get((head_dim, elem, causal), PrefillConfig(64, 32, 4, 2))
+    if major < 9:
+        # Ampere-class shared memory (~164 KB) and mma.sync: smaller N tiles.
+        cfg = PrefillConfig(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, 2)
+    # Too few query tiles to fill the SMs (short prompts, small batch): halve BLOCK_M.
+    if cfg.block_m > 64 and batch_heads * -(-max_seqlen_q // cfg.block_m) < sm_count(device):
+        cfg = PrefillConfig(64, min(cfg.block_n, 64), 4, cfg.num_stages)
+    return cfg
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    if interpreting() or device.type != "cuda":
+        return DecodeConfig(16, 4, 1)
+    env = os.environ.get(_DECODE_ENV)
+    if env:
+        bn, w, s = (int(x) for x in env.split(","))
+        return DecodeConfig(bn, w, s)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if elem == 4 or head_dim >= 256:
+        return DecodeConfig(32, 4, 2)
+    return DecodeConfig(64, 4, 3)
+
+
+# Split-KV target: this many programs per SM before splitting stops paying off.
+_SPLIT_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 128
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
+                      block_n: int, device: torch.device) -> int:
+    """How many KV splits (flash-decoding) per (sequence, KV head).
+
+    Uses the block-table capacity (max_blocks * block_size), an upper bound of
+    every context length, instead of context_lens.max(): that would need a
+    device->host sync and would make decode impossible to capture in a CUDA
+    graph. Splits are sized per sequence inside the kernel from its own
+    context length, so an over-estimate only leaves some splits empty.
+    """
+    env = os.environ.get("MINIPAGED_TRITON_DECODE_SPLITS")
+    if env:
+        return max(1, min(int(env), MAX_SPLITS))
+    programs = batch * num_kv_heads
+    want = -(-(_SPLIT_PROGRAMS_PER_SM * sm_count(device)) // max(programs, 1))
+    # every split should stream at least two KV tiles, or the reduction costs more than it saves
+    tiles = -(-max_context_capacity // block_n)
+    return max(1, min(want, tiles // 2, MAX_SPLITS))

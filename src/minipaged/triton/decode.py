@@ -1,0 +1,161 @@
+"""Paged-KV decode in Triton (one query token per sequence), split-KV capable.
+
+Grid (batch, kv_head, split). A program loads each K/V tile of its KV head once
+and uses it for every query head of the GQA group: the group's query vectors
+are the rows of the QK^T tl.dot (padded to BLOCK_H >= 16, the smallest tensor
+core M). The program's token range is a contiguous, BLOCK_N-aligned slice of
+the sequence, sized inside the kernel from that sequence's own context length,
+so the host never needs context_lens.max().
+
+Tokens reach memory through the block table: token t lives at
+(block_tables[b, t // PAGE], t % PAGE). PAGE >= BLOCK_N means a tile lies in
+one page (one table load); PAGE < BLOCK_N means a tile gathers several pages
+(one table load per token, mostly L1 hits).
+
+With one split the kernel writes the normalised output; with several it writes
+an fp32 partial output and its log2-sum-exp per split, and `_decode_reduce`
+merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_tok,
+                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    toks = start_n + offs_n
+    if PAGE >= BLOCK_N:
+        block = tl.load(table_row + start_n // PAGE).to(tl.int64)
+        return block * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
+    else:
+        if MASKED:
+            block = tl.load(table_row + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_row + toks // PAGE).to(tl.int64)
+        return block * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K_cache, V_cache, block_tables, context_lens,
+    O, O_partial, LSE_partial,
+    stride_qb, stride_qh,
+    stride_kblock, stride_ktok, stride_khead,
+    stride_vblock, stride_vtok, stride_vhead,
+    stride_table,
+    stride_ob, stride_oh,
+    kv_group, num_splits,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(context_lens + seq)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    n_begin = split * tiles_per_split * BLOCK_N
+    n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, ctx)
+    # full tiles run without masks; the ragged last tile of the sequence is masked
+    full_end = n_begin + tl.maximum(n_end - n_begin, 0) // BLOCK_N * BLOCK_N
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * kv_group + offs_h
+    head_ok = offs_h < kv_group
+
+    seq64 = seq.to(tl.int64)
+    q = tl.load(Q + seq64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None], other=0.0)
+    table_row = block_tables + seq64 * stride_table
+    k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
+    v_head = V_cache + kv_head.to(tl.int64) * stride_vhead + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+
+    for start_n in range(n_begin, full_end, BLOCK_N):
+        k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                 stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
+        v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                 stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+        k = tl.load(k_head + k_off[:, None])
+        v = tl.load(v_head + v_off[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+        p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # at most one ragged tile; masked loads keep NaN-poisoned unused slots and
+    # -1 table entries out of the math
+    for start_n in range(full_end, n_end, BLOCK_N):
+        tok_ok = start_n + offs_n < n_end
+        k_off = _kv_tile_offsets(table_row, start_n, offs_n, tok_ok,
+                                 stride_kblock, stride_ktok, PAGE, BLOCK_N, True)
+        v_off = _kv_tile_offsets(table_row, start_n, offs_n, tok_ok,
+                                 stride_vblock, stride_vtok, PAGE, BLOCK_N, True)
+        k = tl.load(k_head + k_off[:, None], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_head + v_off[:, None], mask=tok_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # empty range (context 0, or a split past the end): l == 0, acc == 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        # partial layout [B, Hq, num_splits, D] and [B, Hq, num_splits], fp32
+        row = (seq64 * (kv_group * tl.num_programs(1)) + heads.to(tl.int64)) * num_splits + split
+        tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(LSE_partial + row, lse, mask=head_ok)
+    else:
+        tl.store(O + seq64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce(
+    O_partial, LSE_partial, O,
+    stride_ob, stride_oh,
+    num_q_heads, num_splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    row0 = (seq.to(tl.int64) * num_q_heads + head) * num_splits
+    lse = tl.load(LSE_partial + row0 + offs_s, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_sub)
+    parts = tl.load(O_partial + (row0 + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=split_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d,
+             out.to(O.dtype.element_ty))

@@ -1,0 +1,135 @@
+"""FlashAttention-2 forward in Triton: one kernel body for dense and varlen prefill.
+
+Each program owns BLOCK_M query rows of one (sequence, query head). The Q tile
+stays in registers; K/V tiles of BLOCK_N keys stream through shared memory;
+softmax is online in the log2 domain (scale * log2(e) is folded into one
+multiplier so every exponential is a single exp2). P goes from registers
+straight into the PV tl.dot.
+
+Causal masking is bottom-right aligned (row i sees key j iff j <= i + Nk - Nq).
+For a query tile the key range splits in three parts:
+  [0, full_end)       every row sees every key: no mask work at all
+  [full_end, end)     the diagonal band: per-element mask
+  [end, Nk)           seen by no row: never loaded
+Dense and varlen differ only in where a sequence starts: dense passes batch
+strides and fixed lengths, varlen passes cu_seqlens and a zero batch stride.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O,
+    cu_seqlens_q, cu_seqlens_k,
+    seqlen_q, seqlen_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_q_heads, kv_group,
+    qk_scale_log2,
+    IS_VARLEN: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Axis 1 is launched slowest; reversing it starts the bottom query tiles,
+    # which under a causal mask have the most keys, first (longest-first).
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = pid_bh // num_q_heads
+    head = pid_bh % num_q_heads
+    kv_head = head // kv_group
+
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + seq).to(tl.int64)
+        q_len = (tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)).to(tl.int32)
+        k_start = tl.load(cu_seqlens_k + seq).to(tl.int64)
+        k_len = (tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+
+    m_start = pid_m * BLOCK_M
+    if m_start < q_len:
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+
+        seq64 = seq.to(tl.int64)
+        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(tl.int64) * stride_qh
+        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(tl.int64) * stride_kh
+        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
+        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(tl.int64) * stride_oh
+
+        row_ok = offs_m[:, None] < q_len
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
+
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        if IS_CAUSAL:
+            diag = k_len - q_len
+            # the first row of the tile sees keys [0, m_start + diag]
+            full_end = tl.minimum(m_start + diag + 1, k_len)
+            # the last row of the tile sees keys [0, m_start + BLOCK_M - 1 + diag]
+            end = tl.minimum(m_start + BLOCK_M + diag, k_len)
+        else:
+            diag = 0
+            full_end = k_len
+            end = k_len
+        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(end, 0)
+
+        # Tiles every row sees completely: no masks, no bounds checks.
+        for start_n in range(0, full_end, BLOCK_N):
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+            p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Diagonal band and the ragged last tile: per-element masks. A row may see
+        # nothing in a tile (or at all), so the running max can stay -inf; the
+        # subtraction uses 0 instead to keep exp2 away from (-inf) - (-inf).
+        for start_n in range(full_end, end, BLOCK_N):
+            cols = start_n + offs_n
+            col_ok = cols < k_len
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=col_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            visible = col_ok[None, :]
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Rows that saw no key have l == 0 and acc == 0: they store exact zeros.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok)
