@@ -1,0 +1,69 @@
+// Launcher of the fast prefill (dense + varlen): validates what the kernel
+// relies on, then dispatches on dtype, head dim, causal and a shape heuristic.
+#include <cmath>
+#include <cstdint>
+
+#include "prefill_fast.cuh"
+
+namespace minipaged {
+namespace fast {
+
+// Block shapes. Both keep one warp per 16 query rows with Q held in registers.
+//   kSmall: 4 warps, BLOCK_M 64  -- more CTAs when the grid would be short
+//   kLarge: 8 warps, BLOCK_M 128 -- K/V tiles shared by twice the rows
+template <typename T, int D>
+using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
+template <typename T, int D>
+using CfgLarge = PrefillCfg<T, D, 64, 8, 1, true, 2>;
+
+template <typename T, int D, bool kCausal>
+cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
+  const int64_t large_blocks = int64_t(p.batch) * p.num_q_heads *
+                               ((p.max_seqlen_q + CfgLarge<T, D>::kBlockM - 1) / CfgLarge<T, D>::kBlockM);
+  const int num_sms = p.num_sms > 0 ? p.num_sms : 132;
+  // The large block needs about two waves of CTAs to keep every SM busy
+  // through the causal tail; below that, halve the block and double the grid.
+  if (large_blocks >= 2 * int64_t(num_sms)) return launch_prefill_cfg<CfgLarge<T, D>, kCausal>(p, stream);
+  return launch_prefill_cfg<CfgSmall<T, D>, kCausal>(p, stream);
+}
+
+template <typename T, int D>
+cudaError_t dispatch_causal(const PrefillParams& p, cudaStream_t stream) {
+  return p.causal ? dispatch_shape<T, D, true>(p, stream) : dispatch_shape<T, D, false>(p, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_dim(const PrefillParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return dispatch_causal<T, 64>(p, stream);
+    case 128: return dispatch_causal<T, 128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+}  // namespace fast
+
+cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream) {
+  using namespace fast;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (p.batch < 0 || p.max_seqlen_q < 0 || p.max_seqlen_k < 0) return cudaErrorInvalidValue;
+  if (!std::isfinite(p.scale)) return cudaErrorInvalidValue;
+  // Every row is moved in 16-byte cp.async / vector stores.
+  const int64_t strides[] = {p.q_batch_stride, p.q_head_stride, p.q_row_stride,
+                             p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                             p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                             p.o_batch_stride, p.o_head_stride, p.o_row_stride};
+  for (int64_t s : strides)
+    if (s % 8 != 0) return cudaErrorMisalignedAddress;
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
+    return cudaErrorMisalignedAddress;
+  switch (p.dtype) {
+    case DType::kFloat16: return dispatch_dim<__half>(p, stream);
+    case DType::kBFloat16: return dispatch_dim<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace minipaged

@@ -1,0 +1,418 @@
+// FA2-style causal/non-causal prefill on mma.sync (sm_80+; also the sm_90 path).
+//
+// One CTA owns BLOCK_M query rows of one (batch, query head); each warp owns
+// 16 * kMTiles of those rows for the whole kernel. Per K/V tile of kBlockN keys:
+//   S = Q K^T   ldmatrix + mma.m16n8k16, fp32 accumulators, S never leaves registers
+//   softmax     online, on the accumulator fragments; a row lives in one quad,
+//               so row max/sum need two xor-shuffles; scale*log2(e) folded into exp2
+//   O += P V    P is re-packed to 16-bit in registers: the m16n8 C fragment of two
+//               adjacent n-tiles is exactly the m16n8k16 A fragment (FA2's trick);
+//               V goes through ldmatrix.trans
+// K/V tiles stream through a kStages-deep cp.async ring (the load of tile t+1
+// overlaps the math of tile t). Shared memory rows are XOR-swizzled in 16-byte
+// chunks so that ldmatrix and cp.async touch 8 distinct bank groups.
+// Key tiles are walked from the last to the first: the tiles that need a mask
+// (the causal diagonal and the Nk tail) come first, then a mask-free loop.
+// Tiles entirely above the causal diagonal are never loaded.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "fast_mma.cuh"
+#include "params.h"
+
+namespace minipaged {
+namespace fast {
+
+template <typename T_, int kD_, int kBlockN_, int kWarps_, int kMTiles_, bool kQInRegs_,
+          int kStages_, bool kSwizzle_ = true>
+struct PrefillCfg {
+  using T = T_;
+  static constexpr int kD = kD_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kSwizzle = kSwizzle_;
+
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kBlockM = kWarps * kWarpRows;
+  static constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  static constexpr int kTileElems = kBlockN * kD;
+  static constexpr int kStageElems = 2 * kTileElems;  // K tile, then V tile
+  static constexpr int kQElems = kBlockM * kD;
+  // Q is only needed until it sits in registers, so with two stages it borrows
+  // stage 1 (which the first loop iteration refills); the output is staged in
+  // the same place at the end, after the last barrier.
+  static constexpr bool kQAliased = kQInRegs && kStages == 2 && kQElems <= kStageElems;
+  static constexpr int kSmemElems =
+      kQAliased ? kStages * kStageElems : kStages * kStageElems + kQElems;
+  static constexpr int kSmemBytes = kSmemElems * 2;
+
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
+  static_assert(kBlockN % 16 == 0, "kBlockN");
+  static_assert(kStages == 1 || kStages == 2, "stages");
+  static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must split evenly");
+  static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must split evenly");
+};
+
+// Element offset of (row, 16-byte chunk) in a [rows][kD] shared tile.
+template <class Cfg>
+__device__ __forceinline__ int smem_off(int row, int chunk) {
+  if constexpr (Cfg::kSwizzle) {
+    return row * Cfg::kD + ((chunk ^ (row & 7)) << 3);
+  } else {
+    return row * Cfg::kD + (chunk << 3);
+  }
+}
+
+// Copies rows [row0, row0 + kRows) of a global [rows][kD] matrix (row stride in
+// elements) into a shared tile; rows at or past `num_rows` are zero-filled.
+template <class Cfg, int kRows>
+__device__ __forceinline__ void load_tile_async(typename Cfg::T* smem_tile,
+                                                const typename Cfg::T* gmem, int64_t row_stride,
+                                                int row0, int num_rows, int tid) {
+  constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * Cfg::kThreads;
+    const int r = idx / Cfg::kChunks;
+    const int c = idx % Cfg::kChunks;
+    const bool in_range = row0 + r < num_rows;
+    const typename Cfg::T* src = gmem + (in_range ? int64_t(row0 + r) * row_stride : 0) + c * 8;
+    cp_async_16(smem_u32(smem_tile + smem_off<Cfg>(r, c)), src, in_range);
+  }
+}
+
+struct MaskOn { static constexpr bool value = true; };
+struct MaskOff { static constexpr bool value = false; };
+
+template <class Cfg, bool kCausal>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    prefill_fast_kernel(const PrefillParams p) {
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kD;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kMT = Cfg::kMTiles;
+  constexpr int kNT = kBlockN / 8;  // n-tiles of S per warp
+  constexpr int kDT = kD / 8;       // n-tiles of O per warp
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  T* s_q = Cfg::kQAliased ? smem + Cfg::kStageElems : smem + Cfg::kStages * Cfg::kStageElems;
+
+  const int head = blockIdx.x;
+  const int batch = blockIdx.y;
+  // Reverse order: under causal masking the last query blocks carry the most
+  // keys, so they are dispatched first and the short ones fill the tail.
+  const int m_block = gridDim.z - 1 - blockIdx.z;
+  const int m_start = m_block * kBlockM;
+
+  int q_begin = 0, k_begin = 0;
+  int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
+  if (p.cu_seqlens_q != nullptr) {
+    q_begin = p.cu_seqlens_q[batch];
+    seqlen_q = p.cu_seqlens_q[batch + 1] - q_begin;
+  }
+  if (p.cu_seqlens_k != nullptr) {
+    k_begin = p.cu_seqlens_k[batch];
+    seqlen_k = p.cu_seqlens_k[batch + 1] - k_begin;
+  }
+  if (m_start >= seqlen_q) return;
+
+  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  const T* q_ptr = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
+                   int64_t(q_begin) * p.q_row_stride + head * p.q_head_stride;
+  const T* k_ptr = static_cast<const T*>(p.k) + batch * p.k_batch_stride +
+                   int64_t(k_begin) * p.k_row_stride + kv_head * p.k_head_stride;
+  const T* v_ptr = static_cast<const T*>(p.v) + batch * p.v_batch_stride +
+                   int64_t(k_begin) * p.v_row_stride + kv_head * p.v_head_stride;
+  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
+             head * p.o_head_stride;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int warp_row0 = warp * Cfg::kWarpRows;  // first row of this warp inside the block
+  const int m_rows = min(kBlockM, seqlen_q - m_start);
+
+  // Row i sees key j iff j <= i + diag (bottom-right aligned causal mask).
+  const int diag = seqlen_k - seqlen_q;
+  int n_end = seqlen_k;
+  if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
+  if (n_end <= 0) {
+    // No row of this block sees any key: exact zeros.
+    for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
+      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
+
+  auto stage_k = [&](int stage) { return smem + stage * Cfg::kStageElems; };
+  auto stage_v = [&](int stage) { return smem + stage * Cfg::kStageElems + Cfg::kTileElems; };
+  auto load_kv = [&](int t, int stage) {
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    load_tile_async<Cfg, kBlockN>(stage_k(stage), k_ptr, p.k_row_stride, n0, seqlen_k, tid);
+    load_tile_async<Cfg, kBlockN>(stage_v(stage), v_ptr, p.v_row_stride, n0, seqlen_k, tid);
+  };
+
+  // Prologue: Q (group 0), then K/V tile 0 (group 1).
+  load_tile_async<Cfg, kBlockM>(s_q, q_ptr + int64_t(m_start) * p.q_row_stride, p.q_row_stride,
+                                0, m_rows, tid);
+  cp_async_commit();
+  load_kv(0, 0);
+  cp_async_commit();
+
+  // ldmatrix.x4 lane -> (row, chunk) pieces, shared by Q, K and V:
+  const int lm_row8 = lane & 7;
+  const int lm_bit3 = (lane >> 3) & 1;
+  const int lm_bit4 = lane >> 4;
+
+  uint32_t q_frag[Cfg::kQInRegs ? kMT : 1][Cfg::kQInRegs ? kD / 16 : 1][4];
+  if constexpr (Cfg::kQInRegs) {
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        ldmatrix_x4(q_frag[mt][kk],
+                    smem_u32(s_q + smem_off<Cfg>(warp_row0 + mt * 16 + lm_row8 + lm_bit3 * 8,
+                                                 2 * kk + lm_bit4)));
+    // Stage 1 (where Q may live) is refilled by the first iteration.
+    if constexpr (Cfg::kQAliased) __syncthreads();
+  }
+
+  float acc_o[kMT][kDT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+
+  // Scores are kept raw; the running max is tracked in raw units and scaled
+  // once per row. A negative scale flips which raw extreme is the maximum; a
+  // zero scale is nudged positive so masked -inf never meets 0 * inf.
+  float scale_log2 = p.scale * 1.4426950408889634f;
+  if (scale_log2 == 0.f) scale_log2 = 1e-30f;
+  const bool neg_scale = scale_log2 < 0.f;
+  const float masked = neg_scale ? INFINITY : -INFINITY;  // raw value that scales to -inf
+
+  float row_ext[kMT][2];  // raw max (min for negative scale) per owned row
+  float row_sum[kMT][2];  // this thread's partial row sums; quad-reduced at the end
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_ext[mt][h] = masked;
+      row_sum[mt][h] = 0.f;
+    }
+
+  const int g = lane >> 2;        // fragment row (and row + 8)
+  const int tq = (lane & 3) * 2;  // fragment column pair
+
+  auto tile_step = [&](int t, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    int stage = 0;
+    if constexpr (Cfg::kStages == 2) {
+      stage = t & 1;
+      if (t + 1 < n_tiles) load_kv(t + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* s_k = stage_k(stage);
+    const T* s_v = stage_v(stage);
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+
+    // ---- S = Q K^T ----
+    float acc_s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+        } else {
+          ldmatrix_x4(a[mt], smem_u32(s_q + smem_off<Cfg>(warp_row0 + mt * 16 + lm_row8 + lm_bit3 * 8,
+                                                          2 * kk + lm_bit4)));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, smem_u32(s_k + smem_off<Cfg>(np * 16 + lm_row8 + lm_bit4 * 8, 2 * kk + lm_bit3)));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // ---- mask (diagonal / tail tiles only) ----
+    if constexpr (kMask) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = m_start + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+            const int col = n0 + nt * 8 + tq + (e & 1);
+            bool visible = col < seqlen_k;
+            if (kCausal) visible = visible && col <= row + diag;
+            if (!visible) acc_s[mt][nt][e] = masked;
+          }
+    }
+
+    // ---- online softmax on the fragments ----
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float ext = row_ext[mt][h];
+        if (!neg_scale) {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+            ext = fmaxf(ext, fmaxf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
+          ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+          ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+            ext = fminf(ext, fminf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
+          ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+          ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+        }
+        // A row that has seen only masked keys keeps base 0, so exp2(-inf - 0) = 0.
+        const float base = (ext == masked) ? 0.f : ext * scale_log2;
+        const float alpha = fast_exp2(row_ext[mt][h] * scale_log2 - base);
+        row_ext[mt][h] = ext;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const float p0 = fast_exp2(fmaf(acc_s[mt][nt][2 * h], scale_log2, -base));
+          const float p1 = fast_exp2(fmaf(acc_s[mt][nt][2 * h + 1], scale_log2, -base));
+          acc_s[mt][nt][2 * h] = p0;
+          acc_s[mt][nt][2 * h + 1] = p1;
+          sum += p0 + p1;
+        }
+        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          acc_o[mt][dt][2 * h] *= alpha;
+          acc_o[mt][dt][2 * h + 1] *= alpha;
+        }
+      }
+
+    // ---- O += P V ----
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<T>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, smem_u32(s_v + smem_off<Cfg>(kk * 16 + lm_row8 + lm_bit3 * 8, 2 * dp + lm_bit4)));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<T>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // Everyone is done with this stage before it is refilled.
+    __syncthreads();
+    if constexpr (Cfg::kStages == 1) {
+      if (t + 1 < n_tiles) load_kv(t + 1, 0);
+      cp_async_commit();
+    }
+  };
+
+  // A tile needs no mask when every key in it exists and, under causal, is
+  // visible to the first row of the block (hence to all of its rows).
+  int t = 0;
+  for (; t < n_tiles; ++t) {
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
+    if (full) break;
+    tile_step(t, MaskOn{});
+  }
+  for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
+  cp_async_wait<0>();  // drain the trailing (empty) groups
+
+  // ---- epilogue: O / l, staged through shared memory for 16-byte stores ----
+  // The warp writes only its own rows of the Q area; the final barrier of the
+  // loop already separated this from other warps' reads of an aliased stage.
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key -> exact zeros
+      const int r = warp_row0 + mt * 16 + g + h * 8;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) =
+            pack2<T>(acc_o[mt][dt][2 * h] * inv, acc_o[mt][dt][2 * h + 1] * inv);
+      }
+    }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < Cfg::kWarpRows * Cfg::kChunks / 32; ++it) {
+    const int idx = lane + it * 32;
+    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    const int row = warp_row0 + r;
+    if (row < m_rows) {
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(s_q + smem_off<Cfg>(row, c));
+    }
+  }
+}
+
+template <class Cfg, bool kCausal>
+cudaError_t launch_prefill_cfg(const PrefillParams& p, cudaStream_t stream) {
+  const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
+  if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  auto kernel = prefill_fast_kernel<Cfg, kCausal>;
+  constexpr int kSmem = Cfg::kSmemBytes;
+  if (kSmem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(p.num_q_heads, p.batch, m_blocks);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fast
+}  // namespace minipaged
