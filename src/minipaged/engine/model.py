@@ -1,0 +1,166 @@
+"""The lean Qwen3 forward: torch ops for everything except attention.
+
+Token-major layout throughout: hidden states are [T, hidden] for T tokens of
+any number of sequences packed back to back (no padding). Attention goes
+through the minipaged kernels; K/V are written to, and read back from, the
+paged cache only.
+
+Numerics mirror transformers' Qwen3 (RMSNorm in fp32 then cast, weight applied
+after the cast, RoPE cos/sin cast to the model dtype, residual adds in the model
+dtype) so greedy tokens match it exactly in fp32 and closely in bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import Qwen3Config
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward needs besides the tokens.
+
+    Prefill: cu_seqlens int32 [S+1] on device and max_seqlen; decode: block_tables
+    int32 [B, max_blocks] and context_lens int32 [B] (lengths including the new token).
+    slot_mapping int64 [T]: where each new token's K/V goes (negative: nowhere).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox (rotate-half) RoPE. x [T, H, D]; cos/sin [T, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Qwen3Model:
+    """Fused weights + forward. Built from a transformers-named state dict."""
+
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        state: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+
+        def w(name: str) -> torch.Tensor:
+            return state[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        if state["lm_head.weight"] is state["model.embed_tokens.weight"]:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            # One matmul for q|k|v and one for gate|up: fewer, larger GEMMs.
+            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                             w(p + "self_attn.v_proj.weight")], dim=0)
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                      w(p + "self_attn.v_proj.bias")], dim=0)
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)
+            self.layers.append({
+                "input_norm": w(p + "input_layernorm.weight"),
+                "qkv": qkv,
+                "qkv_bias": qkv_bias,
+                "q_norm": w(p + "self_attn.q_norm.weight"),
+                "k_norm": w(p + "self_attn.k_norm.weight"),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": gate_up,
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+
+        # RoPE table, computed like transformers (fp32 angle = pos * inv_freq, then cast).
+        n_pos = max_positions or cfg.max_position_embeddings
+        D = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))
+        pos = torch.arange(n_pos, dtype=torch.float, device=device)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos().to(dtype)
+        self.sin_table = emb.sin().to(dtype)
+        self.max_positions = n_pos
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final normed hidden states [T, hidden]."""
+        import minipaged as mp
+
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        eps = cfg.rms_norm_eps
+        cos = self.cos_table[positions]
+        sin = self.sin_table[positions]
+
+        h = self.embed[input_ids]
+        for li, L in enumerate(self.layers):
+            x = rms_norm(h, L["input_norm"], eps)
+            qkv = F.linear(x, L["qkv"], L["qkv_bias"])
+            q = qkv[:, :q_size].view(T, Hq, D)
+            k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
+            v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
+            q = apply_rope(rms_norm(q, L["q_norm"], eps), cos, sin)
+            k = apply_rope(rms_norm(k, L["k_norm"], eps), cos, sin)
+            mp.write_kv_cache(k, v, k_caches[li], v_caches[li], meta.slot_mapping,
+                              backend=self.backend, check_values=False)
+            if meta.is_prefill:
+                # No cached prefix: attend over the fresh K/V (already in the cache too).
+                o = mp.prefill_attention_varlen(
+                    q, k, v, meta.cu_seqlens, meta.cu_seqlens,
+                    max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen,
+                    causal=True, scale=self.scale, backend=self.backend, check_values=False)
+            else:
+                o = mp.decode_attention(
+                    q, k_caches[li], v_caches[li], meta.block_tables, meta.context_lens,
+                    scale=self.scale, backend=self.backend, check_values=False)
+            h = h + F.linear(o.reshape(T, q_size), L["o"])
+            x = rms_norm(h, L["post_norm"], eps)
+            gate_up = F.linear(x, L["gate_up"])
+            inter = gate_up.shape[-1] // 2
+            h = h + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], L["down"])
+        return rms_norm(h, self.final_norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,170 @@
+"""Turns scheduled sequences into packed tensors, runs the model, returns logits.
+
+Prefill packs every prompt back to back ([T] tokens, cu_seqlens, no padding).
+Decode feeds one token per sequence; on CUDA it can replay a captured CUDA
+graph of the whole decode forward (batch padded up to the next captured size:
+padded rows have context_len 0 and slot -1, so they read and write nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .model import AttentionMetadata, Qwen3Model
+from .sequence import Sequence
+
+log = logging.getLogger("minipaged.engine")
+
+
+def _graph_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
+    sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
+    return sizes
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3Model, cache, *, max_num_seqs: int, max_model_len: int,
+                 use_cuda_graph: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.use_cuda_graph = bool(use_cuda_graph) and self.device.type == "cuda"
+        self.graph_error: str | None = None
+        self._graphs_ready = False
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [S, V] (fp32) at the last token of each sequence."""
+        dev = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        cu = [0]
+        for s in seqs:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(n))
+            cu.append(cu[-1] + n)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+        slots = torch.cat([s.prefill_slots.to(dev) for s in seqs])
+        meta = AttentionMetadata(True, slots, cu_seqlens=cu_seqlens,
+                                 max_seqlen=max(cu[i + 1] - cu[i] for i in range(len(seqs))))
+        hidden = self.model.forward(input_ids, pos, meta, self.cache.k_caches, self.cache.v_caches)
+        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=dev)
+        logits = self.model.logits(hidden[last]).float()
+        for s in seqs:
+            s.num_cached = len(s.token_ids)
+            s.prefill_slots = None
+        return logits
+
+    # ------------------------------------------------------------------ decode
+    def _decode_inputs(self, seqs: list[Sequence]):
+        bs = self.block_size
+        ids, positions, slots, ctx = [], [], [], []
+        for s in seqs:
+            p = s.num_cached
+            ids.append(s.last_token)
+            positions.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return ids, positions, slots, ctx, tables, width
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] (fp32) for the next token of each sequence."""
+        if self.use_cuda_graph and not self._graphs_ready and self.graph_error is None:
+            self.capture_graphs()
+        ids, positions, slots, ctx, tables, width = self._decode_inputs(seqs)
+        B = len(seqs)
+        if self._graphs_ready and B <= self.max_num_seqs and width <= self.max_blocks_per_seq:
+            logits = self._replay(B, ids, positions, slots, ctx, tables, width)
+        else:
+            dev = self.device
+            meta = AttentionMetadata(
+                False,
+                torch.tensor(slots, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+                context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            )
+            hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
+                                        torch.tensor(positions, dtype=torch.int64, device=dev),
+                                        meta, self.cache.k_caches, self.cache.v_caches)
+            logits = self.model.logits(hidden)
+        for s in seqs:
+            s.num_cached += 1
+        return logits.float()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _alloc_static(self) -> None:
+        dev, n, w = self.device, self.max_num_seqs, self.max_blocks_per_seq
+        self.s_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.s_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.s_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.s_ctx = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.s_tables = torch.zeros((n, w), dtype=torch.int32, device=dev)
+
+    def _graph_forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(False, self.s_slots[:b], block_tables=self.s_tables[:b],
+                                 context_lens=self.s_ctx[:b])
+        hidden = self.model.forward(self.s_ids[:b], self.s_pos[:b], meta,
+                                    self.cache.k_caches, self.cache.v_caches)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per padded batch size; on any failure fall back to eager."""
+        try:
+            self._alloc_static()
+            pool = None
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            # Padded rows must read nothing and write nothing.
+            self.s_ctx.zero_()
+            self.s_slots.fill_(-1)
+            for b in reversed(_graph_batch_sizes(self.max_num_seqs)):
+                with torch.cuda.stream(stream):
+                    self._graph_forward(b)  # warm-up: Triton JIT / CUDA build happen here, not in capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._graph_forward(b)
+                if pool is None:
+                    pool = g.pool()
+                self.graphs[b] = g
+                self.graph_outputs[b] = out
+            torch.cuda.synchronize(self.device)
+            self._graphs_ready = True
+        except Exception as exc:  # noqa: BLE001 - any capture problem means: run eagerly
+            self.graphs.clear()
+            self.graph_outputs.clear()
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            self._graphs_ready = False
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _replay(self, B, ids, positions, slots, ctx, tables, width) -> torch.Tensor:
+        b = next(s for s in sorted(self.graphs) if s >= B)
+        pad = b - B
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self.s_ids[:b].copy_(host[0], non_blocking=True)
+        self.s_pos[:b].copy_(host[1], non_blocking=True)
+        self.s_slots[:b].copy_(host[2], non_blocking=True)
+        self.s_ctx[:b].copy_(torch.tensor(ctx + [0] * pad, dtype=torch.int32), non_blocking=True)
+        # Columns past each row's own pages are never read (context_lens bounds the reads).
+        self.s_tables[:B, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.graphs[b].replay()
+        return self.graph_outputs[b][:B]

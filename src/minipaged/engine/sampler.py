@@ -1,0 +1,35 @@
+"""Greedy and temperature / top-p sampling over a batch of last-token logits."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits [B, V] -> token ids int64 [B].
+
+    temperature 0 is greedy (argmax; ties go to the lowest id, like torch.argmax
+    and transformers). Otherwise: softmax(logits / temperature), keep the smallest
+    set of tokens whose probability mass reaches top_p (the most likely token is
+    always kept), renormalise and draw with `generator`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        # mass strictly before each token; a token is dropped once that mass already reaches top_p
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
