@@ -1,0 +1,291 @@
+// The one torch binding of the minipaged CUDA kernels. It registers the
+// custom ops of the `minipaged_cuda` namespace (schemas here, CUDA kernels
+// below; the fake/meta implementations live in minipaged/cuda/ops.py), fills
+// the torch-free parameter blocks from tensor strides and launches on the
+// current stream. Includes are kept to the dispatcher and tensor headers
+// (no torch/extension.h, no pybind11) because they dominate the JIT build time.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+#include "params.h"
+
+namespace {
+
+using minipaged::DType;
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "minipaged cuda: ", name, " must be float16 or bfloat16, got ",
+                       t.scalar_type());
+  }
+  return DType::kFloat16;  // unreachable
+}
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), "minipaged cuda: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == like.device(), "minipaged cuda: ", name, " is on ", t.device(),
+              " but q is on ", like.device());
+  TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1, "minipaged cuda: ", name,
+              " must have a contiguous last dim");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "minipaged cuda: ", what, " failed: ", cudaGetErrorName(err), " (",
+              cudaGetErrorString(err), ")");
+}
+
+int num_sms(int device) {
+  static int cache[128] = {0};
+  if (device < 0 || device >= 128) return 132;
+  if (cache[device] == 0) {
+    int n = 0;
+    check_launch(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+                 "cudaDeviceGetAttribute(multiProcessorCount)");
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+bool rows_aligned16(const at::Tensor& t) {
+  if ((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) != 0) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % 16 != 0) return false;
+  }
+  return true;
+}
+
+using PrefillLauncher = cudaError_t (*)(const minipaged::PrefillParams&, cudaStream_t);
+
+at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& cu_seqlens_q,
+                       const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, bool causal, double scale) {
+  const bool varlen = cu_seqlens_q.has_value();
+  check_cuda_tensor(q, "q", q);
+  check_cuda_tensor(k, "k", q);
+  check_cuda_tensor(v, "v", q);
+  const DType dtype = dtype_of(q, "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "minipaged cuda: q, k, v must share one dtype");
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor o = q.new_empty(q.sizes());
+
+  minipaged::PrefillParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = o.data_ptr();
+  if (varlen) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "minipaged cuda: varlen q/k/v must be 3-D");
+    const at::Tensor& cq = *cu_seqlens_q;
+    const at::Tensor& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt,
+                "minipaged cuda: cu_seqlens must be int32");
+    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "minipaged cuda: cu_seqlens must be contiguous");
+    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "minipaged cuda: cu_seqlens sizes differ");
+    check_cuda_tensor(cq, "cu_seqlens_q", q);
+    check_cuda_tensor(ck, "cu_seqlens_k", q);
+    p.cu_seqlens_q = cq.data_ptr<int32_t>();
+    p.cu_seqlens_k = ck.data_ptr<int32_t>();
+    p.batch = static_cast<int>(cq.numel() - 1);
+    p.num_q_heads = static_cast<int>(q.size(1));
+    p.num_kv_heads = static_cast<int>(k.size(1));
+    p.head_dim = static_cast<int>(q.size(2));
+    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+    p.q_row_stride = q.stride(0), p.q_head_stride = q.stride(1);
+    p.k_row_stride = k.stride(0), p.k_head_stride = k.stride(1);
+    p.v_row_stride = v.stride(0), p.v_head_stride = v.stride(1);
+    p.o_row_stride = o.stride(0), p.o_head_stride = o.stride(1);
+    p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+    p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+  } else {
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "minipaged cuda: dense q/k/v must be 4-D");
+    p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
+    p.batch = static_cast<int>(q.size(0));
+    p.num_q_heads = static_cast<int>(q.size(1));
+    p.num_kv_heads = static_cast<int>(k.size(1));
+    p.head_dim = static_cast<int>(q.size(3));
+    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+    p.o_batch_stride = o.stride(0), p.o_head_stride = o.stride(1), p.o_row_stride = o.stride(2);
+    p.max_seqlen_q = static_cast<int>(q.size(2));
+    p.max_seqlen_k = static_cast<int>(k.size(2));
+  }
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.dtype = dtype;
+  p.num_sms = num_sms(q.get_device());
+  if (o.numel() == 0) return o;
+  check_launch(launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()), launcher_name);
+  return o;
+}
+
+at::Tensor prefill_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        double scale) {
+  return run_prefill(&minipaged::launch_prefill_fast, "launch_prefill_fast", q, k, v, std::nullopt,
+                     std::nullopt, 0, 0, causal, scale);
+}
+
+at::Tensor prefill_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        double scale) {
+  return run_prefill(&minipaged::launch_prefill_wmma, "launch_prefill_wmma", q, k, v, std::nullopt,
+                     std::nullopt, 0, 0, causal, scale);
+}
+
+at::Tensor prefill_varlen_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+  return run_prefill(&minipaged::launch_prefill_fast, "launch_prefill_fast", q, k, v, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale);
+}
+
+at::Tensor prefill_varlen_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+  return run_prefill(&minipaged::launch_prefill_wmma, "launch_prefill_wmma", q, k, v, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale);
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                  int64_t num_splits, int64_t variant) {
+  check_cuda_tensor(q, "q", q);
+  check_cuda_tensor(k_cache_in, "k_cache", q);
+  check_cuda_tensor(v_cache_in, "v_cache", q);
+  check_cuda_tensor(block_tables, "block_tables", q);
+  check_cuda_tensor(context_lens, "context_lens", q);
+  const DType dtype = dtype_of(q, "q");
+  TORCH_CHECK(k_cache_in.scalar_type() == q.scalar_type() && v_cache_in.scalar_type() == q.scalar_type(),
+              "minipaged cuda: q and the caches must share one dtype");
+  TORCH_CHECK(q.dim() == 3 && k_cache_in.dim() == 4 && v_cache_in.dim() == 4,
+              "minipaged cuda: decode wants q [B,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "minipaged cuda: block_tables and context_lens must be int32");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.is_contiguous(),
+              "minipaged cuda: context_lens must be a contiguous 1-D tensor");
+  TORCH_CHECK(block_tables.dim() == 2, "minipaged cuda: block_tables must be 2-D");
+  c10::cuda::CUDAGuard guard(q.device());
+  // The kernel streams cache rows in 16-byte pieces; a cache view that is not
+  // 16-byte aligned (never the case for PagedKVCache) is copied once here.
+  const at::Tensor k_cache = rows_aligned16(k_cache_in) ? k_cache_in : k_cache_in.contiguous();
+  const at::Tensor v_cache = rows_aligned16(v_cache_in) ? v_cache_in : v_cache_in.contiguous();
+  const at::Tensor bt = block_tables.size(1) > 1 && block_tables.stride(1) != 1
+                            ? block_tables.contiguous()
+                            : block_tables;
+
+  at::Tensor o = q.new_empty(q.sizes());
+  minipaged::DecodeParams p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.o = o.data_ptr();
+  p.block_tables = bt.data_ptr<int32_t>();
+  p.context_lens = context_lens.data_ptr<int32_t>();
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1);
+  p.o_batch_stride = o.stride(0), p.o_head_stride = o.stride(1);
+  p.k_block_stride = k_cache.stride(0), p.k_token_stride = k_cache.stride(1), p.k_head_stride = k_cache.stride(2);
+  p.v_block_stride = v_cache.stride(0), p.v_token_stride = v_cache.stride(1), p.v_head_stride = v_cache.stride(2);
+  p.block_table_stride = bt.stride(0);
+  p.batch = static_cast<int>(q.size(0));
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.num_kv_heads = static_cast<int>(k_cache.size(2));
+  p.head_dim = static_cast<int>(q.size(2));
+  p.block_size = static_cast<int>(k_cache.size(1));
+  p.max_blocks = static_cast<int>(bt.size(1));
+  p.scale = static_cast<float>(scale);
+  p.dtype = dtype;
+  p.num_sms = num_sms(q.get_device());
+  p.variant = static_cast<int>(variant);
+  TORCH_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
+              "minipaged cuda: Hq must be a multiple of Hkv");
+  TORCH_CHECK(p.head_dim == 64 || p.head_dim == 128, "minipaged cuda: head_dim must be 64 or 128, got ",
+              p.head_dim);
+  if (o.numel() == 0) return o;
+  minipaged::decode_plan(p, static_cast<int>(num_splits));
+  at::Tensor workspace;
+  if (p.num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits;
+    workspace = q.new_empty({rows * (p.head_dim + 1)}, q.options().dtype(at::kFloat));
+    p.partial_o = workspace.data_ptr<float>();
+    p.partial_lse = p.partial_o + rows * p.head_dim;
+  }
+  check_launch(minipaged::launch_decode(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()),
+               "launch_decode");
+  return o;
+}
+
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  check_cuda_tensor(k, "k", k);
+  check_cuda_tensor(v, "v", k);
+  check_cuda_tensor(k_cache, "k_cache", k);
+  check_cuda_tensor(v_cache, "v_cache", k);
+  check_cuda_tensor(slot_mapping, "slot_mapping", k);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "minipaged cuda: write_kv_cache wants k/v [T,Hkv,D] and caches [num_blocks,block_size,Hkv,D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k.scalar_type() == v.scalar_type(),
+              "minipaged cuda: k, v and the caches must share one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+              "minipaged cuda: slot_mapping must be int32 or int64");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "minipaged cuda: slot_mapping must be a contiguous 1-D tensor");
+  c10::cuda::CUDAGuard guard(k.device());
+  minipaged::WriteKVParams p{};
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr();
+  p.slot_is_int64 = slot_mapping.scalar_type() == at::kLong;
+  p.k_token_stride = k.stride(0), p.k_head_stride = k.stride(1);
+  p.v_token_stride = v.stride(0), p.v_head_stride = v.stride(1);
+  p.kc_block_stride = k_cache.stride(0), p.kc_token_stride = k_cache.stride(1), p.kc_head_stride = k_cache.stride(2);
+  p.vc_block_stride = v_cache.stride(0), p.vc_token_stride = v_cache.stride(1), p.vc_head_stride = v_cache.stride(2);
+  p.num_tokens = static_cast<int>(k.size(0));
+  p.num_kv_heads = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(k.size(2));
+  p.block_size = static_cast<int>(k_cache.size(1));
+  p.num_slots = k_cache.size(0) * k_cache.size(1);
+  p.elem_bytes = static_cast<int>(k.element_size());
+  check_launch(minipaged::launch_write_kv_cache(p, c10::cuda::getCurrentCUDAStream(k.get_device()).stream()),
+               "launch_write_kv_cache");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minipaged_cuda, m) {
+  m.def("prefill_fast(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor");
+  m.def("prefill_wmma(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor");
+  m.def(
+      "prefill_varlen_fast(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> Tensor");
+  m.def(
+      "prefill_varlen_wmma(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> Tensor");
+  m.def(
+      "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "float scale, int num_splits=0, int variant=0) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minipaged_cuda, CUDA, m) {
+  m.impl("prefill_fast", &prefill_fast);
+  m.impl("prefill_wmma", &prefill_wmma);
+  m.impl("prefill_varlen_fast", &prefill_varlen_fast);
+  m.impl("prefill_varlen_wmma", &prefill_varlen_wmma);
+  m.impl("decode", &decode);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

@@ -1,0 +1,68 @@
+// Device helpers shared by the decode and cache kernels. Torch-free: these
+// sources build with plain nvcc (CI compiles them for sm_80 and sm_90).
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace minipaged {
+
+// log2(e): softmax runs in base 2 so that exp becomes one ex2 instruction; the
+// scale is folded into q once per CTA instead of once per score.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ex2.approx maps -inf to +0, which is exactly what masked scores need.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 16-byte read of data that no thread of the kernel writes (.nc) and that is
+// used once (no L1 allocation): the KV cache stream of decode.
+__device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(ptr));
+  return r;
+}
+
+// Eight packed 16-bit values -> eight floats.
+template <typename T>
+struct Convert;
+
+template <>
+struct Convert<__nv_bfloat16> {
+  // bf16 is the top half of an fp32: widening is a shift / mask, no cvt.
+  __device__ __forceinline__ static void to_float8(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct Convert<__half> {
+  __device__ __forceinline__ static void to_float8(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], sizeof(h));
+      const float2 v = __half22float2(h);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
+  __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
+};
+
+}  // namespace minipaged

@@ -1,0 +1,402 @@
+// Paged-KV decode (one query token per sequence), shared by the `cuda` and
+// `cuda-wmma` backends.
+//
+// One CTA per (split, KV head, query-head chunk, sequence). All query heads of
+// a GQA group (up to G = 8 per CTA) are processed together, so a KV head's pages
+// are streamed from memory once for the whole group. Decode is memory-bound, so
+// the kernel is organised around keeping 16-byte loads in flight:
+//   * a token row (D elements) is read by TPT threads, each holding D/TPT
+//     contiguous-in-16-byte-pieces elements; a warp covers 32/TPT tokens per
+//     load and U such token groups per iteration, and K and V of all of them are
+//     requested before the first one is used;
+//   * block-table entries for the next iteration are fetched while the current
+//     one computes, so the page lookup is off the critical path;
+//   * every (warp, token slot) keeps its own online-softmax state in registers;
+//     the states are merged once at the end (shuffles, then shared memory).
+// Scores are in base 2: q is pre-multiplied by scale*log2(e) and exp is ex2.
+// With few CTAs (small batch, long context) the context is split (flash-decoding):
+// each split writes a normalised partial output and its log2-sum-exp, and a
+// second kernel merges them. The split count depends only on host-side shapes
+// (B, Hkv, table capacity, SM count), never on context_lens, so the launch is
+// graph-capturable and needs no host sync.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace minipaged {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMinTokensPerSplit = 256;
+constexpr int kMaxSplits = 256;
+
+template <typename T, int D, int G, int TPT, int U>
+__global__ void __launch_bounds__(kWarps * 32)
+paged_decode_kernel(const DecodeParams p) {
+  constexpr int VEC = D / (8 * TPT);  // 16-byte pieces per thread per token row
+  static_assert(VEC >= 1 && VEC * 8 * TPT == D, "TPT must divide D/8");
+  constexpr int DPT = 8 * VEC;         // elements of a row held by one thread
+  constexpr int SLOTS = 32 / TPT;      // tokens a warp covers per load
+  constexpr int TOK_WARP = SLOTS * U;  // tokens per warp per iteration
+  constexpr int TOK_CTA = kWarps * TOK_WARP;
+
+  __shared__ float sm_m[kWarps][G];
+  __shared__ float sm_l[kWarps][G];
+  __shared__ float sm_acc[kWarps][G][D];
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int slot = lane / TPT;
+  const int lt = lane % TPT;
+
+  const int split = blockIdx.x;
+  const int num_gchunks = gridDim.y / p.num_kv_heads;
+  const int kvh = blockIdx.y / num_gchunks;
+  const int gchunk = blockIdx.y - kvh * num_gchunks;
+  const int b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int h0 = kvh * group + gchunk * G;
+  const int ng = min(G, group - gchunk * G);
+
+  const int ctx = p.context_lens[b];
+  const int start = split * p.tokens_per_split;
+  const int end = min(ctx, start + p.tokens_per_split);
+
+  // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
+  // lanes of a slot read 16*TPT contiguous bytes per instruction.
+  auto dim_of = [&](int v) { return v * TPT * 8 + lt * 8; };
+
+  float q[G][DPT];
+  {
+    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
+    const float qscale = p.scale * kLog2e;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          q[g][v * 8 + e] =
+              g < ng ? Convert<T>::to_float(qp[g * p.q_head_stride + dim_of(v) + e]) * qscale : 0.f;
+        }
+      }
+    }
+  }
+
+  float acc[G][DPT];
+  float m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) acc[g][d] = 0.f;
+  }
+
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const int bs_mask = p.block_size - 1;
+  const int32_t* bt = p.block_tables + b * p.block_table_stride;
+  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + lt * 8;
+  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + lt * 8;
+
+  int tok_base = start + warp * TOK_WARP;
+  int page[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int tok = tok_base + u * SLOTS + slot;
+    page[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
+  }
+
+  for (; tok_base < end; tok_base += TOK_CTA) {
+    uint4 kr[U][VEC], vr[U][VEC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = tok_base + u * SLOTS + slot;
+      if (tok < end) {
+        const int64_t in_page = tok & bs_mask;
+        const T* kp = kbase + page[u] * p.k_block_stride + in_page * p.k_token_stride;
+        const T* vp = vbase + page[u] * p.v_block_stride + in_page * p.v_token_stride;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = ld_stream_16(kp + v * TPT * 8);
+          vr[u][v] = ld_stream_16(vp + v * TPT * 8);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) kr[u][v] = vr[u][v] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    // Next iteration's pages, while this iteration's rows are in flight.
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = tok_base + TOK_CTA + u * SLOTS + slot;
+      page[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
+
+    float s[G][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g][u] = 0.f;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float kf[8];
+        Convert<T>::to_float8(kr[u][v], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[g][u] = fmaf(q[g][v * 8 + e], kf[e], s[g][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = TPT / 2; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], off);
+      }
+    }
+
+    float pr[G][U];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (tok_base + u * SLOTS + slot >= end) s[g][u] = -INFINITY;
+        mx = fmaxf(mx, s[g][u]);
+      }
+      // While nothing was seen mx is -inf; 0 as the reference keeps ex2 away from inf-inf.
+      const float mref = mx == -INFINITY ? 0.f : mx;
+      const float alpha = fast_exp2(m[g] - mref);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        pr[g][u] = fast_exp2(s[g][u] - mref);
+        sum += pr[g][u];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) acc[g][d] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float vf[8];
+        Convert<T>::to_float8(vr[u][v], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[g][v * 8 + e] = fmaf(pr[g][u], vf[e], acc[g][v * 8 + e]);
+        }
+      }
+    }
+  }
+
+  // Merge the token slots of the warp: lanes with the same lt hold the same dims.
+#pragma unroll
+  for (int off = TPT; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mn = fmaxf(m[g], mo);
+      const float mref = mn == -INFINITY ? 0.f : mn;
+      const float a = fast_exp2(m[g] - mref);
+      const float c = fast_exp2(mo - mref);
+      l[g] = l[g] * a + lo * c;
+      m[g] = mn;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) {
+        const float other = __shfl_xor_sync(0xffffffffu, acc[g][d], off);
+        acc[g][d] = acc[g][d] * a + other * c;
+      }
+    }
+  }
+  if (slot == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sm_acc[warp][g][dim_of(v) + e] = acc[g][v * 8 + e];
+      }
+      if (lt == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps; every output element is produced by one thread.
+  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
+    const int g = idx / D;
+    const int d = idx - g * D;
+    if (g >= ng) break;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    const float mref = mx == -INFINITY ? 0.f : mx;
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = fast_exp2(sm_m[w][g] - mref);
+      L += sm_l[w][g] * c;
+      O += sm_acc[w][g][d] * c;
+    }
+    const float out = L > 0.f ? O / L : 0.f;
+    const int h = h0 + g;
+    if (p.num_splits == 1) {
+      T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+      op[d] = Convert<T>::from_float(out);
+    } else {
+      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
+      p.partial_o[row * D + d] = out;
+      if (d == 0) p.partial_lse[row] = L > 0.f ? mref + log2f(L) : -INFINITY;
+    }
+  }
+}
+
+// Merges the splits of one (sequence, query head): thread d owns output dim d.
+// Each thread walks the splits in the same order, so the result is deterministic.
+template <typename T, int D>
+__global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) {
+  const int h = blockIdx.x;
+  const int b = blockIdx.y;
+  const int d = threadIdx.x;
+  const int S = p.num_splits;
+  const int64_t row0 = (static_cast<int64_t>(b) * p.num_q_heads + h) * S;
+  const float* lse = p.partial_lse + row0;
+  const float* po = p.partial_o + row0 * D + d;
+  float mx = -INFINITY;
+  for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[s]);
+  const float mref = mx == -INFINITY ? 0.f : mx;
+  float L = 0.f, O = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < S; ++s) {
+    const float w = fast_exp2(lse[s] - mref);
+    L += w;
+    O = fmaf(w, po[static_cast<int64_t>(s) * D], O);
+  }
+  T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  op[d] = Convert<T>::from_float(L > 0.f ? O / L : 0.f);
+}
+
+int group_tile(int group) {
+  if (group <= 1) return 1;
+  if (group <= 2) return 2;
+  if (group <= 4) return 4;
+  return 8;
+}
+
+template <typename T, int D, int G, int TPT, int U>
+cudaError_t launch_tiled(const DecodeParams& p, cudaStream_t stream) {
+  const int gchunks = (p.num_q_heads / p.num_kv_heads + G - 1) / G;
+  dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
+  paged_decode_kernel<T, D, G, TPT, U><<<grid, kWarps * 32, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  decode_reduce_kernel<T, D><<<dim3(p.num_q_heads, p.batch), D, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
+// live in registers), so larger groups spread a row over more threads.
+// `variant` exposes alternatives of the common G <= 2, D = 128 case for tuning.
+template <typename T, int D>
+cudaError_t launch_for_dim(const DecodeParams& p, cudaStream_t stream) {
+  const int g = group_tile(p.num_q_heads / p.num_kv_heads);
+  if constexpr (D == 128) {
+    switch (g) {
+      case 1:
+        return launch_tiled<T, D, 1, 8, 2>(p, stream);
+      case 2:
+        switch (p.variant) {
+          case 1: return launch_tiled<T, D, 2, 8, 4>(p, stream);
+          case 2: return launch_tiled<T, D, 2, 16, 2>(p, stream);
+          case 3: return launch_tiled<T, D, 2, 16, 4>(p, stream);
+          default: return launch_tiled<T, D, 2, 8, 2>(p, stream);
+        }
+      case 4:
+        return launch_tiled<T, D, 4, 16, 2>(p, stream);
+      default:
+        return launch_tiled<T, D, 8, 16, 2>(p, stream);
+    }
+  } else {
+    switch (g) {
+      case 1:
+        return launch_tiled<T, D, 1, 8, 4>(p, stream);
+      case 2:
+        return launch_tiled<T, D, 2, 8, 4>(p, stream);
+      case 4:
+        return launch_tiled<T, D, 4, 8, 2>(p, stream);
+      default:
+        return launch_tiled<T, D, 8, 8, 2>(p, stream);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_for_type(const DecodeParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_for_dim<T, 64>(p, stream);
+    case 128: return launch_for_dim<T, 128>(p, stream);
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace
+
+void decode_plan(DecodeParams& p, int requested_splits) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int g = group_tile(group);
+  const int64_t gchunks = (group + g - 1) / g;
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  int64_t splits = 1;
+  if (requested_splits > 0) {
+    splits = requested_splits;
+  } else {
+    // Aim for about four resident CTAs per SM; never cut a sequence into
+    // pieces shorter than kMinTokensPerSplit (the merge would cost more).
+    const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
+    const int64_t target = 4LL * std::max(p.num_sms, 1);
+    if (ctas > 0 && 2 * ctas < target) {
+      splits = (target + ctas - 1) / ctas;
+      splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
+    }
+  }
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
+  if (capacity == 0) {
+    p.num_splits = 1;
+    p.tokens_per_split = 0;
+    return;
+  }
+  splits = std::min<int64_t>(splits, capacity);
+  int64_t per_split = (capacity + splits - 1) / splits;
+  if (splits > 1) per_split = (per_split + 31) / 32 * 32;  // whole CTA iterations
+  p.tokens_per_split = static_cast<int>(per_split);
+  p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
+}
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
+  if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
+    return cudaErrorInvalidValue;
+  if (p.batch > 65535) return cudaErrorInvalidConfiguration;
+  switch (p.dtype) {
+    case DType::kFloat16: return launch_for_type<__half>(p, stream);
+    case DType::kBFloat16: return launch_for_type<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorNotSupported;
+}
+
+}  // namespace minipaged
