@@ -1,0 +1,93 @@
+"""`minipaged bench` arguments and entry point (the lead's minipaged/cli.py calls
+add_arguments(parser) and run(args)); also `python -m minipaged.benchmark.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> None:
+    if with_op:
+        parser.add_argument("--op", choices=["prefill", "decode", "all"], default="all",
+                            help="which op to benchmark (default: all)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated backends to time (default: every available one: "
+                             "torch, triton, cuda, cuda-wmma)")
+    parser.add_argument("--anchors", default=None,
+                        help="comma-separated anchors (sdpa-flash, sdpa-cudnn, sdpa-efficient, flex, "
+                             "copy) or 'none' (default: all that exist here)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="input dtype (default: bfloat16 on a GPU, float32 in the CPU quick mode)")
+    parser.add_argument("--out", default=None,
+                        help="results folder (default: bench/results/<device-slug>[-quick])")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes; on a machine without a GPU: torch and Triton-interpreter "
+                             "rows (the default there anyway)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="most timed calls per row (default 100 on GPU, 5 on CPU); fewer when "
+                             "--max-time runs out first")
+    parser.add_argument("--max-time", type=float, default=None, dest="max_time",
+                        help="seconds of timed calls per row (default 0.3 GPU / 0.5 CPU; <= 0: exactly --reps)")
+    parser.add_argument("--time-budget", type=float, default=None, dest="time_budget",
+                        help="after this many seconds, remaining rows use the minimum rep count")
+    parser.add_argument("--no-crosscheck", action="store_true", help="skip the cross-check against torch")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when a backend fails the cross-check (default: report and exit 0)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _names(value):
+    if value is None:
+        return None
+    value = value.strip()
+    if value.lower() in ("", "none"):
+        return []
+    return [v.strip().lower() for v in value.split(",") if v.strip()]
+
+
+def run(args: argparse.Namespace, *, op: str | None = None) -> int:
+    # Decide about the Triton interpreter before anything can import triton kernels:
+    # without a GPU it is the only way the triton rows can run.
+    import torch
+
+    if not torch.cuda.is_available():
+        from .runner import enable_triton_interpreter
+
+        enable_triton_interpreter()
+    from .runner import BenchConfig, results_exit_code, run_bench
+
+    cfg = BenchConfig(
+        op=op or getattr(args, "op", "all"),
+        backends=_names(args.backends),
+        anchors=_names(args.anchors),
+        dtype=args.dtype,
+        out=args.out,
+        quick=args.quick,
+        reps=args.reps,
+        max_time_s=args.max_time,
+        time_budget_s=args.time_budget,
+        crosscheck=not args.no_crosscheck,
+        plots=not args.no_plots,
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+    try:
+        result = run_bench(cfg)
+    except ValueError as e:
+        print(f"minipaged bench: {e}", file=sys.stderr)
+        return 2
+    return results_exit_code(result) if args.strict else 0
+
+
+def main(argv=None, *, op: str | None = None, prog: str = "minipaged bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
+                                     "backends against PyTorch's SDPA/FlexAttention and copy bandwidth.")
+    add_arguments(parser, with_op=op is None)
+    return run(parser.parse_args(argv), op=op)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""FLOP and byte counts for the benchmarked ops, written once and used everywhere.
+
+Prefill counts the work of the two matmuls only (QK^T and PV, 2 FLOPs per
+multiply-add each), over exactly the (query, key) pairs the mask lets through;
+softmax and scaling are not counted, as in FlashAttention's reports.
+Decode is memory-bound, so its figure of merit is bytes: the K and V rows a
+sequence really has (its context length), plus q read and o written.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def visible_pairs(num_queries: int, num_keys: int, causal: bool) -> int:
+    """Number of (query row, key) pairs that are not masked for one (batch, head).
+
+    Causal is bottom-right aligned (DESIGN.md): row i sees key j iff
+    j < num_keys - num_queries + i + 1, so row i sees
+    clamp(num_keys - num_queries + i + 1, 0, num_keys) keys.
+    """
+    if num_queries < 0 or num_keys < 0:
+        raise ValueError(f"lengths must be >= 0, got Nq={num_queries}, Nk={num_keys}")
+    if not causal:
+        return num_queries * num_keys
+    offset = num_keys - num_queries
+    # Row i sees offset + i + 1 keys (never more than Nk, since i < Nq), or none
+    # while that is <= 0: an arithmetic series from the first row that sees a key.
+    first_row = max(0, -offset)
+    rows = num_queries - first_row
+    if rows <= 0:
+        return 0
+    lo = offset + first_row + 1
+    hi = num_keys
+    return (lo + hi) * rows // 2
+
+
+def prefill_flops(batch: int, num_q_heads: int, num_queries: int, num_keys: int,
+                  head_dim: int, causal: bool = True) -> int:
+    """Matmul FLOPs of attention forward: 2 matmuls x 2 FLOPs x D per visible pair."""
+    return 4 * batch * num_q_heads * head_dim * visible_pairs(num_queries, num_keys, causal)
+
+
+def decode_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 context_lens: Iterable[int], elem_bytes: int) -> int:
+    """Bytes a paged decode step must move: K and V of every cached token each
+    sequence really has, q read once and o written once (block tables ignored)."""
+    lens = [int(x) for x in context_lens]
+    batch = len(lens)
+    kv = 2 * num_kv_heads * head_dim * elem_bytes * sum(lens)
+    q_and_o = 2 * batch * num_q_heads * head_dim * elem_bytes
+    return kv + q_and_o
+
+
+def decode_flops(num_q_heads: int, head_dim: int, context_lens: Iterable[int]) -> int:
+    """Matmul FLOPs of one decode step (reported for reference; decode is bandwidth-bound)."""
+    return 4 * num_q_heads * head_dim * sum(int(x) for x in context_lens)
+
+
+def copy_bytes(num_bytes: int) -> int:
+    """A device-to-device copy of num_bytes reads and writes each byte once."""
+    return 2 * num_bytes

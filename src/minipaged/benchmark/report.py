@@ -1,0 +1,161 @@
+"""Tables (terminal and markdown) and the files a benchmark run writes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+_OP_TITLE = {
+    "prefill": "Prefill (causal; TFLOP/s of the unmasked matmul work)",
+    "decode": "Decode (paged KV; TB/s of K+V actually read + q + o)",
+}
+
+
+def _f(x, fmt="{:.3f}", none="-"):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return fmt.format(x)
+
+
+def _columns(op: str):
+    cols = [("case", lambda r: r["case"]),
+            ("backend", lambda r: r["backend"] + ("*" if r["kind"] == "anchor" else "")),
+            ("median ms", lambda r: _f(r["median_ms"], "{:.4f}")),
+            ("p20-p80 ms", lambda r: (f"{r['p20_ms']:.4f}-{r['p80_ms']:.4f}"
+                                      if r["p20_ms"] is not None else "-"))]
+    if op == "prefill":
+        cols.append(("TFLOP/s", lambda r: _f(r["tflops"], "{:.1f}" if (r["tflops"] or 0) >= 1 else "{:.3g}")))
+    else:
+        cols += [("TB/s", lambda r: _f(r["tbps"], "{:.3f}" if (r["tbps"] or 0) >= 0.01 else "{:.3g}")),
+                 ("% copy BW", lambda r: _f(r["pct_copy_bw"], "{:.0f}%"))]
+    cols += [("vs best anchor", lambda r: _f(r["vs_best_anchor"], "{:.2f}x")),
+             ("reps", lambda r: str(r["reps"]) if r["status"] == "ok" else "-"),
+             ("note", lambda r: r["note"] if r["status"] == "ok"
+              else f"{r['status'].upper()}: {r['error']}")]
+    return cols
+
+
+def _table_cells(rows, op):
+    cols = _columns(op)
+    body = [[fn(r) for _, fn in cols] for r in rows if r["op"] == op]
+    return [name for name, _ in cols], body
+
+
+def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_note: int = 70) -> str:
+    header, body = _table_cells(rows, op)
+    body = [row[:-1] + [row[-1] if len(row[-1]) <= max_note else row[-1][: max_note - 3] + "..."]
+            for row in body]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = [f"== {_OP_TITLE[op]} ==  (* = anchor; vs best anchor > 1 means faster)"]
+    if op == "decode" and copy_tbps:
+        lines.append(f"device copy bandwidth: {copy_tbps:.3g} TB/s (bytes read + written)")
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    prev_case = None
+    for b in body:
+        if prev_case is not None and b[0] != prev_case:
+            lines.append("")
+        prev_case = b[0]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip())
+    if not body:
+        lines.append("(no rows)")
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict], op: str) -> str:
+    header, body = _table_cells(rows, op)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for b in body:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in b) + " |")
+    return "\n".join(lines)
+
+
+def crosscheck_table(rows: list[dict], dtype=None, markdown: bool = False) -> str:
+    if not rows:
+        return "(no cross-check)"
+    header = ["op", "case", "backend", "max abs err", "tolerance", "result"]
+    body = []
+    for r in rows:
+        if r["backend"] == "torch" and r.get("error") is None:
+            result = "oracle (output rounding)"
+        elif r.get("error"):
+            result = f"ERROR: {r['error']}"
+        else:
+            result = "ok" if r["ok"] else "FAIL"
+        body.append([r["op"], r["case"], r["backend"], _f(r.get("max_abs_err"), "{:.3e}", none="nan"),
+                     _f(r.get("tol"), "{:.3e}"), result])
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in body]
+        return "\n".join(lines)
+    body = [b[:-1] + [b[-1] if len(b[-1]) <= 90 else b[-1][:87] + "..."] for b in body]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    title = "== Cross-check against the torch oracle (fp32)"
+    if dtype is not None:
+        title += f"; inputs {str(dtype).replace('torch.', '')}"
+    lines = [title + " ==",
+             "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
+    failed = [r for r in rows if not r.get("ok")]
+    lines.append(f"{len(failed)} failing" if failed else "all backends agree with the oracle")
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict) -> str:
+    env, cfg = result["env"], result["config"]
+    lines = [
+        "# minipaged benchmark results",
+        "",
+        f"- Device: {env['device_name']}"
+        + (f", {env['sm_count']} SMs, compute capability {env['compute_capability']}" if env.get("sm_count") else ""),
+        f"- Date (UTC): {env['date_utc']}",
+        f"- Commit: `{env['git_commit']}`",
+        f"- torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+        f"- dtype {cfg['dtype']}, {'quick grid' if cfg['quick'] else 'standard grid'}"
+        + (", Triton interpreter" if env.get("triton_interpret") else ""),
+        "",
+        "Median of many calls, each with a cold L2 (a 2x-L2 buffer is overwritten between calls, "
+        "outside the timed events), random inputs, warm-up and compilation excluded. "
+        "Anchors (marked *) ran in the same process. `vs best anchor` = fastest anchor's median "
+        "/ this row's median (> 1: faster than every anchor).",
+        "",
+    ]
+    if not result.get("complete"):
+        lines += ["**Partial results: the run did not finish.**", ""]
+    if result.get("crosscheck"):
+        lines += ["## Cross-check", "", crosscheck_table(result["crosscheck"], markdown=True), ""]
+    for op in ("prefill", "decode"):
+        if any(r["op"] == op for r in result["rows"]):
+            lines += [f"## {_OP_TITLE[op]}", ""]
+            if op == "decode" and result.get("copy_bandwidth_tbps"):
+                lines += [f"Device copy bandwidth: {result['copy_bandwidth_tbps']:.3f} TB/s "
+                          "(bytes read + written).", ""]
+            lines += [markdown_table(result["rows"], op), ""]
+    for note in result.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def write_all(result: dict, out_dir, *, plots: bool = True, log=None) -> list[Path]:
+    """results.json and results.md always; prefill.png / decode.png when matplotlib is there."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if plots:
+        from . import plots as plots_mod
+
+        made, why = plots_mod.make_plots(result, out_dir)
+        written += made
+        if why:
+            result.setdefault("notes", [])
+            if why not in result["notes"]:
+                result["notes"].append(why)
+            if log:
+                log(f"note: {why}")
+    json_path = out_dir / "results.json"
+    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md_path = out_dir / "results.md"
+    md_path.write_text(markdown_report(result))
+    return [json_path, md_path, *written]

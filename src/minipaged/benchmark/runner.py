@@ -1,0 +1,478 @@
+"""`minipaged bench`: cross-check every backend against torch, then time prefill
+and decode for every backend and every anchor in one run, and write
+results.json, results.md and plots.
+
+Our kernels are timed through their registry ops directly (positional
+arguments, already-valid inputs), so argument checking and its host syncs stay
+out of the timed region. The cross-check goes through the public API.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import anchors as anc
+from . import cases as cs
+from . import report, timing
+
+SCHEMA = "minipaged.bench/1"
+BACKEND_ORDER = ("torch", "triton", "cuda", "cuda-wmma")
+# cuda-wmma's decode entry is the cuda backend's kernel: timing it twice says nothing
+_DECODE_SHARED = {"cuda-wmma": "cuda"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# max |o - o_fp32| allowed beyond twice the error of the torch oracle run in the same dtype
+_ATOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+@dataclass
+class BenchConfig:
+    op: str = "all"                       # prefill | decode | all
+    backends: list[str] | None = None     # None: every available backend
+    anchors: list[str] | None = None      # None: every anchor; [] none
+    dtype: str | None = None              # None: bfloat16 on GPU, float32 in CPU quick mode
+    out: str | None = None
+    quick: bool = False
+    reps: int | None = None               # max timed calls per row
+    max_time_s: float | None = None       # timed seconds per row (<= 0: exactly reps)
+    time_budget_s: float | None = None    # past this, rows drop to the minimum reps
+    crosscheck: bool = True
+    plots: bool = True
+    progress: bool = True
+    seed: int = 0
+    log: Callable[[str], None] = field(default=print, repr=False)
+
+
+def pick_device(quick: bool, log) -> tuple[torch.device, bool]:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), quick
+    if not quick:
+        log("No CUDA GPU visible: running the quick CPU benchmark instead (small shapes, "
+            "torch and Triton-interpreter rows; the times say nothing about GPU speed).")
+    return torch.device("cpu"), True
+
+
+def enable_triton_interpreter(log=print) -> bool:
+    """On a machine without a GPU the Triton backend can only run interpreted.
+    TRITON_INTERPRET must be set before the Triton kernels are defined, so this
+    must run before anything imports minipaged.triton. Returns whether the
+    interpreter is (now) in effect."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if any(m == "minipaged.triton" or m.startswith("minipaged.triton.") for m in sys.modules):
+        log("note: minipaged.triton was imported before TRITON_INTERPRET=1 could be set; "
+            "Triton rows will be skipped (run `TRITON_INTERPRET=1 minipaged bench --quick`).")
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def select_backends(cfg: BenchConfig, device: torch.device) -> tuple[list[str], dict]:
+    from minipaged import registry
+
+    avail = registry.available_backends(device.type)
+    known = list(registry.all_backends())
+    order = [b for b in BACKEND_ORDER if b in known] + [b for b in known if b not in BACKEND_ORDER]
+    if cfg.backends is None:
+        chosen = [b for b in order if avail[b][0]]
+    else:
+        unknown = [b for b in cfg.backends if b not in known]
+        if unknown:
+            raise ValueError(f"--backends: unknown backend(s) {unknown}; valid names are {known}")
+        chosen = [b for b in cfg.backends if avail[b][0]]
+        for b in cfg.backends:
+            if not avail[b][0]:
+                cfg.log(f"backend {b}: unavailable on {device.type}: {avail[b][1]}")
+    return chosen, {b: {"available": ok, "reason": why} for b, (ok, why) in avail.items()}
+
+
+def backend_op(name: str, op: str):
+    from minipaged import registry
+
+    return registry.all_backends()[name].op(op)
+
+
+def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    from minipaged import registry
+
+    b = registry.all_backends()[backend]
+    if not b.provides(op):
+        return f"{backend} has no {op}"
+    if op == "decode" and backend in _DECODE_SHARED:
+        return f"{backend} decode is the {_DECODE_SHARED[backend]} kernel (timed there)"
+    if backend == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
+        return "the Triton interpreter's bf16 tl.dot is wrong: use --dtype float16/float32"
+    if dtype == torch.float32 and backend.startswith("cuda"):
+        return "float32 is not a CUDA-backend dtype (DESIGN.md)"
+    return None
+
+
+# ----------------------------------------------------------------------------- cross-check
+
+
+def _max_abs_err(out, ref) -> float:
+    diff = (out.float() - ref.float()).abs()
+    if torch.isnan(diff).any():
+        return float("nan")
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def crosscheck(backends, device, dtype, quick, log) -> tuple[list[dict], dict]:
+    """Max |o_backend - o_fp32| for every backend on a few Qwen3-shaped cases.
+
+    The oracle is the torch backend on inputs upcast to fp32; the torch backend
+    run in `dtype` shows the error the output rounding alone costs. A backend
+    passes when its error <= 2 * that + atol(dtype). Returns (rows, failures)
+    where failures maps (backend, op) -> error text for backends that raised.
+    """
+    import minipaged as mp
+
+    rows, failures = [], {}
+    for op, case_list in (("prefill", cs.crosscheck_prefill_cases(quick)),
+                          ("decode", cs.crosscheck_decode_cases(quick))):
+        for case in case_list:
+            torch.manual_seed(1234)
+            if op == "prefill":
+                q, k, v = cs.make_prefill_inputs(case, dtype, device)
+
+                def call(name, dt=None):
+                    a = [t.to(dt) if dt else t for t in (q, k, v)]
+                    return mp.prefill_attention(*a, causal=case.causal, backend=name)
+            else:
+                q, kc, vc, bt, cl = cs.make_decode_inputs(case, dtype, device, pad_value=float("nan"))
+
+                def call(name, dt=None):
+                    a = [t.to(dt) if dt else t for t in (q, kc, vc)]
+                    return mp.decode_attention(a[0], a[1], a[2], bt, cl, backend=name)
+            try:
+                ref = call("torch", torch.float32)
+                ref_err = _max_abs_err(call("torch"), ref)
+            except Exception as e:  # noqa: BLE001 - the oracle itself failing is reported, not fatal
+                log(f"cross-check {op} {case.label}: the torch oracle failed: {type(e).__name__}: {e}")
+                rows.append(dict(op=op, case=case.label, backend="torch", ok=False,
+                                 error=f"{type(e).__name__}: {e}", max_abs_err=None))
+                continue
+            tol = 2 * ref_err + _ATOL[dtype]
+            rows.append(dict(op=op, case=case.label, shape=case.shape(), backend="torch",
+                             max_abs_err=ref_err, tol=None, ok=not math.isnan(ref_err), error=None,
+                             note="torch in the benchmark dtype vs torch in fp32 (output rounding)"))
+            for name in backends:
+                if name == "torch":
+                    continue
+                skip = _skip_reason(name, op, dtype, device)
+                if skip:
+                    continue
+                row = dict(op=op, case=case.label, shape=case.shape(), backend=name, tol=tol,
+                           max_abs_err=None, ok=False, error=None, note="")
+                try:
+                    out = call(name)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    err = _max_abs_err(out, ref)
+                    row.update(max_abs_err=err, ok=(not math.isnan(err)) and err <= tol)
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    failures[(name, op)] = row["error"]
+                rows.append(row)
+    return rows, failures
+
+
+# ----------------------------------------------------------------------------- timing rows
+
+
+def _base_row(op, case, backend, kind) -> dict:
+    return dict(op=op, case=case.label if case is not None else None,
+                shape=case.shape() if case is not None else None,
+                backend=backend, kind=kind, status="ok", error=None, note="",
+                median_ms=None, min_ms=None, p20_ms=None, p80_ms=None, mean_ms=None,
+                reps=0, warmup=0, cold_l2=None, clock=None,
+                flops=None, bytes=None, tflops=None, tbps=None,
+                vs_best_anchor=None, pct_copy_bw=None)
+
+
+class _Runner:
+    def __init__(self, cfg: BenchConfig, device, dtype, quick):
+        self.cfg, self.device, self.dtype, self.quick = cfg, device, dtype, quick
+        self.reps = cfg.reps or (5 if quick and device.type == "cpu" else 100)
+        if cfg.max_time_s is not None:
+            self.max_time_s = cfg.max_time_s
+        else:
+            self.max_time_s = 0.5 if device.type == "cpu" else 0.3
+        self.time_budget_s = cfg.time_budget_s
+        self.t0 = time.perf_counter()
+        self.min_reps = 2 if device.type == "cpu" else 10
+        self.warmup = 1 if device.type == "cpu" else 3
+
+    def timed(self, row, prepared_factory, work_flops=None, work_bytes=None):
+        """Fill `row` by timing what prepared_factory() returns; errors become the row's status."""
+        over = self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
+        try:
+            prepared = prepared_factory()
+            with prepared.context():
+                t = timing.time_fn(prepared.fn, device=self.device,
+                                   reps=self.min_reps if over else self.reps,
+                                   min_reps=self.min_reps, warmup=self.warmup,
+                                   max_time_s=self.max_time_s)
+            row.update(t.as_dict())
+            notes = [prepared.note] if prepared.note else []
+            if over:
+                notes.append("reps cut: past --time-budget")
+            row["note"] = "; ".join(notes)
+            secs = t.median_ms * 1e-3
+            if work_flops is not None and secs > 0:
+                row["flops"] = work_flops
+                row["tflops"] = work_flops / secs / 1e12
+            if work_bytes is not None and secs > 0:
+                row["bytes"] = work_bytes
+                row["tbps"] = work_bytes / secs / 1e12
+        except anc.AnchorSkipped as e:
+            row.update(status="skipped", error=str(e))
+        except Exception as e:  # noqa: BLE001 - one failing kernel must not end the run
+            row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return row
+
+
+def _prepared(fn, note=""):
+    return anc.Prepared(fn=fn, note=note)
+
+
+def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit):
+    torch.manual_seed(r.cfg.seed)
+    q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    for name in backends:
+        emit(f"{case.label} {name}")
+        row = _base_row("prefill", case, name, "backend")
+        skip = _skip_reason(name, "prefill", r.dtype, r.device)
+        if skip:
+            yield dict(row, status="skipped", error=skip)
+            continue
+        if (name, "prefill") in failures:
+            yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'prefill')]}")
+            continue
+        op = backend_op(name, "prefill")
+        yield r.timed(row, lambda: _prepared(lambda: op(q, k, v, case.causal, scale)),
+                      work_flops=case.flops)
+    for name in anchor_names:
+        emit(f"{case.label} {name}")
+        row = _base_row("prefill", case, name, "anchor")
+        if name == "flex":
+            factory = lambda: anc.prepare_flex_prefill(q, k, v, causal=case.causal, scale=scale)  # noqa: E731
+        else:
+            factory = (lambda n=name: anc.prepare_sdpa_prefill(n, q, k, v, causal=case.causal, scale=scale))
+        yield r.timed(row, factory, work_flops=case.flops)
+
+
+def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit):
+    torch.manual_seed(r.cfg.seed)
+    q, kc, vc, bt, cl = cs.make_decode_inputs(case, r.dtype, r.device)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    nbytes = case.bytes(torch.empty((), dtype=r.dtype).element_size())
+    for name in backends:
+        emit(f"{case.label} {name}")
+        row = _base_row("decode", case, name, "backend")
+        skip = _skip_reason(name, "decode", r.dtype, r.device)
+        if skip:
+            yield dict(row, status="skipped", error=skip)
+            continue
+        if (name, "decode") in failures:
+            yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'decode')]}")
+            continue
+        op = backend_op(name, "decode")
+        yield r.timed(row, lambda: _prepared(lambda: op(q, kc, vc, bt, cl, scale)),
+                      work_flops=case.flops, work_bytes=nbytes)
+    if anchor_names:
+        k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
+        del kc, vc
+        for name in anchor_names:
+            emit(f"{case.label} {name}")
+            row = _base_row("decode", case, name, "anchor")
+            yield r.timed(row, lambda n=name: anc.prepare_sdpa_decode(n, q, k4, v4, scale=scale),
+                          work_flops=case.flops, work_bytes=nbytes)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def finalize_rows(rows: list[dict], copy_tbps: float | None) -> None:
+    """vs_best_anchor = (fastest anchor's median) / (this row's median): > 1 is
+    faster than every anchor. pct_copy_bw = this row's TB/s / device copy TB/s."""
+    best: dict[tuple, float] = {}
+    for r in rows:
+        if r["kind"] == "anchor" and r["status"] == "ok" and r["op"] in ("prefill", "decode"):
+            key = (r["op"], r["case"])
+            best[key] = min(best.get(key, math.inf), r["median_ms"])
+    for r in rows:
+        if r["status"] != "ok" or r["op"] not in ("prefill", "decode"):
+            continue
+        b = best.get((r["op"], r["case"]))
+        r["vs_best_anchor"] = (b / r["median_ms"]) if b and r["median_ms"] else None
+        if r["op"] == "decode" and copy_tbps and r["tbps"]:
+            r["pct_copy_bw"] = 100.0 * r["tbps"] / copy_tbps
+
+
+def _anchor_names(cfg: BenchConfig, op: str, device) -> list[str]:
+    names = anc.PREFILL_ANCHORS if op == "prefill" else anc.DECODE_ANCHORS
+    if cfg.anchors is not None:
+        names = [a for a in names if a in cfg.anchors]
+    # the compiled-FlexAttention anchor is CUDA only (compiling it on 2 CPU cores takes minutes)
+    return [a for a in names if not (a == "flex" and device.type != "cuda")]
+
+
+def default_out_dir(device, quick: bool) -> Path:
+    slug = timing.device_slug(device)
+    return Path("bench") / "results" / (slug + ("-quick" if quick else ""))
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the whole benchmark; returns the result dict also written to results.json."""
+    log = cfg.log
+    if cfg.op not in ("prefill", "decode", "all"):
+        raise ValueError(f"op must be prefill, decode or all, got {cfg.op!r}")
+    device, quick = pick_device(cfg.quick, log)
+    interp_ok = True
+    if device.type == "cpu":
+        interp_ok = enable_triton_interpreter(log)
+    if cfg.dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    else:
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
+        dtype = DTYPES[cfg.dtype]
+    backends, backend_info = select_backends(cfg, device)
+    if device.type == "cpu" and not interp_ok:
+        backends = [b for b in backends if b != "triton"]
+    ops = ["prefill", "decode"] if cfg.op == "all" else [cfg.op]
+    out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    env = timing.environment(device)
+    result = dict(
+        schema=SCHEMA, env=env,
+        config=dict(op=cfg.op, dtype=str(dtype).replace("torch.", ""), quick=quick,
+                    backends=backends, anchors=cfg.anchors, reps=cfg.reps,
+                    max_time_s=cfg.max_time_s, time_budget_s=cfg.time_budget_s, seed=cfg.seed),
+        backends=backend_info, crosscheck=[], rows=[], copy_bandwidth_tbps=None, notes=[],
+        complete=False,
+    )
+    log(f"minipaged bench on {env['device_name']}"
+        + (f" ({env['sm_count']} SMs)" if env["sm_count"] else "")
+        + f", torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit {env['git_commit'][:12]}")
+    log(f"dtype {result['config']['dtype']}, {'quick grid' if quick else 'standard grid'}, "
+        f"backends: {', '.join(backends) or '(none)'}")
+    for b, info in backend_info.items():
+        if not info["available"]:
+            log(f"  {b}: unavailable ({info['reason']})")
+
+    def save():
+        report.write_all(result, out_dir, plots=False)
+
+    r = _Runner(cfg, device, dtype, quick)
+    failures: dict = {}
+    try:
+        if cfg.crosscheck:
+            t0 = time.perf_counter()
+            rows, failures = crosscheck(backends, device, dtype, quick, log)
+            result["crosscheck"] = rows
+            log(report.crosscheck_table(rows, dtype))
+            log(f"(cross-check took {time.perf_counter() - t0:.1f} s, including any JIT builds)")
+            _free(device)
+            save()
+
+        case_lists = {"prefill": cs.quick_prefill_cases() if quick else cs.standard_prefill_cases(),
+                      "decode": cs.quick_decode_cases() if quick else cs.standard_decode_cases()}
+        total = sum(len(case_lists[o]) for o in ops) + (1 if "decode" in ops else 0)
+        bar = _progress(total, cfg.progress)
+        # a forced redraw per row is fine on a terminal, noise in a log file
+        emit = lambda s: bar.set_postfix_str(s, refresh=sys.stderr.isatty())  # noqa: E731
+        t_bench = time.perf_counter()
+        try:
+            if "decode" in ops and (cfg.anchors is None or anc.COPY_ANCHOR in cfg.anchors):
+                emit("copy bandwidth")
+                row = _base_row("copy", None, anc.COPY_ANCHOR, "anchor")
+                prepared, moved = anc.prepare_copy(device)
+                row["case"] = f"{moved // 2 >> 20} MiB D2D copy"
+                r.timed(row, lambda: prepared, work_bytes=moved)
+                result["rows"].append(row)
+                if row["status"] == "ok":
+                    result["copy_bandwidth_tbps"] = row["tbps"]
+                del prepared
+                _free(device)
+            if "decode" in ops:
+                bar.update(1)
+            for op in ops:
+                anchor_names = _anchor_names(cfg, op, device)
+                bench_case = _bench_prefill_case if op == "prefill" else _bench_decode_case
+                for case in case_lists[op]:
+                    for row in bench_case(r, case, backends, anchor_names, failures, emit):
+                        result["rows"].append(row)
+                    _free(device)
+                    finalize_rows(result["rows"], result["copy_bandwidth_tbps"])
+                    save()
+                    bar.update(1)
+        finally:
+            bar.close()
+        result["bench_seconds"] = time.perf_counter() - t_bench
+        result["complete"] = True
+    except KeyboardInterrupt:
+        result["notes"].append("interrupted: partial results")
+        log("interrupted: writing partial results")
+    finally:
+        finalize_rows(result["rows"], result["copy_bandwidth_tbps"])
+        paths = report.write_all(result, out_dir, plots=cfg.plots, log=log)
+    for op in ops:
+        log(report.text_table(result["rows"], op, result["copy_bandwidth_tbps"]))
+    if result.get("bench_seconds") is not None:
+        log(f"timing took {result['bench_seconds']:.1f} s")
+    log("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but a bar is not worth failing for
+        return _NoBar()
+    # into a pipe or log file, redraw rarely: each redraw is a new line there
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, desc="bench", unit="case", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True, leave=interactive is False, mininterval=0.1 if interactive else 5.0)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def results_exit_code(result: dict) -> int:
+    """0 when every cross-check passed; 1 if one failed (timing errors don't fail the run)."""
+    bad = [r for r in result.get("crosscheck", []) if not r.get("ok")]
+    return 1 if bad else 0
+
+
+def load(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
