@@ -19,6 +19,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
+    if Nk == 0:
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qf = q.float().reshape(B, Hkv, group, Nq, D)
     kf, vf = k.float(), v.float()
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, kf) * scale

@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# ci: derandomized, no example database, few examples, CPU.
+# gpu: hundreds of examples on the H200 (`HYPOTHESIS_PROFILE=gpu pytest -m gpu`).
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "dev",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "gpu",
+    max_examples=300,
+    derandomize=False,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    # A gpu test that silently skips would read as passed: fail loudly instead
+    # when the user asked for them (-m gpu) on a machine without a GPU.
+    if torch.cuda.is_available():
+        return
+    markexpr = config.getoption("-m") or ""
+    if "gpu" in markexpr and "not gpu" not in markexpr:
+        raise pytest.UsageError("-m gpu was requested but torch sees no CUDA device")

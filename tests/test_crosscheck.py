@@ -1,0 +1,135 @@
+"""Every available backend against the fp64 oracle, on hypothesis-drawn cases.
+
+CPU (CI): the torch backend, plus Triton when TRITON_INTERPRET=1 (fp16/fp32
+only: the interpreter's bf16 tl.dot is wrong). GPU (`-m gpu`, ideally with
+HYPOTHESIS_PROFILE=gpu): torch, triton, cuda and cuda-wmma in fp16/bf16 at
+larger sizes, NaN-poisoned caches, page sizes 1..256 and contexts past 1k.
+As soon as a backend exists and is available, it is cross-checked here.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import minipaged as mp
+from minipaged import registry
+from strategies import (
+    assert_close,
+    attention_fp64,
+    decode_cases,
+    decode_to_dense,
+    make_decode_inputs,
+    make_prefill_inputs,
+    make_varlen_inputs,
+    prefill_cases,
+    varlen_cases,
+    varlen_to_dense,
+)
+
+
+def _backends(device: str, op: str):
+    out = []
+    for name, b in registry.all_backends().items():
+        if b.provides(op) and b.is_available(device)[0]:
+            out.append(name)
+    return out
+
+
+def _params(device: str, op: str):
+    marks = [pytest.mark.gpu] if device == "cuda" else []
+    dtypes = [torch.float16, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16, torch.bfloat16]
+    params = []
+    for name in _backends(device, op):
+        b = registry.all_backends()[name]
+        for dt in dtypes:
+            if str(dt).replace("torch.", "") not in b.dtypes:
+                continue
+            if device == "cpu" and name == "triton" and dt == torch.bfloat16:
+                continue  # interpreter bf16 dot is wrong; bf16 Triton is checked on the GPU
+            params.append(pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}", marks=marks))
+    return params or [pytest.param(None, None, marks=[*marks, pytest.mark.skip(reason=f"no backend for {op} on {device}")])]
+
+
+_GPU = torch.cuda.is_available()
+_SIZES = dict(
+    prefill=dict(max_len=1100, max_batch=3, max_kv_heads=4) if _GPU else dict(max_len=80, max_batch=2, max_kv_heads=2),
+    varlen=dict(max_len=700, max_seqs=5, max_kv_heads=4) if _GPU else dict(max_len=50, max_seqs=3, max_kv_heads=2),
+    decode=dict(max_ctx=2100, max_batch=8, max_kv_heads=4) if _GPU else dict(max_ctx=120, max_batch=4, max_kv_heads=2),
+)
+
+
+def _head_dims(backend):
+    return tuple(d for d in (64, 128) if d in registry.all_backends()[backend].head_dims)
+
+
+def _run_prefill(backend, dtype, device, data):
+    case = data.draw(prefill_cases(head_dims=_head_dims(backend), **_SIZES["prefill"]), label="case")
+    q, k, v = make_prefill_inputs(case, dtype, device, seed=hash(case) % 1000)
+    out = mp.prefill_attention(q, k, v, causal=case.causal, backend=backend)
+    assert out.dtype == dtype
+    ref = attention_fp64(q, k, v, case.causal)
+    base = attention_fp64(q, k, v, case.causal, lowp_dtype=dtype)
+    assert_close(out, ref, base, dtype, f"{backend} {case}")
+
+
+def _run_varlen(backend, dtype, device, data):
+    case = data.draw(varlen_cases(head_dims=_head_dims(backend), **_SIZES["varlen"]), label="case")
+    q, k, v, cu_q, cu_k = make_varlen_inputs(case, dtype, device, seed=hash(case) % 1000)
+    out = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, causal=case.causal, backend=backend)
+    for s in range(len(case.seqlens_q)):
+        qs, ks, vs = varlen_to_dense(q, k, v, cu_q, cu_k, s)
+        o = out[int(cu_q[s]) : int(cu_q[s + 1])].transpose(0, 1).unsqueeze(0)
+        ref = attention_fp64(qs, ks, vs, case.causal)
+        base = attention_fp64(qs, ks, vs, case.causal, lowp_dtype=dtype)
+        assert_close(o, ref, base, dtype, f"{backend} seq {s} of {case}")
+
+
+def _run_decode(backend, dtype, device, data):
+    case = data.draw(decode_cases(head_dims=_head_dims(backend), **_SIZES["decode"]), label="case")
+    q, kc, vc, tables, lens = make_decode_inputs(case, dtype, device, seed=hash(case) % 1000, poison=True)
+    out = mp.decode_attention(q, kc, vc, tables, lens, backend=backend)
+    for b in range(case.batch):
+        qd, kd, vd = decode_to_dense(q, kc, vc, tables, lens, b)
+        ref = attention_fp64(qd, kd, vd, True)[0, :, 0]
+        base = attention_fp64(qd, kd, vd, True, lowp_dtype=dtype)[0, :, 0]
+        assert_close(out[b], ref, base, dtype, f"{backend} seq {b} of {case}")
+        if case.context_lens[b] == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])), "context_len 0 must give exact zeros"
+
+
+def _run_write(backend, dtype, device, data):
+    case = data.draw(decode_cases(head_dims=_head_dims(backend), max_ctx=200, max_batch=4), label="case")
+    q, kc, vc, tables, lens = make_decode_inputs(case, dtype, device, seed=1, poison=False)
+    T = sum(case.context_lens)
+    k = torch.randn(T, case.num_kv_heads, case.head_dim, device=device).to(dtype)
+    v = torch.randn_like(k)
+    # every token's slot under the table, with every third token skipped (-1)
+    bs = case.block_size
+    slots = []
+    for b, n in enumerate(case.context_lens):
+        pos = torch.arange(n, device=device)
+        slots.append(tables[b].long()[pos // bs] * bs + pos % bs)
+    slot = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long, device=device)
+    slot[::3] = -1
+    want_k, want_v = kc.clone(), vc.clone()
+    mp.write_kv_cache(k, v, want_k, want_v, slot, backend="torch")
+    mp.write_kv_cache(k, v, kc, vc, slot.to(torch.int32), backend=backend)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v), f"{backend}: caches differ from torch's write"
+
+
+_RUNNERS = {"prefill": _run_prefill, "prefill_varlen": _run_varlen, "decode": _run_decode, "write_kv_cache": _run_write}
+
+
+def _make_test(op: str, device: str):
+    @pytest.mark.parametrize("backend,dtype", _params(device, op))
+    @given(data=__import__("hypothesis").strategies.data())
+    def test(backend, dtype, data):
+        _RUNNERS[op](backend, dtype, device, data)
+
+    test.__name__ = f"test_{op}_{device}"
+    return test
+
+
+for _op in _RUNNERS:
+    for _dev in ("cpu", "cuda"):
+        globals()[f"test_{_op}_{_dev}"] = _make_test(_op, _dev)

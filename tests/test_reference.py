@@ -1,0 +1,152 @@
+"""The torch backend (the oracle) against an independent fp64 implementation."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+
+import minipaged as mp
+from strategies import (
+    assert_close,
+    attention_fp64,
+    decode_cases,
+    decode_to_dense,
+    make_decode_inputs,
+    make_prefill_inputs,
+    make_varlen_inputs,
+    prefill_cases,
+    varlen_cases,
+    varlen_to_dense,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _check_prefill(case, dtype, seed=0):
+    q, k, v = make_prefill_inputs(case, dtype, "cpu", seed)
+    out = mp.prefill_attention(q, k, v, causal=case.causal, backend="torch")
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = attention_fp64(q, k, v, case.causal)
+    base = attention_fp64(q, k, v, case.causal, lowp_dtype=dtype)
+    assert_close(out, ref, base, dtype, f"{case} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=prefill_cases())
+def test_prefill_matches_fp64(dtype, case):
+    _check_prefill(case, dtype)
+
+
+def test_fp32_is_tight():
+    # fp32 end to end: the oracle must be within fp32 rounding, not just the loose bound.
+    from strategies import PrefillCase
+
+    case = PrefillCase(2, 2, 4, 97, 131, 128, True)
+    q, k, v = make_prefill_inputs(case, torch.float32, "cpu", 1)
+    out = mp.prefill_attention(q, k, v, backend="torch")
+    ref = attention_fp64(q, k, v, True)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_rows_without_keys_are_exact_zeros():
+    q = torch.randn(1, 4, 9, 64)
+    k = torch.randn(1, 2, 3, 64)
+    v = torch.randn(1, 2, 3, 64)
+    out = mp.prefill_attention(q, k, v, backend="torch")
+    # Nq=9 > Nk=3: rows 0..5 see j < 3 - 9 + i + 1 <= 0 keys
+    assert torch.equal(out[:, :, :6], torch.zeros_like(out[:, :, :6]))
+    assert (out[:, :, 6:].abs().sum(-1) > 0).all()
+    assert not torch.isnan(out).any()
+
+
+def test_empty_key_sequence_gives_zeros():
+    q = torch.randn(1, 2, 5, 64)
+    k = torch.randn(1, 2, 0, 64)
+    out = mp.prefill_attention(q, k, k.clone(), backend="torch")
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+def test_bottom_right_causal_single_query_is_full_attention():
+    # Nq == 1 is decode: the one row sees every key.
+    q, k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 33, 64), torch.randn(1, 2, 33, 64)
+    a = mp.prefill_attention(q, k, v, causal=True, backend="torch")
+    b = mp.prefill_attention(q, k, v, causal=False, backend="torch")
+    torch.testing.assert_close(a, b)
+
+
+def test_scale_is_used():
+    q, k, v = torch.randn(1, 2, 7, 64), torch.randn(1, 2, 7, 64), torch.randn(1, 2, 7, 64)
+    out = mp.prefill_attention(q, k, v, scale=0.3, backend="torch")
+    ref = attention_fp64(q, k, v, True, scale=0.3)
+    assert (out.double() - ref).abs().max() < 1e-5
+    default = mp.prefill_attention(q, k, v, backend="torch")
+    assert (default.double() - attention_fp64(q, k, v, True, scale=1 / math.sqrt(64))).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=varlen_cases())
+def test_varlen_matches_dense_fp64(dtype, case):
+    q, k, v, cu_q, cu_k = make_varlen_inputs(case, dtype, "cpu")
+    out = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, causal=case.causal, backend="torch")
+    assert out.shape == q.shape
+    for s in range(len(case.seqlens_q)):
+        qs, ks, vs = varlen_to_dense(q, k, v, cu_q, cu_k, s)
+        ref = attention_fp64(qs, ks, vs, case.causal)
+        base = attention_fp64(qs, ks, vs, case.causal, lowp_dtype=dtype)
+        o = out[cu_q[s] : cu_q[s + 1]].transpose(0, 1).unsqueeze(0)
+        assert_close(o, ref, base, dtype, f"seq {s} of {case}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=decode_cases())
+def test_decode_matches_fp64(dtype, case):
+    q, kc, vc, tables, lens = make_decode_inputs(case, dtype, "cpu")
+    out = mp.decode_attention(q, kc, vc, tables, lens, backend="torch")
+    assert out.shape == q.shape
+    for b in range(case.batch):
+        qd, kd, vd = decode_to_dense(q, kc, vc, tables, lens, b)
+        ref = attention_fp64(qd, kd, vd, True)[0, :, 0]
+        base = attention_fp64(qd, kd, vd, True, lowp_dtype=dtype)[0, :, 0]
+        assert_close(out[b], ref, base, dtype, f"seq {b} of {case}")
+        if case.context_lens[b] == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+
+
+@given(case=decode_cases(max_ctx=64))
+def test_write_then_decode_roundtrip(case):
+    """write_kv_cache into a NaN pool at the slots a block table implies, then
+    decode reads exactly those tokens back."""
+    q, kc, vc, tables, lens = make_decode_inputs(case, torch.float32, "cpu")
+    bs = case.block_size
+    dense_k, dense_v, slots = [], [], []
+    for b in range(case.batch):
+        _, kd, vd = decode_to_dense(q, kc, vc, tables, lens, b)
+        dense_k.append(kd[0].transpose(0, 1))
+        dense_v.append(vd[0].transpose(0, 1))
+        pos = torch.arange(case.context_lens[b])
+        slots.append(tables[b].long()[pos // bs] * bs + pos % bs)
+    k_new, v_new = torch.cat(dense_k), torch.cat(dense_v)
+    slot = torch.cat(slots)
+    # a skipped token (negative slot) must not be written anywhere
+    marker = torch.full((1, case.num_kv_heads, case.head_dim), 7.0)
+    k_new = torch.cat([k_new, marker])
+    v_new = torch.cat([v_new, marker])
+    slot = torch.cat([slot, torch.tensor([-1])])
+    k2 = torch.full_like(kc, float("nan"))
+    v2 = torch.full_like(vc, float("nan"))
+    mp.write_kv_cache(k_new, v_new, k2, v2, slot, backend="torch")
+    assert not (k2 == 7.0).any()
+    out_a = mp.decode_attention(q, kc, vc, tables, lens, backend="torch")
+    out_b = mp.decode_attention(q, k2, v2, tables, lens, backend="torch")
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(2, 40, 4, 64)  # [B, N, H, D] viewed as [B, H, N, D]
+    q = base.transpose(1, 2)
+    k = torch.randn(2, 40, 2, 64).transpose(1, 2)
+    v = torch.randn(2, 2, 64, 40).transpose(-1, -2)  # last dim not stride 1
+    out = mp.prefill_attention(q, k, v, backend="torch")
+    ref = attention_fp64(q, k, v, True)
+    assert (out.double() - ref).abs().max() < 1e-5

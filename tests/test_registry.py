@@ -1,0 +1,100 @@
+"""Backend selection: precedence, env vars, errors, and a light import."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import minipaged as mp
+from minipaged import registry
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in ("MINIPAGED_BACKEND", "MINIPAGED_PREFILL_BACKEND", "MINIPAGED_DECODE_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_available_backends_lists_all_with_reasons():
+    avail = mp.available_backends("cpu")
+    assert set(avail) == {"torch", "triton", "cuda", "cuda-wmma"}
+    for name, (ok, why) in avail.items():
+        assert isinstance(ok, bool) and isinstance(why, str) and why
+    assert avail["torch"][0]
+    assert not avail["cuda"][0]
+
+
+def test_auto_on_cpu_is_torch():
+    assert registry.resolve("prefill", "cpu").name == "torch"
+    assert registry.resolve("decode", "cpu").name == "torch"
+
+
+def test_precedence(monkeypatch):
+    monkeypatch.setenv("MINIPAGED_BACKEND", "triton")
+    assert registry.requested_name("prefill") == ("triton", "MINIPAGED_BACKEND")
+    monkeypatch.setenv("MINIPAGED_PREFILL_BACKEND", "torch")
+    assert registry.requested_name("prefill") == ("torch", "MINIPAGED_PREFILL_BACKEND")
+    assert registry.requested_name("prefill_varlen")[0] == "torch"
+    assert registry.requested_name("decode") == ("triton", "MINIPAGED_BACKEND")
+    monkeypatch.setenv("MINIPAGED_DECODE_BACKEND", "cuda")
+    assert registry.requested_name("decode")[0] == "cuda"
+    assert registry.requested_name("write_kv_cache")[0] == "cuda"
+    with mp.use_backend("cuda-wmma"):
+        assert registry.requested_name("prefill")[0] == "cuda-wmma"
+        assert registry.requested_name("prefill", "torch")[0] == "torch"  # argument wins
+    assert registry.requested_name("prefill")[0] == "torch"
+
+
+def test_env_var_is_used_for_calls(monkeypatch):
+    q = torch.randn(1, 2, 3, 64)
+    monkeypatch.setenv("MINIPAGED_BACKEND", "torch")
+    mp.prefill_attention(q, q, q)
+    monkeypatch.setenv("MINIPAGED_PREFILL_BACKEND", "cuda")
+    with pytest.raises(mp.BackendUnavailableError, match="MINIPAGED_PREFILL_BACKEND"):
+        mp.prefill_attention(q.half(), q.half(), q.half())
+    # the argument beats the env var
+    mp.prefill_attention(q, q, q, backend="torch")
+
+
+def test_unknown_names(monkeypatch):
+    with pytest.raises(ValueError, match="valid names"):
+        mp.get_backend("nope")
+    monkeypatch.setenv("MINIPAGED_BACKEND", "Nope")
+    with pytest.raises(ValueError, match="MINIPAGED_BACKEND.*valid names"):
+        registry.requested_name("prefill")
+    with pytest.raises(ValueError):
+        with mp.use_backend("nope"):
+            pass
+
+
+def test_get_backend_env(monkeypatch):
+    monkeypatch.setenv("MINIPAGED_BACKEND", "torch")
+    assert mp.get_backend().name == "torch"
+
+
+def test_no_silent_fallback(monkeypatch):
+    # triton on CPU without the interpreter is unavailable, and asking for it must say so
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 3, 64)
+    with pytest.raises(mp.BackendUnavailableError, match="TRITON_INTERPRET"):
+        mp.prefill_attention(q, q, q, backend="triton")
+
+
+def test_op_lookup_names_the_backends_that_have_it():
+    b = registry.Backend(name="x", ops={}, devices=("cpu",), availability=lambda d: (True, ""))
+    with pytest.raises(mp.BackendUnavailableError, match="backends that do"):
+        b.op("decode")
+
+
+def test_import_is_light():
+    code = "import sys, minipaged; bad=[m for m in ('triton','minipaged.triton','minipaged.cuda.ops','minipaged.engine') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ))
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_cli_info_runs():
+    out = subprocess.run([sys.executable, "-m", "minipaged.cli", "info"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "prefill" in out.stdout and "cuda-wmma" in out.stdout
