@@ -82,7 +82,7 @@ def crosscheck_table(rows: list[dict], dtype=None, markdown: bool = False) -> st
         elif r.get("error"):
             result = f"ERROR: {r['error']}"
         else:
-            result = "ok" if r["ok"] else "FAIL"
+            result = "ok" if r["ok"] else "FAIL" + (f" ({r['note']})" if r.get("note") else "")
         body.append([r["op"], r["case"], r["backend"], _f(r.get("max_abs_err"), "{:.3e}", none="nan"),
                      _f(r.get("tol"), "{:.3e}"), result])
     if markdown:
@@ -138,6 +138,17 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finite(obj):
+    """Strict JSON: NaN/inf become null (a NaN error is also spelled out in the row's error)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_all(result: dict, out_dir, *, plots: bool = True, log=None) -> list[Path]:
     """results.json and results.md always; prefill.png / decode.png when matplotlib is there."""
     out_dir = Path(out_dir)
@@ -155,7 +166,7 @@ def write_all(result: dict, out_dir, *, plots: bool = True, log=None) -> list[Pa
             if log:
                 log(f"note: {why}")
     json_path = out_dir / "results.json"
-    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    json_path.write_text(json.dumps(_finite(result), indent=1, default=str, allow_nan=False) + "\n")
     md_path = out_dir / "results.md"
     md_path.write_text(markdown_report(result))
     return [json_path, md_path, *written]
