@@ -4,6 +4,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Without a GPU, Triton kernels run under the interpreter. It must be switched
+# on before anything imports triton, and this file is imported first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # ci: derandomized, no example database, few examples, CPU.
 # gpu: hundreds of examples on the H200 (`HYPOTHESIS_PROFILE=gpu pytest -m gpu`).
 settings.register_profile(
