@@ -25,7 +25,7 @@ namespace minipaged {
 namespace fast {
 
 template <typename T_, int kD_, int kBlockN_, int kWarps_, int kMTiles_, bool kQInRegs_,
-          int kStages_, bool kSwizzle_ = true>
+          int kStages_, bool kSwizzle_ = true, int kMinBlocks_ = 1>
 struct PrefillCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -35,6 +35,7 @@ struct PrefillCfg {
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSwizzle = kSwizzle_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
 
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = 16 * kMTiles;
@@ -49,7 +50,9 @@ struct PrefillCfg {
   static constexpr bool kQAliased = kQInRegs && kStages == 2 && kQElems <= kStageElems;
   static constexpr int kSmemElems =
       kQAliased ? kStages * kStageElems : kStages * kStageElems + kQElems;
-  static constexpr int kSmemBytes = kSmemElems * 2;
+  // +256: the kernel rounds its base up to 256 bytes, which the XOR address
+  // stepping (chunk_pair_step) relies on.
+  static constexpr int kSmemBytes = kSmemElems * 2 + 256;
 
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
   static_assert(kBlockN % 16 == 0, "kBlockN");
@@ -70,19 +73,36 @@ __device__ __forceinline__ int smem_off(int row, int chunk) {
 
 // Copies rows [row0, row0 + kRows) of a global [rows][kD] matrix (row stride in
 // elements) into a shared tile; rows at or past `num_rows` are zero-filled.
+// Each thread keeps one 16-byte column chunk and walks rows kThreads/kChunks
+// apart; that step is a multiple of 8, so the swizzle is the same every step.
 template <class Cfg, int kRows>
-__device__ __forceinline__ void load_tile_async(typename Cfg::T* smem_tile,
-                                                const typename Cfg::T* gmem, int64_t row_stride,
-                                                int row0, int num_rows, int tid) {
+__device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typename Cfg::T* gmem,
+                                                int64_t row_stride, int row0, int num_rows,
+                                                int tid) {
   constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
+  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kRowStep % 8 == 0, "copy layout");
+  const int r = tid / Cfg::kChunks;
+  const int c = tid % Cfg::kChunks;
+  const uint32_t dst = smem_tile + smem_off<Cfg>(r, c) * 2;
+  const typename Cfg::T* src = gmem + int64_t(row0 + r) * row_stride + c * 8;
+  const int64_t src_step = int64_t(kRowStep) * row_stride;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
-    const int idx = tid + it * Cfg::kThreads;
-    const int r = idx / Cfg::kChunks;
-    const int c = idx % Cfg::kChunks;
-    const bool in_range = row0 + r < num_rows;
-    const typename Cfg::T* src = gmem + (in_range ? int64_t(row0 + r) * row_stride : 0) + c * 8;
-    cp_async_16(smem_u32(smem_tile + smem_off<Cfg>(r, c)), src, in_range);
+    const bool in_range = row0 + r + it * kRowStep < num_rows;
+    cp_async_16(dst + it * kRowStep * Cfg::kD * 2, in_range ? src + it * src_step : gmem, in_range);
+  }
+}
+
+// ldmatrix addresses: for a fixed row set, stepping the logical 16-byte chunk
+// pair index kk (chunks 2kk, 2kk+1) only flips address bits 5..7 under the XOR
+// swizzle (rows are >= 128-byte aligned), so one base per operand suffices.
+template <class Cfg>
+__device__ __forceinline__ uint32_t chunk_pair_step(uint32_t base, int kk) {
+  if constexpr (Cfg::kSwizzle) {
+    return base ^ uint32_t(kk << 5);
+  } else {
+    return base + uint32_t(kk << 5);
   }
 }
 
@@ -90,7 +110,7 @@ struct MaskOn { static constexpr bool value = true; };
 struct MaskOff { static constexpr bool value = false; };
 
 template <class Cfg, bool kCausal>
-__global__ void __launch_bounds__(Cfg::kThreads)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     prefill_fast_kernel(const PrefillParams p) {
   using T = typename Cfg::T;
   constexpr int kD = Cfg::kD;
@@ -101,7 +121,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   constexpr int kDT = kD / 8;       // n-tiles of O per warp
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  T* smem = reinterpret_cast<T*>(smem_raw + (((raw_u32 + 255u) & ~255u) - raw_u32));
   T* s_q = Cfg::kQAliased ? smem + Cfg::kStageElems : smem + Cfg::kStages * Cfg::kStageElems;
 
   const int head = blockIdx.x;
@@ -154,25 +175,36 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
 
-  auto stage_k = [&](int stage) { return smem + stage * Cfg::kStageElems; };
-  auto stage_v = [&](int stage) { return smem + stage * Cfg::kStageElems + Cfg::kTileElems; };
+  constexpr uint32_t kRowBytes = kD * 2;
+  constexpr uint32_t kStageBytes = Cfg::kStageElems * 2;
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t s_q_u32 = smem_u32(s_q);
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
-    load_tile_async<Cfg, kBlockN>(stage_k(stage), k_ptr, p.k_row_stride, n0, seqlen_k, tid);
-    load_tile_async<Cfg, kBlockN>(stage_v(stage), v_ptr, p.v_row_stride, n0, seqlen_k, tid);
+    const uint32_t k_dst = smem_base + stage * kStageBytes;
+    load_tile_async<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
+    load_tile_async<Cfg, kBlockN>(k_dst + Cfg::kTileElems * 2, v_ptr, p.v_row_stride, n0,
+                                  seqlen_k, tid);
   };
 
   // Prologue: Q (group 0), then K/V tile 0 (group 1).
-  load_tile_async<Cfg, kBlockM>(s_q, q_ptr + int64_t(m_start) * p.q_row_stride, p.q_row_stride,
-                                0, m_rows, tid);
+  load_tile_async<Cfg, kBlockM>(s_q_u32, q_ptr + int64_t(m_start) * p.q_row_stride,
+                                p.q_row_stride, 0, m_rows, tid);
   cp_async_commit();
   load_kv(0, 0);
   cp_async_commit();
 
-  // ldmatrix.x4 lane -> (row, chunk) pieces, shared by Q, K and V:
+  // ldmatrix.x4: lane l supplies the address of row (l & 7) of 8x8 matrix l / 8.
   const int lm_row8 = lane & 7;
   const int lm_bit3 = (lane >> 3) & 1;
   const int lm_bit4 = lane >> 4;
+  // Q (A operand): matrices = rows 0-7 / 8-15 x chunk 2kk / 2kk+1.
+  const uint32_t q_lm = s_q_u32 + smem_off<Cfg>(warp_row0 + lm_row8 + lm_bit3 * 8, lm_bit4) * 2;
+  // K (B operand of QK^T, non-transposed): keys 0-7 / 8-15 x chunk 2kk / 2kk+1.
+  const uint32_t k_lm = smem_base + smem_off<Cfg>(lm_row8 + lm_bit4 * 8, lm_bit3) * 2;
+  // V (B operand of PV, transposed): keys 0-7 / 8-15 x chunk 2dp / 2dp+1.
+  const uint32_t v_lm =
+      smem_base + Cfg::kTileElems * 2 + smem_off<Cfg>(lm_row8 + lm_bit3 * 8, lm_bit4) * 2;
 
   uint32_t q_frag[Cfg::kQInRegs ? kMT : 1][Cfg::kQInRegs ? kD / 16 : 1][4];
   if constexpr (Cfg::kQInRegs) {
@@ -182,9 +214,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
-        ldmatrix_x4(q_frag[mt][kk],
-                    smem_u32(s_q + smem_off<Cfg>(warp_row0 + mt * 16 + lm_row8 + lm_bit3 * 8,
-                                                 2 * kk + lm_bit4)));
+        ldmatrix_x4(q_frag[mt][kk], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
     // Stage 1 (where Q may live) is refilled by the first iteration.
     if constexpr (Cfg::kQAliased) __syncthreads();
   }
@@ -230,8 +260,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* s_k = stage_k(stage);
-    const T* s_v = stage_v(stage);
+    const uint32_t k_stage = k_lm + stage * kStageBytes;
+    const uint32_t v_stage = v_lm + stage * kStageBytes;
     const int n0 = (n_tiles - 1 - t) * kBlockN;
 
     // ---- S = Q K^T ----
@@ -251,14 +281,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
         } else {
-          ldmatrix_x4(a[mt], smem_u32(s_q + smem_off<Cfg>(warp_row0 + mt * 16 + lm_row8 + lm_bit3 * 8,
-                                                          2 * kk + lm_bit4)));
+          ldmatrix_x4(a[mt], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
         }
       }
 #pragma unroll
       for (int np = 0; np < kBlockN / 16; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, smem_u32(s_k + smem_off<Cfg>(np * 16 + lm_row8 + lm_bit4 * 8, 2 * kk + lm_bit3)));
+        ldmatrix_x4(b, chunk_pair_step<Cfg>(k_stage + np * 16 * kRowBytes, kk));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
@@ -337,7 +366,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_u32(s_v + smem_off<Cfg>(kk * 16 + lm_row8 + lm_bit3 * 8, 2 * dp + lm_bit4)));
+        ldmatrix_x4_trans(b, chunk_pair_step<Cfg>(v_stage + kk * 16 * kRowBytes, dp));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           mma_16816<T>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
