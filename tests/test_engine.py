@@ -339,3 +339,39 @@ def test_qwen3_0_6b_bf16_matches_transformers_gpu(backend):
                                    num_blocks=512, max_num_seqs=8, max_model_len=1024, cuda_graph=False)
     print(f"  cuda graphs used: {eng.stats.cuda_graph} ({eng.runner.graph_error})")
     assert eager.generate(prompts, max_new_tokens=8) == eng.generate(prompts, max_new_tokens=8)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_generate_cli_with_tokenizer(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    from minipaged.engine import cli
+
+    torch.manual_seed(0)
+    cfg = _tiny_hf_config()
+    cfg.eos_token_id = VOCAB - 1
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    # a word-level tokenizer "w0".."w998" + "<eos>", saved like any transformers tokenizer
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<eos>": VOCAB - 1}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0").save_pretrained(
+        str(tmp_path))
+
+    rc = cli.main(["--model", str(tmp_path), "--prompt", "w1 w2 w3 w4 w5", "--batch", "2", "--max-new-tokens", "6",
+                   "--device", "cpu", "--backend", "torch", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    text = out.split("--- output 0")[1].splitlines()[1]
+    eng = Engine(str(tmp_path), device="cpu", backend="torch", num_blocks=16)
+    want = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)[0]
+    assert text.split() == [f"w{t}" if t < VOCAB - 1 else "" for t in want if t < VOCAB - 1]
+    assert "decode :" in out and "tokens/s" in out
+
+    rc = cli.main(["--model", str(tmp_path), "--batch", "3", "--prompt-len", "7", "--max-new-tokens", "4",
+                   "--device", "cpu", "--backend", "torch"])
+    assert rc == 0 and "prefill: 21 tokens" in capsys.readouterr().out
+    # --prompt without a tokenizer is a clear error, not a crash
+    os.remove(tmp_path / "tokenizer.json")
+    assert cli.main(["--model", str(tmp_path), "--prompt", "w1", "--device", "cpu"]) == 2
