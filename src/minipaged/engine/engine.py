@@ -249,7 +249,7 @@ class Engine:
             if bar is not None:
                 bar.close()
         self.stats.preemptions = sched.num_preemptions
-        self.stats.cuda_graph = self.runner._graphs_ready
+        self.stats.cuda_graph = self.runner.graphs_active
         return [s.output_ids for s in seqs]
 
     def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float,

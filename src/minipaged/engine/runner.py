@@ -86,7 +86,7 @@ class ModelRunner:
             self.capture_graphs()
         ids, positions, slots, ctx, tables, width = self._decode_inputs(seqs)
         B = len(seqs)
-        if self._graphs_ready and B <= self.max_num_seqs and width <= self.max_blocks_per_seq:
+        if self.graphs_active and B <= self.max_num_seqs and width <= self.max_blocks_per_seq:
             logits = self._replay(B, ids, positions, slots, ctx, tables, width)
         else:
             dev = self.device
@@ -105,6 +105,11 @@ class ModelRunner:
         return logits.float()
 
     # ------------------------------------------------------------------ CUDA graphs
+    @property
+    def graphs_active(self) -> bool:
+        """Decode replays captured graphs (use_cuda_graph may be switched off to compare)."""
+        return self.use_cuda_graph and self._graphs_ready
+
     def _alloc_static(self) -> None:
         dev, n, w = self.device, self.max_num_seqs, self.max_blocks_per_seq
         self.s_ids = torch.zeros(n, dtype=torch.int64, device=dev)
