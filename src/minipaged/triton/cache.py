@@ -21,12 +21,13 @@ def _write_kv_kernel(
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + tok).to(tl.int64)
     # a negative slot (padding token) writes nothing; clamp keeps the address math sane
-    keep = slot >= 0
+    offs_h = tl.arange(0, HEADS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # built as a tensor: the interpreter rejects a scalar bool in a mask expression
+    keep = (offs_d[None, :] * 0 + slot) >= 0
     slot = tl.maximum(slot, 0)
     block = slot // PAGE
     offset = slot % PAGE
-    offs_h = tl.arange(0, HEADS_POW2)
-    offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h[:, None] < num_kv_heads) & keep
     k = tl.load(K + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)

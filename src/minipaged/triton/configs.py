@@ -61,12 +61,13 @@ _PREFILL_SM90 = {
     (128, 2, False): PrefillConfig(128, 128, 8, 3),
     (256, 2, True): PrefillConfig(128, 64, 8, 2),
     (256, 2, False): PrefillConfig(128, 64, 8, 2),
-    (64, 4, True): PrefillConfig(64, 64, 4, 2),
-    (64, 4, False): PrefillConfig(64, 64, 4, 2),
-    (128, 4, True): PrefillConfig(64, 32, 4, 2),
-    (128, 4, False): PrefillConfig(64, 32, 4, 2),
-    (256, 4, True): PrefillConfig(32, 32, 4, 1),
-    (256, 4, False): PrefillConfig(32, 32, 4, 1),
+    # fp32 runs its dots as exact FMA (not TF32): register bound, correctness over speed
+    (64, 4, True): PrefillConfig(64, 64, 8, 2),
+    (64, 4, False): PrefillConfig(64, 64, 8, 2),
+    (128, 4, True): PrefillConfig(64, 32, 8, 2),
+    (128, 4, False): PrefillConfig(64, 32, 8, 2),
+    (256, 4, True): PrefillConfig(32, 32, 8, 1),
+    (256, 4, False): PrefillConfig(32, 32, 8, 1),
 }
 
 # Environment override for tuning runs: "BM,BN,WARPS,STAGES".
@@ -102,7 +103,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> De
         bn, w, s = (int(x) for x in env.split(","))
         return DecodeConfig(bn, w, s)
     elem = torch.empty((), dtype=dtype).element_size()
-    if elem == 4 or head_dim >= 256:
+    if elem == 4:
+        return DecodeConfig(32, 8, 2)
+    if head_dim >= 256:
         return DecodeConfig(32, 4, 2)
     return DecodeConfig(64, 4, 3)
 

@@ -1,0 +1,142 @@
+"""Quick GPU timing of the Triton ops next to torch SDPA (flash), for tuning the
+config table. Not the project benchmark (that is `minipaged bench`).
+
+    PYTHONPATH=src python -m minipaged.triton._tune [prefill] [decode] [sweep]
+
+Medians of triton.testing.do_bench (which flushes L2 between repetitions),
+random data, bf16, Qwen3-0.6B heads (Hq 16, Hkv 8, D 128).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from . import ops
+
+HQ, HKV, D = 16, 8, 128
+DT = torch.bfloat16
+
+
+def _sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _bench(fn):
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")  # ms
+
+
+def prefill_table(configs=None):
+    print("## prefill (causal, bf16, Hq16 Hkv8 D128); TFLOP/s counts the causal half")
+    print(f"{'B':>3} {'N':>6} {'config':>16} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'TFLOP/s':>8}")
+    for B, N in ((1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 1024)):
+        q = torch.randn(B, HQ, N, D, device="cuda", dtype=DT)
+        k = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
+        v = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
+        flops = 4 * B * HQ * N * N * D / 2
+        kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+        t_sdpa = _bench(lambda: _sdpa_flash(q, kr, vr, True))
+        ref = _sdpa_flash(q, kr, vr, True).float()
+        for cfg in (configs or [None]):
+            if cfg is not None:
+                os.environ["MINIPAGED_TRITON_PREFILL_CONFIG"] = cfg
+            else:
+                os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+            try:
+                out = ops.prefill(q, k, v, True, 1 / math.sqrt(D))
+                err = (out.float() - ref).abs().max().item()
+                t = _bench(lambda: ops.prefill(q, k, v, True, 1 / math.sqrt(D)))
+                print(f"{B:>3} {N:>6} {cfg or 'table':>16} {t:>10.3f} {flops / t / 1e9:>8.1f} "
+                      f"{t_sdpa:>9.3f} {flops / t_sdpa / 1e9:>8.1f}  maxdiff_vs_sdpa={err:.2e}", flush=True)
+            except Exception as e:  # a config that does not fit is a result too
+                print(f"{B:>3} {N:>6} {cfg:>16} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+        os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+        del q, k, v, kr, vr
+
+
+def _paged(B, L, page=16):
+    nblk = B * L // page
+    kc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
+    vc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
+    tables = torch.randperm(nblk, device="cuda").to(torch.int32).reshape(B, L // page)
+    ctx = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+    return q, kc, vc, tables, ctx
+
+
+def decode_table(splits_sweep=False, configs=None):
+    print("## decode (bf16, Hq16 Hkv8 D128, page 16); TB/s = bytes of K+V read / time")
+    print(f"{'B':>4} {'L':>6} {'variant':>18} {'triton us':>10} {'TB/s':>6} {'sdpa us':>9} {'TB/s':>6}")
+    for B, L in ((1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)):
+        q, kc, vc, tables, ctx = _paged(B, L)
+        nbytes = 2 * B * L * HKV * D * 2
+        # SDPA on a dense copy (GQA expanded: it reads twice the bytes we count)
+        kd = kc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
+        vd = vc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
+        kr, vr = kd.repeat_interleave(HQ // HKV, 1), vd.repeat_interleave(HQ // HKV, 1)
+        q4 = q[:, :, None]
+        try:
+            t_sdpa = _bench(lambda: _sdpa_flash(q4, kr, vr, False)) * 1e3
+            ref = _sdpa_flash(q4, kr, vr, False)[:, :, 0].float()
+        except Exception:
+            t_sdpa, ref = float("nan"), None
+        del kd, vd
+        variants = [(None, None)]
+        if splits_sweep:
+            variants += [(str(s), None) for s in (1, 2, 4, 8, 16, 32, 64)]
+        variants += [(None, c) for c in (configs or [])]
+        for splits, cfg in variants:
+            for name, val in (("MINIPAGED_TRITON_DECODE_SPLITS", splits), ("MINIPAGED_TRITON_DECODE_CONFIG", cfg)):
+                if val is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = val
+            label = f"s={splits}" if splits else (f"cfg={cfg}" if cfg else "auto")
+            try:
+                out = ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))
+                err = (out.float() - ref).abs().max().item() if ref is not None else float("nan")
+                t = _bench(lambda: ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))) * 1e3
+                print(f"{B:>4} {L:>6} {label:>18} {t:>10.1f} {nbytes / t / 1e6:>6.2f} {t_sdpa:>9.1f} "
+                      f"{nbytes / t_sdpa / 1e6:>6.2f}  maxdiff_vs_sdpa={err:.2e}", flush=True)
+            except Exception as e:
+                print(f"{B:>4} {L:>6} {label:>18} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+        os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+        os.environ.pop("MINIPAGED_TRITON_DECODE_CONFIG", None)
+        del q, kc, vc, kr, vr
+
+
+def graph_latency(B=1, L=4096):
+    """Decode latency without launch overhead: captured in a CUDA graph."""
+    q, kc, vc, tables, ctx = _paged(B, L)
+    ops.decode(q, kc, vc, tables, ctx, 0.088)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.decode(q, kc, vc, tables, ctx, 0.088)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.decode(q, kc, vc, tables, ctx, 0.088)
+    t = _bench(lambda: g.replay()) * 1e3
+    print(f"## decode B={B} L={L} in a CUDA graph: {t:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:] or ["prefill", "decode"]
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
+    if "prefill" in args:
+        prefill_table(["128,64,8,3", "128,128,8,3", "128,128,8,2", "128,64,4,3"] if "sweep" in args else None)
+    if "decode" in args:
+        decode_table(splits_sweep="sweep" in args,
+                     configs=["64,4,2", "128,4,3", "64,8,3", "32,4,3"] if "sweep" in args else None)
+    if "graph" in args:
+        graph_latency()

@@ -1,0 +1,469 @@
+"""Tests of the `triton` backend ops against the torch oracle (minipaged.reference).
+
+Without a GPU the kernels run in the Triton interpreter (fp16/fp32 only: the
+interpreter's bf16 tl.dot is wrong). CI runs this file as its own process:
+
+    TRITON_INTERPRET=1 PYTHONPATH=src pytest tests/test_triton.py
+
+(the module also sets TRITON_INTERPRET=1 itself when no CUDA device is
+present, which works as long as nothing imported minipaged.triton before).
+GPU tests: `pytest -m gpu tests/test_triton.py` on the H200.
+
+Error bound, as FlashAttention's tests: the kernel's error against the fp32
+oracle must be within twice the error that plain low-precision PyTorch math
+(the same attention with matmuls in fp16/bf16) makes against that oracle,
+plus a small absolute slack.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minipaged import reference as ref  # noqa: E402
+
+triton = pytest.importorskip("triton")
+from minipaged.triton import ops  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                                reason="needs a CUDA device and TRITON_INTERPRET unset")
+
+
+# ----------------------------------------------------------------- oracles
+
+
+def _low_precision_attn(q, k, v, causal, scale):
+    """q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] in their own (low) dtype: matmuls in that
+    dtype, softmax in fp32 rounded back, as a plain PyTorch user would write it."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if Nk == 0:
+        return torch.zeros(B, Hq, Nq, D, dtype=torch.float32, device=q.device)
+    group = Hq // Hkv
+    kr = k.repeat_interleave(group, dim=1)
+    vr = v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, kr.transpose(-1, -2)).float() * scale
+    if causal:
+        rows = torch.arange(Nq, device=q.device)[:, None]
+        cols = torch.arange(Nk, device=q.device)[None, :]
+        s = s.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    return torch.matmul(p, vr).float()
+
+
+def _oracle_prefill(q, k, v, causal, scale):
+    if k.shape[2] == 0:  # no key at all: zeros by contract
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # fp32 inputs so that the oracle's output is not rounded to the low dtype
+    return ref.prefill(q.float(), k.float(), v.float(), causal, scale)
+
+
+def _check(out, truth, baseline, dtype, what=""):
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err = (out.float() - truth).abs().max().item() if out.numel() else 0.0
+    base = (baseline - truth).abs().max().item() if out.numel() else 0.0
+    slack = 1e-5 if dtype == torch.float32 else 1e-3
+    assert err <= 2 * base + slack, f"{what}: max err {err:.3e} vs low-precision baseline {base:.3e}"
+
+
+def _rand(*shape, dtype, device, noncontig=False):
+    if noncontig:
+        # last dim stays stride 1, everything else is strided: a [.., 2, D] buffer sliced
+        full = torch.randn(*shape[:-1], 2, shape[-1], device=device).to(dtype)
+        return full[..., 1, :]
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+# ----------------------------------------------------------------- prefill
+
+
+def _run_prefill(B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, noncontig=False, scale=None):
+    torch.manual_seed(1000 * Nq + Nk + Hq)
+    q = _rand(B, Hq, Nq, D, dtype=dtype, device=device, noncontig=noncontig)
+    k = _rand(B, Hkv, Nk, D, dtype=dtype, device=device, noncontig=noncontig)
+    v = _rand(B, Hkv, Nk, D, dtype=dtype, device=device, noncontig=noncontig)
+    if noncontig:
+        assert not q.is_contiguous() and q.stride(-1) == 1
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    out = ops.prefill(q, k, v, causal, scale)
+    assert out.shape == (B, Hq, Nq, D)
+    truth = _oracle_prefill(q, k, v, causal, scale)
+    baseline = _low_precision_attn(q, k, v, causal, scale)
+    _check(out, truth, baseline, dtype, f"prefill B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} c{causal}")
+    if causal and Nq > Nk:
+        # rows that see no key must be exact zeros
+        assert (out[:, :, : Nq - Nk] == 0).all()
+    return out
+
+
+CPU_PREFILL = [
+    # B, Hq, Hkv, Nq, Nk, D, causal
+    (1, 2, 1, 17, 17, 64, True),
+    (2, 4, 2, 97, 97, 64, True),
+    (1, 8, 1, 33, 33, 64, True),      # GQA 8
+    (1, 16, 1, 17, 17, 64, True),     # GQA 16 (MQA)
+    (1, 4, 4, 20, 50, 128, True),     # chunk after a cached prefix (Nq < Nk)
+    (1, 4, 2, 50, 20, 64, True),      # Nq > Nk: the first 30 rows see nothing
+    (2, 2, 1, 31, 45, 64, False),
+    (1, 2, 1, 45, 31, 128, False),
+    (1, 2, 1, 1, 37, 64, True),       # a single query row
+    (1, 2, 1, 5, 0, 64, True),        # no keys at all
+    (1, 2, 1, 5, 0, 64, False),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CPU_PREFILL, ids=lambda c: "-".join(map(str, c)))
+def test_prefill_interpreter(case, dtype):
+    _run_prefill(*case, dtype=dtype, device="cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_noncontiguous_interpreter(causal):
+    _run_prefill(2, 4, 2, 23, 29, 64, causal, torch.float16, "cpu", noncontig=True)
+
+
+@cpu_only
+def test_prefill_custom_scale_interpreter():
+    _run_prefill(1, 2, 1, 19, 19, 64, True, torch.float32, "cpu", scale=0.37)
+
+
+# ----------------------------------------------------------------- varlen
+
+
+def _run_varlen(seqlens_q, seqlens_k, Hq, Hkv, D, causal, dtype, device, noncontig=False):
+    torch.manual_seed(sum(seqlens_q) * 31 + sum(seqlens_k))
+    cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    Tq, Tk = sum(seqlens_q), sum(seqlens_k)
+    q = _rand(Tq, Hq, D, dtype=dtype, device=device, noncontig=noncontig)
+    k = _rand(Tk, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
+    v = _rand(Tk, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
+    scale = 1.0 / math.sqrt(D)
+    out = ops.prefill_varlen(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), causal, scale)
+    assert out.shape == (Tq, Hq, D)
+    truth = torch.zeros(Tq, Hq, D, device=device)
+    baseline = torch.zeros(Tq, Hq, D, device=device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(seqlens_q)):
+        qs = q[cq[s]:cq[s + 1]].transpose(0, 1)[None]
+        ks = k[ck[s]:ck[s + 1]].transpose(0, 1)[None]
+        vs = v[ck[s]:ck[s + 1]].transpose(0, 1)[None]
+        truth[cq[s]:cq[s + 1]] = _oracle_prefill(qs, ks, vs, causal, scale)[0].transpose(0, 1)
+        baseline[cq[s]:cq[s + 1]] = _low_precision_attn(qs, ks, vs, causal, scale)[0].transpose(0, 1)
+    _check(out, truth, baseline, dtype, f"varlen q{seqlens_q} k{seqlens_k} c{causal}")
+    # oracle op itself, where it is defined (it needs a key per sequence)
+    if all(n > 0 for n in seqlens_k):
+        r = ref.prefill_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, max(seqlens_q),
+                               max(seqlens_k), causal, scale)
+        _check(out, r, baseline, dtype, "varlen vs reference.prefill_varlen")
+    return out
+
+
+CPU_VARLEN = [
+    # seqlens_q, seqlens_k, Hq, Hkv, D, causal
+    ([17, 5, 33], [17, 20, 33], 4, 2, 64, True),
+    ([17, 0, 9, 1], [17, 3, 30, 1], 4, 1, 64, True),     # an empty query sequence
+    ([12, 7], [4, 0], 2, 1, 64, True),                    # Nq > Nk and Nk = 0
+    ([23, 6], [11, 40], 8, 2, 128, False),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CPU_VARLEN, ids=lambda c: f"{c[0]}-{c[1]}-{c[5]}")
+def test_varlen_interpreter(case, dtype):
+    _run_varlen(*case, dtype=dtype, device="cpu")
+
+
+@cpu_only
+def test_varlen_noncontiguous_interpreter():
+    _run_varlen([13, 21], [13, 30], 4, 2, 64, True, torch.float16, "cpu", noncontig=True)
+
+
+@cpu_only
+def test_varlen_matches_dense_interpreter():
+    """Dense and varlen share one kernel body: one sequence must give the same bits."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 29, 64).half()
+    k = torch.randn(1, 2, 41, 64).half()
+    v = torch.randn(1, 2, 41, 64).half()
+    dense = ops.prefill(q, k, v, True, 0.125)
+    cu_q = torch.tensor([0, 29], dtype=torch.int32)
+    cu_k = torch.tensor([0, 41], dtype=torch.int32)
+    var = ops.prefill_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                             cu_q, cu_k, 29, 41, True, 0.125)
+    assert torch.equal(dense[0].transpose(0, 1), var)
+
+
+# ----------------------------------------------------------------- paged decode
+
+
+def _make_paged(context_lens, Hkv, D, page, dtype, device, noncontig=False, seed=0):
+    """Random K/V scattered into a NaN-poisoned paged cache through shuffled block
+    tables; table entries past each sequence's need are -1. Returns the caches,
+    block tables and the dense per-sequence K/V [Hkv, L, D] for the oracle."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(context_lens)
+    need = [-(-c // page) for c in context_lens]
+    max_blocks = max(max(need), 1) + 1
+    num_blocks = sum(need) + 3
+    shape = (num_blocks, page, Hkv, D)
+    if noncontig:
+        kc = torch.full((num_blocks, page, Hkv, 2, D), float("nan"), dtype=dtype, device=device)[:, :, :, 0]
+        vc = torch.full((num_blocks, page, Hkv, 2, D), float("nan"), dtype=dtype, device=device)[:, :, :, 1]
+    else:
+        kc = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        vc = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    dense_k, dense_v = [], []
+    nxt = 0
+    for b, c in enumerate(context_lens):
+        kd = torch.randn(c, Hkv, D, generator=g).to(dtype)
+        vd = torch.randn(c, Hkv, D, generator=g).to(dtype)
+        tables[b, : need[b]] = torch.tensor(perm[nxt: nxt + need[b]], dtype=torch.int32)
+        nxt += need[b]
+        tok = torch.arange(c)
+        blk = tables[b].long()[tok // page].to(device)
+        kc[blk, (tok % page).to(device)] = kd.to(device)
+        vc[blk, (tok % page).to(device)] = vd.to(device)
+        dense_k.append(kd.transpose(0, 1).to(device))
+        dense_v.append(vd.transpose(0, 1).to(device))
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return kc, vc, tables.to(device), ctx, dense_k, dense_v
+
+
+def _run_decode(context_lens, Hq, Hkv, D, page, dtype, device, noncontig=False, splits=None,
+                monkeypatch=None):
+    kc, vc, tables, ctx, dk, dv = _make_paged(context_lens, Hkv, D, page, dtype, device,
+                                              noncontig=noncontig, seed=sum(context_lens) + page)
+    B = len(context_lens)
+    torch.manual_seed(B * 7 + Hq)
+    q = _rand(B, Hq, D, dtype=dtype, device=device, noncontig=noncontig)
+    scale = 1.0 / math.sqrt(D)
+    if splits is not None:
+        monkeypatch.setenv("MINIPAGED_TRITON_DECODE_SPLITS", str(splits))
+    out = ops.decode(q, kc, vc, tables, ctx, scale)
+    assert out.shape == (B, Hq, D)
+    truth = torch.zeros(B, Hq, D, device=device)
+    baseline = torch.zeros(B, Hq, D, device=device)
+    for b in range(B):
+        qb = q[b][None, :, None]  # [1, Hq, 1, D]
+        truth[b] = _oracle_prefill(qb, dk[b][None], dv[b][None], False, scale)[0, :, 0]
+        baseline[b] = _low_precision_attn(qb, dk[b][None], dv[b][None], False, scale)[0, :, 0]
+    _check(out, truth, baseline, dtype, f"decode ctx{context_lens[:6]} Hq{Hq} Hkv{Hkv} page{page}")
+    # against the oracle op itself
+    r = ref.decode(q.float(), kc.float(), vc.float(), tables, ctx, scale)
+    _check(out, r, baseline, dtype, "decode vs reference.decode")
+    for b, c in enumerate(context_lens):
+        if c == 0:
+            assert (out[b] == 0).all()
+    return out
+
+
+CPU_DECODE = [
+    # context_lens, Hq, Hkv, D, page
+    ([17, 0, 97, 1], 4, 2, 64, 16),
+    ([33, 16, 5], 8, 1, 64, 1),          # GQA 8, one token per page
+    ([40, 100], 16, 1, 64, 4),           # GQA 16 (MQA)
+    ([300, 7], 2, 2, 64, 256),           # page larger than the KV tile
+    ([0, 0], 4, 4, 64, 16),              # nothing to read at all
+    ([61, 130], 8, 2, 128, 32),          # GQA 4, D 128
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CPU_DECODE, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}")
+def test_decode_interpreter(case, dtype):
+    _run_decode(*case, dtype=dtype, device="cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_splits_interpreter(splits, monkeypatch):
+    _run_decode([97, 0, 33, 200], 4, 2, 64, 16, torch.float16, "cpu", splits=splits,
+                monkeypatch=monkeypatch)
+
+
+@cpu_only
+def test_decode_noncontiguous_interpreter():
+    _run_decode([29, 64], 4, 2, 64, 8, torch.float16, "cpu", noncontig=True)
+
+
+def test_num_splits_heuristic_no_sync(monkeypatch):
+    """The split count depends on shapes only (so decode can be graph-captured)."""
+    from minipaged.triton import configs
+    from minipaged.triton.configs import MAX_SPLITS, decode_num_splits
+
+    monkeypatch.delenv("MINIPAGED_TRITON_DECODE_SPLITS", raising=False)
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200
+    dev = torch.device("cpu")
+    assert decode_num_splits(1, 8, 32768, 64, dev) > 1
+    assert decode_num_splits(1, 1, 16, 64, dev) == 1         # too short to split
+    assert decode_num_splits(4096, 8, 32768, 64, dev) == 1   # the batch fills the machine
+    assert all(1 <= decode_num_splits(b, h, n, 64, dev) <= MAX_SPLITS
+               for b in (1, 3, 64) for h in (1, 8) for n in (0, 1, 1000, 10 ** 6))
+
+
+# ----------------------------------------------------------------- write_kv_cache
+
+
+def _run_write(T, Hkv, D, page, num_blocks, dtype, device, noncontig=False):
+    g = torch.Generator().manual_seed(T * 13 + page)
+    k = _rand(T, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
+    v = _rand(T, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
+    slots = torch.randperm(num_blocks * page, generator=g)[:T]
+    slots[torch.rand(T, generator=g) < 0.25] = -1
+    slots = slots.to(device=device, dtype=torch.int64)
+    kc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
+    vc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
+    kr, vr = kc.clone(), vc.clone()
+    ops.write_kv_cache(k, v, kc, vc, slots)
+    ref.write_kv_cache(k, v, kr, vr, slots)
+    for got, want in ((kc, kr), (vc, vr)):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@cpu_only
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_write_kv_cache_interpreter(page):
+    _run_write(37, 3, 64, page, num_blocks=max(4, 80 // page + 2), dtype=torch.float16, device="cpu")
+
+
+@cpu_only
+def test_write_kv_cache_noncontiguous_interpreter():
+    _run_write(19, 2, 128, 16, num_blocks=4, dtype=torch.float32, device="cpu", noncontig=True)
+
+
+# ----------------------------------------------------------------- GPU
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+GPU_PREFILL = [
+    (1, 16, 8, 1024, 1024, 128, True),
+    (2, 16, 8, 4096, 4096, 128, True),
+    (1, 8, 1, 1023, 2047, 64, True),     # MQA, chunked prefill after a prefix
+    (2, 32, 8, 97, 1500, 128, False),
+    (1, 4, 2, 1500, 97, 128, True),      # most rows see nothing
+    (3, 16, 4, 777, 777, 64, True),
+    (1, 16, 16, 2049, 2049, 128, False),
+    (1, 8, 2, 17, 0, 128, True),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", GPU_PREFILL, ids=lambda c: "-".join(map(str, c)))
+def test_prefill_gpu(case, dtype):
+    _run_prefill(*case, dtype=dtype, device="cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("case", [(1, 4, 2, 300, 300, 128, True), (1, 4, 1, 130, 257, 64, False)])
+def test_prefill_gpu_fp32(case, dtype):
+    _run_prefill(*case, dtype=dtype, device="cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_prefill_noncontiguous_gpu(dtype):
+    _run_prefill(2, 16, 8, 1000, 1200, 128, True, dtype, "cuda", noncontig=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu(dtype, causal):
+    _run_varlen([1000, 1, 0, 2500, 77, 4000], [1000, 513, 9, 2500, 1200, 4000], 16, 8, 128, causal,
+                dtype, "cuda")
+    _run_varlen([300, 2], [0, 7], 8, 1, 64, causal, dtype, "cuda", noncontig=True)
+
+
+GPU_DECODE = [
+    # context_lens, Hq, Hkv, D, page
+    ([1, 4000, 0, 1500, 2048, 17, 3333, 1024], 16, 8, 128, 16),
+    ([1200, 4097, 0, 31], 32, 8, 128, 1),
+    ([5000, 300], 16, 1, 128, 256),
+    ([2000, 999, 4096], 8, 8, 64, 256),
+    ([3000, 1, 2222], 16, 2, 64, 32),
+    ([32768], 16, 8, 128, 16),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", GPU_DECODE, ids=lambda c: f"{len(c[0])}x{max(c[0])}-{c[1]}-{c[2]}-{c[3]}-{c[4]}")
+def test_decode_gpu(case, dtype):
+    _run_decode(*case, dtype=dtype, device="cuda")
+
+
+@gpu
+@needs_cuda
+def test_decode_gpu_batch_fills_machine():
+    # B * Hkv large enough that the heuristic uses one split (the direct-output path)
+    lens = torch.randint(0, 1500, (128,), generator=torch.Generator().manual_seed(3)).tolist()
+    _run_decode(lens, 16, 8, 128, 16, torch.bfloat16, "cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 7, 64])
+def test_decode_gpu_forced_splits(splits, monkeypatch):
+    _run_decode([2500, 0, 900, 17], 16, 4, 128, 16, torch.float16, "cuda", splits=splits,
+                monkeypatch=monkeypatch)
+
+
+@gpu
+@needs_cuda
+def test_decode_gpu_fp32_noncontiguous():
+    _run_decode([700, 1300], 8, 2, 128, 16, torch.float32, "cuda", noncontig=True)
+
+
+@gpu
+@needs_cuda
+def test_decode_cuda_graph_capture():
+    """Decode issues no host sync, so it can be captured and replayed."""
+    kc, vc, tables, ctx, _, _ = _make_paged([1000, 37, 2000], 8, 128, 16, torch.bfloat16, "cuda")
+    q = torch.randn(3, 16, 128, device="cuda").bfloat16()
+    eager = ops.decode(q, kc, vc, tables, ctx, 0.088)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.decode(q, kc, vc, tables, ctx, 0.088)  # warm-up compiles outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.decode(q, kc, vc, tables, ctx, 0.088)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_write_kv_cache_gpu(page):
+    _run_write(3000, 8, 128, page, num_blocks=4000 // page + 4, dtype=torch.bfloat16, device="cuda")
+    _run_write(500, 2, 64, page, num_blocks=600 // page + 4, dtype=torch.float16, device="cuda",
+               noncontig=True)
