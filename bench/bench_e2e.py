@@ -237,7 +237,7 @@ def main(argv=None) -> int:
             print(msg, file=sys.stderr)
             traceback.print_exc()
         finally:
-            del eng
+            eng = None
             torch.cuda.empty_cache()
 
     os.makedirs(args.out, exist_ok=True)

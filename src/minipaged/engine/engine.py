@@ -15,7 +15,7 @@ from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SeqStatus
+from .sequence import Sequence
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
