@@ -100,6 +100,44 @@ def test_time_fn_time_bound_keeps_min_reps():
         timing.time_fn(slow, device="cpu", reps=0)
 
 
+def test_cuda_path_flushes_between_event_pairs(monkeypatch):
+    """The CUDA branch, driven by a fake clock: warm-up and estimate calls stay
+    out of the figures, and the L2 flush lands before each start event."""
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1000.0
+
+    class FakeFlush:
+        def zero_(self):
+            log.append("flush")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(timing, "_flush_buffer", lambda d: FakeFlush())
+
+    def fn():
+        log.append("fn")
+        time.sleep(0.001)
+
+    t = timing.time_fn(fn, device="cuda", reps=6, min_reps=2, warmup=2, max_time_s=0)
+    assert t.clock == "cuda-events" and t.cold_l2 and t.reps == 6
+    assert t.min_ms >= 1.0
+    records = [i for i, x in enumerate(log) if x == "record"]
+    timed = log[records[1] + 1:]  # after the estimate's event pair
+    assert timed == ["flush", "record", "fn", "record"] * 6
+    assert log.count("fn") == 2 + 3 + 6  # warm-up, estimate, timed
+
+
 def test_environment_records_versions_and_commit():
     env = timing.environment("cpu")
     for key in ("device_name", "torch", "triton", "cuda", "git_commit", "date_utc", "sm_count"):

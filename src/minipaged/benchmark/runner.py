@@ -121,6 +121,31 @@ def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device
 
 # ----------------------------------------------------------------------------- cross-check
 
+_BUILD_WORDS = ("build", "nvcc", "ninja", "compil", "cpp_extension", "no module named", "importerror")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _failure_keys(name: str, op: str, e: BaseException) -> list[tuple[str, str]]:
+    """(backend, op) pairs not worth running after `name` raised `e` on `op`.
+
+    A build or import failure takes down every op of every backend served by
+    the same module (cuda and cuda-wmma share one extension); anything else
+    only this (backend, op)."""
+    from minipaged import registry
+
+    text = f"{type(e).__name__} {e}".lower()
+    if not any(w in text for w in _BUILD_WORDS):
+        return [(name, op)]
+    backends = registry.all_backends()
+    module = backends[name].ops[op].split(":")[0]
+    return [(b.name, o) for b in backends.values() for o, target in b.ops.items()
+            if target.split(":")[0] == module]
+
 
 def _max_abs_err(out, ref) -> float:
     diff = (out.float() - ref.float()).abs()
@@ -178,6 +203,12 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode")) -
                     continue
                 row = dict(op=op, case=case.label, shape=case.shape(), backend=name, tol=tol,
                            max_abs_err=None, ok=False, error=None, note="")
+                if (name, op) in failures:
+                    # one raise per (backend, op) is enough: a failed JIT build would
+                    # otherwise be retried (minutes each) for every case
+                    row["error"] = f"not run: raised earlier: {failures[(name, op)]}"
+                    rows.append(row)
+                    continue
                 try:
                     out = call(name)
                     if device.type == "cuda":
@@ -187,8 +218,9 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode")) -
                     if math.isnan(err):
                         row["note"] = "NaN in the output"
                 except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row["error"] = f"{type(e).__name__}: {e}"
-                    failures[(name, op)] = row["error"]
+                    row["error"] = f"{type(e).__name__}: {_first_line(e)}"
+                    for key in _failure_keys(name, op, e):
+                        failures.setdefault(key, row["error"])
                 rows.append(row)
     return rows, failures
 
@@ -222,10 +254,14 @@ class _Runner:
             self.time_budget_s = None if quick else 150.0
         self.t0 = time.perf_counter()
         self.min_reps = 2 if device.type == "cpu" else 10
+        self.dead: str | None = None
         self.warmup = 1 if device.type == "cpu" else 3
 
     def timed(self, row, prepared_factory, work_flops=None, work_bytes=None):
         """Fill `row` by timing what prepared_factory() returns; errors become the row's status."""
+        if self.dead:
+            row.update(status="error", error=f"not run: the CUDA context was lost earlier ({self.dead})")
+            return row
         over = self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
         try:
             prepared = prepared_factory()
@@ -249,14 +285,23 @@ class _Runner:
         except anc.AnchorSkipped as e:
             row.update(status="skipped", error=str(e))
         except Exception as e:  # noqa: BLE001 - one failing kernel must not end the run
-            row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            row.update(status="error", error=f"{type(e).__name__}: {_first_line(e)}")
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                except Exception as sticky:  # noqa: BLE001
+                    # an illegal access poisons the CUDA context: every later row would fail
+                    self.dead = f"{row['backend']} on {row['case']}: {_first_line(sticky)}"
         return row
 
 
-def _prepared(fn, note=""):
-    return anc.Prepared(fn=fn, note=note)
+def _op_factory(name: str, op: str, args: tuple):
+    """Resolve the backend op inside the timed row, so an import failure is that row's error."""
+    def factory():
+        fn = backend_op(name, op)
+        return anc.Prepared(fn=lambda: fn(*args))
+    return factory
 
 
 def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit):
@@ -273,8 +318,7 @@ def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit
         if (name, "prefill") in failures:
             yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'prefill')]}")
             continue
-        op = backend_op(name, "prefill")
-        yield r.timed(row, lambda: _prepared(lambda: op(q, k, v, case.causal, scale)),
+        yield r.timed(row, _op_factory(name, "prefill", (q, k, v, case.causal, scale)),
                       work_flops=case.flops)
     for name in anchor_names:
         emit(f"{case.label} {name}")
@@ -301,8 +345,7 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
         if (name, "decode") in failures:
             yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'decode')]}")
             continue
-        op = backend_op(name, "decode")
-        yield r.timed(row, lambda: _prepared(lambda: op(q, kc, vc, bt, cl, scale)),
+        yield r.timed(row, _op_factory(name, "decode", (q, kc, vc, bt, cl, scale)),
                       work_flops=case.flops, work_bytes=nbytes)
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
@@ -365,6 +408,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         if cfg.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
         dtype = DTYPES[cfg.dtype]
+    if cfg.anchors is not None:
+        known_anchors = set(anc.PREFILL_ANCHORS) | set(anc.DECODE_ANCHORS) | {anc.COPY_ANCHOR}
+        unknown = sorted(set(cfg.anchors) - known_anchors)
+        if unknown:
+            raise ValueError(f"--anchors: unknown anchor(s) {unknown}; valid names are {sorted(known_anchors)}")
     backends, backend_info = select_backends(cfg, device)
     if device.type == "cpu" and not interp_ok:
         backends = [b for b in backends if b != "triton"]
@@ -430,8 +478,14 @@ def run_bench(cfg: BenchConfig) -> dict:
                 anchor_names = _anchor_names(cfg, op, device)
                 bench_case = _bench_prefill_case if op == "prefill" else _bench_decode_case
                 for case in case_lists[op]:
-                    for row in bench_case(r, case, backends, anchor_names, failures, emit):
+                    try:
+                        for row in bench_case(r, case, backends, anchor_names, failures, emit):
+                            result["rows"].append(row)
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory building inputs
+                        row = _base_row(op, case, "(inputs)", "setup")
+                        row.update(status="error", error=f"{type(e).__name__}: {_first_line(e)}")
                         result["rows"].append(row)
+                        log(f"{op} {case.label}: case setup failed: {row['error']}")
                     _free(device)
                     finalize_rows(result["rows"], result["copy_bandwidth_tbps"])
                     save()

@@ -196,9 +196,13 @@ def _version(dist: str) -> str | None:
 
 
 def git_commit() -> str:
-    """HEAD of the source checkout (+"-dirty"), else $MINIPAGED_GIT_COMMIT, else "unknown"."""
+    """$MINIPAGED_GIT_COMMIT if set, else HEAD of the source checkout (+"-dirty"), else "unknown"."""
     env = os.environ.get("MINIPAGED_GIT_COMMIT")
+    if env:
+        return env
     root = Path(__file__).resolve().parents[3]
+    if not (root / "src" / "minipaged").is_dir():  # an installed package: no checkout to ask
+        return "unknown"
     try:
         head = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"],
@@ -215,7 +219,7 @@ def git_commit() -> str:
             return commit
     except (OSError, subprocess.SubprocessError):
         pass
-    return env or "unknown"
+    return "unknown"
 
 
 def device_name(device: torch.device | str) -> str:
