@@ -173,3 +173,62 @@ def load(verbose: bool | None = None) -> str:
 
 def is_loaded() -> bool:
     return bool(_loaded)
+
+
+# ---------------------------------------------------------------------------
+# Standalone nvcc compiles (no torch): CI build check and the ptxas report.
+
+def nvcc_path() -> str | None:
+    import shutil
+
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def compile_standalone(source: Path | str, arch, out_dir: Path | str, extra: list[str] | None = None):
+    """nvcc -c `source` for sm_`arch` (one arch or a list: one nvcc run, one ptxas
+    pass per arch) with -Xptxas -v. Returns (returncode, combined output)."""
+    import subprocess
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found")
+    archs = [arch] if isinstance(arch, str) else list(arch)
+    source = Path(source)
+    obj = Path(out_dir) / f"{source.stem}.sm{'_'.join(archs)}.o"
+    cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo"]
+    cmd += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    cmd += ["-Xptxas", "-v", "-I", str(CSRC), "-c", str(source), "-o", str(obj), *(extra or [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """[{kernel, arch, registers, smem, stack, spill_stores, spill_loads}] from `-Xptxas -v` output."""
+    import re
+
+    kernels: list[dict] = []
+    cur: dict | None = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(\w+)'", line)
+        if m:
+            cur = {"kernel": m.group(1), "arch": m.group(2), "registers": None, "smem": 0,
+                   "stack": 0, "spill_stores": 0, "spill_loads": 0}
+            kernels.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur["stack"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["smem"] = int(s.group(1)) if s else 0
+    return kernels

@@ -33,7 +33,7 @@ constexpr int kWarps = 4;
 constexpr int kMinTokensPerSplit = 256;
 constexpr int kMaxSplits = 256;
 
-template <typename T, int D, int G, int TPT, int U>
+template <typename T, int D, int G, int TPT, int U, bool PIPE>
 __global__ void __launch_bounds__(kWarps * 32)
 paged_decode_kernel(const DecodeParams p) {
   constexpr int VEC = D / (8 * TPT);  // 16-byte pieces per thread per token row
@@ -61,7 +61,9 @@ paged_decode_kernel(const DecodeParams p) {
   const int h0 = kvh * group + gchunk * G;
   const int ng = min(G, group - gchunk * G);
 
-  const int ctx = p.context_lens[b];
+  // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
+  // walking off the block table.
+  const int ctx = min(p.context_lens[b], p.max_blocks * p.block_size);
   const int start = split * p.tokens_per_split;
   const int end = min(ctx, start + p.tokens_per_split);
 
@@ -102,23 +104,15 @@ paged_decode_kernel(const DecodeParams p) {
   const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + lt * 8;
   const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + lt * 8;
 
-  int tok_base = start + warp * TOK_WARP;
-  int page[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int tok = tok_base + u * SLOTS + slot;
-    page[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
-  }
-
-  for (; tok_base < end; tok_base += TOK_CTA) {
-    uint4 kr[U][VEC], vr[U][VEC];
+  // Issues the K/V row loads of the U token groups at `base` (pages already known).
+  auto issue = [&](int base, const int (&pg)[U], uint4 (&kr)[U][VEC], uint4 (&vr)[U][VEC]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int tok = tok_base + u * SLOTS + slot;
+      const int tok = base + u * SLOTS + slot;
       if (tok < end) {
         const int64_t in_page = tok & bs_mask;
-        const T* kp = kbase + page[u] * p.k_block_stride + in_page * p.k_token_stride;
-        const T* vp = vbase + page[u] * p.v_block_stride + in_page * p.v_token_stride;
+        const T* kp = kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride;
+        const T* vp = vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride;
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           kr[u][v] = ld_stream_16(kp + v * TPT * 8);
@@ -129,11 +123,35 @@ paged_decode_kernel(const DecodeParams p) {
         for (int v = 0; v < VEC; ++v) kr[u][v] = vr[u][v] = make_uint4(0, 0, 0, 0);
       }
     }
-    // Next iteration's pages, while this iteration's rows are in flight.
+  };
+  auto fetch_pages = [&](int base, int (&pg)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int tok = tok_base + TOK_CTA + u * SLOTS + slot;
-      page[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
+      const int tok = base + u * SLOTS + slot;
+      pg[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
+  };
+
+  int tok_base = start + warp * TOK_WARP;
+  int page[U];  // pages of the next token groups to be loaded
+  uint4 kr[U][VEC], vr[U][VEC];
+  fetch_pages(tok_base, page);
+  if constexpr (PIPE) {
+    // Register double buffering: the rows of iteration i+1 are requested
+    // before iteration i is computed.
+    issue(tok_base, page, kr, vr);
+    fetch_pages(tok_base + TOK_CTA, page);
+  }
+
+  for (; tok_base < end; tok_base += TOK_CTA) {
+    uint4 nk[U][VEC], nv[U][VEC];
+    if constexpr (PIPE) {
+      issue(tok_base + TOK_CTA, page, nk, nv);
+      fetch_pages(tok_base + 2 * TOK_CTA, page);
+    } else {
+      issue(tok_base, page, kr, vr);
+      // Next iteration's pages, while this iteration's rows are in flight.
+      fetch_pages(tok_base + TOK_CTA, page);
     }
 
     float s[G][U];
@@ -194,6 +212,16 @@ paged_decode_kernel(const DecodeParams p) {
         for (int g = 0; g < G; ++g) {
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[g][v * 8 + e] = fmaf(pr[g][u], vf[e], acc[g][v * 8 + e]);
+        }
+      }
+    }
+    if constexpr (PIPE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = nk[u][v];
+          vr[u][v] = nv[u][v];
         }
       }
     }
@@ -296,11 +324,11 @@ int group_tile(int group) {
   return 8;
 }
 
-template <typename T, int D, int G, int TPT, int U>
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false>
 cudaError_t launch_tiled(const DecodeParams& p, cudaStream_t stream) {
   const int gchunks = (p.num_q_heads / p.num_kv_heads + G - 1) / G;
   dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
-  paged_decode_kernel<T, D, G, TPT, U><<<grid, kWarps * 32, 0, stream>>>(p);
+  paged_decode_kernel<T, D, G, TPT, U, PIPE><<<grid, kWarps * 32, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1) return err;
   decode_reduce_kernel<T, D><<<dim3(p.num_q_heads, p.batch), D, 0, stream>>>(p);
@@ -322,6 +350,8 @@ cudaError_t launch_for_dim(const DecodeParams& p, cudaStream_t stream) {
           case 1: return launch_tiled<T, D, 2, 8, 4>(p, stream);
           case 2: return launch_tiled<T, D, 2, 16, 2>(p, stream);
           case 3: return launch_tiled<T, D, 2, 16, 4>(p, stream);
+          case 4: return launch_tiled<T, D, 2, 16, 2, true>(p, stream);
+          case 5: return launch_tiled<T, D, 2, 8, 2, true>(p, stream);
           default: return launch_tiled<T, D, 2, 8, 2>(p, stream);
         }
       case 4:

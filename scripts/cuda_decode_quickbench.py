@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Quick timing of the CUDA paged decode on the GPU, next to copy/read anchors.
+
+    PYTHONPATH=src python scripts/cuda_decode_quickbench.py [--sweep]
+
+bf16, Hq=16, Hkv=8, D=128, block 16, pages in random order. Median of
+triton.testing.do_bench (which clears L2 before every timed call); TB/s
+counts the K and V bytes read. The real benchmark harness is bench/; this
+script only exists to tune the kernel (variants, split counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from triton.testing import do_bench
+
+from minipaged.cuda import ops
+
+SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)]
+
+
+def anchors():
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    t_copy = do_bench(lambda: y.copy_(x), return_mode="median")
+    t_read = do_bench(lambda: x.sum(dtype=torch.float32), return_mode="median")
+    del x, y
+    return 2 * (1 << 31) / (t_copy * 1e-3) / 1e12, (1 << 31) / (t_read * 1e-3) / 1e12
+
+
+def problem(B, L, bs=16, Hq=16, Hkv=8, D=128, dtype=torch.bfloat16):
+    nblk = math.ceil(L / bs)
+    kc = torch.randn(B * nblk, bs, Hkv, D, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(B * nblk, device="cuda").view(B, nblk).to(torch.int32)
+    cl = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
+    return q, kc, vc, bt, cl, B * L * Hkv * D * 2 * 2
+
+
+def time_decode(prob, splits=0, variant=0):
+    q, kc, vc, bt, cl, nbytes = prob
+    fn = lambda: ops.decode(q, kc, vc, bt, cl, 0.0883, splits, variant)  # noqa: E731
+    fn()
+    t = do_bench(fn, return_mode="median")
+    return t * 1e3, nbytes / (t * 1e-3) / 1e12
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time the tiling variants and split counts")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  SMs: {torch.cuda.get_device_properties(0).multi_processor_count}")
+    copy_tbps, read_tbps = anchors()
+    print(f"anchor: device copy {copy_tbps:.2f} TB/s (read+write), x.sum() read {read_tbps:.2f} TB/s")
+    for B, L in SHAPES:
+        prob = problem(B, L)
+        us, tbps = time_decode(prob)
+        line = f"decode B={B:<4} L={L:<6} default: {us:8.1f} us {tbps:5.2f} TB/s"
+        if args.sweep:
+            for variant in (1, 2, 3, 4, 5):
+                try:
+                    _, tb = time_decode(prob, variant=variant)
+                    line += f" | v{variant} {tb:4.2f}"
+                except Exception as e:  # keep timing the rest
+                    line += f" | v{variant} ERR {type(e).__name__}"
+            cands = {1: (1, 2, 4), 8: (4, 8, 16, 32), 32: (2, 4, 8), 64: (1, 2, 4), 256: (1, 2)}[B] if B != 1 else (16, 32, 64, 128, 256)
+            for s in cands:
+                for variant in (0, 2, 4):
+                    _, tb = time_decode(prob, splits=s, variant=variant)
+                    line += f" | s{s}v{variant} {tb:4.2f}"
+        print(line, flush=True)
+        del prob
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
