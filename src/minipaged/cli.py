@@ -49,6 +49,33 @@ def _info(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    """Cross-check every available backend against the fp32 torch oracle; exit 1 on a mismatch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from .benchmark.runner import enable_triton_interpreter
+
+        enable_triton_interpreter()
+    from .benchmark import report, runner
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    backends = [b for b, (ok, _) in _available(device.type).items() if ok]
+    rows, failures = runner.crosscheck(backends, device, dtype, device.type == "cpu", print)
+    print(report.crosscheck_table(rows, dtype))
+    bad = [r for r in rows if not r.get("ok")]
+    for r in bad:
+        print(f"FAIL {r['backend']} {r['op']} {r['case']}: {r.get('error') or r.get('max_abs_err')}")
+    return 1 if bad else 0
+
+
+def _available(device: str):
+    from . import registry
+
+    return registry.available_backends(device)
+
+
 def _version() -> str:
     from . import __version__
 
@@ -67,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="backends, device, versions, and what auto picks")
     p.set_defaults(func=_info)
+    p = sub.add_parser("check", help="cross-check every available backend against the torch oracle")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.set_defaults(func=_check)
     for name, (module, help_text) in _DELEGATES.items():
         p = sub.add_parser(name, help=help_text)
         try:
