@@ -272,6 +272,38 @@ def test_config_reads_old_and_new_rope_layouts():
         Qwen3Config.from_dict(dict(old, head_dim=96))
 
 
+# ---------------------------------------------------------------------------- triton (interpreter)
+
+_TRITON_SCRIPT = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from minipaged.engine import Engine
+folder, prompts = sys.argv[1], json.loads(sys.argv[2])
+eng = Engine(folder, device="cpu", backend="triton", dtype=torch.float32, block_size=4, num_blocks=20)
+out = eng.generate(prompts, max_new_tokens=int(sys.argv[3]))
+print(json.dumps({"out": out, "preemptions": eng.stats.preemptions}))
+"""
+
+
+def test_triton_backend_under_interpreter(tiny_ckpt):
+    """The engine on the Triton kernels (TRITON_INTERPRET=1, CPU, fp32), with preemption."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    folder, _, prompts, ref = tiny_ckpt
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, folder, json.dumps(prompts), "6"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["preemptions"] > 0
+    assert got["out"] == [r[:6] for r in ref]
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
