@@ -243,6 +243,15 @@ def test_failing_kernel_records_an_error_row():
     assert "ERROR: RuntimeError: kernel exploded" in table
 
 
+def test_a_build_failure_skips_every_backend_of_that_extension():
+    keys = runner._failure_keys("cuda", "prefill", RuntimeError("Error building extension 'minipaged_cuda'"))
+    assert ("cuda", "decode") in keys and ("cuda-wmma", "prefill") in keys
+    assert not any(b in ("torch", "triton") for b, _ in keys)
+    assert runner._failure_keys("triton", "decode", ValueError("bad shape")) == [("triton", "decode")]
+    assert runner._failure_keys("triton", "prefill", RuntimeError("CompilationError at 3:4")) == [
+        ("triton", "prefill")]
+
+
 def test_ratio_to_best_anchor_and_copy_fraction():
     rows = []
     for backend, kind, ms in [("a", "backend", 2.0), ("f", "anchor", 1.0), ("g", "anchor", 4.0)]:
@@ -367,3 +376,24 @@ def test_time_fn_cuda_events_cold_l2():
     assert 0 < t.min_ms <= t.median_ms
     env = timing.environment("cuda")
     assert env["sm_count"] > 0 and env["l2_cache_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_quick_bench_on_gpu(tmp_path):
+    """The GPU branches of the runner on small shapes: CUDA events, SDPA anchors,
+    copy bandwidth, every available backend (no FlexAttention: its compile is slow)."""
+    lines = []
+    cfg = runner.BenchConfig(quick=True, out=str(tmp_path), anchors=["sdpa-flash", "sdpa-cudnn", "copy"],
+                             reps=10, max_time_s=0.05, plots=False, progress=False, log=lines.append)
+    result = runner.run_bench(cfg)
+    assert result["complete"] and result["env"]["sm_count"] > 0
+    assert result["config"]["dtype"] == "bfloat16"
+    rows = result["rows"]
+    assert all(r["clock"] == "cuda-events" for r in rows if r["status"] == "ok")
+    for r in rows:
+        if r["kind"] == "backend":
+            assert r["status"] in ("ok", "skipped"), r
+    assert any(r["backend"] == "sdpa-flash" and r["status"] == "ok" for r in rows)
+    assert result["copy_bandwidth_tbps"] > 0.5  # any datacenter GPU copies faster than this
+    assert all(r["ok"] for r in result["crosscheck"]), result["crosscheck"]
+    assert (tmp_path / "results.json").exists()

@@ -121,7 +121,10 @@ def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device
 
 # ----------------------------------------------------------------------------- cross-check
 
-_BUILD_WORDS = ("build", "nvcc", "ninja", "compil", "cpp_extension", "no module named", "importerror")
+# an extension that failed to build or load; a Triton CompilationError is *not*
+# one of these (it concerns one kernel, the backend's other ops may be fine)
+_BUILD_WORDS = ("error building extension", "nvcc", "ninja", "cpp_extension", "no module named",
+                "importerror", "modulenotfounderror", "undefined symbol", "cannot open shared object")
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
