@@ -73,70 +73,121 @@ def _paged(B, L, page=16):
     return q, kc, vc, tables, ctx
 
 
-def decode_table(splits_sweep=False, configs=None):
+def _graph_us(sets):
+    """GPU time per decode call: every set decoded once inside one CUDA graph (no
+    host launch cost); the sets together exceed L2, so each call reads cold K/V."""
+    for a in sets:
+        ops.decode(*a, 0.088)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for a in sets:
+            ops.decode(*a, 0.088)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for a in sets:
+            ops.decode(*a, 0.088)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(sets))
+    return sorted(times)[len(times) // 2]
+
+
+def _set_env(splits, cfg):
+    for name, val in (("MINIPAGED_TRITON_DECODE_SPLITS", splits), ("MINIPAGED_TRITON_DECODE_CONFIG", cfg)):
+        if val is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = val
+
+
+def decode_table(sweep=False):
     print("## decode (bf16, Hq16 Hkv8 D128, page 16); TB/s = bytes of K+V read / time")
-    print(f"{'B':>4} {'L':>6} {'variant':>18} {'triton us':>10} {'TB/s':>6} {'sdpa us':>9} {'TB/s':>6}")
+    print("## eager = do_bench of the Python call (L2 flushed); graph = GPU time per call in a CUDA graph, cold K/V")
+    print(f"{'B':>4} {'L':>6} {'variant':>14} {'eager us':>9} {'TB/s':>6} {'graph us':>9} {'TB/s':>6} {'sdpa us':>8} {'TB/s':>6}")
     for B, L in ((1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)):
-        q, kc, vc, tables, ctx = _paged(B, L)
         nbytes = 2 * B * L * HKV * D * 2
-        # SDPA on a dense copy (GQA expanded: it reads twice the bytes we count)
+        reps = max(2, min(16, -(-256 * 2 ** 20 // nbytes)))
+        sets = [_paged(B, L) for _ in range(reps)]
+        q, kc, vc, tables, ctx = sets[0]
         kd = kc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
         vd = vc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
         kr, vr = kd.repeat_interleave(HQ // HKV, 1), vd.repeat_interleave(HQ // HKV, 1)
+        del kd, vd
         q4 = q[:, :, None]
         try:
             t_sdpa = _bench(lambda: _sdpa_flash(q4, kr, vr, False)) * 1e3
             ref = _sdpa_flash(q4, kr, vr, False)[:, :, 0].float()
         except Exception:
             t_sdpa, ref = float("nan"), None
-        del kd, vd
+        del kr, vr
         variants = [(None, None)]
-        if splits_sweep:
-            variants += [(str(s), None) for s in (1, 2, 4, 8, 16, 32, 64)]
-        variants += [(None, c) for c in (configs or [])]
+        if sweep:
+            variants += [(None, c) for c in ("64,4,3", "128,4,2", "128,4,3", "32,4,2", "64,8,2")]
+            variants += [(str(x), None) for x in (1, 2, 4, 8, 16, 32, 64)]
         for splits, cfg in variants:
-            for name, val in (("MINIPAGED_TRITON_DECODE_SPLITS", splits), ("MINIPAGED_TRITON_DECODE_CONFIG", cfg)):
-                if val is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = val
+            _set_env(splits, cfg)
             label = f"s={splits}" if splits else (f"cfg={cfg}" if cfg else "auto")
             try:
                 out = ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))
                 err = (out.float() - ref).abs().max().item() if ref is not None else float("nan")
                 t = _bench(lambda: ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))) * 1e3
-                print(f"{B:>4} {L:>6} {label:>18} {t:>10.1f} {nbytes / t / 1e6:>6.2f} {t_sdpa:>9.1f} "
-                      f"{nbytes / t_sdpa / 1e6:>6.2f}  maxdiff_vs_sdpa={err:.2e}", flush=True)
+                tg = _graph_us(sets)
+                print(f"{B:>4} {L:>6} {label:>14} {t:>9.1f} {nbytes / t / 1e6:>6.2f} {tg:>9.1f} "
+                      f"{nbytes / tg / 1e6:>6.2f} {t_sdpa:>8.1f} {nbytes / t_sdpa / 1e6:>6.2f}  maxdiff_vs_sdpa={err:.2e}",
+                      flush=True)
             except Exception as e:
-                print(f"{B:>4} {L:>6} {label:>18} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
-        os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
-        os.environ.pop("MINIPAGED_TRITON_DECODE_CONFIG", None)
-        del q, kc, vc, kr, vr
+                print(f"{B:>4} {L:>6} {label:>14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        _set_env(None, None)
+        del sets, q, kc, vc
+        torch.cuda.empty_cache()
 
 
-def graph_latency(B=1, L=4096):
-    """Decode latency without launch overhead: captured in a CUDA graph."""
-    q, kc, vc, tables, ctx = _paged(B, L)
-    ops.decode(q, kc, vc, tables, ctx, 0.088)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops.decode(q, kc, vc, tables, ctx, 0.088)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ops.decode(q, kc, vc, tables, ctx, 0.088)
-    t = _bench(lambda: g.replay()) * 1e3
-    print(f"## decode B={B} L={L} in a CUDA graph: {t:.1f} us", flush=True)
+def prefill_extra():
+    """Head dim 64 and non-causal, and the small-grid rule (B=1, N=1k)."""
+    print("## prefill extras (bf16, Hq16 Hkv8)")
+    for B, N, d, causal, cfgs in ((1, 8192, 64, True, [None, "128,128,8,3", "128,64,4,3"]),
+                                  (1, 8192, 128, False, [None, "128,128,8,3"]),
+                                  (1, 1024, 128, True, [None, "128,64,8,3", "64,64,4,3", "64,128,4,3", "64,64,4,2"]),
+                                  (2, 2048, 128, True, [None, "128,64,8,3", "64,64,4,3"])):
+        q = torch.randn(B, HQ, N, d, device="cuda", dtype=DT)
+        k = torch.randn(B, HKV, N, d, device="cuda", dtype=DT)
+        v = torch.randn(B, HKV, N, d, device="cuda", dtype=DT)
+        flops = 4 * B * HQ * N * N * d / (2 if causal else 1)
+        kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+        t_sdpa = _bench(lambda: _sdpa_flash(q, kr, vr, causal))
+        ref = _sdpa_flash(q, kr, vr, causal).float()
+        for cfg in cfgs:
+            if cfg is None:
+                os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+            else:
+                os.environ["MINIPAGED_TRITON_PREFILL_CONFIG"] = cfg
+            try:
+                out = ops.prefill(q, k, v, causal, 1 / math.sqrt(d))
+                err = (out.float() - ref).abs().max().item()
+                t = _bench(lambda: ops.prefill(q, k, v, causal, 1 / math.sqrt(d)))
+                print(f"B={B} N={N} D={d} causal={causal} {cfg or 'table':>12}: {t:.3f} ms "
+                      f"{flops / t / 1e9:.1f} TFLOP/s | sdpa {t_sdpa:.3f} ms {flops / t_sdpa / 1e9:.1f}"
+                      f"  maxdiff={err:.2e}", flush=True)
+            except Exception as e:
+                print(f"B={B} N={N} D={d} {cfg} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:] or ["prefill", "decode"]
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
     if "prefill" in args:
-        prefill_table(["128,64,8,3", "128,128,8,3", "128,128,8,2", "128,64,4,3"] if "sweep" in args else None)
+        prefill_table()
+    if "extra" in args:
+        prefill_extra()
     if "decode" in args:
-        decode_table(splits_sweep="sweep" in args,
-                     configs=["64,4,2", "128,4,3", "64,8,3", "32,4,3"] if "sweep" in args else None)
-    if "graph" in args:
-        graph_latency()
+        decode_table(sweep="sweep" in args)

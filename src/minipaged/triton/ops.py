@@ -8,6 +8,7 @@ decode and write_kv_cache can be captured in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -33,10 +34,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+_NO_SCOPE = contextlib.nullcontext()
+
+
 def _device_scope(t: torch.Tensor):
-    if t.is_cuda:
+    # Triton launches on the current device; switching costs microseconds, so only when needed
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    return _NO_SCOPE
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -136,27 +141,49 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+# (device, dtype, shapes, env overrides) -> (config, num_splits, BLOCK_H): decode is
+# latency-bound at small batch, so the per-call host work is kept to a dict lookup
+_decode_plans: dict = {}
+
+
+def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor):
+    key = (q.device, q.dtype, *q.shape, *k_cache.shape[1:3], block_tables.shape[1],
+           os.environ.get("MINIPAGED_TRITON_DECODE_SPLITS"), os.environ.get("MINIPAGED_TRITON_DECODE_CONFIG"),
+           os.environ.get("TRITON_INTERPRET"))
+    plan = _decode_plans.get(key)
+    if plan is None:
+        batch, num_q_heads, head_dim = q.shape
+        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        cfg = decode_config(head_dim, q.dtype, q.device)
+        capacity = block_tables.shape[1] * page_size
+        num_splits = decode_num_splits(batch, num_kv_heads, capacity, cfg.block_n, q.device)
+        block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
+        plan = _decode_plans[key] = (cfg, num_splits, block_h)
+    return plan
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     batch, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    context_lens = context_lens.contiguous()
-    cfg = decode_config(head_dim, q.dtype, q.device)
-    capacity = block_tables.shape[1] * page_size
-    num_splits = decode_num_splits(batch, num_kv_heads, capacity, cfg.block_n, q.device)
-    block_h = max(16, triton.next_power_of_2(group))
+    if context_lens.stride(0) != 1:
+        context_lens = context_lens.contiguous()
+    cfg, num_splits, block_h = _decode_plan(q, k_cache, block_tables)
     split = num_splits > 1
     if split:
-        o_partial = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32,
-                                device=q.device)
-        lse_partial = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        # one allocation for both partials: [B, Hq, S, D] outputs, then [B, Hq, S] LSEs
+        rows = batch * num_q_heads * num_splits
+        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        o_partial = work[: rows * head_dim]
+        lse_partial = work[rows * head_dim:]
     else:
         o_partial = lse_partial = out  # unused
     with _device_scope(q):
