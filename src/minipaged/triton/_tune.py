@@ -182,6 +182,30 @@ def prefill_extra():
         os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
 
 
+def host_overhead():
+    """Back-to-back eager calls without flushes: max(host launch cost, GPU time) per call."""
+    import time
+
+    q, kc, vc, tables, ctx = _paged(1, 256)
+    for splits in ("1", None):
+        _set_env(splits, None)
+        ops.decode(q, kc, vc, tables, ctx, 0.088)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            ops.decode(q, kc, vc, tables, ctx, 0.088)
+        torch.cuda.synchronize()
+        print(f"## eager decode B=1 L=256 splits={splits or 'auto'}: "
+              f"{(time.perf_counter() - t0) / 300 * 1e6:.1f} us per call back-to-back", flush=True)
+    _set_env(None, None)
+    a = torch.randn(16, 16, 128, device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(300):
+        torch.empty_like(a)
+    torch.cuda.synchronize()
+    print(f"## torch.empty: {(time.perf_counter() - t0) / 300 * 1e6:.2f} us", flush=True)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:] or ["prefill", "decode"]
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
@@ -189,5 +213,7 @@ if __name__ == "__main__":
         prefill_table()
     if "extra" in args:
         prefill_extra()
+    if "overhead" in args:
+        host_overhead()
     if "decode" in args:
         decode_table(sweep="sweep" in args)
