@@ -36,6 +36,21 @@ def _columns(op: str):
     return cols
 
 
+def shapes_line(rows: list[dict], op: str) -> str:
+    """The head shape the cases of `op` share, e.g. "Hq=16 Hkv=8 D=128, block size 16"."""
+    seen = []
+    for r in rows:
+        sh = r.get("shape")
+        if r["op"] != op or not sh:
+            continue
+        text = f"Hq={sh['num_q_heads']} Hkv={sh['num_kv_heads']} D={sh['head_dim']}"
+        if op == "decode":
+            text += f", block size {sh['block_size']}, pages scattered at random"
+        if text not in seen:
+            seen.append(text)
+    return "; ".join(seen)
+
+
 def _table_cells(rows, op):
     cols = _columns(op)
     body = [[fn(r) for _, fn in cols] for r in rows if r["op"] == op]
@@ -48,6 +63,8 @@ def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_no
             for row in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = [f"== {_OP_TITLE[op]} ==  (* = anchor; vs best anchor > 1 means faster)"]
+    if shapes_line(rows, op):
+        lines.append(shapes_line(rows, op))
     if op == "decode" and copy_tbps:
         lines.append(f"device copy bandwidth: {copy_tbps:.3g} TB/s (bytes read + written)")
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
@@ -116,9 +133,11 @@ def markdown_report(result: dict) -> str:
         f"- dtype {cfg['dtype']}, {'quick grid' if cfg['quick'] else 'standard grid'}"
         + (", Triton interpreter" if env.get("triton_interpret") else ""),
         "",
-        "Median of many calls, each with a cold L2 (a 2x-L2 buffer is overwritten between calls, "
-        "outside the timed events), random inputs, warm-up and compilation excluded. "
-        "Anchors (marked *) ran in the same process. `vs best anchor` = fastest anchor's median "
+        ("Median of many calls, each with a cold L2 (a buffer of at least 2x L2 is overwritten "
+         "between calls, outside the timed CUDA events), random inputs, warm-up and compilation excluded. "
+         if env.get("device_type") == "cuda" else
+         "CPU run (time.perf_counter, no cache flush): it shows the harness works, not GPU speed. ")
+        + "Anchors (marked *) ran in the same process. `vs best anchor` = fastest anchor's median "
         "/ this row's median (> 1: faster than every anchor).",
         "",
     ]
@@ -128,7 +147,7 @@ def markdown_report(result: dict) -> str:
         lines += ["## Cross-check", "", crosscheck_table(result["crosscheck"], markdown=True), ""]
     for op in ("prefill", "decode"):
         if any(r["op"] == op for r in result["rows"]):
-            lines += [f"## {_OP_TITLE[op]}", ""]
+            lines += [f"## {_OP_TITLE[op]}", "", f"Shapes: {shapes_line(result['rows'], op)}.", ""]
             if op == "decode" and result.get("copy_bandwidth_tbps"):
                 lines += [f"Device copy bandwidth: {result['copy_bandwidth_tbps']:.3f} TB/s "
                           "(bytes read + written).", ""]
