@@ -5,9 +5,10 @@ any number of sequences packed back to back (no padding). Attention goes
 through the minipaged kernels; K/V are written to, and read back from, the
 paged cache only.
 
-Numerics mirror transformers' Qwen3 (RMSNorm in fp32 then cast, weight applied
-after the cast, RoPE cos/sin cast to the model dtype, residual adds in the model
-dtype) so greedy tokens match it exactly in fp32 and closely in bf16.
+Numerics follow transformers' Qwen3 (RMSNorm statistics in fp32, RoPE cos/sin
+cast to the model dtype, residual adds in the model dtype): greedy tokens match
+it in fp32; in bf16 the fused RMSNorm rounds once where transformers rounds
+twice, well inside bf16 noise.
 """
 
 from __future__ import annotations
@@ -38,18 +39,23 @@ class AttentionMetadata:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """RMSNorm over the last dim, statistics in fp32 (one fused kernel where torch has one).
+
+    weight may be [D], or [H, D] for per-head weights over x [T, H, D].
+    """
+    if weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox (rotate-half) RoPE. x [T, H, D]; cos/sin [T, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Neox (rotate-half) RoPE. x [T, H, D]; cos, sin_signed [T, D] in x's dtype.
+
+    rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin): one roll instead of
+    slice + negate + cat, same values (negation is exact).
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return x * cos[:, None, :] + rolled * sin_signed[:, None, :]
 
 
 class Qwen3Model:
@@ -91,12 +97,14 @@ class Qwen3Model:
                 qkv_bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                       w(p + "self_attn.v_proj.bias")], dim=0)
             gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)
+            # q and k heads sit side by side in the qkv output: one norm call covers both
+            qk_norm = torch.cat([w(p + "self_attn.q_norm.weight").expand(cfg.num_attention_heads, -1),
+                                 w(p + "self_attn.k_norm.weight").expand(cfg.num_key_value_heads, -1)])
             self.layers.append({
                 "input_norm": w(p + "input_layernorm.weight"),
                 "qkv": qkv,
                 "qkv_bias": qkv_bias,
-                "q_norm": w(p + "self_attn.q_norm.weight"),
-                "k_norm": w(p + "self_attn.k_norm.weight"),
+                "qk_norm": qk_norm.contiguous(),
                 "o": w(p + "self_attn.o_proj.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 "gate_up": gate_up,
@@ -109,9 +117,8 @@ class Qwen3Model:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))
         pos = torch.arange(n_pos, dtype=torch.float, device=device)
         freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table = emb.cos().to(dtype)
-        self.sin_table = emb.sin().to(dtype)
+        self.cos_table = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(dtype)
+        self.sin_table = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype)
         self.max_positions = n_pos
 
     # ------------------------------------------------------------------ forward
@@ -138,11 +145,11 @@ class Qwen3Model:
         for li, L in enumerate(self.layers):
             x = rms_norm(h, L["input_norm"], eps)
             qkv = F.linear(x, L["qkv"], L["qkv_bias"])
-            q = qkv[:, :q_size].view(T, Hq, D)
-            k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
+            qk = qkv[:, :q_size + kv_size].view(T, Hq + Hkv, D)
             v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
-            q = apply_rope(rms_norm(q, L["q_norm"], eps), cos, sin)
-            k = apply_rope(rms_norm(k, L["k_norm"], eps), cos, sin)
+            # QK-norm (per head, before RoPE), then RoPE, for q and k heads at once
+            qk = apply_rope(rms_norm(qk, L["qk_norm"], eps), cos, sin)
+            q, k = qk[:, :Hq], qk[:, Hq:]
             mp.write_kv_cache(k, v, k_caches[li], v_caches[li], meta.slot_mapping,
                               backend=self.backend, check_values=False)
             if meta.is_prefill:
