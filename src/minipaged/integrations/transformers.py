@@ -16,15 +16,15 @@ the 2D padding mask [B, kv_len] (or None when nothing is padded), as
 transformers does for FlashAttention. Padded batches are then *unpadded*:
 valid query and key tokens are gathered into the varlen layout, attended with
 `prefill_attention_varlen`, and scattered back; padded query rows get zeros.
-Any other pattern (custom and/or mask functions, packed sequences detected by
-transformers, a 4D mask passed by the caller) arrives as a 4D mask; it is
-accepted only if it is exactly "causal (or full) attention over the valid keys",
-which is verified, and otherwise refused with NotImplementedError -- a mask is
-never silently ignored.
-
-Packed sequences without a mask follow transformers' FlashAttention
-convention: with attention_mask None and position_ids that restart inside a
-row (padding-free batches), each restart begins a new sequence.
+Any other pattern (custom and/or mask functions, packed sequences that
+transformers detected from position_ids, a 4D mask passed by the caller)
+arrives as a 4D mask; it is accepted only if it is exactly causal attention
+over the valid keys, causal attention within packed segments, or full
+attention over the valid keys -- which is verified -- and otherwise refused
+with NotImplementedError. A mask is never silently ignored, and the result
+always equals what eager attention computes on the real (non-padding) queries.
+Explicitly packed batches (FlashAttention kwargs cu_seq_lens_q/k) go straight
+to the varlen kernel.
 
 Not supported (raise): dropout > 0 in training, sliding windows, logit
 softcapping, attention sinks. Forward only: the kernels define no backward.
@@ -169,13 +169,17 @@ def _allowed_from_4d(mask: torch.Tensor, batch: int, num_q: int, num_k: int) -> 
     return allowed[:, 0].expand(batch, num_q, num_k)
 
 
-def _valid_from_4d(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Recognise allowed [B, Nq, Nk] as causal-over-valid-keys or full-over-valid-keys.
+def _valid_from_4d(allowed: torch.Tensor):
+    """Recognise allowed [B, Nq, Nk] as one of the patterns the varlen kernels compute.
 
-    Returns (q_valid, kv_valid, causal). Rows of padded queries (which see no
-    key, or whose own key is padding) are not compared: their output is zeros.
-    Anything else (block-diagonal packing, sliding windows, custom patterns)
-    raises NotImplementedError.
+    Returns (q_valid [B, Nq], kv_valid [B, Nk], causal, segment_starts or None):
+      * causal over the valid keys, queries at key offset `o` (o = Nk - Nq with a
+        DynamicCache, the past length with a StaticCache);
+      * causal within packed segments (Nq == Nk, no cache): block-diagonal;
+      * full attention over the valid keys.
+    Rows of padded queries (which see no key, or whose own key is padding) are
+    not compared: their output is zeros. Anything else (sliding windows, custom
+    mask functions) raises NotImplementedError.
     """
     batch, num_q, num_k = allowed.shape
     dev = allowed.device
@@ -183,28 +187,46 @@ def _valid_from_4d(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, b
     rows_any = allowed.any(2)
     i = torch.arange(num_q, device=dev)
     j = torch.arange(num_k, device=dev)
+
+    def same(expected, q_valid) -> bool:
+        return bool(((expected == allowed) | ~q_valid[:, :, None]).all())
+
     # Causal: the last key a real query sees is its own token, at offset + i.
     last = torch.where(allowed, j, torch.full_like(j, -1)).amax(2)
-    if bool(rows_any.any()):
-        offset = int((last - i)[rows_any].max())
-    else:
-        offset = num_k - num_q
+    offset = int((last - i)[rows_any].max()) if bool(rows_any.any()) else num_k - num_q
     if 0 <= offset <= num_k - num_q:
         q_valid = kv_valid[:, offset : offset + num_q]
-        expected = kv_valid[:, None, :] & (j[None, :] <= offset + i[:, None])[None]
-        matches = ((expected == allowed) | ~q_valid[:, :, None]).all()
+        causal = (j[None, :] <= offset + i[:, None])[None]
         # valid keys after the last query would break the bottom-right alignment
         tail_empty = not bool(kv_valid[:, offset + num_q :].any())
-        if bool(matches) and tail_empty:
-            return q_valid, kv_valid, True
-    q_valid = rows_any
-    expected = kv_valid[:, None, :].expand_as(allowed)
-    if bool(((expected == allowed) | ~q_valid[:, :, None]).all()):
-        return q_valid, kv_valid, False
+        if tail_empty and same(kv_valid[:, None, :] & causal, q_valid):
+            return q_valid, kv_valid, True, None
+        if offset == 0 and num_q == num_k and tail_empty:
+            # packed segments: a segment's first token sees only itself
+            starts = q_valid & (allowed.sum(2) == 1)
+            seg = torch.cumsum(starts.long(), 1)
+            same_seg = seg[:, :, None] == seg[:, None, :]
+            if same(kv_valid[:, None, :] & causal & same_seg, q_valid):
+                return q_valid, kv_valid, True, starts
+    # Full attention: every row sees the same keys, so a padded query cannot be
+    # told from its row; as with a 2D mask, the queries are the last Nq keys.
+    q_valid = rows_any & kv_valid[:, num_k - num_q :] if num_q <= num_k else rows_any
+    if same(kv_valid[:, None, :].expand_as(allowed), q_valid):
+        return q_valid, kv_valid, False, None
     raise NotImplementedError(
-        "minipaged attention: the attention_mask is neither causal nor full attention over a set of valid keys "
-        "(e.g. packed sequences with a cache, sliding windows, custom mask functions); use another attn_implementation"
+        "minipaged attention: the attention_mask is neither causal (per sequence or packed segment) nor full "
+        "attention over a set of valid keys (e.g. sliding windows, custom mask functions); use another attn_implementation"
     )
+
+
+def _unpad_segments(valid: torch.Tensor, starts: torch.Tensor) -> _Unpad:
+    """Packed rows: every segment of valid tokens is its own varlen sequence (q and k alike)."""
+    b, n = valid.nonzero(as_tuple=True)
+    seg = torch.cumsum(starts[b, n].long(), 0) - 1
+    lens = torch.bincount(seg, minlength=1) if seg.numel() else seg.new_zeros(0)
+    cu = _cu_seqlens(lens)
+    max_len = int(lens.max()) if lens.numel() else 0
+    return _Unpad(b, n, b, n, cu, cu, max_len, max_len)
 
 
 class _UnpadCache(threading.local):
@@ -231,7 +253,6 @@ class _UnpadCache(threading.local):
 
 
 _mask_cache = _UnpadCache()
-_pos_cache = _UnpadCache()
 
 
 def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, causal: bool):
@@ -245,7 +266,11 @@ def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, caus
             raise ValueError(f"attention_mask has batch {mask.shape[0]} but the query has {batch}")
         q_valid, kv_valid = _valid_from_2d(mask, num_q, num_k)
     elif mask.dim() == 4:
-        q_valid, kv_valid, causal = _valid_from_4d(_allowed_from_4d(mask, batch, num_q, num_k))
+        q_valid, kv_valid, causal, starts = _valid_from_4d(_allowed_from_4d(mask, batch, num_q, num_k))
+        if starts is not None:
+            plan = (_unpad_segments(q_valid, starts), True)
+            _mask_cache.put(mask, key, plan)
+            return plan
     else:
         raise ValueError(f"attention_mask must be 2D [B, kv_len] or 4D [B, 1, Nq, Nk], got shape {tuple(mask.shape)}")
     if bool(kv_valid.all()) and bool(q_valid.all()):
@@ -253,34 +278,6 @@ def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, caus
     else:
         plan = (_unpad_from_valid(q_valid, kv_valid), causal)
     _mask_cache.put(mask, key, plan)
-    return plan
-
-
-def _plan_from_position_ids(position_ids, batch: int, num_q: int, num_k: int):
-    """Padding-free packing (FlashAttention convention): a position that does not
-    follow its left neighbour by +1 starts a new sequence. None if there is none."""
-    if position_ids is None or num_q != num_k or num_q < 2 or not isinstance(position_ids, torch.Tensor):
-        return None
-    if position_ids.dim() != 2 or position_ids.shape[-1] != num_q:
-        return None
-    key = (batch, num_q)
-    hit = _pos_cache.get(position_ids, key)
-    if hit is not None:
-        return hit[0]
-    pos = position_ids.expand(batch, num_q)
-    starts = torch.ones(batch, num_q, dtype=torch.bool, device=pos.device)
-    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-    plan = None
-    if bool(starts[:, 1:].any()):
-        flat = starts.flatten()
-        idx = torch.arange(batch * num_q, device=pos.device)
-        start_idx = idx[flat]
-        lens = torch.diff(start_idx, append=torch.tensor([batch * num_q], device=pos.device))
-        b, n = idx // num_q, idx % num_q
-        cu = _cu_seqlens(lens)
-        max_len = int(lens.max())
-        plan = _Unpad(b, n, b, n, cu, cu, max_len, max_len)
-    _pos_cache.put(position_ids, key, (plan,))
     return plan
 
 
@@ -322,9 +319,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if batch != 1:
             raise ValueError(f"cu_seq_lens_q/k need a packed batch of size 1, got batch {batch}")
         return _run_packed(query, key, value, cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs, is_causal, scale, backend, layer_idx)
-    if attention_mask is None:
-        plan = _plan_from_position_ids(kwargs.get("position_ids"), batch, num_q, num_k)
-    else:
+    if attention_mask is not None:
         plan, is_causal = _plan_from_mask(attention_mask, batch, num_q, num_k, is_causal)
 
     if plan is None:
