@@ -252,6 +252,16 @@ def test_a_build_failure_skips_every_backend_of_that_extension():
         ("triton", "prefill")]
 
 
+def test_flex_rows_stop_compiling_past_the_cap():
+    r = runner._Runner(_cfg(quick=True), torch.device("cpu"), torch.float32, True)
+    case = cs.PrefillCase(1, 16, 16, 2, 1, 64)
+    rows = list(runner._bench_prefill_case(r, case, [], ["flex"], {}, lambda s: None))
+    assert rows[0]["status"] == "skipped" and "CUDA only" in rows[0]["error"]  # CPU: no compile
+    r.flex_compile_s = r.FLEX_COMPILE_CAP_S + 1
+    rows = list(runner._bench_prefill_case(r, case, [], ["flex"], {}, lambda s: None))
+    assert rows[0]["status"] == "skipped" and "compile budget" in rows[0]["error"]
+
+
 def test_ratio_to_best_anchor_and_copy_fraction():
     rows = []
     for backend, kind, ms in [("a", "backend", 2.0), ("f", "anchor", 1.0), ("g", "anchor", 4.0)]:

@@ -257,15 +257,23 @@ class _Runner:
             self.time_budget_s = None if quick else 150.0
         self.t0 = time.perf_counter()
         self.min_reps = 2 if device.type == "cpu" else 10
-        self.dead: str | None = None
         self.warmup = 1 if device.type == "cpu" else 3
+        self.dead: str | None = None
+        self.flex_compile_s = 0.0
+
+    # torch.compile is the one cost the rep count cannot bound: stop compiling new
+    # FlexAttention shapes once this much time went into it
+    FLEX_COMPILE_CAP_S = 120.0
+
+    def over_budget(self) -> bool:
+        return self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
 
     def timed(self, row, prepared_factory, work_flops=None, work_bytes=None):
         """Fill `row` by timing what prepared_factory() returns; errors become the row's status."""
         if self.dead:
             row.update(status="error", error=f"not run: the CUDA context was lost earlier ({self.dead})")
             return row
-        over = self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
+        over = self.over_budget()
         try:
             prepared = prepared_factory()
             with prepared.context():
@@ -327,7 +335,18 @@ def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit
         emit(f"{case.label} {name}")
         row = _base_row("prefill", case, name, "anchor")
         if name == "flex":
-            factory = lambda: anc.prepare_flex_prefill(q, k, v, causal=case.causal, scale=scale)  # noqa: E731
+            if r.over_budget() or r.flex_compile_s > r.FLEX_COMPILE_CAP_S:
+                yield dict(row, status="skipped",
+                           error=f"compile budget spent ({r.flex_compile_s:.0f} s of torch.compile so far)"
+                           if r.flex_compile_s > r.FLEX_COMPILE_CAP_S else "past --time-budget: no new compiles")
+                continue
+
+            def factory():
+                t0 = time.perf_counter()
+                try:
+                    return anc.prepare_flex_prefill(q, k, v, causal=case.causal, scale=scale)
+                finally:
+                    r.flex_compile_s += time.perf_counter() - t0
         else:
             factory = (lambda n=name: anc.prepare_sdpa_prefill(n, q, k, v, causal=case.causal, scale=scale))
         yield r.timed(row, factory, work_flops=case.flops)
