@@ -8,6 +8,7 @@ real Qwen3-0.6B shape with random weights in bf16.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -338,8 +339,7 @@ def _hf_pair(cfg: Qwen3Config, dev):
     """transformers model (eager attention), random weights: bf16 + an fp32 copy of the same weights."""
     torch.manual_seed(0)
     hf16 = _hf_from_config(cfg, "eager", torch.bfloat16, dev)
-    hf32 = _hf_from_config(cfg, "eager", torch.float32, dev)
-    hf32.load_state_dict({k: v.float() for k, v in hf16.state_dict().items()})
+    hf32 = copy.deepcopy(hf16).to(torch.float32)  # keeps the embedding / lm_head tie
     return hf16, hf32
 
 
