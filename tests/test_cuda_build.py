@@ -76,11 +76,10 @@ def test_binding_parses_with_torch_headers(tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    cuda_inc = None
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     if NVCC is not None:
-        cand = Path(NVCC).resolve().parent.parent / "include"
-        if (cand / "cuda_runtime.h").exists():
-            cuda_inc = cand
+        cands.insert(0, str(Path(NVCC).resolve().parent.parent))
+    cuda_inc = next((Path(c) / "include" for c in cands if c and (Path(c) / "include/cuda_runtime.h").exists()), None)
     if cuda_inc is None:
         pytest.skip("CUDA headers (cuda_runtime.h) not found")
     incs = _torch_include_dirs()
