@@ -136,6 +136,12 @@ def test_prefill_noncontiguous_interpreter(causal):
 
 
 @cpu_only
+def test_head_dim_256_interpreter():
+    """D=256 is beyond the public API's 64/128 but the kernels take it."""
+    _run_prefill(1, 2, 1, 21, 21, 256, True, torch.float32, "cpu")
+
+
+@cpu_only
 def test_prefill_custom_scale_interpreter():
     _run_prefill(1, 2, 1, 19, 19, 64, True, torch.float32, "cpu", scale=0.37)
 
@@ -297,6 +303,11 @@ def test_decode_interpreter(case, dtype):
 def test_decode_splits_interpreter(splits, monkeypatch):
     _run_decode([97, 0, 33, 200], 4, 2, 64, 16, torch.float16, "cpu", splits=splits,
                 monkeypatch=monkeypatch)
+
+
+@cpu_only
+def test_decode_head_dim_256_interpreter():
+    _run_decode([19, 40], 4, 2, 256, 16, torch.float32, "cpu")
 
 
 @cpu_only
