@@ -289,6 +289,18 @@ def test_json_is_strict_even_with_nan(tmp_path):
     assert "FAIL (NaN in the output)" in paths[1].read_text()
 
 
+def test_plots_rerender_from_json(quick_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from minipaged.benchmark import plots
+
+    _, out, _ = quick_run
+    assert plots.main([str(out), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "prefill.png").stat().st_size > 1000 and (tmp_path / "decode.png").exists()
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert not any(n.startswith("plots skipped") for n in data["notes"])
+    assert "## Decode" in (tmp_path / "results.md").read_text()
+
+
 def test_plots_skip_with_a_note_without_matplotlib(tmp_path, monkeypatch):
     from minipaged.benchmark import plots
 
