@@ -492,6 +492,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 result["rows"].append(row)
                 if row["status"] == "ok":
                     result["copy_bandwidth_tbps"] = row["tbps"]
+                else:
+                    log(f"copy bandwidth: {row['status']}: {row['error']}")
                 del prepared
                 _free(device)
             if "decode" in ops:
