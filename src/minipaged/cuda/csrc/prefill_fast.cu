@@ -8,13 +8,16 @@
 namespace minipaged {
 namespace fast {
 
-// Block shapes. Both keep one warp per 16 query rows with Q held in registers.
-//   kSmall: 4 warps, BLOCK_M 64  -- more CTAs when the grid would be short
-//   kLarge: 8 warps, BLOCK_M 128 -- K/V tiles shared by twice the rows
+// Block shapes (bench/results/prefill_ablation.md has the measurements):
+//   kSmall: 4 warps x 16 rows, BLOCK_M 64, Q in registers -- twice the CTAs
+//           when the grid would otherwise not fill the GPU
+//   kLarge: 4 warps x 32 rows, BLOCK_M 128, Q re-read from shared memory --
+//           every K/V fragment feeds two m-tiles, which halves ldmatrix
+//           traffic per MMA (shared-memory bandwidth bounds the 16-row warp)
 template <typename T, int D>
 using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
-using CfgLarge = PrefillCfg<T, D, 64, 8, 1, true, 2>;
+using CfgLarge = PrefillCfg<T, D, 64, 4, 2, false, 2>;
 
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {

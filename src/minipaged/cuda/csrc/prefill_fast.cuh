@@ -25,7 +25,7 @@ namespace minipaged {
 namespace fast {
 
 template <typename T_, int kD_, int kBlockN_, int kWarps_, int kMTiles_, bool kQInRegs_,
-          int kStages_, bool kSwizzle_ = true, int kMinBlocks_ = 1>
+          int kStages_, bool kSwizzle_ = true, int kMinBlocks_ = 1, bool kLazyRescale_ = true>
 struct PrefillCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -36,6 +36,7 @@ struct PrefillCfg {
   static constexpr int kStages = kStages_;
   static constexpr bool kSwizzle = kSwizzle_;
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
+  static constexpr bool kLazyRescale = kLazyRescale_;
 
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = 16 * kMTiles;
@@ -56,7 +57,7 @@ struct PrefillCfg {
 
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
   static_assert(kBlockN % 16 == 0, "kBlockN");
-  static_assert(kStages == 1 || kStages == 2, "stages");
+  static_assert(kStages >= 1 && kStages <= 4, "stages");
   static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must split evenly");
   static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must split evenly");
 };
@@ -81,7 +82,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typena
                                                 int tid) {
   constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
   constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
-  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kRowStep % 8 == 0, "copy layout");
+  static_assert(Cfg::kThreads % Cfg::kChunks == 0, "copy layout");
   const int r = tid / Cfg::kChunks;
   const int c = tid % Cfg::kChunks;
   const uint32_t dst = smem_tile + smem_off<Cfg>(r, c) * 2;
@@ -90,7 +91,10 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typena
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const bool in_range = row0 + r + it * kRowStep < num_rows;
-    cp_async_16(dst + it * kRowStep * Cfg::kD * 2, in_range ? src + it * src_step : gmem, in_range);
+    // With a row step that is a multiple of 8 the swizzle repeats every step.
+    const uint32_t d = kRowStep % 8 == 0 ? dst + it * kRowStep * Cfg::kD * 2
+                                         : smem_tile + smem_off<Cfg>(r + it * kRowStep, c) * 2;
+    cp_async_16(d, in_range ? src + it * src_step : gmem, in_range);
   }
 }
 
@@ -105,6 +109,9 @@ __device__ __forceinline__ uint32_t chunk_pair_step(uint32_t base, int kk) {
     return base + uint32_t(kk << 5);
   }
 }
+
+// Lazy rescaling tolerates a stale row max this far (log2 units) below the true one.
+constexpr float kRescaleLog2 = 8.f;
 
 struct MaskOn { static constexpr bool value = true; };
 struct MaskOff { static constexpr bool value = false; };
@@ -187,12 +194,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                                   seqlen_k, tid);
   };
 
-  // Prologue: Q (group 0), then K/V tile 0 (group 1).
+  // Prologue: Q (group 0), then K/V tiles 0 .. kStages-2 (one group each).
   load_tile_async<Cfg, kBlockM>(s_q_u32, q_ptr + int64_t(m_start) * p.q_row_stride,
                                 p.q_row_stride, 0, m_rows, tid);
   cp_async_commit();
   load_kv(0, 0);
   cp_async_commit();
+#pragma unroll
+  for (int st = 1; st + 1 < Cfg::kStages; ++st) {
+    if (st < n_tiles) load_kv(st, st);
+    cp_async_commit();
+  }
 
   // ldmatrix.x4: lane l supplies the address of row (l & 7) of 8x8 matrix l / 8.
   const int lm_row8 = lane & 7;
@@ -208,15 +220,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   uint32_t q_frag[Cfg::kQInRegs ? kMT : 1][Cfg::kQInRegs ? kD / 16 : 1][4];
   if constexpr (Cfg::kQInRegs) {
-    cp_async_wait<1>();
+    cp_async_wait<(Cfg::kStages > 1 ? Cfg::kStages - 1 : 1)>();  // Q only
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
         ldmatrix_x4(q_frag[mt][kk], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
-    // Stage 1 (where Q may live) is refilled by the first iteration.
-    if constexpr (Cfg::kQAliased) __syncthreads();
+    // Stage 1 (where Q may live) is refilled only after the first loop barrier.
   }
 
   float acc_o[kMT][kDT][4];
@@ -250,16 +261,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   auto tile_step = [&](int t, auto mask_tag) {
     constexpr bool kMask = decltype(mask_tag)::value;
-    int stage = 0;
-    if constexpr (Cfg::kStages == 2) {
-      stage = t & 1;
-      if (t + 1 < n_tiles) load_kv(t + 1, stage ^ 1);
+    // One barrier per tile: once tile t has landed (only the kStages-2 newer
+    // copies may still be in flight) and every warp has finished tile t-1,
+    // the stage tile t-1 used is refilled with tile t+kStages-1.
+    const int stage = t % Cfg::kStages;
+    if constexpr (Cfg::kStages >= 2) {
+      cp_async_wait<Cfg::kStages - 2>();
+      __syncthreads();
+      const int t_load = t + Cfg::kStages - 1;
+      if (t_load < n_tiles) load_kv(t_load, t_load % Cfg::kStages);
       cp_async_commit();
-      cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
+      __syncthreads();
     }
-    __syncthreads();
     const uint32_t k_stage = k_lm + stage * kStageBytes;
     const uint32_t v_stage = v_lm + stage * kStageBytes;
     const int n0 = (n_tiles - 1 - t) * kBlockN;
@@ -313,28 +328,71 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
 
     // ---- online softmax on the fragments ----
+    // Row extremum of this tile (raw units), reduced over the quad owning the row.
+    float tile_ext[kMT][2];
+    if (!neg_scale) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float ext = row_ext[mt][h];
-        if (!neg_scale) {
+        for (int h = 0; h < 2; ++h) {
+          float ext = row_ext[mt][h];
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt)
             ext = fmaxf(ext, fmaxf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
           ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-          ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-        } else {
+          tile_ext[mt][h] = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+        }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float ext = row_ext[mt][h];
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt)
             ext = fminf(ext, fminf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
           ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-          ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+          tile_ext[mt][h] = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
         }
-        // A row that has seen only masked keys keeps base 0, so exp2(-inf - 0) = 0.
-        const float base = (ext == masked) ? 0.f : ext * scale_log2;
-        const float alpha = fast_exp2(row_ext[mt][h] * scale_log2 - base);
-        row_ext[mt][h] = ext;
+    }
+    // Move the reference maximum (and rescale O) only when needed. Lazy mode
+    // keeps a stale reference while the true max exceeds it by at most
+    // kRescaleLog2 (p <= 2^kRescaleLog2, harmless in fp32 and in 16-bit P);
+    // the final 1/l uses the same reference, so the result is exact. The
+    // decision is warp-uniform, so the common case skips the O multiply.
+    bool rescale = true;
+    if constexpr (Cfg::kLazyRescale) {
+      bool need = false;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          need |= tile_ext[mt][h] * scale_log2 - row_ext[mt][h] * scale_log2 > kRescaleLog2;
+      rescale = __any_sync(0xffffffffu, need);
+    }
+    if (rescale) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float ext = tile_ext[mt][h];
+          // A row that has seen only masked keys keeps base 0: exp2(-inf - 0) = 0.
+          const float base = (ext == masked) ? 0.f : ext * scale_log2;
+          const float alpha = fast_exp2(row_ext[mt][h] * scale_log2 - base);
+          row_ext[mt][h] = ext;
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            acc_o[mt][dt][2 * h] *= alpha;
+            acc_o[mt][dt][2 * h + 1] *= alpha;
+          }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float base = (row_ext[mt][h] == masked) ? 0.f : row_ext[mt][h] * scale_log2;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -344,12 +402,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           acc_s[mt][nt][2 * h + 1] = p1;
           sum += p0 + p1;
         }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          acc_o[mt][dt][2 * h] *= alpha;
-          acc_o[mt][dt][2 * h + 1] *= alpha;
-        }
+        row_sum[mt][h] += sum;
       }
 
     // ---- O += P V ----
@@ -375,9 +428,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
 
-    // Everyone is done with this stage before it is refilled.
-    __syncthreads();
     if constexpr (Cfg::kStages == 1) {
+      // Single buffer: everyone must be done with it before it is refilled.
+      __syncthreads();
       if (t + 1 < n_tiles) load_kv(t + 1, 0);
       cp_async_commit();
     }
@@ -393,11 +446,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     tile_step(t, MaskOn{});
   }
   for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
-  cp_async_wait<0>();  // drain the trailing (empty) groups
+  cp_async_wait<0>();  // drain the trailing (empty) group
 
   // ---- epilogue: O / l, staged through shared memory for 16-byte stores ----
-  // The warp writes only its own rows of the Q area; the final barrier of the
-  // loop already separated this from other warps' reads of an aliased stage.
+  // The warp writes only its own rows of the Q area. When that area is stage
+  // 1, other warps may still be reading it for the last tile.
+  if constexpr (Cfg::kQAliased) __syncthreads();
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
