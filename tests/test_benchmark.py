@@ -376,6 +376,7 @@ def test_quick_mode_json_schema(quick_run):
         assert data["env"]["triton_interpret"] is True
     xc = data["crosscheck"]
     assert xc and all(r["ok"] for r in xc), xc
+    assert any(r["backend"] == "sdpa-flash" and r.get("kind") == "anchor" for r in xc)
     md = (out / "results.md").read_text()
     assert data["env"]["git_commit"] in md and "| case | backend |" in md
 
