@@ -48,6 +48,7 @@ class GenerateStats:
     preemptions: int = 0
     cuda_graph: bool = False
     step_batch_sizes: list[int] = field(default_factory=list)
+    decode_batch_sizes: list[int] = field(default_factory=list)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -270,6 +271,7 @@ class Engine:
             st.prefill_seconds += dt
         else:
             st.decode_steps += 1
+            st.decode_batch_sizes.append(len(batch))
             st.decode_tokens += len(batch)
             st.decode_seconds += dt
         for seq, tok in zip(batch, tokens):
