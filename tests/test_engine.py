@@ -230,6 +230,16 @@ def test_config_eos_stops_unless_ignored(tiny_ckpt, tmp_path):
     eng = Engine.from_state_dict(cfg, hf.state_dict(), device="cpu", backend="torch", num_blocks=64)
     assert eng.generate([prompts[0]], max_new_tokens=MAX_NEW) == [ref[0][: ref[0].index(ref[0][2]) + 1]]
     assert eng.generate([prompts[0]], max_new_tokens=MAX_NEW, ignore_eos=True) == [ref[0]]
+    # a checkpoint's generation_config.json EOS ids count too
+    import json
+    import shutil
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(folder, f), tmp_path / f)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ref[0][2]]}))
+    eng = _engine(str(tmp_path))
+    assert eng.eos_token_ids == [ref[0][2]]
+    assert eng.generate([prompts[0]], max_new_tokens=MAX_NEW) == [ref[0][: ref[0].index(ref[0][2]) + 1]]
 
 
 def test_sampling_reproducible_with_seed(tiny_ckpt):

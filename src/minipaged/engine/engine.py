@@ -35,6 +35,22 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be one of auto, {sorted(set(_DTYPES))}, got {dtype!r}") from None
 
 
+def _eos_from_generation_config(folder: str, eos: list[int]) -> list[int]:
+    """config.json's EOS ids plus generation_config.json's (Qwen3 lists <|im_end|> and <|endoftext|> there)."""
+    import json
+
+    path = os.path.join(folder, "generation_config.json")
+    try:
+        with open(path) as f:
+            extra = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return eos
+    if extra is None:
+        return eos
+    extra = extra if isinstance(extra, list) else [extra]
+    return list(dict.fromkeys([*eos, *(int(e) for e in extra)]))
+
+
 @dataclass
 class GenerateStats:
     """Timings of the last generate() call (wall clock, synchronised per step)."""
@@ -113,6 +129,7 @@ class Engine:
             if not os.path.isdir(self.model_path):
                 raise FileNotFoundError(f"model folder {self.model_path!r} does not exist")
             cfg = Qwen3Config.from_any(self.model_path)
+            cfg.eos_token_ids = _eos_from_generation_config(self.model_path, cfg.eos_token_ids)
             state = state_dict if state_dict is not None else load_checkpoint(self.model_path, cfg)
         else:
             cfg = qwen3_0_6b_config() if model is None else Qwen3Config.from_any(model)

@@ -96,6 +96,11 @@ def check_state_dict(state: dict[str, torch.Tensor], cfg: Qwen3Config) -> dict[s
     for name, shape in wanted.items():
         if name in state and tuple(state[name].shape) != shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(state[name].shape)}, config expects {shape}")
+    if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
+        import warnings
+
+        warnings.warn("the checkpoint has no lm_head.weight though tie_word_embeddings is false; "
+                      "using the input embedding as the output projection", stacklevel=3)
     if "lm_head.weight" not in state or cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     elif tuple(state["lm_head.weight"].shape) != (cfg.vocab_size, cfg.hidden_size):
