@@ -201,6 +201,16 @@ def test_prompt_that_never_fits_raises(tiny_ckpt):
     assert eng.generate([[1, 2]], max_new_tokens=0) == [[]]
 
 
+def test_unavailable_backend_fails_at_construction(tiny_ckpt):
+    import minipaged as mp
+
+    folder = tiny_ckpt[0]
+    with pytest.raises(mp.BackendUnavailableError):
+        _engine(folder, backend="cuda")  # CPU tensors: the CUDA kernels cannot run them
+    with pytest.raises(ValueError):
+        _engine(folder, backend="no-such-backend")
+
+
 def test_max_model_len_stops_generation(tiny_ckpt):
     folder, _, prompts, ref = tiny_ckpt
     eng = _engine(folder, max_model_len=20)

@@ -120,6 +120,10 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(dtype, self.device)
         self.backend = backend
+        from minipaged import registry
+
+        for op in ("prefill_varlen", "decode", "write_kv_cache"):
+            registry.resolve(op, self.device.type, backend)  # an unusable backend fails here, not mid-generate
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
 
