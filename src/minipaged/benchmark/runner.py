@@ -469,7 +469,20 @@ def run_bench(cfg: BenchConfig) -> dict:
     out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    # On CPU (a functional check, not a speed figure) one intra-op thread: on a
+    # loaded 2-core box, 2 spinning threads turn a 2 ms call into 10-70 ms noise.
+    saved_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -> dict:
     env = timing.environment(device)
+    env["torch_threads"] = torch.get_num_threads()
     result = dict(
         schema=SCHEMA, env=env,
         config=dict(op=cfg.op, dtype=str(dtype).replace("torch.", ""), quick=quick,
