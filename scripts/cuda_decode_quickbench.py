@@ -45,7 +45,7 @@ def time_decode(prob, splits=0, variant=0):
     q, kc, vc, bt, cl, nbytes = prob
     fn = lambda: ops.decode(q, kc, vc, bt, cl, 0.0883, splits, variant)  # noqa: E731
     fn()
-    t = do_bench(fn, return_mode="median")
+    t = do_bench(fn, warmup=10, rep=40, return_mode="median")
     return t * 1e3, nbytes / (t * 1e-3) / 1e12
 
 
@@ -61,15 +61,17 @@ def main():
         us, tbps = time_decode(prob)
         line = f"decode B={B:<4} L={L:<6} default: {us:8.1f} us {tbps:5.2f} TB/s"
         if args.sweep:
-            for variant in (1, 2, 3, 4, 5):
+            for variant in (1, 2, 3, 5, 6, 7, 8):
                 try:
                     _, tb = time_decode(prob, variant=variant)
                     line += f" | v{variant} {tb:4.2f}"
                 except Exception as e:  # keep timing the rest
                     line += f" | v{variant} ERR {type(e).__name__}"
-            cands = {1: (1, 2, 4), 8: (4, 8, 16, 32), 32: (2, 4, 8), 64: (1, 2, 4), 256: (1, 2)}[B] if B != 1 else (16, 32, 64, 128, 256)
+            cands = {1: (32, 48, 64, 96, 128), 8: (6, 8, 12), 32: (2, 3, 4), 64: (1, 2), 256: ()}[B]
+            if B == 1 and L <= 4096:
+                cands = (16, 32, 64)
             for s in cands:
-                for variant in (0, 2, 4):
+                for variant in (0, 6, 7):
                     _, tb = time_decode(prob, splits=s, variant=variant)
                     line += f" | s{s}v{variant} {tb:4.2f}"
         print(line, flush=True)

@@ -52,18 +52,33 @@ def _ops():
     return torch.ops.minipaged_cuda
 
 
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check(name, x, head_dim_axis=-1):
+    # Shape/dtype facts only (no device sync); api.py has checked everything
+    # else. Raising here keeps the common mistakes out of the C++ layer.
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name}: the cuda backends take float16 or bfloat16, got {x.dtype}")
+    if x.shape[head_dim_axis] not in (64, 128):
+        raise ValueError(f"{name}: head dim must be 64 or 128 on the cuda backends, got {x.shape[head_dim_axis]}")
+
+
 def prefill(q, k, v, causal, scale):
     """FA2-style prefill through the mma.sync kernel (launch_prefill_fast). q [B,Hq,Nq,D]."""
+    _check("q", q)
     return _ops().prefill_fast(q, k, v, bool(causal), float(scale))
 
 
 def prefill_wmma(q, k, v, causal, scale):
     """The article's WMMA teaching kernel (launch_prefill_wmma). q [B,Hq,Nq,D]."""
+    _check("q", q)
     return _ops().prefill_wmma(q, k, v, bool(causal), float(scale))
 
 
 def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
     """Varlen prefill through the mma.sync kernel. q [Tq,Hq,D], cu_seqlens int32 [S+1]."""
+    _check("q", q)
     return _ops().prefill_varlen_fast(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale)
     )
@@ -71,6 +86,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def prefill_varlen_wmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
     """Varlen prefill through the WMMA teaching kernel."""
+    _check("q", q)
     return _ops().prefill_varlen_wmma(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale)
     )
@@ -81,9 +97,11 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0,
 
     num_splits (0: heuristic) and variant (0: tuned tiling) exist for benchmarking.
     """
+    _check("q", q)
     return _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), num_splits, variant)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Scatter k/v [T,Hkv,D] into the paged caches at slot_mapping (negative = skip). Returns None."""
+    _check("k", k)
     _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)

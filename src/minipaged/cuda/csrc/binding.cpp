@@ -15,6 +15,25 @@
 #include "kernels.h"
 #include "params.h"
 
+// Errors are thrown from this library (not through c10's torchCheckFail) and
+// never while a device guard is alive; the Python exception type follows the
+// DESIGN rules: TypeError for dtypes, ValueError for shapes/values,
+// RuntimeError for a launch failure.
+#define MP_FAIL(kind, ...) \
+  throw ::c10::kind({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, ::c10::str(__VA_ARGS__))
+#define MP_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) MP_FAIL(Error, __VA_ARGS__); \
+  } while (0)
+#define MP_CHECK_VALUE(cond, ...) \
+  do {                            \
+    if (!(cond)) MP_FAIL(ValueError, __VA_ARGS__); \
+  } while (0)
+#define MP_CHECK_TYPE(cond, ...) \
+  do {                           \
+    if (!(cond)) MP_FAIL(TypeError, __VA_ARGS__); \
+  } while (0)
+
 namespace {
 
 using minipaged::DType;
@@ -24,22 +43,20 @@ DType dtype_of(const at::Tensor& t, const char* name) {
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
     default:
-      TORCH_CHECK_TYPE(false, "minipaged cuda: ", name, " must be float16 or bfloat16, got ",
-                       t.scalar_type());
+      MP_FAIL(TypeError, "minipaged cuda: ", name, " must be float16 or bfloat16, got ", t.scalar_type());
   }
-  return DType::kFloat16;  // unreachable
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), "minipaged cuda: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == like.device(), "minipaged cuda: ", name, " is on ", t.device(),
+  MP_CHECK_VALUE(t.is_cuda(), "minipaged cuda: ", name, " must be a CUDA tensor");
+  MP_CHECK_VALUE(t.device() == like.device(), "minipaged cuda: ", name, " is on ", t.device(),
               " but q is on ", like.device());
-  TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1, "minipaged cuda: ", name,
+  MP_CHECK_VALUE(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1, "minipaged cuda: ", name,
               " must have a contiguous last dim");
 }
 
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "minipaged cuda: ", what, " failed: ", cudaGetErrorName(err), " (",
+  MP_CHECK(err == cudaSuccess, "minipaged cuda: ", what, " failed: ", cudaGetErrorName(err), " (",
               cudaGetErrorString(err), ")");
 }
 
@@ -75,24 +92,21 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
   check_cuda_tensor(k, "k", q);
   check_cuda_tensor(v, "v", q);
   const DType dtype = dtype_of(q, "q");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+  MP_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "minipaged cuda: q, k, v must share one dtype");
-  c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor o = q.new_empty(q.sizes());
-
+  // o is a fresh contiguous tensor of q's shape: its strides are known before it exists.
   minipaged::PrefillParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  p.o = o.data_ptr();
   if (varlen) {
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "minipaged cuda: varlen q/k/v must be 3-D");
+    MP_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "minipaged cuda: varlen q/k/v must be 3-D");
     const at::Tensor& cq = *cu_seqlens_q;
     const at::Tensor& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt,
+    MP_CHECK_TYPE(cq.scalar_type() == at::kInt && ck.scalar_type() == at::kInt,
                 "minipaged cuda: cu_seqlens must be int32");
-    TORCH_CHECK(cq.is_contiguous() && ck.is_contiguous(), "minipaged cuda: cu_seqlens must be contiguous");
-    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 1, "minipaged cuda: cu_seqlens sizes differ");
+    MP_CHECK_VALUE(cq.is_contiguous() && ck.is_contiguous(), "minipaged cuda: cu_seqlens must be contiguous");
+    MP_CHECK_VALUE(cq.numel() == ck.numel() && cq.numel() >= 1, "minipaged cuda: cu_seqlens sizes differ");
     check_cuda_tensor(cq, "cu_seqlens_q", q);
     check_cuda_tensor(ck, "cu_seqlens_k", q);
     p.cu_seqlens_q = cq.data_ptr<int32_t>();
@@ -105,11 +119,11 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
     p.q_row_stride = q.stride(0), p.q_head_stride = q.stride(1);
     p.k_row_stride = k.stride(0), p.k_head_stride = k.stride(1);
     p.v_row_stride = v.stride(0), p.v_head_stride = v.stride(1);
-    p.o_row_stride = o.stride(0), p.o_head_stride = o.stride(1);
+    p.o_row_stride = q.size(1) * q.size(2), p.o_head_stride = q.size(2);
     p.max_seqlen_q = static_cast<int>(max_seqlen_q);
     p.max_seqlen_k = static_cast<int>(max_seqlen_k);
   } else {
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "minipaged cuda: dense q/k/v must be 4-D");
+    MP_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "minipaged cuda: dense q/k/v must be 4-D");
     p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
     p.batch = static_cast<int>(q.size(0));
     p.num_q_heads = static_cast<int>(q.size(1));
@@ -118,7 +132,8 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
     p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
     p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
     p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
-    p.o_batch_stride = o.stride(0), p.o_head_stride = o.stride(1), p.o_row_stride = o.stride(2);
+    p.o_batch_stride = q.size(1) * q.size(2) * q.size(3), p.o_head_stride = q.size(2) * q.size(3);
+    p.o_row_stride = q.size(3);
     p.max_seqlen_q = static_cast<int>(q.size(2));
     p.max_seqlen_k = static_cast<int>(k.size(2));
   }
@@ -126,8 +141,17 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
   p.causal = causal;
   p.dtype = dtype;
   p.num_sms = num_sms(q.get_device());
-  if (o.numel() == 0) return o;
-  check_launch(launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()), launcher_name);
+  at::Tensor o;
+  cudaError_t err = cudaSuccess;
+  {
+    c10::cuda::CUDAGuard guard(q.device());
+    o = q.new_empty(q.sizes());
+    if (o.numel() > 0) {
+      p.o = o.data_ptr();
+      err = launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+    }
+  }
+  check_launch(err, launcher_name);
   return o;
 }
 
@@ -166,62 +190,72 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
   check_cuda_tensor(block_tables, "block_tables", q);
   check_cuda_tensor(context_lens, "context_lens", q);
   const DType dtype = dtype_of(q, "q");
-  TORCH_CHECK(k_cache_in.scalar_type() == q.scalar_type() && v_cache_in.scalar_type() == q.scalar_type(),
+  MP_CHECK_TYPE(k_cache_in.scalar_type() == q.scalar_type() && v_cache_in.scalar_type() == q.scalar_type(),
               "minipaged cuda: q and the caches must share one dtype");
-  TORCH_CHECK(q.dim() == 3 && k_cache_in.dim() == 4 && v_cache_in.dim() == 4,
+  MP_CHECK_VALUE(q.dim() == 3 && k_cache_in.dim() == 4 && v_cache_in.dim() == 4,
               "minipaged cuda: decode wants q [B,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+  MP_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "minipaged cuda: block_tables and context_lens must be int32");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.is_contiguous(),
+  MP_CHECK_VALUE(context_lens.dim() == 1 && context_lens.is_contiguous(),
               "minipaged cuda: context_lens must be a contiguous 1-D tensor");
-  TORCH_CHECK(block_tables.dim() == 2, "minipaged cuda: block_tables must be 2-D");
-  c10::cuda::CUDAGuard guard(q.device());
-  // The kernel streams cache rows in 16-byte pieces; a cache view that is not
-  // 16-byte aligned (never the case for PagedKVCache) is copied once here.
-  const at::Tensor k_cache = rows_aligned16(k_cache_in) ? k_cache_in : k_cache_in.contiguous();
-  const at::Tensor v_cache = rows_aligned16(v_cache_in) ? v_cache_in : v_cache_in.contiguous();
-  const at::Tensor bt = block_tables.size(1) > 1 && block_tables.stride(1) != 1
-                            ? block_tables.contiguous()
-                            : block_tables;
-
-  at::Tensor o = q.new_empty(q.sizes());
-  minipaged::DecodeParams p{};
-  p.q = q.data_ptr();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.o = o.data_ptr();
-  p.block_tables = bt.data_ptr<int32_t>();
-  p.context_lens = context_lens.data_ptr<int32_t>();
-  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1);
-  p.o_batch_stride = o.stride(0), p.o_head_stride = o.stride(1);
-  p.k_block_stride = k_cache.stride(0), p.k_token_stride = k_cache.stride(1), p.k_head_stride = k_cache.stride(2);
-  p.v_block_stride = v_cache.stride(0), p.v_token_stride = v_cache.stride(1), p.v_head_stride = v_cache.stride(2);
-  p.block_table_stride = bt.stride(0);
-  p.batch = static_cast<int>(q.size(0));
-  p.num_q_heads = static_cast<int>(q.size(1));
-  p.num_kv_heads = static_cast<int>(k_cache.size(2));
-  p.head_dim = static_cast<int>(q.size(2));
-  p.block_size = static_cast<int>(k_cache.size(1));
-  p.max_blocks = static_cast<int>(bt.size(1));
-  p.scale = static_cast<float>(scale);
-  p.dtype = dtype;
-  p.num_sms = num_sms(q.get_device());
-  p.variant = static_cast<int>(variant);
-  TORCH_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
-              "minipaged cuda: Hq must be a multiple of Hkv");
-  TORCH_CHECK(p.head_dim == 64 || p.head_dim == 128, "minipaged cuda: head_dim must be 64 or 128, got ",
-              p.head_dim);
-  if (o.numel() == 0) return o;
-  minipaged::decode_plan(p, static_cast<int>(num_splits));
-  at::Tensor workspace;
-  if (p.num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits;
-    workspace = q.new_empty({rows * (p.head_dim + 1)}, q.options().dtype(at::kFloat));
-    p.partial_o = workspace.data_ptr<float>();
-    p.partial_lse = p.partial_o + rows * p.head_dim;
+  MP_CHECK_VALUE(block_tables.dim() == 2, "minipaged cuda: block_tables must be 2-D");
+  MP_CHECK_VALUE(k_cache_in.size(2) > 0 && q.size(1) % k_cache_in.size(2) == 0,
+                 "minipaged cuda: Hq must be a multiple of Hkv");
+  MP_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "minipaged cuda: head_dim must be 64 or 128, got ",
+                 q.size(2));
+  MP_CHECK_VALUE(k_cache_in.size(3) == q.size(2) && v_cache_in.size(3) == q.size(2) &&
+                     v_cache_in.size(2) == k_cache_in.size(2) && v_cache_in.size(1) == k_cache_in.size(1),
+                 "minipaged cuda: cache shapes do not match q");
+  MP_CHECK_VALUE(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+                 "minipaged cuda: block_tables/context_lens batch differs from q");
+  at::Tensor o;
+  cudaError_t err = cudaSuccess;
+  {
+    c10::cuda::CUDAGuard guard(q.device());
+    // The kernel streams cache rows in 16-byte pieces; a cache view that is not
+    // 16-byte aligned (never the case for PagedKVCache) is copied once here.
+    const at::Tensor k_cache = rows_aligned16(k_cache_in) ? k_cache_in : k_cache_in.contiguous();
+    const at::Tensor v_cache = rows_aligned16(v_cache_in) ? v_cache_in : v_cache_in.contiguous();
+    const at::Tensor bt =
+        block_tables.size(1) > 1 && block_tables.stride(1) != 1 ? block_tables.contiguous() : block_tables;
+    o = q.new_empty(q.sizes());
+    minipaged::DecodeParams p{};
+    p.q = q.data_ptr();
+    p.k_cache = k_cache.data_ptr();
+    p.v_cache = v_cache.data_ptr();
+    p.o = o.data_ptr();
+    p.block_tables = bt.data_ptr<int32_t>();
+    p.context_lens = context_lens.data_ptr<int32_t>();
+    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1);
+    p.o_batch_stride = o.stride(0), p.o_head_stride = o.stride(1);
+    p.k_block_stride = k_cache.stride(0), p.k_token_stride = k_cache.stride(1);
+    p.k_head_stride = k_cache.stride(2);
+    p.v_block_stride = v_cache.stride(0), p.v_token_stride = v_cache.stride(1);
+    p.v_head_stride = v_cache.stride(2);
+    p.block_table_stride = bt.stride(0);
+    p.batch = static_cast<int>(q.size(0));
+    p.num_q_heads = static_cast<int>(q.size(1));
+    p.num_kv_heads = static_cast<int>(k_cache.size(2));
+    p.head_dim = static_cast<int>(q.size(2));
+    p.block_size = static_cast<int>(k_cache.size(1));
+    p.max_blocks = static_cast<int>(bt.size(1));
+    p.scale = static_cast<float>(scale);
+    p.dtype = dtype;
+    p.num_sms = num_sms(q.get_device());
+    p.variant = static_cast<int>(variant);
+    if (o.numel() > 0) {
+      minipaged::decode_plan(p, static_cast<int>(num_splits));
+      at::Tensor workspace;
+      if (p.num_splits > 1) {
+        const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits;
+        workspace = q.new_empty({rows * (p.head_dim + 1)}, q.options().dtype(at::kFloat));
+        p.partial_o = workspace.data_ptr<float>();
+        p.partial_lse = p.partial_o + rows * p.head_dim;
+      }
+      err = minipaged::launch_decode(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+    }
   }
-  check_launch(minipaged::launch_decode(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream()),
-               "launch_decode");
+  check_launch(err, "launch_decode");
   return o;
 }
 
@@ -232,16 +266,15 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   check_cuda_tensor(k_cache, "k_cache", k);
   check_cuda_tensor(v_cache, "v_cache", k);
   check_cuda_tensor(slot_mapping, "slot_mapping", k);
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+  MP_CHECK_VALUE(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "minipaged cuda: write_kv_cache wants k/v [T,Hkv,D] and caches [num_blocks,block_size,Hkv,D]");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+  MP_CHECK_TYPE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
                   k.scalar_type() == v.scalar_type(),
               "minipaged cuda: k, v and the caches must share one dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+  MP_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
               "minipaged cuda: slot_mapping must be int32 or int64");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+  MP_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
               "minipaged cuda: slot_mapping must be a contiguous 1-D tensor");
-  c10::cuda::CUDAGuard guard(k.device());
   minipaged::WriteKVParams p{};
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -259,9 +292,20 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   p.block_size = static_cast<int>(k_cache.size(1));
   p.num_slots = k_cache.size(0) * k_cache.size(1);
   p.elem_bytes = static_cast<int>(k.element_size());
-  check_launch(minipaged::launch_write_kv_cache(p, c10::cuda::getCurrentCUDAStream(k.get_device()).stream()),
-               "launch_write_kv_cache");
+  MP_CHECK_VALUE(v.size(0) == k.size(0) && slot_mapping.numel() == k.size(0),
+                 "minipaged cuda: k, v and slot_mapping must have one row per token");
+  MP_CHECK_VALUE(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && v_cache.sizes() == k_cache.sizes() &&
+                     v.sizes() == k.sizes(),
+                 "minipaged cuda: k/v and cache shapes do not match");
+  cudaError_t err = cudaSuccess;
+  {
+    c10::cuda::CUDAGuard guard(k.device());
+    err = minipaged::launch_write_kv_cache(p, c10::cuda::getCurrentCUDAStream(k.get_device()).stream());
+  }
+  check_launch(err, "launch_write_kv_cache");
 }
+
+
 
 }  // namespace
 

@@ -22,6 +22,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -30,10 +33,15 @@ namespace minipaged {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMinTokensPerSplit = 256;
+constexpr int kMinTokensPerSplit = 128;
 constexpr int kMaxSplits = 256;
 
-template <typename T, int D, int G, int TPT, int U, bool PIPE>
+// STAGES == 0: K/V rows go straight to registers (PIPE: double-buffered).
+// STAGES >= 2: rows are staged through shared memory with cp.async, STAGES-1
+// iterations ahead. Each thread only ever reads back the bytes it copied
+// itself, so the pipeline needs cp.async.wait_group but no block barrier, and
+// the in-flight data costs shared memory instead of registers.
+template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES>
 __global__ void __launch_bounds__(kWarps * 32)
 paged_decode_kernel(const DecodeParams p) {
   constexpr int VEC = D / (8 * TPT);  // 16-byte pieces per thread per token row
@@ -46,6 +54,7 @@ paged_decode_kernel(const DecodeParams p) {
   __shared__ float sm_m[kWarps][G];
   __shared__ float sm_l[kWarps][G];
   __shared__ float sm_acc[kWarps][G][D];
+  extern __shared__ uint4 stage_smem[];  // [STAGES][U][VEC][2][threads], STAGES >= 2 only
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -63,9 +72,13 @@ paged_decode_kernel(const DecodeParams p) {
 
   // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
   // walking off the block table.
-  const int ctx = min(p.context_lens[b], p.max_blocks * p.block_size);
+  const int capacity = p.max_blocks * p.block_size;
+  const int ctx = min(p.context_lens[b], capacity);
   const int start = split * p.tokens_per_split;
   const int end = min(ctx, start + p.tokens_per_split);
+  // Block-table reads are bounded by the table, not by ctx, so they need not
+  // wait for context_lens; entries past ctx are read but never followed.
+  const int table_end = min(capacity, start + p.tokens_per_split);
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
@@ -128,15 +141,44 @@ paged_decode_kernel(const DecodeParams p) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int tok = base + u * SLOTS + slot;
-      pg[u] = tok < end ? __ldg(bt + (tok >> log2_bs)) : 0;
+      pg[u] = tok < table_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
+  };
+
+  // cp.async staging: thread t's piece (stage, u, v, k|v) at a stride of the
+  // block size, so a warp's 32 pieces are 512 contiguous bytes (no conflicts).
+  auto staged = [&](int st, int u, int v, int kv) -> uint4* {
+    return stage_smem + ((((st * U + u) * VEC + v) * 2 + kv) * (kWarps * 32) + threadIdx.x);
+  };
+  auto issue_async = [&](int base, const int (&pg)[U], int st) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * SLOTS + slot;
+      const bool valid = tok < end;
+      const int64_t in_page = tok & bs_mask;
+      const T* kp = valid ? kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride : kbase;
+      const T* vp = valid ? vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride : vbase;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        cp_async_16(staged(st, u, v, 0), kp + v * TPT * 8, valid);
+        cp_async_16(staged(st, u, v, 1), vp + v * TPT * 8, valid);
+      }
     }
   };
 
   int tok_base = start + warp * TOK_WARP;
   int page[U];  // pages of the next token groups to be loaded
   uint4 kr[U][VEC], vr[U][VEC];
+  int stage = 0;
   fetch_pages(tok_base, page);
-  if constexpr (PIPE) {
+  if constexpr (STAGES >= 2) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      issue_async(tok_base + st * TOK_CTA, page, st);
+      cp_async_commit();
+      fetch_pages(tok_base + (st + 1) * TOK_CTA, page);
+    }
+  } else if constexpr (PIPE) {
     // Register double buffering: the rows of iteration i+1 are requested
     // before iteration i is computed.
     issue(tok_base, page, kr, vr);
@@ -145,7 +187,23 @@ paged_decode_kernel(const DecodeParams p) {
 
   for (; tok_base < end; tok_base += TOK_CTA) {
     uint4 nk[U][VEC], nv[U][VEC];
-    if constexpr (PIPE) {
+    if constexpr (STAGES >= 2) {
+      int st_next = stage + STAGES - 1;
+      if (st_next >= STAGES) st_next -= STAGES;
+      issue_async(tok_base + (STAGES - 1) * TOK_CTA, page, st_next);
+      cp_async_commit();
+      fetch_pages(tok_base + STAGES * TOK_CTA, page);
+      cp_async_wait<STAGES - 1>();  // this iteration's group has landed
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = *staged(stage, u, v, 0);
+          vr[u][v] = *staged(stage, u, v, 1);
+        }
+      }
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    } else if constexpr (PIPE) {
       issue(tok_base + TOK_CTA, page, nk, nv);
       fetch_pages(tok_base + 2 * TOK_CTA, page);
     } else {
@@ -215,7 +273,7 @@ paged_decode_kernel(const DecodeParams p) {
         }
       }
     }
-    if constexpr (PIPE) {
+    if constexpr (PIPE && STAGES < 2) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -226,6 +284,7 @@ paged_decode_kernel(const DecodeParams p) {
       }
     }
   }
+  if constexpr (STAGES >= 2) cp_async_wait<0>();  // no copy may outlive the block
 
   // Merge the token slots of the warp: lanes with the same lt hold the same dims.
 #pragma unroll
@@ -307,7 +366,7 @@ __global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) 
   for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[s]);
   const float mref = mx == -INFINITY ? 0.f : mx;
   float L = 0.f, O = 0.f;
-#pragma unroll 4
+#pragma unroll 16
   for (int s = 0; s < S; ++s) {
     const float w = fast_exp2(lse[s] - mref);
     L += w;
@@ -324,81 +383,112 @@ int group_tile(int group) {
   return 8;
 }
 
-template <typename T, int D, int G, int TPT, int U, bool PIPE = false>
-cudaError_t launch_tiled(const DecodeParams& p, cudaStream_t stream) {
-  const int gchunks = (p.num_q_heads / p.num_kv_heads + G - 1) / G;
-  dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
-  paged_decode_kernel<T, D, G, TPT, U, PIPE><<<grid, kWarps * 32, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-  decode_reduce_kernel<T, D><<<dim3(p.num_q_heads, p.batch), D, 0, stream>>>(p);
-  return cudaGetLastError();
+using DecodeKernel = void (*)(const DecodeParams);
+
+struct KernelInfo {
+  DecodeKernel kernel = nullptr;
+  DecodeKernel reduce = nullptr;
+  int group_tile = 1;
+  int smem_bytes = 0;  // dynamic shared memory
+};
+
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0>
+KernelInfo info() {
+  KernelInfo k;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES>;
+  k.reduce = decode_reduce_kernel<T, D>;
+  k.group_tile = G;
+  k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (8 * TPT)) * 2 * kWarps * 32 * 16 : 0;
+  return k;
 }
 
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
 // live in registers), so larger groups spread a row over more threads.
 // `variant` exposes alternatives of the common G <= 2, D = 128 case for tuning.
 template <typename T, int D>
-cudaError_t launch_for_dim(const DecodeParams& p, cudaStream_t stream) {
+KernelInfo select_for_dim(const DecodeParams& p) {
   const int g = group_tile(p.num_q_heads / p.num_kv_heads);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return launch_tiled<T, D, 1, 8, 2>(p, stream);
+        return info<T, D, 1, 8, 2>();
       case 2:
         switch (p.variant) {
-          case 1: return launch_tiled<T, D, 2, 8, 4>(p, stream);
-          case 2: return launch_tiled<T, D, 2, 16, 2>(p, stream);
-          case 3: return launch_tiled<T, D, 2, 16, 4>(p, stream);
-          case 4: return launch_tiled<T, D, 2, 16, 2, true>(p, stream);
-          case 5: return launch_tiled<T, D, 2, 8, 2, true>(p, stream);
-          default: return launch_tiled<T, D, 2, 8, 2>(p, stream);
+          case 1: return info<T, D, 2, 8, 4>();
+          case 2: return info<T, D, 2, 16, 2>();
+          case 3: return info<T, D, 2, 16, 4>();
+          case 4: return info<T, D, 2, 16, 2, true>();
+          case 5: return info<T, D, 2, 8, 2, true>();
+          case 6: return info<T, D, 2, 8, 2, false, 3>();
+          case 7: return info<T, D, 2, 16, 2, false, 4>();
+          case 8: return info<T, D, 2, 16, 4, false, 3>();
+          default: return info<T, D, 2, 8, 2>();
         }
       case 4:
-        return launch_tiled<T, D, 4, 16, 2>(p, stream);
+        return info<T, D, 4, 16, 2>();
       default:
-        return launch_tiled<T, D, 8, 16, 2>(p, stream);
+        return info<T, D, 8, 16, 2>();
     }
   } else {
     switch (g) {
-      case 1:
-        return launch_tiled<T, D, 1, 8, 4>(p, stream);
-      case 2:
-        return launch_tiled<T, D, 2, 8, 4>(p, stream);
-      case 4:
-        return launch_tiled<T, D, 4, 8, 2>(p, stream);
-      default:
-        return launch_tiled<T, D, 8, 8, 2>(p, stream);
+      case 1: return info<T, D, 1, 8, 4>();
+      case 2: return info<T, D, 2, 8, 4>();
+      case 4: return info<T, D, 4, 8, 2>();
+      default: return info<T, D, 8, 8, 2>();
     }
   }
 }
 
-template <typename T>
-cudaError_t launch_for_type(const DecodeParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return launch_for_dim<T, 64>(p, stream);
-    case 128: return launch_for_dim<T, 128>(p, stream);
-    default: return cudaErrorNotSupported;
+KernelInfo select_kernel(const DecodeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return {};
+  const bool d128 = p.head_dim == 128;
+  switch (p.dtype) {
+    case DType::kFloat16: return d128 ? select_for_dim<__half, 128>(p) : select_for_dim<__half, 64>(p);
+    case DType::kBFloat16:
+      return d128 ? select_for_dim<__nv_bfloat16, 128>(p) : select_for_dim<__nv_bfloat16, 64>(p);
   }
+  return {};
+}
+
+// Resident blocks per SM for a kernel (cached: the occupancy query is host-only
+// but not free, and decode is launched once per layer per step).
+int blocks_per_sm(const KernelInfo& k) {
+  static std::mutex mu;
+  static std::vector<std::pair<DecodeKernel, int>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : cache)
+    if (e.first == k.kernel) return e.second;
+  if (k.smem_bytes > 48 * 1024)
+    cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes);
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    n = 0;
+  }
+  n = std::max(n, 1);
+  cache.emplace_back(k.kernel, n);
+  return n;
 }
 
 }  // namespace
 
 void decode_plan(DecodeParams& p, int requested_splits) {
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int g = group_tile(group);
+  const int group = p.num_q_heads / std::max(p.num_kv_heads, 1);
+  const KernelInfo k = select_kernel(p);
+  const int g = std::max(k.group_tile, 1);
   const int64_t gchunks = (group + g - 1) / g;
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
   int64_t splits = 1;
   if (requested_splits > 0) {
     splits = requested_splits;
-  } else {
-    // Aim for about four resident CTAs per SM; never cut a sequence into
-    // pieces shorter than kMinTokensPerSplit (the merge would cost more).
+  } else if (k.kernel != nullptr) {
+    // Fill one wave of resident blocks, not more: a second, partial wave costs
+    // more than it hides (measured on the H200). Never cut a sequence into
+    // pieces shorter than kMinTokensPerSplit: the merge would cost more.
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
-    const int64_t target = 4LL * std::max(p.num_sms, 1);
-    if (ctas > 0 && 2 * ctas < target) {
-      splits = (target + ctas - 1) / ctas;
+    const int64_t slots = static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
+    if (ctas > 0 && 2 * ctas <= slots) {
+      splits = slots / ctas;
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
     }
   }
@@ -422,11 +512,16 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   if (p.batch > 65535) return cudaErrorInvalidConfiguration;
-  switch (p.dtype) {
-    case DType::kFloat16: return launch_for_type<__half>(p, stream);
-    case DType::kBFloat16: return launch_for_type<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorNotSupported;
+  const KernelInfo k = select_kernel(p);
+  if (k.kernel == nullptr) return cudaErrorNotSupported;
+  blocks_per_sm(k);  // also raises the dynamic shared-memory limit where needed
+  const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
+  const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
+  k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  k.reduce<<<dim3(p.num_q_heads, p.batch), p.head_dim, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace minipaged
