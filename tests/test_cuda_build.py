@@ -20,7 +20,8 @@ from minipaged.cuda import build
 
 CSRC = build.CSRC
 SOURCES = sorted(p.name for p in CSRC.glob("*.cu"))
-ARCHS = ("80", "90")
+# sm_90a too when a source has code that only the arch-specific target compiles (wgmma)
+ARCHS = ("80", "90", "90a") if build.uses_sm90a_features() else ("80", "90")
 NVCC = build.nvcc_path()
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): cannot compile the CUDA sources")

@@ -8,7 +8,8 @@ entirely and load the cached library directly.
 
 Environment:
     MINIPAGED_CACHE_DIR      cache root (default: $XDG_CACHE_HOME/minipaged or ~/.cache/minipaged)
-    MINIPAGED_CUDA_ARCH      build for this arch instead of the device's, e.g. "90a"
+    MINIPAGED_CUDA_ARCH      build for this arch instead of the device's, e.g. "90a" (default:
+                             the device's; on sm_90 "90a" when a source uses sm_90a-only features)
     MINIPAGED_NVCC_FLAGS     extra nvcc flags (shell syntax), appended last
     MINIPAGED_BUILD_VERBOSE  1: show the compiler output
     MAX_JOBS                 parallel compile jobs (default: all cores)
@@ -57,7 +58,17 @@ def device_arch(device: int | None = None) -> str:
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
+    arch = f"{major}{minor}"
+    if arch == "90" and uses_sm90a_features():
+        # wgmma / setmaxnreg exist only in the arch-specific sm_90a target; the
+        # library is built for this very device, so nothing portable is lost.
+        arch = "90a"
+    return arch
+
+
+def uses_sm90a_features() -> bool:
+    """True when a source guards code on __CUDA_ARCH_FEAT_SM90_ALL (wgmma & co.)."""
+    return any("__CUDA_ARCH_FEAT_SM90_ALL" in p.read_text(errors="ignore") for p in _source_files())
 
 
 def nvcc_flags(arch: str) -> list[str]:
