@@ -494,34 +494,51 @@ def test_qwen3_06b_bf16_gpu_all_backends():
     """Qwen3-0.6B shape, seeded random weights, bf16 on CUDA: every GPU backend vs eager.
 
     Bounds. Both sides run in bf16, but not the same bf16 computation: eager
-    rounds QK^T scores and the probabilities to bf16 before P@V, the kernels
+    rounds the QK^T scores and the probabilities to bf16 before P@V, the kernels
     keep scores in fp32 and round only P (and O). Through 28 layers these
-    rounding differences give logits that differ by about bf16 noise, so we
-    (1) measure the noise floor of eager bf16 itself against an fp32 run of the
-    same (bf16-rounded) weights and require minipaged's error against fp32 to be
-    at most twice that floor (+ a small absolute slack) -- the FlashAttention
-    test criterion; (2) require last-token cosine > 0.99 against eager; (3)
-    require top-1 agreement >= 0.9 with eager. With random weights the logits are
-    almost flat (std ~0.3 over 152k entries), so the top-2 gap is small and bf16
-    noise may flip a few positions legitimately; a wrong mask or GQA mapping
-    flips most of them (agreement drops to ~0), so 0.9 still separates.
+    roundings move the logits by about bf16 noise. So we
+    (1) measure the noise floor of eager bf16 itself against fp32 (the same
+        bf16-rounded weights, upcast) and require minipaged's relative L2 error
+        against fp32 to be at most twice that floor + 1e-3 -- the FlashAttention
+        test criterion, and the sharp check;
+    (2) require last-token cosine > 0.99 and top-1 agreement >= 0.9 with eager bf16.
+    Calibration on CPU (this config, 2x64 tokens, torch backend in bf16): logits
+    std 0.64, median top-1/top-2 gap 0.088; eager bf16 vs fp32: rel_l2 0.0144,
+    top-1 0.984; minipaged bf16 vs fp32: rel_l2 0.0139; minipaged vs eager bf16:
+    cosine 0.9999, top-1 0.961 (sdpa vs eager bf16: 0.977) -- near-flat random
+    logits let bf16 noise flip a few percent of argmaxes legitimately. Deliberate
+    bugs on the same model in fp32 (KV heads tiled instead of interleaved, scale
+    1/128, no causal mask) gave top-1 agreement 0, 0.06, 0 and cosine -0.01, 0.85,
+    0.08, so 0.9 / 0.99 still separate right from wrong.
     """
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cfg = qwen3_06b_config()
-    with torch.device("cuda"):
+    failures = check_bf16_model_vs_eager(qwen3_06b_config(), "cuda", _gpu_backends(), seq=200, short=77)
+    assert not failures, "; ".join(failures)
+
+
+def random_bf16_model(cfg, device: str, seed: int):
+    torch.manual_seed(seed)
+    # initialise on the device itself: 0.6B parameters are slow to initialise on a CPU
+    with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
-    model = model.to(torch.bfloat16).eval()
+    return model.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def check_bf16_model_vs_eager(cfg, device: str, backends: list[str], seq: int, short: int) -> list[str]:
+    """The bf16 comparison behind the GPU test (also runnable on CPU with a small cfg).
+
+    Returns the failed checks, one string per failing backend; prints the metrics.
+    """
+    model = random_bf16_model(cfg, device, seed=0)
     gen = torch.Generator().manual_seed(0)
-    batch, seq = 2, 200
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).cuda()
-    # padded batch: lengths 200 and 77, left padded
-    seqs = [ids[0], ids[1, :77]]
-    pids, pmask = left_padded([s.cpu() for s in seqs])
-    pids, pmask = pids.cuda(), pmask.cuda()
+    batch = 2
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    # padded batch: lengths seq and short, left padded
+    pids, pmask = left_padded([ids[0], ids[1, :short]])
+    ids, pids, pmask = ids.to(device), pids.to(device), pmask.to(device)
 
     ref_bf16 = forward_logits(model, "eager", ids)
     ref_pad = forward_logits(model, "eager", pids, attention_mask=pmask)
@@ -532,8 +549,7 @@ def test_qwen3_06b_bf16_gpu_all_backends():
     floor = logit_metrics(ref_fp32, ref_bf16)
     print(f"\n[noise floor] eager bf16 vs eager fp32: {fmt(floor)}")
 
-    backends = _gpu_backends()
-    assert backends, "no GPU backend available"
+    assert backends, "no backend available"
     failures = []
     for backend in backends:
         mpt.reset_counts()
@@ -543,11 +559,11 @@ def test_qwen3_06b_bf16_gpu_all_backends():
         counts = mpt.call_counts()
         vs_eager = logit_metrics(ref_bf16, out)
         vs_fp32 = logit_metrics(ref_fp32, out)
-        # positions where both rows hold real tokens (row 1 is left padded to 200)
-        pad_vs_eager = logit_metrics(ref_pad[:, seq - 77 :], out_pad[:, seq - 77 :])
+        # positions where both rows hold real tokens (row 1 is left padded)
+        pad_vs_eager = logit_metrics(ref_pad[:, seq - short :], out_pad[:, seq - short :])
         print(f"[{backend}] vs eager bf16: {fmt(vs_eager)}")
         print(f"[{backend}] vs eager fp32: {fmt(vs_fp32)}")
-        print(f"[{backend}] padded batch (last 77 positions) vs eager bf16 padded batch: {fmt(pad_vs_eager)}")
+        print(f"[{backend}] padded batch (last {short} positions) vs eager bf16 padded batch: {fmt(pad_vs_eager)}")
         checks = {
             "every layer twice": counts == every_layer_once_per_forward(cfg.num_hidden_layers, 2),
             "finite": bool(torch.isfinite(out).all()) and bool(torch.isfinite(out_pad[pmask.bool()]).all()),
@@ -560,7 +576,7 @@ def test_qwen3_06b_bf16_gpu_all_backends():
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             failures.append(f"{backend}: failed {bad} (counts={counts})")
-    assert not failures, "; ".join(failures)
+    return failures
 
 
 @pytest.mark.gpu
@@ -568,18 +584,19 @@ def test_qwen3_06b_bf16_gpu_decode_step():
     """One Nq=1 decode step after a left-padded prefill, through DynamicCache, per GPU backend."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    failures = check_bf16_decode_step(qwen3_06b_config(num_hidden_layers=8), "cuda", _gpu_backends(), (131, 40))
+    assert not failures, "; ".join(failures)
+
+
+def check_bf16_decode_step(cfg, device: str, backends: list[str], lengths) -> list[str]:
     from transformers import DynamicCache
 
-    torch.manual_seed(1)
-    cfg = qwen3_06b_config(num_hidden_layers=8)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(cfg)
-    model = model.to(torch.bfloat16).eval()
+    model = random_bf16_model(cfg, device, seed=1)
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (131, 40)]
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     ids, mask = left_padded(seqs)
-    ids, mask = ids.cuda(), mask.cuda()
-    nxt = torch.randint(0, cfg.vocab_size, (2, 1), generator=gen).cuda()
+    nxt = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen)
+    ids, mask, nxt = ids.to(device), mask.to(device), nxt.to(device)
     full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
 
@@ -594,12 +611,13 @@ def test_qwen3_06b_bf16_gpu_decode_step():
 
     ref = step("eager")
     failures = []
-    for backend in _gpu_backends():
+    for backend in backends:
         mpt.reset_counts()
         with mp.use_backend(backend):
             out = step(IMPL)
         m = logit_metrics(ref, out)
-        print(f"\n[{backend}] decode step vs eager bf16: {fmt(m)}")
-        if not (m["last_token_cos_min"] > 0.99 and mpt.call_counts() == every_layer_once_per_forward(8, 2)):
-            failures.append(f"{backend}: {fmt(m)} counts={mpt.call_counts()}")
-    assert not failures, "; ".join(failures)
+        counts = mpt.call_counts()
+        print(f"\n[{backend}] decode step (Nq=1, DynamicCache, left padded) vs eager bf16: {fmt(m)}")
+        if not (m["last_token_cos_min"] > 0.99 and counts == every_layer_once_per_forward(cfg.num_hidden_layers, 2)):
+            failures.append(f"{backend}: {fmt(m)} counts={counts}")
+    return failures

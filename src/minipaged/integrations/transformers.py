@@ -387,6 +387,14 @@ minipaged_attention_forward = _make_forward(None)
 # --------------------------------------------------------------------------- mask function
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    try:
+        got = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:  # pragma: no cover - exotic version strings
+        return True
+    return got >= (major, minor)
+
+
 def minipaged_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
     """Mask function registered in transformers' AttentionMaskInterface.
 
@@ -404,7 +412,11 @@ def minipaged_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
         return attention_mask
-    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False, allow_torch_fix=False)
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    if not _torch_at_least(2, 5):
+        # older transformers "fix" fully masked rows for old torch by unmasking them;
+        # that would turn padding into keys here (newer versions deprecate the flag)
+        kwargs["allow_torch_fix"] = False
     return mu.sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
