@@ -199,6 +199,8 @@ def test_prompt_that_never_fits_raises(tiny_ckpt):
     with pytest.raises(ValueError, match="max_model_len"):
         _engine(folder, max_model_len=8).generate([[1] * 9], max_new_tokens=1)
     assert eng.generate([[1, 2]], max_new_tokens=0) == [[]]
+    with pytest.raises(TypeError, match="token-id lists"):
+        eng.generate([1, 2, 3], max_new_tokens=2)
 
 
 def test_unavailable_backend_fails_at_construction(tiny_ckpt):

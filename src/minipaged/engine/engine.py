@@ -225,6 +225,9 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (int, str, bytes)) for p in prompts):
+            raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
+                            "e.g. [[151644, 872], [9707]]")
         prompts = [[int(t) for t in p] for p in prompts]
         vocab = self.config.vocab_size
         for i, p in enumerate(prompts):
