@@ -150,6 +150,14 @@ def main(argv=None) -> int:
     print(f"device {result['device']}  versions {result['versions']}  commit {result['git_commit']}")
     print(f"prompt {P} tokens, {N} new tokens, repeats {R}, batches {batches}")
 
+    os.makedirs(args.out, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(args.out, f"e2e_{'quick_' if args.quick else ''}{stamp}.json")
+
+    def dump() -> None:  # after every stage, so a run cut short still leaves its numbers
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, cfg.vocab_size, (max_b, P), generator=gen)
 
@@ -180,6 +188,7 @@ def main(argv=None) -> int:
                 result["transformers"].append(row)
                 print(f"transformers sdpa  B={B:3d}: {tps:10,.0f} tok/s  ({row['ms_per_step']:.2f} ms/step)")
 
+    dump()
     avail = mp.available_backends()
     for name in [b for b in args.backends.split(",") if b]:
         ok, why = avail.get(name, (False, "unknown backend"))
@@ -238,13 +247,9 @@ def main(argv=None) -> int:
             traceback.print_exc()
         finally:
             eng = None
-            torch.cuda.empty_cache()
-
-    os.makedirs(args.out, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = os.path.join(args.out, f"e2e_{'quick_' if args.quick else ''}{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            dump()
 
     print()
     print(f"Qwen3-0.6B (random bf16), prompt {P}, {N} new tokens — decode tokens/s")
