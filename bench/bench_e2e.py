@@ -252,7 +252,7 @@ def main(argv=None) -> int:
             dump()
 
     print()
-    print(f"Qwen3-0.6B (random bf16), prompt {P}, {N} new tokens — decode tokens/s")
+    print(f"{result['model']}, prompt {P}, {N} new tokens — decode tokens/s")
     print(f"{'backend':<14}{'mode':<7}{'batch':>6}{'tok/s':>12}{'ms/step':>9}{'vs HF':>8}{'1st tok agree':>15}")
     for r in result["transformers"]:
         print(f"{'transformers':<14}{'sdpa':<7}{r['batch']:>6}{r['decode_tok_s']:>12,.0f}{r['ms_per_step']:>9.2f}")
