@@ -420,3 +420,20 @@ def test_quick_bench_on_gpu(tmp_path):
     assert result["copy_bandwidth_tbps"] > 0.5  # any datacenter GPU copies faster than this
     assert all(r["ok"] for r in result["crosscheck"]), result["crosscheck"]
     assert (tmp_path / "results.json").exists()
+
+
+def test_run_goes_on_when_the_crosscheck_itself_breaks(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("oracle import failed")
+
+    monkeypatch.setattr(runner, "crosscheck", broken)
+    # run_bench switches the Triton interpreter on for CPU runs: keep that out of other tests
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    lines = []
+    cfg = runner.BenchConfig(op="prefill", backends=["torch"], anchors=[], quick=True, out=str(tmp_path),
+                             reps=2, max_time_s=0, plots=False, progress=False, log=lines.append)
+    result = runner.run_bench(cfg)
+    assert result["complete"] and runner.results_exit_code(result) == 1
+    assert "cross-check aborted: RuntimeError: oracle import failed" in result["notes"]
+    assert [r["status"] for r in result["rows"]] == ["ok"] * len(cs.quick_prefill_cases())
+    assert any("ERROR: cross-check aborted" in line for line in lines)
