@@ -72,8 +72,11 @@ def main():
                 cands = (16, 32, 64)
             for s in cands:
                 for variant in (0, 6, 7):
-                    _, tb = time_decode(prob, splits=s, variant=variant)
-                    line += f" | s{s}v{variant} {tb:4.2f}"
+                    try:
+                        _, tb = time_decode(prob, splits=s, variant=variant)
+                        line += f" | s{s}v{variant} {tb:4.2f}"
+                    except Exception as e:  # keep timing the rest
+                        line += f" | s{s}v{variant} ERR {type(e).__name__}"
         print(line, flush=True)
         del prob
         torch.cuda.empty_cache()

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -18,9 +20,30 @@
 // Errors are thrown from this library (not through c10's torchCheckFail) and
 // never while a device guard is alive; the Python exception type follows the
 // DESIGN rules: TypeError for dtypes, ValueError for shapes/values,
-// RuntimeError for a launch failure.
+// RuntimeError for a launch failure. Messages are assembled with std::string
+// and std::to_string only: formatting integers through an ostream inside this
+// library crashed the process on the H200 image (its libstdc++ locale facets
+// do not match the headers the extension is compiled against), while plain
+// string insertion works.
+namespace mp_msg {
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+template <typename I, typename = std::enable_if_t<std::is_integral_v<I>>>
+inline void append(std::string& out, I v) {
+  out += std::to_string(v);
+}
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+}  // namespace mp_msg
+
 #define MP_FAIL(kind, ...) \
-  throw ::c10::kind({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, ::c10::str(__VA_ARGS__))
+  throw ::c10::kind({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, ::mp_msg::cat(__VA_ARGS__))
 #define MP_CHECK(cond, ...) \
   do {                      \
     if (!(cond)) MP_FAIL(Error, __VA_ARGS__); \

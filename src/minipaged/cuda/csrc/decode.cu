@@ -450,23 +450,31 @@ KernelInfo select_kernel(const DecodeParams& p) {
   return {};
 }
 
-// Resident blocks per SM for a kernel (cached: the occupancy query is host-only
-// but not free, and decode is launched once per layer per step).
+// Resident blocks per SM for a kernel on the current device (cached: the
+// occupancy query is host-only but not free, and decode runs once per layer
+// per step). The first call per (kernel, device) also raises the kernel's
+// dynamic shared-memory limit there.
 int blocks_per_sm(const KernelInfo& k) {
   static std::mutex mu;
-  static std::vector<std::pair<DecodeKernel, int>> cache;
+  static std::vector<std::pair<std::pair<DecodeKernel, int>, int>> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+  const auto key = std::make_pair(k.kernel, device);
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& e : cache)
-    if (e.first == k.kernel) return e.second;
-  if (k.smem_bytes > 48 * 1024)
-    cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes);
+    if (e.first == key) return e.second;
+  // Static + dynamic shared memory over 48 KB needs the opt-in (the 3-stage
+  // tilings: 48 KB of stages + 4 KB of merge buffers).
+  if (k.smem_bytes > 0 &&
+      cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
+    cudaGetLastError();
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     n = 0;
   }
   n = std::max(n, 1);
-  cache.emplace_back(k.kernel, n);
+  cache.emplace_back(key, n);
   return n;
 }
 
