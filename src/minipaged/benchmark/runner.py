@@ -295,7 +295,7 @@ class _Runner:
     def over_budget(self) -> bool:
         return self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
 
-    def timed(self, row, prepared_factory, work_flops=None, work_bytes=None):
+    def timed(self, row, prepared_factory, work_flops=None, work_bytes=None, cuda_graph=False):
         """Fill `row` by timing what prepared_factory() returns; errors become the row's status."""
         if self.dead:
             row.update(status="error", error=f"not run: the CUDA context was lost earlier ({self.dead})")
@@ -307,9 +307,13 @@ class _Runner:
                 t = timing.time_fn(prepared.fn, device=self.device,
                                    reps=self.min_reps if over else self.reps,
                                    min_reps=self.min_reps, warmup=self.warmup,
-                                   max_time_s=self.max_time_s)
+                                   max_time_s=self.max_time_s, cuda_graph=cuda_graph)
             row.update(t.as_dict())
             notes = [prepared.note] if prepared.note else []
+            if t.clock == "cuda-graph":
+                notes.append("graph replay")
+            elif cuda_graph and self.device.type == "cuda":
+                notes.append("eager (not graph-capturable)")
             if over:
                 notes.append("reps cut: past --time-budget")
             row["note"] = "; ".join(notes)
@@ -394,8 +398,11 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
         if (name, "decode") in failures:
             yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'decode')]}")
             continue
+        # Decode runs inside CUDA graphs in a serving engine, and one call is a few
+        # microseconds of GPU work: time graph replays, or Python's launch path is
+        # what gets measured. The torch oracle syncs the host (.item()): eager.
         yield r.timed(row, _op_factory(name, "decode", (q, kc, vc, bt, cl, scale)),
-                      work_flops=case.flops, work_bytes=nbytes)
+                      work_flops=case.flops, work_bytes=nbytes, cuda_graph=name != "torch")
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
         del kc, vc
@@ -403,7 +410,7 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
             emit(f"{case.label} {name}")
             row = _base_row("decode", case, name, "anchor")
             yield r.timed(row, lambda n=name: anc.prepare_sdpa_decode(n, q, k4, v4, scale=scale),
-                          work_flops=case.flops, work_bytes=nbytes)
+                          work_flops=case.flops, work_bytes=nbytes, cuda_graph=True)
 
 
 def _free(device):
