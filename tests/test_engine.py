@@ -431,7 +431,7 @@ def _check_bf16_engine(cfg: Qwen3Config, dev, backend: str, hf16, hf32, lens, ne
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
 
     got = eng.prefill_logits(prompts)
-    noise = 0.0
+    noise = top1_engine = top1_hf = 0.0
     print(f"\n[{backend}] prefill logits, bf16, against transformers fp32 (same weights):")
     with torch.inference_mode():
         for p, e in zip(prompts, got):
@@ -445,8 +445,15 @@ def _check_bf16_engine(cfg: Qwen3Config, dev, backend: str, hf16, hf32, lens, ne
             # FlashAttention-style bound: no worse than twice transformers' own bf16 error
             assert se["rel_l2"] <= 2 * sh["rel_l2"] + 2e-3, (se, sh)
             assert se["last_cos"] > 0.99, se
-            assert se["top1"] >= sh["top1"] - 0.1, (se, sh)
             noise = max(noise, se["max_abs"], sh["max_abs"])
+            top1_engine += se["top1"] * len(p)
+            top1_hf += sh["top1"] * len(p)
+    # random weights leave tiny top-1 margins, so neither side agrees with fp32 everywhere;
+    # over all positions the engine must not lose clearly more of them than transformers does
+    n_pos = sum(len(p) for p in prompts)
+    print(f"  top-1 agreement with fp32 over {n_pos} positions: engine {top1_engine / n_pos:.3f}, "
+          f"transformers bf16 {top1_hf / n_pos:.3f}")
+    assert top1_engine / n_pos >= top1_hf / n_pos - 0.1
 
     # greedy with CUDA graphs (when capturable) and eagerly: both consistent with a prefill
     eager = Engine.from_state_dict(cfg, hf16.state_dict(), cuda_graph=False, **kw)
