@@ -257,6 +257,28 @@ def test_generate_matches_eager_greedy(backend):
     assert mpt.path_counts() == {"dense": num_layers * new_tokens}
 
 
+def test_generate_with_static_cache_matches_eager():
+    """StaticCache: keys are the whole preallocated cache, the 2D mask covers only the
+    tokens seen so far, so the unused tail must count as padding (varlen path)."""
+    model = tiny_qwen3(4, 2, 64)
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (10, 4)]
+    ids, mask = left_padded(seqs)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+    def generate(impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
+
+    ref = generate("eager")
+    mpt.reset_counts()
+    out = generate(IMPL)
+    assert out.tolist() == ref.tolist()
+    assert mpt.call_counts() == every_layer_once_per_forward(model.config.num_hidden_layers, 5)
+    assert mpt.path_counts() == {"varlen": model.config.num_hidden_layers * 5}
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_decode_step_logits_match_eager(backend):
     """Prefill then one Nq=1 step with transformers' DynamicCache: compare the step's logits."""
@@ -424,6 +446,26 @@ def test_attention_function_unpads_2d_and_4d_masks(backend, is_causal, num_heads
             assert err < 2e-5, f"{name} {kind}: max err {err}"
             # padded query rows are exact zeros (never NaN)
             assert (out[~sel] == 0).all(), f"{name} {kind}: padded rows not zero"
+
+
+def test_attention_function_flash_kwargs_packed_batch():
+    """cu_seq_lens_q/k (transformers' FlashAttention kwargs for padding-free batches) go to varlen."""
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2)
+    gen = torch.Generator().manual_seed(10)
+    lengths = [5, 1, 9]
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 64, generator=gen)
+    k = torch.randn(1, 2, total, 64, generator=gen)
+    v = torch.randn(1, 2, total, 64, generator=gen)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    mpt.reset_counts()
+    out, _ = fwd(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    assert mpt.path_counts() == {"varlen": 1}
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    ref = _eager_reference(q, k, v, allowed[None], 0.125)
+    assert (out.double() - ref).abs().max() < 2e-5
 
 
 def test_attention_function_refuses_what_it_cannot_do():
