@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         vocab = eng.config.vocab_size
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
 
+    if eng.device.type == "cuda":
+        print("warming up (kernel JIT, CUDA graph capture) ...", file=sys.stderr)
+        eng.warmup()
     stop = []
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))

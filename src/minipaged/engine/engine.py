@@ -309,6 +309,11 @@ class Engine:
         if bar is not None:
             bar.update(len(batch))
 
+    def warmup(self) -> None:
+        """Compile kernels and capture decode graphs now, so the next generate() times only generation."""
+        n = min(2, self.max_num_seqs)
+        self.generate([[0] * 16] * n, max_new_tokens=3, ignore_eos=True)
+
     # ------------------------------------------------------------------ testing aid
     @torch.inference_mode()
     def prefill_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
