@@ -312,7 +312,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile kernels and capture decode graphs now, so the next generate() times only generation."""
         n = min(2, self.max_num_seqs)
-        self.generate([[0] * 16] * n, max_new_tokens=3, ignore_eos=True)
+        self.generate([[0] * 4] * n, max_new_tokens=3, ignore_eos=True)
 
     # ------------------------------------------------------------------ testing aid
     @torch.inference_mode()
