@@ -129,8 +129,10 @@ def test_slot_mapping_and_tables():
     s1 = c.allocate("b", 1)
     assert s1.tolist() == [8]
     assert c.append("a", 3).tolist() == [6, 7, 12]
+    assert c.append("b", 1, return_slots=False) is None and c.seq_len("b") == 2
+    assert c.slot_mapping("b", 1, 2).tolist() == [9]
     assert c.block_tables(["a", "b"]).tolist() == [[0, 1, 3], [2, -1, -1]]
-    assert c.context_lens(["a", "b"]).tolist() == [9, 1]
+    assert c.context_lens(["a", "b"]).tolist() == [9, 2]
     c.free("a")
     assert c.num_free_blocks == 7
     with pytest.raises(KeyError):

@@ -101,8 +101,9 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> torch.Tensor:
-        """Start sequence `seq_id` with room for `num_tokens`; returns their int64 slots [num_tokens]."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, *, return_slots: bool = True) -> torch.Tensor | None:
+        """Start sequence `seq_id` with room for `num_tokens`; returns their int64 slots [num_tokens]
+        (None with return_slots=False: a hot loop that computes slots itself skips the tensor)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         self._count("num_tokens", num_tokens)
@@ -110,10 +111,10 @@ class PagedKVCache:
         self._reserve(need, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
         self._tables[seq_id] = [self._free.popleft() for _ in range(need)]
         self._lens[seq_id] = num_tokens
-        return self.slot_mapping(seq_id, 0, num_tokens)
+        return self.slot_mapping(seq_id, 0, num_tokens) if return_slots else None
 
-    def append(self, seq_id: Hashable, num_tokens: int = 1) -> torch.Tensor:
-        """Grow `seq_id` by `num_tokens`; returns the new tokens' int64 slots."""
+    def append(self, seq_id: Hashable, num_tokens: int = 1, *, return_slots: bool = True) -> torch.Tensor | None:
+        """Grow `seq_id` by `num_tokens`; returns the new tokens' int64 slots (None with return_slots=False)."""
         self._known(seq_id)
         self._count("num_tokens", num_tokens)
         need = self.blocks_needed(seq_id, num_tokens)
@@ -121,7 +122,7 @@ class PagedKVCache:
         self._tables[seq_id].extend(self._free.popleft() for _ in range(need))
         start = self._lens[seq_id]
         self._lens[seq_id] = start + num_tokens
-        return self.slot_mapping(seq_id, start, start + num_tokens)
+        return self.slot_mapping(seq_id, start, start + num_tokens) if return_slots else None
 
     def free(self, seq_id: Hashable) -> None:
         """Return every block of `seq_id` to the pool."""
