@@ -80,6 +80,19 @@ def main():
         print(line, flush=True)
         del prob
         torch.cuda.empty_cache()
+    if args.sweep:  # larger GQA groups (Qwen3-4B/8B: G=4, Qwen3-32B: G=8) at B=32, L=4k
+        for hq in (32, 64):
+            prob = problem(32, 4096, Hq=hq)
+            line = f"decode B=32 L=4096 Hq={hq} Hkv=8:"
+            for variant in (0, 7):
+                try:
+                    us, tb = time_decode(prob, variant=variant)
+                    line += f" | v{variant} {us:7.1f} us {tb:4.2f} TB/s"
+                except Exception as e:
+                    line += f" | v{variant} ERR {type(e).__name__}"
+            print(line, flush=True)
+            del prob
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,14 @@ def test_decode_variants(ops, variant, B, L):
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"variant {variant}", variant=variant)
 
 
+@pytest.mark.parametrize("variant", [0, 7])
+@pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
+def test_decode_variants_large_groups(ops, variant, heads):
+    lens = [4097, 0, 333, 16]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], 128, 16, lens, torch.float16, seed=variant)
+    _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"{heads} variant {variant}", variant=variant)
+
+
 def test_decode_long_single_sequence_splits(ops):
     # B=1 with a long context takes the split-KV path through the heuristic.
     q, kc, vc, bt, cl = _paged_problem(1, 16, 8, 128, 16, [20000], torch.bfloat16, seed=5)
@@ -441,7 +449,8 @@ _SANITIZE_SCRIPT = textwrap.dedent(
     dev, dt = "cuda", torch.bfloat16
     which = __import__("sys").argv[1].split(",")
     if "decode" in which:
-        for B, Hq, Hkv, D, bs, L, splits in [(2, 4, 2, 128, 16, 37, 0), (1, 16, 2, 64, 1, 300, 3), (3, 8, 8, 128, 256, 513, 0)]:
+        for B, Hq, Hkv, D, bs, L, splits in [(2, 4, 2, 128, 16, 37, 0), (1, 16, 2, 64, 1, 300, 3),
+                                             (3, 8, 8, 128, 256, 513, 0), (2, 16, 2, 128, 16, 100, 0)]:
             nb = B * ((L + bs - 1) // bs) + 1
             kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
             vc = torch.randn_like(kc)
@@ -449,7 +458,7 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             cl = torch.tensor([L - i for i in range(B)], dtype=torch.int32, device=dev)
             q = torch.randn(B, Hq, D, device=dev, dtype=dt)
             ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=splits)
-            if (Hq // Hkv, D) == (2, 128):
+            if (Hq // Hkv, D) in ((2, 128), (8, 128)):
                 for variant in (1, 3, 5, 6, 7, 8):  # the cp.async / double-buffered tilings
                     ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=2, variant=variant)
     if "write_kv" in which:

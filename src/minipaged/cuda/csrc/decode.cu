@@ -425,9 +425,11 @@ KernelInfo select_for_dim(const DecodeParams& p) {
           default: return info<T, D, 2, 8, 2>();
         }
       case 4:
-        return info<T, D, 4, 16, 2>();
+        return p.variant == 7 ? info<T, D, 4, 16, 2, false, 4>() : info<T, D, 4, 16, 2>();
       default:
-        return info<T, D, 8, 16, 2>();
+        // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
+        // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
+        return p.variant == 7 ? info<T, D, 8, 16, 2, false, 4>() : info<T, D, 8, 16, 2>();
     }
   } else {
     switch (g) {
