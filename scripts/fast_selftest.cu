@@ -3,9 +3,13 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fopenmp \
 //        -I src/minipaged/cuda/csrc scripts/fast_selftest.cu \
 //        src/minipaged/cuda/csrc/prefill_fast.cu -o fast_selftest
-//   ./fast_selftest check     correctness vs a CPU double reference (many shapes)
+//   ./fast_selftest check [variant filter]
+//                             correctness vs a CPU double reference (many shapes)
 //   ./fast_selftest small     two tiny cases (for compute-sanitizer)
-//   ./fast_selftest time      TFLOP/s, bf16 Hq=16 Hkv=8 D=128 causal, every variant
+//   ./fast_selftest time [reps] [name filter]
+//                             TFLOP/s, bf16 Hq=16 Hkv=8 D=128 causal, every variant
+// With -DMINIPAGED_ENABLE_SM90A and -gencode arch=compute_90a,code=sm_90a the
+// wgmma kernels are built too (dispatched on sm_90, checked and timed here).
 //
 // Outputs are poisoned with NaN (0xFFFF) before each launch, and written with
 // a padded row stride so that any write outside the rows/columns it owns shows
@@ -26,6 +30,9 @@
 
 #include "params.h"
 #include "prefill_fast.cuh"
+#if defined(MINIPAGED_ENABLE_SM90A)
+#include "fast_wgmma.cuh"
+#endif
 
 using minipaged::DType;
 using minipaged::PrefillParams;
@@ -248,6 +255,22 @@ struct Variant {
   const char* name;
   LaunchFn fn;
 };
+#if defined(MINIPAGED_ENABLE_SM90A)
+template <class Cfg>
+cudaError_t wg_variant(const PrefillParams& p, cudaStream_t s) {
+  return p.causal ? mf::launch_prefill_wgmma_cfg<Cfg, true>(p, s)
+                  : mf::launch_prefill_wgmma_cfg<Cfg, false>(p, s);
+}
+// Any dtype / head dim, fixed warpgroup count: runs the whole check list.
+template <int kWG, bool kPipe, int kBN>
+cudaError_t wg_all(const PrefillParams& p, cudaStream_t s) {
+  if (p.dtype == DType::kBFloat16)
+    return p.head_dim == 128 ? wg_variant<mf::WgmmaCfg<bf16, 128, kWG, 1, kPipe, kBN>>(p, s)
+                             : wg_variant<mf::WgmmaCfg<bf16, 64, kWG, 1, kPipe, kBN>>(p, s);
+  return p.head_dim == 128 ? wg_variant<mf::WgmmaCfg<__half, 128, kWG, 1, kPipe, kBN>>(p, s)
+                           : wg_variant<mf::WgmmaCfg<__half, 64, kWG, 1, kPipe, kBN>>(p, s);
+}
+#endif
 // PrefillCfg<T, D, BLOCK_N, warps, m-tiles per warp, Q in registers, stages, swizzle,
 //            min CTAs per SM (launch bounds), lazy rescale>
 static const Variant kVariants[] = {
@@ -264,6 +287,15 @@ static const Variant kVariants[] = {
     {"m128w4x2_n32", variant<mf::PrefillCfg<bf16, 128, 32, 4, 2, false, 2, true, 1, true>>},
     {"m128w4x2_n32s3", variant<mf::PrefillCfg<bf16, 128, 32, 4, 2, false, 3, true, 1, true>>},
     {"m256w8x2", variant<mf::PrefillCfg<bf16, 128, 64, 8, 2, false, 2, true, 1, true>>},
+#if defined(MINIPAGED_ENABLE_SM90A)
+    // WgmmaCfg<T, D, warpgroups, min CTAs/SM, pipelined (PV of t-1 under softmax of t), BLOCK_N>
+    {"wgmma_m128wg2", wg_variant<mf::WgmmaCfg<bf16, 128, 2, 1, false, 64>>},
+    {"wgmma_m128wg2_n128", wg_variant<mf::WgmmaCfg<bf16, 128, 2, 1, false, 128>>},
+    {"wgmma_m128wg2_pipe", wg_variant<mf::WgmmaCfg<bf16, 128, 2, 1, true, 64>>},
+    {"wgmma_m128wg2_pipe_n128", wg_variant<mf::WgmmaCfg<bf16, 128, 2, 1, true, 128>>},
+    {"wgmma_m64wg1", wg_variant<mf::WgmmaCfg<bf16, 128, 1, 1, false, 64>>},
+    {"wgmma_m64wg1_pipe", wg_variant<mf::WgmmaCfg<bf16, 128, 1, 1, true, 64>>},
+#endif
 };
 
 __global__ void fill_random(uint16_t* x, size_t n, uint32_t seed) {
@@ -276,7 +308,7 @@ __global__ void fill_random(uint16_t* x, size_t n, uint32_t seed) {
   }
 }
 
-static void time_mode(int reps) {
+static void time_mode(int reps, const std::string& filter) {
   int dev = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
   CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
@@ -293,6 +325,8 @@ static void time_mode(int reps) {
   for (const Shape& s : shapes) std::printf("  B=%d,N=%-6d", s.b, s.n);
   std::printf("   (TFLOP/s, bf16 Hq=16 Hkv=8 D=128 causal, median of %d, cold L2)\n", reps);
   for (const Variant& var : kVariants) {
+    const std::string vname = var.name;
+    if (!filter.empty() && vname != "dispatch" && vname.find(filter) == std::string::npos) continue;
     std::printf("%-16s", var.name);
     for (const Shape& s : shapes) {
       const size_t qn = size_t(s.b) * Hq * s.n * D, kn = size_t(s.b) * Hkv * s.n * D;
@@ -366,12 +400,21 @@ int main(int argc, char** argv) {
   if (mode == "check") {
     for (const Case& c : check_cases())
       failures += !run_case(c, minipaged::launch_prefill_fast, "dispatch");
+#if defined(MINIPAGED_ENABLE_SM90A)
+    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<1, false, 64>, "wg1_n64_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, false, 64>, "wg2_n64_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<1, true, 64>, "wg1p_n64_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 64>, "wg2p_n64_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 128>, "wg2p_n128_all");
+#endif
     // Every timed variant must also be correct (bf16, D=128, causal and not).
     const Case big = {"dense bf16 d128 causal 1023x1023 gqa2 b2", DType::kBFloat16, 4, 2, 128, true, false, {1023}, {1023}, 2, false, 0.f};
     const Case chunk = {"dense bf16 d128 causal 200x777 gqa8", DType::kBFloat16, 8, 1, 128, true, false, {200}, {777}, 1, true, 0.f};
     const Case vl = {"varlen bf16 d128 causal", DType::kBFloat16, 4, 2, 128, true, true, {17, 0, 300, 129}, {17, 5, 400, 129}, 0, false, 0.f};
     const Case nc = {"dense bf16 d128 noncausal 97x300", DType::kBFloat16, 4, 2, 128, false, false, {97}, {300}, 1, false, 0.f};
+    const std::string filter = argc > 2 ? argv[2] : "";
     for (const Variant& v : kVariants) {
+      if (!filter.empty() && std::string(v.name).find(filter) == std::string::npos) continue;
       failures += !run_case(big, v.fn, v.name);
       failures += !run_case(chunk, v.fn, v.name);
       failures += !run_case(vl, v.fn, v.name);
@@ -385,8 +428,14 @@ int main(int argc, char** argv) {
     failures += !run_case(b, minipaged::launch_prefill_fast, "dispatch");
     failures += !run_case(c, kVariants[5].fn, kVariants[5].name);
     failures += !run_case(c, kVariants[11].fn, kVariants[11].name);
+#if defined(MINIPAGED_ENABLE_SM90A)
+    failures += !run_case(a, wg_all<2, true, 128>, "wg2p_n128_all");
+    failures += !run_case(b, wg_all<2, true, 128>, "wg2p_n128_all");
+    failures += !run_case(c, wg_all<1, true, 64>, "wg1p_n64_all");
+    failures += !run_case(b, wg_all<2, false, 64>, "wg2_n64_all");
+#endif
   } else if (mode == "time") {
-    time_mode(argc > 2 ? std::atoi(argv[2]) : 20);
+    time_mode(argc > 2 ? std::atoi(argv[2]) : 20, argc > 3 ? argv[3] : "");
   } else {
     std::fprintf(stderr, "usage: %s check|small|time [reps]\n", argv[0]);
     return 2;

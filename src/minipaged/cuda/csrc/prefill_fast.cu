@@ -4,6 +4,11 @@
 #include <cstdint>
 
 #include "prefill_fast.cuh"
+#if defined(MINIPAGED_ENABLE_SM90A)
+// The build adds -gencode arch=compute_90a,code=sm_90a and defines this macro;
+// the wgmma kernels then exist as real code for sm_90 devices.
+#include "fast_wgmma.cuh"
+#endif
 
 namespace minipaged {
 namespace fast {
@@ -19,8 +24,48 @@ using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
 using CfgLarge = PrefillCfg<T, D, 64, 4, 2, false, 2>;
 
+#if defined(MINIPAGED_ENABLE_SM90A)
+// wgmma kernels: 2 warpgroups (BLOCK_M 128, BLOCK_N 128) or, for short grids,
+// 1 warpgroup (BLOCK_M 64, BLOCK_N 64, two CTAs per SM); both pipelined.
+template <typename T, int D>
+using CfgWgmmaLarge = WgmmaCfg<T, D, 2, 1, true, 128>;
+template <typename T, int D>
+using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
+
+// sm_90a code runs on compute capability 9.0 only.
+inline bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+}
+
+// Belt and braces for a build that defined MINIPAGED_ENABLE_SM90A without an
+// sm_90a target: the kernel body is then a 4-register __trap() stub.
+template <typename T, int D, bool kCausal>
+bool wgmma_kernels_built() {
+  cudaFuncAttributes large{}, small{};
+  if (cudaFuncGetAttributes(&large, prefill_wgmma_kernel<CfgWgmmaLarge<T, D>, kCausal>) != cudaSuccess ||
+      cudaFuncGetAttributes(&small, prefill_wgmma_kernel<CfgWgmmaSmall<T, D>, kCausal>) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return large.numRegs >= 32 && small.numRegs >= 32;
+}
+#endif
+
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
+#if defined(MINIPAGED_ENABLE_SM90A)
+  if (device_is_sm90() && wgmma_kernels_built<T, D, kCausal>()) {
+    const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
+                              ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
+    const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal>(p, stream);
+    return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal>(p, stream);
+  }
+#endif
   const int64_t large_blocks = int64_t(p.batch) * p.num_q_heads *
                                ((p.max_seqlen_q + CfgLarge<T, D>::kBlockM - 1) / CfgLarge<T, D>::kBlockM);
   const int num_sms = p.num_sms > 0 ? p.num_sms : 132;

@@ -1,0 +1,525 @@
+// sm_90a variant of the fast prefill: the two GEMMs of every K/V tile run as
+// warpgroup MMAs (wgmma) that read their shared-memory operands once per
+// warpgroup (64 rows) instead of once per warp, which removes the
+// shared-memory bandwidth limit of the mma.sync kernel (prefill_fast.cuh).
+//
+//   S[64 x 64]  = Q K^T : wgmma, A = Q and B = K straight from shared memory
+//   softmax             : the wgmma accumulator layout of each warp equals the
+//                         mma.sync m16n8 C layout, so the online softmax,
+//                         masking and lazy rescale are the mma.sync ones
+//   O[64 x D]  += P V   : wgmma, A = P from registers (16-bit, C->A reuse),
+//                         B = V from shared memory as an MN-major operand
+//
+// Tiles are stored in the canonical 128-byte-swizzle layout: 64-element column
+// blocks of [rows][128 B], 16-byte chunk c of row r at chunk (c ^ (r & 7)).
+// Loads stay on cp.async with the same 2-stage ring as the mma.sync kernel
+// (no TMA, no warp specialisation).
+#pragma once
+#include "mma_wgmma.cuh"
+#include "prefill_fast.cuh"
+
+namespace minipaged {
+namespace fast {
+
+template <typename T_, int kD_, int kWarpGroups_, int kMinBlocks_ = 1, bool kPipelined_ = false,
+          int kBlockN_ = 64>
+struct WgmmaCfg {
+  using T = T_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
+  // Pipelined: the P V wgmma of tile t-1 runs while tile t's softmax executes
+  // (issue order QK_t, PV_{t-1}; wait for QK_t only). Needs a third K/V stage,
+  // because V_{t-1} is still being read while tile t+1 streams in.
+  static constexpr bool kPipelined = kPipelined_;
+  static constexpr int kStages = kPipelined ? 3 : 2;
+  static constexpr int kD = kD_;
+  static constexpr int kBlockN = kBlockN_;  // 64 or 128 keys per tile (S: 32 or 64 registers)
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kColBlocks = kD / 64;
+  static constexpr int kTileBytes = kBlockN * kD * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  static constexpr int kQBytes = kBlockM * kD * 2;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + 1024;  // +1024: atom alignment
+  static_assert(kD == 64 || kD == 128, "head dim");
+  static_assert(kBlockN == 64 || kBlockN == 128, "key tile");
+  static_assert(kThreads % kChunks == 0 && (kThreads / kChunks) % 8 == 0, "copy layout");
+};
+
+// Byte offset of (row, 16-byte chunk) in a [kRows][kD] tile, 128-byte-swizzle canonical layout.
+template <int kRows>
+__device__ __forceinline__ uint32_t sw128_off(int row, int chunk) {
+  return uint32_t((chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+template <class Cfg, int kRows>
+__device__ __forceinline__ void load_tile_sw128(uint32_t smem_tile, const typename Cfg::T* gmem,
+                                                int64_t row_stride, int row0, int num_rows,
+                                                int tid) {
+  constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
+  static_assert(kRows * Cfg::kChunks % Cfg::kThreads == 0, "copy layout");
+  const int r = tid / Cfg::kChunks;
+  const int c = tid % Cfg::kChunks;
+  const uint32_t dst = smem_tile + sw128_off<kRows>(r, c);
+  const typename Cfg::T* src = gmem + int64_t(row0 + r) * row_stride + c * 8;
+  const int64_t src_step = int64_t(kRowStep) * row_stride;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const bool in_range = row0 + r + it * kRowStep < num_rows;
+    cp_async_16(dst + it * kRowStep * 128, in_range ? src + it * src_step : gmem, in_range);
+  }
+}
+
+// Element e of the n8 block nt of this thread's S fragment (acc_s is split in
+// 64-key halves, one wgmma accumulator each).
+#define S_FRAG(nt, e) acc_s[(nt) >> 3][(nt) & 7][e]
+
+template <class Cfg, bool kCausal>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_kernel(const PrefillParams p) {
+#if MINIPAGED_WGMMA_DEVICE
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kD;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kNT = kBlockN / 8;
+  constexpr int kCB = Cfg::kColBlocks;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // realigned to 1024 below
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t smem_base = (raw_u32 + 1023u) & ~1023u;
+  unsigned char* smem_ptr = smem_raw + (smem_base - raw_u32);
+  const uint32_t s_q = smem_base + Cfg::kStages * Cfg::kStageBytes;
+  T* s_q_ptr = reinterpret_cast<T*>(smem_ptr + Cfg::kStages * Cfg::kStageBytes);
+
+  const int head = blockIdx.x;
+  const int batch = blockIdx.y;
+  const int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+  const int m_start = m_block * kBlockM;
+
+  int q_begin = 0, k_begin = 0;
+  int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
+  if (p.cu_seqlens_q != nullptr) {
+    q_begin = p.cu_seqlens_q[batch];
+    seqlen_q = p.cu_seqlens_q[batch + 1] - q_begin;
+  }
+  if (p.cu_seqlens_k != nullptr) {
+    k_begin = p.cu_seqlens_k[batch];
+    seqlen_k = p.cu_seqlens_k[batch + 1] - k_begin;
+  }
+  if (m_start >= seqlen_q) return;
+
+  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  const T* q_ptr = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
+                   int64_t(q_begin) * p.q_row_stride + head * p.q_head_stride;
+  const T* k_ptr = static_cast<const T*>(p.k) + batch * p.k_batch_stride +
+                   int64_t(k_begin) * p.k_row_stride + kv_head * p.k_head_stride;
+  const T* v_ptr = static_cast<const T*>(p.v) + batch * p.v_batch_stride +
+                   int64_t(k_begin) * p.v_row_stride + kv_head * p.v_head_stride;
+  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
+             head * p.o_head_stride;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int warp_group = warp / 4;
+  // Warp w of warpgroup g owns rows 64g + 16w' .. +15 of the block, i.e. 16 * warp.
+  const int warp_row0 = warp * 16;
+  const int m_rows = min(kBlockM, seqlen_q - m_start);
+
+  const int diag = seqlen_k - seqlen_q;
+  int n_end = seqlen_k;
+  if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
+  if (n_end <= 0) {
+    for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
+      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
+
+  auto load_kv = [&](int t, int stage) {
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const uint32_t k_dst = smem_base + stage * Cfg::kStageBytes;
+    load_tile_sw128<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
+    load_tile_sw128<Cfg, kBlockN>(k_dst + Cfg::kTileBytes, v_ptr, p.v_row_stride, n0, seqlen_k,
+                                  tid);
+  };
+
+  load_tile_sw128<Cfg, kBlockM>(s_q, q_ptr + int64_t(m_start) * p.q_row_stride, p.q_row_stride, 0,
+                                m_rows, tid);
+  cp_async_commit();
+  load_kv(0, 0);
+  cp_async_commit();
+
+  // Descriptors. K-major operands (Q, K): 8-row groups 1024 B apart; a k16 step
+  // moves 32 B inside the 128-byte atom, then to the next column block.
+  // V (MN-major): 64-wide N blocks kBlockN*128 B apart, 8-key groups 1024 B apart.
+  const uint32_t q_wg = s_q + warp_group * 64 * 128;
+  auto q_desc = [&](int kk) {
+    return wgmma_desc_sw128(q_wg + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32, 16, 1024);
+  };
+  auto k_desc = [&](uint32_t k_tile, int kk) {
+    return wgmma_desc_sw128(k_tile + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+  };
+  auto v_desc = [&](uint32_t v_tile, int cb, int kk) {
+    // N = 64 per instruction spans a single atom column, so only the 8-key group
+    // stride matters; it is given in both fields (their roles differ between
+    // K-major and MN-major operands).
+    return wgmma_desc_sw128(v_tile + cb * (kBlockN * 128) + kk * 16 * 128, 1024, 1024);
+  };
+
+  float acc_o[kCB][8][4];
+#pragma unroll
+  for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
+
+  float scale_log2 = p.scale * 1.4426950408889634f;
+  if (scale_log2 == 0.f) scale_log2 = 1e-30f;
+  const bool neg_scale = scale_log2 < 0.f;
+  const float masked = neg_scale ? INFINITY : -INFINITY;
+  float row_ext[2] = {masked, masked};
+  float row_sum[2] = {0.f, 0.f};
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+
+  auto tile_step = [&](int t, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    const int stage = t & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // cp.async data -> visible to the async proxy (wgmma)
+    __syncthreads();
+    if (t + 1 < n_tiles) load_kv(t + 1, stage ^ 1);
+    cp_async_commit();
+    const uint32_t k_tile = smem_base + stage * Cfg::kStageBytes;
+    const uint32_t v_tile = k_tile + Cfg::kTileBytes;
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+
+    float acc_s[kNT / 8][8][4];  // [64-key half][n8 block][fragment]
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S_FRAG(nt, e) = 0.f;
+    fence_operand(acc_s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+      for (int nb = 0; nb < kNT / 8; ++nb)
+        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_tile + nb * 64 * 128, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operand(acc_s);
+
+    if constexpr (kMask) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m_start + warp_row0 + g + (e >> 1) * 8;
+          const int col = n0 + nt * 8 + tq + (e & 1);
+          bool visible = col < seqlen_k;
+          if (kCausal) visible = visible && col <= row + diag;
+          if (!visible) S_FRAG(nt, e) = masked;
+        }
+    }
+
+    float tile_ext[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float ext = row_ext[h];
+      if (!neg_scale) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) ext = fmaxf(ext, fmaxf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
+        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) ext = fminf(ext, fminf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
+        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+      }
+      tile_ext[h] = ext;
+    }
+    bool need = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) need |= tile_ext[h] * scale_log2 - row_ext[h] * scale_log2 > kRescaleLog2;
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float base = (tile_ext[h] == masked) ? 0.f : tile_ext[h] * scale_log2;
+        const float alpha = fast_exp2(row_ext[h] * scale_log2 - base);
+        row_ext[h] = tile_ext[h];
+        row_sum[h] *= alpha;
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            acc_o[cb][j][2 * h] *= alpha;
+            acc_o[cb][j][2 * h + 1] *= alpha;
+          }
+      }
+    }
+    uint32_t p_frag[kBlockN / 16][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float base = (row_ext[h] == masked) ? 0.f : row_ext[h] * scale_log2;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float p0 = fast_exp2(fmaf(S_FRAG(nt, 2 * h), scale_log2, -base));
+        const float p1 = fast_exp2(fmaf(S_FRAG(nt, 2 * h + 1), scale_log2, -base));
+        S_FRAG(nt, 2 * h) = p0;
+        S_FRAG(nt, 2 * h + 1) = p1;
+        sum += p0 + p1;
+      }
+      row_sum[h] += sum;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p_frag[kk][0] = pack2<T>(S_FRAG(2 * kk, 0), S_FRAG(2 * kk, 1));
+      p_frag[kk][1] = pack2<T>(S_FRAG(2 * kk, 2), S_FRAG(2 * kk, 3));
+      p_frag[kk][2] = pack2<T>(S_FRAG(2 * kk + 1, 0), S_FRAG(2 * kk + 1, 1));
+      p_frag[kk][3] = pack2<T>(S_FRAG(2 * kk + 1, 2), S_FRAG(2 * kk + 1, 3));
+    }
+
+    fence_operand(p_frag);
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int cb = 0; cb < kCB; ++cb)
+        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_tile, cb, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+  };
+
+  // ---- pipelined variant ----
+  // P of the previous tile, waiting for its P V wgmma (A operand registers).
+  uint32_t p_prev[kBlockN / 16][4] = {};
+  auto tile_step_pipe = [&](int t, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    const int stage = t % 3;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    // Stage (t+1)%3 last held tile t-2, whose P V finished in iteration t-1.
+    if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % 3);
+    cp_async_commit();
+    const uint32_t k_tile = smem_base + stage * Cfg::kStageBytes;
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+
+    float acc_s[kNT / 8][8][4];  // [64-key half][n8 block][fragment]
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S_FRAG(nt, e) = 0.f;
+    fence_operand(acc_s);
+    fence_operand(p_prev);
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+      for (int nb = 0; nb < kNT / 8; ++nb)
+        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_tile + nb * 64 * 128, kk));
+    wgmma_commit();
+    if (t > 0) {
+      const uint32_t v_prev = smem_base + ((t + 2) % 3) * Cfg::kStageBytes + Cfg::kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_prev[kk], v_desc(v_prev, cb, kk));
+      wgmma_commit();
+      wgmma_wait<1>();  // groups retire in order: S_t is ready, P V of t-1 may still run
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_operand(acc_s);
+
+    if constexpr (kMask) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m_start + warp_row0 + g + (e >> 1) * 8;
+          const int col = n0 + nt * 8 + tq + (e & 1);
+          bool visible = col < seqlen_k;
+          if (kCausal) visible = visible && col <= row + diag;
+          if (!visible) S_FRAG(nt, e) = masked;
+        }
+    }
+    float tile_ext[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float ext = row_ext[h];
+      if (!neg_scale) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) ext = fmaxf(ext, fmaxf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
+        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) ext = fminf(ext, fminf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
+        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
+        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+      }
+      tile_ext[h] = ext;
+    }
+    bool need = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) need |= tile_ext[h] * scale_log2 - row_ext[h] * scale_log2 > kRescaleLog2;
+    const bool rescale = __any_sync(0xffffffffu, need);
+    float alpha[2] = {1.f, 1.f};
+    if (rescale) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float base = (tile_ext[h] == masked) ? 0.f : tile_ext[h] * scale_log2;
+        alpha[h] = fast_exp2(row_ext[h] * scale_log2 - base);
+        row_ext[h] = tile_ext[h];
+        row_sum[h] *= alpha[h];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float base = (row_ext[h] == masked) ? 0.f : row_ext[h] * scale_log2;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float p0 = fast_exp2(fmaf(S_FRAG(nt, 2 * h), scale_log2, -base));
+        const float p1 = fast_exp2(fmaf(S_FRAG(nt, 2 * h + 1), scale_log2, -base));
+        S_FRAG(nt, 2 * h) = p0;
+        S_FRAG(nt, 2 * h + 1) = p1;
+        sum += p0 + p1;
+      }
+      row_sum[h] += sum;
+    }
+    // O and the previous P may be touched only after their wgmma retired. The
+    // operand fence keeps the exponentials above the wait (ptxas would
+    // otherwise sink them below it and lose the overlap with P V).
+    fence_operand(acc_s);
+    wgmma_wait<0>();
+    fence_operand(p_prev);
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    if (rescale) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            acc_o[cb][j][2 * h] *= alpha[h];
+            acc_o[cb][j][2 * h + 1] *= alpha[h];
+          }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p_prev[kk][0] = pack2<T>(S_FRAG(2 * kk, 0), S_FRAG(2 * kk, 1));
+      p_prev[kk][1] = pack2<T>(S_FRAG(2 * kk, 2), S_FRAG(2 * kk, 3));
+      p_prev[kk][2] = pack2<T>(S_FRAG(2 * kk + 1, 0), S_FRAG(2 * kk + 1, 1));
+      p_prev[kk][3] = pack2<T>(S_FRAG(2 * kk + 1, 2), S_FRAG(2 * kk + 1, 3));
+    }
+  };
+
+  int t = 0;
+  if constexpr (Cfg::kPipelined) {
+    for (; t < n_tiles; ++t) {
+      const int n0 = (n_tiles - 1 - t) * kBlockN;
+      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
+      if (full) break;
+      tile_step_pipe(t, MaskOn{});
+    }
+    for (; t < n_tiles; ++t) tile_step_pipe(t, MaskOff{});
+    // P V of the last tile.
+    const uint32_t v_last = smem_base + ((n_tiles - 1) % 3) * Cfg::kStageBytes + Cfg::kTileBytes;
+    fence_operand(p_prev);
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int cb = 0; cb < kCB; ++cb)
+        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_prev[kk], v_desc(v_last, cb, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+  } else {
+    for (; t < n_tiles; ++t) {
+      const int n0 = (n_tiles - 1 - t) * kBlockN;
+      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
+      if (full) break;
+      tile_step(t, MaskOn{});
+    }
+    for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: the Q area is reused as a row-major (XOR-swizzled) staging tile;
+  // the other warpgroup may still be reading its Q rows, hence the barrier.
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = warp_row0 + g + h * 8;
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int chunk = cb * 8 + j;
+        *reinterpret_cast<uint32_t*>(s_q_ptr + r * kD + ((chunk ^ (r & 7)) << 3) + tq) =
+            pack2<T>(acc_o[cb][j][2 * h] * inv, acc_o[cb][j][2 * h + 1] * inv);
+      }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
+    const int idx = lane + it * 32;
+    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    const int row = warp_row0 + r;
+    if (row < m_rows) {
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(s_q_ptr + row * kD + ((c ^ (row & 7)) << 3));
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never selects this kernel
+#endif
+}
+
+#undef S_FRAG
+
+template <class Cfg, bool kCausal>
+cudaError_t launch_prefill_wgmma_cfg(const PrefillParams& p, cudaStream_t stream) {
+  const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
+  if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  auto kernel = prefill_wgmma_kernel<Cfg, kCausal>;
+  constexpr int kSmem = Cfg::kSmemBytes;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.num_q_heads, p.batch, m_blocks);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fast
+}  // namespace minipaged
