@@ -10,7 +10,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/minipaged_out}
 mkdir -p "$OUT/logs" "$OUT/bench"
-stages=${*:-build tests bench e2e}
+stages=${*:-build probe bench tests e2e}
 status=0
 run() {  # run NAME CMD...: log to $OUT/logs/NAME.log, remember failures
   local name=$1; shift
@@ -30,6 +30,18 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 for s in $stages; do
   case $s in
+    probe)
+      # The sm_90a wgmma prefill is picked automatically on sm_90. If it fails the
+      # oracle here, rebuild without it so the rest of the run measures the
+      # mma.sync path, and say so loudly.
+      run probe python3 scripts/probe_cuda_prefill.py
+      if [ "$(tail -n 1 "$OUT/logs/probe.log")" != "probe: 0 failure(s)" ]; then
+        echo "!!! cuda prefill failed the probe: rebuilding with -DMINIPAGED_DISABLE_WGMMA"
+        export MINIPAGED_NVCC_FLAGS="${MINIPAGED_NVCC_FLAGS:-} -DMINIPAGED_DISABLE_WGMMA"
+        echo "MINIPAGED_DISABLE_WGMMA" > "$OUT/logs/wgmma_disabled.txt"
+        run build_nowgmma python3 -c "from minipaged.cuda import build; build.load()"
+        run probe_nowgmma python3 scripts/probe_cuda_prefill.py
+      fi;;
     build) run build python3 -c "import time; t=time.time(); from minipaged.cuda import build; build.load(); print(f'build {time.time()-t:.1f} s')";;
     tests) run tests env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
     bench) run bench python3 -m minipaged.cli bench --out "$OUT/bench";;
