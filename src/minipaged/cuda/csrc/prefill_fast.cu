@@ -4,9 +4,10 @@
 #include <cstdint>
 
 #include "prefill_fast.cuh"
-#if defined(MINIPAGED_ENABLE_SM90A)
-// The build adds -gencode arch=compute_90a,code=sm_90a and defines this macro;
-// the wgmma kernels then exist as real code for sm_90 devices.
+#if !defined(MINIPAGED_DISABLE_WGMMA)
+// The wgmma kernels are real code only in an sm_90a build (the JIT build picks
+// sm_90a on sm_90 devices because mma_wgmma.cuh tests __CUDA_ARCH_FEAT_SM90_ALL);
+// in any other build they are __trap() stubs that the dispatcher never selects.
 #include "fast_wgmma.cuh"
 #endif
 
@@ -16,15 +17,17 @@ namespace fast {
 // Block shapes (bench/results/prefill_ablation.md has the measurements):
 //   kSmall: 4 warps x 16 rows, BLOCK_M 64, Q in registers -- twice the CTAs
 //           when the grid would otherwise not fill the GPU
-//   kLarge: 4 warps x 32 rows, BLOCK_M 128, Q re-read from shared memory --
-//           every K/V fragment feeds two m-tiles, which halves ldmatrix
-//           traffic per MMA (shared-memory bandwidth bounds the 16-row warp)
+//   kLarge: 4 warps x 32 rows, BLOCK_M 128, BLOCK_N 32, Q re-read from shared
+//           memory -- every K/V fragment feeds two m-tiles, which halves
+//           ldmatrix traffic per MMA (shared-memory bandwidth bounds the 16-row
+//           warp); BLOCK_N 32 keeps it at 253 registers without spills
+// On sm_90 (sm_90a build) the wgmma kernels below replace both.
 template <typename T, int D>
 using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
-using CfgLarge = PrefillCfg<T, D, 64, 4, 2, false, 2>;
+using CfgLarge = PrefillCfg<T, D, 32, 4, 2, false, 2>;
 
-#if defined(MINIPAGED_ENABLE_SM90A)
+#if !defined(MINIPAGED_DISABLE_WGMMA)
 // wgmma kernels: 2 warpgroups (BLOCK_M 128, BLOCK_N 128) or, for short grids,
 // 1 warpgroup (BLOCK_M 64, BLOCK_N 64, two CTAs per SM); both pipelined.
 template <typename T, int D>
@@ -41,8 +44,8 @@ inline bool device_is_sm90() {
   return major == 9 && minor == 0;
 }
 
-// Belt and braces for a build that defined MINIPAGED_ENABLE_SM90A without an
-// sm_90a target: the kernel body is then a 4-register __trap() stub.
+// Whether this library holds real wgmma code: without an sm_90a target the
+// kernel body is a 4-register __trap() stub. Asked once per instantiation.
 template <typename T, int D, bool kCausal>
 bool wgmma_kernels_built() {
   cudaFuncAttributes large{}, small{};
@@ -57,8 +60,9 @@ bool wgmma_kernels_built() {
 
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
-#if defined(MINIPAGED_ENABLE_SM90A)
-  if (device_is_sm90() && wgmma_kernels_built<T, D, kCausal>()) {
+#if !defined(MINIPAGED_DISABLE_WGMMA)
+  static const bool wgmma_ok_on_sm90 = wgmma_kernels_built<T, D, kCausal>();
+  if (device_is_sm90() && wgmma_ok_on_sm90) {
     const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
                               ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
