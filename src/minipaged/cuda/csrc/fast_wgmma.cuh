@@ -12,8 +12,9 @@
 //
 // Tiles are stored in the canonical 128-byte-swizzle layout: 64-element column
 // blocks of [rows][128 B], 16-byte chunk c of row r at chunk (c ^ (r & 7)).
-// Loads stay on cp.async with the same 2-stage ring as the mma.sync kernel
-// (no TMA, no warp specialisation).
+// Loads stay on cp.async issued by the consumer threads (no TMA, no warp
+// specialisation): a 2-stage ring, or 3 stages when P V of tile t-1 is left
+// running under the softmax of tile t (kPipelined).
 #pragma once
 #include "mma_wgmma.cuh"
 #include "prefill_fast.cuh"
