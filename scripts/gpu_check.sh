@@ -9,24 +9,28 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/minipaged_out}
-mkdir -p "$OUT/logs" "$OUT/bench"
+# Only a few files come back from $OUT: work in WORK and re-pack it into
+# $OUT/results.tgz after every stage, so a run cut short still returns its logs.
+WORK=${WORK:-/tmp/minipaged_work}
+mkdir -p "$OUT" "$WORK/logs" "$WORK/bench"
 stages=${*:-build probe bench tests e2e}
 status=0
-run() {  # run NAME CMD...: log to $OUT/logs/NAME.log, remember failures
+run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
   local name=$1; shift
   local t0=$SECONDS
   local cap_var="STAGE_TIMEOUT_$name"
   local cap=${!cap_var:-600}
   echo "=== $name (cap ${cap}s): $*"
-  timeout -s INT -k 15 "$cap" "$@" > "$OUT/logs/$name.log" 2>&1
+  timeout -s INT -k 15 "$cap" "$@" > "$WORK/logs/$name.log" 2>&1
   local rc=$?
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n 25 "$OUT/logs/$name.log"
+  tail -n 25 "$WORK/logs/$name.log"
   [ $rc -eq 0 ] || status=1
+  tar -czf "$OUT/results.tgz" -C "$WORK" logs bench 2>/dev/null
 }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/logs/gpu.txt" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/logs/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$WORK/logs/gpu.txt"
 
 for s in $stages; do
   case $s in
@@ -35,20 +39,20 @@ for s in $stages; do
       # oracle here, rebuild without it so the rest of the run measures the
       # mma.sync path, and say so loudly.
       run probe python3 scripts/probe_cuda_prefill.py
-      if [ "$(tail -n 1 "$OUT/logs/probe.log")" != "probe: 0 failure(s)" ]; then
+      if [ "$(tail -n 1 "$WORK/logs/probe.log")" != "probe: 0 failure(s)" ]; then
         echo "!!! cuda prefill failed the probe: rebuilding with -DMINIPAGED_DISABLE_WGMMA"
         export MINIPAGED_NVCC_FLAGS="${MINIPAGED_NVCC_FLAGS:-} -DMINIPAGED_DISABLE_WGMMA"
-        echo "MINIPAGED_DISABLE_WGMMA" > "$OUT/logs/wgmma_disabled.txt"
+        echo "MINIPAGED_DISABLE_WGMMA" > "$WORK/logs/wgmma_disabled.txt"
         run build_nowgmma python3 -c "from minipaged.cuda import build; build.load()"
         run probe_nowgmma python3 scripts/probe_cuda_prefill.py
       fi;;
     build) run build python3 -c "import time; t=time.time(); from minipaged.cuda import build; build.load(); print(f'build {time.time()-t:.1f} s')";;
     tests) run tests env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
-    bench) run bench python3 -m minipaged.cli bench --out "$OUT/bench";;
-    e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$OUT/bench";;
+    bench) run bench python3 -m minipaged.cli bench --out "$WORK/bench";;
+    e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     *) echo "unknown stage $s"; status=1;;
   esac
 done
-tar -czf "$OUT/results.tgz" -C "$OUT" logs bench 2>/dev/null
+tar -czf "$OUT/results.tgz" -C "$WORK" logs bench 2>/dev/null
 exit $status

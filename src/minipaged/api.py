@@ -92,6 +92,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous()
 
 
+def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
+    """Last dim stride 1 for every backend; for the GPU kernels also 16-byte
+    aligned rows (they move rows with 16-byte vector loads), else a contiguous copy."""
+    x = _last_dim_contiguous(x)
+    if b.name == "torch" or x.numel() == 0:
+        return x
+    step = 16 // x.element_size()
+    aligned = x.data_ptr() % 16 == 0 and all(st % step == 0 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+    return x if aligned else x.contiguous()
+
+
 def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> Backend:
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
@@ -154,7 +165,7 @@ def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
         return torch.empty_like(q)
     if k.shape[2] == 0:
         return torch.zeros_like(q)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (_kernel_ready(b, x) for x in (q, k, v))
     return b.op("prefill")(q, k, v, causal, scale)
 
 
@@ -224,7 +235,7 @@ def prefill_attention_varlen(
         max_seqlen_k = real_k if max_seqlen_k is None else max_seqlen_k
     if Tq == 0:
         return torch.empty_like(q)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (_kernel_ready(b, x) for x in (q, k, v))
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
     return b.op("prefill_varlen")(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
 
@@ -308,7 +319,7 @@ def decode_attention(
             )
     if B == 0:
         return torch.empty_like(q)
-    q = _last_dim_contiguous(q)
+    q = _kernel_ready(b, q)
     # Kernels index pages with flat strides; a strided cache view is rare, copy it.
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     return b.op("decode")(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale)
@@ -354,6 +365,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
             )
     if k.shape[0] == 0:
         return None
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k, v = _kernel_ready(b, k), _kernel_ready(b, v)
     b.op("write_kv_cache")(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
     return None
