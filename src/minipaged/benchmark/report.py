@@ -137,8 +137,9 @@ def markdown_report(result: dict) -> str:
         f"- dtype {cfg['dtype']}, {'quick grid' if cfg['quick'] else 'standard grid'}"
         + (", Triton interpreter" if env.get("triton_interpret") else ""),
         "",
-        ("Median of many calls, each with a cold L2 (a buffer of at least 2x L2 is overwritten "
-         "between calls, outside the timed CUDA events), random inputs, warm-up and compilation excluded. "
+        ("Median of many calls, each with a cold L2 (a buffer of at least 2x L2 is "
+         + ("read" if env.get("l2_flush") == "read" else "overwritten")
+         + " between calls, outside the timed CUDA events), random inputs, warm-up and compilation excluded. "
          if env.get("device_type") == "cuda" else
          "CPU run (time.perf_counter, no cache flush): it shows the harness works, not GPU speed. ")
         + "Anchors (marked *) ran in the same process. `vs best anchor` = fastest anchor's median "

@@ -98,6 +98,24 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def l2_flush_mode() -> str:
+    """How L2 is emptied between timed calls: MINIPAGED_BENCH_L2_FLUSH=write (default)
+    overwrites the flush buffer, which evicts the kernel's data but leaves up to a
+    whole L2 of dirty lines whose write-back the next timed call pays for;
+    "read" streams the buffer instead, leaving clean lines."""
+    mode = os.environ.get("MINIPAGED_BENCH_L2_FLUSH", "write")
+    if mode not in ("write", "read"):
+        raise ValueError(f"MINIPAGED_BENCH_L2_FLUSH must be 'write' or 'read', got {mode!r}")
+    return mode
+
+
+def _flush(buf: torch.Tensor, mode: str) -> None:
+    if mode == "write":
+        buf.zero_()
+    else:
+        buf.sum()
+
+
 def release_flush_buffers() -> None:
     _flush_buffers.clear()
 
@@ -187,6 +205,7 @@ def _capture(fn):
 def _time_cuda(fn, device, reps, min_reps, warmup, max_time_s, cold_l2, clock="cuda-events") -> Timing:
     with torch.cuda.device(device):
         flush = _flush_buffer(device) if cold_l2 else None
+        mode = l2_flush_mode()
         for _ in range(max(1, warmup)):
             fn()
         torch.cuda.synchronize()
@@ -198,7 +217,7 @@ def _time_cuda(fn, device, reps, min_reps, warmup, max_time_s, cold_l2, clock="c
         start.record()
         for _ in range(n_est):
             if flush is not None:
-                flush.zero_()
+                _flush(flush, mode)
             fn()
         end.record()
         torch.cuda.synchronize()
@@ -209,7 +228,7 @@ def _time_cuda(fn, device, reps, min_reps, warmup, max_time_s, cold_l2, clock="c
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for i in range(n):
             if flush is not None:
-                flush.zero_()
+                _flush(flush, mode)
             starts[i].record()
             fn()
             ends[i].record()
@@ -293,6 +312,7 @@ def environment(device: torch.device | str) -> dict:
         "git_commit": git_commit(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "l2_flush": l2_flush_mode() if device.type == "cuda" else None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
