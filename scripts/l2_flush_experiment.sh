@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src"
 W=/tmp/l2exp; mkdir -p $W
 python3 -c "from minipaged.cuda import build; build.load()" > $W/build.log 2>&1
 for mode in write read; do
-  MINIPAGED_BENCH_L2_FLUSH=$mode timeout 120 python3 -m minipaged.cli bench --op decode --no-crosscheck \
+  MINIPAGED_BENCH_L2_FLUSH=$mode timeout 120 python3 -m minipaged.cli bench --op decode --backends triton,cuda --no-crosscheck \
     --no-plots --no-progress --out $W/decode_$mode > $W/decode_$mode.log 2>&1
   echo "== flush=$mode rc=$?"
   grep -E "^B=|copy bandwidth" $W/decode_$mode.log | grep -vE "torch |cuda-wmma"
