@@ -9,42 +9,16 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every profile: no deadline (first calls compile kernels) and no health checks
+# that trip on large tensors or slow interpreted Triton.
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci: derandomized, no example database, few examples, CPU.
+settings.register_profile("ci", max_examples=12, derandomize=True, database=None, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=40, **_common)
 # gpu: hundreds of examples on the H200 (`HYPOTHESIS_PROFILE=gpu pytest -m gpu`).
-settings.register_profile(
-    "ci",
-    max_examples=12,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
-settings.register_profile(
-    "dev",
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "gpu",
-    max_examples=300,
-    derandomize=False,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
-# a bounded GPU pass for one device call that also runs the benchmarks
-settings.register_profile(
-    "gpu-short",
-    max_examples=20,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+settings.register_profile("gpu", max_examples=300, database=None, print_blob=True, **_common)
+# gpu-short: a bounded GPU pass for one device call that also runs the benchmarks.
+settings.register_profile("gpu-short", max_examples=20, derandomize=True, database=None, print_blob=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
