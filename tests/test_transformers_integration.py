@@ -139,6 +139,22 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def decode_step_logits(model, impl: str, ids, mask, nxt) -> torch.Tensor:
+    """Prefill `ids` (padded per `mask`) into a fresh DynamicCache with attention
+    `impl`, then one Nq=1 step on `nxt`; returns that step's fp32 logits."""
+    from transformers import DynamicCache
+
+    full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    model.set_attn_implementation(impl)
+    cache = {cache_kwarg(model): DynamicCache(config=model.config)}
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids[:, :-1], use_cache=True, **cache)
+        return model(
+            input_ids=nxt, attention_mask=full_mask, position_ids=position_ids[:, -1:], use_cache=True, **cache
+        ).logits.float()
+
+
 def every_layer_once_per_forward(num_layers: int, forwards: int) -> dict:
     return {layer: forwards for layer in range(num_layers)}
 
@@ -282,28 +298,14 @@ def test_generate_with_static_cache_matches_eager():
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_decode_step_logits_match_eager(backend):
     """Prefill then one Nq=1 step with transformers' DynamicCache: compare the step's logits."""
-    from transformers import DynamicCache
-
     model = tiny_qwen3(8, 2, 128, num_layers_for(backend))
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in ((9, 4) if backend in SLOW_ON_CPU else (19, 6))]
     ids, mask = left_padded(seqs)
     nxt = torch.randint(1, VOCAB, (2, 1), generator=gen)
-    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-    position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
-
-    def step(impl):
-        model.set_attn_implementation(impl)
-        cache = {cache_kwarg(model): DynamicCache(config=model.config)}
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=position_ids[:, :-1], use_cache=True, **cache)
-            return model(
-                input_ids=nxt, attention_mask=full_mask, position_ids=position_ids[:, -1:], use_cache=True, **cache
-            ).logits.float()
-
-    ref = step("eager")
+    ref = decode_step_logits(model, "eager", ids, mask, nxt)
     with mp.use_backend(backend):
-        out = step(IMPL)
+        out = decode_step_logits(model, IMPL, ids, mask, nxt)
     m = logit_metrics(ref, out)
     print(f"\n[{backend}] decode step (Nq=1) minipaged vs eager: {fmt(m)}")
     assert_fp32_close(m)
@@ -631,32 +633,18 @@ def test_qwen3_06b_bf16_gpu_decode_step():
 
 
 def check_bf16_decode_step(cfg, device: str, backends: list[str], lengths) -> list[str]:
-    from transformers import DynamicCache
-
     model = random_bf16_model(cfg, device, seed=1)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     ids, mask = left_padded(seqs)
     nxt = torch.randint(0, cfg.vocab_size, (len(lengths), 1), generator=gen)
     ids, mask, nxt = ids.to(device), mask.to(device), nxt.to(device)
-    full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
-
-    def step(impl):
-        model.set_attn_implementation(impl)
-        cache = {cache_kwarg(model): DynamicCache(config=model.config)}
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=position_ids[:, :-1], use_cache=True, **cache)
-            return model(
-                input_ids=nxt, attention_mask=full_mask, position_ids=position_ids[:, -1:], use_cache=True, **cache
-            ).logits.float()
-
-    ref = step("eager")
+    ref = decode_step_logits(model, "eager", ids, mask, nxt)
     failures = []
     for backend in backends:
         mpt.reset_counts()
         with mp.use_backend(backend):
-            out = step(IMPL)
+            out = decode_step_logits(model, IMPL, ids, mask, nxt)
         m = logit_metrics(ref, out)
         counts = mpt.call_counts()
         print(f"\n[{backend}] decode step (Nq=1, DynamicCache, left padded) vs eager bf16: {fmt(m)}")

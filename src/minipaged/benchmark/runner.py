@@ -346,22 +346,28 @@ def _op_factory(name: str, op: str, args: tuple):
     return factory
 
 
+def _backend_rows(r: _Runner, op, case, backends, failures, emit, args, timed_kwargs):
+    """One row per backend for `op` on `case`: skipped, failed the cross-check, or timed
+    with `timed_kwargs(name)` passed on to _Runner.timed."""
+    for name in backends:
+        emit(f"{case.label} {name}")
+        row = _base_row(op, case, name, "backend")
+        skip = _skip_reason(name, op, r.dtype, r.device)
+        if skip:
+            yield dict(row, status="skipped", error=skip)
+            continue
+        if (name, op) in failures:
+            yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, op)]}")
+            continue
+        yield r.timed(row, _op_factory(name, op, args), **timed_kwargs(name))
+
+
 def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit):
     torch.manual_seed(r.cfg.seed)
     q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device)
     scale = 1.0 / math.sqrt(case.head_dim)
-    for name in backends:
-        emit(f"{case.label} {name}")
-        row = _base_row("prefill", case, name, "backend")
-        skip = _skip_reason(name, "prefill", r.dtype, r.device)
-        if skip:
-            yield dict(row, status="skipped", error=skip)
-            continue
-        if (name, "prefill") in failures:
-            yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'prefill')]}")
-            continue
-        yield r.timed(row, _op_factory(name, "prefill", (q, k, v, case.causal, scale)),
-                      work_flops=case.flops)
+    yield from _backend_rows(r, "prefill", case, backends, failures, emit, (q, k, v, case.causal, scale),
+                             lambda name: dict(work_flops=case.flops))
     for name in anchor_names:
         emit(f"{case.label} {name}")
         row = _base_row("prefill", case, name, "anchor")
@@ -388,21 +394,12 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
     q, kc, vc, bt, cl = cs.make_decode_inputs(case, r.dtype, r.device)
     scale = 1.0 / math.sqrt(case.head_dim)
     nbytes = case.bytes(torch.empty((), dtype=r.dtype).element_size())
-    for name in backends:
-        emit(f"{case.label} {name}")
-        row = _base_row("decode", case, name, "backend")
-        skip = _skip_reason(name, "decode", r.dtype, r.device)
-        if skip:
-            yield dict(row, status="skipped", error=skip)
-            continue
-        if (name, "decode") in failures:
-            yield dict(row, status="error", error=f"failed the cross-check: {failures[(name, 'decode')]}")
-            continue
-        # Decode runs inside CUDA graphs in a serving engine, and one call is a few
-        # microseconds of GPU work: time graph replays, or Python's launch path is
-        # what gets measured. The torch oracle syncs the host (.item()): eager.
-        yield r.timed(row, _op_factory(name, "decode", (q, kc, vc, bt, cl, scale)),
-                      work_flops=case.flops, work_bytes=nbytes, cuda_graph=name != "torch")
+    # Decode runs inside CUDA graphs in a serving engine, and one call is a few
+    # microseconds of GPU work: time graph replays, or Python's launch path is
+    # what gets measured. The torch oracle syncs the host (.item()): eager.
+    yield from _backend_rows(r, "decode", case, backends, failures, emit, (q, kc, vc, bt, cl, scale),
+                             lambda name: dict(work_flops=case.flops, work_bytes=nbytes,
+                                               cuda_graph=name != "torch"))
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
         del kc, vc
