@@ -68,13 +68,17 @@ class Backend:
     def provides(self, op: str) -> bool:
         return op in self.ops
 
-    def op(self, op: str) -> Callable:
-        """The function implementing `op`, imported on first use."""
+    def require(self, op: str) -> None:
+        """Raise BackendUnavailableError naming the backends that have `op` when this one lacks it."""
         if op not in self.ops:
             have = [b.name for b in _BACKENDS.values() if b.provides(op)]
             raise BackendUnavailableError(
                 f"backend {self.name!r} does not implement {op!r}; backends that do: {have}"
             )
+
+    def op(self, op: str) -> Callable:
+        """The function implementing `op`, imported on first use."""
+        self.require(op)
         fn = self._resolved.get(op)
         if fn is None:
             module, attr = self.ops[op].split(":")
@@ -229,9 +233,7 @@ def resolve(op: str, device: str, name: str | None = None) -> Backend:
             reasons.append(f"{cand}: {why}")
         raise BackendUnavailableError(f"auto found no backend for {op} on {device}: {reasons}")
     b = _BACKENDS[chosen]
-    if not b.provides(op):
-        have = [x.name for x in _BACKENDS.values() if x.provides(op)]
-        raise BackendUnavailableError(f"backend {chosen!r} does not implement {op!r}; backends that do: {have}")
+    b.require(op)
     ok, why = b.is_available(device)
     if not ok:
         raise BackendUnavailableError(f"backend {chosen!r} (from {source}) is unavailable on {device}: {why}")
