@@ -100,10 +100,17 @@ def test_time_fn_time_bound_keeps_min_reps():
         timing.time_fn(slow, device="cpu", reps=0)
 
 
-def test_cuda_path_flushes_between_event_pairs(monkeypatch):
+@pytest.mark.parametrize("mode", [None, "read", "write"])
+def test_cuda_path_flushes_between_event_pairs(monkeypatch, mode):
     """The CUDA branch, driven by a fake clock: warm-up and estimate calls stay
-    out of the figures, and the L2 flush lands before each start event."""
+    out of the figures, and the L2 flush (read by default) lands before each
+    start event."""
     log = []
+    if mode is None:
+        monkeypatch.delenv("MINIPAGED_BENCH_L2_FLUSH", raising=False)
+    else:
+        monkeypatch.setenv("MINIPAGED_BENCH_L2_FLUSH", mode)
+    expected = "flush-write" if mode == "write" else "flush-read"
 
     class FakeEvent:
         def __init__(self, enable_timing=False):
@@ -118,7 +125,10 @@ def test_cuda_path_flushes_between_event_pairs(monkeypatch):
 
     class FakeFlush:
         def zero_(self):
-            log.append("flush")
+            log.append("flush-write")
+
+        def sum(self):
+            log.append("flush-read")
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -134,7 +144,7 @@ def test_cuda_path_flushes_between_event_pairs(monkeypatch):
     assert t.min_ms >= 1.0
     records = [i for i, x in enumerate(log) if x == "record"]
     timed = log[records[1] + 1:]  # after the estimate's event pair
-    assert timed == ["flush", "record", "fn", "record"] * 6
+    assert timed == [expected, "record", "fn", "record"] * 6
     assert log.count("fn") == 2 + 3 + 6  # warm-up, estimate, timed
 
 

@@ -120,7 +120,10 @@ def test_decode_forced_splits(ops, dtype, num_splits):
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"splits={num_splits}", num_splits=num_splits)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8])
+NO_PDL = 0x200  # decode.cu kVariantNoPDL: plain launch of the split reduction
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, NO_PDL])
 @pytest.mark.parametrize("B,L", [(1, 4097), (9, 333)])
 def test_decode_variants(ops, variant, B, L):
     lens = [L - 7 * b for b in range(B)]
@@ -128,7 +131,7 @@ def test_decode_variants(ops, variant, B, L):
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"variant {variant}", variant=variant)
 
 
-@pytest.mark.parametrize("variant", [0, 7])
+@pytest.mark.parametrize("variant", [0, 7, 9])
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
 def test_decode_variants_large_groups(ops, variant, heads):
     lens = [4097, 0, 333, 16]
@@ -429,6 +432,18 @@ def test_cuda_graph_capture_replay(ops):
             assert (static_out[3] == 0).all()
 
 
+@pytest.mark.parametrize("splits", [0, 3, 256])
+def test_decode_pdl_launch_is_bitwise_plain_launch(ops, splits):
+    # The reduction launched early (programmatic dependent launch) must read
+    # the same, complete partials as one launched after the split kernel.
+    q, kc, vc, bt, cl = _paged_problem(2, 16, 8, 128, 16, [9000, 1], torch.bfloat16, seed=11)
+    a = ops.decode(q, kc, vc, bt, cl, 0.0883, num_splits=splits)
+    b = ops.decode(q, kc, vc, bt, cl, 0.0883, num_splits=splits, variant=NO_PDL)
+    assert torch.equal(a, b)
+    ref = reference.decode(q, kc, vc, bt, cl, 0.0883)
+    assert (a.float() - ref.float()).abs().max().item() < 3e-2
+
+
 def test_public_api_backends(ops):
     import minipaged as mp
 
@@ -459,7 +474,7 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             q = torch.randn(B, Hq, D, device=dev, dtype=dt)
             ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=splits)
             if (Hq // Hkv, D) in ((2, 128), (8, 128)):
-                for variant in (1, 3, 5, 6, 7, 8):  # the cp.async / double-buffered tilings
+                for variant in (1, 3, 4, 5, 6, 7, 8, 9, 0x200):  # the other tilings; plain reduce launch
                     ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=2, variant=variant)
     if "write_kv" in which:
         for T, Hkv, D, bs in [(13, 2, 128, 16), (5, 3, 64, 1)]:

@@ -95,6 +95,18 @@ int num_sms(int device) {
   return cache[device];
 }
 
+int cc_major(int device) {
+  static int cache[128] = {0};
+  if (device < 0 || device >= 128) return 0;
+  if (cache[device] == 0) {
+    int n = 0;
+    check_launch(cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, device),
+                 "cudaDeviceGetAttribute(computeCapabilityMajor)");
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
 bool rows_aligned16(const at::Tensor& t) {
   if ((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) != 0) return false;
   for (int64_t i = 0; i + 1 < t.dim(); ++i) {
@@ -265,6 +277,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
     p.scale = static_cast<float>(scale);
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
+    p.cc_major = cc_major(q.get_device());
     p.variant = static_cast<int>(variant);
     if (o.numel() > 0) {
       minipaged::decode_plan(p, static_cast<int>(num_splits));

@@ -39,6 +39,7 @@ struct DecodeParams {
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;
+  int cc_major;        // compute capability of the device (9: programmatic dependent launch)
   int variant;         // 0: tuned default; >0 selects alternative tilings (benchmarking only)
 };
 

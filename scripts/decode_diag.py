@@ -1,0 +1,162 @@
+"""Where does small-batch paged decode spend its time? (tuning tool, H200)
+
+    PYTHONPATH=src python scripts/decode_diag.py time OUT.json   # graph-replay sweep
+    PYTHONPATH=src python scripts/decode_diag.py groups OUT.json # GQA 4 and 8 tilings
+    ncu ... python scripts/decode_diag.py ncu                    # one call per config
+
+`time`: every CUDA tiling / split count / reduction variant and Triton, timed
+exactly as `minipaged bench` times decode (CUDA-graph replay, median, cold L2),
+under both flush modes, next to two anchors measured in the same process: a
+graph holding one tiny kernel (the floor every graph-timed row pays) and a
+contiguous read of the same number of bytes (`x.sum()`).
+`ncu`: runs the configs once each after a warm-up so Nsight Compute can give
+per-kernel durations (split kernel vs reduction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from minipaged.benchmark import cases as cs
+from minipaged.benchmark import timing
+from minipaged.cuda import ops as cuda_ops
+from minipaged.registry import all_backends
+
+NOPDL = 0x200  # decode.cu kVariantNoPDL
+# Tiling numbers are decode.cu's `variant & 0xff` for G=2, D=128. The first run
+# (bench/results/nvidia-h200/decode_diag/) used the numbering before the default
+# changed: there 0 was today's 4 and 4 today's 0, and 0x100 selected the old
+# one-thread-per-dim reduction.
+SHAPES = ((1, 32768), (1, 4096), (8, 4096), (64, 8192))
+
+
+def configs(B, L):
+    out = [("triton", 0, None)]
+    if B == 1:
+        out.append(("triton", 64, None))
+    splits = (0, 32, 64, 128, 256) if B == 1 and L > 8192 else (0, 16, 32, 64) if B == 1 else (0,)
+    for s in splits:
+        for tiling in (0, 1, 3, 4, 5, 6, 7, 8, 9):
+            out.append(("cuda", s, tiling))
+        out.append(("cuda", s, NOPDL))
+    return out
+
+
+def runner(name, splits, variant, inputs, scale):
+    q, kc, vc, bt, cl = inputs
+    if name == "triton":
+        fn = all_backends()["triton"].op("decode")
+
+        def run():
+            return fn(q, kc, vc, bt, cl, scale)
+
+        return run
+    return lambda: cuda_ops.decode(q, kc, vc, bt, cl, scale, splits, variant)
+
+
+def with_triton_splits(splits, fn):
+    def run():
+        if splits:
+            os.environ["MINIPAGED_TRITON_DECODE_SPLITS"] = str(splits)
+        else:
+            os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+        return fn()
+
+    return run
+
+
+def main_time(out_path):
+    rows = []
+    for B, L in SHAPES:
+        case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=16, num_kv_heads=8, head_dim=128)
+        torch.manual_seed(0)
+        inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
+        nbytes = case.bytes(2)
+        x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        tiny = torch.zeros(1, device="cuda")
+        ref = cuda_ops.decode(*inputs, 128**-0.5, 0, 0).float()
+        for mode in ("read", "write"):
+            os.environ["MINIPAGED_BENCH_L2_FLUSH"] = mode
+            for name, fn in (("anchor-empty-graph", lambda: tiny.add_(1.0)),
+                             ("anchor-read-same-bytes", lambda: x.sum(dtype=torch.float32))):
+                t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
+                rows.append(dict(B=B, L=L, flush=mode, backend=name, us=t.median_ms * 1e3,
+                                 tbps=nbytes / t.median_ms / 1e9))
+                print(rows[-1], flush=True)
+            for name, splits, variant in configs(B, L):
+                fn = runner(name, splits, variant, inputs, 128**-0.5)
+                if name == "triton":
+                    fn = with_triton_splits(splits, fn)
+                row = dict(B=B, L=L, flush=mode, backend=name, splits=splits, variant=variant)
+                try:
+                    err = (fn().float() - ref).abs().max().item()
+                    t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
+                    row.update(us=t.median_ms * 1e3, tbps=nbytes / t.median_ms / 1e9, max_diff=err, clock=t.clock)
+                except Exception as e:  # noqa: BLE001 - keep sweeping
+                    row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
+                rows.append(row)
+                print(row, flush=True)
+            os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+        del inputs, x
+        torch.cuda.empty_cache()
+    json.dump(rows, open(out_path, "w"), indent=1)
+
+
+def main_groups(out_path):
+    """Larger GQA groups (Qwen3-4B/8B: 32/8, Qwen3-32B: 64/8): each tiling, read flush."""
+    rows = []
+    os.environ["MINIPAGED_BENCH_L2_FLUSH"] = "read"
+    for hq, variants in ((32, (0, 7, 9)), (64, (0, 7))):
+        for B, L in ((1, 32768), (32, 4096)):
+            case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=hq, num_kv_heads=8, head_dim=128)
+            torch.manual_seed(0)
+            inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
+            nbytes = case.bytes(2)
+            ref = cuda_ops.decode(*inputs, 128**-0.5, 0, 0).float()
+            todo = [("triton", 0, None)] + [("cuda", 0, v) for v in variants]
+            for name, splits, variant in todo:
+                fn = runner(name, splits, variant, inputs, 128**-0.5)
+                row = dict(B=B, L=L, Hq=hq, Hkv=8, flush="read", backend=name, variant=variant)
+                try:
+                    err = (fn().float() - ref).abs().max().item()
+                    t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
+                    row.update(us=t.median_ms * 1e3, tbps=nbytes / t.median_ms / 1e9, max_diff=err)
+                except Exception as e:  # noqa: BLE001
+                    row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
+                rows.append(row)
+                print(row, flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    json.dump(rows, open(out_path, "w"), indent=1)
+
+
+def main_ncu():
+    B, L = 1, 32768
+    case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=16, num_kv_heads=8, head_dim=128)
+    torch.manual_seed(0)
+    inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
+    todo = [("triton", 0, None), ("triton", 64, None)]
+    for s in (0, 64, 256):
+        todo += [("cuda", s, 0), ("cuda", s, 4), ("cuda", s, NOPDL), ("cuda", s, 6)]
+    for name, splits, variant in todo:
+        fn = runner(name, splits, variant, inputs, 128**-0.5)
+        if name == "triton":
+            fn = with_triton_splits(splits, fn)
+        fn()
+        torch.cuda.synchronize()
+        print(f"CONFIG {name} splits={splits} variant={variant}", flush=True)
+        fn()
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "time":
+        main_time(sys.argv[2])
+    elif sys.argv[1] == "groups":
+        main_groups(sys.argv[2])
+    else:
+        main_ncu()
