@@ -107,11 +107,16 @@ def main_time(out_path):
 
 
 def main_groups(out_path):
-    """Larger GQA groups (Qwen3-4B/8B: 32/8, Qwen3-32B: 64/8): each tiling, read flush."""
+    """GQA groups of Qwen3: 0.6B-1.7B 16/8, 4B/8B 32/8, 14B 40/8, 32B 64/8; scalar
+    tilings against the tensor-core kernel (10: 3 stages, 11: 2 stages), read flush."""
     rows = []
     os.environ["MINIPAGED_BENCH_L2_FLUSH"] = "read"
-    for hq, variants in ((32, (0, 7, 9)), (64, (0, 7))):
-        for B, L in ((1, 32768), (32, 4096)):
+    plan = [(16, (0, 10, 11), ((1, 32768), (64, 8192))),
+            (32, (0, 7, 10, 11), ((1, 32768), (32, 4096))),
+            (40, (0, 10, 11), ((1, 32768), (32, 4096))),
+            (64, (0, 7, 10, 11), ((1, 32768), (32, 4096)))]
+    for hq, variants, shapes in plan:
+        for B, L in shapes:
             case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=hq, num_kv_heads=8, head_dim=128)
             torch.manual_seed(0)
             inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")

@@ -101,29 +101,37 @@ def _check_decode(ops, q, kc, vc, bt, lens, scale, what, **kw):
 HEADS = [(7, 7), (16, 8), (12, 3), (6, 2), (16, 2), (24, 1)]  # GQA 1, 2, 4, 3, 8, 24
 
 
+MMA = 10  # decode.cu tiling 10: the tensor-core kernel (decode_mma.cuh), any group size
+SCALAR = 12  # decode.cu tiling 12: the scalar kernel's default tiling for any group size
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_decode_matches_reference(ops, dtype, heads, D, block_size):
+@pytest.mark.parametrize("variant", [0, MMA, SCALAR], ids=["default", "mma", "scalar"])
+def test_decode_matches_reference(ops, dtype, heads, D, block_size, variant):
     Hq, Hkv = heads
     lens = [0, 1, 17, 1023, 1500]
     q, kc, vc, bt, cl = _paged_problem(len(lens), Hq, Hkv, D, block_size, lens, dtype, seed=D + block_size)
-    _check_decode(ops, q, kc, vc, bt, cl, 1.0 / math.sqrt(D), f"{dtype} {heads} D{D} bs{block_size}")
+    _check_decode(ops, q, kc, vc, bt, cl, 1.0 / math.sqrt(D), f"{dtype} {heads} D{D} bs{block_size} v{variant}",
+                  variant=variant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 256])
-def test_decode_forced_splits(ops, dtype, num_splits):
+@pytest.mark.parametrize("variant", [0, MMA], ids=["default", "mma"])
+def test_decode_forced_splits(ops, dtype, num_splits, variant):
     lens = [3000, 0, 1, 257, 2048]
     q, kc, vc, bt, cl = _paged_problem(len(lens), 16, 8, 128, 16, lens, dtype, seed=num_splits)
-    _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"splits={num_splits}", num_splits=num_splits)
+    _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"splits={num_splits} v{variant}", num_splits=num_splits,
+                  variant=variant)
 
 
 NO_PDL = 0x200  # decode.cu kVariantNoPDL: plain launch of the split reduction
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, NO_PDL])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, SCALAR, NO_PDL])
 @pytest.mark.parametrize("B,L", [(1, 4097), (9, 333)])
 def test_decode_variants(ops, variant, B, L):
     lens = [L - 7 * b for b in range(B)]
@@ -131,8 +139,8 @@ def test_decode_variants(ops, variant, B, L):
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"variant {variant}", variant=variant)
 
 
-@pytest.mark.parametrize("variant", [0, 7, 9])
-@pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
+@pytest.mark.parametrize("variant", [0, 7, 9, 10, 11, SCALAR])
+@pytest.mark.parametrize("heads", [(32, 8), (40, 8), (64, 8), (128, 4)], ids=["G4", "G5", "G8", "G32"])
 def test_decode_variants_large_groups(ops, variant, heads):
     lens = [4097, 0, 333, 16]
     q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], 128, 16, lens, torch.float16, seed=variant)
@@ -349,9 +357,10 @@ def _repeat_identical(fn, n=20):
 
 
 @pytest.mark.parametrize("B,L", [(1, 9000), (33, 700)])  # split-KV path, single-pass path
-def test_decode_bitwise_deterministic(ops, B, L):
+@pytest.mark.parametrize("heads", [(16, 8), (64, 8)], ids=["G2", "G8"])
+def test_decode_bitwise_deterministic(ops, B, L, heads):
     lens = [L - b for b in range(B)]
-    q, kc, vc, bt, cl = _paged_problem(B, 16, 8, 128, 16, lens, torch.bfloat16, seed=1)
+    q, kc, vc, bt, cl = _paged_problem(B, heads[0], heads[1], 128, 16, lens, torch.bfloat16, seed=1)
     _repeat_identical(lambda: ops.decode(q, kc, vc, bt, cl, 0.0883))
 
 
@@ -474,8 +483,11 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             q = torch.randn(B, Hq, D, device=dev, dtype=dt)
             ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=splits)
             if (Hq // Hkv, D) in ((2, 128), (8, 128)):
-                for variant in (1, 3, 4, 5, 6, 7, 8, 9, 0x200):  # the other tilings; plain reduce launch
+                for variant in (1, 3, 4, 5, 6, 7, 8, 9, 12, 0x200):  # other tilings; plain reduce launch
                     ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=2, variant=variant)
+            for variant in (10, 11):  # the tensor-core kernel, every shape
+                for splits in (0, 2):
+                    ops.decode(q, kc, vc, bt, cl, 0.1, num_splits=splits, variant=variant)
     if "write_kv" in which:
         for T, Hkv, D, bs in [(13, 2, 128, 16), (5, 3, 64, 1)]:
             kc = torch.zeros(8, bs, Hkv, D, device=dev, dtype=dt)

@@ -1,5 +1,8 @@
 // Paged-KV decode (one query token per sequence), shared by the `cuda` and
-// `cuda-wmma` backends.
+// `cuda-wmma` backends. Two kernels: the scalar one below (GQA groups of 1-2
+// heads with few sequences) and the tensor-core one of decode_mma.cuh (groups
+// of 3+ heads, or 2 once the batch fills the GPU); select_for_dim() chooses.
+// Both write the same split partials, merged by decode_reduce_kernel.
 //
 // One CTA per (split, KV head, query-head chunk, sequence). All query heads of
 // a GQA group (up to G = 8 per CTA) are processed together, so a KV head's pages
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "decode_mma.cuh"
 #include "kernels.h"
 
 namespace minipaged {
@@ -455,7 +459,8 @@ struct KernelInfo {
   DecodeKernel kernel = nullptr;
   DecodeKernel reduce = nullptr;
   int group_tile = 1;
-  int smem_bytes = 0;  // dynamic shared memory
+  int tokens_per_iter = 32;  // tokens a CTA covers per loop iteration (split sizes are multiples)
+  int smem_bytes = 0;        // dynamic shared memory
 };
 
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0>
@@ -464,7 +469,20 @@ KernelInfo info(int variant) {
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = G;
+  k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (8 * TPT)) * 2 * kWarps * 32 * 16 : 0;
+  return k;
+}
+
+// The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
+template <typename T, int D, int STAGES>
+KernelInfo info_mma(int) {
+  KernelInfo k;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES>;
+  k.reduce = decode_reduce_kernel<T, D>;
+  k.group_tile = decode_mma::kRows;
+  k.tokens_per_iter = decode_mma::kTileTokens;
+  k.smem_bytes = decode_mma::Smem<D, STAGES>::kBytes;
   return k;
 }
 
@@ -475,7 +493,21 @@ template <typename T, int D>
 KernelInfo select_for_dim(const DecodeParams& p) {
   const int g = group_tile(p.num_q_heads / p.num_kv_heads);
   const int v = p.variant;
-  const int tiling = v & 0xff;
+  // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
+  const int tiling = (v & 0xff) == 12 ? 0 : (v & 0xff);
+  if (tiling == 10) return info_mma<T, D, 3>(v);  // tensor cores, any group size
+  if (tiling == 11) return info_mma<T, D, 2>(v);
+  // Default kernel choice. From 3 query heads per KV head up, the scalar
+  // kernel is bound by its G multiply-adds per cached element: the tensor-core
+  // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.15
+  // TB/s at B=32 L=4k. At G=2 it wins only once the batch alone fills the
+  // machine (B=64 L=8k: 484 vs 507 us); with few sequences the split scalar
+  // kernel is ahead (B=1 L=32k: 40.1 vs 41.3 us). bench/results/nvidia-h200/decode_diag.
+  if ((v & 0xff) == 0 && D == 128) {
+    const int group = p.num_q_heads / p.num_kv_heads;
+    const bool batch_fills = static_cast<int64_t>(p.batch) * p.num_kv_heads >= 2 * static_cast<int64_t>(p.num_sms);
+    if (group >= 3 || (group == 2 && batch_fills)) return info_mma<T, D, 3>(v);
+  }
   if constexpr (D == 128) {
     switch (g) {
       case 1:
@@ -505,7 +537,8 @@ KernelInfo select_for_dim(const DecodeParams& p) {
       default:
         // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
         // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
-        return tiling == 7 ? info<T, D, 8, 16, 2, false, 4>(v) : info<T, D, 8, 16, 2>(v);
+        if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>(v);
+        return info<T, D, 8, 16, 2>(v);
     }
   } else {
     switch (g) {
@@ -586,7 +619,8 @@ void decode_plan(DecodeParams& p, int requested_splits) {
   }
   splits = std::min<int64_t>(splits, capacity);
   int64_t per_split = (capacity + splits - 1) / splits;
-  if (splits > 1) per_split = (per_split + 31) / 32 * 32;  // whole CTA iterations
+  const int64_t iter = std::max(k.tokens_per_iter, 1);
+  if (splits > 1) per_split = (per_split + iter - 1) / iter * iter;  // whole CTA iterations
   p.tokens_per_split = static_cast<int>(per_split);
   p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
 }

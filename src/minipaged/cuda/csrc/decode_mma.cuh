@@ -1,0 +1,280 @@
+// Paged decode on tensor cores, for GQA groups of 4 or more query heads.
+//
+// The scalar kernel in decode.cu spends G multiply-adds per cached element per
+// CTA; from G = 4 up that, not memory, bounds it. Here the query heads of one
+// KV group are the M = 16 rows of an mma.m16n8k16 tile (rows past the group are
+// zero), so a KV group of up to 16 heads costs one MMA row block:
+//   S = Q K^T    ldmatrix + mma.sync, fp32 accumulators, scores stay in registers
+//   softmax      online, on the fragments (a head's row lives in one quad)
+//   O += P V     P re-packed to 16-bit in registers, V through ldmatrix.trans
+// Each of the 4 warps owns 16 tokens of every 64-token tile and keeps its own
+// running max / sum / O; the warps are merged once at the end, as in the scalar
+// kernel. K/V rows are gathered through the block table with cp.async into a
+// STAGES-deep ring of XOR-swizzled shared tiles (one barrier per tile), so a page
+// size of 1 costs no more than 16: every row is addressed on its own.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common.cuh"
+#include "fast_mma.cuh"
+#include "kernels.h"
+
+namespace minipaged {
+namespace decode_mma {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
+constexpr int kTileTokens = 64;    // tokens per pipeline stage, 16 per warp
+
+template <int D, int STAGES>
+struct Smem {
+  static constexpr int kTileElems = kTileTokens * D;
+  static constexpr int kStageBytes = 2 * kTileElems * 2;  // K tile then V tile, 16-bit
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
+  static constexpr int kRingBytes = STAGES * kStageBytes;
+  static_assert(kMergeBytes <= kRingBytes, "the merge buffers reuse the ring");
+  // +256: the base is rounded up to 256 bytes for the XOR address stepping.
+  static constexpr int kBytes = kRingBytes + kQBytes + 256;
+};
+
+// Byte offset of (row, 16-byte chunk) in a [rows][D] 16-bit tile: chunks are
+// XOR-swizzled by the row so that ldmatrix and cp.async hit 8 bank groups.
+template <int D>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>((row * D + ((chunk ^ (row & 7)) << 3)) * 2);
+}
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const DecodeParams p) {
+  using S = Smem<D, STAGES>;
+  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  constexpr int kRowStep = kThreads / kChunks;   // rows one copy pass covers
+  constexpr int kCopyIters = kTileTokens / kRowStep;
+  constexpr int kDT = D / 8;                     // n-tiles of O per warp
+  static_assert(kTileTokens % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw = fast::smem_u32(smem_raw);
+  const uint32_t pad = ((raw + 255u) & ~255u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t ring = raw + pad;
+  const uint32_t s_q = ring + S::kRingBytes;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+
+  const int split = blockIdx.x;
+  const int num_gchunks = gridDim.y / p.num_kv_heads;
+  const int kvh = blockIdx.y / num_gchunks;
+  const int gchunk = blockIdx.y - kvh * num_gchunks;
+  const int b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int h0 = kvh * group + gchunk * kRows;
+  const int ng = min(kRows, group - gchunk * kRows);
+
+  const int capacity = p.max_blocks * p.block_size;
+  const int ctx = min(p.context_lens[b], capacity);
+  const int start = split * p.tokens_per_split;
+  const int end = min(ctx, start + p.tokens_per_split);
+  const int n_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const int bs_mask = p.block_size - 1;
+  const int32_t* bt = p.block_tables + b * p.block_table_stride;
+  const int c = tid % kChunks;
+  const int r0 = tid / kChunks;
+  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + c * 8;
+  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + c * 8;
+
+  // Gathers the K and V rows of tile t into ring stage `stage`; rows past `end`
+  // are zero-filled without being read (their scores are masked below).
+  auto load_tile = [&](int t, int stage) {
+    const uint32_t kdst = ring + stage * S::kStageBytes;
+    const uint32_t vdst = kdst + S::kTileElems * 2;
+#pragma unroll
+    for (int it = 0; it < kCopyIters; ++it) {
+      const int row = r0 + it * kRowStep;
+      const int tok = start + t * kTileTokens + row;
+      const bool valid = tok < end;
+      const T* kp = kbase;
+      const T* vp = vbase;
+      if (valid) {
+        const int64_t page = __ldg(bt + (tok >> log2_bs));
+        const int64_t in_page = tok & bs_mask;
+        kp += page * p.k_block_stride + in_page * p.k_token_stride;
+        vp += page * p.v_block_stride + in_page * p.v_token_stride;
+      }
+      fast::cp_async_16(kdst + swz<D>(row, c), kp, valid);
+      fast::cp_async_16(vdst + swz<D>(row, c), vp, valid);
+    }
+  };
+
+  // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
+  {
+    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+      const int row = idx / kChunks, ch = idx % kChunks;
+      const bool valid = row < ng;
+      fast::cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
+    }
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int st = 0; st + 1 < STAGES; ++st) {
+    if (st < n_tiles) load_tile(st, st);
+    cp_async_commit();
+  }
+
+  const int lm_row8 = lane & 7;
+  const int lm_bit3 = (lane >> 3) & 1;
+  const int lm_bit4 = lane >> 4;
+  uint32_t q_frag[D / 16][4];
+  cp_async_wait<STAGES - 1>();  // the Q group has landed
+  __syncthreads();
+  {
+    const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) fast::ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
+  }
+  // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1.
+  const uint32_t k_lm = ring + swz<D>(warp * 16 + lm_row8 + lm_bit4 * 8, lm_bit3);
+  // V (B operand of P V, transposed): tokens 0-7 / 8-15 x chunk 2dp / 2dp+1.
+  const uint32_t v_lm = ring + S::kTileElems * 2 + swz<D>(warp * 16 + lm_row8 + lm_bit3 * 8, lm_bit4);
+
+  const float scale_log2 = p.scale * kLog2e;
+  const int g = lane >> 2;        // fragment rows g and g + 8
+  const int tq = (lane & 3) * 2;  // fragment column pair
+  float acc_o[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};  // running max (log2 units) of rows g, g + 8
+  float l[2] = {0.f, 0.f};              // this thread's share of the row sums
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t % STAGES;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed for everyone; tile t-1's stage is free
+    if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+    cp_async_commit();
+
+    const uint32_t k_stage = k_lm + stage * S::kStageBytes;
+    const uint32_t v_stage = v_lm + stage * S::kStageBytes;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t bk[4];
+      fast::ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
+      fast::mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
+      fast::mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
+    }
+    const int tok0 = start + t * kTileTokens + warp * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m[h];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + nt * 8 + tq + e;
+          float& x = s[nt][2 * h + e];
+          x = tok < end ? x * scale_log2 : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen only masked tokens keeps reference 0: ex2(-inf) = 0.
+      const float mref = mx == -INFINITY ? 0.f : mx;
+      const float alpha = fast_exp2(m[h] - mref);
+      m[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * h + e];
+          x = fast_exp2(x - mref);
+          sum += x;
+        }
+      l[h] = l[h] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        acc_o[dt][2 * h] *= alpha;
+        acc_o[dt][2 * h + 1] *= alpha;
+      }
+    }
+    // The m16n8 C fragments of the two 8-token halves form the m16n8k16 A fragment.
+    uint32_t a[4];
+    a[0] = fast::pack2<T>(s[0][0], s[0][1]);
+    a[1] = fast::pack2<T>(s[0][2], s[0][3]);
+    a[2] = fast::pack2<T>(s[1][0], s[1][1]);
+    a[3] = fast::pack2<T>(s[1][2], s[1][3]);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t bv[4];
+      fast::ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
+      fast::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+      fast::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+    }
+  }
+  cp_async_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
+
+  float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][D]
+  float* sm_m = sm_o + kWarps * kRows * D;              // [kWarps][kRows]
+  float* sm_l = sm_m + kWarps * kRows;                  // [kWarps][kRows]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float lsum = l[h];
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const int row = g + 8 * h;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      float2 v = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
+      *reinterpret_cast<float2*>(sm_o + (warp * kRows + row) * D + dt * 8 + tq) = v;
+    }
+    if ((lane & 3) == 0) {
+      sm_m[warp * kRows + row] = m[h];
+      sm_l[warp * kRows + row] = lsum;
+    }
+  }
+  __syncthreads();
+
+  for (int idx = tid; idx < ng * D; idx += kThreads) {
+    const int row = idx / D;
+    const int d = idx - row * D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * kRows + row]);
+    const float mref = mx == -INFINITY ? 0.f : mx;
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float cw = fast_exp2(sm_m[w * kRows + row] - mref);
+      L += sm_l[w * kRows + row] * cw;
+      O += sm_o[(w * kRows + row) * D + d] * cw;
+    }
+    const float out = L > 0.f ? O / L : 0.f;
+    const int h = h0 + row;
+    if (p.num_splits == 1) {
+      T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+      op[d] = Convert<T>::from_float(out);
+    } else {
+      const int64_t prow = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
+      p.partial_o[prow * D + d] = out;
+      if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
+    }
+  }
+}
+
+}  // namespace decode_mma
+}  // namespace minipaged
