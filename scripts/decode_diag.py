@@ -115,6 +115,8 @@ def main_groups(out_path):
             (32, (0, 7, 10, 11), ((1, 32768), (32, 4096))),
             (40, (0, 10, 11), ((1, 32768), (32, 4096))),
             (64, (0, 7, 10, 11), ((1, 32768), (32, 4096)))]
+    if os.environ.get("DIAG_SHORT"):  # short contexts, as in an engine's first decode steps
+        plan = [(hq, (0, 10, 11, 12), ((64, 192), (8, 512))) for hq in (16, 32, 64)]
     for hq, variants, shapes in plan:
         for B, L in shapes:
             case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=hq, num_kv_heads=8, head_dim=128)

@@ -1,7 +1,7 @@
 // Paged-KV decode (one query token per sequence), shared by the `cuda` and
 // `cuda-wmma` backends. Two kernels: the scalar one below (GQA groups of 1-2
-// heads with few sequences) and the tensor-core one of decode_mma.cuh (groups
-// of 3+ heads, or 2 once the batch fills the GPU); select_for_dim() chooses.
+// heads) and the tensor-core one of decode_mma.cuh (groups of 3+ heads);
+// select_for_dim() chooses.
 // Both write the same split partials, merged by decode_reduce_kernel.
 //
 // One CTA per (split, KV head, query-head chunk, sequence). All query heads of
@@ -499,15 +499,13 @@ KernelInfo select_for_dim(const DecodeParams& p) {
   if (tiling == 11) return info_mma<T, D, 2>(v);
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element: the tensor-core
-  // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.15
-  // TB/s at B=32 L=4k. At G=2 it wins only once the batch alone fills the
-  // machine (B=64 L=8k: 484 vs 507 us); with few sequences the split scalar
-  // kernel is ahead (B=1 L=32k: 40.1 vs 41.3 us). bench/results/nvidia-h200/decode_diag.
-  if ((v & 0xff) == 0 && D == 128) {
-    const int group = p.num_q_heads / p.num_kv_heads;
-    const bool batch_fills = static_cast<int64_t>(p.batch) * p.num_kv_heads >= 2 * static_cast<int64_t>(p.num_sms);
-    if (group >= 3 || (group == 2 && batch_fills)) return info_mma<T, D, 3>(v);
-  }
+  // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.07
+  // TB/s at B=32 L=4k. At G=2 the scalar kernel stays: it is ahead with few
+  // sequences (B=1 L=32k: 40.1 vs 41.3 us) and, by its one-wave occupancy, with
+  // short contexts (the engine's B=64 decode steps at ~190 tokens: 23.2k vs
+  // 20.3k tok/s), and only 3% behind at B=64 L=8k (507 vs 494 us).
+  // bench/results/nvidia-h200/decode_diag.
+  if ((v & 0xff) == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>(v);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
