@@ -502,8 +502,8 @@ KernelInfo select_for_dim(const DecodeParams& p) {
   // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.07
   // TB/s at B=32 L=4k. At G=2 the scalar kernel stays: it is ahead with few
   // sequences (B=1 L=32k: 40.1 vs 41.3 us) and, by its one-wave occupancy, with
-  // short contexts (the engine's B=64 decode steps at ~190 tokens: 23.2k vs
-  // 20.3k tok/s), and only 3% behind at B=64 L=8k (507 vs 494 us).
+  // short contexts (B=64 L=192: 18.6 vs 22.9 us; the engine's B=64 decode:
+  // 22.5k vs 20.3k tok/s), and only 3% behind at B=64 L=8k (507 vs 494 us).
   // bench/results/nvidia-h200/decode_diag.
   if ((v & 0xff) == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>(v);
   if constexpr (D == 128) {
