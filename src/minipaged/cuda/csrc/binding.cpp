@@ -83,28 +83,27 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err), ")");
 }
 
-int num_sms(int device) {
+// Device attributes do not change while the process runs: read each once per device.
+template <cudaDeviceAttr kAttr>
+int cached_device_attr(int device, const char* name, int fallback) {
   static int cache[128] = {0};
-  if (device < 0 || device >= 128) return 132;
+  if (device < 0 || device >= 128) return fallback;
   if (cache[device] == 0) {
     int n = 0;
-    check_launch(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-                 "cudaDeviceGetAttribute(multiProcessorCount)");
+    check_launch(cudaDeviceGetAttribute(&n, kAttr, device), name);
     cache[device] = n;
   }
   return cache[device];
 }
 
+int num_sms(int device) {
+  return cached_device_attr<cudaDevAttrMultiProcessorCount>(device, "cudaDeviceGetAttribute(multiProcessorCount)",
+                                                            132);
+}
+
 int cc_major(int device) {
-  static int cache[128] = {0};
-  if (device < 0 || device >= 128) return 0;
-  if (cache[device] == 0) {
-    int n = 0;
-    check_launch(cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, device),
-                 "cudaDeviceGetAttribute(computeCapabilityMajor)");
-    cache[device] = n;
-  }
-  return cache[device];
+  return cached_device_attr<cudaDevAttrComputeCapabilityMajor>(
+      device, "cudaDeviceGetAttribute(computeCapabilityMajor)", 0);
 }
 
 bool rows_aligned16(const at::Tensor& t) {

@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels.h"
+
 namespace minipaged {
 
 // log2(e): softmax runs in base 2 so that exp becomes one ex2 instruction; the
@@ -81,6 +83,55 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+}  // namespace minipaged
+
+namespace minipaged {
+
+// What one decode CTA owns, from the launch grid (split, KV head x head chunk,
+// sequence): tokens [start, end) of sequence b's context and query heads
+// [h0, h0 + ng) of KV head kvh's group. Shared by both decode kernels.
+struct DecodeSlice {
+  int split, kvh, b, h0, ng;
+  int start, end;  // token range; empty when the split starts past the context
+  int capacity;    // max_blocks * block_size: what the block table can address
+};
+
+__device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
+  DecodeSlice s;
+  s.split = blockIdx.x;
+  const int num_gchunks = gridDim.y / p.num_kv_heads;
+  s.kvh = blockIdx.y / num_gchunks;
+  const int gchunk = blockIdx.y - s.kvh * num_gchunks;
+  s.b = blockIdx.z;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  s.h0 = s.kvh * group + gchunk * heads_per_cta;
+  s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
+  // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
+  // walking off the block table.
+  s.capacity = p.max_blocks * p.block_size;
+  const int ctx = min(p.context_lens[s.b], s.capacity);
+  s.start = s.split * p.tokens_per_split;
+  s.end = min(ctx, s.start + p.tokens_per_split);
+  return s;
+}
+
+// Element d of query head h's result: the output itself with one split, else
+// the split's normalised partial (and, once per row, its log2-sum-exp) for
+// decode_reduce_kernel. O and L are relative to the reference max `mref`.
+template <typename T>
+__device__ __forceinline__ void store_decode_result(const DecodeParams& p, int b, int h, int split, int d,
+                                                    float O, float L, float mref) {
+  const float out = L > 0.f ? O / L : 0.f;
+  if (p.num_splits == 1) {
+    T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+    op[d] = Convert<T>::from_float(out);
+  } else {
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
+    p.partial_o[row * p.head_dim + d] = out;
+    if (d == 0) p.partial_lse[row] = L > 0.f ? mref + log2f(L) : -INFINITY;
+  }
 }
 
 }  // namespace minipaged

@@ -65,21 +65,9 @@ paged_decode_kernel(const DecodeParams p) {
   const int slot = lane / TPT;
   const int lt = lane % TPT;
 
-  const int split = blockIdx.x;
-  const int num_gchunks = gridDim.y / p.num_kv_heads;
-  const int kvh = blockIdx.y / num_gchunks;
-  const int gchunk = blockIdx.y - kvh * num_gchunks;
-  const int b = blockIdx.z;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int h0 = kvh * group + gchunk * G;
-  const int ng = min(G, group - gchunk * G);
-
-  // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
-  // walking off the block table.
-  const int capacity = p.max_blocks * p.block_size;
-  const int ctx = min(p.context_lens[b], capacity);
-  const int start = split * p.tokens_per_split;
-  const int end = min(ctx, start + p.tokens_per_split);
+  const DecodeSlice slice = decode_slice(p, G);
+  const int split = slice.split, kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int start = slice.start, end = slice.end, capacity = slice.capacity;
   // Block-table reads are bounded by the table, not by ctx, so they need not
   // wait for context_lens; entries past ctx are read but never followed.
   const int table_end = min(capacity, start + p.tokens_per_split);
@@ -347,16 +335,7 @@ paged_decode_kernel(const DecodeParams p) {
       L += sm_l[w][g] * c;
       O += sm_acc[w][g][d] * c;
     }
-    const float out = L > 0.f ? O / L : 0.f;
-    const int h = h0 + g;
-    if (p.num_splits == 1) {
-      T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-      op[d] = Convert<T>::from_float(out);
-    } else {
-      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
-      p.partial_o[row * D + d] = out;
-      if (d == 0) p.partial_lse[row] = L > 0.f ? mref + log2f(L) : -INFINITY;
-    }
+    store_decode_result<T>(p, b, h0 + g, split, d, O, L, mref);
   }
 }
 

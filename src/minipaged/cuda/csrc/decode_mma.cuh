@@ -67,19 +67,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   const int warp = tid >> 5;
   const int lane = tid & 31;
 
-  const int split = blockIdx.x;
-  const int num_gchunks = gridDim.y / p.num_kv_heads;
-  const int kvh = blockIdx.y / num_gchunks;
-  const int gchunk = blockIdx.y - kvh * num_gchunks;
-  const int b = blockIdx.z;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int h0 = kvh * group + gchunk * kRows;
-  const int ng = min(kRows, group - gchunk * kRows);
-
-  const int capacity = p.max_blocks * p.block_size;
-  const int ctx = min(p.context_lens[b], capacity);
-  const int start = split * p.tokens_per_split;
-  const int end = min(ctx, start + p.tokens_per_split);
+  const DecodeSlice slice = decode_slice(p, kRows);
+  const int split = slice.split, kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int start = slice.start, end = slice.end;
   const int n_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
 
   const int log2_bs = __ffs(p.block_size) - 1;
@@ -263,16 +253,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
       L += sm_l[w * kRows + row] * cw;
       O += sm_o[(w * kRows + row) * D + d] * cw;
     }
-    const float out = L > 0.f ? O / L : 0.f;
-    const int h = h0 + row;
-    if (p.num_splits == 1) {
-      T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-      op[d] = Convert<T>::from_float(out);
-    } else {
-      const int64_t prow = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
-      p.partial_o[prow * D + d] = out;
-      if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
-    }
+    store_decode_result<T>(p, b, h0 + row, split, d, O, L, mref);
   }
 }
 
