@@ -1,9 +1,12 @@
 """Where does small-batch paged decode spend its time? (tuning tool, H200)
 
     PYTHONPATH=src python scripts/decode_diag.py time OUT.json   # graph-replay sweep
-    PYTHONPATH=src python scripts/decode_diag.py groups OUT.json # GQA 4 and 8 tilings
+    PYTHONPATH=src python scripts/decode_diag.py groups OUT.json # Qwen3 GQA layouts
     ncu ... python scripts/decode_diag.py ncu                    # one call per config
+    (or: scripts/gpu_check.sh build diag ncu)
 
+`groups`: scalar tilings against the tensor-core kernel for each Qwen3 head
+layout; DIAG_SHORT=1 swaps in large-batch, short-context shapes.
 `time`: every CUDA tiling / split count / reduction variant and Triton, timed
 exactly as `minipaged bench` times decode (CUDA-graph replay, median, cold L2),
 under both flush modes, next to two anchors measured in the same process: a
@@ -46,62 +49,65 @@ def configs(B, L):
     return out
 
 
-def runner(name, splits, variant, inputs, scale):
+SCALE = 128**-0.5
+
+
+def runner(name, splits, variant, inputs):
+    """A zero-argument decode call; Triton's split count goes through its env override."""
     q, kc, vc, bt, cl = inputs
-    if name == "triton":
-        fn = all_backends()["triton"].op("decode")
+    if name == "cuda":
+        return lambda: cuda_ops.decode(q, kc, vc, bt, cl, SCALE, splits, variant)
+    fn = all_backends()["triton"].op("decode")
 
-        def run():
-            return fn(q, kc, vc, bt, cl, scale)
-
-        return run
-    return lambda: cuda_ops.decode(q, kc, vc, bt, cl, scale, splits, variant)
-
-
-def with_triton_splits(splits, fn):
     def run():
         if splits:
             os.environ["MINIPAGED_TRITON_DECODE_SPLITS"] = str(splits)
         else:
             os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
-        return fn()
+        return fn(q, kc, vc, bt, cl, SCALE)
 
     return run
+
+
+def problem(B, L, num_q_heads=16, with_ref=True):
+    """bf16 inputs of `minipaged bench` for (B, L), their byte count and (with_ref) the
+    default CUDA output to compare every config with."""
+    case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=num_q_heads, num_kv_heads=8, head_dim=128)
+    torch.manual_seed(0)
+    inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
+    ref = cuda_ops.decode(*inputs, SCALE, 0, 0).float() if with_ref else None
+    return inputs, case.bytes(2), ref
+
+
+def measure(fn, nbytes, row, ref=None):
+    """Times fn as the bench does (graph replay, cold L2); adds the figures to `row`, prints it."""
+    try:
+        if ref is not None:
+            row["max_diff"] = (fn().float() - ref).abs().max().item()
+        t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
+        row.update(us=t.median_ms * 1e3, tbps=nbytes / t.median_ms / 1e9, clock=t.clock)
+    except Exception as e:  # noqa: BLE001 - keep sweeping
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    print(row, flush=True)
+    return row
 
 
 def main_time(out_path):
     rows = []
     for B, L in SHAPES:
-        case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=16, num_kv_heads=8, head_dim=128)
-        torch.manual_seed(0)
-        inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
-        nbytes = case.bytes(2)
+        inputs, nbytes, ref = problem(B, L)
         x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
         tiny = torch.zeros(1, device="cuda")
-        ref = cuda_ops.decode(*inputs, 128**-0.5, 0, 0).float()
         for mode in ("read", "write"):
             os.environ["MINIPAGED_BENCH_L2_FLUSH"] = mode
             for name, fn in (("anchor-empty-graph", lambda: tiny.add_(1.0)),
                              ("anchor-read-same-bytes", lambda: x.sum(dtype=torch.float32))):
-                t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
-                rows.append(dict(B=B, L=L, flush=mode, backend=name, us=t.median_ms * 1e3,
-                                 tbps=nbytes / t.median_ms / 1e9))
-                print(rows[-1], flush=True)
+                rows.append(measure(fn, nbytes, dict(B=B, L=L, flush=mode, backend=name)))
             for name, splits, variant in configs(B, L):
-                fn = runner(name, splits, variant, inputs, 128**-0.5)
-                if name == "triton":
-                    fn = with_triton_splits(splits, fn)
                 row = dict(B=B, L=L, flush=mode, backend=name, splits=splits, variant=variant)
-                try:
-                    err = (fn().float() - ref).abs().max().item()
-                    t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
-                    row.update(us=t.median_ms * 1e3, tbps=nbytes / t.median_ms / 1e9, max_diff=err, clock=t.clock)
-                except Exception as e:  # noqa: BLE001 - keep sweeping
-                    row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
-                rows.append(row)
-                print(row, flush=True)
+                rows.append(measure(runner(name, splits, variant, inputs), nbytes, row, ref))
             os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
-        del inputs, x
+        inputs = x = None  # free this shape's buffers before the next one
         torch.cuda.empty_cache()
     json.dump(rows, open(out_path, "w"), indent=1)
 
@@ -119,23 +125,10 @@ def main_groups(out_path):
         plan = [(hq, (0, 10, 11, 12), ((64, 192), (8, 512))) for hq in (16, 32, 64)]
     for hq, variants, shapes in plan:
         for B, L in shapes:
-            case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=hq, num_kv_heads=8, head_dim=128)
-            torch.manual_seed(0)
-            inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
-            nbytes = case.bytes(2)
-            ref = cuda_ops.decode(*inputs, 128**-0.5, 0, 0).float()
-            todo = [("triton", 0, None)] + [("cuda", 0, v) for v in variants]
-            for name, splits, variant in todo:
-                fn = runner(name, splits, variant, inputs, 128**-0.5)
+            inputs, nbytes, ref = problem(B, L, hq)
+            for name, variant in [("triton", None)] + [("cuda", v) for v in variants]:
                 row = dict(B=B, L=L, Hq=hq, Hkv=8, flush="read", backend=name, variant=variant)
-                try:
-                    err = (fn().float() - ref).abs().max().item()
-                    t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.3, cuda_graph=True)
-                    row.update(us=t.median_ms * 1e3, tbps=nbytes / t.median_ms / 1e9, max_diff=err)
-                except Exception as e:  # noqa: BLE001
-                    row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
-                rows.append(row)
-                print(row, flush=True)
+                rows.append(measure(runner(name, 0, variant, inputs), nbytes, row, ref))
             del inputs
             torch.cuda.empty_cache()
     json.dump(rows, open(out_path, "w"), indent=1)
@@ -143,16 +136,12 @@ def main_groups(out_path):
 
 def main_ncu():
     B, L = 1, 32768
-    case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=16, num_kv_heads=8, head_dim=128)
-    torch.manual_seed(0)
-    inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda")
+    inputs, _, _ = problem(B, L, with_ref=False)  # no extra kernel in the profile
     todo = [("triton", 0, None), ("triton", 64, None)]
     for s in (0, 64, 256):
         todo += [("cuda", s, 0), ("cuda", s, 4), ("cuda", s, NOPDL), ("cuda", s, 6)]
     for name, splits, variant in todo:
-        fn = runner(name, splits, variant, inputs, 128**-0.5)
-        if name == "triton":
-            fn = with_triton_splits(splits, fn)
+        fn = runner(name, splits, variant, inputs)
         fn()
         torch.cuda.synchronize()
         print(f"CONFIG {name} splits={splits} variant={variant}", flush=True)

@@ -2,7 +2,9 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [tests] [bench] [e2e] [sanitize]   (default: all)
+#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [sanitize] [diag] [ncu]
+#   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
+#   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
 # with SIGINT, so pytest still prints its summary and bench keeps its JSON.
 # The device copy has no .git: pass MINIPAGED_GIT_COMMIT=<sha> for the records.
@@ -51,6 +53,10 @@ for s in $stages; do
     bench) run bench python3 -m minipaged.cli bench ${BENCH_ARGS:-} --out "$WORK/bench";;
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
+    diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
+    ncu) run ncu ncu --clock-control none -k regex:decode --csv \
+           --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active \
+           python3 scripts/decode_diag.py ncu;;
     *) echo "unknown stage $s"; status=1;;
   esac
 done

@@ -117,20 +117,42 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   return s;
 }
 
-// Element d of query head h's result: the output itself with one split, else
-// the split's normalised partial (and, once per row, its log2-sum-exp) for
-// decode_reduce_kernel. O and L are relative to the reference max `mref`.
-template <typename T>
-__device__ __forceinline__ void store_decode_result(const DecodeParams& p, int b, int h, int split, int d,
-                                                    float O, float L, float mref) {
-  const float out = L > 0.f ? O / L : 0.f;
-  if (p.num_splits == 1) {
-    T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-    op[d] = Convert<T>::from_float(out);
-  } else {
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits + split;
-    p.partial_o[row * p.head_dim + d] = out;
-    if (d == 0) p.partial_lse[row] = L > 0.f ? mref + log2f(L) : -INFINITY;
+// Last step of both decode kernels: combine the online-softmax states that the
+// CTA's warps left in shared memory (row max m and sum l in log2 units, and the
+// unnormalised output o, per warp and query-head row) and store the result:
+// the output itself with one split, else the split's normalised partial and,
+// once per row, its log2-sum-exp for decode_reduce_kernel. Every element is
+// produced by one thread, walking the warps in a fixed order.
+template <typename T, int kNumWarps, int kRowsPerCta, int D>
+__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
+                                                      const float* sm_m,  // [kNumWarps][kRowsPerCta]
+                                                      const float* sm_l,  // [kNumWarps][kRowsPerCta]
+                                                      const float* sm_o)  // [kNumWarps][kRowsPerCta][D]
+{
+  for (int idx = threadIdx.x; idx < slice.ng * D; idx += kNumWarps * 32) {
+    const int row = idx / D;
+    const int d = idx - row * D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
+    const float mref = mx == -INFINITY ? 0.f : mx;
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) {
+      const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
+      L += sm_l[w * kRowsPerCta + row] * c;
+      O += sm_o[(w * kRowsPerCta + row) * D + d] * c;
+    }
+    const float out = L > 0.f ? O / L : 0.f;
+    const int h = slice.h0 + row;
+    if (p.num_splits == 1) {
+      T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride;
+      op[d] = Convert<T>::from_float(out);
+    } else {
+      const int64_t prow = (static_cast<int64_t>(slice.b) * p.num_q_heads + h) * p.num_splits + slice.split;
+      p.partial_o[prow * D + d] = out;
+      if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
+    }
   }
 }
 

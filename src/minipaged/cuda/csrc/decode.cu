@@ -66,7 +66,7 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   const DecodeSlice slice = decode_slice(p, G);
-  const int split = slice.split, kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end, capacity = slice.capacity;
   // Block-table reads are bounded by the table, not by ctx, so they need not
   // wait for context_lens; entries past ctx are read but never followed.
@@ -319,24 +319,7 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  // Merge the warps; every output element is produced by one thread.
-  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
-    const int g = idx / D;
-    const int d = idx - g * D;
-    if (g >= ng) break;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
-    const float mref = mx == -INFINITY ? 0.f : mx;
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float c = fast_exp2(sm_m[w][g] - mref);
-      L += sm_l[w][g] * c;
-      O += sm_acc[w][g][d] * c;
-    }
-    store_decode_result<T>(p, b, h0 + g, split, d, O, L, mref);
-  }
+  merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
 }
 
 // Merges the splits of one (sequence, query head), parallel over the splits:
@@ -443,7 +426,7 @@ struct KernelInfo {
 };
 
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0>
-KernelInfo info(int variant) {
+KernelInfo info() {
   KernelInfo k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES>;
   k.reduce = decode_reduce_kernel<T, D>;
@@ -455,7 +438,7 @@ KernelInfo info(int variant) {
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
 template <typename T, int D, int STAGES>
-KernelInfo info_mma(int) {
+KernelInfo info_mma() {
   KernelInfo k;
   k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES>;
   k.reduce = decode_reduce_kernel<T, D>;
@@ -471,11 +454,11 @@ KernelInfo info_mma(int) {
 template <typename T, int D>
 KernelInfo select_for_dim(const DecodeParams& p) {
   const int g = group_tile(p.num_q_heads / p.num_kv_heads);
-  const int v = p.variant;
+  const int requested = p.variant & 0xff;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
-  const int tiling = (v & 0xff) == 12 ? 0 : (v & 0xff);
-  if (tiling == 10) return info_mma<T, D, 3>(v);  // tensor cores, any group size
-  if (tiling == 11) return info_mma<T, D, 2>(v);
+  const int tiling = requested == 12 ? 0 : requested;
+  if (tiling == 10) return info_mma<T, D, 3>();  // tensor cores, any group size
+  if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element: the tensor-core
   // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.07
@@ -484,11 +467,11 @@ KernelInfo select_for_dim(const DecodeParams& p) {
   // short contexts (B=64 L=192: 18.6 vs 22.9 us; the engine's B=64 decode:
   // 22.5k vs 20.3k tok/s), and only 3% behind at B=64 L=8k (507 vs 494 us).
   // bench/results/nvidia-h200/decode_diag.
-  if ((v & 0xff) == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>(v);
+  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>();
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return info<T, D, 1, 8, 2>(v);
+        return info<T, D, 1, 8, 2>();
       case 2:
         // Default: a row over 16 threads (one 16-byte piece each, 96 registers,
         // 5 CTAs/SM) with the next iteration's rows double-buffered in
@@ -496,33 +479,33 @@ KernelInfo select_for_dim(const DecodeParams& p) {
         // against 43.6 for the former default (now 4), 42.5 for Triton; it also
         // won at B=1 L=4k, B=8 L=4k and B=64 L=8k (scripts/decode_diag.py).
         switch (tiling) {
-          case 1: return info<T, D, 2, 8, 4>(v);
-          case 2: return info<T, D, 2, 16, 2>(v);
-          case 3: return info<T, D, 2, 16, 4>(v);
-          case 4: return info<T, D, 2, 8, 2>(v);
-          case 5: return info<T, D, 2, 8, 2, true>(v);
-          case 6: return info<T, D, 2, 8, 2, false, 3>(v);
-          case 7: return info<T, D, 2, 16, 2, false, 4>(v);
-          case 8: return info<T, D, 2, 16, 4, false, 3>(v);
-          case 9: return info<T, D, 2, 16, 4, true>(v);
-          default: return info<T, D, 2, 16, 2, true>(v);
+          case 1: return info<T, D, 2, 8, 4>();
+          case 2: return info<T, D, 2, 16, 2>();
+          case 3: return info<T, D, 2, 16, 4>();
+          case 4: return info<T, D, 2, 8, 2>();
+          case 5: return info<T, D, 2, 8, 2, true>();
+          case 6: return info<T, D, 2, 8, 2, false, 3>();
+          case 7: return info<T, D, 2, 16, 2, false, 4>();
+          case 8: return info<T, D, 2, 16, 4, false, 3>();
+          case 9: return info<T, D, 2, 16, 4, true>();
+          default: return info<T, D, 2, 16, 2, true>();
         }
       case 4:
-        if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>(v);
-        if (tiling == 9) return info<T, D, 4, 16, 2, true>(v);
-        return info<T, D, 4, 16, 2>(v);
+        if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
+        if (tiling == 9) return info<T, D, 4, 16, 2, true>();
+        return info<T, D, 4, 16, 2>();
       default:
         // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
         // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
-        if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>(v);
-        return info<T, D, 8, 16, 2>(v);
+        if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>();
+        return info<T, D, 8, 16, 2>();
     }
   } else {
     switch (g) {
-      case 1: return info<T, D, 1, 8, 4>(v);
-      case 2: return info<T, D, 2, 8, 4>(v);
-      case 4: return info<T, D, 4, 8, 2>(v);
-      default: return info<T, D, 8, 8, 2>(v);
+      case 1: return info<T, D, 1, 8, 4>();
+      case 2: return info<T, D, 2, 8, 4>();
+      case 4: return info<T, D, 4, 8, 2>();
+      default: return info<T, D, 8, 8, 2>();
     }
   }
 }
@@ -624,7 +607,6 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(p.num_q_heads, p.batch);
   cfg.blockDim = dim3(kReduceThreads);
-  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   const int lane = tid & 31;
 
   const DecodeSlice slice = decode_slice(p, kRows);
-  const int split = slice.split, kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
   const int n_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
 
@@ -239,22 +239,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   }
   __syncthreads();
 
-  for (int idx = tid; idx < ng * D; idx += kThreads) {
-    const int row = idx / D;
-    const int d = idx - row * D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * kRows + row]);
-    const float mref = mx == -INFINITY ? 0.f : mx;
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float cw = fast_exp2(sm_m[w * kRows + row] - mref);
-      L += sm_l[w * kRows + row] * cw;
-      O += sm_o[(w * kRows + row) * D + d] * cw;
-    }
-    store_decode_result<T>(p, b, h0 + row, split, d, O, L, mref);
-  }
+  merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
 }
 
 }  // namespace decode_mma
