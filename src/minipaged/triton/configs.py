@@ -140,3 +140,70 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
     # at least one KV tile per split
     tiles = -(-max_context_capacity // block_n)
     return max(1, min(want, tiles, MAX_SPLITS))
+
+
+# ----------------------------------------------------------------- paged (any q_len)
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    block_m: int   # rows of one tl.dot: packed (query position, head of the GQA group) pairs
+    block_n: int   # keys per KV tile
+    num_warps: int
+    num_stages: int
+
+    def block_q(self, group: int) -> int:
+        """Query positions per program: every row holds one of them for one head."""
+        return self.block_m // group
+
+    @property
+    def packed(self) -> bool:
+        """A decode-like tile (a few rows, several programs per SM) vs a prefill-like one."""
+        return self.block_m <= _PACKED_MAX_ROWS
+
+
+# Up to this many (position, head) rows a sequence's whole query run is one
+# decode-like tile; beyond, prefill-like tiles of 128 rows.
+_PACKED_MAX_ROWS = 64
+_PAGED_ENV = "MINIPAGED_TRITON_PAGED_CONFIG"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, group: int,
+                 device: torch.device) -> PagedConfig:
+    """Tile of the paged kernel, from host values only (max_seqlen_q, not q_lens)."""
+    rows = max(int(max_seqlen_q), 1) * group
+    min_m = max(16, _next_pow2(group))  # tl.dot needs M >= 16; one position must fit all heads
+    if interpreting() or device.type != "cuda":
+        return PagedConfig(max(min_m, min(32, _next_pow2(rows))), 16, 4, 1)
+    env = os.environ.get(_PAGED_ENV)
+    if env:
+        bm, bn, w, s = (int(x) for x in env.split(","))
+        return PagedConfig(max(bm, min_m), bn, w, s)
+    if rows <= _PACKED_MAX_ROWS:
+        dec = decode_config(head_dim, dtype, device)
+        return PagedConfig(max(min_m, _next_pow2(rows)), dec.block_n, dec.num_warps, dec.num_stages)
+    pre = prefill_config(head_dim, dtype, causal, 1 << 30, 1 << 30, device)  # the long-prompt entry
+    return PagedConfig(max(pre.block_m, min_m), pre.block_n, pre.num_warps, pre.num_stages)
+
+
+def paged_num_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_kv_heads: int,
+                     kv_capacity: int, cfg: PagedConfig, group: int, device: torch.device) -> int:
+    """KV splits per (sequence, query tile, KV head), from shapes only (no device sync).
+
+    The number of query tiles that do work is not known on the host (it needs the
+    q_lens); it is at most one per sequence more than total_q / BLOCK_Q and at
+    most num_seqs * ceil(max_seqlen_q / BLOCK_Q). Decode-like tiles aim at the
+    decode kernel's programs per SM; prefill-like tiles (one resident per SM)
+    split only when the work does not make a single wave.
+    """
+    block_q = cfg.block_q(group)
+    tiles = min(num_seqs * -(-max_seqlen_q // block_q), -(-total_q // block_q) + num_seqs)
+    programs = max(tiles * num_kv_heads, 1)
+    per_sm = _SPLIT_PROGRAMS_PER_SM if cfg.packed else 1
+    want = round(per_sm * sm_count(device) / programs)
+    key_tiles = -(-kv_capacity // cfg.block_n)
+    return max(1, min(want, key_tiles, MAX_SPLITS))

@@ -14,7 +14,11 @@ one page (one table load); PAGE < BLOCK_N means a tile gathers several pages
 
 With one split the kernel writes the normalised output; with several it writes
 an fp32 partial output and its log2-sum-exp per split, and `_decode_reduce`
-merges them.
+merges them (the paged kernel's splits use the same reduce: its partials have
+the same [rows, Hq, splits, D] layout with a token in place of a sequence).
+
+RETURN_LSE (constexpr) also stores the natural-log softmax denominator per
+query head, -inf where the context is empty.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_to
 @triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
-    O, O_partial, LSE_partial,
+    O, LSE, O_partial, LSE_partial,
     stride_qb, stride_qh,
     stride_kblock, stride_ktok, stride_khead,
     stride_vblock, stride_vtok, stride_vhead,
     stride_table,
     stride_ob, stride_oh,
+    stride_lb, stride_lh,
     kv_group, num_splits,
     qk_scale_log2,
     HEAD_DIM: tl.constexpr,
@@ -55,6 +60,7 @@ def _decode_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,15 +139,20 @@ def _decode_kernel(
     else:
         tl.store(O + seq64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=head_ok[:, None])
+        if RETURN_LSE:
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            tl.store(LSE + seq64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 
 @triton.jit
 def _decode_reduce(
-    O_partial, LSE_partial, O,
+    O_partial, LSE_partial, O, LSE,
     stride_ob, stride_oh,
+    stride_lb, stride_lh,
     num_q_heads, num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -159,3 +170,7 @@ def _decode_reduce(
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d,
              out.to(O.dtype.element_ty))
+    if RETURN_LSE:
+        lse_row = tl.where(total == 0.0, float("-inf"),
+                           (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
+        tl.store(LSE + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse_row)

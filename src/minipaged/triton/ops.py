@@ -16,12 +16,17 @@ from triton.runtime.errors import OutOfResources
 
 from .cache import _write_kv_kernel
 from .configs import (
+    PagedConfig,
     PrefillConfig,
     decode_config,
     decode_num_splits,
+    paged_config,
+    paged_num_splits,
     prefill_config,
 )
 from .decode import _decode_kernel, _decode_reduce
+from .merge import _merge_kernel
+from .paged import _paged_kernel
 from .prefill import _attn_fwd
 
 _LOG2E = 1.4426950408889634
@@ -61,8 +66,9 @@ def _smaller(cfg: PrefillConfig) -> PrefillConfig | None:
 
 
 def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, args: tuple,
-                 is_varlen: bool, causal: bool, head_dim: int, dtype: torch.dtype) -> None:
-    key = (cfg, head_dim, dtype, causal, is_varlen)
+                 is_varlen: bool, causal: bool, head_dim: int, dtype: torch.dtype,
+                 return_lse: bool) -> None:
+    key = (cfg, head_dim, dtype, causal, is_varlen, return_lse)
     cfg = _prefill_fallback.get(key, cfg)
     while True:
         grid = (num_programs_bh, triton.cdiv(max_seqlen_q, cfg.block_m))
@@ -75,6 +81,7 @@ def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, ar
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
                 DOT_PRECISION=_dot_precision(dtype),
+                RETURN_LSE=return_lse,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
@@ -87,58 +94,77 @@ def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, ar
             cfg = smaller
 
 
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _lse_buffer(shape, device, return_lse: bool) -> torch.Tensor | None:
+    return torch.empty(shape, dtype=torch.float32, device=device) if return_lse else None
+
+
+def _result(out: torch.Tensor, lse: torch.Tensor | None):
+    return out if lse is None else (out, lse)
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            return_lse: bool = False):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer((batch, num_q_heads, seqlen_q), q.device, return_lse)
     if out.numel() == 0:
-        return out
+        return _result(out, lse)
     cfg = prefill_config(head_dim, q.dtype, causal, batch * num_q_heads, seqlen_q, q.device)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     args = (
-        q, k, v, out,
+        q, k, v, out, lse_arg,
         q, q,  # cu_seqlens unused in dense mode
         seqlen_q, seqlen_k,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
         num_q_heads, num_q_heads // num_kv_heads,
         float(scale) * _LOG2E,
     )
     with _device_scope(q):
-        _launch_attn(cfg, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim, q.dtype)
-    return out
+        _launch_attn(cfg, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim, q.dtype,
+                     lse is not None)
+    return _result(out, lse)
 
 
 def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float) -> torch.Tensor:
+                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+                   return_lse: bool = False):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer((total_q, num_q_heads), q.device, return_lse)
     if out.numel() == 0 or num_seqs <= 0 or int(max_seqlen_q) <= 0:
-        return out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return _result(out.zero_(), lse)
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     cfg = prefill_config(head_dim, q.dtype, causal, num_seqs * num_q_heads, int(max_seqlen_q), q.device)
+    lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
     args = (
-        q, k, v, out,
+        q, k, v, out, lse_arg,
         cu_q, cu_k,
         int(max_seqlen_q), int(max_seqlen_k),
         0, q.stride(1), q.stride(0),
         0, k.stride(1), k.stride(0),
         0, v.stride(1), v.stride(0),
         0, out.stride(1), out.stride(0),
+        *lse_strides,
         num_q_heads, num_q_heads // num_kv_heads,
         float(scale) * _LOG2E,
     )
     with _device_scope(q):
         _launch_attn(cfg, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
-                     head_dim, q.dtype)
-    return out
+                     head_dim, q.dtype, lse is not None)
+    return _result(out, lse)
 
 
 # (device, dtype, shapes, env overrides) -> (config, num_splits, BLOCK_H): decode is
@@ -163,15 +189,17 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+           return_lse: bool = False):
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer((batch, num_q_heads), q.device, return_lse)
     if out.numel() == 0:
-        return out
+        return _result(out, lse)
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     if context_lens.stride(0) != 1:
@@ -186,15 +214,17 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lse_partial = work[rows * head_dim:]
     else:
         o_partial = lse_partial = out  # unused
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     with _device_scope(q):
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, context_lens,
-            out, o_partial, lse_partial,
+            out, lse_arg, o_partial, lse_partial,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0),
             out.stride(0), out.stride(1),
+            *lse_strides,
             group, num_splits,
             float(scale) * _LOG2E,
             HEAD_DIM=head_dim,
@@ -203,19 +233,28 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             PAGE=page_size,
             SPLIT=split,
             DOT_PRECISION=_dot_precision(q.dtype),
+            RETURN_LSE=lse is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
         if split:
-            _decode_reduce[(batch, num_q_heads)](
-                o_partial, lse_partial, out,
-                out.stride(0), out.stride(1),
-                num_q_heads, num_splits,
-                HEAD_DIM=head_dim,
-                SPLITS_POW2=triton.next_power_of_2(num_splits),
-                num_warps=4,
-            )
-    return out
+            _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, batch, num_q_heads,
+                           num_splits, head_dim, lse is not None)
+    return _result(out, lse)
+
+
+def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int, num_q_heads: int,
+                   num_splits: int, head_dim: int, return_lse: bool) -> None:
+    _decode_reduce[(rows, num_q_heads)](
+        o_partial, lse_partial, out, lse_arg,
+        out.stride(0), out.stride(1),
+        *lse_strides,
+        num_q_heads, num_splits,
+        HEAD_DIM=head_dim,
+        SPLITS_POW2=triton.next_power_of_2(num_splits),
+        RETURN_LSE=return_lse,
+        num_warps=4,
+    )
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -243,4 +282,121 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         )
 
 
-__all__ = ["prefill", "prefill_varlen", "decode", "write_kv_cache"]
+# (cfg, head_dim, dtype, causal, page, split, lse) that ran out of shared memory -> smaller config
+_paged_fallback: dict = {}
+
+
+def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
+    min_m = max(16, triton.next_power_of_2(group))
+    if cfg.num_stages > 2:
+        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+    if cfg.block_n > 32:
+        return PagedConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+    if cfg.block_m > max(32, min_m):
+        return PagedConfig(cfg.block_m // 2, cfg.block_n, 4, cfg.num_stages)
+    if cfg.num_stages > 1:
+        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1)
+    return None
+
+
+def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, causal: bool,
+          scale: float, return_lse: bool = False, *, num_splits: int | None = None,
+          config: PagedConfig | None = None):
+    """Paged attention for packed new tokens of any lengths (see paged.py).
+
+    num_splits / config (keyword only, for tests and tuning) force the split
+    count and the tile; by default both come from shapes, so nothing syncs.
+    """
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
+    total_q, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    max_seqlen_q = int(max_seqlen_q)
+    out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer((total_q, num_q_heads), q.device, return_lse)
+    if out.numel() == 0 or num_seqs <= 0 or max_seqlen_q <= 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return _result(out.zero_(), lse)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    cfg = config or paged_config(head_dim, q.dtype, bool(causal), max_seqlen_q, group, q.device)
+    fb_key = (cfg, head_dim, q.dtype, bool(causal), page_size, lse is not None)
+    cfg = _paged_fallback.get(fb_key, cfg)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    with _device_scope(q):
+        while True:
+            splits = num_splits or paged_num_splits(
+                num_seqs, total_q, max_seqlen_q, num_kv_heads, block_tables.shape[1] * page_size,
+                cfg, group, q.device)
+            split = splits > 1
+            if split:
+                rows = total_q * num_q_heads * splits
+                work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+                o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
+            else:
+                o_partial = lse_partial = out  # unused
+            block_q = cfg.block_q(group)
+            grid = (num_seqs * triton.cdiv(max_seqlen_q, block_q), num_kv_heads, splits)
+            try:
+                _paged_kernel[grid](
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                    out, lse_arg, o_partial, lse_partial,
+                    q.stride(0), q.stride(1),
+                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                    block_tables.stride(0),
+                    out.stride(0), out.stride(1),
+                    *lse_strides,
+                    num_seqs, num_q_heads, group, splits,
+                    float(scale) * _LOG2E,
+                    HEAD_DIM=head_dim,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_Q=block_q,
+                    BLOCK_N=cfg.block_n,
+                    PAGE=page_size,
+                    IS_CAUSAL=bool(causal),
+                    SPLIT=split,
+                    RETURN_LSE=lse is not None,
+                    DOT_PRECISION=_dot_precision(q.dtype),
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )
+                break
+            except OutOfResources:
+                smaller = _smaller_paged(cfg, group)
+                if smaller is None:
+                    raise
+                _paged_fallback[fb_key] = cfg = smaller
+        if split:
+            _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, total_q, num_q_heads,
+                           splits, head_dim, lse is not None)
+    return _result(out, lse)
+
+
+def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                           lse_b: torch.Tensor):
+    o_a, lse_a, o_b, lse_b = (t.contiguous() for t in (o_a, lse_a, o_b, lse_b))
+    out = torch.empty_like(o_a)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
+    head_dim = o_a.shape[-1]
+    num_rows = lse_a.numel()
+    if num_rows == 0 or head_dim == 0:
+        return out, lse.fill_(float("-inf"))
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = max(1, min(64, 4096 // block_d))
+    with _device_scope(o_a):
+        _merge_kernel[(triton.cdiv(num_rows, block_r),)](
+            o_a, lse_a, o_b, lse_b, out, lse,
+            num_rows, head_dim,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out, lse
+
+
+__all__ = ["prefill", "prefill_varlen", "decode", "paged", "write_kv_cache", "merge_attention_states"]

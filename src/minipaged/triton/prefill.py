@@ -13,6 +13,9 @@ For a query tile the key range splits in three parts:
   [end, Nk)           seen by no row: never loaded
 Dense and varlen differ only in where a sequence starts: dense passes batch
 strides and fixed lengths, varlen passes cu_seqlens and a zero batch stride.
+
+RETURN_LSE (constexpr, so the default launch carries none of it) also stores
+the natural-log softmax denominator per row, -inf for a row that saw no key.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import triton.language as tl
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O,
+    Q, K, V, O, LSE,
     cu_seqlens_q, cu_seqlens_k,
     seqlen_q, seqlen_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
     num_q_heads, kv_group,
     qk_scale_log2,
     IS_VARLEN: tl.constexpr,
@@ -38,6 +42,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     # Axis 1 is launched slowest; reversing it starts the bottom query tiles,
@@ -133,3 +138,8 @@ def _attn_fwd(
         out = acc / l_safe[:, None]
         tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok)
+        if RETURN_LSE:
+            # m is in the log2 domain of the scaled scores; ln(2) brings it back to natural log
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
+                     + offs_m * stride_lm, lse, mask=offs_m < q_len)
