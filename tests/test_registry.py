@@ -83,7 +83,8 @@ def test_no_silent_fallback(monkeypatch):
 
 
 def test_op_lookup_names_the_backends_that_have_it():
-    b = registry.Backend(name="x", ops={}, devices=("cpu",), availability=lambda d: (True, ""))
+    b = registry.Backend(name="x", load=lambda: None, provides=frozenset(), devices=("cpu",),
+                         availability=lambda d: (True, ""))
     with pytest.raises(mp.BackendUnavailableError, match="backends that do"):
         b.op("decode")
 

@@ -5,7 +5,14 @@ Each op runs on one of the backends "torch" (the oracle), "triton", "cuda" and
 and compiles no Triton kernel: backends load on first use.
 """
 
-from .api import decode_attention, prefill_attention, prefill_attention_varlen, write_kv_cache
+from .api import (
+    decode_attention,
+    merge_attention_states,
+    paged_attention,
+    prefill_attention,
+    prefill_attention_varlen,
+    write_kv_cache,
+)
 from .paged_cache import CacheFullError, PagedKVCache
 from .registry import Backend, BackendUnavailableError, available_backends, get_backend, use_backend
 
@@ -15,6 +22,8 @@ __all__ = [
     "prefill_attention",
     "prefill_attention_varlen",
     "decode_attention",
+    "paged_attention",
+    "merge_attention_states",
     "write_kv_cache",
     "PagedKVCache",
     "CacheFullError",

@@ -1,8 +1,11 @@
 """Public ops: argument checking, then dispatch through the backend registry.
 
-Every rule of DESIGN.md is checked here, before any kernel runs, so that a
-user's mistake becomes a TypeError/ValueError naming the argument, the value
+Every rule of DESIGN.md is checked here, once, before any kernel runs, so that
+a user's mistake becomes a TypeError/ValueError naming the argument, the value
 seen and the rule, never an illegal memory access that kills the CUDA context.
+Backend functions trust their arguments; this module is also the one place
+that makes tensors kernel-ready (`_kernel_ready`).
+
 Checks that read tensor *values* (block-table ranges, context capacity,
 cu_seqlens) need a device sync; `check_values=False` skips them for callers
 that built those tensors themselves (the engine), never by default.
@@ -19,6 +22,7 @@ from .registry import Backend
 
 _FLOAT_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MAX_BLOCK_SIZE = 256
+_NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------- checks
@@ -73,6 +77,7 @@ def _heads(num_q_heads: int, num_kv_heads: int) -> None:
 
 
 def _scale(scale, head_dim: int) -> float:
+    # called after the head-dim check, so head_dim > 0 here
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -88,15 +93,19 @@ def _bool(name: str, x) -> bool:
     return x
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous()
+def _max_len(name: str, m) -> None:
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+        raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
 
 
 def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
     """Last dim stride 1 for every backend; for the GPU kernels also 16-byte
     aligned rows (they move rows with 16-byte vector loads), else a contiguous copy."""
-    x = _last_dim_contiguous(x)
-    if b.name == "torch" or x.numel() == 0:
+    if x.numel() == 0:
+        return x
+    if x.stride(-1) != 1:
+        return x.contiguous()
+    if b.name == "torch":
         return x
     step = 16 // x.element_size()
     aligned = x.data_ptr() % 16 == 0 and all(st % step == 0 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
@@ -108,15 +117,17 @@ def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     b = registry.resolve(op, device.type, backend)
     dname = _FLOAT_DTYPES[dtype]
-    if dname not in b.dtypes:
-        raise TypeError(f"backend {b.name!r} supports dtypes {list(b.dtypes)}, got {dname}")
+    dtypes, why = b.supported_dtypes(device.type)
+    if dname not in dtypes:
+        reason = f": {why}" if why and dname in b.dtypes else ""
+        raise TypeError(f"backend {b.name!r} supports dtypes {list(dtypes)} on {device.type}, got {dname}{reason}")
     if head_dim not in b.head_dims:
         raise ValueError(f"head dim D={head_dim} is not supported by backend {b.name!r}; supported: {list(b.head_dims)}")
     return b
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, tensor_name: str) -> int:
-    """Value checks of one cu_seqlens tensor; returns its largest sequence length."""
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, tensor_name: str) -> tuple[list[int], int]:
+    """Value checks of one cu_seqlens tensor; returns (its per-sequence lengths, the largest)."""
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
@@ -126,13 +137,56 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, tensor_name: str)
         raise ValueError(f"{name} must be non-decreasing, got {vals[i]} then {vals[i + 1]} at index {i}")
     if vals[-1] != total:
         raise ValueError(f"{name}[-1] is {vals[-1]} but {tensor_name} has {total} tokens; they must be equal")
-    return max(diffs, default=0)
+    return diffs, max(diffs, default=0)
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    _ndim("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if not (1 <= block_size <= MAX_BLOCK_SIZE) or block_size & (block_size - 1):
+        raise ValueError(f"block_size (k_cache.shape[1]) must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Value checks of a paged batch (syncs): lengths in [0, capacity], read table entries in range."""
+    if context_lens.numel() == 0:
+        return
+    max_blocks = block_tables.shape[1]
+    lens = context_lens.long()
+    if bool((lens < 0).any()):
+        raise ValueError(f"context_lens must be >= 0, got {lens.min().item()}")
+    cap = max_blocks * block_size
+    if bool((lens > cap).any()):
+        i = int(torch.argmax(lens).item())
+        raise ValueError(
+            f"context_lens[{i}]={lens[i].item()} exceeds the block table's capacity "
+            f"max_blocks * block_size = {max_blocks} * {block_size} = {cap}"
+        )
+    used = torch.arange(max_blocks, device=lens.device).unsqueeze(0) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        r, c = (int(x) for x in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"block_tables[{r}, {c}]={block_tables[r, c].item()} is outside [0, num_blocks={num_blocks}) "
+            f"though sequence {r} (context_lens={lens[r].item()}) reads it"
+        )
+
+
+def _empty_result(o: torch.Tensor, lse_shape: tuple, return_lse: bool):
+    """What a call with no key to attend to returns: o as given (zeros), lse -inf."""
+    if not return_lse:
+        return o
+    return o, torch.full(lse_shape, _NEG_INF, dtype=torch.float32, device=o.device)
 
 
 # --------------------------------------------------------------------------- ops
 
 
-def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = None, backend: str | None = None):
+def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = None, return_lse: bool = False,
+                      backend: str | None = None):
     """Causal (or full) attention over dense, equal-length batches, with GQA.
 
     Args:
@@ -140,10 +194,12 @@ def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
         k, v: [B, Hkv, Nk, D], same dtype and device as q; Hq % Hkv == 0.
         causal: bottom-right aligned mask: query row i sees key j iff j < Nk - Nq + i + 1.
         scale: softmax scale, default 1/sqrt(D).
+        return_lse: also return lse float32 [B, Hq, Nq], the natural log of each row's
+            softmax denominator of the scaled scores (-inf for a row that sees no key).
         backend: "auto", "torch", "triton", "cuda", "cuda-wmma" or None (env vars, then auto).
 
     Returns:
-        o: [B, Hq, Nq, D] in q's dtype. Rows that see no key are exact zeros.
+        o: [B, Hq, Nq, D] in q's dtype (or (o, lse)). Rows that see no key are exact zeros.
     """
     q, k, v = _tensor("q", q), _tensor("k", k), _tensor("v", v)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -151,7 +207,7 @@ def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
     _float_dtype("q", q)
     _same_dtype("q", q, k=k, v=v)
     _same_device("q", q, k=k, v=v)
-    causal = _bool("causal", causal)
+    causal, return_lse = _bool("causal", causal), _bool("return_lse", return_lse)
     B, Hq, Nq, D = q.shape
     _dim_eq("k.shape[0] (batch)", k.shape[0], B, "q and k share the batch size")
     _dim_eq("v.shape[0] (batch)", v.shape[0], B, "q and v share the batch size")
@@ -159,14 +215,14 @@ def prefill_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     _heads(Hq, k.shape[1])
-    scale = _scale(scale, D)
     b = _pick("prefill", q.device, backend, q.dtype, D)
+    scale = _scale(scale, D)
     if q.numel() == 0:
-        return torch.empty_like(q)
+        return _empty_result(torch.empty_like(q), (B, Hq, Nq), return_lse)
     if k.shape[2] == 0:
-        return torch.zeros_like(q)
+        return _empty_result(torch.zeros_like(q), (B, Hq, Nq), return_lse)
     q, k, v = (_kernel_ready(b, x) for x in (q, k, v))
-    return b.op("prefill")(q, k, v, causal, scale)
+    return b.op("prefill")(q, k, v, causal, scale, return_lse)
 
 
 def prefill_attention_varlen(
@@ -180,6 +236,7 @@ def prefill_attention_varlen(
     max_seqlen_k: int | None = None,
     causal: bool = True,
     scale: float | None = None,
+    return_lse: bool = False,
     backend: str | None = None,
     check_values: bool = True,
 ):
@@ -193,11 +250,12 @@ def prefill_attention_varlen(
         max_seqlen_q, max_seqlen_k: the largest per-sequence lengths (computed,
             with a device sync, when None).
         causal, scale, backend: as in `prefill_attention` (causal is bottom-right per sequence).
+        return_lse: also return lse float32 [Tq, Hq].
         check_values: verify cu_seqlens/max_seqlen values (syncs); pass False only
             when you built them yourself.
 
     Returns:
-        o: [Tq, Hq, D] in q's dtype.
+        o: [Tq, Hq, D] in q's dtype (or (o, lse)).
     """
     q, k, v = _tensor("q", q), _tensor("k", k), _tensor("v", v)
     cu_q, cu_k = _tensor("cu_seqlens_q", cu_seqlens_q), _tensor("cu_seqlens_k", cu_seqlens_k)
@@ -208,7 +266,8 @@ def prefill_attention_varlen(
     _int_dtype("cu_seqlens_q", cu_q)
     _int_dtype("cu_seqlens_k", cu_k)
     _same_device("q", q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    causal = _bool("causal", causal)
+    causal, return_lse = _bool("causal", causal), _bool("return_lse", return_lse)
+    check_values = _bool("check_values", check_values)
     _ndim("cu_seqlens_q", cu_q, 1, "[S + 1]")
     _ndim("cu_seqlens_k", cu_k, 1, "[S + 1]")
     if cu_q.shape[0] < 1:
@@ -219,14 +278,13 @@ def prefill_attention_varlen(
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     _heads(Hq, k.shape[1])
-    scale = _scale(scale, D)
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
+    _max_len("max_seqlen_q", max_seqlen_q)
+    _max_len("max_seqlen_k", max_seqlen_k)
     b = _pick("prefill_varlen", q.device, backend, q.dtype, D)
+    scale = _scale(scale, D)
     if check_values or max_seqlen_q is None or max_seqlen_k is None:
-        real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")
-        real_k = _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "k")
+        _, real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")
+        _, real_k = _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "k")
         if max_seqlen_q is not None and max_seqlen_q < real_q:
             raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query sequence ({real_q})")
         if max_seqlen_k is not None and max_seqlen_k < real_k:
@@ -234,20 +292,26 @@ def prefill_attention_varlen(
         max_seqlen_q = real_q if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = real_k if max_seqlen_k is None else max_seqlen_k
     if Tq == 0:
-        return torch.empty_like(q)
+        return _empty_result(torch.empty_like(q), (Tq, Hq), return_lse)
     q, k, v = (_kernel_ready(b, x) for x in (q, k, v))
-    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    return b.op("prefill_varlen")(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    return b.op("prefill_varlen")(q, k, v, cu_q.contiguous(), cu_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                                  causal, scale, return_lse)
 
 
-def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    _ndim("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if not (1 <= block_size <= MAX_BLOCK_SIZE) or block_size & (block_size - 1):
-        raise ValueError(f"block_size (k_cache.shape[1]) must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-    return num_blocks, block_size, num_kv_heads, head_dim
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens):
+    """Type/shape/device rules shared by decode_attention and paged_attention (no sync)."""
+    _ndim("q", q, 3, "[tokens, Hq, D]")
+    _float_dtype("q", q)
+    _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    _int_dtype("block_tables", block_tables)
+    _int_dtype("context_lens", context_lens)
+    _same_device("q", q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
+    num_blocks, block_size, Hkv, Dc = _check_cache_pair(k_cache, v_cache)
+    _dim_eq("k_cache.shape[3] (head dim)", Dc, q.shape[2], "q and the caches share the head dim")
+    _heads(q.shape[1], Hkv)
+    _ndim("block_tables", block_tables, 2, "[S, max_blocks]")
+    _ndim("context_lens", context_lens, 1, "[S]")
+    return num_blocks, block_size
 
 
 def decode_attention(
@@ -258,6 +322,7 @@ def decode_attention(
     context_lens,
     *,
     scale: float | None = None,
+    return_lse: bool = False,
     backend: str | None = None,
     check_values: bool = True,
 ):
@@ -272,57 +337,103 @@ def decode_attention(
             read; the rest may hold anything (e.g. -1).
         context_lens: int32 [B], tokens cached per sequence (0 gives zeros).
         scale, backend: as in `prefill_attention`.
+        return_lse: also return lse float32 [B, Hq].
         check_values: verify table entries and lengths (syncs); pass False only
             when you built them yourself.
 
     Returns:
-        o: [B, Hq, D] in q's dtype.
+        o: [B, Hq, D] in q's dtype (or (o, lse)).
     """
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
-    _ndim("q", q, 3, "[B, Hq, D]")
-    _float_dtype("q", q)
-    _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
-    _int_dtype("block_tables", block_tables)
-    _int_dtype("context_lens", context_lens)
-    _same_device("q", q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
-    num_blocks, block_size, Hkv, Dc = _check_cache_pair(k_cache, v_cache)
+    num_blocks, block_size = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     B, Hq, D = q.shape
-    _dim_eq("k_cache.shape[3] (head dim)", Dc, D, "q and the caches share the head dim")
-    _heads(Hq, Hkv)
-    _ndim("block_tables", block_tables, 2, "[B, max_blocks]")
-    _ndim("context_lens", context_lens, 1, "[B]")
     _dim_eq("block_tables.shape[0]", block_tables.shape[0], B, "one block-table row per query")
     _dim_eq("context_lens.shape[0]", context_lens.shape[0], B, "one context length per query")
-    scale = _scale(scale, D)
+    return_lse, check_values = _bool("return_lse", return_lse), _bool("check_values", check_values)
     b = _pick("decode", q.device, backend, q.dtype, D)
-    max_blocks = block_tables.shape[1]
-    if check_values and B > 0:
-        lens = context_lens.long()
-        if bool((lens < 0).any()):
-            raise ValueError(f"context_lens must be >= 0, got {lens.min().item()}")
-        cap = max_blocks * block_size
-        if bool((lens > cap).any()):
-            i = int(torch.argmax(lens).item())
-            raise ValueError(
-                f"context_lens[{i}]={lens[i].item()} exceeds the block table's capacity "
-                f"max_blocks * block_size = {max_blocks} * {block_size} = {cap}"
-            )
-        used = torch.arange(max_blocks, device=q.device).unsqueeze(0) < ((lens + block_size - 1) // block_size).unsqueeze(1)
-        bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
-        if bool(bad.any()):
-            r, c = (int(x) for x in bad.nonzero()[0].tolist())
-            raise ValueError(
-                f"block_tables[{r}, {c}]={block_tables[r, c].item()} is outside [0, num_blocks={num_blocks}) "
-                f"though sequence {r} (context_lens={lens[r].item()}) reads it"
-            )
+    scale = _scale(scale, D)
+    if check_values:
+        _check_tables(block_tables, context_lens, num_blocks, block_size)
     if B == 0:
-        return torch.empty_like(q)
+        return _empty_result(torch.empty_like(q), (B, Hq), return_lse)
     q = _kernel_ready(b, q)
-    # Kernels index pages with flat strides; a strided cache view is rare, copy it.
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    return b.op("decode")(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale)
+    return b.op("decode")(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
+                          context_lens.contiguous(), scale, return_lse)
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    *,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+    check_values: bool = True,
+):
+    """Attention of any number of new query tokens per sequence over a paged KV cache.
+
+    Serves chunked prefill over a cached prefix, prefix caching, speculative
+    verification (q_len 2..8) and mixed batches of these and decodes in one call.
+
+    Args:
+        q: [Tq, Hq, D]: the new tokens of S sequences, packed; sequence s owns rows
+            cu_seqlens_q[s]:cu_seqlens_q[s+1] (its q_len, 0 allowed).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as q.
+        block_tables: int32 [S, max_blocks]; only the first
+            ceil(context_lens[s] / block_size) entries of row s are read.
+        cu_seqlens_q: int32 [S + 1], starts at 0, non-decreasing, ends at Tq.
+        context_lens: int32 [S], each sequence's whole KV length, its new tokens
+            included (their K/V must already be in the cache, e.g. by write_kv_cache).
+        max_seqlen_q: the largest q_len (computed, with a device sync, when None).
+        causal: row i of a sequence with q_len rows sees key j iff
+            j < context_len - q_len + i + 1; False: every j < context_len.
+        scale, backend: as in `prefill_attention`.
+        return_lse: also return lse float32 [Tq, Hq].
+        check_values: verify cu_seqlens_q, table entries and lengths (syncs); pass
+            False only when you built them yourself.
+
+    Returns:
+        o: [Tq, Hq, D] in q's dtype (or (o, lse)). Rows that see no key are exact zeros.
+    """
+    q = _tensor("q", q)
+    k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
+    block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
+    cu_q = _tensor("cu_seqlens_q", cu_seqlens_q)
+    _int_dtype("cu_seqlens_q", cu_q)
+    if cu_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q is on {cu_q.device} but q is on {q.device}; all tensors must share one device")
+    num_blocks, block_size = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _dim_eq("context_lens.shape[0]", context_lens.shape[0], block_tables.shape[0],
+            "one context length per block-table row")
+    _ndim("cu_seqlens_q", cu_q, 1, "[S + 1]")
+    _dim_eq("len(cu_seqlens_q)", cu_q.shape[0], block_tables.shape[0] + 1,
+            "S + 1 entries for the S rows of block_tables")
+    Tq, Hq, D = q.shape
+    causal, return_lse = _bool("causal", causal), _bool("return_lse", return_lse)
+    check_values = _bool("check_values", check_values)
+    _max_len("max_seqlen_q", max_seqlen_q)
+    b = _pick("paged", q.device, backend, q.dtype, D)
+    scale = _scale(scale, D)
+    if check_values or max_seqlen_q is None:
+        _, real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")
+        if max_seqlen_q is not None and max_seqlen_q < real_q:
+            raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query sequence ({real_q})")
+        max_seqlen_q = real_q if max_seqlen_q is None else max_seqlen_q
+    if check_values:
+        _check_tables(block_tables, context_lens, num_blocks, block_size)
+    if Tq == 0 or max_seqlen_q == 0:
+        return _empty_result(torch.zeros_like(q), (Tq, Hq), return_lse)
+    q = _kernel_ready(b, q)
+    return b.op("paged")(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
+                         cu_q.contiguous(), context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None = None, check_values: bool = True) -> None:
@@ -352,11 +463,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
     _dim_eq("k.shape[2] (head dim)", k.shape[2], D, "k and k_cache share the head dim")
     _ndim("slot_mapping", slot_mapping, 1, "[T]")
     _dim_eq("slot_mapping.shape[0]", slot_mapping.shape[0], k.shape[0], "one slot per token")
+    check_values = _bool("check_values", check_values)
     b = _pick("write_kv_cache", k.device, backend, k.dtype, D)
-    if b.name != "torch":
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not c.is_contiguous():
-                raise ValueError(f"{name} must be contiguous for backend {b.name!r} (it is written in place)")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if b.name != "torch" and not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for backend {b.name!r} (it is written in place)")
     if check_values and slot_mapping.numel() > 0:
         hi = int(slot_mapping.max().item())
         if hi >= num_blocks * block_size:
@@ -368,3 +479,54 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
     k, v = _kernel_ready(b, k), _kernel_ready(b, v)
     b.op("write_kv_cache")(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
     return None
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
+    """Combine two partial attentions of the same queries over disjoint key sets.
+
+    lse = logaddexp(lse_a, lse_b); o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b,
+    in fp32. Rows where both sides saw no key (both lse -inf) give zeros and -inf.
+
+    Args:
+        o_a, o_b: [..., Hq, D], same shape, dtype and device.
+        lse_a, lse_b: float32 [..., Hq] (o's shape without its last dim).
+        backend: "torch" or "triton" (None: triton on CUDA tensors when it can run there, else torch).
+
+    Returns:
+        (o [..., Hq, D] in o_a's dtype, lse float32 [..., Hq]).
+    """
+    o_a, o_b = _tensor("o_a", o_a), _tensor("o_b", o_b)
+    lse_a, lse_b = _tensor("lse_a", lse_a), _tensor("lse_b", lse_b)
+    _float_dtype("o_a", o_a)
+    _same_dtype("o_a", o_a, o_b=o_b)
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+    _same_device("o_a", o_a, o_b=o_b, lse_a=lse_a, lse_b=lse_b)
+    if o_a.dim() < 2:
+        raise ValueError(f"o_a must be at least 2-D [..., Hq, D], got shape {tuple(o_a.shape)}")
+    if o_b.shape != o_a.shape:
+        raise ValueError(f"o_b must have the shape of o_a {tuple(o_a.shape)}, got {tuple(o_b.shape)}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != o_a.shape[:-1]:
+            raise ValueError(f"{name} must have shape {tuple(o_a.shape[:-1])} (o_a's shape without its last dim), "
+                             f"got {tuple(x.shape)}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"merge_attention_states runs on backend 'torch' or 'triton', got {backend!r}")
+    name = backend
+    if name is None:
+        name = "triton" if o_a.is_cuda and registry.all_backends()["triton"].is_available("cuda")[0] else "torch"
+    b = registry.all_backends()[name]
+    if name == "triton":
+        ok, why = b.is_available(o_a.device.type)
+        if not ok:
+            raise registry.BackendUnavailableError(f"backend 'triton' is unavailable on {o_a.device.type}: {why}")
+        dtypes, why = b.supported_dtypes(o_a.device.type)
+        if _FLOAT_DTYPES[o_a.dtype] not in dtypes:
+            raise TypeError(f"backend 'triton' supports dtypes {list(dtypes)} on {o_a.device.type}, "
+                            f"got {_FLOAT_DTYPES[o_a.dtype]}: {why}")
+    if o_a.numel() == 0:
+        return torch.empty_like(o_a), torch.empty_like(lse_a)
+    return b.ops().merge_attention_states(o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous())

@@ -17,6 +17,26 @@ from typing import Hashable, Iterable
 import torch
 
 
+HEAD_DIMS = (64, 128, 256)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_device(device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
 class CacheFullError(RuntimeError):
     """Not enough free blocks for the request; the cache is unchanged."""
 
@@ -46,11 +66,19 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
     ):
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                          ("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
         if not (1 <= block_size <= 256) or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
-        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_blocks", num_blocks)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)} (what the kernels support), got {head_dim}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        if dtype not in CACHE_DTYPES:
+            raise TypeError(f"dtype must be one of {[str(d) for d in CACHE_DTYPES]}, got {dtype}")
+        device = _check_device(device)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -1,7 +1,7 @@
 """The `torch` backend: plain PyTorch with fp32 softmax. It is the oracle.
 
 Vectorised over heads and tokens; the only Python loop is over the sequences
-of a varlen batch, so it also serves the engine on CPU at small sizes.
+of a varlen or paged batch, so it also serves the engine on CPU at small sizes.
 Arguments arrive already checked by `minipaged.api`.
 """
 
@@ -9,9 +9,37 @@ from __future__ import annotations
 
 import torch
 
+from .registry import BackendOps
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> fp32 [B, Hq, Nq, D].
+_NEG_INF = float("-inf")
+
+
+def _softmax_av(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor, eq: str):
+    """Masked fp32 softmax of `scores` times v (einsum `eq`); returns (o fp32, lse fp32 [..., rows]).
+
+    A row with no visible key would be softmax(all -inf) = NaN; DESIGN wants
+    exact zeros (and lse -inf), so it gets a finite max and zero weights instead.
+    """
+    scores = scores.masked_fill(~visible, _NEG_INF)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum(eq, p, v)
+    out = torch.where(denom > 0, out / denom.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(out))
+    lse = torch.where(denom > 0, row_max + torch.log(denom), torch.full_like(denom, _NEG_INF)).squeeze(-1)
+    return out, lse
+
+
+def _bottom_right(nq: int, nk: int, device) -> torch.Tensor:
+    """[nq, nk] bool: row i sees key j iff j < nk - nq + i + 1."""
+    rows = torch.arange(nq, device=device).unsqueeze(1)
+    cols = torch.arange(nk, device=device).unsqueeze(0)
+    return cols <= rows + (nk - nq)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> (o fp32 [B, Hq, Nq, D], lse fp32 [B, Hq, Nq]).
 
     GQA without repeating K/V: query heads are viewed as [Hkv, group] so that
     head h meets KV head h // group, exactly as the kernels index it.
@@ -20,39 +48,33 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
     if Nk == 0:
-        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                torch.full((B, Hq, Nq), _NEG_INF, dtype=torch.float32, device=q.device))
     qf = q.float().reshape(B, Hkv, group, Nq, D)
-    kf, vf = k.float(), v.float()
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, kf) * scale
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale
     if causal:
-        # bottom-right alignment: row i sees key j iff j < Nk - Nq + i + 1
-        rows = torch.arange(Nq, device=q.device).unsqueeze(1)
-        cols = torch.arange(Nk, device=q.device).unsqueeze(0)
-        visible = cols <= rows + (Nk - Nq)
+        visible = _bottom_right(Nq, Nk, q.device)
     else:
         visible = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # A row with no visible key would be softmax(all -inf) = NaN; DESIGN wants
-    # exact zeros, so give it a finite max and zero weights instead.
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p, vf)
-    out = torch.where(denom > 0, out / denom.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(out))
-    return out.reshape(B, Hq, Nq, D)
+    out, lse = _softmax_av(scores, visible, v.float(), "bhgqk,bhkd->bhgqd")
+    return out.reshape(B, Hq, Nq, D), lse.reshape(B, Hq, Nq)
 
 
-def prefill(q, k, v, causal, scale):
-    """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> o [B, Hq, Nq, D] (dtype of q)."""
-    return _attend(q, k, v, causal, scale).to(q.dtype)
+def _result(o: torch.Tensor, lse: torch.Tensor, return_lse: bool):
+    return (o, lse) if return_lse else o
 
 
-def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
-    """q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [S+1] -> o [Tq, Hq, D]."""
+def prefill(q, k, v, causal, scale, return_lse=False):
+    """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> o [B, Hq, Nq, D] (dtype of q), lse [B, Hq, Nq]."""
+    o, lse = _attend(q, k, v, causal, scale)
+    return _result(o.to(q.dtype), lse, return_lse)
+
+
+def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse=False):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_* int32 [S+1] -> o [Tq, Hq, D], lse [Tq, Hq]."""
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    cq = cu_seqlens_q.tolist()
-    ck = cu_seqlens_k.tolist()
+    lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for s in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[s], cq[s + 1], ck[s], ck[s + 1]
         if q1 == q0:
@@ -61,18 +83,61 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         qs = q[q0:q1].transpose(0, 1).unsqueeze(0)
         ks = k[k0:k1].transpose(0, 1).unsqueeze(0)
         vs = v[k0:k1].transpose(0, 1).unsqueeze(0)
-        out[q0:q1] = _attend(qs, ks, vs, causal, scale)[0].transpose(0, 1).to(q.dtype)
-    return out
+        o_s, lse_s = _attend(qs, ks, vs, causal, scale)
+        out[q0:q1] = o_s[0].transpose(0, 1).to(q.dtype)
+        lse[q0:q1] = lse_s[0].transpose(0, 1)
+    return _result(out, lse, return_lse)
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of one sequence, [n, Hkv, D] fp32, read through its table row.
+    Only the first ceil(n / block_size) entries are touched (the rest may hold -1)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    blocks = table_row[: -(-n // block_size)].long()[pos // block_size]
+    return cache[blocks, pos % block_size].float()
+
+
+def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
+          return_lse=False):
+    """q [Tq, Hq, D] (S sequences packed by cu_seqlens_q int32 [S+1]); caches
+    [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S]
+    (whole KV length, new tokens included) -> o [Tq, Hq, D], lse [Tq, Hq].
+
+    Row i of sequence s (q_len rows) sees key j iff j < context_len - q_len + i + 1 (causal)."""
+    Tq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((Tq, Hq), _NEG_INF, dtype=torch.float32, device=q.device)
+    cq, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for s, n in enumerate(lens):
+        q0, q1 = cq[s], cq[s + 1]
+        nq = q1 - q0
+        if nq == 0 or n == 0:
+            continue
+        k = _gather(k_cache, block_tables[s], n)  # [n, Hkv, D]
+        v = _gather(v_cache, block_tables[s], n)
+        qf = q[q0:q1].float().reshape(nq, Hkv, group, D)
+        scores = torch.einsum("qhgd,khd->hgqk", qf, k) * scale
+        visible = _bottom_right(nq, n, q.device) if causal else torch.ones(nq, n, dtype=torch.bool, device=q.device)
+        o_s, lse_s = _softmax_av(scores, visible, v, "hgqk,khd->hgqd")
+        out[q0:q1] = o_s.permute(2, 0, 1, 3).reshape(nq, Hq, D).to(q.dtype)
+        lse[q0:q1] = lse_s.permute(2, 0, 1).reshape(nq, Hq)
+    return _result(out, lse, return_lse)
+
+
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False):
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32
-    [B, max_blocks]; context_lens int32 [B] -> o [B, Hq, D]."""
+    [B, max_blocks]; context_lens int32 [B] -> o [B, Hq, D], lse [B, Hq].
+
+    Vectorised over the batch (one gather of every sequence's pages, masked)."""
     B, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max().item()) if B > 0 else 0
     if max_len == 0:
-        return torch.zeros_like(q)
+        return _result(torch.zeros_like(q), torch.full((B, Hq), _NEG_INF, dtype=torch.float32, device=q.device),
+                       return_lse)
     pos = torch.arange(max_len, device=q.device)
     valid = pos.unsqueeze(0) < context_lens.unsqueeze(1).long()  # [B, L]
     # Entries past a sequence's own length may hold anything (e.g. -1): never
@@ -81,20 +146,12 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     blk = torch.where(valid, blk, torch.zeros_like(blk))
     off = (pos % block_size).unsqueeze(0).expand(B, -1)
     k = k_cache[blk, off].float()  # [B, L, Hkv, D]
-    v = v_cache[blk, off].float()
-    group = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, group, D)
+    # masked_fill(0) stops NaN in unread cache slots leaking through 0 * NaN
+    v = v_cache[blk, off].float().masked_fill(~valid[:, :, None, None], 0.0)
+    qf = q.float().reshape(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    # masked_fill(0) also stops NaN in unread cache slots leaking through 0 * NaN
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)
-    out = torch.einsum("bhgl,blhd->bhgd", p, v)
-    out = torch.where(denom > 0, out / denom.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(out))
-    return out.reshape(B, Hq, D).to(q.dtype)
+    out, lse = _softmax_av(scores, valid[:, None, None, :], v, "bhgl,blhd->bhgd")
+    return _result(out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq), return_lse)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
@@ -107,3 +164,25 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     blk, off = slots // block_size, slots % block_size
     k_cache[blk, off] = k[keep].to(k_cache.dtype)
     v_cache[blk, off] = v[keep].to(v_cache.dtype)
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """o_* [..., Hq, D], lse_* fp32 [..., Hq] over disjoint key sets -> (o, lse) of their union.
+    Rows where both sides saw no key (both lse -inf) give zeros and -inf, never NaN."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    o = w_a * o_a.float() + w_b * o_b.float()
+    return o.to(o_a.dtype), lse
+
+
+OPS = BackendOps(
+    prefill=prefill,
+    prefill_varlen=prefill_varlen,
+    decode=decode,
+    paged=paged,
+    write_kv_cache=write_kv_cache,
+    merge_attention_states=merge_attention_states,
+)

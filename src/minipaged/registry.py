@@ -1,33 +1,45 @@
-"""Backend records, the MINIPAGED_* environment variables and `auto` selection.
+"""Backends, the MINIPAGED_* environment variables and `auto` selection.
 
-A backend is a record, not a module: its ops are named as "module:function"
-strings and imported on first use, so `import minipaged` never imports Triton
-or builds CUDA. Every op receives arguments that `api.py` has already checked:
+A backend is a record (`Backend`) plus a loader that imports its module and
+returns its functions as a `BackendOps`. Loading happens on first use, so
+`import minipaged` imports no Triton and builds no CUDA. Each function receives
+arguments that `api.py` has already checked and made kernel-ready; the
+positional signatures are:
 
-    prefill(q, k, v, causal, scale) -> o                       q [B, Hq, Nq, D]
+    prefill(q, k, v, causal, scale, return_lse)                      q [B, Hq, Nq, D]
     prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, causal, scale) -> o   q [Tq, Hq, D]
-    decode(q, k_cache, v_cache, block_tables, context_lens, scale) -> o   q [B, Hq, D]
+                   max_seqlen_q, max_seqlen_k, causal, scale, return_lse)   q [Tq, Hq, D]
+    decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse)   q [B, Hq, D]
+    paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+          max_seqlen_q, causal, scale, return_lse)                    q [Tq, Hq, D]
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
+    merge_attention_states(o_a, lse_a, o_b, lse_b) -> (o, lse)
+
+The attention ops return o, or (o, lse) with return_lse (lse float32, natural log).
+
+Availability is probed once per (backend, device type) and cached, and
+`resolve` is memoised on everything that can change its answer (the op, the
+device type, the explicit name, the environment variables, the `use_backend`
+scope); `reset_caches()` forgets both (tests that patch availability use it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import shutil
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Callable, Iterator
 
-OPS = ("prefill", "prefill_varlen", "decode", "write_kv_cache")
+OPS = ("prefill", "prefill_varlen", "decode", "paged", "write_kv_cache")
 # which environment variable overrides MINIPAGED_BACKEND for an op
 _OP_ENV = {
     "prefill": "MINIPAGED_PREFILL_BACKEND",
     "prefill_varlen": "MINIPAGED_PREFILL_BACKEND",
     "decode": "MINIPAGED_DECODE_BACKEND",
+    "paged": "MINIPAGED_DECODE_BACKEND",
     "write_kv_cache": "MINIPAGED_DECODE_BACKEND",
 }
 AUTO = "auto"
@@ -40,21 +52,36 @@ class BackendUnavailableError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class BackendOps:
+    """The functions of one backend module (signatures in this module's docstring)."""
+
+    prefill: Callable
+    prefill_varlen: Callable
+    decode: Callable
+    paged: Callable
+    write_kv_cache: Callable
+    merge_attention_states: Callable | None = None
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend: its name, the ops it provides and where it can run.
 
-    `ops` maps an op name (see OPS) to "module:function"; `devices` lists the
-    device types it runs on; `availability(device_type)` returns (ok, reason).
+    `load()` imports the backend's module and returns its `BackendOps`;
+    `availability(device_type)` returns (ok, reason) and is called once per
+    device type (cached). `dtypes_by_device` narrows `dtypes` on a device where
+    some dtype cannot be computed correctly (bf16 under the Triton interpreter).
     """
 
     name: str
-    ops: Mapping[str, str]
+    load: Callable[[], BackendOps]
     devices: tuple[str, ...]
     availability: Callable[[str], tuple[bool, str]]
+    provides: frozenset[str] = frozenset(OPS)
     dtypes: tuple[str, ...] = ("float16", "bfloat16")
     head_dims: tuple[int, ...] = (64, 128)
+    dtypes_by_device: tuple[tuple[str, tuple[str, ...], str], ...] = ()
     description: str = ""
-    _resolved: dict = field(default_factory=dict, compare=False, repr=False)
 
     def is_available(self, device: str | None = None) -> tuple[bool, str]:
         """(ok, reason) for running on `device` ("cpu"/"cuda"; None: the best device here)."""
@@ -63,28 +90,52 @@ class Backend:
         device = str(device).split(":")[0]
         if device not in self.devices:
             return False, f"runs on {', '.join(self.devices)}, not {device}"
-        return self.availability(device)
+        key = (self.name, device, os.environ.get("TRITON_INTERPRET"))
+        hit = _availability.get(key)
+        if hit is None:
+            hit = _availability[key] = self.availability(device)
+        return hit
 
-    def provides(self, op: str) -> bool:
-        return op in self.ops
+    def supported_dtypes(self, device: str) -> tuple[tuple[str, ...], str]:
+        """(dtype names this backend computes correctly on `device`, why the others are missing)."""
+        device = str(device).split(":")[0]
+        for dev, dtypes, why in self.dtypes_by_device:
+            if dev == device and (dev != "cpu" or _interpreting()):
+                return dtypes, why
+        return self.dtypes, ""
 
     def require(self, op: str) -> None:
         """Raise BackendUnavailableError naming the backends that have `op` when this one lacks it."""
-        if op not in self.ops:
-            have = [b.name for b in _BACKENDS.values() if b.provides(op)]
-            raise BackendUnavailableError(
-                f"backend {self.name!r} does not implement {op!r}; backends that do: {have}"
-            )
+        if op not in self.provides:
+            have = [b.name for b in _BACKENDS.values() if op in b.provides]
+            raise BackendUnavailableError(f"backend {self.name!r} does not implement {op!r}; backends that do: {have}")
+
+    def ops(self) -> BackendOps:
+        """The backend's functions, imported on first use."""
+        fns = _loaded.get(self.name)
+        if fns is None:
+            fns = _loaded[self.name] = self.load()
+        return fns
 
     def op(self, op: str) -> Callable:
-        """The function implementing `op`, imported on first use."""
+        """The function implementing `op`."""
         self.require(op)
-        fn = self._resolved.get(op)
-        if fn is None:
-            module, attr = self.ops[op].split(":")
-            fn = getattr(importlib.import_module(module), attr)
-            self._resolved[op] = fn
-        return fn
+        return getattr(self.ops(), op)
+
+
+_availability: dict[tuple, tuple[bool, str]] = {}
+_loaded: dict[str, BackendOps] = {}
+_resolved: dict[tuple, "Backend"] = {}
+
+
+def reset_caches() -> None:
+    """Forget probed availability and memoised resolutions (loaded modules stay loaded)."""
+    _availability.clear()
+    _resolved.clear()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _cuda_available() -> bool:
@@ -92,6 +143,9 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- availability
 
 
 def _torch_availability(device: str) -> tuple[bool, str]:
@@ -104,12 +158,12 @@ def _triton_availability(device: str) -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
         return False, "the triton package is not installed"
     if device == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if not _interpreting():
             return False, "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
         return True, "Triton interpreter (TRITON_INTERPRET=1)"
     if not _cuda_available():
         return False, "no CUDA device visible to torch"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if _interpreting():
         return False, "TRITON_INTERPRET=1 is set, so Triton cannot run on the GPU"
     return True, "Triton JIT on the GPU"
 
@@ -119,10 +173,10 @@ def _cuda_ext_availability(device: str) -> tuple[bool, str]:
         return False, "hand-written CUDA kernels need CUDA tensors"
     import torch
 
-    if not torch.cuda.is_available():
-        return False, "no CUDA device visible to torch"
     if torch.version.cuda is None:
         return False, "this torch build has no CUDA support"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible to torch"
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
         return False, f"GPU arch sm_{major}{minor} is below the sm_80 the kernels need"
@@ -134,13 +188,69 @@ def _cuda_ext_availability(device: str) -> tuple[bool, str]:
     return True, f"JIT-built for sm_{major}{minor} on first use"
 
 
-_CUDA_OPS = "minipaged.cuda.ops"
+# --------------------------------------------------------------------------- loaders
+
+
+def _load_torch() -> BackendOps:
+    from . import reference
+
+    return reference.OPS
+
+
+def _interim(module, names: dict[str, str]) -> BackendOps:
+    # TEMPORARY while the backend modules gain OPS/return_lse/paged this session: adapt
+    # old signatures (no return_lse). Removed once triton/ops.py and cuda/ops.py export OPS.
+    import inspect
+
+    fns = {}
+    for field_name, attr in names.items():
+        fn = getattr(module, attr, None)
+        if fn is None:
+            def fn(*a, _op=field_name, **kw):
+                raise BackendUnavailableError(f"{_op} is not implemented yet by {module.__name__}")
+        elif "return_lse" not in inspect.signature(fn).parameters and field_name not in ("write_kv_cache", "merge_attention_states"):
+            def fn(*a, _fn=fn):
+                *rest, return_lse = a
+                if return_lse:
+                    raise BackendUnavailableError(f"return_lse is not implemented yet by {module.__name__}")
+                return _fn(*rest)
+        fns[field_name] = fn
+    return BackendOps(**fns)
+
+
+_NAMES = {f: f for f in ("prefill", "prefill_varlen", "decode", "paged", "write_kv_cache", "merge_attention_states")}
+
+
+def _load_triton() -> BackendOps:
+    from .triton import ops
+
+    return getattr(ops, "OPS", None) or _interim(ops, _NAMES)
+
+
+def _load_cuda() -> BackendOps:
+    from .cuda import ops
+
+    return getattr(ops, "OPS", None) or _interim(ops, _NAMES)
+
+
+def _load_cuda_wmma() -> BackendOps:
+    from .cuda import ops
+
+    return getattr(ops, "WMMA_OPS", None) or _interim(
+        ops, {**_NAMES, "prefill": "prefill_wmma", "prefill_varlen": "prefill_varlen_wmma"})
+
+
+_INTERPRETER_BF16 = (
+    "the Triton interpreter (TRITON_INTERPRET=1) computes bfloat16 tl.dot wrongly, so bfloat16 is refused "
+    "on CPU; use float16/float32 there, or run triton on a GPU"
+)
+
 _BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend(
             name="torch",
-            ops={op: f"minipaged.reference:{op}" for op in OPS},
+            load=_load_torch,
             devices=("cpu", "cuda"),
             availability=_torch_availability,
             dtypes=("float16", "bfloat16", "float32"),
@@ -149,31 +259,27 @@ _BACKENDS: dict[str, Backend] = {
         ),
         Backend(
             name="triton",
-            ops={op: f"minipaged.triton.ops:{op}" for op in OPS},
+            load=_load_triton,
             devices=("cuda", "cpu"),
             availability=_triton_availability,
             dtypes=("float16", "bfloat16", "float32"),
+            dtypes_by_device=(("cpu", ("float16", "float32"), _INTERPRETER_BF16),),
             head_dims=(64, 128, 256),
-            description="Triton: FA2 prefill, split-KV paged decode",
+            description="Triton: FA2 prefill, GQA-packed paged attention, split-KV decode",
         ),
         Backend(
             name="cuda",
-            ops={op: f"{_CUDA_OPS}:{op}" for op in OPS},
+            load=_load_cuda,
             devices=("cuda",),
             availability=_cuda_ext_availability,
-            description="hand-written CUDA: mma.sync prefill, paged decode",
+            description="hand-written CUDA: mma.sync/wgmma prefill, paged attention and decode",
         ),
         Backend(
             name="cuda-wmma",
-            ops={
-                "prefill": f"{_CUDA_OPS}:prefill_wmma",
-                "prefill_varlen": f"{_CUDA_OPS}:prefill_varlen_wmma",
-                "decode": f"{_CUDA_OPS}:decode",
-                "write_kv_cache": f"{_CUDA_OPS}:write_kv_cache",
-            },
+            load=_load_cuda_wmma,
             devices=("cuda",),
             availability=_cuda_ext_availability,
-            description="the article's WMMA teaching prefill kernel (decode shared with cuda)",
+            description="the article's WMMA teaching prefill kernel (paged ops shared with cuda)",
         ),
     )
 }
@@ -201,14 +307,19 @@ def _validate_name(name: str, source: str) -> str:
     return name
 
 
+def _scope() -> str | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
 def requested_name(op: str | None = None, name: str | None = None) -> tuple[str, str]:
     """The backend name asked for and where it came from, by the documented precedence:
     argument > use_backend() scope > MINIPAGED_{PREFILL,DECODE}_BACKEND > MINIPAGED_BACKEND > auto."""
     if name is not None:
         return _validate_name(name, "backend="), "backend="
-    scoped = getattr(_local, "stack", None)
+    scoped = _scope()
     if scoped:
-        return scoped[-1], "use_backend()"
+        return scoped, "use_backend()"
     if op is not None:
         var = _OP_ENV[op]
         if os.environ.get(var):
@@ -219,8 +330,19 @@ def requested_name(op: str | None = None, name: str | None = None) -> tuple[str,
 
 
 def resolve(op: str, device: str, name: str | None = None) -> Backend:
-    """The backend that runs `op` on tensors of `device` ("cpu"/"cuda")."""
+    """The backend that runs `op` on tensors of `device` ("cpu"/"cuda"); memoised."""
+    if op not in _OP_ENV:
+        raise ValueError(f"unknown op {op!r}; ops are {list(OPS)}")
     device = str(device).split(":")[0]
+    env = os.environ
+    key = (op, device, name, _scope(), env.get(_OP_ENV[op]), env.get("MINIPAGED_BACKEND"), env.get("TRITON_INTERPRET"))
+    b = _resolved.get(key)
+    if b is None:
+        b = _resolved[key] = _resolve(op, device, name)
+    return b
+
+
+def _resolve(op: str, device: str, name: str | None) -> Backend:
     chosen, source = requested_name(op, name)
     if chosen == AUTO:
         order = _AUTO_CUDA_ORDER if device == "cuda" else ("torch",)
@@ -228,7 +350,7 @@ def resolve(op: str, device: str, name: str | None = None) -> Backend:
         for cand in order:
             b = _BACKENDS[cand]
             ok, why = b.is_available(device)
-            if ok and b.provides(op):
+            if ok and op in b.provides:
                 return b
             reasons.append(f"{cand}: {why}")
         raise BackendUnavailableError(f"auto found no backend for {op} on {device}: {reasons}")
@@ -250,6 +372,31 @@ def get_backend(name: str | None = None, *, op: str = "prefill", device: str | N
     if device is None:
         device = "cuda" if _cuda_available() else "cpu"
     return resolve(op, device, name)
+
+
+@dataclass(frozen=True)
+class BoundOps:
+    """The functions that one backend choice resolves to for one device, bound once
+    (the engine's way to call kernels without resolving per call). Fields hold the
+    backend functions themselves (arguments must be kernel-ready, see api.py); the
+    `backends` field records which backend serves which op."""
+
+    prefill_varlen: Callable
+    decode: Callable
+    paged: Callable
+    write_kv_cache: Callable
+    backends: dict
+
+
+def bind(name: str | None, device: str) -> BoundOps:
+    """Resolve the engine's ops for `device` under `name` (None: scope, env vars, auto) once."""
+    fns, names = {}, {}
+    for f in fields(BoundOps):
+        if f.name == "backends":
+            continue
+        b = resolve(f.name, device, name)
+        fns[f.name], names[f.name] = b.op(f.name), b.name
+    return BoundOps(**fns, backends=names)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import check_sampling, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -22,6 +24,54 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The engine's device: cuda (with its index) when available and none is given, else cpu.
+    An unknown device, or cuda without a usable GPU, is a ValueError."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but torch sees no CUDA device"
+                             f"{' (this torch build has no CUDA)' if torch.version.cuda is None else ''}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+def _positive_int(name: str, val: Any) -> int:
+    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return val
+
+
+def _check_block_size(block_size: Any) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 256 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+
+
+def _token_id(where: str, t: Any, vocab: int) -> int:
+    # numbers.Integral covers int and numpy integers; floats (1.7) and bools are not token ids
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool:
+        t = int(t)
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise TypeError(f"{where} holds {t!r} ({type(t).__name__}); token ids must be ints")
+    t = int(t)
+    if not 0 <= t < vocab:
+        raise ValueError(f"{where} holds token id {t} outside the vocabulary [0, {vocab})")
+    return t
 
 
 def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
@@ -114,18 +164,27 @@ class Engine:
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         import minipaged as mp
-
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.backend = backend
         from minipaged import registry
 
+        # Every argument is checked before anything is built or allocated.
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+        self.backend = backend
+        _check_block_size(block_size)
+        _positive_int("max_num_seqs", max_num_seqs)
+        for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
+                          ("max_num_batched_tokens", max_num_batched_tokens)):
+            if val is not None:
+                _positive_int(name, val)
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
+        if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) \
+                or not 0.0 < gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
         for op in ("prefill_varlen", "decode", "write_kv_cache"):
             registry.resolve(op, self.device.type, backend)  # an unusable backend fails here, not mid-generate
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
 
         self.model_path: str | None = None
         if isinstance(model, (str, os.PathLike)):
@@ -221,21 +280,19 @@ class Engine:
         """New tokens per prompt, in prompt order (a stop token, when hit, is included)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (int, str, bytes)) for p in prompts):
+        temperature, top_p = check_sampling(temperature, top_p)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") or any(
+                isinstance(p, (numbers.Number, str, bytes)) or not hasattr(p, "__iter__") for p in prompts):
             raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
                             "e.g. [[151644, 872], [9707]]")
-        prompts = [[int(t) for t in p] for p in prompts]
         vocab = self.config.vocab_size
+        prompts = [[_token_id(f"prompt {i}", t, vocab) for t in p] for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+        stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
         self.stats = GenerateStats()
         if max_new_tokens == 0 or not prompts:
             return [[] for _ in prompts]

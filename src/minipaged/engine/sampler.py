@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+
+
+def check_sampling(temperature: Any, top_p: Any) -> tuple[float, float]:
+    """temperature a finite float >= 0 (0: greedy), top_p a float in (0, 1]; NaN and inf are rejected
+    here because on CUDA they would reach torch.multinomial as a device-side assert."""
+    for name, val in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(val, bool) or not isinstance(val, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(val).__name__}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (0 is greedy), got {temperature}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return float(temperature), float(top_p)
 
 
 def sample(
@@ -19,13 +35,12 @@ def sample(
     set of tokens whose probability mass reaches top_p (the most likely token is
     always kept), renormalise and draw with `generator`.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    temperature, top_p = check_sampling(temperature, top_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN
+    z = logits.float()
+    probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         # mass strictly before each token; a token is dropped once that mass already reaches top_p
