@@ -38,9 +38,10 @@ def sample(
     temperature, top_p = check_sampling(temperature, top_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    # shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN
+    # Shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN;
+    # the floor keeps it representable in fp32 (below it the draw is greedy in effect).
     z = logits.float()
-    probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
+    probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30), dim=-1)
     if top_p < 1.0:
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         # mass strictly before each token; a token is dropped once that mass already reaches top_p

@@ -1,0 +1,234 @@
+"""Contract violations found by outside testing (issue #11): each test fails on the old code.
+
+Bad input must raise TypeError/ValueError naming the argument, the value and the
+rule, before anything runs; nothing may reach a kernel (or torch.multinomial on
+CUDA, where it becomes a device-side assert that kills the context).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+import minipaged as mp
+from minipaged import registry
+from minipaged.engine import Engine
+from minipaged.engine.sampler import sample
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=97, max_position_embeddings=256)
+
+
+def _backends_cpu():
+    names = ["torch"]
+    if registry.all_backends()["triton"].is_available("cpu")[0]:
+        names.append("triton")
+    return names
+
+
+# ------------------------------------------------------------------ 1. head dim 0
+
+
+@pytest.mark.parametrize("backend", _backends_cpu())
+@pytest.mark.parametrize("B", [0, 1])
+def test_head_dim_zero_is_the_head_dim_error(backend, B):
+    q = torch.randn(B, 2, 3, 0)
+    with pytest.raises(ValueError, match="head dim D=0"):
+        mp.prefill_attention(q, q, q, backend=backend)
+    qv = torch.randn(3 * B, 2, 0)
+    cu = torch.tensor([0, 3 * B], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head dim D=0"):
+        mp.prefill_attention_varlen(qv, qv, qv, cu, cu, backend=backend)
+    kc = torch.randn(2, 4, 2, 0)
+    with pytest.raises(ValueError, match="head dim D=0"):
+        mp.decode_attention(torch.randn(B, 2, 0), kc, kc, torch.zeros(B, 1, dtype=torch.int32),
+                            torch.zeros(B, dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="head dim D=0"):
+        mp.paged_attention(qv, kc, kc, torch.zeros(1, 1, dtype=torch.int32), cu,
+                           torch.full((1,), 3 * B, dtype=torch.int32), backend=backend)
+
+
+# ------------------------------------------------------------------ 2. sampling arguments
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return Engine(TINY, dtype=torch.float32, device="cpu", backend="torch", num_blocks=64, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(temperature=float("nan")), ValueError),
+    (dict(temperature=float("inf")), ValueError),
+    (dict(temperature=-1.0), ValueError),
+    (dict(temperature="0.5"), TypeError),
+    (dict(top_p=float("nan")), ValueError),
+    (dict(top_p=0.0), ValueError),
+    (dict(top_p=1.5), ValueError),
+    (dict(top_p=float("inf")), ValueError),
+])
+def test_generate_rejects_bad_sampling_before_running(tiny_engine, kw, exc, monkeypatch):
+    ran = []
+    monkeypatch.setattr(tiny_engine.runner, "prefill", lambda *a, **k: ran.append(1))
+    with pytest.raises(exc, match="temperature|top_p"):
+        tiny_engine.generate([[1, 2, 3]], max_new_tokens=2, **kw)
+    assert not ran, "the model ran before the bad argument was rejected"
+    assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
+
+
+def test_sampler_rejects_nan_temperature_and_survives_tiny_ones():
+    logits = torch.randn(3, 11)
+    with pytest.raises(ValueError, match="temperature"):
+        sample(logits, temperature=float("nan"))
+    # a tiny temperature must not overflow to NaN probabilities (multinomial would assert on CUDA)
+    g = torch.Generator().manual_seed(0)
+    out = sample(logits, temperature=1e-300, top_p=0.9, generator=g)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt, exc", [
+    ([[1, 1.7]], TypeError),
+    ([[1, True]], TypeError),
+    ([[1, "2"]], TypeError),
+    ([[1, 97]], ValueError),
+    ([[-1]], ValueError),
+    ([1, 2], TypeError),
+])
+def test_generate_rejects_bad_token_ids(tiny_engine, prompt, exc):
+    with pytest.raises(exc, match="prompt|token"):
+        tiny_engine.generate(prompt, max_new_tokens=1)
+    assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
+
+
+def test_generate_accepts_numpy_and_tensor_ints(tiny_engine):
+    import numpy as np
+
+    a = tiny_engine.generate([[1, 2, 3]], max_new_tokens=2)
+    b = tiny_engine.generate([list(np.array([1, 2, 3]))], max_new_tokens=2)
+    c = tiny_engine.generate([torch.tensor([1, 2, 3])], max_new_tokens=2)
+    assert a == b == c
+
+
+# ------------------------------------------------------------------ 3. engine construction
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=0, num_blocks=8), "block_size"),
+    (dict(block_size=3), "block_size"),
+    (dict(block_size=True), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(max_model_len=-4), "max_model_len"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(device="foo"), "device"),
+    (dict(gpu_memory_fraction=0.0), "gpu_memory_fraction"),
+])
+def test_engine_validates_before_building(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(TINY, dtype=torch.float32, backend="torch", **{"device": "cpu", **kw})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_engine_cuda_without_gpu_is_a_value_error():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Engine(TINY, device="cuda")
+
+
+# ------------------------------------------------------------------ 4. bf16 under the interpreter
+
+
+@pytest.mark.skipif(not registry.all_backends()["triton"].is_available("cpu")[0],
+                    reason="needs TRITON_INTERPRET=1 on a machine without a GPU")
+def test_triton_refuses_bf16_under_the_interpreter():
+    q = torch.randn(1, 2, 5, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="interpreter"):
+        mp.prefill_attention(q, q, q, backend="triton")
+    kc = torch.randn(2, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="interpreter"):
+        mp.decode_attention(torch.randn(1, 2, 64, dtype=torch.bfloat16), kc, kc,
+                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), backend="triton")
+    dtypes, why = registry.all_backends()["triton"].supported_dtypes("cpu")
+    assert "bfloat16" not in dtypes and "interpreter" in why
+    # fp16 still runs
+    mp.prefill_attention(q.half(), q.half(), q.half(), backend="triton")
+
+
+# ------------------------------------------------------------------ 5. PagedKVCache arguments
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(dtype=torch.int32), TypeError, "dtype"),
+    (dict(dtype=torch.float64), TypeError, "dtype"),
+    (dict(dtype="float16"), TypeError, "dtype"),
+    (dict(head_dim=96), ValueError, "head_dim"),
+    (dict(num_blocks=True), ValueError, "num_blocks"),
+    (dict(num_blocks=2.0), ValueError, "num_blocks"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(device="foo"), ValueError, "device"),
+])
+def test_paged_cache_validates(kw, exc, match):
+    args = {"num_blocks": 4, **kw}
+    with pytest.raises(exc, match=match):
+        mp.PagedKVCache(1, 2, args.pop("head_dim", 64), **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_paged_cache_cuda_without_gpu_is_a_value_error():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        mp.PagedKVCache(1, 2, 64, num_blocks=4, device="cuda")
+
+
+# ------------------------------------------------------------------ 6. check_values is a bool
+
+
+@pytest.mark.parametrize("flag", ["no", 0, 1, None])
+def test_check_values_must_be_bool(flag):
+    q = torch.randn(2, 4, 64)
+    kc = torch.randn(4, 4, 2, 64)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(TypeError, match="check_values"):
+        mp.decode_attention(q, kc, kc, tables, lens, check_values=flag)
+    with pytest.raises(TypeError, match="check_values"):
+        mp.prefill_attention_varlen(q, q, q, cu, cu, check_values=flag)
+    with pytest.raises(TypeError, match="check_values"):
+        mp.paged_attention(q, kc, kc, tables, cu, lens, check_values=flag)
+    with pytest.raises(TypeError, match="check_values"):
+        mp.write_kv_cache(q[:, :2], q[:, :2], kc, kc, torch.tensor([0, 1]), check_values=flag)
+
+
+# ------------------------------------------------------------------ registry caching
+
+
+def test_resolve_is_memoised_and_follows_the_environment(monkeypatch):
+    registry.reset_caches()
+    calls = []
+    b = registry.all_backends()["torch"]
+    real = b.availability
+
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    import dataclasses
+
+    registry._BACKENDS["torch"] = dataclasses.replace(b, availability=lambda d: (calls.append(d), real(d))[1])
+    try:
+        for _ in range(5):
+            assert registry.resolve("decode", "cpu").name == "torch"
+        assert calls == ["cpu"], "availability must be probed once per device"
+        monkeypatch.setenv("MINIPAGED_DECODE_BACKEND", "bogus")
+        with pytest.raises(ValueError, match="MINIPAGED_DECODE_BACKEND"):
+            registry.resolve("decode", "cpu")
+        with pytest.raises(ValueError, match="MINIPAGED_DECODE_BACKEND"):
+            registry.resolve("paged", "cpu")
+        assert registry.resolve("prefill", "cpu").name == "torch"
+    finally:
+        registry.reset_caches()
+
+
+def test_engine_bind_resolves_once():
+    ops = registry.bind("torch", "cpu")
+    assert ops.backends == {"prefill_varlen": "torch", "decode": "torch", "paged": "torch", "write_kv_cache": "torch"}
+    from minipaged import reference
+
+    assert ops.paged is reference.paged
