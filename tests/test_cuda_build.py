@@ -37,8 +37,9 @@ def compiled(tmp_path_factory):
 
 
 def test_expected_sources_present():
-    # The registry's two CUDA backends need all four launch paths.
-    for name in ("decode.cu", "cache.cu", "prefill_wmma.cu", "prefill_fast.cu", "binding.cpp", "params.h"):
+    # The registry's two CUDA backends need all five launch paths.
+    for name in ("decode.cu", "cache.cu", "prefill_wmma.cu", "prefill_fast.cu", "paged.cu", "binding.cpp",
+                 "params.h"):
         assert (CSRC / name).exists(), f"{name} missing from {CSRC}"
 
 
@@ -49,7 +50,7 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
     rc, log = compiled[source]
     assert rc == 0, f"nvcc failed for {source} (sm_{'/sm_'.join(ARCHS)}):\n{log[-4000:]}"
     kernels = [k for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
-    if source in ("decode.cu", "cache.cu"):
+    if source in ("decode.cu", "cache.cu", "paged.cu", "prefill_fast.cu"):
         assert kernels, f"ptxas reported no sm_{arch} kernels for {source}:\n{log[-2000:]}"
     for k in kernels:
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (

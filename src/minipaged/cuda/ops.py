@@ -21,11 +21,37 @@ _ready = False
 def _register_fakes() -> None:
     lib = "minipaged_cuda::"
 
-    def _like_q(q, *args, **kwargs):
-        return q.new_empty(q.shape)
+    # Every attention op returns (o, lse): lse is float32 of q's shape without
+    # its last dim when return_lse is true, else an empty placeholder.
+    def _out_lse(q, return_lse):
+        lse_shape = q.shape[:-1] if return_lse else (0,)
+        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
-    for op in ("prefill_fast", "prefill_wmma", "prefill_varlen_fast", "prefill_varlen_wmma", "decode"):
-        torch.library.register_fake(lib + op)(_like_q)
+    @torch.library.register_fake(lib + "prefill_fast")
+    def _prefill_fast_fake(q, k, v, causal, scale, return_lse=False):
+        return _out_lse(q, return_lse)
+
+    @torch.library.register_fake(lib + "prefill_wmma")
+    def _prefill_wmma_fake(q, k, v, causal, scale, return_lse=False):
+        return _out_lse(q, return_lse)
+
+    @torch.library.register_fake(lib + "prefill_varlen_fast")
+    def _prefill_varlen_fast_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse=False):
+        return _out_lse(q, return_lse)
+
+    @torch.library.register_fake(lib + "prefill_varlen_wmma")
+    def _prefill_varlen_wmma_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse=False):
+        return _out_lse(q, return_lse)
+
+    @torch.library.register_fake(lib + "decode")
+    def _decode_fake(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0, variant=0,
+                     return_lse=False):
+        return _out_lse(q, return_lse)
+
+    @torch.library.register_fake(lib + "paged")
+    def _paged_fake(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
+                    return_lse=False, num_splits=0, variant=0):
+        return _out_lse(q, return_lse)
 
     @torch.library.register_fake(lib + "write_kv_cache")
     def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping):
@@ -64,41 +90,79 @@ def _check(name, x, head_dim_axis=-1):
         raise ValueError(f"{name}: head dim must be 64 or 128 on the cuda backends, got {x.shape[head_dim_axis]}")
 
 
-def prefill(q, k, v, causal, scale):
-    """FA2-style prefill through the mma.sync kernel (launch_prefill_fast). q [B,Hq,Nq,D]."""
+def _flag(return_lse):
+    # num_splits/variant used to follow scale positionally in decode(); an int
+    # arriving here is such an old call, which must not silently mean "True".
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r} (pass num_splits/variant as keywords)")
+    return return_lse
+
+
+def _result(out, return_lse):
+    return out if return_lse else out[0]
+
+
+def prefill(q, k, v, causal, scale, return_lse=False):
+    """FA2-style prefill (mma.sync, or wgmma on sm_90). q [B,Hq,Nq,D] -> o, or (o, lse [B,Hq,Nq])."""
     _check("q", q)
-    return _ops().prefill_fast(q, k, v, bool(causal), float(scale))
+    flag = _flag(return_lse)
+    return _result(_ops().prefill_fast(q, k, v, bool(causal), float(scale), flag), flag)
 
 
-def prefill_wmma(q, k, v, causal, scale):
+def prefill_wmma(q, k, v, causal, scale, return_lse=False):
     """The article's WMMA teaching kernel (launch_prefill_wmma). q [B,Hq,Nq,D]."""
     _check("q", q)
-    return _ops().prefill_wmma(q, k, v, bool(causal), float(scale))
+    flag = _flag(return_lse)
+    return _result(_ops().prefill_wmma(q, k, v, bool(causal), float(scale), flag), flag)
 
 
-def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
-    """Varlen prefill through the mma.sync kernel. q [Tq,Hq,D], cu_seqlens int32 [S+1]."""
+def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse=False):
+    """Varlen prefill through the fast kernels. q [Tq,Hq,D], cu_seqlens int32 [S+1] -> o, or (o, lse [Tq,Hq])."""
     _check("q", q)
-    return _ops().prefill_varlen_fast(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale)
+    flag = _flag(return_lse)
+    out = _ops().prefill_varlen_fast(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), flag
     )
+    return _result(out, flag)
 
 
-def prefill_varlen_wmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+def prefill_varlen_wmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                        return_lse=False):
     """Varlen prefill through the WMMA teaching kernel."""
     _check("q", q)
-    return _ops().prefill_varlen_wmma(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale)
+    flag = _flag(return_lse)
+    out = _ops().prefill_varlen_wmma(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), flag
     )
+    return _result(out, flag)
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0, variant=0):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, *, num_splits=0, variant=0):
     """Paged decode shared by `cuda` and `cuda-wmma`. q [B,Hq,D]; caches [num_blocks,block_size,Hkv,D].
 
-    num_splits (0: heuristic) and variant (0: tuned tiling) exist for benchmarking.
+    -> o, or (o, lse [B,Hq]). num_splits (0: heuristic) and variant (0: tuned
+    tiling) exist for benchmarking.
     """
     _check("q", q)
-    return _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), num_splits, variant)
+    flag = _flag(return_lse)
+    out = _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(num_splits), int(variant),
+                        flag)
+    return _result(out, flag)
+
+
+def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
+          return_lse=False, *, num_splits=0, variant=0):
+    """Paged attention for any query length. q [Tq,Hq,D] packed by cu_seqlens_q int32 [S+1];
+    caches [num_blocks,block_size,Hkv,D]; context_lens int32 [S] include the new tokens.
+
+    -> o [Tq,Hq,D], or (o, lse [Tq,Hq]). With max_seqlen_q == 1 and one row per
+    sequence it runs the decode kernels (num_splits/variant apply there only).
+    """
+    _check("q", q)
+    flag = _flag(return_lse)
+    out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),
+                       bool(causal), float(scale), flag, int(num_splits), int(variant))
+    return _result(out, flag)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):

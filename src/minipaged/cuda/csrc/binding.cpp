@@ -11,6 +11,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -115,12 +116,22 @@ bool rows_aligned16(const at::Tensor& t) {
 }
 
 using PrefillLauncher = cudaError_t (*)(const minipaged::PrefillParams&, cudaStream_t);
+using OutLse = std::tuple<at::Tensor, at::Tensor>;
 
-at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const at::Tensor& q,
+// The lse output of an op over q: float32 of q's shape without its last dim
+// when asked for, else an empty placeholder (the schemas always return two
+// tensors; the kernels skip the lse work when its pointer is null).
+at::Tensor new_lse(const at::Tensor& q, bool return_lse) {
+  const auto sizes = q.sizes();
+  return return_lse ? q.new_empty(sizes.slice(0, sizes.size() - 1), q.options().dtype(at::kFloat))
+                    : q.new_empty({0}, q.options().dtype(at::kFloat));
+}
+
+OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::Tensor& q,
                        const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& cu_seqlens_q,
                        const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                       int64_t max_seqlen_k, bool causal, double scale) {
+                       int64_t max_seqlen_k, bool causal, double scale, bool return_lse) {
   const bool varlen = cu_seqlens_q.has_value();
   check_cuda_tensor(q, "q", q);
   check_cuda_tensor(k, "k", q);
@@ -156,6 +167,8 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
     p.o_row_stride = q.size(1) * q.size(2), p.o_head_stride = q.size(2);
     p.max_seqlen_q = static_cast<int>(max_seqlen_q);
     p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+    // lse [Tq, Hq]
+    p.lse_batch_stride = 0, p.lse_head_stride = 1, p.lse_row_stride = q.size(1);
   } else {
     MP_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "minipaged cuda: dense q/k/v must be 4-D");
     p.cu_seqlens_q = p.cu_seqlens_k = nullptr;
@@ -170,94 +183,119 @@ at::Tensor run_prefill(PrefillLauncher launch, const char* launcher_name, const 
     p.o_row_stride = q.size(3);
     p.max_seqlen_q = static_cast<int>(q.size(2));
     p.max_seqlen_k = static_cast<int>(k.size(2));
+    // lse [B, Hq, Nq]
+    p.lse_batch_stride = q.size(1) * q.size(2), p.lse_head_stride = q.size(2), p.lse_row_stride = 1;
   }
   p.scale = static_cast<float>(scale);
   p.causal = causal;
   p.dtype = dtype;
   p.num_sms = num_sms(q.get_device());
-  at::Tensor o;
+  at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(q.device());
     o = q.new_empty(q.sizes());
+    lse = new_lse(q, return_lse);
+    p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
     if (o.numel() > 0) {
       p.o = o.data_ptr();
       err = launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
     }
   }
   check_launch(err, launcher_name);
-  return o;
+  return {o, lse};
 }
 
-at::Tensor prefill_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                        double scale) {
+OutLse prefill_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                    bool return_lse) {
   return run_prefill(&minipaged::launch_prefill_fast, "launch_prefill_fast", q, k, v, std::nullopt,
-                     std::nullopt, 0, 0, causal, scale);
+                     std::nullopt, 0, 0, causal, scale, return_lse);
 }
 
-at::Tensor prefill_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                        double scale) {
+OutLse prefill_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                    bool return_lse) {
   return run_prefill(&minipaged::launch_prefill_wmma, "launch_prefill_wmma", q, k, v, std::nullopt,
-                     std::nullopt, 0, 0, causal, scale);
+                     std::nullopt, 0, 0, causal, scale, return_lse);
 }
 
-at::Tensor prefill_varlen_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+OutLse prefill_varlen_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                           int64_t max_seqlen_k, bool causal, double scale, bool return_lse) {
   return run_prefill(&minipaged::launch_prefill_fast, "launch_prefill_fast", q, k, v, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale);
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse);
 }
 
-at::Tensor prefill_varlen_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+OutLse prefill_varlen_wmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                           int64_t max_seqlen_k, bool causal, double scale, bool return_lse) {
   return run_prefill(&minipaged::launch_prefill_wmma, "launch_prefill_wmma", q, k, v, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale);
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse);
 }
 
-at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                  int64_t num_splits, int64_t variant) {
+// Checks shared by decode and paged: q [rows, Hq, D] against caches
+// [num_blocks, block_size, Hkv, D] and an int32 block table with `seqs` rows.
+void check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t seqs,
+                        const char* op) {
   check_cuda_tensor(q, "q", q);
-  check_cuda_tensor(k_cache_in, "k_cache", q);
-  check_cuda_tensor(v_cache_in, "v_cache", q);
+  check_cuda_tensor(k_cache, "k_cache", q);
+  check_cuda_tensor(v_cache, "v_cache", q);
   check_cuda_tensor(block_tables, "block_tables", q);
   check_cuda_tensor(context_lens, "context_lens", q);
-  const DType dtype = dtype_of(q, "q");
-  MP_CHECK_TYPE(k_cache_in.scalar_type() == q.scalar_type() && v_cache_in.scalar_type() == q.scalar_type(),
-              "minipaged cuda: q and the caches must share one dtype");
-  MP_CHECK_VALUE(q.dim() == 3 && k_cache_in.dim() == 4 && v_cache_in.dim() == 4,
-              "minipaged cuda: decode wants q [B,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
+  dtype_of(q, "q");
+  MP_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                "minipaged cuda: q and the caches must share one dtype");
+  MP_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "minipaged cuda: ", op,
+                 " wants q [T,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
   MP_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "minipaged cuda: block_tables and context_lens must be int32");
+                "minipaged cuda: block_tables and context_lens must be int32");
   MP_CHECK_VALUE(context_lens.dim() == 1 && context_lens.is_contiguous(),
-              "minipaged cuda: context_lens must be a contiguous 1-D tensor");
+                 "minipaged cuda: context_lens must be a contiguous 1-D tensor");
   MP_CHECK_VALUE(block_tables.dim() == 2, "minipaged cuda: block_tables must be 2-D");
-  MP_CHECK_VALUE(k_cache_in.size(2) > 0 && q.size(1) % k_cache_in.size(2) == 0,
+  MP_CHECK_VALUE(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
                  "minipaged cuda: Hq must be a multiple of Hkv");
   MP_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "minipaged cuda: head_dim must be 64 or 128, got ",
                  q.size(2));
-  MP_CHECK_VALUE(k_cache_in.size(3) == q.size(2) && v_cache_in.size(3) == q.size(2) &&
-                     v_cache_in.size(2) == k_cache_in.size(2) && v_cache_in.size(1) == k_cache_in.size(1),
+  MP_CHECK_VALUE(k_cache.size(3) == q.size(2) && v_cache.size(3) == q.size(2) &&
+                     v_cache.size(2) == k_cache.size(2) && v_cache.size(1) == k_cache.size(1) &&
+                     v_cache.size(0) == k_cache.size(0),
                  "minipaged cuda: cache shapes do not match q");
-  MP_CHECK_VALUE(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-                 "minipaged cuda: block_tables/context_lens batch differs from q");
-  at::Tensor o;
+  const int64_t bs = k_cache.size(1);
+  MP_CHECK_VALUE(bs >= 1 && bs <= 256 && (bs & (bs - 1)) == 0,
+                 "minipaged cuda: block_size must be a power of two in 1..256, got ", bs);
+  MP_CHECK_VALUE(block_tables.size(0) == seqs && context_lens.size(0) == seqs, "minipaged cuda: ", op,
+                 ": block_tables/context_lens have ", block_tables.size(0), "/", context_lens.size(0),
+                 " rows, expected ", seqs);
+}
+
+// The kernels stream cache rows in 16-byte pieces; a cache view that is not
+// 16-byte aligned (never the case for PagedKVCache) is copied once.
+at::Tensor aligned_cache(const at::Tensor& c) { return rows_aligned16(c) ? c : c.contiguous(); }
+at::Tensor unit_stride_table(const at::Tensor& bt) {
+  return bt.size(1) > 1 && bt.stride(1) != 1 ? bt.contiguous() : bt;
+}
+
+// Decode proper (checks done): one query row per sequence.
+OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
+                  int64_t variant, bool return_lse) {
+  const DType dtype = dtype_of(q, "q");
+  at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(q.device());
-    // The kernel streams cache rows in 16-byte pieces; a cache view that is not
-    // 16-byte aligned (never the case for PagedKVCache) is copied once here.
-    const at::Tensor k_cache = rows_aligned16(k_cache_in) ? k_cache_in : k_cache_in.contiguous();
-    const at::Tensor v_cache = rows_aligned16(v_cache_in) ? v_cache_in : v_cache_in.contiguous();
-    const at::Tensor bt =
-        block_tables.size(1) > 1 && block_tables.stride(1) != 1 ? block_tables.contiguous() : block_tables;
+    const at::Tensor k_cache = aligned_cache(k_cache_in);
+    const at::Tensor v_cache = aligned_cache(v_cache_in);
+    const at::Tensor bt = unit_stride_table(block_tables);
     o = q.new_empty(q.sizes());
+    lse = new_lse(q, return_lse);
     minipaged::DecodeParams p{};
     p.q = q.data_ptr();
     p.k_cache = k_cache.data_ptr();
     p.v_cache = v_cache.data_ptr();
     p.o = o.data_ptr();
+    p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+    p.lse_batch_stride = q.size(1);
     p.block_tables = bt.data_ptr<int32_t>();
     p.context_lens = context_lens.data_ptr<int32_t>();
     p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1);
@@ -291,7 +329,80 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
     }
   }
   check_launch(err, "launch_decode");
-  return o;
+  return {o, lse};
+}
+
+OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
+              int64_t variant, bool return_lse) {
+  MP_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+                 "minipaged cuda: decode wants q [B,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
+  check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, q.size(0), "decode");
+  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, variant, return_lse);
+}
+
+// Paged attention for any query length. A pure decode batch (every q_len 1:
+// max_seqlen_q == 1 and one query row per sequence) runs the decode kernels, so
+// that paged == decode exactly there; everything else runs the prefill kernels
+// with the paged K/V loader.
+OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
+             int64_t max_seqlen_q, bool causal, double scale, bool return_lse, int64_t num_splits,
+             int64_t variant) {
+  check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", q);
+  MP_CHECK_TYPE(cu_seqlens_q.scalar_type() == at::kInt, "minipaged cuda: cu_seqlens_q must be int32");
+  MP_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.is_contiguous() && cu_seqlens_q.numel() >= 1,
+                 "minipaged cuda: cu_seqlens_q must be a contiguous 1-D tensor of S+1 >= 1 entries");
+  const int64_t seqs = cu_seqlens_q.numel() - 1;
+  check_paged_inputs(q, k_cache_in, v_cache_in, block_tables, context_lens, seqs, "paged");
+  MP_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_q <= q.size(0) && max_seqlen_q < (int64_t{1} << 30),
+                 "minipaged cuda: max_seqlen_q must be in [0, q.size(0)], got ", max_seqlen_q);
+  MP_CHECK_VALUE(seqs <= 65535, "minipaged cuda: paged takes at most 65535 sequences, got ", seqs);
+  if (max_seqlen_q == 1 && q.size(0) == seqs)
+    return run_decode(q, k_cache_in, v_cache_in, block_tables, context_lens, scale, num_splits, variant,
+                      return_lse);
+  const DType dtype = dtype_of(q, "q");
+  at::Tensor o, lse;
+  cudaError_t err = cudaSuccess;
+  {
+    c10::cuda::CUDAGuard guard(q.device());
+    const at::Tensor k_cache = aligned_cache(k_cache_in);
+    const at::Tensor v_cache = aligned_cache(v_cache_in);
+    const at::Tensor bt = unit_stride_table(block_tables);
+    o = q.new_empty(q.sizes());
+    lse = new_lse(q, return_lse);
+    minipaged::PrefillParams p{};
+    p.q = q.data_ptr();
+    p.k = k_cache.data_ptr();
+    p.v = v_cache.data_ptr();
+    p.o = o.data_ptr();
+    p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+    p.lse_batch_stride = 0, p.lse_head_stride = 1, p.lse_row_stride = q.size(1);
+    p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+    p.cu_seqlens_k = nullptr;
+    p.block_tables = bt.data_ptr<int32_t>();
+    p.context_lens = context_lens.data_ptr<int32_t>();
+    p.block_table_stride = bt.stride(0);
+    p.q_row_stride = q.stride(0), p.q_head_stride = q.stride(1);
+    p.o_row_stride = o.stride(0), p.o_head_stride = o.stride(1);
+    p.k_block_stride = k_cache.stride(0), p.k_row_stride = k_cache.stride(1), p.k_head_stride = k_cache.stride(2);
+    p.v_block_stride = v_cache.stride(0), p.v_row_stride = v_cache.stride(1), p.v_head_stride = v_cache.stride(2);
+    p.batch = static_cast<int>(seqs);
+    p.num_q_heads = static_cast<int>(q.size(1));
+    p.num_kv_heads = static_cast<int>(k_cache.size(2));
+    p.head_dim = static_cast<int>(q.size(2));
+    p.block_size = static_cast<int>(k_cache.size(1));
+    p.max_blocks = static_cast<int>(bt.size(1));
+    p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+    p.scale = static_cast<float>(scale);
+    p.causal = causal;
+    p.dtype = dtype;
+    p.num_sms = num_sms(q.get_device());
+    if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0)
+      err = minipaged::launch_prefill_paged(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+  }
+  check_launch(err, "launch_prefill_paged");
+  return {o, lse};
 }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -345,17 +456,23 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY(minipaged_cuda, m) {
-  m.def("prefill_fast(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor");
-  m.def("prefill_wmma(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor");
+  // Every attention op returns (o, lse); lse is an empty placeholder unless
+  // return_lse is true (then float32, q's shape without its last dim).
+  m.def("prefill_fast(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse=False) -> (Tensor, Tensor)");
+  m.def("prefill_wmma(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool return_lse=False) -> (Tensor, Tensor)");
   m.def(
       "prefill_varlen_fast(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> Tensor");
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale, bool return_lse=False) -> (Tensor, Tensor)");
   m.def(
       "prefill_varlen_wmma(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> Tensor");
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale, bool return_lse=False) -> (Tensor, Tensor)");
   m.def(
       "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "float scale, int num_splits=0, int variant=0) -> Tensor");
+      "float scale, int num_splits=0, int variant=0, bool return_lse=False) -> (Tensor, Tensor)");
+  m.def(
+      "paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+      "Tensor context_lens, int max_seqlen_q, bool causal, float scale, bool return_lse=False, "
+      "int num_splits=0, int variant=0) -> (Tensor, Tensor)");
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
@@ -366,5 +483,6 @@ TORCH_LIBRARY_IMPL(minipaged_cuda, CUDA, m) {
   m.impl("prefill_varlen_fast", &prefill_varlen_fast);
   m.impl("prefill_varlen_wmma", &prefill_varlen_wmma);
   m.impl("decode", &decode);
+  m.impl("paged", &paged);
   m.impl("write_kv_cache", &write_kv_cache);
 }

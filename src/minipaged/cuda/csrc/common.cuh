@@ -13,6 +13,8 @@ namespace minipaged {
 // log2(e): softmax runs in base 2 so that exp becomes one ex2 instruction; the
 // scale is folded into q once per CTA instead of once per score.
 constexpr float kLog2e = 1.4426950408889634f;
+// ln(2): converts a log2-domain log-sum-exp to the natural log the API returns.
+constexpr float kLn2 = 0.6931471805599453f;
 
 // ex2.approx maps -inf to +0, which is exactly what masked scores need.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -148,6 +150,8 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
+      if (p.lse != nullptr && d == 0)
+        p.lse[slice.b * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
       const int64_t prow = (static_cast<int64_t>(slice.b) * p.num_q_heads + h) * p.num_splits + slice.split;
       p.partial_o[prow * D + d] = out;

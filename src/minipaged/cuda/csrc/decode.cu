@@ -395,6 +395,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
       o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
+    if (p.lse != nullptr && col == 0)
+      p.lse[b * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
     T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + col * 4;
     op[0] = Convert<T>::from_float(o.x * inv);
     op[1] = Convert<T>::from_float(o.y * inv);

@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t smem_tile, const typena
 // 64-key halves, one wgmma accumulator each).
 #define S_FRAG(nt, e) acc_s[(nt) >> 3][(nt) & 7][e]
 
-template <class Cfg, bool kCausal>
+template <class Cfg, bool kCausal, bool kPaged = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_kernel(const PrefillParams p) {
 #if MINIPAGED_WGMMA_DEVICE
   using T = typename Cfg::T;
@@ -99,16 +99,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   const int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
   const int m_start = m_block * kBlockM;
 
-  int q_begin = 0, k_begin = 0;
-  int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
-  if (p.cu_seqlens_q != nullptr) {
-    q_begin = p.cu_seqlens_q[batch];
-    seqlen_q = p.cu_seqlens_q[batch + 1] - q_begin;
-  }
-  if (p.cu_seqlens_k != nullptr) {
-    k_begin = p.cu_seqlens_k[batch];
-    seqlen_k = p.cu_seqlens_k[batch + 1] - k_begin;
-  }
+  const SeqInfo seq = seq_info<kPaged>(p, batch);
+  const int q_begin = seq.q_begin, k_begin = seq.k_begin;
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   if (m_start >= seqlen_q) return;
 
   const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
@@ -138,6 +131,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
       *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) =
           make_uint4(0, 0, 0, 0);
     }
+    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
     return;
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
@@ -145,9 +139,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * Cfg::kStageBytes;
-    load_tile_sw128<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
-    load_tile_sw128<Cfg, kBlockN>(k_dst + Cfg::kTileBytes, v_ptr, p.v_row_stride, n0, seqlen_k,
-                                  tid);
+    if constexpr (kPaged) {
+      load_kv_paged_async<Cfg, kBlockN>(k_dst, k_dst + Cfg::kTileBytes, k_ptr, v_ptr, p,
+                                        p.block_tables + batch * p.block_table_stride, n0, seqlen_k, tid,
+                                        [](int row, int chunk) { return sw128_off<kBlockN>(row, chunk); });
+    } else {
+      load_tile_sw128<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
+      load_tile_sw128<Cfg, kBlockN>(k_dst + Cfg::kTileBytes, v_ptr, p.v_row_stride, n0, seqlen_k,
+                                    tid);
+    }
   };
 
   load_tile_sw128<Cfg, kBlockM>(s_q, q_ptr + int64_t(m_start) * p.q_row_stride, p.q_row_stride, 0,
@@ -480,6 +480,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int r = warp_row0 + g + h * 8;
+    if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
+      const float ref = row_ext[h] == masked ? 0.f : row_ext[h] * scale_log2;
+      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+            int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+    }
 #pragma unroll
     for (int cb = 0; cb < kCB; ++cb)
 #pragma unroll
@@ -507,12 +512,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
 
 #undef S_FRAG
 
-template <class Cfg, bool kCausal>
+template <class Cfg, bool kCausal, bool kPaged = false>
 cudaError_t launch_prefill_wgmma_cfg(const PrefillParams& p, cudaStream_t stream) {
   const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  auto kernel = prefill_wgmma_kernel<Cfg, kCausal>;
+  auto kernel = prefill_wgmma_kernel<Cfg, kCausal, kPaged>;
   constexpr int kSmem = Cfg::kSmemBytes;
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

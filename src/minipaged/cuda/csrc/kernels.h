@@ -23,6 +23,10 @@ struct DecodeParams {
   // partial_o [B, Hq, num_splits, D] (normalised), partial_lse [B, Hq, num_splits] (log2 domain)
   float* partial_o;
   float* partial_lse;
+  // Optional log-sum-exp output [B, Hq] (float32, natural log, -inf for an
+  // empty context), row b at lse + b * lse_batch_stride; nullptr: not written.
+  float* lse;
+  int64_t lse_batch_stride;
   int64_t q_batch_stride, q_head_stride;
   int64_t o_batch_stride, o_head_stride;
   int64_t k_block_stride, k_token_stride, k_head_stride;

@@ -27,6 +27,24 @@ struct PrefillParams {
   int64_t o_batch_stride, o_head_stride, o_row_stride;
   const int32_t* cu_seqlens_q;  // [batch + 1] or nullptr (dense)
   const int32_t* cu_seqlens_k;  // [batch + 1] or nullptr (dense)
+  // Optional log-sum-exp output (float32, natural log, -inf for a row that sees
+  // no key): element (b, h, i) at lse + b*lse_batch_stride + h*lse_head_stride
+  // + (q_begin + i)*lse_row_stride. nullptr: not computed, no cost.
+  float* lse;
+  int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
+  // Paged K/V (launch_prefill_paged only; nullptr otherwise). k/v then point at
+  // caches [num_blocks, block_size, Hkv, D]: key j of sequence b is token
+  // j % block_size of block block_tables[b * block_table_stride + j / block_size];
+  // k_row_stride / v_row_stride are the token strides, k_block_stride /
+  // v_block_stride the block strides, and seqlen_k = context_lens[b] (clamped
+  // to max_blocks * block_size). Only the first ceil(seqlen_k / block_size)
+  // table entries are read.
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  int64_t block_table_stride;
+  int64_t k_block_stride, v_block_stride;
+  int block_size;  // power of two, 1..256
+  int max_blocks;
   int batch;
   int num_q_heads;
   int num_kv_heads;
@@ -39,8 +57,11 @@ struct PrefillParams {
   int num_sms;        // multiprocessors on the device, for launch heuristics
 };
 
-// Both return cudaSuccess or the launch error; they never synchronize.
+// All return cudaSuccess or the launch error; they never synchronize.
 cudaError_t launch_prefill_wmma(const PrefillParams& p, cudaStream_t stream);
 cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream);
+// Varlen queries (cu_seqlens_q) against paged K/V (block_tables, context_lens):
+// the fast prefill mainloop with a gathering K/V tile loader.
+cudaError_t launch_prefill_paged(const PrefillParams& p, cudaStream_t stream);
 
 }  // namespace minipaged

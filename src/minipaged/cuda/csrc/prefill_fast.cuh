@@ -14,6 +14,10 @@
 // Key tiles are walked from the last to the first: the tiles that need a mask
 // (the causal diagonal and the Nk tail) come first, then a mask-free loop.
 // Tiles entirely above the causal diagonal are never loaded.
+//
+// kPaged selects the K/V tile loader: dense rows (k + j * row_stride) or rows
+// gathered through a block table from paged caches (launch_prefill_paged);
+// everything after the copy (MMAs, mask, softmax, epilogue) is shared.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -98,6 +102,92 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typena
   }
 }
 
+// Paged counterpart of load_tile_async for a K and a V tile of one sequence:
+// key j (row0 <= j < row0 + kRows) is token j % block_size of cache block
+// table[j / block_size]. Rows at or past num_rows are zero-filled and never
+// looked up, so table entries past ceil(num_rows / block_size) (which may be
+// -1) are not read. The page ids of a thread's rows are fetched first, all at
+// once, so the copy waits for one table round trip, not one per row.
+// `dst_off(row, chunk)` is the byte offset of a 16-byte chunk in the shared
+// tile (the mma.sync and wgmma kernels swizzle differently).
+template <class Cfg, int kRows, class DstOff>
+__device__ __forceinline__ void load_kv_paged_async(uint32_t k_tile, uint32_t v_tile,
+                                                    const typename Cfg::T* k_head,
+                                                    const typename Cfg::T* v_head,
+                                                    const PrefillParams& p, const int32_t* table,
+                                                    int row0, int num_rows, int tid, DstOff dst_off) {
+  constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
+  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kIters >= 1, "copy layout");
+  const int r = tid / Cfg::kChunks;
+  const int c = tid % Cfg::kChunks;
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const int bs_mask = p.block_size - 1;
+  int page[kIters];
+  if (p.block_size >= kRows) {
+    // row0 is a multiple of kRows, so the whole tile lies in one page.
+    const int pg = __ldg(table + (row0 >> log2_bs));
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) page[it] = pg;
+  } else {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int j = row0 + r + it * kRowStep;
+      page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int row = r + it * kRowStep;
+    const int j = row0 + row;
+    const bool valid = j < num_rows;
+    const int64_t in_page = j & bs_mask;
+    const typename Cfg::T* kp =
+        valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 8 : k_head;
+    const typename Cfg::T* vp =
+        valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 8 : v_head;
+    const uint32_t off = dst_off(row, c);
+    cp_async_16(k_tile + off, kp, valid);
+    cp_async_16(v_tile + off, vp, valid);
+  }
+}
+
+// Where sequence `batch` lives and how long it is, for the three layouts.
+struct SeqInfo {
+  int q_begin, k_begin, seqlen_q, seqlen_k;
+};
+template <bool kPaged>
+__device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
+  SeqInfo s{0, 0, p.max_seqlen_q, p.max_seqlen_k};
+  if (p.cu_seqlens_q != nullptr) {
+    s.q_begin = p.cu_seqlens_q[batch];
+    s.seqlen_q = p.cu_seqlens_q[batch + 1] - s.q_begin;
+  }
+  if constexpr (kPaged) {
+    // api.py guarantees 0 <= context_len <= capacity; the clamp keeps a bad
+    // value from walking off the block table.
+    s.seqlen_k = min(max(p.context_lens[batch], 0), p.max_blocks * p.block_size);
+  } else if (p.cu_seqlens_k != nullptr) {
+    s.k_begin = p.cu_seqlens_k[batch];
+    s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_begin;
+  }
+  return s;
+}
+
+// Natural-log log-sum-exp of a row from its reference (log2 units of the
+// scaled scores) and its sum of 2^(s - ref); -inf when the row saw no key.
+__device__ __forceinline__ float row_lse(float ref_log2, float sum) {
+  return sum > 0.f ? (ref_log2 + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+}
+
+// -inf for rows [row0, row0 + rows) of (batch, head): a block that sees no key.
+__device__ __forceinline__ void write_empty_lse(const PrefillParams& p, int batch, int head, int row0,
+                                                int rows, int tid, int threads) {
+  if (p.lse == nullptr) return;
+  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride;
+  for (int r = tid; r < rows; r += threads) lse[int64_t(row0 + r) * p.lse_row_stride] = -INFINITY;
+}
+
 // ldmatrix addresses: for a fixed row set, stepping the logical 16-byte chunk
 // pair index kk (chunks 2kk, 2kk+1) only flips address bits 5..7 under the XOR
 // swizzle (rows are >= 128-byte aligned), so one base per operand suffices.
@@ -116,7 +206,7 @@ constexpr float kRescaleLog2 = 8.f;
 struct MaskOn { static constexpr bool value = true; };
 struct MaskOff { static constexpr bool value = false; };
 
-template <class Cfg, bool kCausal>
+template <class Cfg, bool kCausal, bool kPaged = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     prefill_fast_kernel(const PrefillParams p) {
   using T = typename Cfg::T;
@@ -139,16 +229,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int m_block = gridDim.z - 1 - blockIdx.z;
   const int m_start = m_block * kBlockM;
 
-  int q_begin = 0, k_begin = 0;
-  int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
-  if (p.cu_seqlens_q != nullptr) {
-    q_begin = p.cu_seqlens_q[batch];
-    seqlen_q = p.cu_seqlens_q[batch + 1] - q_begin;
-  }
-  if (p.cu_seqlens_k != nullptr) {
-    k_begin = p.cu_seqlens_k[batch];
-    seqlen_k = p.cu_seqlens_k[batch + 1] - k_begin;
-  }
+  const SeqInfo seq = seq_info<kPaged>(p, batch);
+  const int q_begin = seq.q_begin, k_begin = seq.k_begin;
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   if (m_start >= seqlen_q) return;
 
   const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
@@ -178,6 +261,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) =
           make_uint4(0, 0, 0, 0);
     }
+    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
     return;
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
@@ -189,9 +273,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * kStageBytes;
-    load_tile_async<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
-    load_tile_async<Cfg, kBlockN>(k_dst + Cfg::kTileElems * 2, v_ptr, p.v_row_stride, n0,
-                                  seqlen_k, tid);
+    if constexpr (kPaged) {
+      load_kv_paged_async<Cfg, kBlockN>(
+          k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, p.block_tables + batch * p.block_table_stride,
+          n0, seqlen_k, tid, [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); });
+    } else {
+      load_tile_async<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
+      load_tile_async<Cfg, kBlockN>(k_dst + Cfg::kTileElems * 2, v_ptr, p.v_row_stride, n0,
+                                    seqlen_k, tid);
+    }
   };
 
   // Prologue: Q (group 0), then K/V tiles 0 .. kStages-2 (one group each).
@@ -461,6 +551,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key -> exact zeros
       const int r = warp_row0 + mt * 16 + g + h * 8;
+      if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
+        const float ref = row_ext[mt][h] == masked ? 0.f : row_ext[mt][h] * scale_log2;
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+              int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+      }
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) =
@@ -480,12 +575,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
 }
 
-template <class Cfg, bool kCausal>
+template <class Cfg, bool kCausal, bool kPaged = false>
 cudaError_t launch_prefill_cfg(const PrefillParams& p, cudaStream_t stream) {
   const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  auto kernel = prefill_fast_kernel<Cfg, kCausal>;
+  auto kernel = prefill_fast_kernel<Cfg, kCausal, kPaged>;
   constexpr int kSmem = Cfg::kSmemBytes;
   if (kSmem > 48 * 1024) {
     const cudaError_t err =

@@ -17,6 +17,7 @@
 //   - bottom-right causal for Nq != Nk, and a causal early stop of the KV loop;
 //   - rows that see no key write exact zeros (row_sum == 0), never NaN;
 //   - explicit strides and optional cu_seqlens (varlen);
+//   - an optional log-sum-exp output, written after the final division;
 //   - __syncwarp() between the phases: the article omits them, but lanes of a warp
 //     hand data to each other through shared memory, so each hand-off needs a barrier.
 // No speed target: loads are scalar and every intermediate lives in shared memory, on
@@ -263,6 +264,13 @@ __global__ void __launch_bounds__(kThreads) prefill_wmma_kernel(const PrefillPar
       const float l = ws->row_sum[row];
       out[qi * p.o_row_stride + d] = Cvt::from_float(l > 0.0f ? ws->output[i] / l : 0.0f);
     }
+  }
+  // Not in the article: the optional log-sum-exp (natural log) of each row,
+  // from the log2-domain max and sum the loop above already keeps.
+  if (p.lse != nullptr && lane < kRowsPerWarp && q_start + lane < q_len) {
+    const float l = ws->row_sum[lane];
+    p.lse[b * p.lse_batch_stride + qh * p.lse_head_stride + (q_row0 + q_start + lane) * p.lse_row_stride] =
+        l > 0.0f ? (ws->row_max[lane] + log2f(l)) * 0.6931471805599453f : -INFINITY;
   }
 }
 

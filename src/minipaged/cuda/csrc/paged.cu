@@ -1,0 +1,42 @@
+// Launcher of paged attention for any query length: packed varlen queries
+// (cu_seqlens_q) against K/V caches [num_blocks, block_size, Hkv, D] read
+// through block tables. It runs the fast prefill kernels (mma.sync, or wgmma in
+// an sm_90a build on sm_90) with their paged K/V tile loader, so the mask,
+// softmax and epilogue are the prefill ones: bottom-right causal per sequence
+// (row i of a q_len-row sequence sees key j iff j < context_len - q_len + i + 1),
+// exact zeros and lse -inf for a row that sees no key.
+// Pure decode batches (every q_len 1) are routed to launch_decode by the
+// binding, which owns the split-KV workspace.
+#include <cmath>
+#include <cstdint>
+
+#include "prefill_dispatch.cuh"
+
+namespace minipaged {
+
+cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t stream) {
+  using namespace fast;
+  PrefillParams p = params;
+  if (p.cu_seqlens_q == nullptr || p.block_tables == nullptr || p.context_lens == nullptr)
+    return cudaErrorInvalidValue;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (p.batch < 0 || p.max_seqlen_q < 0 || p.max_blocks < 0) return cudaErrorInvalidValue;
+  if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
+  if (!std::isfinite(p.scale)) return cudaErrorInvalidValue;
+  // Sequences are located through cu_seqlens_q / the block table only.
+  p.cu_seqlens_k = nullptr;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+  p.lse_batch_stride = 0;
+  p.max_seqlen_k = p.max_blocks * p.block_size;
+  // 16-byte cp.async / vector stores: every stride in elements is a multiple of 8.
+  const int64_t strides[] = {p.q_head_stride,  p.q_row_stride,   p.k_head_stride,  p.k_row_stride,
+                             p.k_block_stride, p.v_head_stride,  p.v_row_stride,   p.v_block_stride,
+                             p.o_head_stride,  p.o_row_stride};
+  for (const int64_t s : strides)
+    if (s % 8 != 0) return cudaErrorMisalignedAddress;
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
+    return cudaErrorMisalignedAddress;
+  return dispatch_dtype<true>(p, stream);
+}
+
+}  // namespace minipaged

@@ -1,0 +1,116 @@
+// Shape dispatch of the fast prefill kernels, shared by the dense/varlen
+// launcher (prefill_fast.cu) and the paged one (paged.cu); kPaged picks the
+// K/V tile loader of the same kernels.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "prefill_fast.cuh"
+#if !defined(MINIPAGED_DISABLE_WGMMA)
+// The wgmma kernels are real code only in an sm_90a build (the JIT build picks
+// sm_90a on sm_90 devices because mma_wgmma.cuh tests __CUDA_ARCH_FEAT_SM90_ALL);
+// in any other build they are __trap() stubs that the dispatcher never selects.
+#include "fast_wgmma.cuh"
+#endif
+
+namespace minipaged {
+namespace fast {
+
+// Block shapes (bench/results/prefill_ablation.md has the measurements):
+//   kSmall: 4 warps x 16 rows, BLOCK_M 64, Q in registers -- twice the CTAs
+//           when the grid would otherwise not fill the GPU
+//   kLarge: 4 warps x 32 rows, BLOCK_M 128, BLOCK_N 32, Q re-read from shared
+//           memory -- every K/V fragment feeds two m-tiles, which halves
+//           ldmatrix traffic per MMA (shared-memory bandwidth bounds the 16-row
+//           warp); BLOCK_N 32 keeps it at 253 registers without spills
+// On sm_90 (sm_90a build) the wgmma kernels below replace both.
+template <typename T, int D>
+using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
+template <typename T, int D>
+using CfgLarge = PrefillCfg<T, D, 32, 4, 2, false, 2>;
+
+#if !defined(MINIPAGED_DISABLE_WGMMA)
+// wgmma kernels: 2 warpgroups (BLOCK_M 128, BLOCK_N 128) or, for short grids,
+// 1 warpgroup (BLOCK_M 64, BLOCK_N 64, two CTAs per SM); both pipelined.
+template <typename T, int D>
+using CfgWgmmaLarge = WgmmaCfg<T, D, 2, 1, true, 128>;
+template <typename T, int D>
+using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
+
+// sm_90a code runs on compute capability 9.0 only.
+inline bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+}
+
+// Whether this library holds real wgmma code: without an sm_90a target the
+// kernel body is a 4-register __trap() stub. Asked once per instantiation.
+template <typename T, int D, bool kCausal, bool kPaged>
+bool wgmma_kernels_built() {
+  cudaFuncAttributes large{}, small{};
+  if (cudaFuncGetAttributes(&large, prefill_wgmma_kernel<CfgWgmmaLarge<T, D>, kCausal, kPaged>) != cudaSuccess ||
+      cudaFuncGetAttributes(&small, prefill_wgmma_kernel<CfgWgmmaSmall<T, D>, kCausal, kPaged>) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return large.numRegs >= 32 && small.numRegs >= 32;
+}
+#endif
+
+template <typename T, int D, bool kCausal, bool kPaged>
+cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
+#if !defined(MINIPAGED_DISABLE_WGMMA)
+  static const bool wgmma_ok_on_sm90 = wgmma_kernels_built<T, D, kCausal, kPaged>();
+  if (device_is_sm90() && wgmma_ok_on_sm90) {
+    const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
+                              ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
+    const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
+    return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, kPaged>(p, stream);
+  }
+#endif
+  if constexpr (!kPaged) {
+    const int64_t large_blocks = int64_t(p.batch) * p.num_q_heads *
+                                 ((p.max_seqlen_q + CfgLarge<T, D>::kBlockM - 1) / CfgLarge<T, D>::kBlockM);
+    const int num_sms = p.num_sms > 0 ? p.num_sms : 132;
+    // The large block needs about two waves of CTAs to keep every SM busy
+    // through the causal tail; below that, halve the block and double the grid.
+    if (large_blocks >= 2 * int64_t(num_sms)) return launch_prefill_cfg<CfgLarge<T, D>, kCausal, kPaged>(p, stream);
+  }
+  // Paged K/V: the small block only. The large one sits at the register limit
+  // already and the paged loader's page ids push it into spills on sm_90
+  // (where wgmma runs instead anyway).
+  return launch_prefill_cfg<CfgSmall<T, D>, kCausal, kPaged>(p, stream);
+}
+
+template <typename T, int D, bool kPaged>
+cudaError_t dispatch_causal(const PrefillParams& p, cudaStream_t stream) {
+  return p.causal ? dispatch_shape<T, D, true, kPaged>(p, stream) : dispatch_shape<T, D, false, kPaged>(p, stream);
+}
+
+template <typename T, bool kPaged>
+cudaError_t dispatch_dim(const PrefillParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return dispatch_causal<T, 64, kPaged>(p, stream);
+    case 128: return dispatch_causal<T, 128, kPaged>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <bool kPaged>
+cudaError_t dispatch_dtype(const PrefillParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat16: return dispatch_dim<__half, kPaged>(p, stream);
+    case DType::kBFloat16: return dispatch_dim<__nv_bfloat16, kPaged>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+}  // namespace fast
+}  // namespace minipaged
