@@ -1,0 +1,548 @@
+"""Tests of the Triton paged-attention kernel (any mix of query lengths), return_lse
+on every attention op, and merge_attention_states, against an fp64 oracle
+written here (independent of minipaged.reference and of the kernels).
+
+CPU: the kernels run under TRITON_INTERPRET=1 in fp16/fp32 (the interpreter's
+bf16 tl.dot is wrong) with the interpreter's tiles: BLOCK_N = 16 keys and
+BLOCK_M <= 32 packed (position, head) rows (configs.paged_config).
+GPU: `pytest -m gpu tests/test_triton_paged.py` on the H200.
+
+Error bound, as in test_triton.py: the kernel's max error against the fp64
+oracle is within twice that of the same attention written in plain PyTorch in
+the input dtype (matmuls in fp16/bf16, softmax in fp32), plus a small slack.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+from minipaged.triton import configs, ops  # noqa: E402
+from minipaged.triton.configs import PagedConfig  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                                reason="needs a CUDA device and TRITON_INTERPRET unset")
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------- data
+
+
+def _cu(lens, device):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _cache_from_dense(dense_k, dense_v, page, device, seed=0, spare_entries=1):
+    """Scatter per-sequence K/V [L, Hkv, D] into a NaN-poisoned paged cache through
+    shuffled block tables. Pages hold NaN in every slot no sequence uses, and table
+    entries past each sequence's ceil(L / page) are -1."""
+    g = torch.Generator().manual_seed(seed)
+    Hkv, D = dense_k[0].shape[1:]
+    dtype = dense_k[0].dtype
+    need = [-(-k.shape[0] // page) for k in dense_k]
+    max_blocks = max(need + [1]) + spare_entries
+    num_blocks = sum(need) + 3
+    kc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
+    vc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(dense_k), max_blocks), -1, dtype=torch.int32)
+    nxt = 0
+    for s, (k, v) in enumerate(zip(dense_k, dense_v)):
+        tables[s, : need[s]] = perm[nxt: nxt + need[s]].to(torch.int32)
+        nxt += need[s]
+        tok = torch.arange(k.shape[0])
+        blk = tables[s].long()[tok // page].to(device)
+        kc[blk, (tok % page).to(device)] = k
+        vc[blk, (tok % page).to(device)] = v
+    ctx = torch.tensor([k.shape[0] for k in dense_k], dtype=torch.int32, device=device)
+    return kc, vc, tables.to(device), ctx
+
+
+def _problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense_k = [torch.randn(c, Hkv, D, generator=g).to(dtype).to(device) for c in ctxs]
+    dense_v = [torch.randn(c, Hkv, D, generator=g).to(dtype).to(device) for c in ctxs]
+    kc, vc, tables, ctx = _cache_from_dense(dense_k, dense_v, page, device, seed=seed)
+    q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype).to(device)
+    return q, kc, vc, tables, _cu(q_lens, device), ctx, dense_k, dense_v
+
+
+# ----------------------------------------------------------------- oracle
+
+
+def _attend(q, k, v, diag, causal, scale, low):
+    """q [n, Hq, D] (query positions p0.. of one sequence), k/v [L, Hkv, D]; position
+    i (0-based of q) sees key j iff j < L (and j <= i + diag when causal).
+    low=False: fp64 (o, lse). low=True: matmuls in the input dtype, fp32 softmax."""
+    n, Hq, D = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    wide = torch.float32 if low else torch.float64
+    if L == 0:
+        return (torch.zeros(n, Hq, D, dtype=wide, device=q.device),
+                torch.full((n, Hq), NEG_INF, dtype=torch.float64, device=q.device))
+    group = Hq // Hkv
+    kk = k.repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
+    vv = v.repeat_interleave(group, 1).transpose(0, 1)
+    qq = q.transpose(0, 1)  # [Hq, n, D]
+    if not low:
+        qq, kk, vv = qq.double(), kk.double(), vv.double()
+    s = torch.matmul(qq, kk.transpose(1, 2)).to(wide) * scale
+    if causal:
+        rows = torch.arange(n, device=q.device)[:, None]
+        cols = torch.arange(L, device=q.device)[None, :]
+        s = s.masked_fill(cols > rows + diag, NEG_INF)
+    lse = torch.logsumexp(s.double(), -1)  # [Hq, n]
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows with no key: all zeros
+    if low:
+        o = torch.matmul(p.to(q.dtype), vv).float()
+    else:
+        o = torch.matmul(p, vv)
+    return o.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _reference(q, dense_k, dense_v, cu_q, causal, scale, low=False, rows_per_chunk=1024):
+    """Packed queries of S sequences over their whole K/V (bottom-right causal)."""
+    Tq, Hq, D = q.shape
+    o = torch.zeros(Tq, Hq, D, dtype=torch.float32 if low else torch.float64, device=q.device)
+    lse = torch.full((Tq, Hq), NEG_INF, dtype=torch.float64, device=q.device)
+    cu = cu_q.tolist()
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        L = dense_k[s].shape[0]
+        for c0 in range(a, b, rows_per_chunk):
+            c1 = min(b, c0 + rows_per_chunk)
+            # chunk rows start at position c0 - a of a q_len (b - a) run
+            diag = L - (b - a) + (c0 - a)
+            o[c0:c1], lse[c0:c1] = _attend(q[c0:c1], dense_k[s], dense_v[s], diag, causal, scale, low)
+    return o, lse
+
+
+def _check(out, lse, q, dense_k, dense_v, cu_q, causal, scale, what):
+    truth, truth_lse = _reference(q, dense_k, dense_v, cu_q, causal, scale)
+    base, _ = _reference(q, dense_k, dense_v, cu_q, causal, scale, low=True)
+    _check_against(out, lse, truth, truth_lse, base, q.dtype, what)
+
+
+def _check_against(out, lse, truth, truth_lse, base, dtype, what):
+    assert out.dtype == dtype and out.shape == truth.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    if out.numel():
+        err = (out.double() - truth).abs().max().item()
+        ref_err = (base.double() - truth).abs().max().item()
+        slack = 1e-5 if dtype == torch.float32 else 2e-3
+        assert err <= 2 * ref_err + slack, f"{what}: max err {err:.3e} vs low-precision {ref_err:.3e}"
+    # rows that see no key: exact zeros
+    empty = torch.isneginf(truth_lse)
+    assert (out[empty] == 0).all(), f"{what}: a row with no key is not zero"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == truth_lse.shape, what
+        assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern differs"
+        assert not torch.isnan(lse).any(), what
+        if (~empty).any():
+            d = (lse.double() - truth_lse)[~empty].abs()
+            tol = 1e-4 if dtype == torch.float32 else 2e-3
+            assert (d <= tol * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
+
+
+def _run(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, scale=None, **kw):
+    q, kc, vc, tables, cu_q, ctx, dk, dv = _problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, device, seed)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    out, lse = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens + [0]), causal, scale, True, **kw)
+    what = f"paged q{q_lens[:8]} ctx{ctxs[:8]} Hq{Hq} Hkv{Hkv} D{D} page{page} causal{causal} {kw}"
+    _check(out, lse, q, dk, dv, cu_q, causal, scale, what)
+    return out, lse
+
+
+# ----------------------------------------------------------------- paged: CPU
+
+CPU_PAGED = [
+    # q_lens, context_lens, Hq, Hkv, D, page
+    # decode rows, an empty run, short runs, a long chunk, q_len == ctx, q_len > ctx, ctx 0
+    ([1, 0, 4, 70, 2, 8, 5, 3], [17, 5, 64, 97, 3, 8, 2, 0], 4, 2, 64, 16),
+    ([3, 1, 97], [40, 1, 120], 8, 1, 64, 1),           # GQA 8, one token per page
+    ([1, 6, 33], [300, 256, 257], 2, 2, 128, 256),      # Hq == Hkv, page > KV tile
+    ([1, 7, 20], [31, 16, 47], 16, 1, 64, 8),           # MQA, pages smaller than a KV tile
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", CPU_PAGED, ids=lambda c: f"q{len(c[0])}-H{c[2]}-{c[3]}-D{c[4]}-p{c[5]}")
+def test_paged_mixed_interpreter(case, causal, dtype):
+    _run(*case, causal, dtype, "cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("page", [8, 32])
+def test_paged_every_residue_interpreter(page):
+    """Every residue of (context_len - q_len) mod BLOCK_N (16 on the interpreter),
+    with contexts at, below and above page and tile boundaries."""
+    bn = configs.paged_config(64, torch.float16, True, 8, 2, torch.device("cpu")).block_n
+    q_lens = [1 + (r % 8) for r in range(bn)]
+    ctxs = [q + r + bn * (r % 3) for r, q in enumerate(q_lens)]
+    assert sorted((c - q) % bn for c, q in zip(ctxs, q_lens)) == list(range(bn))
+    _run(q_lens, ctxs, 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_forced_splits_interpreter(splits, causal):
+    """Split-KV + reduce: splits past the end of a short context stay empty."""
+    q_lens, ctxs = [1, 4, 19, 0, 2], [150, 61, 90, 7, 1]
+    out, lse = _run(q_lens, ctxs, 4, 2, 64, 16, causal, torch.float16, "cpu", num_splits=splits)
+    one, one_lse = _run(q_lens, ctxs, 4, 2, 64, 16, causal, torch.float16, "cpu", num_splits=1)
+    assert (out.float() - one.float()).abs().max() < 2e-3
+
+
+@cpu_only
+def test_paged_forced_splits_fp32_interpreter():
+    _run([3, 1], [77, 200], 8, 2, 64, 4, True, torch.float32, "cpu", num_splits=4)
+
+
+@cpu_only
+@pytest.mark.parametrize("cfg", [PagedConfig(64, 32, 4, 1), PagedConfig(16, 16, 4, 1)],
+                         ids=["m64n32", "m16n16"])
+def test_paged_other_tiles_interpreter(cfg):
+    """A prefill-like tile (several positions per program, a KV tile spanning two
+    pages) and the smallest one (a long chunk in many query tiles)."""
+    _run([40, 1, 3], [100, 33, 3], 4, 2, 64, 16, True, torch.float16, "cpu", config=cfg)
+
+
+@cpu_only
+def test_paged_head_dim_256_and_scale_interpreter():
+    _run([2, 9], [30, 9], 4, 2, 256, 16, True, torch.float32, "cpu", scale=0.3)
+
+
+@cpu_only
+def test_paged_equals_decode_interpreter():
+    """cu_seqlens_q = arange(B + 1): the same attention as decode."""
+    ctxs = [17, 0, 97, 1, 64]
+    q, kc, vc, tables, _, ctx, dk, dv = _problem([1] * 5, ctxs, 8, 2, 64, 16, torch.float16, "cpu", 3)
+    cu_q = torch.arange(6, dtype=torch.int32)
+    po, pl = ops.paged(q, kc, vc, tables, cu_q, ctx, 1, True, 0.125, True)
+    do, dl = ops.decode(q, kc, vc, tables, ctx, 0.125, True)
+    assert (po.float() - do.float()).abs().max() < 2e-3
+    assert torch.equal(torch.isneginf(pl), torch.isneginf(dl))
+    fin = torch.isfinite(dl)
+    assert (pl[fin] - dl[fin]).abs().max() < 1e-3
+    _check(po, pl, q, dk, dv, cu_q, True, 0.125, "paged as decode")
+
+
+@cpu_only
+def test_paged_without_lse_returns_tensor_interpreter():
+    q, kc, vc, tables, cu_q, ctx, *_ = _problem([2, 1], [5, 9], 4, 2, 64, 16, torch.float16, "cpu")
+    out = ops.paged(q, kc, vc, tables, cu_q, ctx, 2, True, 0.125)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    out2, _ = ops.paged(q, kc, vc, tables, cu_q, ctx, 2, True, 0.125, True)
+    assert torch.equal(out, out2)
+    # nothing to do at all: zeros and -inf without a launch
+    empty = ops.paged(q[:0], kc, vc, tables, torch.zeros(3, dtype=torch.int32), ctx, 0, True, 0.1, True)
+    assert empty[0].shape == (0, 4, 64) and empty[1].shape == (0, 4)
+
+
+def test_paged_num_splits_rule(monkeypatch):
+    """Split count from shapes only (so a decode step can be graph-captured)."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200
+    dev = torch.device("cuda")
+
+    def splits(S, Tq, maxq, Hkv, cap, group, D=128):
+        cfg = PagedConfig(*((max(16, 1 << (maxq * group - 1).bit_length()), 64, 4, 2)
+                            if maxq * group <= 64 else (128, 64, 8, 3)))
+        return configs.paged_num_splits(S, Tq, maxq, Hkv, cap, cfg, group, dev)
+
+    assert splits(1, 4, 4, 8, 32768, 2) > 16          # B=1 speculative verify over 32k
+    assert splits(1, 1, 1, 8, 32768, 2) > 16          # B=1 decode
+    assert splits(1, 2048, 2048, 8, 32768, 2) == 1    # a 2k chunk over 30k cached fills the GPU
+    assert splits(256, 256, 1, 8, 4096, 2) == 1       # a large decode batch fills it
+    assert splits(1, 4, 4, 8, 64, 2) == 1             # one KV tile: nothing to split
+    assert all(1 <= splits(s, s * q, q, h, c, 2) <= configs.MAX_SPLITS
+               for s in (1, 7, 300) for q in (1, 4, 100) for h in (1, 8) for c in (16, 10 ** 6))
+
+
+# ----------------------------------------------------------------- return_lse on the other ops
+
+
+def _dense_truth(q, k, v, causal, scale):
+    """q [Nq, Hq, D] k/v [Nk, Hkv, D] of one sequence -> fp64 (o, lse)."""
+    return _attend(q, k, v, k.shape[0] - q.shape[0], causal, scale, low=False)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_return_lse_interpreter(dtype, causal):
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 29, 21, 64  # Nq > Nk: the first rows see nothing when causal
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    out, lse = ops.prefill(q, k, v, causal, 0.125, True)
+    assert torch.equal(out, ops.prefill(q, k, v, causal, 0.125))
+    for b in range(B):
+        to, tl_ = _dense_truth(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), causal, 0.125)
+        bo, _ = _attend(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), Nk - Nq, causal,
+                        0.125, low=True)
+        _check_against(out[b].transpose(0, 1), lse[b].transpose(0, 1), to, tl_, bo, dtype, f"prefill b{b}")
+    # no key at all
+    _, lse0 = ops.prefill(q, k[:, :, :0], v[:, :, :0], causal, 0.125, True)
+    assert torch.isneginf(lse0).all()
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_varlen_return_lse_interpreter(dtype):
+    g = torch.Generator().manual_seed(6)
+    lq, lk = [17, 0, 9, 12], [17, 3, 30, 0]
+    Hq, Hkv, D = 4, 1, 64
+    q = torch.randn(sum(lq), Hq, D, generator=g).to(dtype)
+    k = torch.randn(sum(lk), Hkv, D, generator=g).to(dtype)
+    v = torch.randn(sum(lk), Hkv, D, generator=g).to(dtype)
+    cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
+    out, lse = ops.prefill_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True, 0.125, True)
+    ck = cu_k.tolist()
+    dk = [k[ck[s]:ck[s + 1]] for s in range(len(lk))]
+    dv = [v[ck[s]:ck[s + 1]] for s in range(len(lk))]
+    _check(out, lse, q, dk, dv, cu_q, True, 0.125, "varlen lse")
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [None, "1", "3"])
+def test_decode_return_lse_interpreter(splits, monkeypatch):
+    if splits is None:
+        monkeypatch.delenv("MINIPAGED_TRITON_DECODE_SPLITS", raising=False)
+    else:
+        monkeypatch.setenv("MINIPAGED_TRITON_DECODE_SPLITS", splits)
+    ctxs = [17, 0, 97, 1]
+    q, kc, vc, tables, cu_q, ctx, dk, dv = _problem([1] * 4, ctxs, 4, 2, 64, 16, torch.float16, "cpu", 9)
+    out, lse = ops.decode(q, kc, vc, tables, ctx, 0.125, True)
+    assert torch.equal(out, ops.decode(q, kc, vc, tables, ctx, 0.125))
+    _check(out, lse, q, dk, dv, cu_q, False, 0.125, f"decode lse splits={splits}")
+
+
+def _split_decode_identity(ctxs, cut, Hq, Hkv, D, page, dtype, device, splits=None):
+    """Keys [0, cut) in one cache and [cut, L) in another (two tables): merging the
+    two decodes' (o, lse) is the decode over all keys."""
+    q, kc, vc, tables, cu_q, ctx, dk, dv = _problem([1] * len(ctxs), ctxs, Hq, Hkv, D, page, dtype,
+                                                    device, seed=11)
+    cuts = [cut(c) for c in ctxs]
+    ka, va = [k[:c] for k, c in zip(dk, cuts)], [v[:c] for v, c in zip(dv, cuts)]
+    kb, vb = [k[c:] for k, c in zip(dk, cuts)], [v[c:] for v, c in zip(dv, cuts)]
+    kca, vca, ta, ca = _cache_from_dense(ka, va, page, device, seed=1)
+    kcb, vcb, tb, cb = _cache_from_dense(kb, vb, page, device, seed=2)
+    oa, la = ops.decode(q, kca, vca, ta, ca, 0.1, True)
+    ob, lb = ops.decode(q, kcb, vcb, tb, cb, 0.1, True)
+    om, lm = ops.merge_attention_states(oa, la, ob, lb)
+    whole, whole_lse = ops.decode(q, kc, vc, tables, ctx, 0.1, True)
+    # both sides round to the output dtype once: about one ulp apart
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    assert (om.float() - whole.float()).abs().max() <= tol
+    assert torch.equal(torch.isneginf(lm), torch.isneginf(whole_lse))
+    fin = torch.isfinite(whole_lse)
+    assert (lm[fin] - whole_lse[fin]).abs().max() <= 1e-4 * (1 + whole_lse[fin].abs().max())
+    _check(om, lm, q, dk, dv, cu_q, False, 0.1, "merged halves")
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_split_decode_merge_identity_interpreter(dtype):
+    # cuts inside a page, on a page boundary, at 0 (one side empty) and at L, and a
+    # sequence with no key at all (both sides empty)
+    cuts = {50: 23, 64: 16, 9: 0, 20: 20, 0: 0}
+    _split_decode_identity(list(cuts), lambda c: cuts[c], 4, 2, 64, 16, dtype, "cpu")
+
+
+# ----------------------------------------------------------------- merge kernel
+
+
+def _merge_truth(oa, la, ob, lb):
+    la, lb = la.double(), lb.double()
+    lse = torch.logaddexp(la, lb)
+    wa = torch.where(torch.isneginf(la), 0.0, torch.exp(la - lse)).nan_to_num(0.0)
+    wb = torch.where(torch.isneginf(lb), 0.0, torch.exp(lb - lse)).nan_to_num(0.0)
+    o = (wa[..., None] * oa.double().nan_to_num(0.0) + wb[..., None] * ob.double().nan_to_num(0.0))
+    return o, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 4, 64), (3, 5, 2, 128)], ids=["Tq-H-D", "B-N-H-D"])
+def test_merge_attention_states(shape, dtype):
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs the interpreter or a GPU")
+    device = "cuda" if not INTERPRET else "cpu"
+    g = torch.Generator().manual_seed(sum(shape))
+    oa = torch.randn(shape, generator=g).to(dtype).to(device)
+    ob = torch.randn(shape, generator=g).to(dtype).to(device)
+    la = (torch.randn(shape[:-1], generator=g) * 4).to(device)
+    lb = (torch.randn(shape[:-1], generator=g) * 4).to(device)
+    rows = la.numel()
+    flat_a, flat_b = la.view(-1), lb.view(-1)
+    flat_a[: rows // 4] = NEG_INF                     # only b saw keys
+    flat_b[rows // 4: rows // 2] = NEG_INF            # only a saw keys
+    flat_a[rows // 2: rows // 2 + 3] = NEG_INF        # neither did
+    flat_b[rows // 2: rows // 2 + 3] = NEG_INF
+    flat_a[-2:] = 80.0                                # far apart: one side's weight underflows
+    flat_b[-2:] = -60.0
+    # a side with no key contributes nothing, even if its o held NaN
+    oa.view(-1, shape[-1])[: rows // 4] = float("nan")
+    out, lse = ops.merge_attention_states(oa, la, ob, lb)
+    to, tl_ = _merge_truth(oa, la, ob, lb)
+    assert out.dtype == dtype and out.shape == oa.shape and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(tl_))
+    both = (torch.isneginf(la) & torch.isneginf(lb))
+    assert both.sum() == 3 and (out[both] == 0).all()
+    fin = torch.isfinite(tl_)
+    assert (lse.double()[fin] - tl_[fin]).abs().max() <= 1e-5 * (1 + tl_[fin].abs().max())
+    # the output is rounded to o's dtype once, from fp32 math
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert (out.double() - to).abs().max() <= tol * (1 + to.abs().max())
+
+
+# ----------------------------------------------------------------- GPU
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+GPU_PAGED = [
+    # q_lens, context_lens, Hq, Hkv, D, page
+    ([1, 4, 4, 1, 8, 0, 2, 3], [4000, 4096, 37, 1, 2049, 100, 3, 0], 16, 8, 128, 16),   # decode + verify
+    ([4096], [32768], 16, 8, 128, 16),                  # 4k chunk over 28k cached
+    ([2048, 1, 4, 513], [30000, 32768, 17000, 600], 16, 8, 128, 16),
+    ([1, 1, 4], [32768, 9000, 32768], 32, 8, 128, 1),   # GQA 4, page 1
+    ([7, 300, 1], [5000, 300, 64], 16, 2, 64, 256),     # GQA 8, page 256
+    ([97, 64, 1, 5], [1500, 64, 1, 4], 8, 8, 64, 32),   # Hq == Hkv
+    ([3, 1000], [777, 1000], 16, 16, 128, 64),
+    ([1, 2, 3, 4, 5, 6, 7, 8], [63, 64, 65, 127, 128, 129, 1023, 1025], 16, 1, 128, 16),  # MQA
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", GPU_PAGED, ids=lambda c: f"S{len(c[0])}-q{max(c[0])}-L{max(c[1])}-"
+                         f"{c[2]}-{c[3]}-{c[4]}-p{c[5]}")
+def test_paged_gpu(case, dtype, causal):
+    _run(*case, causal, dtype, "cuda", seed=len(case[0]))
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_every_residue():
+    bn = configs.paged_config(128, torch.bfloat16, True, 8, 2, torch.device("cuda")).block_n
+    q_lens = [1 + (r % 8) for r in range(bn)]
+    ctxs = [q + r + bn * (r % 5) for r, q in enumerate(q_lens)]
+    _run(q_lens, ctxs, 16, 8, 128, 16, True, torch.bfloat16, "cuda")
+    long_q = [100 + r for r in range(0, bn, 7)]  # prefill-like tile
+    _run(long_q, [q + 3000 + r for r, q in enumerate(long_q)], 16, 8, 128, 16, True, torch.bfloat16, "cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_paged_gpu_forced_splits(splits):
+    _run([1, 4, 700, 0], [20000, 3000, 4000, 9], 16, 4, 128, 16, True, torch.float16, "cuda",
+         num_splits=splits)
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_fp32():
+    _run([1, 4, 200], [3000, 100, 700], 8, 2, 128, 16, True, torch.float32, "cuda")
+    _run([1, 4, 200], [3000, 100, 700], 8, 2, 64, 256, False, torch.float32, "cuda")
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_deterministic():
+    """Bitwise identical over repeated runs: split and no-split, short and long."""
+    for q_lens, ctxs in (([1, 4, 4], [32768, 9000, 100]), ([2048, 1], [30000, 777])):
+        q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
+        first = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088, True)
+        for _ in range(3):
+            again = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088, True)
+            assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_matches_varlen_over_written_cache():
+    """A cache filled by write_kv_cache: paged == prefill_varlen on the same K/V."""
+    lens, page, Hq, Hkv, D = [1000, 1, 300, 2500], 16, 16, 8, 128
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16().cuda()
+    v = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16().cuda()
+    q = torch.randn(sum(lens), Hq, D, generator=g).bfloat16().cuda()
+    need = [-(-n // page) for n in lens]
+    nblk = sum(need) + 2
+    kc = torch.full((nblk, page, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    vc = kc.clone()
+    perm = torch.randperm(nblk, generator=g)
+    tables = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
+    slots, nxt = [], 0
+    for s, n in enumerate(lens):
+        tables[s, : need[s]] = perm[nxt: nxt + need[s]].int()
+        nxt += need[s]
+        t = torch.arange(n)
+        slots.append(tables[s].long()[t // page] * page + t % page)
+    tables = tables.cuda()
+    ops.write_kv_cache(k, v, kc, vc, torch.cat(slots).cuda())
+    cu = _cu(lens, "cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    po, pl = ops.paged(q, kc, vc, tables, cu, ctx, max(lens), True, 0.088, True)
+    vo, vl = ops.prefill_varlen(q, k, v, cu, cu, max(lens), max(lens), True, 0.088, True)
+    assert (po.float() - vo.float()).abs().max() < 2e-2
+    assert (pl - vl).abs().max() < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_cuda_graph_capture():
+    """No host sync inside ops.paged: a mixed decode/verify step captures and replays."""
+    q, kc, vc, tables, cu_q, ctx, *_ = _problem([1, 4, 1], [1000, 37, 2000], 16, 8, 128, 16,
+                                                torch.bfloat16, "cuda")
+    eager = ops.paged(q, kc, vc, tables, cu_q, ctx, 4, True, 0.088)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.paged(q, kc, vc, tables, cu_q, ctx, 4, True, 0.088)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.paged(q, kc, vc, tables, cu_q, ctx, 4, True, 0.088)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_return_lse_gpu(dtype):
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 16, 1500, 128, generator=g).to(dtype).cuda()
+    k = torch.randn(2, 8, 1000, 128, generator=g).to(dtype).cuda()
+    v = torch.randn(2, 8, 1000, 128, generator=g).to(dtype).cuda()
+    out, lse = ops.prefill(q, k, v, True, 0.088, True)
+    assert torch.equal(out, ops.prefill(q, k, v, True, 0.088))
+    for b in range(2):
+        to, tl_ = _dense_truth(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), True, 0.088)
+        bo, _ = _attend(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), -500, True,
+                        0.088, low=True)
+        _check_against(out[b].transpose(0, 1), lse[b].transpose(0, 1), to, tl_, bo, dtype, "prefill gpu")
+    _split_decode_identity([4000, 31, 0, 2048], lambda c: c // 3, 16, 8, 128, 16, dtype, "cuda")
