@@ -1,7 +1,7 @@
 """Quick GPU timing of the Triton ops next to torch SDPA (flash), for tuning the
 config table. Not the project benchmark (that is `minipaged bench`).
 
-    PYTHONPATH=src python -m minipaged.triton._tune [prefill] [decode] [sweep]
+    PYTHONPATH=src python -m minipaged.triton._tune [prefill] [decode] [sweep] [paged]
 
 Medians of triton.testing.do_bench (which flushes L2 between repetitions),
 random data, bf16, Qwen3-0.6B heads (Hq 16, Hkv 8, D 128).
@@ -206,6 +206,55 @@ def host_overhead():
     print(f"## torch.empty: {(time.perf_counter() - t0) / 300 * 1e6:.2f} us", flush=True)
 
 
+def _paged_problem(q_lens, ctxs, page=16):
+    S = len(q_lens)
+    need = [-(-c // page) for c in ctxs]
+    nblk = sum(need)
+    kc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
+    vc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
+    perm = torch.randperm(nblk, device="cuda").to(torch.int32)
+    tables = torch.zeros(S, max(need), dtype=torch.int32, device="cuda")
+    start = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[start:start + n]
+        start += n
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=DT)
+    return q, kc, vc, tables, cu, ctx
+
+
+def paged_table():
+    """ops.paged next to the kernels it generalises, on the same work."""
+    print("## paged (bf16, Hq16 Hkv8 D128, page 16), do_bench medians (L2 flushed)")
+    scale = 1 / math.sqrt(D)
+    # short queries next to decode at the same batch and context
+    for B, qn, L in ((32, 4, 4096), (32, 1, 4096), (1, 4, 32768), (1, 1, 32768), (8, 4, 4096)):
+        q, kc, vc, tables, cu, ctx = _paged_problem([qn] * B, [L] * B)
+        t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, qn, True, scale)) * 1e3
+        qd = q.view(B, qn, HQ, D)[:, -1].contiguous()
+        t_d = _bench(lambda: ops.decode(qd, kc, vc, tables, ctx, scale)) * 1e3
+        nbytes = 2 * B * L * HKV * D * 2
+        print(f"B={B:>3} q_len={qn} ctx={L:>6}: paged {t_p:8.1f} us ({nbytes / t_p / 1e6:.2f} TB/s) | "
+              f"decode (q_len 1) {t_d:8.1f} us ({nbytes / t_d / 1e6:.2f} TB/s)", flush=True)
+    # chunks over a cached prefix next to prefill_varlen on the same K/V made contiguous
+    for S, new, cached in ((8, 512, 4096), (1, 2048, 30000), (4, 1024, 8192)):
+        L = new + cached
+        q, kc, vc, tables, cu, ctx = _paged_problem([new] * S, [L] * S)
+        t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale))
+        k = kc[tables.long()].reshape(S * L, HKV, D)
+        v = vc[tables.long()].reshape(S * L, HKV, D)
+        cu_k = torch.arange(0, S * L + 1, L, dtype=torch.int32, device="cuda")
+        t_v = _bench(lambda: ops.prefill_varlen(q, k, v, cu, cu_k, new, L, True, scale))
+        o_p = ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale)
+        o_v = ops.prefill_varlen(q, k, v, cu, cu_k, new, L, True, scale)
+        flops = 4 * S * HQ * D * new * (cached + (new + 1) / 2)
+        print(f"S={S} new={new} cached={cached}: paged {t_p * 1e3:8.1f} us ({flops / t_p / 1e9:.0f} TFLOP/s) | "
+              f"prefill_varlen {t_v * 1e3:8.1f} us ({flops / t_v / 1e9:.0f} TFLOP/s)  "
+              f"maxdiff={(o_p.float() - o_v.float()).abs().max().item():.2e}", flush=True)
+        del k, v
+
+
 if __name__ == "__main__":
     args = sys.argv[1:] or ["prefill", "decode"]
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
@@ -217,3 +266,5 @@ if __name__ == "__main__":
         host_overhead()
     if "decode" in args:
         decode_table(sweep="sweep" in args)
+    if "paged" in args:
+        paged_table()
