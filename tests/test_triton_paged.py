@@ -261,8 +261,8 @@ def test_paged_num_splits_rule(monkeypatch):
     dev = torch.device("cuda")
 
     def splits(S, Tq, maxq, Hkv, cap, group, D=128):
-        cfg = PagedConfig(*((max(16, 1 << (maxq * group - 1).bit_length()), 64, 4, 2)
-                            if maxq * group <= 64 else (128, 64, 8, 3)))
+        cfg = (PagedConfig(max(16, 1 << (maxq * group - 1).bit_length()), 64, 4, 2, True)
+               if maxq * group <= 64 else PagedConfig(128, 64, 8, 3, False))
         return configs.paged_num_splits(S, Tq, maxq, Hkv, cap, cfg, group, dev)
 
     assert splits(1, 4, 4, 8, 32768, 2) > 16          # B=1 speculative verify over 32k

@@ -151,15 +151,13 @@ class PagedConfig:
     block_n: int   # keys per KV tile
     num_warps: int
     num_stages: int
+    # a decode-like tile (a few rows, several programs resident per SM) rather than a
+    # prefill-like one (about one per SM): decides how eagerly KV is split
+    packed: bool = True
 
     def block_q(self, group: int) -> int:
         """Query positions per program: every row holds one of them for one head."""
         return self.block_m // group
-
-    @property
-    def packed(self) -> bool:
-        """A decode-like tile (a few rows, several programs per SM) vs a prefill-like one."""
-        return self.block_m <= _PACKED_MAX_ROWS
 
 
 # Up to this many (position, head) rows a sequence's whole query run is one
@@ -182,12 +180,12 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     env = os.environ.get(_PAGED_ENV)
     if env:
         bm, bn, w, s = (int(x) for x in env.split(","))
-        return PagedConfig(max(bm, min_m), bn, w, s)
+        return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS)
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         return PagedConfig(max(min_m, _next_pow2(rows)), dec.block_n, dec.num_warps, dec.num_stages)
     pre = prefill_config(head_dim, dtype, causal, 1 << 30, 1 << 30, device)  # the long-prompt entry
-    return PagedConfig(max(pre.block_m, min_m), pre.block_n, pre.num_warps, pre.num_stages)
+    return PagedConfig(max(pre.block_m, min_m), pre.block_n, pre.num_warps, pre.num_stages, False)
 
 
 def paged_num_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_kv_heads: int,

@@ -289,13 +289,13 @@ _paged_fallback: dict = {}
 def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
     min_m = max(16, triton.next_power_of_2(group))
     if cfg.num_stages > 2:
-        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1, cfg.packed)
     if cfg.block_n > 32:
-        return PagedConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+        return PagedConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages, cfg.packed)
     if cfg.block_m > max(32, min_m):
-        return PagedConfig(cfg.block_m // 2, cfg.block_n, 4, cfg.num_stages)
+        return PagedConfig(cfg.block_m // 2, cfg.block_n, 4, cfg.num_stages, cfg.packed)
     if cfg.num_stages > 1:
-        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1)
+        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1, cfg.packed)
     return None
 
 
