@@ -195,6 +195,17 @@ _CPP_ERRORS_SCRIPT = textwrap.dedent(
         "prefill_fast_d96": lambda: raw.prefill_fast(*[torch.randn(1, 2, 8, 96, device=dev, dtype=bf)] * 3, True, 0.1),
         "prefill_wmma_d96": lambda: raw.prefill_wmma(*[torch.randn(1, 2, 8, 96, device=dev, dtype=bf)] * 3, True, 0.1),
         "write_kv_int16": lambda: raw.write_kv_cache(kc[0], kc[0], kc, kc, torch.zeros(16, dtype=torch.int16, device=dev)),
+        # cu_seqlens_q says 3 sequences, the table has 2 rows
+        "paged_rows": lambda: raw.paged(torch.randn(6, 4, 128, device=dev, dtype=bf), kc, kc, bt,
+                                        torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=dev),
+                                        cl, 2, True, 0.1, False, 0, 0),
+        "paged_cu_int64": lambda: raw.paged(torch.randn(6, 4, 128, device=dev, dtype=bf), kc, kc, bt,
+                                            torch.tensor([0, 2, 6], device=dev), cl, 4, True, 0.1, False, 0, 0),
+        "paged_block_size_3": lambda: raw.paged(torch.randn(6, 4, 128, device=dev, dtype=bf),
+                                                torch.randn(4, 3, 2, 128, device=dev, dtype=bf),
+                                                torch.randn(4, 3, 2, 128, device=dev, dtype=bf), bt,
+                                                torch.tensor([0, 2, 6], dtype=torch.int32, device=dev),
+                                                cl, 4, True, 0.1, False, 0, 0),
     }
     for name, fn in cases.items():
         print("CASE", name, flush=True)
@@ -221,7 +232,8 @@ def test_cpp_errors_raise_cleanly(ops, tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     want = {"decode_fp32": "TypeError", "decode_d96": "ValueError", "prefill_fast_d96": "RuntimeError",
-            "prefill_wmma_d96": "RuntimeError", "write_kv_int16": "TypeError"}
+            "prefill_wmma_d96": "RuntimeError", "write_kv_int16": "TypeError", "paged_rows": "ValueError",
+            "paged_cu_int64": "TypeError", "paged_block_size_3": "ValueError"}
     for name, exc in want.items():
         assert f"RESULT {name} {exc}" in log, log[-4000:]
     assert "launch_prefill_fast failed" in log and "launch_prefill_wmma failed" in log
@@ -494,6 +506,29 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             ops.write_kv_cache(k, k, kc, vc, slots)
             big = torch.randn(T, Hkv, D + 1, device=dev, dtype=dt)
             ops.write_kv_cache(big[..., 1:], big[..., :-1], kc, vc, slots.int())
+    if "paged" in which:
+        for Hq, Hkv, D, bs, q_lens, ctx in [(4, 2, 128, 16, [0, 1, 4, 70], [5, 1, 67, 150]),
+                                            (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
+                                            (2, 2, 64, 256, [90, 2], [30, 300])]:
+            nblk = [(c + bs - 1) // bs for c in ctx]
+            nb = sum(nblk) + 1
+            kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
+            perm = torch.randperm(nb).tolist()
+            bt = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32)
+            for i, n in enumerate(nblk):
+                bt[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+                perm = perm[n:]
+            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+            q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
+            cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+            for causal in (True, False):
+                ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True)
+        q = torch.randn(3, 4, 128, device=dev, dtype=dt)  # pure decode batch through paged, with lse
+        kc = torch.randn(8, 16, 2, 128, device=dev, dtype=dt)
+        bt = torch.arange(8, dtype=torch.int32, device=dev).view(2, 4)[[0, 1, 0]].contiguous()
+        ops.paged(q, kc, kc, bt, torch.arange(4, dtype=torch.int32, device=dev),
+                  torch.tensor([5, 64, 0], dtype=torch.int32, device=dev), 1, True, 0.1, True)
+        ops.decode(q, kc, kc, bt, torch.tensor([5, 64, 0], dtype=torch.int32, device=dev), 0.1, True, num_splits=3)
     for kind in ("fast", "wmma"):
         if "prefill_" + kind not in which:
             continue
@@ -503,10 +538,12 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             q = torch.randn(1, 4, nq, D, device=dev, dtype=dt)
             k = torch.randn(1, 2, nk, D, device=dev, dtype=dt)
             dense(q, k, k, True, 0.1)
+        dense(q, k, k, True, 0.1, True)
         cu = torch.tensor([0, 5, 5, 40], dtype=torch.int32, device=dev)
         q = torch.randn(40, 4, 128, device=dev, dtype=dt)
         k = torch.randn(40, 2, 128, device=dev, dtype=dt)
         var(q, k, k, cu, cu, 35, 35, True, 0.1)
+        var(q, k, k, cu, cu, 35, 35, True, 0.1, True)
     torch.cuda.synchronize()
     print("sanitize script done")
     """
@@ -517,7 +554,7 @@ _SANITIZE_SCRIPT = textwrap.dedent(
 def test_compute_sanitizer(ops, tmp_path, tool):
     # one process per tool (torch start-up under the sanitizer is the slow part);
     # decode and write_kv run first so a prefill failure cannot hide theirs.
-    kernels = "decode,write_kv,prefill_fast,prefill_wmma"
+    kernels = "decode,write_kv,paged,prefill_fast,prefill_wmma"
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
@@ -537,3 +574,286 @@ def test_compute_sanitizer(ops, tmp_path, tool):
     # "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
     clean = "ERROR SUMMARY: 0 errors" in log or "0 hazards displayed (0 errors, 0 warnings)" in log
     assert clean and proc.returncode == 0, log[-4000:]
+
+
+# --------------------------------------------------------------------------- paged attention / lse
+#
+# The oracle below is written here, independently of minipaged.reference: it
+# gathers each sequence's K/V through its block table and runs plain softmax
+# attention in float64 (the truth) or, for the error bound, in the input dtype
+# the way a FlashAttention kernel rounds (16-bit Q K^T with fp32 accumulation,
+# 16-bit P into P V).
+
+
+def _seq_kv(kc, vc, bt_row, ctx):
+    bs = kc.shape[1]
+    pos = torch.arange(ctx, device=kc.device)
+    blk = bt_row[pos // bs].long()
+    return kc[blk, pos % bs], vc[blk, pos % bs]  # [ctx, Hkv, D]
+
+
+def _paged_oracle(q, kc, vc, bt, cu, ctx_lens, causal, scale, low_precision=False, chunk=512):
+    """o [Tq, Hq, D] (float32 of the chosen math) and lse [Tq, Hq] (float64 math, natural log)."""
+    Tq, Hq, D = q.shape
+    Hkv = kc.shape[2]
+    o = torch.zeros(Tq, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((Tq, Hq), float("-inf"), dtype=torch.float64, device=q.device)
+    cu_l, ctx_l = cu.tolist(), ctx_lens.tolist()
+    for s in range(len(ctx_l)):
+        q0, q1, ctx = cu_l[s], cu_l[s + 1], ctx_l[s]
+        ql = q1 - q0
+        if ql == 0 or ctx == 0:
+            continue
+        k, v = _seq_kv(kc, vc, bt[s], ctx)
+        k = k.repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        v = v.repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
+        for r0 in range(0, ql, chunk):
+            r1 = min(ql, r0 + chunk)
+            qs = q[q0 + r0 : q0 + r1].transpose(0, 1)  # [Hq, rows, D]
+            if low_precision:
+                sc = (qs @ k.transpose(1, 2)).float() * scale
+            else:
+                sc = (qs.double() @ k.double().transpose(1, 2)) * scale
+            rows = torch.arange(r0, r1, device=q.device)[:, None]
+            cols = torch.arange(ctx, device=q.device)[None, :]
+            vis = cols < ctx - ql + rows + 1 if causal else torch.ones_like(cols, dtype=torch.bool)
+            sc = sc.masked_fill(~vis, float("-inf"))
+            seen = vis.any(dim=1)  # [rows]
+            m = sc.amax(dim=-1, keepdim=True).masked_fill(~seen[None, :, None], 0)
+            p = torch.exp(sc - m)
+            l = p.sum(-1, keepdim=True)
+            if low_precision:
+                out = (p.to(q.dtype) @ v).float() / l.clamp_min(1e-30)
+            else:
+                out = (p @ v.double()) / l.clamp_min(1e-300)
+            out = out.masked_fill(~seen[None, :, None], 0)
+            o[q0 + r0 : q0 + r1] = out.transpose(0, 1).float()
+            row_lse = (m + torch.log(l)).squeeze(-1).double().masked_fill(~seen[None, :], float("-inf"))
+            lse[q0 + r0 : q0 + r1] = row_lse.transpose(0, 1)
+    return o, lse
+
+
+def _paged_case(S_q, S_ctx, Hq, Hkv, D, bs, dtype, seed=0):
+    """Packed q [Tq,Hq,D] and poisoned paged caches (see _paged_problem) for these q_lens/contexts."""
+    _, kc, vc, bt, cl = _paged_problem(len(S_ctx), Hq, Hkv, D, bs, S_ctx, dtype, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q = torch.randn(sum(S_q), Hq, D, generator=g, device="cuda").to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(S_q).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    return q, kc, vc, bt, cu, cl
+
+
+def _check_lse(lse, lse64, what):
+    assert lse.dtype == torch.float32 and lse.shape == lse64.shape, (lse.dtype, lse.shape, lse64.shape)
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: lse must be -inf exactly where a row sees no key"
+    if (~empty).any():
+        err = (lse.double() - lse64)[~empty].abs().max().item()
+        assert err <= 2e-3, f"{what}: lse max err {err:.3e}"
+
+
+def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None):
+    max_q = max_q if max_q is not None else int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    _poison_allocator(q.numel())
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, True)
+    o64, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale)
+    o_lp, _ = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale, low_precision=True)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    _bound(o, o_lp, o64, what)
+    _check_lse(lse, lse64, what)
+    empty = torch.isneginf(lse64)
+    assert (o[empty] == 0).all(), f"{what}: rows that see no key must be exact zeros"
+    # without lse: the same output, bit for bit
+    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale), o), f"{what}: o depends on return_lse"
+    return o, lse
+
+
+PAGED_MIX_Q = [0, 1, 4, 97, 1023, 5, 0, 33]
+PAGED_MIX_CTX = [64, 1, 260, 97 + 100, 1023 + 700, 3, 0, 33 + 255]  # q_len 5 > context 3: rows with no key
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(16, 8), (8, 1), (4, 4)], ids=["G2", "G8", "G1"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_paged_matches_oracle(ops, dtype, heads, D, block_size, causal):
+    if D == 64 and heads != (16, 8) and block_size not in (1, 256):
+        pytest.skip("D=64 sweeps every head layout only at page sizes 1 and 256 (keeps the suite short)")
+    q, kc, vc, bt, cu, cl = _paged_case(PAGED_MIX_Q, PAGED_MIX_CTX, *heads, D, block_size, dtype, seed=D + block_size)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                 f"paged {dtype} {heads} D{D} bs{block_size} causal={causal}")
+
+
+@pytest.mark.parametrize("q_len", [5, 70])
+def test_paged_every_tile_residue(ops, q_len):
+    # every (context_len - q_len) mod 128 (the largest key tile), 2 pages of 64 per tile boundary
+    ctx = [q_len + r + (r % 3) * 128 for r in range(128)]
+    q, kc, vc, bt, cu, cl = _paged_case([q_len] * 128, ctx, 4, 2, 128, 16, torch.bfloat16, seed=q_len)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"residues q_len={q_len}")
+
+
+@pytest.mark.parametrize("S_q,S_ctx", [([4096], [32768]), ([2048, 1, 7], [30000, 30000, 17000]),
+                                       ([1000, 3000, 0, 64], [1000, 9000, 100, 20000])],
+                         ids=["4k-over-32k", "2k-over-30k-mixed", "mixed"])
+def test_paged_long(ops, S_q, S_ctx):
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=len(S_q))
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"long {S_q} over {S_ctx}")
+
+
+def test_paged_scale_and_max_seqlen_over_actual(ops):
+    # negative scale (max/min swap in the kernel) and a max_seqlen_q above every q_len
+    q, kc, vc, bt, cu, cl = _paged_case([17, 300, 2], [600, 300, 2], 8, 2, 128, 32, torch.float16, seed=3)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, -0.2, "negative scale", max_q=512)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (8, 8)], ids=["G2", "G8", "G1"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_pure_decode_equals_decode(ops, dtype, heads, block_size):
+    lens = [0, 1, 17, 1023, 5000]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], 128, block_size, lens, dtype, seed=7)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    for causal in (True, False):
+        o, lse = ops.paged(q, kc, vc, bt, cu, cl, 1, causal, 0.0883, True)
+        od, lsed = ops.decode(q, kc, vc, bt, cl, 0.0883, True)
+        assert torch.equal(o, od) and torch.equal(lse, lsed)
+    # q_len-1 rows through the prefill kernels (max_seqlen_q 2 forces them there) agree closely
+    o2, lse2 = ops.paged(q, kc, vc, bt, cu, cl, 2, True, 0.0883, True)
+    o64, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, True, 0.0883)
+    o_lp, _ = _paged_oracle(q, kc, vc, bt, cu, cl, True, 0.0883, low_precision=True)
+    _bound(o2, o_lp, o64, "q_len 1 through the prefill kernel")
+    _check_lse(lse2, lse64, "q_len 1 through the prefill kernel")
+
+
+def test_paged_equals_varlen_on_written_cache(ops):
+    # K/V written by write_kv_cache; paged over the cache vs prefill_varlen on the contiguous K/V
+    torch.manual_seed(5)
+    Hq, Hkv, D, bs = 16, 8, 128, 16
+    q_lens, ctx = [300, 1, 77], [1300, 40, 77]
+    k = torch.randn(sum(ctx), Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    nblk = [(c + bs - 1) // bs for c in ctx]
+    kc = torch.full((sum(nblk) + 2, bs, Hkv, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    vc = torch.full_like(kc, float("nan"))
+    perm = torch.randperm(kc.shape[0]).tolist()
+    bt = torch.full((3, max(nblk) + 1), -1, dtype=torch.int32)
+    slots = []
+    for s, n in enumerate(nblk):
+        bt[s, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+        pos = torch.arange(ctx[s])
+        slots.append(bt[s, pos // bs].long() * bs + pos % bs)
+    bt = bt.cuda()
+    ops.write_kv_cache(k, v, kc, vc, torch.cat(slots).cuda())
+    cu_k = torch.tensor([0] + list(torch.tensor(ctx).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), Hq, D, device="cuda", dtype=torch.bfloat16)
+    cl = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    for causal in (True, False):
+        o, lse = ops.paged(q, kc, vc, bt, cu_q, cl, max(q_lens), causal, 0.0883, True)
+        ov, lsev = ops.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(ctx), causal, 0.0883, True)
+        assert (o.float() - ov.float()).abs().max().item() < 1e-2
+        assert (lse - lsev).abs().max().item() < 1e-4
+
+
+def test_paged_bitwise_deterministic(ops):
+    q, kc, vc, bt, cu, cl = _paged_case(PAGED_MIX_Q, PAGED_MIX_CTX, 16, 8, 128, 16, torch.bfloat16, seed=2)
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 1023, True, 0.0883))
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 1023, True, 0.0883, True)[1])
+
+
+def test_paged_empty_inputs(ops):
+    q, kc, vc, bt, cu, cl = _paged_case([0, 0], [5, 0], 4, 2, 128, 16, torch.bfloat16)
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, 0, True, 0.1, True)
+    assert o.shape == (0, 4, 128) and lse.shape == (0, 4)
+    q, kc, vc, bt, cu, cl = _paged_case([3], [0], 4, 2, 128, 16, torch.bfloat16)
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, 3, True, 0.1, True)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def test_paged_torch_compile_and_cuda_graph(ops):
+    q, kc, vc, bt, cu, cl = _paged_case([5, 1, 40], [300, 1, 2000], 16, 8, 128, 16, torch.bfloat16, seed=4)
+    eager_o, eager_lse = ops.paged(q, kc, vc, bt, cu, cl, 40, True, 0.0883, True)
+    torch._dynamo.reset()
+
+    def f(q, kc, vc, bt, cu, cl):
+        o, lse = ops.paged(q, kc, vc, bt, cu, cl, 40, True, 0.0883, True)
+        return o * 2, lse + 1
+
+    co, clse = torch.compile(f, fullgraph=True)(q, kc, vc, bt, cu, cl)
+    assert torch.equal(co, eager_o * 2) and torch.equal(clse, eager_lse + 1)
+    static_q = q.clone()
+    ops.paged(static_q, kc, vc, bt, cu, cl, 40, True, 0.0883)  # warm-up (kernel attributes)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o = ops.paged(static_q, kc, vc, bt, cu, cl, 40, True, 0.0883)
+    static_q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_o, ops.paged(static_q, kc, vc, bt, cu, cl, 40, True, 0.0883))
+
+
+@pytest.mark.parametrize("kind", PREFILL_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nq,nk", [(97, 200), (200, 97), (1023, 1023), (1, 1)])
+def test_prefill_return_lse(ops, kind, dtype, nq, nk):
+    torch.manual_seed(nq)
+    B, Hq, Hkv, D = 2, 16, 8, 128
+    q = torch.randn(B, Hq, nq, D, device="cuda").to(dtype)
+    k = torch.randn(B, Hkv, nk, D, device="cuda").to(dtype)
+    v = torch.randn(B, Hkv, nk, D, device="cuda").to(dtype)
+    for causal in (True, False):
+        o, lse = _prefill_fn(ops, kind)(q, k, v, causal, 0.0883, True)
+        assert torch.equal(o, _prefill_fn(ops, kind)(q, k, v, causal, 0.0883))
+        # the same problem as one paged-oracle call per batch entry (dense = varlen with equal lengths)
+        for b in range(B):
+            kc = k[b].transpose(0, 1).unsqueeze(1).contiguous()  # [nk, 1, Hkv, D]: page size 1
+            bt = torch.arange(nk, dtype=torch.int32, device="cuda")[None]
+            cu = torch.tensor([0, nq], dtype=torch.int32, device="cuda")
+            cl = torch.tensor([nk], dtype=torch.int32, device="cuda")
+            vc = v[b].transpose(0, 1).unsqueeze(1).contiguous()
+            _, lse64 = _paged_oracle(q[b].transpose(0, 1), kc, vc, bt, cu, cl, causal, 0.0883)
+            _check_lse(lse[b].transpose(0, 1), lse64, f"prefill {kind} lse {dtype} {nq}x{nk} causal={causal}")
+
+
+@pytest.mark.parametrize("kind", PREFILL_KINDS)
+def test_prefill_varlen_return_lse(ops, kind):
+    torch.manual_seed(1)
+    seq_q, seq_k = [17, 0, 1, 300, 64, 5], [17, 0, 40, 300, 1000, 3]
+    Hq, Hkv, D = 16, 8, 64
+    cu_q = torch.tensor([0] + list(torch.tensor(seq_q).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(seq_k).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(seq_q), Hq, D, device="cuda").to(torch.float16)
+    k = torch.randn(sum(seq_k), Hkv, D, device="cuda").to(torch.float16)
+    v = torch.randn_like(k)
+    # K/V as a page-size-1 cache: token t of the packed K/V is block t
+    kc, vc = k.unsqueeze(1), v.unsqueeze(1)
+    bt = torch.zeros(len(seq_k), max(seq_k), dtype=torch.int32, device="cuda")
+    for s, n in enumerate(seq_k):
+        bt[s, :n] = torch.arange(int(cu_k[s]), int(cu_k[s]) + n, dtype=torch.int32)
+    cl = torch.tensor(seq_k, dtype=torch.int32, device="cuda")
+    fn = _prefill_fn(ops, kind, varlen=True)
+    for causal in (True, False):
+        o, lse = fn(q, k, v, cu_q, cu_k, max(seq_q), max(seq_k), causal, 0.125, True)
+        assert torch.equal(o, fn(q, k, v, cu_q, cu_k, max(seq_q), max(seq_k), causal, 0.125))
+        _, lse64 = _paged_oracle(q, kc, vc, bt, cu_q, cl, causal, 0.125)
+        _check_lse(lse, lse64, f"varlen {kind} lse causal={causal}")
+
+
+@pytest.mark.parametrize("variant", [0, MMA, SCALAR], ids=["default", "mma", "scalar"])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4)], ids=["G2", "G8"])
+def test_decode_return_lse(ops, variant, num_splits, heads):
+    lens = [0, 1, 17, 1023, 9000]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], 128, 16, lens, torch.bfloat16, seed=variant)
+    o, lse = ops.decode(q, kc, vc, bt, cl, 0.0883, True, num_splits=num_splits, variant=variant)
+    assert torch.equal(o, ops.decode(q, kc, vc, bt, cl, 0.0883, num_splits=num_splits, variant=variant))
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    _, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, False, 0.0883)
+    _check_lse(lse, lse64, f"decode lse variant={variant} splits={num_splits}")
+
+
+def test_return_lse_must_be_bool(ops):
+    q, kc, vc, bt, cl = _paged_problem(2, 4, 2, 128, 16, [5, 9], torch.bfloat16)
+    with pytest.raises(TypeError, match="return_lse"):
+        ops.decode(q, kc, vc, bt, cl, 0.1, 3)  # an old positional num_splits
