@@ -1,0 +1,69 @@
+"""Quick timing of the cuda paged attention (ops.paged) against the cuda varlen
+prefill on the same K/V made contiguous (what paged saves: no gather copy, but
+it pays the page-table indirection). bf16, Hq=16, Hkv=8, D=128, page 16.
+
+    PYTHONPATH=src python scripts/paged_bench.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minipaged.cuda import ops
+
+Hq, Hkv, D, BS = 16, 8, 128, 16
+SCALE = D ** -0.5
+
+
+def timed(fn, reps=30):
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()  # cold L2, as the project's benches
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def case(q_lens, cached, label):
+    ctx = [c + n for c, n in zip(cached, q_lens)]
+    nblk = [(c + BS - 1) // BS for c in ctx]
+    kc = torch.randn(sum(nblk), BS, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(sum(nblk), device="cuda").int()
+    bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32, device="cuda")
+    o = 0
+    for s, n in enumerate(nblk):
+        bt[s, :n] = perm[o : o + n]
+        o += n
+    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cl = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.cat([kc[bt[s, :n].long()].reshape(-1, Hkv, D)[: ctx[s]] for s, n in enumerate(nblk)])
+    v = torch.cat([vc[bt[s, :n].long()].reshape(-1, Hkv, D)[: ctx[s]] for s, n in enumerate(nblk)])
+    mq, mk = max(q_lens), max(ctx)
+    t_paged = timed(lambda: ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE))
+    t_varlen = timed(lambda: ops.prefill_varlen(q, k, v, cu_q, cu_k, mq, mk, True, SCALE))
+    t_lse = timed(lambda: ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE, True))
+    flops = sum(4 * Hq * D * sum(min(c, c - n + i + 1) for i in range(n)) for n, c in zip(q_lens, ctx))
+    diff = (ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE).float()
+            - ops.prefill_varlen(q, k, v, cu_q, cu_k, mq, mk, True, SCALE).float()).abs().max().item()
+    print(f"{label:34s} paged {t_paged:9.1f} us ({flops / t_paged / 1e6:6.1f} TFLOP/s)  "
+          f"+lse {t_lse:9.1f} us  varlen(contiguous) {t_varlen:9.1f} us ({flops / t_varlen / 1e6:6.1f} TFLOP/s)"
+          f"  max|diff| {diff:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__)
+    case([512] * 8, [4096] * 8, "8 x 512 new over 4k cached")
+    case([2048], [30 * 1024], "1 x 2k new over 30k cached")
+    case([4] * 32, [4096] * 32, "32 x 4 (speculative) over 4k")
+    case([1] * 32 + [512] * 2, [4096] * 34, "32 decode + 2 x 512 chunks over 4k")
