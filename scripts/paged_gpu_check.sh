@@ -18,17 +18,17 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 wait
 tail -2 "$out/selftest_build.log" "$out/ext_build.log"
 if has sanitize && [ -x /tmp/paged_selftest ]; then
-  timeout 90 compute-sanitizer --tool memcheck /tmp/paged_selftest small > "$out/sanitize.log" 2>&1
+  timeout 60 compute-sanitizer --tool memcheck /tmp/paged_selftest small > "$out/sanitize.log" 2>&1
   echo "rc=$?" >> "$out/sanitize.log"; tail -3 "$out/sanitize.log"
 fi
 if has selftest && [ -x /tmp/paged_selftest ]; then
-  OMP_NUM_THREADS=16 timeout 120 /tmp/paged_selftest check > "$out/selftest.log" 2>&1
+  OMP_NUM_THREADS=16 timeout 80 /tmp/paged_selftest check > "$out/selftest.log" 2>&1
   echo "rc=$?" >> "$out/selftest.log"; grep -c PASS "$out/selftest.log"; grep FAIL "$out/selftest.log" | head -20; tail -2 "$out/selftest.log"
 fi
 if has pytest; then
-  timeout 200 python -m pytest -m gpu -q tests/test_cuda.py -x -k "$kexpr" > "$out/pytest.log" 2>&1
+  timeout ${PYTEST_TIMEOUT:-200} python -m pytest -m gpu -q tests/test_cuda.py -x -k "$kexpr" > "$out/pytest.log" 2>&1
   echo "rc=$?" >> "$out/pytest.log"; tail -15 "$out/pytest.log"
 fi
 if has bench; then
-  timeout 60 python scripts/paged_bench.py > "$out/bench.log" 2>&1; echo "rc=$?" >> "$out/bench.log"; cat "$out/bench.log"
+  timeout 45 python scripts/paged_bench.py > "$out/bench.log" 2>&1; echo "rc=$?" >> "$out/bench.log"; cat "$out/bench.log"
 fi
