@@ -197,18 +197,23 @@ def test_decode_inputs_uniform_case_uses_a_random_permutation():
 # ----------------------------------------------------------------------------- anchors
 
 
-def test_sdpa_flash_prefill_anchor_is_the_same_attention():
+def test_cpu_sdpa_prefill_anchor_is_the_same_attention():
     torch.manual_seed(0)
     case = cs.PrefillCase(1, 37, 37, 4, 2, 64)
     q, k, v = cs.make_prefill_inputs(case, torch.float32, "cpu")
     scale = 1 / math.sqrt(64)
-    prep = anc.prepare_sdpa_prefill("sdpa-flash", q, k, v, causal=True, scale=scale)
+    prep = anc.prepare_sdpa_prefill(anc.CPU_SDPA, q, k, v, causal=True, scale=scale)
     with prep.context():
         out = prep.fn()
     ref = reference.prefill(q, k, v, True, scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(anc.AnchorSkipped):
-        anc.prepare_sdpa_prefill("sdpa-cudnn", q, k, v, causal=True, scale=scale)
+    assert "CPU" in prep.note  # the row says which kernel ran
+    # the CUDA kernels' names are not given to CPU rows: FlashAttention does not run on CPU
+    for name in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"):
+        with pytest.raises(anc.AnchorSkipped, match="CUDA only"):
+            anc.prepare_sdpa_prefill(name, q, k, v, causal=True, scale=scale)
+    assert anc.anchors_for("prefill", torch.device("cpu")) == (anc.CPU_SDPA,)
+    assert anc.anchors_for("decode", torch.device("cpu")) == (anc.CPU_SDPA,)  # no copy anchor on CPU
 
 
 def test_sdpa_decode_anchor_matches_the_paged_oracle():
@@ -218,7 +223,7 @@ def test_sdpa_decode_anchor_matches_the_paged_oracle():
     k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
     assert k4.shape == (3, 2, 50, 64)
     scale = 0.125
-    prep = anc.prepare_sdpa_decode("sdpa-flash", q, k4, v4, scale=scale)
+    prep = anc.prepare_sdpa_decode(anc.CPU_SDPA, q, k4, v4, scale=scale)
     with prep.context():
         out = prep.fn().reshape(3, 8, 64)
     torch.testing.assert_close(out, reference.decode(q, kc, vc, bt, cl, scale), atol=1e-5, rtol=1e-5)
@@ -348,7 +353,11 @@ def test_quick_mode_runs_and_prints_tables(quick_run):
     text = proc.stdout
     assert "Cross-check against the torch oracle" in text
     assert "== Prefill" in text and "== Decode" in text
-    assert "device copy bandwidth" in text
+    # CPU: no copy-bandwidth figure, no "% copy BW" column (the cases fit in the CPU caches)
+    assert "device copy bandwidth" not in text and "% copy BW" not in text
+    assert "sdpa-flash" not in text and "sdpa-cpu*" in text
+    assert "exact causal FLOPs" in text and "unmasked" not in text
+    assert "compared with the torch oracle: triton (prefill, decode)" in text or "triton" not in text
     assert seconds < 240  # the brief asks < 2 minutes; leave slack for a loaded CI box
 
 
@@ -375,10 +384,11 @@ def test_quick_mode_json_schema(quick_run):
             assert r["tbps"] > 0 and r["bytes"] == flops.decode_bytes(
                 r["shape"]["num_q_heads"], r["shape"]["num_kv_heads"], r["shape"]["head_dim"],
                 r["shape"]["context_lens"], 4)
-    # the SDPA flash anchor exists on CPU and gives every row a ratio
-    assert any(r["backend"] == "sdpa-flash" and r["status"] == "ok" for r in rows)
+    # the CPU SDPA anchor gives every row a ratio; no %-of-copy on CPU
+    assert any(r["backend"] == anc.CPU_SDPA and r["status"] == "ok" for r in rows)
     assert all(r["vs_best_anchor"] is not None for r in ok if r["op"] in ("prefill", "decode"))
-    assert data["copy_bandwidth_tbps"] > 0
+    assert data["copy_bandwidth_tbps"] is None and all(r["pct_copy_bw"] is None for r in rows)
+    assert not any(r["backend"] == anc.COPY_ANCHOR for r in rows)
     # Triton rows ran in the interpreter, unless triton is not installed at all
     if data["backends"]["triton"]["available"] or data["env"]["triton"]:
         tri = [r for r in rows if r["backend"] == "triton"]
@@ -386,7 +396,7 @@ def test_quick_mode_json_schema(quick_run):
         assert data["env"]["triton_interpret"] is True
     xc = data["crosscheck"]
     assert xc and all(r["ok"] for r in xc), xc
-    assert any(r["backend"] == "sdpa-flash" and r.get("kind") == "anchor" for r in xc)
+    assert any(r["backend"] == anc.CPU_SDPA and r.get("kind") == "anchor" for r in xc)
     md = (out / "results.md").read_text()
     assert data["env"]["git_commit"] in md and "| case | backend |" in md
 

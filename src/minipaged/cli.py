@@ -1,10 +1,58 @@
-"""`minipaged info | check | bench | generate`."""
+"""`minipaged info | check | bench | generate`.
+
+Every command checks its arguments (and the MINIPAGED_*BACKEND variables)
+before doing any work; bad input prints one `error: ...` line on stderr and
+exits 2. Errors raised later, while the work runs, are not caught here: they
+are bugs or failures worth a traceback, not usage errors.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+# What argument checks raise for bad user input (registry.BackendUnavailableError
+# is added in _user_errors(): importing the registry here would be cheap, but keep
+# `minipaged --help` independent of the package's import).
+_USER_ERROR_TYPES = (ValueError, TypeError, OSError)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .registry import BackendUnavailableError
+
+    return (*_USER_ERROR_TYPES, BackendUnavailableError)
+
+
+def print_error(e: BaseException | str) -> int:
+    """Print `error: <message>` as one line on stderr; returns the usage-error exit code 2."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    print(f"error: {text}", file=sys.stderr)
+    return 2
+
+
+def check_backend_env() -> None:
+    """An unknown name in MINIPAGED_BACKEND / MINIPAGED_{PREFILL,DECODE}_BACKEND is a
+    ValueError naming the variable and the valid names (never ignored)."""
+    from . import registry
+
+    for op in registry.OPS:
+        registry.requested_name(op)
+
+
+def run_checked(args: argparse.Namespace) -> int:
+    """Validate (args.validate, if the command has one), then run args.func.
+
+    Only the validation step turns exceptions into `error:` lines; the run itself
+    reports its own expected failures and lets anything else propagate."""
+    validate = getattr(args, "validate", None)
+    try:
+        check_backend_env()
+        if validate is not None:
+            validate(args)
+    except _user_errors() as e:
+        return print_error(e)
+    return int(args.func(args) or 0)
 
 
 def _info(args) -> int:
@@ -44,13 +92,30 @@ def _info(args) -> int:
         try:
             b = registry.resolve(op, device, None)
             print(f"{op:<8}: {b.name} on {device} (from {source}={chosen})" if source != "auto" else f"{op:<8}: auto picks {b.name} on {device}")
-        except Exception as e:  # noqa: BLE001 - report, don't crash, in a status command
+        except registry.BackendUnavailableError as e:
+            # a status command reports what the environment asks for and why it cannot run
             print(f"{op:<8}: {type(e).__name__}: {e}")
     return 0
 
 
+_CHECK_OPS = ("prefill", "decode")
+
+
+def _check_setup(args):
+    import torch
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype
+
+
 def _check(args) -> int:
-    """Cross-check every available backend against the fp32 torch oracle; exit 1 on a mismatch."""
+    """Cross-check every backend that can run here against the fp32 torch oracle.
+
+    Prints which backends were compared and which were skipped (with the reason).
+    Exit 0: at least one backend besides torch was compared and all agree;
+    1: a mismatch or an error, or nothing besides the oracle could run (then
+    nothing was verified, so the check did not pass)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -59,21 +124,27 @@ def _check(args) -> int:
         enable_triton_interpreter()
     from .benchmark import report, runner
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    backends = [b for b, (ok, _) in _available(device.type).items() if ok]
-    rows, failures = runner.crosscheck(backends, device, dtype, device.type == "cpu", print)
+    device, dtype = _check_setup(args)
+    compared, skipped = runner.crosscheck_plan(list(_available_all()), device, dtype, _CHECK_OPS)
+    runnable = sorted({b for b, _ in compared}, key=list(_available_all()).index)
+    rows, _failures = runner.crosscheck(runnable, device, dtype, device.type == "cpu", print, _CHECK_OPS)
     print(report.crosscheck_table(rows, dtype))
+    print(report.crosscheck_plan_text(compared, skipped))
     bad = [r for r in rows if not r.get("ok")]
     for r in bad:
         print(f"FAIL {r['backend']} {r['op']} {r['case']}: {r.get('error') or r.get('max_abs_err')}")
-    return 1 if bad else 0
+    if bad:
+        return 1
+    if not any(b != "torch" for b, _ in compared):
+        print("exit 1: no backend besides the torch oracle could be verified here")
+        return 1
+    return 0
 
 
-def _available(device: str):
+def _available_all():
     from . import registry
 
-    return registry.available_backends(device)
+    return registry.all_backends()
 
 
 def _version() -> str:
@@ -82,7 +153,7 @@ def _version() -> str:
     return __version__
 
 
-# subcommand -> module providing add_arguments(parser) and run(args) -> int
+# subcommand -> module providing add_arguments(parser), validate(args) and run(args) -> int
 _DELEGATES = {
     "bench": ("minipaged.benchmark.cli", "cross-check every backend, then benchmark prefill/decode against PyTorch's attention"),
     "generate": ("minipaged.engine.cli", "generate text with the paged Qwen3 engine"),
@@ -90,12 +161,15 @@ _DELEGATES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__)
+    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="backends, device, versions, and what auto picks")
     p.set_defaults(func=_info)
-    p = sub.add_parser("check", help="cross-check every available backend against the torch oracle")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p = sub.add_parser("check", help="cross-check every available backend against the torch oracle",
+                       description=_check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="input dtype (default: bfloat16 on a GPU, float32 on CPU)")
     p.set_defaults(func=_check)
     for name, (module, help_text) in _DELEGATES.items():
         p = sub.add_parser(name, help=help_text)
@@ -105,18 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=lambda args, e=e, name=name: _missing(name, e))
             continue
         mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        p.set_defaults(func=mod.run, validate=getattr(mod, "validate", None))
     return parser
 
 
 def _missing(name: str, err: Exception) -> int:
-    print(f"minipaged {name} is unavailable: {err}", file=sys.stderr)
-    return 2
+    return print_error(f"minipaged {name} is unavailable: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_checked(args)
 
 
 if __name__ == "__main__":

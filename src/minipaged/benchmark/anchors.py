@@ -21,12 +21,31 @@ import torch.nn.functional as F
 PREFILL_ANCHORS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 DECODE_ANCHORS = ("sdpa-flash", "sdpa-cudnn")
 COPY_ANCHOR = "copy"
+# On CPU, SDPBackend.FLASH_ATTENTION runs aten::_scaled_dot_product_flash_attention_for_cpu,
+# torch's own tiled CPU kernel, not FlashAttention: the row is named for what runs.
+CPU_SDPA = "sdpa-cpu"
+CPU_ANCHORS = (CPU_SDPA,)
 
 _SDPA_BACKEND_NAMES = {
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-efficient": "EFFICIENT_ATTENTION",
+    CPU_SDPA: "FLASH_ATTENTION",
 }
+
+
+def anchors_for(op: str, device: torch.device) -> tuple[str, ...]:
+    """The anchors that exist for `op` ("prefill" / "decode") on `device`.
+
+    The copy-bandwidth anchor is GPU-only: the quick CPU decode cases fit in the
+    CPU caches, so a percentage of a DRAM copy would exceed 100% and mean nothing."""
+    if device.type != "cuda":
+        return CPU_ANCHORS
+    return (PREFILL_ANCHORS if op == "prefill" else DECODE_ANCHORS) + ((COPY_ANCHOR,) if op == "decode" else ())
+
+
+def all_anchor_names() -> list[str]:
+    return sorted(set(PREFILL_ANCHORS) | set(DECODE_ANCHORS) | {COPY_ANCHOR, CPU_SDPA})
 
 
 class AnchorSkipped(Exception):
@@ -52,11 +71,13 @@ def _sdpa_context(name: str) -> Callable[[], ContextManager]:
 
 
 def sdpa_available(name: str, device: torch.device) -> tuple[bool, str]:
-    """Flash has a CPU kernel in torch; cuDNN and memory-efficient are CUDA-only."""
+    """sdpa-cpu is torch's CPU kernel; flash, cuDNN and memory-efficient are CUDA kernels."""
     if name not in _SDPA_BACKEND_NAMES:
         return False, f"unknown SDPA anchor {name}"
-    if device.type != "cuda" and name != "sdpa-flash":
-        return False, "CUDA only"
+    if device.type == "cuda" and name == CPU_SDPA:
+        return False, f"{CPU_SDPA} is the CPU kernel; on CUDA use sdpa-flash, sdpa-cudnn or sdpa-efficient"
+    if device.type != "cuda" and name != CPU_SDPA:
+        return False, f"CUDA only (on CPU the SDPA anchor is {CPU_SDPA})"
     return True, ""
 
 
@@ -84,13 +105,14 @@ def prepare_sdpa_prefill(name: str, q, k, v, *, causal: bool, scale: float) -> P
     def gqa_call():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
 
+    kernel = "torch's CPU flash kernel, " if name == CPU_SDPA else ""
     if group == 1:
         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # noqa: E731
         _quiet_call(ctx, fn)
-        return Prepared(fn, ctx, "MHA")
+        return Prepared(fn, ctx, kernel + "MHA")
     try:
         _quiet_call(ctx, gqa_call)
-        return Prepared(gqa_call, ctx, "enable_gqa=True")
+        return Prepared(gqa_call, ctx, kernel + "enable_gqa=True")
     except (RuntimeError, TypeError) as gqa_error:
         k_rep = k.repeat_interleave(group, dim=1)
         v_rep = v.repeat_interleave(group, dim=1)
@@ -99,7 +121,7 @@ def prepare_sdpa_prefill(name: str, q, k, v, *, causal: bool, scale: float) -> P
             _quiet_call(ctx, fn)
         except RuntimeError as e:
             raise RuntimeError(f"{e} (enable_gqa also failed: {gqa_error})") from e
-        return Prepared(fn, ctx, "K/V heads repeated before timing (no enable_gqa)")
+        return Prepared(fn, ctx, kernel + "K/V heads repeated before timing (no enable_gqa)")
 
 
 def prepare_sdpa_decode(name: str, q, k, v, *, scale: float) -> Prepared:
@@ -114,7 +136,8 @@ def prepare_sdpa_decode(name: str, q, k, v, *, scale: float) -> Prepared:
     ctx = _sdpa_context(name)
     fn = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale)  # noqa: E731
     _quiet_call(ctx, fn)
-    return Prepared(fn, ctx, "contiguous KV, group folded into query rows")
+    kernel = "torch's CPU flash kernel, " if name == CPU_SDPA else ""
+    return Prepared(fn, ctx, kernel + "contiguous KV, group folded into query rows")
 
 
 _compiled_flex = None
@@ -169,7 +192,7 @@ def prepare_flex_prefill(q, k, v, *, causal: bool, scale: float) -> Prepared:
 
 
 def copy_buffer_bytes(device: torch.device) -> int:
-    """1 GiB on a GPU (far past L2), 64 MiB on CPU (quick mode)."""
+    """1 GiB on a GPU (far past L2); 64 MiB elsewhere (the runner times copy on CUDA only)."""
     return (1 << 30) if device.type == "cuda" else (64 << 20)
 
 

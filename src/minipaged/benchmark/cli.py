@@ -1,5 +1,6 @@
-"""`minipaged bench` arguments and entry point (the lead's minipaged/cli.py calls
-add_arguments(parser) and run(args)); also `python -m minipaged.benchmark.cli`."""
+"""`minipaged bench` arguments and entry point (minipaged/cli.py calls
+add_arguments(parser), then validate(args) and run(args)); also
+`python -m minipaged.benchmark.cli`."""
 
 from __future__ import annotations
 
@@ -12,20 +13,22 @@ def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> N
         parser.add_argument("--op", choices=["prefill", "decode", "all"], default="all",
                             help="which op to benchmark (default: all)")
     parser.add_argument("--backends", default=None,
-                        help="comma-separated backends to time (default: every available one: "
-                             "torch, triton, cuda, cuda-wmma)")
+                        help="comma-separated backends to time (default: every available one of "
+                             "torch, triton, cuda, cuda-wmma); a named backend that cannot run here is an error")
     parser.add_argument("--anchors", default=None,
-                        help="comma-separated anchors (sdpa-flash, sdpa-cudnn, sdpa-efficient, flex, "
-                             "copy) or 'none' (default: all that exist here)")
+                        help="comma-separated anchors or 'none' (default: all that exist here). On a GPU: "
+                             "sdpa-flash, sdpa-cudnn, sdpa-efficient, flex (prefill), copy (decode); on CPU: "
+                             "sdpa-cpu (torch's CPU kernel). A named anchor that cannot run here is an error")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="input dtype (default: bfloat16 on a GPU, float32 in the CPU quick mode)")
     parser.add_argument("--out", default=None,
-                        help="results folder (default: bench/results/<device-slug>[-quick])")
+                        help="results folder (default: ./minipaged-bench-results/<device>[-quick], "
+                             "printed at the end)")
     parser.add_argument("--quick", action="store_true",
-                        help="small shapes; on a machine without a GPU: torch and Triton-interpreter "
-                             "rows (the default there anyway)")
+                        help="small shapes; on a machine without a GPU the quick grid (torch and "
+                             "Triton-interpreter rows) is chosen anyway, and the run says so")
     parser.add_argument("--reps", type=int, default=None,
-                        help="most timed calls per row (default 100 on GPU, 5 on CPU); fewer when "
+                        help="most timed calls per row, >= 1 (default 100 on GPU, 5 on CPU); fewer when "
                              "--max-time runs out first")
     parser.add_argument("--max-time", type=float, default=None, dest="max_time",
                         help="seconds of timed calls per row (default 0.3 GPU / 0.5 CPU; <= 0: exactly --reps)")
@@ -48,18 +51,10 @@ def _names(value):
     return [v.strip().lower() for v in value.split(",") if v.strip()]
 
 
-def run(args: argparse.Namespace, *, op: str | None = None) -> int:
-    # Decide about the Triton interpreter before anything can import triton kernels:
-    # without a GPU it is the only way the triton rows can run.
-    import torch
+def _config(args: argparse.Namespace, op: str | None):
+    from .runner import BenchConfig
 
-    if not torch.cuda.is_available():
-        from .runner import enable_triton_interpreter
-
-        enable_triton_interpreter()
-    from .runner import BenchConfig, results_exit_code, run_bench
-
-    cfg = BenchConfig(
+    return BenchConfig(
         op=op or getattr(args, "op", "all"),
         backends=_names(args.backends),
         anchors=_names(args.anchors),
@@ -74,19 +69,37 @@ def run(args: argparse.Namespace, *, op: str | None = None) -> int:
         progress=not args.no_progress,
         seed=args.seed,
     )
-    try:
-        result = run_bench(cfg)
-    except ValueError as e:
-        print(f"minipaged bench: {e}", file=sys.stderr)
-        return 2
+
+
+def validate(args: argparse.Namespace, *, op: str | None = None) -> None:
+    """Check every flag before anything is timed (raises ValueError, TypeError,
+    BackendUnavailableError or OSError; the CLI prints it as one `error:` line, exit 2).
+    Decides about the Triton interpreter first: without a GPU it is the only way the
+    triton rows can run, and it must be set before anything imports triton kernels."""
+    from .runner import check_config
+
+    cfg = _config(args, op)
+    args.bench_config, args.bench_plan = cfg, check_config(cfg)
+
+
+def run(args: argparse.Namespace, *, op: str | None = None) -> int:
+    """Run after validate(args) (minipaged.cli.run_checked calls both)."""
+    from .runner import results_exit_code, run_bench
+
+    if getattr(args, "bench_plan", None) is None:
+        validate(args, op=op)
+    result = run_bench(args.bench_config, args.bench_plan)
     return results_exit_code(result) if args.strict else 0
 
 
 def main(argv=None, *, op: str | None = None, prog: str = "minipaged bench") -> int:
+    from ..cli import run_checked
+
     parser = argparse.ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
                                      "backends against PyTorch's SDPA/FlexAttention and copy bandwidth.")
     add_arguments(parser, with_op=op is None)
-    return run(parser.parse_args(argv), op=op)
+    parser.set_defaults(func=lambda a: run(a, op=op), validate=lambda a: validate(a, op=op))
+    return run_checked(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """FLOP and byte counts for the benchmarked ops, written once and used everywhere.
 
-Prefill counts the work of the two matmuls only (QK^T and PV, 2 FLOPs per
-multiply-add each), over exactly the (query, key) pairs the mask lets through;
-softmax and scaling are not counted, as in FlashAttention's reports.
+Prefill uses *exact causal FLOPs*, the one definition every table, plot and
+the README use: the two matmuls (QK^T and PV, 2 FLOPs per multiply-add each,
+so 4*D per pair) over exactly the (query, key) pairs the mask keeps; masked
+pairs, softmax and scaling are not counted. A kernel that skips masked tiles
+is credited only for the pairs it had to compute.
 Decode is memory-bound, so its figure of merit is bytes: the K and V rows a
 sequence really has (its context length), plus q read and o written.
 """

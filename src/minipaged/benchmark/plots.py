@@ -20,6 +20,16 @@ def _style(backend: str, kind: str) -> dict:
                 linewidth=2.0 if kind == "backend" else 1.2)
 
 
+def _y_axis(ax, values, label: str) -> None:
+    """Log y when the plotted values span more than a decade (a CPU run's interpreted
+    Triton is ~1000x slower than torch, and would sit on zero on a linear axis)."""
+    pos = [v for v in values if v and v > 0]
+    if pos and max(pos) / min(pos) > 10:
+        ax.set_yscale("log")
+        label += " (log scale)"
+    ax.set_ylabel(label)
+
+
 def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
     """Write prefill.png (TFLOP/s against N, one panel per batch size) and
     decode.png (TB/s against B x L). Returns (paths, note-or-None)."""
@@ -41,9 +51,11 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
         batches = sorted({r["shape"]["batch"] for rs in prefill.values() for r in rs})
         fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
         for ax, batch in zip(axes[0], batches):
+            ys = []
             for backend, rs in prefill.items():
                 pts = sorted((r["shape"]["seqlen_q"], r["tflops"]) for r in rs if r["shape"]["batch"] == batch)
                 if pts:
+                    ys += [p[1] for p in pts]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts],
                             label=backend + (" (anchor)" if rs[0]["kind"] == "anchor" else ""),
                             **_style(backend, rs[0]["kind"]))
@@ -54,7 +66,7 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
             ax.set_xticklabels([f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in ns])
             ax.minorticks_off()
             ax.set_xlabel("sequence length N (Nq = Nk)")
-            ax.set_ylabel("TFLOP/s")
+            _y_axis(ax, ys, "TFLOP/s (exact causal FLOPs)")
             ax.set_title(f"causal prefill, B={batch}")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
@@ -77,19 +89,22 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
         cases.sort()
         xpos = {c[2]: i for i, c in enumerate(cases)}
         fig, ax = plt.subplots(figsize=(8.5, 4.8))
+        ys = []
         for backend, rs in decode.items():
             pts = sorted((xpos[r["case"]], r["tbps"]) for r in rs)
+            ys += [p[1] for p in pts]
             ax.plot([p[0] for p in pts], [p[1] for p in pts],
                     label=backend + (" (anchor)" if rs[0]["kind"] == "anchor" else ""),
                     **_style(backend, rs[0]["kind"]))
         if result.get("copy_bandwidth_tbps"):
+            ys.append(result["copy_bandwidth_tbps"])
             ax.axhline(result["copy_bandwidth_tbps"], color="gray", linestyle=":",
                        label=f"device copy {result['copy_bandwidth_tbps']:.3g} TB/s")
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"B={c[1]}\nL={c[0] // c[1]}\n({c[0] // 1024}k tok)" if c[0] >= 1024
                             else f"B={c[1]}\nL={c[0] // c[1]}" for c in cases], fontsize=8)
         ax.set_xlabel("batch x context length (sorted by B x L)")
-        ax.set_ylabel("TB/s (K+V read + q + o)")
+        _y_axis(ax, ys, "TB/s (K+V read + q + o)")
         ax.set_title("paged decode")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

@@ -6,8 +6,12 @@ import json
 import math
 from pathlib import Path
 
+# One FLOP definition everywhere (flops.py, these titles, the README): exact causal
+# FLOPs, 4*D per (query, key) pair the mask keeps, i.e. QK^T and PV, 2 FLOPs per
+# multiply-add; masked pairs and softmax are not counted.
+FLOP_DEFINITION = "exact causal FLOPs: 4*D per (query, key) pair the mask keeps"
 _OP_TITLE = {
-    "prefill": "Prefill (causal; TFLOP/s of the unmasked matmul work)",
+    "prefill": f"Prefill (causal; TFLOP/s of {FLOP_DEFINITION})",
     "decode": "Decode (paged KV; TB/s of K+V actually read + q + o)",
 }
 
@@ -18,7 +22,7 @@ def _f(x, fmt="{:.3f}", none="-"):
     return fmt.format(x)
 
 
-def _columns(op: str):
+def _columns(op: str, with_copy: bool = True):
     cols = [("case", lambda r: r["case"]),
             ("backend", lambda r: r["backend"] + ("*" if r["kind"] == "anchor" else "")),
             ("median ms", lambda r: _f(r["median_ms"], "{:.4f}")),
@@ -27,9 +31,10 @@ def _columns(op: str):
     if op == "prefill":
         cols.append(("TFLOP/s", lambda r: _f(r["tflops"], "{:.1f}" if (r["tflops"] or 0) >= 1 else "{:.3g}")))
     else:
-        cols += [("TB/s", lambda r: _f(r["tbps"], "{:.3f}" if (r["tbps"] or 0) >= 0.01 else "{:.3g}")),
-                 ("% copy BW", lambda r: _f(r["pct_copy_bw"], "{:.0f}%"))]
-    cols += [("vs best anchor", lambda r: _f(r["vs_best_anchor"], "{:.2f}x")),
+        cols.append(("TB/s", lambda r: _f(r["tbps"], "{:.3f}" if (r["tbps"] or 0) >= 0.01 else "{:.3g}")))
+        if with_copy:  # only where a device copy was measured (GPU): see anchors.anchors_for
+            cols.append(("% copy BW", lambda r: _f(r["pct_copy_bw"], "{:.0f}%")))
+    cols += [("vs best anchor", lambda r: _f(r["vs_best_anchor"], "{:.2f}x" if (r["vs_best_anchor"] or 0) >= 0.01 else "{:.2g}x")),
              ("reps", lambda r: str(r["reps"]) if r["status"] == "ok" else "-"),
              ("note", lambda r: r["note"] if r["status"] == "ok"
               else f"{r['status'].upper()}: {r['error']}")]
@@ -51,14 +56,14 @@ def shapes_line(rows: list[dict], op: str) -> str:
     return "; ".join(seen)
 
 
-def _table_cells(rows, op):
-    cols = _columns(op)
+def _table_cells(rows, op, with_copy=True):
+    cols = _columns(op, with_copy)
     body = [[fn(r) for _, fn in cols] for r in rows if r["op"] == op]
     return [name for name, _ in cols], body
 
 
 def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_note: int = 70) -> str:
-    header, body = _table_cells(rows, op)
+    header, body = _table_cells(rows, op, with_copy=bool(copy_tbps))
     body = [row[:-1] + [row[-1] if len(row[-1]) <= max_note else row[-1][: max_note - 3] + "..."]
             for row in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
@@ -80,8 +85,8 @@ def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_no
     return "\n".join(lines)
 
 
-def markdown_table(rows: list[dict], op: str) -> str:
-    header, body = _table_cells(rows, op)
+def markdown_table(rows: list[dict], op: str, with_copy: bool = True) -> str:
+    header, body = _table_cells(rows, op, with_copy)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for b in body:
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in b) + " |")
@@ -117,10 +122,41 @@ def crosscheck_table(rows: list[dict], dtype=None, markdown: bool = False) -> st
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
     failed = [r for r in rows if not r.get("ok") and r.get("kind") != "anchor"]
     failed_anchors = [r for r in rows if not r.get("ok") and r.get("kind") == "anchor"]
-    lines.append(f"{len(failed)} failing" if failed else "all backends agree with the oracle")
+    lines.append(crosscheck_verdict(rows))
     if failed_anchors:
         lines.append(f"{len(failed_anchors)} anchor check(s) failing (* rows): their timings compare "
                      "against a different computation")
+    return "\n".join(lines)
+
+
+def compared_backends(rows: list[dict]) -> list[str]:
+    """Backends (not the torch oracle, not anchors) that the rows compare with the oracle."""
+    return list(dict.fromkeys(r["backend"] for r in rows
+                              if r.get("kind") != "anchor" and r.get("backend") not in ("torch", "-")))
+
+
+def crosscheck_verdict(rows: list[dict]) -> str:
+    """One line that claims only what the rows show."""
+    failed = [r for r in rows if not r.get("ok") and r.get("kind") != "anchor"]
+    if failed:
+        return f"{len(failed)} failing"
+    names = compared_backends(rows)
+    if not names:
+        return "only torch ran; nothing to compare"
+    return f"{', '.join(names)} agree{'s' if len(names) == 1 else ''} with the oracle on every case"
+
+
+def crosscheck_plan_text(compared, skipped) -> str:
+    """Which backends were compared with the oracle and which were skipped, with the reason
+    (compared [(backend, op)], skipped [(backend, op | None, reason)], see runner.crosscheck_plan)."""
+    by_backend: dict[str, list[str]] = {}
+    for b, op in compared:
+        if b != "torch":
+            by_backend.setdefault(b, []).append(op)
+    lines = ["compared with the torch oracle: "
+             + (", ".join(f"{b} ({', '.join(ops)})" for b, ops in by_backend.items()) or "none")]
+    for b, op, why in skipped:
+        lines.append(f"skipped: {b}{' ' + op if op else ''}: {why}")
     return "\n".join(lines)
 
 
@@ -149,14 +185,19 @@ def markdown_report(result: dict) -> str:
     if not result.get("complete"):
         lines += ["**Partial results: the run did not finish.**", ""]
     if result.get("crosscheck"):
-        lines += ["## Cross-check", "", crosscheck_table(result["crosscheck"], markdown=True), ""]
+        lines += ["## Cross-check", "", crosscheck_table(result["crosscheck"], markdown=True), "",
+                  crosscheck_verdict(result["crosscheck"]) + ".", ""]
+        for s in result.get("crosscheck_skipped", []):
+            lines.append(f"- skipped: {s['backend']}{' ' + s['op'] if s.get('op') else ''}: {s['reason']}")
+        if result.get("crosscheck_skipped"):
+            lines.append("")
     for op in ("prefill", "decode"):
         if any(r["op"] == op for r in result["rows"]):
             lines += [f"## {_OP_TITLE[op]}", "", f"Shapes: {shapes_line(result['rows'], op)}.", ""]
             if op == "decode" and result.get("copy_bandwidth_tbps"):
                 lines += [f"Device copy bandwidth: {result['copy_bandwidth_tbps']:.3f} TB/s "
                           "(bytes read + written).", ""]
-            lines += [markdown_table(result["rows"], op), ""]
+            lines += [markdown_table(result["rows"], op, with_copy=bool(result.get("copy_bandwidth_tbps"))), ""]
     for note in result.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

@@ -80,6 +80,11 @@ def enable_triton_interpreter(log=print) -> bool:
 
 
 def select_backends(cfg: BenchConfig, device: torch.device) -> tuple[list[str], dict]:
+    """The backends to time and {name: {available, reason}} for every backend.
+
+    With cfg.backends None: every backend available here. A backend named in
+    cfg.backends that is unknown is a ValueError, one that cannot run here a
+    BackendUnavailableError: a requested row is never silently dropped."""
     from minipaged import registry
 
     avail = registry.available_backends(device.type)
@@ -91,10 +96,11 @@ def select_backends(cfg: BenchConfig, device: torch.device) -> tuple[list[str], 
         unknown = [b for b in cfg.backends if b not in known]
         if unknown:
             raise ValueError(f"--backends: unknown backend(s) {unknown}; valid names are {known}")
-        chosen = [b for b in cfg.backends if avail[b][0]]
         for b in cfg.backends:
             if not avail[b][0]:
-                cfg.log(f"backend {b}: unavailable on {device.type}: {avail[b][1]}")
+                raise registry.BackendUnavailableError(
+                    f"--backends {b}: unavailable on {device.type}: {avail[b][1]}")
+        chosen = list(dict.fromkeys(cfg.backends))
     return chosen, {b: {"available": ok, "reason": why} for b, (ok, why) in avail.items()}
 
 
@@ -108,18 +114,44 @@ def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device
     from minipaged import registry
 
     b = registry.all_backends()[backend]
-    if not b.provides(op):
+    if op not in b.provides:
         return f"{backend} has no {op}"
     if op == "decode" and backend in _DECODE_SHARED:
         return f"{backend} decode is the {_DECODE_SHARED[backend]} kernel (timed there)"
     if backend == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
         return "the Triton interpreter's bf16 tl.dot is wrong: use --dtype float16/float32"
-    if dtype == torch.float32 and backend.startswith("cuda"):
-        return "float32 is not a CUDA-backend dtype (DESIGN.md)"
+    name = str(dtype).replace("torch.", "")
+    supported, why = b.supported_dtypes(device.type)
+    if name not in supported:
+        return why or f"{backend} does not run {name} (its dtypes: {', '.join(supported)})"
     return None
 
 
 # ----------------------------------------------------------------------------- cross-check
+
+
+def crosscheck_plan(backends, device, dtype, ops=("prefill", "decode")):
+    """Which (backend, op) pairs a cross-check on `device` in `dtype` compares, and
+    which it skips and why: (compared [(backend, op)], skipped [(backend, op | None, reason)]).
+    op None: the whole backend cannot run here. torch (the oracle) is compared
+    whenever it runs, against itself in fp32."""
+    from minipaged import registry
+
+    avail = registry.available_backends(device.type)
+    compared, skipped = [], []
+    for name in backends:
+        ok, why = avail.get(name, (False, "unknown backend"))
+        if not ok:
+            skipped.append((name, None, why))
+            continue
+        for op in ops:
+            reason = None if name == "torch" else _skip_reason(name, op, dtype, device)
+            if reason:
+                skipped.append((name, op, reason))
+            else:
+                compared.append((name, op))
+    return compared, skipped
+
 
 # an extension that failed to build or load; a Triton CompilationError is *not*
 # one of these (it concerns one kernel, the backend's other ops may be fine)
@@ -133,6 +165,10 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+# backends built from one extension: a build failure of one is a failure of all
+_BUILD_GROUP = {"cuda": "minipaged.cuda", "cuda-wmma": "minipaged.cuda"}
+
+
 def _failure_keys(name: str, op: str, e: BaseException) -> list[tuple[str, str]]:
     """(backend, op) pairs not worth running after `name` raised `e` on `op`.
 
@@ -144,10 +180,9 @@ def _failure_keys(name: str, op: str, e: BaseException) -> list[tuple[str, str]]
     text = f"{type(e).__name__} {e}".lower()
     if not any(w in text for w in _BUILD_WORDS):
         return [(name, op)]
-    backends = registry.all_backends()
-    module = backends[name].ops[op].split(":")[0]
-    return [(b.name, o) for b in backends.values() for o, target in b.ops.items()
-            if target.split(":")[0] == module]
+    group = _BUILD_GROUP.get(name, name)
+    return [(b.name, o) for b in registry.all_backends().values() if _BUILD_GROUP.get(b.name, b.name) == group
+            for o in registry.OPS if o in b.provides]
 
 
 def _max_abs_err(out, ref) -> float:
@@ -236,8 +271,8 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
 def _crosscheck_anchors(anchor_names, case, q, k, v, ref, tol) -> list[dict]:
     rows = []
     for name in anchor_names:
-        if name not in anc.PREFILL_ANCHORS or name == "flex":  # flex: one compile per shape is enough
-            continue
+        if not name.startswith("sdpa"):
+            continue  # flex: one compile per shape is enough; copy computes no attention
         row = dict(op="prefill", case=case.label, shape=case.shape(), backend=name, kind="anchor",
                    tol=tol, max_abs_err=None, ok=False, error=None, note="")
         try:
@@ -271,7 +306,7 @@ def _base_row(op, case, backend, kind) -> dict:
 class _Runner:
     def __init__(self, cfg: BenchConfig, device, dtype, quick):
         self.cfg, self.device, self.dtype, self.quick = cfg, device, dtype, quick
-        self.reps = cfg.reps or (5 if quick and device.type == "cpu" else 100)
+        self.reps = cfg.reps if cfg.reps is not None else (5 if quick and device.type == "cpu" else 100)
         if cfg.max_time_s is not None:
             self.max_time_s = cfg.max_time_s
         else:
@@ -366,7 +401,7 @@ def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit
     torch.manual_seed(r.cfg.seed)
     q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device)
     scale = 1.0 / math.sqrt(case.head_dim)
-    yield from _backend_rows(r, "prefill", case, backends, failures, emit, (q, k, v, case.causal, scale),
+    yield from _backend_rows(r, "prefill", case, backends, failures, emit, (q, k, v, case.causal, scale, False),
                              lambda name: dict(work_flops=case.flops))
     for name in anchor_names:
         emit(f"{case.label} {name}")
@@ -397,7 +432,7 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
     # Decode runs inside CUDA graphs in a serving engine, and one call is a few
     # microseconds of GPU work: time graph replays, or Python's launch path is
     # what gets measured. The torch oracle syncs the host (.item()): eager.
-    yield from _backend_rows(r, "decode", case, backends, failures, emit, (q, kc, vc, bt, cl, scale),
+    yield from _backend_rows(r, "decode", case, backends, failures, emit, (q, kc, vc, bt, cl, scale, False),
                              lambda name: dict(work_flops=case.flops, work_bytes=nbytes,
                                                cuda_graph=name != "torch"))
     if anchor_names:
@@ -434,44 +469,135 @@ def finalize_rows(rows: list[dict], copy_tbps: float | None) -> None:
 
 
 def _anchor_names(cfg: BenchConfig, op: str, device) -> list[str]:
-    names = anc.PREFILL_ANCHORS if op == "prefill" else anc.DECODE_ANCHORS
+    """Anchors timed for `op`: every one that exists on `device`, or those of
+    cfg.anchors (check_config has already refused names that do not exist here)."""
+    names = [a for a in anc.anchors_for(op, device) if a != anc.COPY_ANCHOR]
     if cfg.anchors is not None:
         names = [a for a in names if a in cfg.anchors]
-    # the compiled-FlexAttention anchor is CUDA only (compiling it on 2 CPU cores takes minutes)
-    return [a for a in names if not (a == "flex" and device.type != "cuda")]
+    return names
+
+
+def _wants_copy(cfg: BenchConfig, ops, device) -> bool:
+    return ("decode" in ops and anc.COPY_ANCHOR in anc.anchors_for("decode", device)
+            and (cfg.anchors is None or anc.COPY_ANCHOR in cfg.anchors))
+
+
+DEFAULT_OUT_ROOT = "minipaged-bench-results"
 
 
 def default_out_dir(device, quick: bool) -> Path:
+    """./minipaged-bench-results/<device>[-quick] under the current folder (ignored by
+    this repository's .gitignore); results meant to be committed are written with --out."""
     slug = timing.device_slug(device)
-    return Path("bench") / "results" / (slug + ("-quick" if quick else ""))
+    return Path(DEFAULT_OUT_ROOT) / (slug + ("-quick" if quick else ""))
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Run the whole benchmark; returns the result dict also written to results.json."""
-    log = cfg.log
+def _anchor_unavailable(name: str, device) -> str:
+    if name == anc.COPY_ANCHOR:
+        return ("the copy-bandwidth anchor is measured on a GPU only (the quick CPU cases fit in "
+                "the CPU caches, so a percentage of a DRAM copy would mean nothing)")
+    if name == "flex":
+        return anc.flex_available(device)[1] or "not timed here"
+    return anc.sdpa_available(name, device)[1] or "not timed here"
+
+
+@dataclass
+class Plan:
+    """What a checked BenchConfig resolves to (check_config)."""
+
+    device: torch.device
+    quick: bool
+    dtype: torch.dtype
+    ops: list[str]
+    backends: list[str]
+    backend_info: dict
+    out_dir: Path
+
+
+def _check_number(flag, value, *, minimum=None, integer=False):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise TypeError(f"{flag} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{flag} must be finite, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value!r}")
+
+
+def check_config(cfg: BenchConfig, *, log=None) -> Plan:
+    """Every check on a BenchConfig, before any case runs: ValueError / TypeError for a
+    bad value, BackendUnavailableError for a named backend that cannot run here,
+    OSError for an output folder that cannot be written. Switches the Triton
+    interpreter on when there is no GPU (it decides whether triton is available)."""
+    from minipaged import registry
+
+    log = log or cfg.log
     if cfg.op not in ("prefill", "decode", "all"):
         raise ValueError(f"op must be prefill, decode or all, got {cfg.op!r}")
+    _check_number("--reps", cfg.reps, minimum=1, integer=True)
+    _check_number("--max-time", cfg.max_time_s)
+    _check_number("--time-budget", cfg.time_budget_s, minimum=0)
+    _check_number("--seed", cfg.seed, minimum=0, integer=True)
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     device, quick = pick_device(cfg.quick, log)
-    interp_ok = True
-    if device.type == "cpu":
-        interp_ok = enable_triton_interpreter(log)
+    interp_ok = enable_triton_interpreter(log) if device.type == "cpu" else True
     if cfg.dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
         dtype = DTYPES[cfg.dtype]
+    ops = ["prefill", "decode"] if cfg.op == "all" else [cfg.op]
+
     if cfg.anchors is not None:
-        known_anchors = set(anc.PREFILL_ANCHORS) | set(anc.DECODE_ANCHORS) | {anc.COPY_ANCHOR}
-        unknown = sorted(set(cfg.anchors) - known_anchors)
+        known = anc.all_anchor_names()
+        here = sorted({a for o in ops for a in anc.anchors_for(o, device)})
+        unknown = sorted(set(cfg.anchors) - set(known))
         if unknown:
-            raise ValueError(f"--anchors: unknown anchor(s) {unknown}; valid names are {sorted(known_anchors)}")
+            raise ValueError(f"--anchors: unknown anchor(s) {unknown}; valid names are {known} "
+                             f"(on {device.type} with --op {cfg.op}: {here})")
+        for name in cfg.anchors:
+            if name not in here:
+                where = [o for o in ("prefill", "decode") if name in anc.anchors_for(o, device)]
+                why = (f"it is a {where[0]} anchor and --op is {cfg.op}" if where
+                       else _anchor_unavailable(name, device))
+                raise ValueError(f"--anchors {name}: not timed on {device.type}: {why}")
+            if name == "flex" and not anc.flex_available(device)[0]:
+                raise ValueError(f"--anchors flex: {anc.flex_available(device)[1]}")
+
     backends, backend_info = select_backends(cfg, device)
     if device.type == "cpu" and not interp_ok:
+        if cfg.backends is not None and "triton" in cfg.backends:
+            raise registry.BackendUnavailableError(
+                "--backends triton: minipaged.triton was imported before TRITON_INTERPRET=1 could be "
+                "set; run `TRITON_INTERPRET=1 minipaged bench ...`")
         backends = [b for b in backends if b != "triton"]
-    ops = ["prefill", "decode"] if cfg.op == "all" else [cfg.op]
+    if cfg.backends is not None:
+        for name in backends:
+            reasons = [_skip_reason(name, op, dtype, device) for op in ops]
+            if all(reasons):
+                raise ValueError(f"--backends {name}: nothing to time with --op {cfg.op} in "
+                                 f"{str(dtype).replace('torch.', '')} on {device.type}: {'; '.join(dict.fromkeys(reasons))}")
+
     out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".minipaged-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"--out {str(out_dir)!r}: cannot write results there: "
+                      f"{e.strerror or type(e).__name__}") from None
+    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir)
+
+
+def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
+    """Run the whole benchmark; returns the result dict also written to results.json.
+    `plan` is check_config(cfg) when the caller already ran it."""
+    log = cfg.log
+    if plan is None:
+        plan = check_config(cfg)
+    device, quick, dtype = plan.device, plan.quick, plan.dtype
 
     # On CPU (a functional check, not a speed figure) one intra-op thread: on a
     # loaded 2-core box, 2 spinning threads turn a 2 ms call into 10-70 ms noise.
@@ -479,7 +605,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        return _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log)
+        return _run(cfg, device, quick, dtype, plan.ops, plan.backends, plan.backend_info, plan.out_dir, log)
     finally:
         torch.set_num_threads(saved_threads)
 
@@ -520,7 +646,12 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
                 rows = [dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None)]
                 result["notes"].append(msg)
             result["crosscheck"] = rows
+            compared, skipped = crosscheck_plan(list(backend_info), device, dtype, ops)
+            compared = [c for c in compared if c[0] in backends]
+            skipped = [x for x in skipped if x[0] in backends or x[1] is None]
+            result["crosscheck_skipped"] = [dict(backend=b, op=o, reason=why) for b, o, why in skipped]
             log(report.crosscheck_table(rows, dtype))
+            log(report.crosscheck_plan_text(compared, skipped))
             log(f"(cross-check took {time.perf_counter() - t0:.1f} s, including any JIT builds)")
             _free(device)
             save()
@@ -533,7 +664,11 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
         emit = lambda s: bar.set_postfix_str(s, refresh=sys.stderr.isatty())  # noqa: E731
         t_bench = r.t0 = time.perf_counter()
         try:
-            if "decode" in ops and (cfg.anchors is None or anc.COPY_ANCHOR in cfg.anchors):
+            if "decode" in ops and device.type != "cuda":
+                result["notes"].append(
+                    "no copy-bandwidth anchor on CPU: the quick decode cases fit in the CPU caches, "
+                    "so their TB/s is not comparable with a DRAM copy")
+            if _wants_copy(cfg, ops, device):
                 emit("copy bandwidth")
                 row = _base_row("copy", None, anc.COPY_ANCHOR, "anchor")
                 copy_bytes = anc.copy_buffer_bytes(device)

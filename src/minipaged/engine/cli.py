@@ -8,6 +8,7 @@ prompts (a throughput check). With a checkpoint folder holding a tokenizer,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -46,28 +47,117 @@ def _load_tokenizer(model_dir: str | None):
         return None
 
 
-def run(args: argparse.Namespace) -> int:
+def _positive(flag: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every flag is checked here, before the tokenizer, the weights or the KV
+    cache exist. Raises ValueError / BackendUnavailableError naming the flag,
+    the value and the rule (the CLI prints it as one `error:` line, exit 2)."""
+    import math
+
     import torch
 
+    from .. import registry
+
+    _positive("--batch", args.batch)
+    _positive("--prompt-len", args.prompt_len)
+    _positive("--max-new-tokens", args.max_new_tokens, minimum=0)
+    _positive("--num-blocks", args.num_blocks, allow_none=True)
+    # 0 is not "use the default": only leaving the flag out is
+    _positive("--max-num-seqs", args.max_num_seqs, allow_none=True)
+    bs = args.block_size
+    if not 1 <= bs <= 256 or bs & (bs - 1):
+        raise ValueError(f"--block-size must be a power of two from 1 to 256, got {bs}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.top_p) or not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
+    if args.prompt is not None and args.model is None:
+        raise ValueError("--prompt needs --model DIR: the random-weight model has no tokenizer "
+                         "(leave --prompt out to time random token prompts)")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model!r}: no such folder (a local Qwen3 checkpoint "
+                                "folder with config.json and *.safetensors)")
+
+    device = _device(args.device)
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" \
+        else getattr(torch, args.dtype)
+    dtype_name = str(dtype).replace("torch.", "")
+    # the ops the engine runs, resolved as it will: --backend, else the MINIPAGED_* variables, else auto
+    if args.backend is not None and args.backend.strip().lower() not in registry.backend_names():
+        raise ValueError(f"--backend {args.backend!r}: unknown backend; valid names are "
+                         f"{', '.join(registry.backend_names())}")
+    for op in _ENGINE_OPS:
+        if op not in registry.OPS:
+            continue
+        _chosen, source = registry.requested_name(op, args.backend)
+        flag = "--backend" if source == "backend=" else source
+        try:
+            b = registry.resolve(op, device.type, args.backend)
+        except registry.BackendUnavailableError as e:
+            if source != "backend=":
+                raise
+            raise registry.BackendUnavailableError(
+                f"--backend {args.backend}: {e}".replace(" (from backend=)", "")) from None
+        if dtype_name not in b.dtypes:
+            raise ValueError(f"{flag}={b.name}: backend {b.name!r} does not run {dtype_name} "
+                             f"(its dtypes: {', '.join(b.dtypes)}); pick --dtype from those")
+        if b.name == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
+            raise ValueError(f"{flag}=triton with --dtype bfloat16 on CPU: the Triton interpreter's "
+                             "bf16 tl.dot gives wrong results; use --dtype float16 or float32")
+
+
+# the registry ops Engine calls (paged is used once the engine has chunked prefill)
+_ENGINE_OPS = ("prefill_varlen", "decode", "paged", "write_kv_cache")
+
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None \
+                else "torch sees no CUDA device"
+            raise ValueError(f"--device {name}: {why} (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run after validate(args) (minipaged.cli.run_checked calls both)."""
+    import torch
+
+    from .. import registry
     from .engine import Engine
 
-    if args.batch < 1 or args.prompt_len < 1 or args.max_new_tokens < 0:
-        print("error: --batch and --prompt-len must be >= 1, --max-new-tokens >= 0", file=sys.stderr)
-        return 2
     tokenizer = _load_tokenizer(args.model)
     if args.prompt is not None and tokenizer is None:
-        print("error: --prompt needs a tokenizer in --model DIR (tokenizer.json / tokenizer_config.json)",
-              file=sys.stderr)
-        return 2
+        return _error("--prompt needs a tokenizer in --model DIR (tokenizer.json / tokenizer_config.json)")
 
     try:
         eng = Engine(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                      block_size=args.block_size, num_blocks=args.num_blocks,
-                     max_num_seqs=args.max_num_seqs or args.batch, seed=args.seed,
-                     cuda_graph=False if args.no_cuda_graph else None)
-    except (OSError, ValueError, KeyError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+                     max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else args.batch,
+                     seed=args.seed, cuda_graph=False if args.no_cuda_graph else None)
+    except (OSError, ValueError, KeyError, NotImplementedError, registry.BackendUnavailableError) as e:
+        # the flags passed validate(); what is left is the checkpoint folder's content
+        return _error(e)
     print(eng, file=sys.stderr)
 
     if args.prompt is not None:
@@ -92,9 +182,8 @@ def run(args: argparse.Namespace) -> int:
         outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, progress=True, stop_token_ids=stop,
                             ignore_eos=args.ignore_eos)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # e.g. a tokenizer producing ids outside the model's vocabulary
+        return _error(e)
 
     st = eng.stats
     if tokenizer is not None and args.prompt is not None:
@@ -112,10 +201,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _error(e) -> int:
+    from ..cli import print_error
+
+    return print_error(e)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import run_checked
+
     p = argparse.ArgumentParser(prog="minipaged generate", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    p.set_defaults(func=run, validate=validate)
+    return run_checked(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""The command line as a user meets it: bad flags and bad MINIPAGED_* variables
+give one `error: ...` line on stderr and exit 2 before any work (no traceback,
+no silent fallback to a default), and `check` never claims agreement it did
+not measure. Issue #11."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minipaged import cli
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_ONLY = not torch.cuda.is_available()
+
+
+def _assert_usage_error(rc, err, *words):
+    error_lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert rc == 2, (rc, err)
+    assert len(error_lines) == 1, err
+    assert "Traceback" not in err, err
+    for w in words:
+        assert w in error_lines[0], (w, error_lines[0])
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make building the engine or timing a case fail the test: validation must come first."""
+    from minipaged.benchmark import runner
+    from minipaged.engine import engine
+
+    class NotBuilt:
+        def __init__(self, *a, **k):
+            raise AssertionError("the Engine was built before the arguments were checked")
+
+    def not_run(*a, **k):
+        raise AssertionError("the benchmark ran before the arguments were checked")
+
+    monkeypatch.setattr(engine, "Engine", NotBuilt)
+    monkeypatch.setattr(runner, "_run", not_run)
+    # `bench` and `check` switch the Triton interpreter on in os.environ on CPU: undo it afterwards
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    for var in ("MINIPAGED_BACKEND", "MINIPAGED_PREFILL_BACKEND", "MINIPAGED_DECODE_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _main(argv, capsys):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--block-size", "0"], ["--block-size", "0"]),
+    (["--block-size", "3"], ["--block-size", "power of two"]),
+    (["--block-size", "512"], ["--block-size", "512"]),
+    (["--max-num-seqs", "0"], ["--max-num-seqs", "0"]),  # was: silently the default
+    (["--num-blocks", "0"], ["--num-blocks"]),
+    (["--batch", "0"], ["--batch"]),
+    (["--temperature", "-1"], ["--temperature", "-1"]),
+    (["--temperature", "nan"], ["--temperature", "nan"]),
+    (["--temperature", "inf"], ["--temperature"]),
+    (["--top-p", "2"], ["--top-p", "2"]),
+    (["--top-p", "0"], ["--top-p"]),
+    (["--top-p", "nan"], ["--top-p"]),
+    (["--device", "foo"], ["--device", "foo"]),
+    (["--device", "cuda:99"], ["--device"]),
+    (["--backend", "nope"], ["--backend", "nope", "valid names"]),
+    (["--prompt", "hi"], ["--prompt", "--model"]),
+    (["--chat"], ["--chat", "--prompt"]),
+    (["--model", "/nonexistent/qwen3"], ["--model", "/nonexistent/qwen3"]),
+])
+def test_generate_rejects_bad_flags_before_building_the_model(argv, words, capsys, no_work):
+    rc, _, err = _main(["generate", *argv], capsys)
+    _assert_usage_error(rc, err, *words)
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="needs a machine without a usable GPU")
+def test_generate_cuda_device_on_a_cpu_machine(capsys, no_work):
+    rc, _, err = _main(["generate", "--device", "cuda"], capsys)
+    _assert_usage_error(rc, err, "--device", "cuda")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: the interpreter's bf16 is what is refused")
+def test_generate_triton_bf16_on_cpu_is_refused(capsys, no_work, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, _, err = _main(["generate", "--backend", "triton", "--dtype", "bfloat16"], capsys)
+    _assert_usage_error(rc, err, "bfloat16", "interpreter")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: triton needs the interpreter there")
+def test_generate_triton_without_the_interpreter(capsys, no_work, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, _, err = _main(["generate", "--backend", "triton"], capsys)
+    _assert_usage_error(rc, err, "triton", "TRITON_INTERPRET=1")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: cuda is unavailable there")
+def test_generate_env_backend_that_cannot_run(capsys, no_work, monkeypatch):
+    monkeypatch.setenv("MINIPAGED_BACKEND", "cuda")
+    rc, _, err = _main(["generate"], capsys)
+    _assert_usage_error(rc, err, "MINIPAGED_BACKEND", "cuda")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--reps", "0"], ["--reps", "0"]),    # was: 0 became the default of 5
+    (["--reps", "-1"], ["--reps", "-1"]),  # was: an ERROR row per case and exit 0
+    (["--max-time", "nan"], ["--max-time"]),
+    (["--time-budget", "-1"], ["--time-budget"]),
+    (["--backends", "nope"], ["--backends", "nope"]),
+    (["--anchors", "nope"], ["--anchors", "nope"]),
+    (["--op", "decode", "--anchors", "sdpa-efficient"], ["--anchors", "sdpa-efficient"]),
+])
+def test_bench_rejects_bad_flags_before_timing(argv, words, capsys, no_work, tmp_path):
+    rc, _, err = _main(["bench", "--out", str(tmp_path), *argv], capsys)
+    _assert_usage_error(rc, err, *words)
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: these backends / anchors do not exist there")
+@pytest.mark.parametrize("argv, words", [
+    (["--backends", "cuda"], ["--backends", "cuda", "unavailable"]),  # was: timed only anchors, exit 0
+    (["--backends", "torch,cuda-wmma"], ["cuda-wmma"]),
+    (["--backends", "triton", "--dtype", "bfloat16"], ["triton", "bf16"]),
+    (["--anchors", "copy"], ["copy", "GPU only"]),
+    (["--anchors", "sdpa-flash"], ["sdpa-flash", "sdpa-cpu"]),
+])
+def test_bench_rejects_what_cannot_run_on_cpu(argv, words, capsys, no_work, tmp_path):
+    rc, _, err = _main(["bench", "--out", str(tmp_path), *argv], capsys)
+    _assert_usage_error(rc, err, *words)
+
+
+def test_bench_default_output_is_outside_the_tracked_tree():
+    from minipaged.benchmark import runner
+
+    out = runner.default_out_dir(torch.device("cpu"), True)
+    assert out.parts[0] == runner.DEFAULT_OUT_ROOT and "bench" not in out.parts[:1]
+    ignored = (REPO / ".gitignore").read_text().splitlines()
+    assert f"/{runner.DEFAULT_OUT_ROOT}/" in ignored or f"{runner.DEFAULT_OUT_ROOT}/" in ignored
+
+
+def test_bench_reps_reach_the_timer(tmp_path, monkeypatch):
+    """--reps 1 is honoured as 1, not replaced by the default (the old `reps or 5`)."""
+    from minipaged.benchmark import runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    cfg = runner.BenchConfig(op="prefill", backends=["torch"], anchors=[], quick=True, out=str(tmp_path),
+                             reps=1, max_time_s=0, crosscheck=False, plots=False, progress=False,
+                             log=lambda s: None)
+    result = runner.run_bench(cfg)
+    assert [r["reps"] for r in result["rows"]] == [1] * len(result["rows"])
+
+
+def test_info_with_an_unknown_env_backend(capsys, no_work, monkeypatch):
+    monkeypatch.setenv("MINIPAGED_BACKEND", "bogus")
+    rc, out, err = _main(["info"], capsys)
+    _assert_usage_error(rc, err, "MINIPAGED_BACKEND", "bogus", "valid names")
+    assert out == ""  # the error comes before the table, not after it
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: triton runs interpreted, and bf16 is refused there")
+def test_check_bf16_on_cpu_says_what_it_skipped(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, out, _ = _main(["check", "--dtype", "bfloat16"], capsys)
+    assert rc == 1, out  # nothing but the oracle ran: not a pass
+    assert "agree" not in out
+    assert "only torch ran; nothing to compare" in out
+    skipped = [line for line in out.splitlines() if line.startswith("skipped: triton")]
+    assert skipped and all("bf16" in line and "interpreter" in line.lower() for line in skipped), out
+    assert "compared with the torch oracle: none" in out
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: the default check compares the interpreted Triton")
+def test_check_names_the_backends_it_compared(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, out, _ = _main(["check"], capsys)
+    assert rc == 0, out
+    assert "compared with the torch oracle: triton (prefill, decode)" in out
+    assert "triton agrees with the oracle on every case" in out
+    assert "skipped: cuda: " in out and "all backends agree" not in out
+
+
+# The same contract through a fresh interpreter, as a user's shell runs it: the
+# console script's exit status and stderr, with nothing set up by conftest.
+@pytest.mark.parametrize("argv, env, words", [
+    (["info"], {"MINIPAGED_BACKEND": "bogus"}, ["MINIPAGED_BACKEND"]),
+    (["generate", "--backend", "triton"], {}, ["triton"]),
+    (["generate"], {"MINIPAGED_BACKEND": "cuda"}, ["cuda"]),
+    (["bench", "--out", "/proc/nope"], {}, ["--out", "/proc/nope"]),
+    (["generate", "--block-size", "0"], {}, ["--block-size"]),
+])
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU-only machine expected (cuda/triton unavailable)")
+def test_cli_subprocess_usage_errors(argv, env, words, tmp_path):
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("TRITON_INTERPRET", "MINIPAGED_BACKEND", "MINIPAGED_PREFILL_BACKEND",
+                             "MINIPAGED_DECODE_BACKEND")}
+    full_env.update(env, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO / "src") + os.pathsep
+                    + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "minipaged.cli", *argv], capture_output=True, text=True,
+                          env=full_env, timeout=120, cwd=str(tmp_path))
+    _assert_usage_error(proc.returncode, proc.stderr, *words)
+    assert not list(tmp_path.iterdir())  # nothing written into the caller's folder
