@@ -1,4 +1,9 @@
-"""The torch backend (the oracle) against an independent fp64 implementation."""
+"""The torch backend (the library's oracle) against the independent fp64 oracle of tests/oracle.py.
+
+The torch backend is what other backends are often compared with, so it is
+itself judged only by code that shares nothing with minipaged.reference: the
+fp64 truth and the low-precision baseline both come from tests/oracle.py.
+"""
 
 import math
 
@@ -7,9 +12,8 @@ import torch
 from hypothesis import given
 
 import minipaged as mp
+import oracle
 from strategies import (
-    assert_close,
-    attention_fp64,
     decode_cases,
     decode_to_dense,
     make_decode_inputs,
@@ -21,6 +25,19 @@ from strategies import (
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def attention_fp64(q, k, v, causal, scale=None, lowp_dtype=None):
+    """fp64 truth, or (lowp_dtype set) plain low-precision attention: both from tests/oracle.py."""
+    if lowp_dtype is None:
+        return oracle.attention_fp64(q, k, v, causal, scale)
+    assert lowp_dtype == q.dtype
+    return oracle.attention_lowp(q, k, v, causal, scale)
+
+
+def assert_close(out, ref, base, dtype, what=""):
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype}"
+    oracle.check(out, ref, base, what)
 
 
 def _check_prefill(case, dtype, seed=0):
