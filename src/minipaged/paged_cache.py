@@ -1,9 +1,18 @@
-"""Paged KV cache: per-layer K/V pools, a free-list block allocator, block tables.
+"""Paged KV cache: per-layer K/V pools, a refcounting block allocator with
+prefix caching, block tables.
 
 Layout per layer: k_caches[l], v_caches[l] of shape [num_blocks, block_size, Hkv, D].
 A sequence owns a list of blocks; token position p of a sequence lives in
 block `table[p // block_size]` at offset `p % block_size`, i.e. at slot
 `table[p // block_size] * block_size + p % block_size`.
+
+Prefix caching: once a block is full and its K/V are written, `commit()` names
+it by a hash of its token ids chained with the previous block's hash. A new
+sequence allocated with `token_ids` reuses (shares, refcounted) the cached
+blocks of its longest cached prefix and only needs new blocks for the rest.
+A named block is never written again. When its last reference goes it stays
+cached ("evictable") and is reused by a later hit, or evicted, least recently
+released first, when a new block is needed and no empty block is left.
 
 Every mutation checks first and then commits, so a CacheFullError leaves the
 cache exactly as it was: no half-allocated sequence, no other sequence touched.
@@ -11,10 +20,22 @@ cache exactly as it was: no half-allocated sequence, no other sequence touched.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Hashable, Iterable
+import hashlib
+from collections import OrderedDict, deque
+from typing import Hashable, Iterable, Sequence
 
+import numpy as np
 import torch
+
+try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
+    import xxhash
+
+    def _block_hash(prev: int, tokens: Sequence[int]) -> int:
+        return xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype=np.int64).tobytes(), seed=prev)
+except ImportError:  # pragma: no cover - xxhash is a dependency; kept for stripped environments
+    def _block_hash(prev: int, tokens: Sequence[int]) -> int:
+        h = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8, key=prev.to_bytes(8, "little"))
+        return int.from_bytes(h.digest(), "little")
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -42,12 +63,12 @@ class CacheFullError(RuntimeError):
 
 
 class PagedKVCache:
-    """Block allocator plus K/V tensors for `num_layers` layers.
+    """Block allocator (refcounted, with prefix caching) plus K/V tensors for `num_layers` layers.
 
     Args:
         num_layers: number of attention layers (one K and one V pool each).
         num_kv_heads: Hkv.
-        head_dim: D.
+        head_dim: D (64, 128 or 256).
         num_blocks: pages per pool.
         block_size: tokens per page, a power of two in 1..256.
         dtype, device: of the pools.
@@ -85,22 +106,37 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = device
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # One allocation per K and V; layers are contiguous views into it.
         self._k = torch.empty(shape, dtype=dtype, device=self.device)
         self._v = torch.empty(shape, dtype=dtype, device=self.device)
         self.k_caches = list(self._k.unbind(0))
         self.v_caches = list(self._v.unbind(0))
+        # Block states: referenced (ref > 0); empty (in _free); cached but unreferenced (in _evictable,
+        # least recently released first). A block is in exactly one of them.
+        self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
         self._tables: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        self._chain: dict[Hashable, list[int]] = {}  # hashes of the sequence's leading full, committed blocks
+        self._hit_tokens: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation can take: empty ones plus cached ones no sequence references."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a named (hashed) full block, referenced or not."""
+        return len(self._by_hash)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._tables
@@ -115,59 +151,130 @@ class PagedKVCache:
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._tables[self._known(seq_id)])
 
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def is_cached(self, block: int) -> bool:
+        """The block holds a named full block (its K/V must never be written again)."""
+        return self._hash_of[block] is not None
+
+    def prefix_hit_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of `seq_id` whose K/V came from cached blocks at allocation (a multiple of block_size)."""
+        return self._hit_tokens[self._known(seq_id)]
+
     def blocks_needed(self, seq_id: Hashable | None, num_new_tokens: int) -> int:
         """Extra blocks that adding `num_new_tokens` to `seq_id` (None: a new sequence) takes."""
         cur = 0 if seq_id is None else self._lens[self._known(seq_id)]
         have = 0 if seq_id is None else len(self._tables[seq_id])
         return max(0, -(-(cur + num_new_tokens) // self.block_size) - have)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(None, num_tokens) <= self.num_free_blocks
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+        hits = self._match(token_ids) if token_ids is not None else []
+        return self._fresh_needed(num_tokens, hits) <= self._available(hits)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
 
+    def match_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens of the longest cached prefix of `token_ids` that an allocation would reuse
+        (whole blocks, never the last token: it must be computed to have logits)."""
+        return len(self._match(token_ids)) * self.block_size
+
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, seq_id: Hashable, num_tokens: int, *, return_slots: bool = True) -> torch.Tensor | None:
-        """Start sequence `seq_id` with room for `num_tokens`; returns their int64 slots [num_tokens]
-        (None with return_slots=False: a hot loop that computes slots itself skips the tensor)."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, *, token_ids: Sequence[int] | None = None,
+                 return_slots: bool = True) -> torch.Tensor | None:
+        """Start sequence `seq_id` with room for `num_tokens`.
+
+        With `token_ids` (the sequence's tokens), the cached blocks of its longest cached
+        prefix are shared instead of allocated; `prefix_hit_tokens(seq_id)` says how many
+        tokens they hold. Returns the int64 slots [num_tokens - hit] of the positions that
+        still need their K/V written (None with return_slots=False)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         self._count("num_tokens", num_tokens)
-        need = self.blocks_needed(None, num_tokens)
-        self._reserve(need, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
-        self._tables[seq_id] = [self._free.popleft() for _ in range(need)]
+        hits = self._match(token_ids) if token_ids is not None else []
+        hits = hits[: num_tokens // self.block_size]
+        need = self._fresh_needed(num_tokens, hits)
+        if need > self._available(hits):
+            self._full(need, self._available(hits), f"allocate {num_tokens} tokens for sequence {seq_id!r}")
+        for b in hits:
+            self._acquire(b)
+        self._tables[seq_id] = [*hits, *(self._take() for _ in range(need))]
         self._lens[seq_id] = num_tokens
-        return self.slot_mapping(seq_id, 0, num_tokens) if return_slots else None
+        self._chain[seq_id] = [self._hash_of[b] for b in hits]
+        hit = len(hits) * self.block_size
+        self._hit_tokens[seq_id] = hit
+        return self.slot_mapping(seq_id, hit, num_tokens) if return_slots else None
 
     def append(self, seq_id: Hashable, num_tokens: int = 1, *, return_slots: bool = True) -> torch.Tensor | None:
         """Grow `seq_id` by `num_tokens`; returns the new tokens' int64 slots (None with return_slots=False)."""
         self._known(seq_id)
         self._count("num_tokens", num_tokens)
         need = self.blocks_needed(seq_id, num_tokens)
-        self._reserve(need, f"append {num_tokens} tokens to sequence {seq_id!r}")
-        self._tables[seq_id].extend(self._free.popleft() for _ in range(need))
+        if need > self.num_free_blocks:
+            self._full(need, self.num_free_blocks, f"append {num_tokens} tokens to sequence {seq_id!r}")
+        self._tables[seq_id].extend(self._take() for _ in range(need))
         start = self._lens[seq_id]
         self._lens[seq_id] = start + num_tokens
         return self.slot_mapping(seq_id, start, start + num_tokens) if return_slots else None
 
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Name the full blocks among the first `num_computed` tokens of `seq_id` (whose K/V
+        are written now) so later sequences can reuse them. `token_ids` are the sequence's tokens."""
+        table = self._tables[self._known(seq_id)]
+        bs = self.block_size
+        chain = self._chain[seq_id]
+        full = min(num_computed, len(token_ids), self._lens[seq_id]) // bs
+        for i in range(len(chain), full):
+            tokens = tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs])
+            h = _block_hash(chain[-1] if chain else 0, tokens)
+            chain.append(h)
+            b = table[i]
+            if h not in self._by_hash and self._hash_of[b] is None:
+                self._by_hash[h] = b
+                self._hash_of[b] = h
+                self._tokens_of[b] = tokens
+            # else: another block already holds this content; this one stays unnamed and private
+
     def free(self, seq_id: Hashable) -> None:
-        """Return every block of `seq_id` to the pool."""
+        """Release every block of `seq_id`. Named blocks stay cached until evicted; the tail is
+        released first so that a shared prefix is the last to be evicted."""
         self._known(seq_id)
-        self._free.extend(self._tables.pop(seq_id))
-        del self._lens[seq_id]
+        for b in reversed(self._tables.pop(seq_id)):
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, f"block {b} released more often than acquired"
+            if self._ref[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        del self._lens[seq_id], self._chain[seq_id], self._hit_tokens[seq_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no sequence references (they become empty)."""
+        while self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            self._unname(b)
+            self._free.append(b)
 
     # ------------------------------------------------------------------ tensors
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> torch.Tensor:
-        """int64 [end - start]: the slots of positions start..end-1 of `seq_id`."""
+        """int64 [end - start]: the slots of positions start..end-1 of `seq_id`, for writing:
+        none of them may lie in a shared or named block."""
         table = self._tables[self._known(seq_id)]
         if not (0 <= start <= end <= self._lens[seq_id]):
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} of length {self._lens[seq_id]}")
+        bs = self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            b = table[i]
+            if self._hash_of[b] is not None or self._ref[b] != 1:
+                raise RuntimeError(f"positions [{start}, {end}) of sequence {seq_id!r} fall in block {b}, which is "
+                                   f"shared or cached (ref {self._ref[b]}) and must never be written")
         pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size] if end > start else pos
-        return (blocks * self.block_size + pos % self.block_size).to(self.device)
+        blocks = torch.tensor(table, dtype=torch.int64)[pos // bs] if end > start else pos
+        return (blocks * bs + pos % bs).to(self.device)
 
     def block_tables(self, seq_ids: Iterable[Hashable], pad: int = -1) -> torch.Tensor:
         """int32 [B, max_blocks] on the cache device; short rows are padded with `pad`."""
@@ -185,6 +292,49 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ helpers
 
+    def _match(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `token_ids`, at most (len - 1) // block_size."""
+        bs = self.block_size
+        blocks, prev = [], 0
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs])
+            h = _block_hash(prev, tokens)
+            b = self._by_hash.get(h)
+            if b is None or self._tokens_of[b] != tokens:  # a miss, or a 64-bit hash collision
+                break
+            blocks.append(b)
+            prev = h
+        return blocks
+
+    def _fresh_needed(self, num_tokens: int, hits: list[int]) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(hits))
+
+    def _available(self, hits: list[int]) -> int:
+        # a hit on an evictable block takes it out of the pool that fresh blocks come from
+        return self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0)
+
+    def _acquire(self, b: int) -> None:
+        if self._ref[b] == 0:
+            del self._evictable[b]
+        self._ref[b] += 1
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._evictable.popitem(last=False)  # least recently released
+            self._unname(b)
+        assert self._ref[b] == 0
+        self._ref[b] = 1
+        return b
+
+    def _unname(self, b: int) -> None:
+        h = self._hash_of[b]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash_of[b] = None
+            self._tokens_of[b] = None
+
     def _known(self, seq_id: Hashable) -> Hashable:
         if seq_id not in self._tables:
             raise KeyError(f"unknown sequence {seq_id!r}")
@@ -195,16 +345,15 @@ class PagedKVCache:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
 
-    def _reserve(self, need: int, what: str) -> None:
-        if need > len(self._free):
-            raise CacheFullError(
-                f"cannot {what}: needs {need} free blocks of {self.block_size} tokens, "
-                f"{len(self._free)} of {self.num_blocks} are free"
-            )
+    def _full(self, need: int, have: int, what: str) -> None:
+        raise CacheFullError(
+            f"cannot {what}: needs {need} free blocks of {self.block_size} tokens, "
+            f"{have} of {self.num_blocks} are free"
+        )
 
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
             f"Hkv={self.num_kv_heads}, D={self.head_dim}, {self.dtype}, {self.device}, "
-            f"free={self.num_free_blocks}, seqs={len(self._tables)})"
+            f"free={self.num_free_blocks}, cached={self.num_cached_blocks}, seqs={len(self._tables)})"
         )
