@@ -224,6 +224,17 @@ def test_paged_other_tiles_interpreter(cfg):
 
 
 @cpu_only
+@pytest.mark.parametrize("gather", [0, 1, 2])
+def test_paged_gather_variants_interpreter(gather, monkeypatch):
+    """Every way of reading block ids (ops.PAGED_GATHER), pages smaller and larger
+    than the KV tile, with and without splits."""
+    monkeypatch.setattr(ops, "PAGED_GATHER", gather)
+    for page in (1, 4, 32):
+        _run([1, 5, 21], [40, 37, 60], 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
+    _run([2, 9], [70, 9], 4, 2, 64, 4, True, torch.float16, "cpu", num_splits=3)
+
+
+@cpu_only
 def test_paged_head_dim_256_and_scale_interpreter():
     _run([2, 9], [30, 9], 4, 2, 256, 16, True, torch.float32, "cpu", scale=0.3)
 

@@ -224,35 +224,59 @@ def _paged_problem(q_lens, ctxs, page=16):
     return q, kc, vc, tables, cu, ctx
 
 
-def paged_table():
+def _paged_variant(gather, cfg):
+    ops.PAGED_GATHER = gather
+    if cfg is None:
+        os.environ.pop("MINIPAGED_TRITON_PAGED_CONFIG", None)
+    else:
+        os.environ["MINIPAGED_TRITON_PAGED_CONFIG"] = cfg
+    return f"gather={gather} cfg={cfg or 'table'}"
+
+
+def paged_table(sweep=False):
     """ops.paged next to the kernels it generalises, on the same work."""
     print("## paged (bf16, Hq16 Hkv8 D128, page 16), do_bench medians (L2 flushed)")
     scale = 1 / math.sqrt(D)
+    default_gather = ops.PAGED_GATHER
+    variants = [(default_gather, None)]
+    if sweep:
+        variants = [(g, None) for g in (0, 1, 2)]
     # short queries next to decode at the same batch and context
-    for B, qn, L in ((32, 4, 4096), (32, 1, 4096), (1, 4, 32768), (1, 1, 32768), (8, 4, 4096)):
+    for B, qn, L in ((32, 4, 4096), (32, 1, 4096), (1, 4, 32768), (8, 4, 4096)):
         q, kc, vc, tables, cu, ctx = _paged_problem([qn] * B, [L] * B)
-        t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, qn, True, scale)) * 1e3
         qd = q.view(B, qn, HQ, D)[:, -1].contiguous()
         t_d = _bench(lambda: ops.decode(qd, kc, vc, tables, ctx, scale)) * 1e3
         nbytes = 2 * B * L * HKV * D * 2
-        print(f"B={B:>3} q_len={qn} ctx={L:>6}: paged {t_p:8.1f} us ({nbytes / t_p / 1e6:.2f} TB/s) | "
-              f"decode (q_len 1) {t_d:8.1f} us ({nbytes / t_d / 1e6:.2f} TB/s)", flush=True)
+        for gather, cfg in variants:
+            label = _paged_variant(gather, cfg)
+            t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, qn, True, scale)) * 1e3
+            print(f"B={B:>3} q_len={qn} ctx={L:>6} {label}: paged {t_p:8.1f} us ({nbytes / t_p / 1e6:.2f} TB/s) | "
+                  f"decode (q_len 1) {t_d:8.1f} us ({nbytes / t_d / 1e6:.2f} TB/s)", flush=True)
+    if sweep:
+        variants += [(default_gather, c) for c in ("128,64,8,2", "128,32,8,3", "64,64,4,3")]
     # chunks over a cached prefix next to prefill_varlen on the same K/V made contiguous
     for S, new, cached in ((8, 512, 4096), (1, 2048, 30000), (4, 1024, 8192)):
         L = new + cached
         q, kc, vc, tables, cu, ctx = _paged_problem([new] * S, [L] * S)
-        t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale))
         k = kc[tables.long()].reshape(S * L, HKV, D)
         v = vc[tables.long()].reshape(S * L, HKV, D)
         cu_k = torch.arange(0, S * L + 1, L, dtype=torch.int32, device="cuda")
         t_v = _bench(lambda: ops.prefill_varlen(q, k, v, cu, cu_k, new, L, True, scale))
-        o_p = ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale)
         o_v = ops.prefill_varlen(q, k, v, cu, cu_k, new, L, True, scale)
         flops = 4 * S * HQ * D * new * (cached + (new + 1) / 2)
-        print(f"S={S} new={new} cached={cached}: paged {t_p * 1e3:8.1f} us ({flops / t_p / 1e9:.0f} TFLOP/s) | "
-              f"prefill_varlen {t_v * 1e3:8.1f} us ({flops / t_v / 1e9:.0f} TFLOP/s)  "
-              f"maxdiff={(o_p.float() - o_v.float()).abs().max().item():.2e}", flush=True)
+        for gather, cfg in variants:
+            label = _paged_variant(gather, cfg)
+            try:
+                t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale))
+                o_p = ops.paged(q, kc, vc, tables, cu, ctx, new, True, scale)
+                print(f"S={S} new={new} cached={cached} {label}: paged {t_p * 1e3:8.1f} us "
+                      f"({flops / t_p / 1e9:.0f} TFLOP/s) | prefill_varlen {t_v * 1e3:8.1f} us "
+                      f"({flops / t_v / 1e9:.0f} TFLOP/s)  maxdiff={(o_p.float() - o_v.float()).abs().max().item():.2e}",
+                      flush=True)
+            except Exception as e:
+                print(f"S={S} new={new} {label} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
         del k, v
+    _paged_variant(default_gather, None)
 
 
 if __name__ == "__main__":
@@ -267,4 +291,4 @@ if __name__ == "__main__":
     if "decode" in args:
         decode_table(sweep="sweep" in args)
     if "paged" in args:
-        paged_table()
+        paged_table(sweep="sweep" in args)

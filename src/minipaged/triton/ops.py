@@ -282,6 +282,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         )
 
 
+# how the paged kernel reads block ids when a KV tile spans pages (paged.py
+# _tile_blocks): 0 one per key, 1 one per page, 2 one per page loaded a tile ahead.
+# A module attribute so tuning runs can compare them.
+PAGED_GATHER = 1
+
 # (cfg, head_dim, dtype, causal, page, split, lse) that ran out of shared memory -> smaller config
 _paged_fallback: dict = {}
 
@@ -361,6 +366,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
                     IS_CAUSAL=bool(causal),
                     SPLIT=split,
                     RETURN_LSE=lse is not None,
+                    GATHER=PAGED_GATHER,
                     DOT_PRECISION=_dot_precision(q.dtype),
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,

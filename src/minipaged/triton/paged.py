@@ -12,10 +12,11 @@ host sizes the grid from max_seqlen_q, so no device value is needed; a tile past
 its sequence's q_len exits at once. The q-tile index runs backwards over axis 0
 so the bottom tiles of long chunks, which have the most keys, start first.
 
-Keys come through the block table exactly as in the decode kernel
-(`_kv_tile_offsets`): a KV tile of BLOCK_N keys reads one table entry when the
-page holds the whole tile and one per key when it does not. Only table entries
-of keys < context_len are read.
+Keys come through the block table: a KV tile of BLOCK_N keys reads one table
+entry when one page holds the whole tile, else (GATHER) one entry per key or
+one per page broadcast over its keys, optionally loaded a tile ahead. K and V
+share the block ids. Table indices are clamped to ceil(context_len/PAGE) - 1,
+so entries past it are never read.
 
 Causal masking is bottom-right aligned per sequence (position i sees key j iff
 j <= i + context_len - q_len). A tile's key range splits like prefill's:
@@ -34,7 +35,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _kv_tile_offsets
+
+
+@triton.jit
+def _tile_blocks(table_row, start_n, last_page,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr):
+    """Cache block of every key of the tile starting at start_n: a scalar when one page
+    holds the tile, else [BLOCK_N]. Table indices are clamped to the last page the
+    context uses, so entries past it (maybe -1) are never read; keys past the
+    context get some valid block and are masked by the caller."""
+    if PAGE >= BLOCK_N:
+        return tl.load(table_row + tl.minimum(start_n // PAGE, last_page)).to(tl.int64)
+    elif GATHER == 0:
+        # one table load per key (mostly L1 hits)
+        idx = tl.minimum((start_n + tl.arange(0, BLOCK_N)) // PAGE, last_page)
+        return tl.load(table_row + idx).to(tl.int64)
+    else:
+        # one table load per page of the tile, broadcast over its keys
+        NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+        idx = tl.minimum(start_n // PAGE + tl.arange(0, NUM_PAGES), last_page)
+        blocks = tl.load(table_row + idx).to(tl.int64)
+        return tl.reshape(tl.broadcast_to(blocks[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,))
 
 
 @triton.jit
@@ -43,20 +64,29 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
                  stride_kblock, stride_ktok, stride_vblock, stride_vtok,
                  qk_scale_log2,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
+    last_page = tl.maximum(tl.cdiv(ctx, PAGE) - 1, 0)
+    if GATHER == 2:
+        # the next tile's block ids are loaded one iteration ahead, so the K/V
+        # addresses of a tile never wait on a table load of the same iteration
+        blocks = _tile_blocks(table_row, n_lo, last_page, PAGE, BLOCK_N, GATHER)
     for start_n in range(n_lo, n_hi, BLOCK_N):
+        if GATHER == 2:
+            cur = blocks
+            blocks = _tile_blocks(table_row, start_n + BLOCK_N, last_page, PAGE, BLOCK_N, GATHER)
+        else:
+            cur = _tile_blocks(table_row, start_n, last_page, PAGE, BLOCK_N, GATHER)
+        in_page = ((start_n + offs_n) % PAGE).to(tl.int64)
+        k_ptrs = k_head + (cur * stride_kblock + in_page * stride_ktok)[:, None]
+        v_ptrs = v_head + (cur * stride_vblock + in_page * stride_vtok)[:, None]
         if MASKED:
             cols = start_n + offs_n
             tok_ok = cols < ctx
-            k_off = _kv_tile_offsets(table_row, start_n, offs_n, tok_ok,
-                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, True)
-            v_off = _kv_tile_offsets(table_row, start_n, offs_n, tok_ok,
-                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, True)
             # masked loads give 0 for keys past the context: NaN in unused slots never
             # reaches the dots (0 * NaN would poison every row)
-            k = tl.load(k_head + k_off[:, None], mask=tok_ok[:, None], other=0.0)
-            v = tl.load(v_head + v_off[:, None], mask=tok_ok[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = tok_ok[None, :]
             if IS_CAUSAL:
@@ -68,12 +98,8 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
             p = tl.math.exp2(s - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
         else:
-            k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
-            v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
-            k = tl.load(k_head + k_off[:, None])
-            v = tl.load(v_head + v_off[:, None])
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
             p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
@@ -105,6 +131,7 @@ def _paged_kernel(
     IS_CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    GATHER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -156,11 +183,11 @@ def _paged_kernel(
         acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
                                      n_begin, n_mid, ctx, diag,
                                      stride_kblock, stride_ktok, stride_vblock, stride_vtok,
-                                     qk_scale_log2, PAGE, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION)
+                                     qk_scale_log2, PAGE, BLOCK_N, False, IS_CAUSAL, GATHER, DOT_PRECISION)
         acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
                                      n_mid, n_end, ctx, diag,
                                      stride_kblock, stride_ktok, stride_vblock, stride_vtok,
-                                     qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION)
+                                     qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, GATHER, DOT_PRECISION)
 
         # rows that saw no key: l == 0 and acc == 0, so they store exact zeros
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
