@@ -249,7 +249,11 @@ def paged_table(sweep=False):
         nbytes = 2 * B * L * HKV * D * 2
         for gather, cfg in variants:
             label = _paged_variant(gather, cfg)
-            t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, qn, True, scale)) * 1e3
+            try:
+                t_p = _bench(lambda: ops.paged(q, kc, vc, tables, cu, ctx, qn, True, scale)) * 1e3
+            except Exception as e:
+                print(f"B={B} q_len={qn} {label} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
             print(f"B={B:>3} q_len={qn} ctx={L:>6} {label}: paged {t_p:8.1f} us ({nbytes / t_p / 1e6:.2f} TB/s) | "
                   f"decode (q_len 1) {t_d:8.1f} us ({nbytes / t_d / 1e6:.2f} TB/s)", flush=True)
     if sweep:
