@@ -5,15 +5,25 @@ only: the interpreter's bf16 tl.dot is wrong). GPU (`-m gpu`, ideally with
 HYPOTHESIS_PROFILE=gpu): torch, triton, cuda and cuda-wmma in fp16/bf16 at
 larger sizes, NaN-poisoned caches, page sizes 1..256 and contexts past 1k.
 As soon as a backend exists and is available, it is cross-checked here.
+
+Hypothesis rarely draws the one residue that breaks a tile boundary, so every
+test also runs explicit examples of the edges (_EXAMPLES): causal cases with
+(Nk - Nq) mod BLOCK_N == 1 and == BLOCK_N - 1 where the diagonal band of a
+non-last query tile ends one key into a new tile (BLOCK_N 16 under the
+interpreter; 16, 32, 64 and 128 on the GPU), Nq > Nk, empty sequences, and
+decode contexts one past a page or a KV tile.
 """
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given
 
 import minipaged as mp
 from minipaged import registry
 from strategies import (
+    DecodeCase,
+    PrefillCase,
+    VarlenCase,
     assert_close,
     attention_fp64,
     decode_cases,
@@ -30,7 +40,7 @@ from strategies import (
 def _backends(device: str, op: str):
     out = []
     for name, b in registry.all_backends().items():
-        if b.provides(op) and b.is_available(device)[0]:
+        if op in b.provides and b.is_available(device)[0]:
             out.append(name)
     return out
 
@@ -62,8 +72,7 @@ def _head_dims(backend):
     return tuple(d for d in (64, 128) if d in registry.all_backends()[backend].head_dims)
 
 
-def _run_prefill(backend, dtype, device, data):
-    case = data.draw(prefill_cases(head_dims=_head_dims(backend), **_SIZES["prefill"]), label="case")
+def _run_prefill(backend, dtype, device, case):
     q, k, v = make_prefill_inputs(case, dtype, device, seed=hash(case) % 1000)
     out = mp.prefill_attention(q, k, v, causal=case.causal, backend=backend)
     assert out.dtype == dtype
@@ -72,8 +81,7 @@ def _run_prefill(backend, dtype, device, data):
     assert_close(out, ref, base, dtype, f"{backend} {case}")
 
 
-def _run_varlen(backend, dtype, device, data):
-    case = data.draw(varlen_cases(head_dims=_head_dims(backend), **_SIZES["varlen"]), label="case")
+def _run_varlen(backend, dtype, device, case):
     q, k, v, cu_q, cu_k = make_varlen_inputs(case, dtype, device, seed=hash(case) % 1000)
     out = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, causal=case.causal, backend=backend)
     for s in range(len(case.seqlens_q)):
@@ -84,8 +92,7 @@ def _run_varlen(backend, dtype, device, data):
         assert_close(o, ref, base, dtype, f"{backend} seq {s} of {case}")
 
 
-def _run_decode(backend, dtype, device, data):
-    case = data.draw(decode_cases(head_dims=_head_dims(backend), **_SIZES["decode"]), label="case")
+def _run_decode(backend, dtype, device, case):
     q, kc, vc, tables, lens = make_decode_inputs(case, dtype, device, seed=hash(case) % 1000, poison=True)
     out = mp.decode_attention(q, kc, vc, tables, lens, backend=backend)
     for b in range(case.batch):
@@ -97,8 +104,7 @@ def _run_decode(backend, dtype, device, data):
             assert torch.equal(out[b], torch.zeros_like(out[b])), "context_len 0 must give exact zeros"
 
 
-def _run_write(backend, dtype, device, data):
-    case = data.draw(decode_cases(head_dims=_head_dims(backend), max_ctx=200, max_batch=4), label="case")
+def _run_write(backend, dtype, device, case):
     q, kc, vc, tables, lens = make_decode_inputs(case, dtype, device, seed=1, poison=False)
     T = sum(case.context_lens)
     k = torch.randn(T, case.num_kv_heads, case.head_dim, device=device).to(dtype)
@@ -120,12 +126,46 @@ def _run_write(backend, dtype, device, data):
 _RUNNERS = {"prefill": _run_prefill, "prefill_varlen": _run_varlen, "decode": _run_decode, "write_kv_cache": _run_write}
 
 
-def _make_test(op: str, device: str):
-    @pytest.mark.parametrize("backend,dtype", _params(device, op))
-    @given(data=__import__("hypothesis").strategies.data())
-    def test(backend, dtype, data):
-        _RUNNERS[op](backend, dtype, device, data)
+# Every backend here takes head dims 64 and 128 (the strategies draw no others).
+assert all(set(_head_dims(b)) == {64, 128} for b in registry.all_backends())
+_STRATEGIES = {
+    "prefill": prefill_cases(**_SIZES["prefill"]),
+    "prefill_varlen": varlen_cases(**_SIZES["varlen"]),
+    "decode": decode_cases(**_SIZES["decode"]),
+    "write_kv_cache": decode_cases(max_ctx=200, max_batch=4),
+}
 
+P, V, Dc = PrefillCase, VarlenCase, DecodeCase
+_EXAMPLES = {
+    # (batch, Hkv, group, Nq, Nk, D, causal): Nq > 2 tiles so a band ends before Nk
+    ("prefill", "cpu"): [P(1, 1, 2, 33, 34, 64, True), P(1, 1, 2, 47, 64, 64, True),
+                         P(1, 1, 2, 40, 55, 64, True), P(1, 1, 1, 50, 20, 64, True)],
+    ("prefill", "cuda"): [P(1, 2, 2, 300, 301, 128, True), P(1, 2, 2, 257, 322, 64, True),
+                          P(2, 4, 8, 385, 514, 128, True), P(1, 1, 4, 1023, 1024, 128, True),
+                          P(1, 2, 2, 300, 427, 64, True), P(1, 2, 2, 1023, 97, 128, True)],
+    # (seqlens_q, seqlens_k, Hkv, group, D, causal)
+    ("prefill_varlen", "cpu"): [V((33, 40, 20, 0), (34, 57, 5, 3), 1, 2, 64, True),
+                                V((35, 7), (50, 0), 1, 2, 64, True)],
+    ("prefill_varlen", "cuda"): [V((300, 257, 385, 129, 50), (301, 322, 514, 256, 20), 2, 2, 128, True),
+                                 V((200, 0, 600), (231, 9, 663), 2, 4, 64, True)],
+    # (context_lens, Hkv, group, D, block_size, spare_blocks)
+    ("decode", "cpu"): [Dc((17, 0, 97, 1), 1, 2, 64, 1, 2), Dc((33, 257, 16), 2, 2, 64, 256, 1),
+                        Dc((65, 0), 1, 8, 128, 16, 3)],
+    ("decode", "cuda"): [Dc((1023, 0, 1, 257, 2049), 2, 2, 128, 1, 2), Dc((129, 4097), 1, 8, 64, 256, 1),
+                         Dc((17, 97, 1025), 4, 4, 128, 16, 3)],
+    ("write_kv_cache", "cpu"): [Dc((17, 0, 97), 2, 1, 64, 1, 2), Dc((33,), 1, 2, 128, 256, 1)],
+    ("write_kv_cache", "cuda"): [Dc((17, 0, 97), 2, 1, 64, 1, 2), Dc((199, 1), 4, 2, 128, 256, 1)],
+}
+
+
+def _make_test(op: str, device: str):
+    def body(backend, dtype, case):
+        _RUNNERS[op](backend, dtype, device, case)
+
+    test = given(case=_STRATEGIES[op])(body)
+    for ex in _EXAMPLES.get((op, device), []):
+        test = example(case=ex)(test)
+    test = pytest.mark.parametrize("backend,dtype", _params(device, op))(test)
     test.__name__ = f"test_{op}_{device}"
     return test
 
