@@ -99,3 +99,51 @@ def test_cli_info_runs():
     out = subprocess.run([sys.executable, "-m", "minipaged.cli", "info"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "prefill" in out.stdout and "cuda-wmma" in out.stdout
+
+
+def _reset_registry_caches():
+    for fn in ("reset_caches", "reset_cache"):
+        if hasattr(registry, fn):
+            getattr(registry, fn)()
+
+
+@pytest.fixture
+def fake_availability(monkeypatch):
+    """Make availability on CUDA whatever the test says, for every backend, whatever is cached."""
+    avail = {}
+    real = registry.Backend.is_available
+
+    def is_available(self, device=None):
+        if device is not None and str(device).split(":")[0] == "cuda":
+            return avail.get(self.name, (False, "patched: unavailable"))
+        return real(self, device)
+
+    monkeypatch.setattr(registry.Backend, "is_available", is_available)
+    _reset_registry_caches()
+    yield avail
+    monkeypatch.undo()
+    _reset_registry_caches()
+
+
+def test_auto_on_cuda_prefers_cuda_then_triton_then_torch(fake_availability):
+    """DESIGN: `auto` on CUDA tensors is the fastest available of cuda, triton, torch."""
+    ops = [op for op in registry.OPS if op in registry.all_backends()["cuda"].provides]
+    assert {"prefill", "prefill_varlen", "decode", "write_kv_cache"} <= set(ops)
+    fake_availability.update(cuda=(True, "patched"), triton=(True, "patched"), torch=(True, "patched"))
+    _reset_registry_caches()
+    for op in ops:
+        assert registry.resolve(op, "cuda").name == "cuda", op
+        assert registry.resolve(op, "cuda:0").name == "cuda", op
+    fake_availability["cuda"] = (False, "patched: no nvcc")
+    _reset_registry_caches()
+    for op in ops:
+        assert registry.resolve(op, "cuda").name == "triton", op
+    fake_availability["triton"] = (False, "patched: no triton")
+    _reset_registry_caches()
+    for op in ops:
+        assert registry.resolve(op, "cuda").name == "torch", op
+    # never the teaching kernel, and CPU tensors are torch's whatever CUDA has
+    fake_availability.update(cuda=(True, "patched"), triton=(True, "patched"))
+    _reset_registry_caches()
+    assert all(registry.resolve(op, "cuda").name != "cuda-wmma" for op in ops)
+    assert registry.resolve("prefill", "cpu").name == "torch"
