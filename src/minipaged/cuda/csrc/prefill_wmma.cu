@@ -80,7 +80,9 @@ struct Convert<__nv_bfloat16> {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) prefill_wmma_kernel(const PrefillParams p) {
+// The explicit minimum of 1 block per SM matters: with the thread count alone,
+// nvcc 13.0's ptxas caps the fp16 D=128 sm_90 instance at 64 registers and spills.
+__global__ void __launch_bounds__(kThreads, 1) prefill_wmma_kernel(const PrefillParams p) {
   static_assert(D % kMma == 0, "head dim must be a multiple of the WMMA K (16)");
   constexpr int kDSteps = D / kMma;  // 8 for Qwen3's D = 128 (sec. 12.2)
   using Storage = WarpStorage<T, D>;
