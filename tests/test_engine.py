@@ -184,6 +184,61 @@ def test_token_budget_splits_prefill(tiny_ckpt):
     assert eng.stats.prefill_steps >= 4
 
 
+def _watch_scheduler(monkeypatch):
+    """Record every schedule() call: the running sequences (oldest first) and their block
+    tables before it, and which of them it preempted."""
+    from minipaged.engine import scheduler as sched_mod
+
+    steps = []
+    real = sched_mod.Scheduler.schedule
+
+    def schedule(self):
+        before = list(self.running)
+        tables = {s.seq_id: list(self.cache.block_table(s.seq_id)) for s in before}
+        out = real(self)
+        waiting = {id(s) for s in self.waiting}
+        preempted = [s for s in before if id(s) in waiting]
+        after = {s.seq_id: list(self.cache.block_table(s.seq_id)) for s in before
+                 if id(s) not in waiting and s.seq_id in self.cache}
+        steps.append((before, tables, preempted, after))
+        return out
+
+    monkeypatch.setattr(sched_mod.Scheduler, "schedule", schedule)
+    return steps
+
+
+def test_preemption_takes_the_newest_and_keeps_older_tables(tiny_ckpt, monkeypatch):
+    """A decode that needs a page preempts the most recently admitted sequences; every
+    older sequence keeps its pages (its block table only grows)."""
+    folder, _, prompts, ref = tiny_ckpt
+    steps = _watch_scheduler(monkeypatch)
+    eng = _engine(folder, block_size=4, num_blocks=20)
+    assert eng.generate(prompts, max_new_tokens=MAX_NEW) == ref
+    hit = [st for st in steps if st[2]]
+    assert hit, "the cache is small enough that something must be preempted"
+    for before, tables, preempted, after in hit:
+        k = len(preempted)
+        assert preempted == before[len(before) - k:], (
+            f"preempted {[s.seq_id for s in preempted]} but the newest were {[s.seq_id for s in before[-k:]]}")
+        for s in before[: len(before) - k]:
+            assert after[s.seq_id][: len(tables[s.seq_id])] == tables[s.seq_id], f"seq {s.seq_id} lost pages"
+
+
+def test_token_budget_boundary(tiny_ckpt, monkeypatch):
+    """Prompts whose lengths sum exactly to max_num_batched_tokens run in one step; one
+    token less of budget and one of them needs a second step."""
+    folder, _, prompts, ref = tiny_ckpt
+    chosen = [1, 2, 4]  # 5 + 17 + 9 tokens
+    batch = [prompts[i] for i in chosen]
+    total = sum(len(p) for p in batch)
+    for budget, want_steps in ((total, 1), (total - 1, 2), (total + 1, 1)):
+        steps = _watch_scheduler(monkeypatch)
+        eng = _engine(folder, max_num_batched_tokens=budget)
+        assert eng.generate(batch, max_new_tokens=1) == [ref[i][:1] for i in chosen]
+        assert len(steps) == want_steps, f"budget {budget} for {total} prompt tokens: {len(steps)} steps"
+        monkeypatch.undo()
+
+
 def test_prompt_that_never_fits_raises(tiny_ckpt):
     folder, _, _, _ = tiny_ckpt
     eng = _engine(folder, block_size=4, num_blocks=8)  # 32 tokens of cache
@@ -280,6 +335,33 @@ def test_sampler_top_p_keeps_the_smallest_nucleus():
     assert sample(torch.tensor([[0.1, 2.0, 2.0]]), temperature=0.0).item() == 1  # ties -> lowest id
     with pytest.raises(ValueError):
         sample(logits, temperature=1.0, top_p=0.0)
+
+
+def _kept(probs, top_p, n=4000):
+    """The token ids sample() can draw for these probabilities (n draws in one batch)."""
+    logits = torch.tensor(probs, dtype=torch.float64).log().float().expand(n, -1).contiguous()
+    # the rule needs the probabilities sample() computes to be exactly these dyadic numbers
+    got = torch.softmax(logits[:1] - logits[:1].amax(), -1)[0].tolist()
+    assert got == list(probs), got
+    g = torch.Generator().manual_seed(0)
+    return set(sample(logits, temperature=1.0, top_p=top_p, generator=g).tolist())
+
+
+def test_sampler_top_p_boundary_is_exact():
+    """Documented rule: keep the smallest set of most likely tokens whose mass reaches top_p.
+    Dyadic probabilities make every partial sum exact, so the boundary is tested both ways."""
+    p = [0.5, 0.25, 0.125, 0.125]
+    eps = 2.0 ** -20
+    assert _kept(p, 0.5) == {0}              # 0.5 alone reaches 0.5
+    assert _kept(p, 0.5 + eps) == {0, 1}
+    assert _kept(p, 0.75 - eps) == {0, 1}
+    assert _kept(p, 0.75) == {0, 1}          # 0.5 + 0.25 reaches 0.75 exactly: token 2 not needed
+    assert _kept(p, 0.75 + eps) == {0, 1, 2}
+    assert _kept(p, 0.25) == {0}             # the most likely token is always kept
+    assert _kept(p, 1.0) == {0, 1, 2, 3}
+    # the same rule on shuffled ids: it ranks by probability, not by id
+    assert _kept([0.125, 0.5, 0.125, 0.25], 0.75) == {1, 3}
+    assert _kept([0.125, 0.5, 0.125, 0.25], 0.75 + eps) in ({1, 3, 0}, {1, 3, 2})
 
 
 def test_config_reads_old_and_new_rope_layouts():
