@@ -69,7 +69,7 @@ def tiny_engine():
 ])
 def test_generate_rejects_bad_sampling_before_running(tiny_engine, kw, exc, monkeypatch):
     ran = []
-    monkeypatch.setattr(tiny_engine.runner, "prefill", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(tiny_engine.runner, "run", lambda *a, **k: ran.append(1))
     with pytest.raises(exc, match="temperature|top_p"):
         tiny_engine.generate([[1, 2, 3]], max_new_tokens=2, **kw)
     assert not ran, "the model ran before the bad argument was rejected"

@@ -101,20 +101,47 @@ def _eos_from_generation_config(folder: str, eos: list[int]) -> list[int]:
     return list(dict.fromkeys([*eos, *(int(e) for e in extra)]))
 
 
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    i = min(len(ys) - 1, max(0, int(round(q / 100 * (len(ys) - 1)))))
+    return ys[i]
+
+
 @dataclass
 class GenerateStats:
-    """Timings of the last generate() call (wall clock, synchronised per step)."""
+    """What the last generate() call did and how long it took (wall clock, synchronised per step).
 
-    prefill_tokens: int = 0
+    A *prefill step* runs at least one prompt chunk (decodes may ride along in it);
+    a *decode step* runs decodes only. Times per request are measured from the
+    start of generate(), when every request is submitted.
+    """
+
+    prefill_tokens: int = 0          # prompt tokens computed (chunks), recomputation after preemption included
+    prefix_hit_tokens: int = 0       # prompt tokens whose K/V came from the prefix cache instead
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     decode_steps: int = 0
     prefill_steps: int = 0
+    mixed_steps: int = 0             # prefill steps that also ran decodes
     preemptions: int = 0
     cuda_graph: bool = False
     step_batch_sizes: list[int] = field(default_factory=list)
     decode_batch_sizes: list[int] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    ttft_seconds: list[float] = field(default_factory=list)   # per request, in prompt order
+    itl_seconds: list[float] = field(default_factory=list)    # gaps between consecutive tokens, all requests
+    total_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return self.prefill_steps + self.decode_steps
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.prefill_tokens
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -123,6 +150,23 @@ class GenerateStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def itl_percentile(self, q: float) -> float:
+        """Inter-token latency percentile (q in 0..100), seconds."""
+        return _percentile(self.itl_seconds, q)
+
+    def ttft_percentile(self, q: float) -> float:
+        return _percentile(self.ttft_seconds, q)
+
+    def summary(self) -> dict:
+        return dict(
+            steps=self.steps, prefill_steps=self.prefill_steps, decode_steps=self.decode_steps,
+            mixed_steps=self.mixed_steps, computed_prompt_tokens=self.prefill_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens, generated_tokens=len(self.itl_seconds) + len(self.ttft_seconds),
+            preemptions=self.preemptions, cuda_graph=self.cuda_graph, total_s=self.total_seconds,
+            ttft_p50_s=self.ttft_percentile(50), ttft_p99_s=self.ttft_percentile(99),
+            itl_p50_s=self.itl_percentile(50), itl_p90_s=self.itl_percentile(90), itl_p99_s=self.itl_percentile(99),
+        )
 
 
 class Engine:
@@ -140,7 +184,10 @@ class Engine:
             memory on CUDA, room for max_num_seqs * min(max_model_len, 2048) tokens on CPU).
         max_num_seqs: most sequences running at once.
         max_model_len: longest prompt + output (default min(max_position_embeddings, 4096)).
-        max_num_batched_tokens: token budget of one prefill step.
+        max_num_batched_tokens: token budget of one step: every running decode, then
+            prompt chunks (a longer prompt is prefilled over several steps). Default 8192.
+        enable_prefix_caching: share the cached full blocks of a new prompt's longest
+            cached prefix instead of recomputing them (default True).
         cuda_graph: capture the decode step in CUDA graphs (default: on for CUDA
             with a non-torch backend; falls back to eager if capture fails).
         seed: seed of the random weights when model is None or a config.
@@ -157,7 +204,8 @@ class Engine:
         num_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
         cuda_graph: bool | None = None,
         gpu_memory_fraction: float = 0.4,
         seed: int = 0,
@@ -178,13 +226,22 @@ class Engine:
                           ("max_num_batched_tokens", max_num_batched_tokens)):
             if val is not None:
                 _positive_int(name, val)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
         if cuda_graph is not None and not isinstance(cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
         if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) \
                 or not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
-        for op in ("prefill_varlen", "decode", "write_kv_cache"):
-            registry.resolve(op, self.device.type, backend)  # an unusable backend fails here, not mid-generate
+        # Resolved once: an unusable backend fails here, not mid-generate, and the
+        # forward calls the bound functions with no per-call lookup.
+        self.ops = registry.bind(backend, self.device.type)
+        dname = str(self.dtype).replace("torch.", "")
+        for op, name in self.ops.backends.items():
+            dtypes, why = registry.all_backends()[name].supported_dtypes(self.device.type)
+            if dname not in dtypes:
+                raise TypeError(f"backend {name!r} ({op}) supports dtypes {list(dtypes)} on {self.device.type}, "
+                                f"got {dname}{': ' + why if why else ''}")
 
         self.model_path: str | None = None
         if isinstance(model, (str, os.PathLike)):
@@ -204,8 +261,12 @@ class Engine:
 
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = int(max_num_batched_tokens or max(8192, self.max_model_len))
-        self.model = Qwen3Model(cfg, state, dtype=self.dtype, device=self.device, backend=backend,
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        if cfg.head_dim not in registry.all_backends()[self.ops.backends["paged"]].head_dims:
+            raise ValueError(f"head_dim {cfg.head_dim} of this model is not supported by backend "
+                             f"{self.ops.backends['paged']!r}")
+        self.model = Qwen3Model(cfg, state, dtype=self.dtype, device=self.device, ops=self.ops,
                                 max_positions=self.max_model_len)
         del state, state_dict
 
@@ -215,7 +276,7 @@ class Engine:
                                      num_blocks=int(num_blocks), block_size=block_size,
                                      dtype=self.dtype, device=self.device)
         if cuda_graph is None:
-            cuda_graph = self.device.type == "cuda" and self._resolved_backend_name("decode") != "torch"
+            cuda_graph = self.device.type == "cuda" and self.ops.backends["decode"] != "torch"
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, use_cuda_graph=cuda_graph)
         self.stats = GenerateStats()
@@ -232,14 +293,6 @@ class Engine:
         return cls(Qwen3Config.from_any(config), state_dict=state_dict, **kwargs)
 
     # ------------------------------------------------------------------ helpers
-    def _resolved_backend_name(self, op: str) -> str | None:
-        try:
-            from minipaged import registry
-
-            return registry.resolve(op, self.device.type, self.backend).name
-        except Exception:  # noqa: BLE001 - only used to pick a default
-            return None
-
     def kv_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -276,8 +329,14 @@ class Engine:
         seed: int | None = None,
         progress: bool = False,
         ignore_eos: bool = False,
-    ) -> list[list[int]]:
-        """New tokens per prompt, in prompt order (a stop token, when hit, is included)."""
+        return_stats: bool = False,
+    ):
+        """New tokens per prompt, in prompt order (a stop token, when hit, is included).
+
+        With return_stats=True returns (outputs, GenerateStats): prefix-cache hit tokens,
+        computed prompt tokens, steps, time to first token per request and inter-token
+        latencies. The same stats are kept in `engine.stats` until the next call.
+        """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         temperature, top_p = check_sampling(temperature, top_p)
@@ -293,26 +352,29 @@ class Engine:
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
         stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
+        if not isinstance(return_stats, bool):
+            raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         self.stats = GenerateStats()
         if max_new_tokens == 0 or not prompts:
-            return [[] for _ in prompts]
+            outputs = [[] for _ in prompts]
+            return (outputs, self.stats) if return_stats else outputs
 
         stops = set() if ignore_eos else set(self.config.eos_token_ids)
-        stops |= {int(t) for t in (stop_token_ids or ())}
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device=self.device)
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(int(seed))
-
+        stops |= set(stop_token_ids)
         sched = Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens,
-                          max_model_len=self.max_model_len)
+                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
         seqs = [Sequence(p, max_new_tokens, index=i) for i, p in enumerate(prompts)]
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
+        if temperature > 0:
+            # One generator per request, seeded by (seed, prompt index): a request's draws do not
+            # depend on what else shares its steps (so caching on/off or other budgets give the
+            # same tokens for the same seed).
+            base = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
+            for s in seqs:
+                s.generator = torch.Generator(device=self.device)
+                s.generator.manual_seed((base * 1_000_003 + s.index) % (2**63))
         for s in seqs:
             sched.add(s)
 
@@ -321,42 +383,55 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs) * max_new_tokens, unit="tok", desc="generate", dynamic_ncols=True)
+        t_start = time.perf_counter()
         try:
             while sched.has_work():
-                self._step(sched, stops, temperature, top_p, generator, bar)
+                self._step(sched, stops, temperature, top_p, bar)
         except BaseException:
             sched.abort_all()
             raise
         finally:
             if bar is not None:
                 bar.close()
-        self.stats.preemptions = sched.num_preemptions
-        self.stats.cuda_graph = self.runner.graphs_active
-        return [s.output_ids for s in seqs]
-
-    def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float,
-              generator, bar) -> None:
-        t0 = time.perf_counter()
-        batch, is_prefill = sched.schedule()
-        if is_prefill:
-            logits = self.runner.prefill(batch)
-        else:
-            logits = self.runner.decode(batch)
-        tokens = sample(logits, temperature=temperature, top_p=top_p, generator=generator).tolist()
-        dt = time.perf_counter() - t0  # .tolist() synchronised the device
         st = self.stats
-        st.step_batch_sizes.append(len(batch))
-        if is_prefill:
-            st.prefill_steps += 1
-            st.prefill_tokens += sum(len(s) for s in batch)
-            st.prefill_seconds += dt
-        else:
+        st.total_seconds = time.perf_counter() - t_start
+        st.preemptions = sched.num_preemptions
+        st.cuda_graph = self.runner.graphs_active
+        for s in seqs:
+            times = s.token_times
+            if times:
+                st.ttft_seconds.append(times[0] - t_start)
+                st.itl_seconds.extend(b - a for a, b in zip(times, times[1:]))
+        outputs = [s.output_ids for s in seqs]
+        return (outputs, st) if return_stats else outputs
+
+    def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float, bar) -> None:
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        logits = self.runner.run(plan)
+        sampling = plan.sampling
+        gens = [s.generator for s in sampling] if temperature > 0 else None
+        tokens = sample(logits, temperature=temperature, top_p=top_p, generators=gens).tolist() if sampling else []
+        now = time.perf_counter()  # .tolist() synchronised the device
+        dt = now - t0
+        sched.update(plan)
+        st = self.stats
+        st.step_batch_sizes.append(len(plan.chunks))
+        st.step_tokens.append(plan.num_tokens)
+        st.prefix_hit_tokens += plan.prefix_hit_tokens
+        if plan.decode_only:
             st.decode_steps += 1
-            st.decode_batch_sizes.append(len(batch))
-            st.decode_tokens += len(batch)
+            st.decode_batch_sizes.append(len(plan.chunks))
+            st.decode_tokens += len(plan.chunks)
             st.decode_seconds += dt
-        for seq, tok in zip(batch, tokens):
+        else:
+            st.prefill_steps += 1
+            st.mixed_steps += plan.num_decodes > 0
+            st.prefill_tokens += plan.num_tokens - plan.num_decodes
+            st.prefill_seconds += dt
+        for seq, tok in zip(sampling, tokens):
             seq.token_ids.append(tok)
+            seq.token_times.append(now)
             if tok in stops:
                 sched.finish(seq, "stop")
             elif seq.num_generated >= seq.max_new_tokens:
@@ -364,7 +439,7 @@ class Engine:
             elif len(seq) >= self.max_model_len:
                 sched.finish(seq, "max_model_len")
         if bar is not None:
-            bar.update(len(batch))
+            bar.update(len(sampling))
 
     def warmup(self) -> None:
         """Compile kernels and capture decode graphs now, so the next generate() times only generation."""
@@ -374,22 +449,24 @@ class Engine:
     # ------------------------------------------------------------------ testing aid
     @torch.inference_mode()
     def prefill_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
-        """Full-sequence logits [len_i, V] (fp32) of one packed prefill, through the paged cache."""
-        seqs = [Sequence([int(t) for t in p], 1, index=i) for i, p in enumerate(prompts)]
+        """Full-sequence logits [len_i, V] (fp32) of one packed prefill, through the paged cache
+        (no prefix cache: every token is computed)."""
+        seqs = [Sequence([_token_id(f"prompt {i}", t, self.config.vocab_size) for t in p], 1, index=i)
+                for i, p in enumerate(prompts)]
         bs = self.cache.block_size
         try:
+            slots = []
             for s in seqs:
-                cap = -(-len(s) // bs) * bs
-                s.prefill_slots = self.cache.allocate(s.seq_id, cap)[: len(s)]
+                slots.append(self.cache.allocate(s.seq_id, -(-len(s) // bs) * bs)[: len(s)])
             dev = self.device
             ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=dev)
             pos = torch.tensor([i for s in seqs for i in range(len(s))], dtype=torch.int64, device=dev)
             cu = [0]
             for s in seqs:
                 cu.append(cu[-1] + len(s))
-            meta = AttentionMetadata(True, torch.cat([s.prefill_slots.to(dev) for s in seqs]),
+            meta = AttentionMetadata("prefill", torch.cat(slots).to(dev),
                                      cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-                                     max_seqlen=max(len(s) for s in seqs))
+                                     max_seqlen_q=max(len(s) for s in seqs))
             hidden = self.model.forward(ids, pos, meta, self.cache.k_caches, self.cache.v_caches)
             logits = self.model.logits(hidden).float()
             return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]

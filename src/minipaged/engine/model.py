@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..registry import BoundOps
 from .config import Qwen3Config
 
 
@@ -25,15 +26,17 @@ from .config import Qwen3Config
 class AttentionMetadata:
     """What one forward needs besides the tokens.
 
-    Prefill: cu_seqlens int32 [S+1] on device and max_seqlen; decode: block_tables
-    int32 [B, max_blocks] and context_lens int32 [B] (lengths including the new token).
+    kind "prefill": fresh prompts only (no cached context): cu_seqlens int32 [S+1], max_seqlen_q.
+    kind "paged": chunks over cached context and/or decodes: cu_seqlens (query rows per sequence),
+        max_seqlen_q, block_tables int32 [S, max_blocks], context_lens int32 [S] (new tokens included).
+    kind "decode": one token per sequence: block_tables, context_lens.
     slot_mapping int64 [T]: where each new token's K/V goes (negative: nowhere).
     """
 
-    is_prefill: bool
+    kind: str
     slot_mapping: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
-    max_seqlen: int | None = None
+    max_seqlen_q: int | None = None
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
 
@@ -68,13 +71,13 @@ class Qwen3Model:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        backend: str | None = None,
+        ops: BoundOps,
         max_positions: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        self.backend = backend
+        self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
         def w(name: str) -> torch.Tensor:
@@ -130,10 +133,12 @@ class Qwen3Model:
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final normed hidden states [T, hidden]."""
-        import minipaged as mp
+        """input_ids/positions [T] -> final normed hidden states [T, hidden].
 
-        cfg = self.cfg
+        Attention calls the bound backend functions directly: the tensors are built
+        here (views with a stride-1 last dim and 16-byte aligned rows), so the API's
+        checks and layout fixes have nothing to do."""
+        cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size
@@ -150,18 +155,17 @@ class Qwen3Model:
             # QK-norm (per head, before RoPE), then RoPE, for q and k heads at once
             qk = apply_rope(rms_norm(qk, L["qk_norm"], eps), cos, sin)
             q, k = qk[:, :Hq], qk[:, Hq:]
-            mp.write_kv_cache(k, v, k_caches[li], v_caches[li], meta.slot_mapping,
-                              backend=self.backend, check_values=False)
-            if meta.is_prefill:
-                # No cached prefix: attend over the fresh K/V (already in the cache too).
-                o = mp.prefill_attention_varlen(
-                    q, k, v, meta.cu_seqlens, meta.cu_seqlens,
-                    max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen,
-                    causal=True, scale=self.scale, backend=self.backend, check_values=False)
+            kc, vc = k_caches[li], v_caches[li]
+            ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
+            if meta.kind == "prefill":
+                # No cached context: attend over the fresh K/V (already in the cache too).
+                o = ops.prefill_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen_q,
+                                       meta.max_seqlen_q, True, self.scale, False)
+            elif meta.kind == "paged":
+                o = ops.paged(q, kc, vc, meta.block_tables, meta.cu_seqlens, meta.context_lens,
+                              meta.max_seqlen_q, True, self.scale, False)
             else:
-                o = mp.decode_attention(
-                    q, k_caches[li], v_caches[li], meta.block_tables, meta.context_lens,
-                    scale=self.scale, backend=self.backend, check_values=False)
+                o = ops.decode(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, False)
             h = h + F.linear(o.reshape(T, q_size), L["o"])
             x = rms_norm(h, L["post_norm"], eps)
             gate_up = F.linear(x, L["gate_up"])

@@ -1,9 +1,16 @@
-"""Turns scheduled sequences into packed tensors, runs the model, returns logits.
+"""Turns a StepPlan into packed tensors, runs the model, returns the logits to sample.
 
-Prefill packs every prompt back to back ([T] tokens, cu_seqlens, no padding).
-Decode feeds one token per sequence; on CUDA it can replay a captured CUDA
-graph of the whole decode forward (batch padded up to the next captured size:
-padded rows have context_len 0 and slot -1, so they read and write nothing).
+A step packs every chunk back to back ([T] tokens, no padding). Attention:
+- a decode-only step feeds one token per sequence to the paged decode kernel;
+  on CUDA it replays a captured CUDA graph of the whole decode forward (batch
+  padded up to the next captured size: padded rows have context_len 0 and
+  slot -1, so they read and write nothing);
+- a step whose chunks all start at position 0 (fresh prompts, no cached
+  prefix) runs the varlen prefill kernel over the fresh K/V;
+- any other step (chunks over a cached prefix, prefix-cache hits, decodes
+  mixed with chunks) runs one paged_attention call per layer over the cache.
+The runner is a function of the plan: it reads block tables from the cache and
+changes no state (the scheduler updates the sequences afterwards).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import torch
 
 from .model import AttentionMetadata, Qwen3Model
+from .scheduler import StepPlan
 from .sequence import Sequence
 
 log = logging.getLogger("minipaged.engine")
@@ -40,44 +48,64 @@ class ModelRunner:
         self.graph_error: str | None = None
         self._graphs_ready = False
 
-    # ------------------------------------------------------------------ prefill
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [S, V] (fp32) at the last token of each sequence."""
-        dev = self.device
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [R, V] (fp32), one row per sampling chunk of `plan`, in plan order."""
+        if plan.decode_only:
+            return self.decode([c.seq for c in plan.chunks])
+        return self.forward_chunks(plan)
+
+    # ------------------------------------------------------------------ chunks
+    def forward_chunks(self, plan: StepPlan) -> torch.Tensor:
+        dev, bs = self.device, self.block_size
         ids: list[int] = []
-        positions: list[int] = []
-        cu = [0]
-        for s in seqs:
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            positions.extend(range(n))
-            cu.append(cu[-1] + n)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        pos, slots, tables = [], [], []
+        cu, ctx, last_rows = [0], [], []
+        for c in plan.chunks:
+            seq = c.seq
+            ids.extend(seq.token_ids[c.start:c.end])
+            table = self.cache.block_table(seq.seq_id)
+            p = torch.arange(c.start, c.end)
+            pos.append(p)
+            slots.append(torch.tensor(table, dtype=torch.int64)[p // bs] * bs + p % bs)
+            tables.append(table)
+            cu.append(cu[-1] + c.num_tokens)
+            ctx.append(c.end)
+            if c.samples:
+                last_rows.append(cu[-1] - 1)
+        positions = torch.cat(pos).to(dev)
+        slot_mapping = torch.cat(slots).to(dev)
         cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
-        slots = torch.cat([s.prefill_slots.to(dev) for s in seqs])
-        meta = AttentionMetadata(True, slots, cu_seqlens=cu_seqlens,
-                                 max_seqlen=max(cu[i + 1] - cu[i] for i in range(len(seqs))))
-        hidden = self.model.forward(input_ids, pos, meta, self.cache.k_caches, self.cache.v_caches)
-        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64, device=dev)
-        logits = self.model.logits(hidden[last]).float()
-        for s in seqs:
-            s.num_cached = len(s.token_ids)
-            s.prefill_slots = None
-        return logits
+        max_q = max(c.num_tokens for c in plan.chunks)
+        if all(c.start == 0 for c in plan.chunks):
+            meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q)
+        else:
+            width = max(len(t) for t in tables)
+            meta = AttentionMetadata(
+                "paged", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
+                block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                          device=dev),
+                context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev))
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta,
+                                    self.cache.k_caches, self.cache.v_caches)
+        if not last_rows:
+            return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
+        rows = torch.tensor(last_rows, dtype=torch.int64, device=dev)
+        return self.model.logits(hidden[rows]).float()
 
     # ------------------------------------------------------------------ decode
     def _decode_inputs(self, seqs: list[Sequence]):
         bs = self.block_size
-        ids, positions, slots, ctx = [], [], [], []
+        ids, positions, slots, ctx, tables = [], [], [], [], []
         for s in seqs:
-            p = s.num_cached
+            p = s.num_computed
+            table = self.cache.block_table(s.seq_id)
             ids.append(s.last_token)
             positions.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
+            slots.append(table[p // bs] * bs + p % bs)
             ctx.append(p + 1)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        tables = [t + [-1] * (width - len(t)) for t in tables]
         return ids, positions, slots, ctx, tables, width
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -91,7 +119,7 @@ class ModelRunner:
         else:
             dev = self.device
             meta = AttentionMetadata(
-                False,
+                "decode",
                 torch.tensor(slots, dtype=torch.int64, device=dev),
                 block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
                 context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
@@ -100,8 +128,6 @@ class ModelRunner:
                                         torch.tensor(positions, dtype=torch.int64, device=dev),
                                         meta, self.cache.k_caches, self.cache.v_caches)
             logits = self.model.logits(hidden)
-        for s in seqs:
-            s.num_cached += 1
         return logits.float()
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -119,7 +145,7 @@ class ModelRunner:
         self.s_tables = torch.zeros((n, w), dtype=torch.int32, device=dev)
 
     def _graph_forward(self, b: int) -> torch.Tensor:
-        meta = AttentionMetadata(False, self.s_slots[:b], block_tables=self.s_tables[:b],
+        meta = AttentionMetadata("decode", self.s_slots[:b], block_tables=self.s_tables[:b],
                                  context_lens=self.s_ctx[:b])
         hidden = self.model.forward(self.s_ids[:b], self.s_pos[:b], meta,
                                     self.cache.k_caches, self.cache.v_caches)

@@ -27,13 +27,15 @@ def sample(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    generators: list[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] -> token ids int64 [B].
 
     temperature 0 is greedy (argmax; ties go to the lowest id, like torch.argmax
     and transformers). Otherwise: softmax(logits / temperature), keep the smallest
     set of tokens whose probability mass reaches top_p (the most likely token is
-    always kept), renormalise and draw with `generator`.
+    always kept), renormalise and draw with `generator`, or row i with `generators[i]`
+    (per-request RNGs: a row's draw does not depend on the other rows).
     """
     temperature, top_p = check_sampling(temperature, top_p)
     if temperature == 0.0:
@@ -48,4 +50,8 @@ def sample(
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
+    if generators is not None:
+        if len(generators) != probs.shape[0]:
+            raise ValueError(f"generators has {len(generators)} entries for {probs.shape[0]} rows")
+        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

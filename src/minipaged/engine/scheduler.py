@@ -1,35 +1,86 @@
-"""Continuous batching over a PagedKVCache.
+"""Continuous batching with chunked prefill and prefix caching over a PagedKVCache.
 
-Each step is either a prefill of newly admitted sequences (as many as fit in
-max_num_seqs, max_num_batched_tokens and the free pages) or one decode token for
-every running sequence. A running sequence that needs a page when none is free
-makes the newest running sequence give up its pages (preemption by recompute,
-as vLLM does): it returns to the front of the waiting queue with its prompt and
-the tokens generated so far, and is prefilled again later. Older sequences are
-never touched, so no running sequence ever loses K/V it will still read.
+Each step runs at most `max_num_batched_tokens` tokens, in this order:
+1. every running decode (one token each, oldest first);
+2. the next chunk of every running sequence whose prompt is not yet computed;
+3. newly admitted sequences, as many as fit in max_num_seqs and the free pages,
+   each with a first chunk of what is left of the budget.
+Decodes and chunks run as one forward (see ModelRunner). A prompt longer than
+the budget is prefilled over several steps, so it never stalls the running
+decodes for more than one budget's worth of tokens; chunk boundaries fall
+anywhere, also inside a block.
 
-Pages are reserved a whole block at a time (the cache's length for a sequence is
-its reserved capacity, a multiple of block_size); the sequence itself tracks how
-many tokens are actually cached. That keeps the per-token path free of tensor
-work: slots and block tables are computed from plain Python lists.
+Admission allocates blocks for the whole prompt at once, sharing the cached
+blocks of its longest cached prefix (prefix caching: those tokens are never
+computed). After every step `update()` names the blocks that became full, so
+later sequences can hit them. When a decode needs a page and none is free, the
+newest running sequence gives up its pages (preemption by recompute, as vLLM
+does): it returns to the front of the waiting queue with its prompt and the
+tokens generated so far; blocks it had named stay cached, so its re-admission
+usually hits them. Older sequences are never touched, so no running sequence
+ever loses K/V it will still read.
+
+The cache owns the blocks; sequences only count their computed tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .sequence import Sequence, SeqStatus
 
 
+@dataclass
+class Chunk:
+    """Tokens [start, start + num_tokens) of `seq`, computed in one step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so its last row's logits are sampled."""
+        return self.end == len(self.seq)
+
+
+@dataclass
+class StepPlan:
+    """One step: decodes first (one token each), then prompt chunks."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    num_decodes: int = 0
+    prefix_hit_tokens: int = 0  # reused at this step's admissions
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks if c.samples]
+
+
 class Scheduler:
-    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # admission order: oldest first
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ admission
@@ -62,72 +113,75 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences to run this step and whether it is a prefill step."""
-        batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        batch = self._schedule_decode()
-        if not batch and self.has_work():
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        # 1. decodes, oldest first; a decode that needs a page may preempt the newest sequences
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
+                continue
+            if not self._reserve_next_slot(seq):
+                continue  # it preempted itself
+            plan.chunks.append(Chunk(seq, seq.num_computed, 1))
+            budget -= 1
+        plan.num_decodes = len(plan.chunks)
+        # 2. chunks of running prompts, oldest first
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.is_decoding:
+                n = min(len(seq) - seq.num_computed, budget)
+                plan.chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
+        # 3. admissions
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            capacity = self.blocks_for(len(seq)) * self.block_size
+            tokens = seq.token_ids if self.enable_prefix_caching else None
+            if not self.cache.can_allocate(capacity, tokens):
+                break
+            self.waiting.popleft()
+            self.cache.allocate(seq.seq_id, capacity, token_ids=tokens, return_slots=False)
+            seq.num_computed = self.cache.prefix_hit_tokens(seq.seq_id)
+            plan.prefix_hit_tokens += seq.num_computed
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed, budget)
+            plan.chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        if not plan.chunks and self.has_work():
             # Unreachable when check_fits holds; better a loud error than a silent spin.
             raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} running, "
                                f"{self.cache.num_free_blocks}/{self.cache.num_blocks} blocks free")
-        return batch, False
+        return plan
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = len(seq)
-            # A prompt longer than the token budget still runs, alone (there is no chunked prefill).
-            if batch and num_tokens + n > self.max_num_batched_tokens:
-                break
-            capacity = self.blocks_for(n) * self.block_size
-            if not self.cache.can_allocate(capacity):
-                break
-            self.waiting.popleft()
-            slots = self.cache.allocate(seq.seq_id, capacity)
-            seq.prefill_slots = slots[:n]
-            seq.block_table = self.cache.block_table(seq.seq_id)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            batch.append(seq)
-            num_tokens += n
-        return batch
+    def _reserve_next_slot(self, seq: Sequence) -> bool:
+        """Make room for position seq.num_computed; False if `seq` had to preempt itself."""
+        bs = self.block_size
+        while seq.num_computed + 1 > self.cache.seq_len(seq.seq_id):
+            if self.cache.can_append(seq.seq_id, bs):
+                self.cache.append(seq.seq_id, bs, return_slots=False)
+                return True
+            victim = self.running[-1]  # the newest gives way
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
-    def _needs_block(self, seq: Sequence) -> bool:
-        return seq.num_cached + 1 > len(seq.block_table) * self.block_size
-
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            preempted_self = False
-            while self._needs_block(seq) and not self.cache.can_append(seq.seq_id, self.block_size):
-                if self.running:
-                    self.preempt(self.running.pop())  # the newest one gives way
-                else:
-                    self.preempt(seq)
-                    preempted_self = True
-                    break
-            if preempted_self:
-                continue
-            if self._needs_block(seq):
-                self.cache.append(seq.seq_id, self.block_size)
-                seq.block_table = self.cache.block_table(seq.seq_id)
-            scheduled.append(seq)
-        self.running.extend(scheduled)
-        return scheduled
+    def update(self, plan: StepPlan) -> None:
+        """After the step's forward: the chunks' K/V are written; full blocks get named."""
+        for c in plan.chunks:
+            c.seq.num_computed = c.end
+            if self.enable_prefix_caching:
+                self.cache.commit(c.seq.seq_id, c.seq.token_ids, c.end)
 
     def preempt(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
-        seq.block_table = []
-        seq.num_cached = 0
-        seq.prefill_slots = None
+        seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -136,7 +190,6 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
-        seq.block_table = []
         try:
             self.running.remove(seq)
         except ValueError:
@@ -147,6 +200,5 @@ class Scheduler:
         for seq in list(self.running) + list(self.waiting):
             if seq.seq_id in self.cache:
                 self.cache.free(seq.seq_id)
-            seq.block_table = []
         self.running.clear()
         self.waiting.clear()

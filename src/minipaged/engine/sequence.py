@@ -1,4 +1,4 @@
-"""One request's state: its tokens, its pages and where it is in its life."""
+"""One request's state: its tokens, how many of them are computed, where it is in its life."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """Prompt + generated tokens of one request.
 
-    `num_cached` counts the tokens whose K/V are in the paged cache; the last
-    sampled token is never cached until the next decode step feeds it in.
-    `block_table` mirrors the cache's page list for this sequence so the runner
-    can compute slots and build tables without asking the cache per token.
+    `num_computed` counts the leading tokens whose K/V are in the paged cache
+    (computed here, or reused from cached prefix blocks). Until all its tokens
+    are computed it runs prompt chunks (a preempted sequence re-runs its
+    generated tokens too); once only its last sampled token is missing, it
+    decodes, one token per step. Its pages belong to the cache
+    (`cache.block_table(seq_id)`).
     """
 
-    __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "max_new_tokens", "status",
-                 "block_table", "num_cached", "prefill_slots", "num_preemptions", "finish_reason")
+    __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "max_new_tokens", "status", "num_computed",
+                 "num_preemptions", "finish_reason", "generator", "token_times")
 
     def __init__(self, prompt: list[int], max_new_tokens: int, index: int = 0) -> None:
         self.seq_id = next(_ids)
@@ -33,14 +35,19 @@ class Sequence:
         self.prompt_len = len(prompt)
         self.max_new_tokens = max_new_tokens
         self.status = SeqStatus.WAITING
-        self.block_table: list[int] = []
-        self.num_cached = 0
-        self.prefill_slots = None
+        self.num_computed = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self.generator = None  # per-request sampling RNG: draws do not depend on batch composition
+        self.token_times: list[float] = []  # perf_counter() when each new token was sampled
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Everything but the last sampled token is computed: the next step feeds that token."""
+        return self.num_generated > 0 and self.num_computed == len(self.token_ids) - 1
 
     @property
     def num_generated(self) -> int:
@@ -56,4 +63,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, len={len(self)}, prompt={self.prompt_len}, "
-                f"cached={self.num_cached}, blocks={len(self.block_table)}, {self.status.value})")
+                f"computed={self.num_computed}, {self.status.value})")

@@ -1,0 +1,186 @@
+"""Prefix caching, chunked prefill and mixed steps in the engine (issue #14).
+
+Greedy output must equal transformers' generate token for token (fp32, CPU) for
+prompts sharing long prefixes (hits of 0, some and all full blocks), budgets
+that cut prompts mid-block, and preemption in the middle of a chunked prefill;
+sampling with a seed gives the same tokens with caching on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from minipaged import registry  # noqa: E402
+from minipaged.engine import Engine  # noqa: E402
+from minipaged.engine.scheduler import Scheduler  # noqa: E402
+
+VOCAB = 500
+BS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
+        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    folder = str(tmp_path_factory.mktemp("qwen3_serving"))
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+_ref_cache: dict = {}
+
+
+def hf_greedy(hf, prompt, max_new):
+    key = (tuple(prompt), max_new)
+    if key not in _ref_cache:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=0)
+        _ref_cache[key] = out[0, len(prompt):].tolist()
+    return _ref_cache[key]
+
+
+def _tokens(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def _engine(folder, backend="torch", **kw):
+    return Engine(folder, device="cpu", dtype=torch.float32, backend=backend, block_size=BS,
+                  **{"num_blocks": 96, **kw})
+
+
+def _backends():
+    names = ["torch"]
+    if registry.all_backends()["triton"].is_available("cpu")[0]:
+        names.append("triton")
+    return names
+
+
+SYSTEM = _tokens(1, 26)  # 6 full blocks + 2 tokens
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_shared_prefix_hits_match_transformers(ckpt, backend):
+    folder, hf = ckpt
+    eng = _engine(folder, backend)
+    new = 6
+    first = [SYSTEM + _tokens(2, 5)]
+    out, st = eng.generate(first, max_new_tokens=new, return_stats=True)
+    assert out == [hf_greedy(hf, p, new) for p in first]
+    assert st.prefix_hit_tokens == 0, "an empty cache has nothing to hit"
+    # hits of some blocks (the system prompt), all full blocks (a repeated prompt), and none
+    again = [SYSTEM + _tokens(3, 9), first[0], _tokens(4, 13), SYSTEM[:12] + _tokens(5, 3)]
+    out, st = eng.generate(again, max_new_tokens=new, return_stats=True)
+    assert out == [hf_greedy(hf, p, new) for p in again]
+    # 24 + (31 - 1)//4*4 = 28 + 0 + 12 tokens reused, all of them full blocks
+    assert st.prefix_hit_tokens == 24 + 28 + 0 + 12
+    assert st.prefill_tokens == sum(map(len, again)) - st.prefix_hit_tokens
+    # caching off: the same tokens, everything computed
+    off = _engine(folder, backend, enable_prefix_caching=False)
+    out_off, st_off = off.generate(again, max_new_tokens=new, return_stats=True)
+    assert out_off == out and st_off.prefix_hit_tokens == 0
+    assert st_off.prefill_tokens == sum(map(len, again))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("budget", [7, 13])
+def test_chunked_prefill_cuts_mid_block_and_matches_transformers(ckpt, backend, budget):
+    folder, hf = ckpt
+    prompts = [_tokens(10, 33), _tokens(11, 5), _tokens(12, 18)]
+    eng = _engine(folder, backend, max_num_batched_tokens=budget)
+    out, st = eng.generate(prompts, max_new_tokens=5, return_stats=True)
+    assert out == [hf_greedy(hf, p, 5) for p in prompts]
+    assert max(st.step_tokens) <= budget, "a step ran more tokens than the budget"
+    assert st.prefill_steps >= -(-sum(map(len, prompts)) // budget)
+    assert st.mixed_steps > 0, "decodes of short prompts must ride along with later chunks"
+
+
+def test_decodes_run_every_step_while_a_long_prompt_is_chunked(ckpt):
+    folder, hf = ckpt
+    short, long = _tokens(20, 3), _tokens(21, 120)
+    eng = _engine(folder, max_num_batched_tokens=16, max_num_seqs=4)
+    seen = []
+    real = Scheduler.schedule
+
+    def spy(self):
+        plan = real(self)
+        seen.append((plan.num_decodes, [c.num_tokens for c in plan.chunks[plan.num_decodes:]]))
+        return plan
+
+    Scheduler.schedule = spy
+    try:
+        out = eng.generate([short, long], max_new_tokens=10)
+    finally:
+        Scheduler.schedule = real
+    assert out == [hf_greedy(hf, short, 10), hf_greedy(hf, long, 10)]
+    chunk_steps = [s for s in seen if s[1]]
+    assert len(chunk_steps) >= 120 // 16
+    # once the short prompt decodes, every step that chunks the long prompt also decodes it
+    assert all(nd == 1 for nd, _ in chunk_steps[1:]), seen
+
+
+def test_preemption_in_the_middle_of_a_chunked_prefill(ckpt):
+    folder, hf = ckpt
+    prompts = [_tokens(30, 9), _tokens(31, 10), _tokens(32, 37)]
+    eng = _engine(folder, num_blocks=16, max_num_batched_tokens=8, max_num_seqs=3)
+    victims = []
+    real = Scheduler.preempt
+
+    def spy(self, seq):
+        victims.append((seq.index, seq.num_computed, len(seq), seq.num_generated))
+        real(self, seq)
+
+    Scheduler.preempt = spy
+    try:
+        out, st = eng.generate(prompts, max_new_tokens=24, return_stats=True)
+    finally:
+        Scheduler.preempt = real
+    assert out == [hf_greedy(hf, p, 24) for p in prompts]
+    assert st.preemptions == len(victims) > 0
+    mid = [v for v in victims if v[3] == 0 and 0 < v[1] < v[2]]
+    assert mid, f"no sequence was preempted mid-prefill: {victims}"
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_sampling_is_the_same_with_caching_on_and_off(ckpt):
+    folder, _ = ckpt
+    prompts = [SYSTEM + _tokens(40, 3), SYSTEM + _tokens(41, 7), _tokens(42, 11)]
+    runs = []
+    for caching, budget in ((True, 8192), (False, 8192), (True, 9)):
+        eng = _engine(folder, enable_prefix_caching=caching, max_num_batched_tokens=budget)
+        eng.generate([SYSTEM + [1]], max_new_tokens=1)  # warm the prefix cache
+        runs.append(eng.generate(prompts, max_new_tokens=8, temperature=0.8, top_p=0.9, seed=123))
+    assert runs[0] == runs[1] == runs[2]
+    eng = _engine(folder)
+    assert eng.generate(prompts, max_new_tokens=8, temperature=0.8, top_p=0.9, seed=124) != runs[0]
+
+
+def test_stats_report_ttft_and_itl(ckpt):
+    folder, _ = ckpt
+    eng = _engine(folder, max_num_batched_tokens=8)
+    out, st = eng.generate([_tokens(51, 3), _tokens(50, 20)], max_new_tokens=4, return_stats=True)
+    assert len(st.ttft_seconds) == 2 and all(t > 0 for t in st.ttft_seconds)
+    assert len(st.itl_seconds) == sum(len(o) - 1 for o in out)
+    assert st.itl_percentile(50) <= st.itl_percentile(99)
+    assert st.ttft_seconds[0] < st.ttft_seconds[1], "the short prompt gets its first token while the long one chunks"
+    summary = st.summary()
+    for key in ("prefix_hit_tokens", "computed_prompt_tokens", "steps", "ttft_p50_s", "itl_p99_s"):
+        assert key in summary
