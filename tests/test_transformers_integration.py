@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from minipaged.integrations import transformers as mpt  # noqa: E402
+import oracle  # noqa: E402
 
 IMPL = mpt.register()
 
@@ -468,6 +469,44 @@ def test_attention_function_flash_kwargs_packed_batch():
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
     ref = _eager_reference(q, k, v, allowed[None], 0.125)
     assert (out.double() - ref).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_default_scaling_reaches_every_path(backend):
+    """transformers passes `scaling` (Qwen3: head_dim**-0.5, other models their own);
+    0.3 is far from 1/sqrt(64) = 0.125, so a path that drops it fails by a lot."""
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2)
+    gen = torch.Generator().manual_seed(12)
+    scale = 0.3
+    with mp.use_backend(backend):
+        # dense: no mask
+        q, k, v = torch.randn(2, 4, 11, 64, generator=gen), torch.randn(2, 2, 11, 64, generator=gen), torch.randn(2, 2, 11, 64, generator=gen)
+        mpt.reset_counts()
+        out, _ = fwd(module, q, k, v, None, scaling=scale)
+        assert mpt.path_counts() == {"dense": 1}
+        want = oracle.attention_fp64(q, k, v, True, scale).transpose(1, 2)
+        assert (out.double() - want).abs().max() < 2e-5, "dense path ignores scaling"
+        # padded: a 2D mask sends it through the varlen kernel
+        mask = torch.ones(2, 11, dtype=torch.long)
+        mask[1, :4] = 0
+        mpt.reset_counts()
+        out, _ = fwd(module, q, k, v, mask, scaling=scale)
+        assert mpt.path_counts() == {"varlen": 1}
+        assert (out[0].double() - want[0]).abs().max() < 2e-5, "padded path ignores scaling"
+        want1 = oracle.attention_fp64(q[1:, :, 4:], k[1:, :, 4:], v[1:, :, 4:], True, scale).transpose(1, 2)
+        assert (out[1, 4:].double() - want1[0]).abs().max() < 2e-5, "padded path ignores scaling"
+        # packed: FlashAttention kwargs
+        lengths = [5, 1, 9]
+        cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+        q, k, v = torch.randn(1, 4, 15, 64, generator=gen), torch.randn(1, 2, 15, 64, generator=gen), torch.randn(1, 2, 15, 64, generator=gen)
+        mpt.reset_counts()
+        out, _ = fwd(module, q, k, v, None, scaling=scale, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                     max_length_q=9, max_length_k=9)
+        assert mpt.path_counts() == {"varlen": 1}
+        for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+            w = oracle.attention_fp64(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], True, scale).transpose(1, 2)
+            assert (out[:, a:b].double() - w).abs().max() < 2e-5, f"packed path ignores scaling ({lengths})"
 
 
 def test_attention_function_refuses_what_it_cannot_do():
