@@ -215,11 +215,12 @@ def test_paged_forced_splits_fp32_interpreter():
 
 
 @cpu_only
-@pytest.mark.parametrize("cfg", [PagedConfig(64, 32, 4, 1), PagedConfig(16, 16, 4, 1)],
-                         ids=["m64n32", "m16n16"])
+@pytest.mark.parametrize("cfg", [PagedConfig(64, 32, 4, 1, False), PagedConfig(16, 16, 4, 1)],
+                         ids=["m64n32-prefill-like", "m16n16"])
 def test_paged_other_tiles_interpreter(cfg):
     """A prefill-like tile (several positions per program, a KV tile spanning two
-    pages) and the smallest one (a long chunk in many query tiles)."""
+    pages, block ids read a tile ahead) and the smallest one (a long chunk in many
+    query tiles)."""
     _run([40, 1, 3], [100, 33, 3], 4, 2, 64, 16, True, torch.float16, "cpu", config=cfg)
 
 

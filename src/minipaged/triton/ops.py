@@ -283,9 +283,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 # how the paged kernel reads block ids when a KV tile spans pages (paged.py
-# _tile_blocks): 0 one per key, 1 one per page, 2 one per page loaded a tile ahead.
+# _tile_blocks): 0 one per key, 1 one per page, 2 one per page loaded a tile ahead;
+# None: 2 for prefill-like tiles, 1 for decode-like ones. H200 (bf16, D 128, page 16,
+# `_tune paged sweep`): loading a tile ahead took long chunks over a cached prefix
+# from ~280 to ~370 TFLOP/s; for decode-like tiles the three were within noise.
 # A module attribute so tuning runs can compare them.
-PAGED_GATHER = 1
+PAGED_GATHER: int | None = None
 
 # (cfg, head_dim, dtype, causal, page, split, lse) that ran out of shared memory -> smaller config
 _paged_fallback: dict = {}
@@ -366,7 +369,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
                     IS_CAUSAL=bool(causal),
                     SPLIT=split,
                     RETURN_LSE=lse is not None,
-                    GATHER=PAGED_GATHER,
+                    GATHER=PAGED_GATHER if PAGED_GATHER is not None else (1 if cfg.packed else 2),
                     DOT_PRECISION=_dot_precision(q.dtype),
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
