@@ -198,7 +198,9 @@ def main(argv=None) -> int:
             continue
         eng = None
         try:
+            # prefix caching off: repeats of the same prompts must not turn into cache hits
             eng = Engine.from_state_dict(cfg, state, device=dev, dtype=dtype, backend=name,
+                                         enable_prefix_caching=False,
                                          max_num_seqs=max_b, max_model_len=P + N + 16,
                                          num_blocks=max_b * (-(-(P + N + 16) // 16)) + max_b)
             prompt_lists = prompts.tolist()

@@ -184,3 +184,16 @@ def test_stats_report_ttft_and_itl(ckpt):
     summary = st.summary()
     for key in ("prefix_hit_tokens", "computed_prompt_tokens", "steps", "ttft_p50_s", "itl_p99_s"):
         assert key in summary
+
+
+def test_per_request_max_new_tokens(ckpt):
+    folder, hf = ckpt
+    prompts = [_tokens(60, 7), _tokens(61, 4), _tokens(62, 9)]
+    eng = _engine(folder)
+    out = eng.generate(prompts, max_new_tokens=[3, 0, 6], ignore_eos=True)
+    assert out == [hf_greedy(hf, prompts[0], 3), [], hf_greedy(hf, prompts[2], 6)]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate(prompts, max_new_tokens=[3, 1])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate(prompts, max_new_tokens=[3, -1, 2])
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks

@@ -133,6 +133,7 @@ class GenerateStats:
     step_tokens: list[int] = field(default_factory=list)
     ttft_seconds: list[float] = field(default_factory=list)   # per request, in prompt order
     itl_seconds: list[float] = field(default_factory=list)    # gaps between consecutive tokens, all requests
+    token_seconds: list[list[float]] = field(default_factory=list)  # per request: when each token came
     total_seconds: float = 0.0
 
     @property
@@ -322,7 +323,7 @@ class Engine:
     def generate(
         self,
         prompts: Seq[Seq[int]],
-        max_new_tokens: int = 32,
+        max_new_tokens: int | Seq[int] = 32,
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop_token_ids: Seq[int] | None = None,
@@ -333,12 +334,15 @@ class Engine:
     ):
         """New tokens per prompt, in prompt order (a stop token, when hit, is included).
 
+        max_new_tokens is one int for every prompt, or one per prompt.
         With return_stats=True returns (outputs, GenerateStats): prefix-cache hit tokens,
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        per_request = not isinstance(max_new_tokens, (int, numbers.Integral)) and hasattr(max_new_tokens, "__len__")
+        for n in (max_new_tokens if per_request else [max_new_tokens]):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
         temperature, top_p = check_sampling(temperature, top_p)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
@@ -354,8 +358,11 @@ class Engine:
         stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+        if per_request and len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
+        new_tokens = [int(n) for n in max_new_tokens] if per_request else [int(max_new_tokens)] * len(prompts)
         self.stats = GenerateStats()
-        if max_new_tokens == 0 or not prompts:
+        if not any(new_tokens):
             outputs = [[] for _ in prompts]
             return (outputs, self.stats) if return_stats else outputs
 
@@ -364,7 +371,7 @@ class Engine:
         sched = Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
                           max_num_batched_tokens=self.max_num_batched_tokens,
                           max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
-        seqs = [Sequence(p, max_new_tokens, index=i) for i, p in enumerate(prompts)]
+        seqs = [Sequence(p, n, index=i) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
         if temperature > 0:
@@ -376,13 +383,14 @@ class Engine:
                 s.generator = torch.Generator(device=self.device)
                 s.generator.manual_seed((base * 1_000_003 + s.index) % (2**63))
         for s in seqs:
-            sched.add(s)
+            if s.max_new_tokens > 0:  # a request for no tokens never runs
+                sched.add(s)
 
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs) * max_new_tokens, unit="tok", desc="generate", dynamic_ncols=True)
+            bar = tqdm(total=sum(new_tokens), unit="tok", desc="generate", dynamic_ncols=True)
         t_start = time.perf_counter()
         try:
             while sched.has_work():
@@ -399,6 +407,7 @@ class Engine:
         st.cuda_graph = self.runner.graphs_active
         for s in seqs:
             times = s.token_times
+            st.token_seconds.append([t - t_start for t in times])
             if times:
                 st.ttft_seconds.append(times[0] - t_start)
                 st.itl_seconds.extend(b - a for a, b in zip(times, times[1:]))

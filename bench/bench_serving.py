@@ -1,0 +1,203 @@
+"""Serving workloads for the engine: prefix caching, chunked-prefill interference, throughput.
+
+Qwen3-0.6B shape, random bf16 weights (shared with transformers for the
+throughput anchor), greedy, EOS ignored. For every backend asked for:
+
+  shared_prefix   64 requests = one 2,048-token system prompt + a unique 128-token
+                  suffix, 128 new tokens each; caching on (cold cache at the start)
+                  vs off: prompt-phase time (steps that run prompt chunks), TTFT,
+                  total time, computed prompt tokens, identical outputs.
+  interference    32 requests with 1k-token prompts decode while 4 prompts of 16k
+                  tokens arrive behind them; inter-token latency p50/p99 of the 32
+                  with chunked prefill (budget 8192) vs a budget that holds a whole
+                  16k prompt (so one step prefills it).
+  throughput      256 requests, prompt and output lengths uniform in 100..1024
+                  (the nano-vllm benchmark shape): generated tokens/s of the engine
+                  vs transformers generate (sdpa), the latter on a left-padded
+                  subset (--hf-requests) whose useful tokens are counted.
+
+    PYTHONPATH=src python3 bench/bench_serving.py [--backends cuda,triton] [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from bench_e2e import build_hf_model  # noqa: E402
+from minipaged.benchmark.timing import environment  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine(cfg, state, backend, dev, dtype, **kw):
+    from minipaged.engine import Engine
+
+    return Engine.from_state_dict(cfg, state, device=dev, dtype=dtype, backend=backend, **kw)
+
+
+def shared_prefix(cfg, state, backend, dev, dtype, q):
+    rnd = random.Random(1)
+    n_req, sys_len, suffix, new = (16, 512, 64, 32) if q else (64, 2048, 128, 128)
+    system = [rnd.randrange(cfg.vocab_size) for _ in range(sys_len)]
+    prompts = [system + [rnd.randrange(cfg.vocab_size) for _ in range(suffix)] for _ in range(n_req)]
+    rows, outs = {}, {}
+    for caching in (False, True):
+        eng = _engine(cfg, state, backend, dev, dtype, enable_prefix_caching=caching, max_num_seqs=n_req,
+                      max_model_len=sys_len + suffix + new + 16)
+        eng.generate([prompts[0][:64]], max_new_tokens=4, ignore_eos=True)  # warm-up, graphs
+        eng.cache.reset_prefix_cache()
+        _sync()
+        out, st = eng.generate(prompts, max_new_tokens=new, ignore_eos=True, return_stats=True)
+        outs[caching] = out
+        rows["on" if caching else "off"] = dict(
+            prompt_phase_s=st.prefill_seconds, total_s=st.total_seconds, computed_prompt_tokens=st.prefill_tokens,
+            prefix_hit_tokens=st.prefix_hit_tokens, ttft_p50_s=st.ttft_percentile(50),
+            ttft_p99_s=st.ttft_percentile(99), steps=st.steps)
+        del eng
+        torch.cuda.empty_cache()
+    on, off = rows["on"], rows["off"]
+    return dict(workload="shared_prefix", requests=n_req, system_tokens=sys_len, suffix_tokens=suffix,
+                new_tokens=new, caching_off=off, caching_on=on,
+                prompt_phase_ratio_on_over_off=on["prompt_phase_s"] / off["prompt_phase_s"],
+                prefill_work_ratio_off_over_on=off["computed_prompt_tokens"] / max(1, on["computed_prompt_tokens"]),
+                identical_outputs=outs[True] == outs[False],
+                target="prompt phase <= 1/5 with caching on")
+
+
+def interference(cfg, state, backend, dev, dtype, q):
+    rnd = random.Random(2)
+    n_dec, dec_len, n_long, long_len, new = (8, 256, 2, 4096, 64) if q else (32, 1024, 4, 16384, 256)
+    decoders = [[rnd.randrange(cfg.vocab_size) for _ in range(dec_len)] for _ in range(n_dec)]
+    longs = [[rnd.randrange(cfg.vocab_size) for _ in range(long_len)] for _ in range(n_long)]
+    res = {}
+    for label, budget in (("chunked", 8192), ("whole_prompt", long_len + n_dec + n_long)):
+        eng = _engine(cfg, state, backend, dev, dtype, max_num_batched_tokens=budget, max_num_seqs=n_dec + n_long,
+                      max_model_len=long_len + new + 16, enable_prefix_caching=False)
+        eng.generate([decoders[0][:32]], max_new_tokens=4, ignore_eos=True)
+        _sync()
+        out, st = eng.generate(decoders + longs, max_new_tokens=new, ignore_eos=True, return_stats=True)
+        # the decoders' gaps while the long prompts were being prefilled
+        last_long_first = max(st.token_seconds[i][0] for i in range(n_dec, n_dec + n_long))
+        gaps = []
+        for times in st.token_seconds[:n_dec]:
+            gaps += [b - a for a, b in zip(times, times[1:]) if a <= last_long_first]
+        from minipaged.engine.engine import _percentile
+
+        p50, p99 = _percentile(gaps, 50), _percentile(gaps, 99)
+        res[label] = dict(budget=budget, itl_p50_s=p50, itl_p99_s=p99, p99_over_p50=p99 / p50 if p50 else None,
+                          gaps=len(gaps), long_ttft_s=[st.ttft_seconds[i] for i in range(n_dec, n_dec + n_long)],
+                          total_s=st.total_seconds, steps=st.steps, mixed_steps=st.mixed_steps)
+        del eng
+        torch.cuda.empty_cache()
+    return dict(workload="interference", decoders=n_dec, decoder_prompt=dec_len, long_prompts=n_long,
+                long_prompt_tokens=long_len, new_tokens=new, **res,
+                target="chunked: decode p99 ITL <= 3x p50 while the long prompts prefill")
+
+
+def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
+    rnd = random.Random(3)
+    n_req, lo, hi = (32, 50, 256) if q else (256, 100, 1024)
+    prompts = [[rnd.randrange(cfg.vocab_size) for _ in range(rnd.randint(lo, hi))] for _ in range(n_req)]
+    outs = [rnd.randint(lo, hi) for _ in range(n_req)]
+    eng = _engine(cfg, state, backend, dev, dtype, max_num_seqs=n_req, max_model_len=2 * hi + 16,
+                  enable_prefix_caching=False)
+    eng.generate([prompts[0][:16]], max_new_tokens=4, ignore_eos=True)
+    _sync()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, max_new_tokens=outs, ignore_eos=True)  # each request its own length
+    _sync()
+    t = time.perf_counter() - t0
+    produced = sum(len(o) for o in out)
+    row = dict(workload="throughput", requests=n_req, prompt_range=[lo, hi], output_range=[lo, hi],
+               engine_tok_s=produced / t, engine_s=t, generated_tokens=produced,
+               prompt_tokens=sum(map(len, prompts)))
+    del eng
+    torch.cuda.empty_cache()
+    if hf is not None and hf_requests > 0:
+        sub = list(zip(prompts, outs))[:hf_requests]
+        width = max(len(p) for p, _ in sub)
+        ids = torch.zeros(len(sub), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(sub):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        max_new = max(n for _, n in sub)
+        _sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new, min_new_tokens=max_new,
+                        do_sample=False, pad_token_id=0)
+        _sync()
+        t_hf = time.perf_counter() - t0
+        useful = sum(n for _, n in sub)
+        row.update(hf_requests=len(sub), hf_s=t_hf, hf_useful_tok_s=useful / t_hf,
+                   speedup_vs_transformers=row["engine_tok_s"] / (useful / t_hf),
+                   target=">= 10x transformers generate tokens/s")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="cuda,triton")
+    ap.add_argument("--workloads", default="shared_prefix,interference,throughput")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serving"))
+    ap.add_argument("--quick", action="store_true", help="smaller versions of every workload")
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests in transformers' padded batch (0: skip)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench_serving needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from minipaged.engine import Qwen3Config
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    cfg = Qwen3Config()
+    torch.manual_seed(0)
+    hf = build_hf_model(cfg, "sdpa", dev, dtype)
+    state = hf.state_dict()
+    result = dict(bench="serving", env=environment(dev), quick=args.quick, rows=[], errors=[])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"serving{'_quick' if args.quick else ''}.json")
+    for backend in [b for b in args.backends.split(",") if b]:
+        for w in [w for w in args.workloads.split(",") if w]:
+            t0 = time.perf_counter()
+            try:
+                if w == "shared_prefix":
+                    row = shared_prefix(cfg, state, backend, dev, dtype, args.quick)
+                elif w == "interference":
+                    row = interference(cfg, state, backend, dev, dtype, args.quick)
+                elif w == "throughput":
+                    row = throughput(cfg, state, hf, backend, dev, dtype, args.quick, args.hf_requests)
+                else:
+                    raise ValueError(f"unknown workload {w!r}")
+                row["backend"] = backend
+                row["bench_seconds"] = time.perf_counter() - t0
+                result["rows"].append(row)
+                print(json.dumps(row, indent=1, default=str), flush=True)
+            except Exception as e:  # noqa: BLE001 - one failing workload must not lose the others
+                import traceback
+
+                traceback.print_exc()
+                result["errors"].append(f"{backend}/{w}: {type(e).__name__}: {e}")
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
