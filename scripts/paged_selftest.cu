@@ -81,6 +81,17 @@ cudaError_t mma_small(const PrefillParams& p, cudaStream_t s) {
   if (p.head_dim == 128) return p.causal ? mma_small_typed<128, true>(p, s) : mma_small_typed<128, false>(p, s);
   return p.causal ? mma_small_typed<64, true>(p, s) : mma_small_typed<64, false>(p, s);
 }
+// GQA-packed rows (the dispatcher's choice for max_seqlen_q <= 16), forced for any length.
+template <int D, bool kCausal>
+cudaError_t mma_pack_typed(const PrefillParams& p, cudaStream_t s) {
+  return p.dtype == DType::kBFloat16
+             ? mf::launch_prefill_cfg<mf::CfgPack<__nv_bfloat16, D>, kCausal, true, true>(p, s)
+             : mf::launch_prefill_cfg<mf::CfgPack<__half, D>, kCausal, true, true>(p, s);
+}
+cudaError_t mma_pack(const PrefillParams& p, cudaStream_t s) {
+  if (p.head_dim == 128) return p.causal ? mma_pack_typed<128, true>(p, s) : mma_pack_typed<128, false>(p, s);
+  return p.causal ? mma_pack_typed<64, true>(p, s) : mma_pack_typed<64, false>(p, s);
+}
 #if defined(MINIPAGED_ENABLE_SM90A)
 template <template <typename, int> class Cfg, int D, bool kCausal>
 cudaError_t wg_typed(const PrefillParams& p, cudaStream_t s) {
@@ -103,6 +114,7 @@ struct Variant {
 static const Variant kVariants[] = {
     {"dispatch", minipaged::launch_prefill_paged, false},
     {"mma_m64", mma_small, false},
+    {"mma_pack", mma_pack, false},
 #if defined(MINIPAGED_ENABLE_SM90A)
     {"wgmma_m64", wg<mf::CfgWgmmaSmall>, true},
     {"wgmma_m128", wg<mf::CfgWgmmaLarge>, true},
@@ -336,6 +348,11 @@ static std::vector<Case> check_cases() {
     }
     cs.push_back({"residues q" + std::to_string(ql) + " fp16 D64 bs32 gqa8", fp, 8, 1, 64, 32, true, q, c, 0.f});
   }
+  // Speculative-length batches (max_seqlen_q <= 16: the dispatcher packs GQA groups).
+  cs.push_back({"spec bf16 D128 bs16 gqa2", bf, 16, 8, 128, 16, true, {4, 1, 16, 0, 7, 3}, {4100, 1, 300, 9, 64, 2}, 0.f});
+  cs.push_back({"spec fp16 D128 bs1 gqa8", fp, 32, 4, 128, 1, true, {8, 2, 5}, {1000, 2, 64}, 0.f});
+  cs.push_back({"spec bf16 D64 bs256 gqa4 noncausal", bf, 8, 2, 64, 256, false, {3, 16}, {700, 16}, 0.f});
+  cs.push_back({"spec fp16 D64 bs64 gqa3 q>ctx", fp, 6, 2, 64, 64, true, {12, 6}, {5, 129}, 0.f});
   // Other page sizes, GQA 1, odd scales, q_len > context.
   cs.push_back({"bs2 fp16 D128 gqa1 causal", fp, 3, 3, 128, 2, true, {17, 1, 300, 2}, {17, 900, 301, 1}, 0.f});
   cs.push_back({"bs8 bf16 D64 gqa2 scale=-0.3", bf, 4, 2, 64, 8, true, {130, 7}, {500, 7}, -0.3f});
@@ -361,6 +378,7 @@ int main(int argc, char** argv) {
         {"small bf16 D128 bs16 causal", bf, 4, 2, 128, 16, true, {0, 1, 4, 70}, {5, 1, 67, 150}, 0.f},
         {"small fp16 D64 bs1 noncausal", fp, 2, 1, 64, 1, false, {3, 65, 0}, {70, 65, 0}, 0.f},
         {"small bf16 D64 bs256 causal q>ctx", bf, 2, 2, 64, 256, true, {90, 2}, {30, 300}, 0.f},
+        {"small spec fp16 D128 bs16 gqa4", fp, 8, 2, 128, 16, true, {4, 1, 0, 9}, {70, 1, 3, 5}, 0.f},
     };
     for (const Case& c : small) failures += run_case(c, filter), ++cases;
   } else {

@@ -700,6 +700,27 @@ def test_paged_long(ops, S_q, S_ctx):
     _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"long {S_q} over {S_ctx}")
 
 
+PAGED_PACK = {"default": 0, "unpacked": 1, "packed": 2}  # PrefillParams.variant: GQA-packed rows or not
+
+
+@pytest.mark.parametrize("variant", PAGED_PACK.values(), ids=PAGED_PACK.keys())
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (12, 4), (4, 4)], ids=["G2", "G8", "G3", "G1"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_short_queries(ops, variant, heads, block_size, dtype):
+    # speculative-verification lengths (the default packs each GQA group into the rows)
+    S_q, S_ctx = [4, 1, 16, 0, 7, 3, 2], [4100, 1, 300, 9, 64, 2, 1500]
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, 128, block_size, dtype, seed=block_size)
+    for causal in (True, False):
+        o, lse = ops.paged(q, kc, vc, bt, cu, cl, 16, causal, 0.0883, True, variant=variant)
+        o64, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, causal, 0.0883)
+        o_lp, _ = _paged_oracle(q, kc, vc, bt, cu, cl, causal, 0.0883, low_precision=True)
+        what = f"short q {heads} bs{block_size} v{variant} causal={causal}"
+        _bound(o, o_lp, o64, what)
+        _check_lse(lse, lse64, what)
+        assert (o[torch.isneginf(lse64)] == 0).all()
+
+
 def test_paged_scale_and_max_seqlen_over_actual(ops):
     # negative scale (max/min swap in the kernel) and a max_seqlen_q above every q_len
     q, kc, vc, bt, cu, cl = _paged_case([17, 300, 2], [600, 300, 2], 8, 2, 128, 32, torch.float16, seed=3)

@@ -398,6 +398,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor
     p.causal = causal;
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
+    p.variant = static_cast<int>(variant);
     if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0)
       err = minipaged::launch_prefill_paged(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   }

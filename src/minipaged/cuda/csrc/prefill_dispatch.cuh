@@ -28,6 +28,15 @@ template <typename T, int D>
 using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
 using CfgLarge = PrefillCfg<T, D, 32, 4, 2, false, 2>;
+// Paged, short queries with the GQA group packed into the rows (kPackGQA):
+// 2 warps x 16 rows, BLOCK_N 32, 3 stages (56 KB at D=128, 4 CTAs per SM). A
+// decode-like CTA is bound by its K/V stream, so it is kept small: more CTAs
+// per SM keep more tiles in flight, and fewer padding rows cost MMAs.
+template <typename T, int D>
+using CfgPack = PrefillCfg<T, D, 32, 2, 1, true, 3>;
+// Longest query run that takes the packed kernel (max_seqlen_q): speculative
+// verification lengths; longer chunks have enough rows per query head.
+constexpr int kPackMaxSeqlenQ = 16;
 
 #if !defined(MINIPAGED_DISABLE_WGMMA)
 // wgmma kernels: 2 warpgroups (BLOCK_M 128, BLOCK_N 128) or, for short grids,
@@ -62,6 +71,11 @@ bool wgmma_kernels_built() {
 
 template <typename T, int D, bool kCausal, bool kPaged>
 cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
+  if constexpr (kPaged) {
+    const bool pack = p.variant == 2 || (p.variant == 0 && p.max_seqlen_q <= kPackMaxSeqlenQ &&
+                                         p.num_q_heads >= 2 * p.num_kv_heads);
+    if (pack) return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(p, stream);
+  }
 #if !defined(MINIPAGED_DISABLE_WGMMA)
   static const bool wgmma_ok_on_sm90 = wgmma_kernels_built<T, D, kCausal, kPaged>();
   if (device_is_sm90() && wgmma_ok_on_sm90) {

@@ -18,6 +18,10 @@
 // kPaged selects the K/V tile loader: dense rows (k + j * row_stride) or rows
 // gathered through a block table from paged caches (launch_prefill_paged);
 // everything after the copy (MMAs, mask, softmax, epilogue) is shared.
+// kPackGQA (short queries): a CTA owns one KV head instead of one query head,
+// and its rows are the (query row, head) pairs of that head's GQA group,
+// packed row = query_row * group + head_in_group, so the group's K/V pages are
+// streamed once for all of its heads (the decode kernels' trick, for q_len > 1).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -206,7 +210,24 @@ constexpr float kRescaleLog2 = 8.f;
 struct MaskOn { static constexpr bool value = true; };
 struct MaskOff { static constexpr bool value = false; };
 
-template <class Cfg, bool kCausal, bool kPaged = false>
+// Q rows [0, num_rows) of a block whose row r lives at gmem + row_off(r);
+// rows at or past num_rows are zero-filled.
+template <class Cfg, int kRows, class RowOff>
+__device__ __forceinline__ void load_rows_async(uint32_t smem_tile, const typename Cfg::T* gmem, int num_rows,
+                                                int tid, RowOff row_off) {
+  constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
+  const int r = tid / Cfg::kChunks;
+  const int c = tid % Cfg::kChunks;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int row = r + it * kRowStep;
+    const bool in_range = row < num_rows;
+    cp_async_16(smem_tile + smem_off<Cfg>(row, c) * 2, in_range ? gmem + row_off(row) + c * 8 : gmem, in_range);
+  }
+}
+
+template <class Cfg, bool kCausal, bool kPaged = false, bool kPack = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     prefill_fast_kernel(const PrefillParams p) {
   using T = typename Cfg::T;
@@ -222,7 +243,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   T* smem = reinterpret_cast<T*>(smem_raw + (((raw_u32 + 255u) & ~255u) - raw_u32));
   T* s_q = Cfg::kQAliased ? smem + Cfg::kStageElems : smem + Cfg::kStages * Cfg::kStageElems;
 
-  const int head = blockIdx.x;
+  int head = blockIdx.x;
   const int batch = blockIdx.y;
   // Reverse order: under causal masking the last query blocks carry the most
   // keys, so they are dispatched first and the short ones fill the tail.
@@ -232,9 +253,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const SeqInfo seq = seq_info<kPaged>(p, batch);
   const int q_begin = seq.q_begin, k_begin = seq.k_begin;
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-  if (m_start >= seqlen_q) return;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  // Rows of the sequence in this kernel's row space (packed: query rows x group).
+  const int total_rows = kPack ? seqlen_q * group : seqlen_q;
+  if (m_start >= total_rows) return;
 
-  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  // Packed: blockIdx.x is the KV head, `head` the group's first query head.
+  const int kv_head = kPack ? blockIdx.x : head / group;
+  if constexpr (kPack) head = kv_head * group;
+  // Query row of (packed) row r, and the offsets of row r from the row-0 pointers.
+  auto qrow = [&](int r) { return kPack ? r / group : r; };
+  auto q_off = [&](int r) -> int64_t {
+    return kPack ? int64_t(r / group) * p.q_row_stride + (r % group) * p.q_head_stride : int64_t(r) * p.q_row_stride;
+  };
+  auto o_off = [&](int r) -> int64_t {
+    return kPack ? int64_t(r / group) * p.o_row_stride + (r % group) * p.o_head_stride : int64_t(r) * p.o_row_stride;
+  };
   const T* q_ptr = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
                    int64_t(q_begin) * p.q_row_stride + head * p.q_head_stride;
   const T* k_ptr = static_cast<const T*>(p.k) + batch * p.k_batch_stride +
@@ -248,20 +282,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int warp_row0 = warp * Cfg::kWarpRows;  // first row of this warp inside the block
-  const int m_rows = min(kBlockM, seqlen_q - m_start);
+  const int m_rows = min(kBlockM, total_rows - m_start);
 
   // Row i sees key j iff j <= i + diag (bottom-right aligned causal mask).
   const int diag = seqlen_k - seqlen_q;
   int n_end = seqlen_k;
-  if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
+  if (kCausal) n_end = min(n_end, qrow(m_start + m_rows - 1) + 1 + diag);
   if (n_end <= 0) {
     // No row of this block sees any key: exact zeros.
     for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
       const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) =
-          make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(o_ptr + o_off(m_start + r) + c * 8) = make_uint4(0, 0, 0, 0);
     }
-    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
+    if constexpr (kPack) {
+      if (p.lse != nullptr)
+        for (int r = tid; r < m_rows; r += Cfg::kThreads)
+          p.lse[batch * p.lse_batch_stride + int64_t(q_begin + qrow(m_start + r)) * p.lse_row_stride +
+                (head + (m_start + r) % group) * p.lse_head_stride] = -INFINITY;
+    } else {
+      write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
+    }
     return;
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
@@ -285,8 +325,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   };
 
   // Prologue: Q (group 0), then K/V tiles 0 .. kStages-2 (one group each).
-  load_tile_async<Cfg, kBlockM>(s_q_u32, q_ptr + int64_t(m_start) * p.q_row_stride,
-                                p.q_row_stride, 0, m_rows, tid);
+  if constexpr (kPack) {
+    load_rows_async<Cfg, kBlockM>(s_q_u32, q_ptr, m_rows, tid, [&](int r) { return q_off(m_start + r); });
+  } else {
+    load_tile_async<Cfg, kBlockM>(s_q_u32, q_ptr + int64_t(m_start) * p.q_row_stride,
+                                  p.q_row_stride, 0, m_rows, tid);
+  }
   cp_async_commit();
   load_kv(0, 0);
   cp_async_commit();
@@ -412,7 +456,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
             const int row = m_start + warp_row0 + mt * 16 + g + (e >> 1) * 8;
             const int col = n0 + nt * 8 + tq + (e & 1);
             bool visible = col < seqlen_k;
-            if (kCausal) visible = visible && col <= row + diag;
+            if (kCausal) visible = visible && col <= qrow(row) + diag;
             if (!visible) acc_s[mt][nt][e] = masked;
           }
     }
@@ -531,7 +575,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   int t = 0;
   for (; t < n_tiles; ++t) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
-    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
+    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= qrow(m_start) + diag);
     if (full) break;
     tile_step(t, MaskOn{});
   }
@@ -553,8 +597,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       const int r = warp_row0 + mt * 16 + g + h * 8;
       if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
         const float ref = row_ext[mt][h] == masked ? 0.f : row_ext[mt][h] * scale_log2;
-        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-              int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+        const int pr = m_start + r;
+        p.lse[batch * p.lse_batch_stride + (kPack ? head + pr % group : head) * p.lse_head_stride +
+              int64_t(q_begin + qrow(pr)) * p.lse_row_stride] = row_lse(ref, l);
       }
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
@@ -569,25 +614,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
     const int row = warp_row0 + r;
     if (row < m_rows) {
-      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+      *reinterpret_cast<uint4*>(o_ptr + o_off(m_start + row) + c * 8) =
           *reinterpret_cast<const uint4*>(s_q + smem_off<Cfg>(row, c));
     }
   }
 }
 
-template <class Cfg, bool kCausal, bool kPaged = false>
+template <class Cfg, bool kCausal, bool kPaged = false, bool kPack = false>
 cudaError_t launch_prefill_cfg(const PrefillParams& p, cudaStream_t stream) {
-  const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t rows = int64_t(p.max_seqlen_q) * (kPack ? p.num_q_heads / p.num_kv_heads : 1);
+  const int64_t m_blocks = (rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  auto kernel = prefill_fast_kernel<Cfg, kCausal, kPaged>;
+  auto kernel = prefill_fast_kernel<Cfg, kCausal, kPaged, kPack>;
   constexpr int kSmem = Cfg::kSmemBytes;
   if (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(p.num_q_heads, p.batch, m_blocks);
+  const dim3 grid(kPack ? p.num_kv_heads : p.num_q_heads, p.batch, unsigned(m_blocks));
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
