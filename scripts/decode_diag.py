@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from minipaged.triton import configs
+
 from minipaged.benchmark import cases as cs
 from minipaged.benchmark import timing
 from minipaged.cuda import ops as cuda_ops
@@ -61,9 +63,9 @@ def runner(name, splits, variant, inputs):
 
     def run():
         if splits:
-            os.environ["MINIPAGED_TRITON_DECODE_SPLITS"] = str(splits)
+            configs.set_override("decode_splits", str(splits))
         else:
-            os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+            configs.set_override("decode_splits", None)
         return fn(q, kc, vc, bt, cl, SCALE)
 
     return run
@@ -106,7 +108,7 @@ def main_time(out_path):
             for name, splits, variant in configs(B, L):
                 row = dict(B=B, L=L, flush=mode, backend=name, splits=splits, variant=variant)
                 rows.append(measure(runner(name, splits, variant, inputs), nbytes, row, ref))
-            os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+            configs.set_override("decode_splits", None)
         inputs = x = None  # free this shape's buffers before the next one
         torch.cuda.empty_cache()
     json.dump(rows, open(out_path, "w"), indent=1)

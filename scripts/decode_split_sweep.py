@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from minipaged.triton import configs
+
 from minipaged.benchmark import cases as cs
 from minipaged.benchmark import timing
 from minipaged.cuda import ops as cuda_ops
@@ -23,9 +25,9 @@ for B, L in ((1, 4096), (1, 32768), (8, 4096)):
     nbytes = case.bytes(2)
     scale = 128**-0.5
     for splits in (0, 16, 32, 64, 96, 128):
-        os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+        configs.set_override("decode_splits", None)
         if splits:
-            os.environ["MINIPAGED_TRITON_DECODE_SPLITS"] = str(splits)
+            configs.set_override("decode_splits", str(splits))
         runs = {"triton": lambda: triton_decode(q, kc, vc, bt, cl, scale)}
         for variant in (0, 6, 7):
             runs[f"cuda-v{variant}"] = lambda v=variant, s=splits: cuda_ops.decode(q, kc, vc, bt, cl, scale, s, v)
@@ -37,5 +39,5 @@ for B, L in ((1, 4096), (1, 32768), (8, 4096)):
                 row = dict(B=B, L=L, backend=name, splits=splits, error=f"{type(e).__name__}: {str(e)[:120]}")
             rows.append(row)
             print(row, flush=True)
-os.environ.pop("MINIPAGED_TRITON_DECODE_SPLITS", None)
+configs.set_override("decode_splits", None)
 json.dump(rows, open(out_path, "w"), indent=1)

@@ -224,7 +224,7 @@ _NAMES = {f: f for f in ("prefill", "prefill_varlen", "decode", "paged", "write_
 def _load_triton() -> BackendOps:
     from .triton import ops
 
-    return getattr(ops, "OPS", None) or _interim(ops, _NAMES)
+    return ops.OPS
 
 
 def _load_cuda() -> BackendOps:

@@ -72,19 +72,32 @@ _PREFILL_SM90 = {
     (256, 4, False): PrefillConfig(32, 32, 8, 1),
 }
 
-# Environment override for tuning runs: "BM,BN,WARPS,STAGES".
-_PREFILL_ENV = "MINIPAGED_TRITON_PREFILL_CONFIG"
-_DECODE_ENV = "MINIPAGED_TRITON_DECODE_CONFIG"
+# Tuning scripts force a config through set_override(); the hot path only reads this dict.
+# "prefill": (BM, BN, WARPS, STAGES), "decode": (BN, WARPS, STAGES), "decode_splits": int,
+# "paged": (BM, BN, WARPS, STAGES).
+OVERRIDES: dict[str, object] = {}
+# bumped by set_override so that cached launch plans are recomputed
+overrides_version = 0
+
+
+def set_override(name: str, value) -> None:
+    """Force (value) or release (None) one config for tuning runs; see OVERRIDES."""
+    global overrides_version
+    if name not in ("prefill", "decode", "decode_splits", "paged"):
+        raise ValueError(f"unknown override {name!r}")
+    if value is None:
+        OVERRIDES.pop(name, None)
+    else:
+        OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
+    overrides_version += 1
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads: int,
                    max_seqlen_q: int, device: torch.device) -> PrefillConfig:
     if interpreting() or device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
-    env = os.environ.get(_PREFILL_ENV)
-    if env:
-        bm, bn, w, s = (int(x) for x in env.split(","))
-        return PrefillConfig(bm, bn, w, s)
+    if "prefill" in OVERRIDES:
+        return PrefillConfig(*OVERRIDES["prefill"])
     elem = dtype.itemsize
     major, _ = torch.cuda.get_device_capability(device)
     cfg = _PREFILL_SM90.get((head_dim, elem, causal), PrefillConfig(64, 32, 4, 2))
@@ -100,10 +113,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads:
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
-    env = os.environ.get(_DECODE_ENV)
-    if env:
-        bn, w, s = (int(x) for x in env.split(","))
-        return DecodeConfig(bn, w, s)
+    if "decode" in OVERRIDES:
+        return DecodeConfig(*OVERRIDES["decode"])
     elem = dtype.itemsize
     if elem == 4:
         return DecodeConfig(32, 8, 2)
@@ -132,9 +143,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
     graph. Splits are sized per sequence inside the kernel from its own
     context length, so an over-estimate only leaves some splits empty.
     """
-    env = os.environ.get("MINIPAGED_TRITON_DECODE_SPLITS")
-    if env:
-        return max(1, min(int(env), MAX_SPLITS))
+    if "decode_splits" in OVERRIDES:
+        n = OVERRIDES["decode_splits"]
+        return max(1, min(int(n[0] if isinstance(n, tuple) else n), MAX_SPLITS))
     programs = max(batch * num_kv_heads, 1)
     want = round(_SPLIT_PROGRAMS_PER_SM * sm_count(device) / programs)
     # at least one KV tile per split
@@ -163,7 +174,6 @@ class PagedConfig:
 # Up to this many (position, head) rows a sequence's whole query run is one
 # decode-like tile; beyond, prefill-like tiles of 128 rows.
 _PACKED_MAX_ROWS = 64
-_PAGED_ENV = "MINIPAGED_TRITON_PAGED_CONFIG"
 
 
 def _next_pow2(n: int) -> int:
@@ -177,9 +187,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     min_m = max(16, _next_pow2(group))  # tl.dot needs M >= 16; one position must fit all heads
     if interpreting() or device.type != "cuda":
         return PagedConfig(max(min_m, min(32, _next_pow2(rows))), 16, 4, 1)
-    env = os.environ.get(_PAGED_ENV)
-    if env:
-        bm, bn, w, s = (int(x) for x in env.split(","))
+    if "paged" in OVERRIDES:
+        bm, bn, w, s = OVERRIDES["paged"]
         return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS)
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)

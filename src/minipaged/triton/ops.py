@@ -8,12 +8,13 @@ decode and write_kv_cache can be captured in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..registry import BackendOps
+from . import configs
 from .cache import _write_kv_kernel
 from .configs import (
     PagedConfig,
@@ -47,10 +48,6 @@ def _device_scope(t: torch.Tensor):
     if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return _NO_SCOPE
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _smaller(cfg: PrefillConfig) -> PrefillConfig | None:
@@ -104,7 +101,6 @@ def _result(out: torch.Tensor, lse: torch.Tensor | None):
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             return_lse: bool = False):
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
@@ -135,7 +131,6 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
                    return_lse: bool = False):
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -174,8 +169,7 @@ _decode_plans: dict = {}
 
 def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor):
     key = (q.device, q.dtype, *q.shape, *k_cache.shape[1:3], block_tables.shape[1],
-           os.environ.get("MINIPAGED_TRITON_DECODE_SPLITS"), os.environ.get("MINIPAGED_TRITON_DECODE_CONFIG"),
-           os.environ.get("TRITON_INTERPRET"))
+           configs.overrides_version, configs.interpreting())
     plan = _decode_plans.get(key)
     if plan is None:
         batch, num_q_heads, head_dim = q.shape
@@ -191,8 +185,6 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
            return_lse: bool = False):
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -200,10 +192,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = _lse_buffer((batch, num_q_heads), q.device, return_lse)
     if out.numel() == 0:
         return _result(out, lse)
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if context_lens.stride(0) != 1:
-        context_lens = context_lens.contiguous()
     cfg, num_splits, block_h = _decode_plan(q, k_cache, block_tables)
     split = num_splits > 1
     if split:
@@ -262,10 +250,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("write_kv_cache: the caches must have a stride-1 last dim (written in place)")
-    slot_mapping = slot_mapping.contiguous()
     page_size = k_cache.shape[1]
     with _device_scope(k):
         _write_kv_kernel[(num_tokens,)](
@@ -307,6 +291,9 @@ def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
     return None
 
 
+_paged_plans: dict = {}
+
+
 def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, causal: bool,
           scale: float, return_lse: bool = False, *, num_splits: int | None = None,
@@ -316,8 +303,6 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     num_splits / config (keyword only, for tests and tuning) force the split
     count and the tile; by default both come from shapes, so nothing syncs.
     """
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -329,11 +314,17 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         if lse is not None:
             lse.fill_(float("-inf"))
         return _result(out.zero_(), lse)
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    cfg = config or paged_config(head_dim, q.dtype, bool(causal), max_seqlen_q, group, q.device)
-    fb_key = (cfg, head_dim, q.dtype, bool(causal), page_size, lse is not None)
-    cfg = _paged_fallback.get(fb_key, cfg)
+    # Config and split count depend on shapes only; cached so that a step of short
+    # queries pays a dict lookup, not the heuristics (decode-sized kernels are host-bound).
+    plan_key = (q.device, q.dtype, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
+                max_seqlen_q, block_tables.shape[1], bool(causal), configs.overrides_version)
+    plan = None if config is not None else _paged_plans.get(plan_key)
+    if plan is None:
+        plan = config or paged_config(head_dim, q.dtype, bool(causal), max_seqlen_q, group, q.device)
+        if config is None:
+            _paged_plans[plan_key] = plan
+    fb_key = (plan, head_dim, q.dtype, bool(causal), page_size, lse is not None)
+    cfg = _paged_fallback.get(fb_key, plan)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     with _device_scope(q):
         while True:
@@ -408,4 +399,11 @@ def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Te
     return out, lse
 
 
-__all__ = ["prefill", "prefill_varlen", "decode", "paged", "write_kv_cache", "merge_attention_states"]
+OPS = BackendOps(
+    prefill=prefill,
+    prefill_varlen=prefill_varlen,
+    decode=decode,
+    paged=paged,
+    write_kv_cache=write_kv_cache,
+    merge_attention_states=merge_attention_states,
+)

@@ -1,7 +1,7 @@
 """Quick GPU timing of the Triton ops next to torch SDPA (flash), for tuning the
 config table. Not the project benchmark (that is `minipaged bench`).
 
-    PYTHONPATH=src python -m minipaged.triton._tune [prefill] [decode] [sweep] [paged]
+    PYTHONPATH=src python scripts/triton_tune.py [prefill] [decode] [sweep] [paged]
 
 Medians of triton.testing.do_bench (which flushes L2 between repetitions),
 random data, bf16, Qwen3-0.6B heads (Hq 16, Hkv 8, D 128).
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from . import ops
+from minipaged.triton import configs, ops
 
 HQ, HKV, D = 16, 8, 128
 DT = torch.bfloat16
@@ -48,9 +48,9 @@ def prefill_table(configs=None):
         ref = _sdpa_flash(q, kr, vr, True).float()
         for cfg in (configs or [None]):
             if cfg is not None:
-                os.environ["MINIPAGED_TRITON_PREFILL_CONFIG"] = cfg
+                configs.set_override("prefill", cfg)
             else:
-                os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+                configs.set_override("prefill", None)
             try:
                 out = ops.prefill(q, k, v, True, 1 / math.sqrt(D))
                 err = (out.float() - ref).abs().max().item()
@@ -59,7 +59,7 @@ def prefill_table(configs=None):
                       f"{t_sdpa:>9.3f} {flops / t_sdpa / 1e9:>8.1f}  maxdiff_vs_sdpa={err:.2e}", flush=True)
             except Exception as e:  # a config that does not fit is a result too
                 print(f"{B:>3} {N:>6} {cfg:>16} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
-        os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+        configs.set_override("prefill", None)
         del q, k, v, kr, vr
 
 
@@ -102,11 +102,8 @@ def _graph_us(sets):
 
 
 def _set_env(splits, cfg):
-    for name, val in (("MINIPAGED_TRITON_DECODE_SPLITS", splits), ("MINIPAGED_TRITON_DECODE_CONFIG", cfg)):
-        if val is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = val
+    configs.set_override("decode_splits", splits)
+    configs.set_override("decode", cfg)
 
 
 def decode_table(sweep=False):
@@ -167,9 +164,9 @@ def prefill_extra():
         ref = _sdpa_flash(q, kr, vr, causal).float()
         for cfg in cfgs:
             if cfg is None:
-                os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+                configs.set_override("prefill", None)
             else:
-                os.environ["MINIPAGED_TRITON_PREFILL_CONFIG"] = cfg
+                configs.set_override("prefill", cfg)
             try:
                 out = ops.prefill(q, k, v, causal, 1 / math.sqrt(d))
                 err = (out.float() - ref).abs().max().item()
@@ -179,7 +176,7 @@ def prefill_extra():
                       f"  maxdiff={err:.2e}", flush=True)
             except Exception as e:
                 print(f"B={B} N={N} D={d} {cfg} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-        os.environ.pop("MINIPAGED_TRITON_PREFILL_CONFIG", None)
+        configs.set_override("prefill", None)
 
 
 def host_overhead():
@@ -227,9 +224,9 @@ def _paged_problem(q_lens, ctxs, page=16):
 def _paged_variant(gather, cfg):
     ops.PAGED_GATHER = gather
     if cfg is None:
-        os.environ.pop("MINIPAGED_TRITON_PAGED_CONFIG", None)
+        configs.set_override("paged", None)
     else:
-        os.environ["MINIPAGED_TRITON_PAGED_CONFIG"] = cfg
+        configs.set_override("paged", cfg)
     return f"gather={gather} cfg={cfg or 'table'}"
 
 
