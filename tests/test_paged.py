@@ -70,7 +70,9 @@ def make_paged(q_lens, ctx_lens, *, Hq=4, Hkv=2, D=64, block_size=4, dtype=torch
 
 
 def oracle(p, *, causal=True, scale=None):
-    """fp64: (o [Tq, Hq, D], lse [Tq, Hq]) from the raw keys/values (not the cache)."""
+    """fp64: (o [Tq, Hq, D], lse [Tq, Hq]) from the raw keys/values (not the cache), one
+    sequence at a time with its own mask: row i of q_len rows sees key j iff
+    j <= context_len - q_len + i (causal)."""
     q = p["q"].double().cpu()
     Tq, Hq, D = q.shape
     Hkv = p["keys"][0].shape[1] if p["keys"] else 1
@@ -81,20 +83,25 @@ def oracle(p, *, causal=True, scale=None):
     cu = p["cu_seqlens_q"].tolist()
     for s, (ks, vs) in enumerate(zip(p["keys"], p["vals"])):
         n, nq = ks.shape[0], cu[s + 1] - cu[s]
+        if nq == 0 or n == 0:
+            continue
         # the low-precision inputs are what the kernels see: round them the same way
-        kd = ks.to(p["k_cache"].dtype).double()
-        vd = vs.to(p["v_cache"].dtype).double()
-        for i in range(nq):
-            hi = (n - nq + i + 1) if causal else n
-            hi = max(0, min(hi, n))
-            if hi == 0:
-                continue
-            for h in range(Hq):
-                sc = (kd[:hi, h // group] @ q[cu[s] + i, h]) * scale
-                m = sc.max()
-                w = torch.exp(sc - m)
-                o[cu[s] + i, h] = (w[:, None] * vd[:hi, h // group]).sum(0) / w.sum()
-                lse[cu[s] + i, h] = m + torch.log(w.sum())
+        kd = ks.to(p["k_cache"].dtype).double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        vd = vs.to(p["v_cache"].dtype).double().repeat_interleave(group, dim=1)
+        qs = q[cu[s]:cu[s + 1]]  # [nq, Hq, D]
+        scores = torch.einsum("ihd,jhd->hij", qs, kd) * scale
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(n)[None, :]
+        seen = (j <= n - nq + i) if causal else torch.ones(nq, n, dtype=torch.bool)
+        scores = scores.masked_fill(~seen, -math.inf)
+        has = seen.any(1)  # [nq]
+        m = scores.amax(-1, keepdim=True).clamp_min(-1e300)
+        w = torch.exp(scores - m)
+        den = w.sum(-1, keepdim=True)
+        out = torch.einsum("hij,jhd->ihd", w / den.clamp_min(1e-300), vd)
+        o[cu[s]:cu[s + 1]] = torch.where(has[:, None, None], out, torch.zeros_like(out))
+        l_s = (m + torch.log(den)).squeeze(-1).transpose(0, 1)  # [nq, Hq]
+        lse[cu[s]:cu[s + 1]] = torch.where(has[:, None], l_s, torch.full_like(l_s, -math.inf))
     return o, lse
 
 
