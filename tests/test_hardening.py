@@ -232,3 +232,47 @@ def test_engine_bind_resolves_once():
     from minipaged import reference
 
     assert ops.paged is reference.paged
+
+
+# ------------------------------------------------------------------ GPU: bad input never costs the context
+
+
+@pytest.mark.gpu
+def test_bad_inputs_on_cuda_leave_the_context_usable():
+    """Feed every bad input of issue #11 to the engine and the ops on CUDA; afterwards a decode
+    must still run and be correct (a device-side assert would make every later call fail)."""
+    dev = "cuda"
+    eng = Engine(TINY, dtype=torch.bfloat16, device=dev, num_blocks=64, max_num_seqs=4)
+    for kw in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+               dict(top_p=2.0), dict(temperature=-1.0)):
+        with pytest.raises((ValueError, TypeError)):
+            eng.generate([[1, 2, 3]], max_new_tokens=2, **kw)
+    for prompt in ([[1, 1.7]], [[1, 97]], [[-1]]):
+        with pytest.raises((ValueError, TypeError)):
+            eng.generate(prompt, max_new_tokens=2)
+    q = torch.randn(2, 4, 64, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(8, 16, 2, 64, device=dev, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
+    lens = torch.tensor([20, 31], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
+    for backend in ("cuda", "triton"):
+        if not registry.all_backends()[backend].is_available("cuda")[0]:
+            continue
+        bad_tables = tables.clone()
+        bad_tables[1, 1] = 1000
+        with pytest.raises(ValueError):
+            mp.decode_attention(q, kc, kc, bad_tables, lens, backend=backend)
+        with pytest.raises(ValueError):
+            mp.paged_attention(q, kc, kc, bad_tables, cu, lens, backend=backend)
+        with pytest.raises(ValueError):
+            mp.decode_attention(q, kc, kc, tables, torch.tensor([20, 999], dtype=torch.int32, device=dev),
+                                backend=backend)
+        with pytest.raises(ValueError):
+            mp.write_kv_cache(q, q, kc, kc, torch.tensor([0, 10**6], device=dev), backend=backend)
+        with pytest.raises(ValueError, match="head dim"):
+            mp.decode_attention(q[..., :0], kc[..., :0], kc[..., :0], tables, lens, backend=backend)
+        out = mp.decode_attention(q, kc, kc, tables, lens, backend=backend)
+        ref = mp.decode_attention(q.float(), kc.float(), kc.float(), tables, lens, backend="torch")
+        assert (out.float() - ref).abs().max().item() < 3e-2
+    torch.cuda.synchronize()
+    assert len(eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)) == 2
