@@ -2,7 +2,8 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [sanitize] [diag] [ncu]
+#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [paged_selftest]
+#                        [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -52,6 +53,14 @@ for s in $stages; do
     tests) run tests env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
     bench) run bench python3 -m minipaged.cli bench ${BENCH_ARGS:-} --out "$WORK/bench";;
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
+    serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
+    overhead) run overhead python3 bench/bench_overhead.py --json "$WORK/bench/overhead.json";;
+    paged_selftest)
+      csrc=src/minipaged/cuda/csrc
+      run paged_selftest_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
+        -DMINIPAGED_ENABLE_SM90A -I $csrc scripts/paged_selftest.cu $csrc/paged.cu -o /tmp/paged_selftest -lgomp
+      run paged_memcheck compute-sanitizer --tool memcheck /tmp/paged_selftest small
+      OMP_NUM_THREADS=16 run paged_selftest /tmp/paged_selftest check;;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \

@@ -242,3 +242,14 @@ def test_prefix_caching_and_chunks_bf16_against_fp32_teacher_gpu(backend):
           f"off {worst[False]:.3f}")
     # a wrong page or a stale chunk picks tokens several logit std below the max; bf16 noise is far less
     assert worst[True] < 0.5 and worst[False] < 0.5, worst
+
+
+def test_generate_cli_shows_serving_stats(ckpt, capsys):
+    from minipaged.engine import cli
+
+    rc = cli.main(["--model", ckpt[0], "--batch", "2", "--prompt-len", "9", "--max-new-tokens", "3",
+                   "--device", "cpu", "--backend", "torch", "--max-num-batched-tokens", "5", "--no-prefix-caching"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "prefix cache hit 0 tokens" in out and "time to first token" in out and "inter-token" in out
+    assert cli.main(["--max-num-batched-tokens", "0", "--device", "cpu"]) == 2

@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                   help="token budget of one step: running decodes, then prompt chunks (default 8192)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
 
 
@@ -70,6 +74,7 @@ def validate(args: argparse.Namespace) -> None:
     _positive("--num-blocks", args.num_blocks, allow_none=True)
     # 0 is not "use the default": only leaving the flag out is
     _positive("--max-num-seqs", args.max_num_seqs, allow_none=True)
+    _positive("--max-num-batched-tokens", args.max_num_batched_tokens)
     bs = args.block_size
     if not 1 <= bs <= 256 or bs & (bs - 1):
         raise ValueError(f"--block-size must be a power of two from 1 to 256, got {bs}")
@@ -154,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         eng = Engine(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                      block_size=args.block_size, num_blocks=args.num_blocks,
                      max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else args.batch,
-                     seed=args.seed, cuda_graph=False if args.no_cuda_graph else None)
+                     seed=args.seed, cuda_graph=False if args.no_cuda_graph else None,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     enable_prefix_caching=not args.no_prefix_caching)
     except (OSError, ValueError, KeyError, NotImplementedError, registry.BackendUnavailableError) as e:
         # the flags passed validate(); what is left is the checkpoint folder's content
         return _error(e)
@@ -194,10 +201,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"first output tokens: {outs[0][:16]}{' ...' if len(outs[0]) > 16 else ''}")
     print(f"prefill: {st.prefill_tokens} tokens in {st.prefill_seconds * 1e3:.1f} ms "
-          f"= {st.prefill_tokens_per_s:,.0f} tokens/s ({st.prefill_steps} steps)")
+          f"= {st.prefill_tokens_per_s:,.0f} tokens/s ({st.prefill_steps} steps, {st.mixed_steps} with decodes; "
+          f"prefix cache hit {st.prefix_hit_tokens} tokens)")
     print(f"decode : {st.decode_tokens} tokens in {st.decode_seconds * 1e3:.1f} ms "
           f"= {st.decode_tokens_per_s:,.0f} tokens/s ({st.decode_steps} steps, batch {args.batch}, "
           f"cuda graph {'on' if st.cuda_graph else 'off'}, preemptions {st.preemptions})")
+    print(f"latency: time to first token p50 {st.ttft_percentile(50) * 1e3:.1f} ms, p99 "
+          f"{st.ttft_percentile(99) * 1e3:.1f} ms; inter-token p50 {st.itl_percentile(50) * 1e3:.2f} ms, "
+          f"p99 {st.itl_percentile(99) * 1e3:.2f} ms ({st.steps} steps, {st.total_seconds:.2f} s)")
     return 0
 
 
