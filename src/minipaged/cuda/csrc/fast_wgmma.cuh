@@ -136,13 +136,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
 
+  std::conditional_t<kPaged, PagedKVLoader<Cfg, kBlockN>, NoLoader> pager;
+  const int32_t* table = kPaged ? p.block_tables + batch * p.block_table_stride : nullptr;
+  if constexpr (kPaged) pager.fetch(p, table, (n_tiles - 1) * kBlockN, seqlen_k, tid);
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * Cfg::kStageBytes;
     if constexpr (kPaged) {
-      load_kv_paged_async<Cfg, kBlockN>(k_dst, k_dst + Cfg::kTileBytes, k_ptr, v_ptr, p,
-                                        p.block_tables + batch * p.block_table_stride, n0, seqlen_k, tid,
-                                        [](int row, int chunk) { return sw128_off<kBlockN>(row, chunk); });
+      pager.issue(k_dst, k_dst + Cfg::kTileBytes, k_ptr, v_ptr, p, n0, seqlen_k, tid,
+                  [](int row, int chunk) { return sw128_off<kBlockN>(row, chunk); });
+      if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
     } else {
       load_tile_sw128<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
       load_tile_sw128<Cfg, kBlockN>(k_dst + Cfg::kTileBytes, v_ptr, p.v_row_stride, n0, seqlen_k,

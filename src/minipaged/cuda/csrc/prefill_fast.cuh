@@ -25,6 +25,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "fast_mma.cuh"
 #include "params.h"
@@ -106,55 +107,64 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typena
   }
 }
 
-// Paged counterpart of load_tile_async for a K and a V tile of one sequence:
-// key j (row0 <= j < row0 + kRows) is token j % block_size of cache block
-// table[j / block_size]. Rows at or past num_rows are zero-filled and never
-// looked up, so table entries past ceil(num_rows / block_size) (which may be
-// -1) are not read. The page ids of a thread's rows are fetched first, all at
-// once, so the copy waits for one table round trip, not one per row.
+// Paged counterpart of load_tile_async for the K and V tiles of one sequence:
+// key j is token j % block_size of cache block table[j / block_size]. Rows at
+// or past num_rows are zero-filled and never looked up, so table entries past
+// ceil(num_rows / block_size) (which may be -1) are not read.
+// The page ids of a tile are fetched one tile ahead (fetch() right after the
+// previous tile's copies were issued), so the table round trip overlaps a
+// whole tile of math instead of stalling the copy. Tiles must be issued in
+// order (fetch(t), issue(t), fetch(t+1), issue(t+1), ...), which both kernels do.
 // `dst_off(row, chunk)` is the byte offset of a 16-byte chunk in the shared
 // tile (the mma.sync and wgmma kernels swizzle differently).
-template <class Cfg, int kRows, class DstOff>
-__device__ __forceinline__ void load_kv_paged_async(uint32_t k_tile, uint32_t v_tile,
-                                                    const typename Cfg::T* k_head,
-                                                    const typename Cfg::T* v_head,
-                                                    const PrefillParams& p, const int32_t* table,
-                                                    int row0, int num_rows, int tid, DstOff dst_off) {
-  constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
-  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
+template <class Cfg, int kRows>
+struct PagedKVLoader {
+  static constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
+  static constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
   static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kIters >= 1, "copy layout");
-  const int r = tid / Cfg::kChunks;
-  const int c = tid % Cfg::kChunks;
-  const int log2_bs = __ffs(p.block_size) - 1;
-  const int bs_mask = p.block_size - 1;
+  using T = typename Cfg::T;
   int page[kIters];
-  if (p.block_size >= kRows) {
-    // row0 is a multiple of kRows, so the whole tile lies in one page.
-    const int pg = __ldg(table + (row0 >> log2_bs));
+
+  // row0 is a multiple of kRows, so with block_size >= kRows the tile lies in one page.
+  __device__ __forceinline__ void fetch(const PrefillParams& p, const int32_t* table, int row0, int num_rows,
+                                        int tid) {
+    const int log2_bs = __ffs(p.block_size) - 1;
+    if (p.block_size >= kRows) {
+      const int pg = row0 < num_rows ? __ldg(table + (row0 >> log2_bs)) : 0;
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) page[it] = pg;
-  } else {
+      for (int it = 0; it < kIters; ++it) page[it] = pg;
+    } else {
+      const int r = tid / Cfg::kChunks;
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int j = row0 + r + it * kRowStep;
-      page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
+      for (int it = 0; it < kIters; ++it) {
+        const int j = row0 + r + it * kRowStep;
+        page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
+      }
     }
   }
+
+  template <class DstOff>
+  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const T* k_head, const T* v_head,
+                                        const PrefillParams& p, int row0, int num_rows, int tid,
+                                        DstOff dst_off) const {
+    const int r = tid / Cfg::kChunks;
+    const int c = tid % Cfg::kChunks;
+    const int bs_mask = p.block_size - 1;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int row = r + it * kRowStep;
-    const int j = row0 + row;
-    const bool valid = j < num_rows;
-    const int64_t in_page = j & bs_mask;
-    const typename Cfg::T* kp =
-        valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 8 : k_head;
-    const typename Cfg::T* vp =
-        valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 8 : v_head;
-    const uint32_t off = dst_off(row, c);
-    cp_async_16(k_tile + off, kp, valid);
-    cp_async_16(v_tile + off, vp, valid);
+    for (int it = 0; it < kIters; ++it) {
+      const int row = r + it * kRowStep;
+      const int j = row0 + row;
+      const bool valid = j < num_rows;
+      const int64_t in_page = j & bs_mask;
+      const T* kp = valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 8 : k_head;
+      const T* vp = valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 8 : v_head;
+      const uint32_t off = dst_off(row, c);
+      cp_async_16(k_tile + off, kp, valid);
+      cp_async_16(v_tile + off, vp, valid);
+    }
   }
-}
+};
+struct NoLoader {};
 
 // Where sequence `batch` lives and how long it is, for the three layouts.
 struct SeqInfo {
@@ -310,13 +320,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr uint32_t kStageBytes = Cfg::kStageElems * 2;
   const uint32_t smem_base = smem_u32(smem);
   const uint32_t s_q_u32 = smem_u32(s_q);
+  std::conditional_t<kPaged, PagedKVLoader<Cfg, kBlockN>, NoLoader> pager;
+  const int32_t* table = kPaged ? p.block_tables + batch * p.block_table_stride : nullptr;
+  if constexpr (kPaged) pager.fetch(p, table, (n_tiles - 1) * kBlockN, seqlen_k, tid);
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * kStageBytes;
     if constexpr (kPaged) {
-      load_kv_paged_async<Cfg, kBlockN>(
-          k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, p.block_tables + batch * p.block_table_stride,
-          n0, seqlen_k, tid, [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); });
+      pager.issue(k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, n0, seqlen_k, tid,
+                  [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); });
+      if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
     } else {
       load_tile_async<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
       load_tile_async<Cfg, kBlockN>(k_dst + Cfg::kTileElems * 2, v_ptr, p.v_row_stride, n0,
