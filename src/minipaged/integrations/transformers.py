@@ -29,8 +29,11 @@ to the varlen kernel.
 Not supported (raise): dropout > 0 in training, sliding windows, logit
 softcapping, attention sinks. Forward only: the kernels define no backward.
 
-`call_counts()` counts calls per layer_idx, `path_counts()` which path they
-took ("dense", "varlen"), so tests can prove every layer went through minipaged.
+Debug counters, off by default (the hot path then only reads one flag):
+after `reset_counts()` (which switches them on) `call_counts()` counts calls
+per layer_idx and `path_counts()` which path they took ("dense", "varlen"), so
+tests can prove every layer went through minipaged; `stop_counting()` switches
+them off again.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 ATTN_IMPLEMENTATION = "minipaged"
 
 _lock = threading.Lock()
+_counting = False
 _layer_calls: Counter = Counter()
 _path_calls: Counter = Counter()
 _registered: dict[str, object] = {}  # name -> the forward registered under it
@@ -74,12 +78,22 @@ def path_counts() -> dict:
 
 
 def reset_counts() -> None:
+    """Start counting from zero (switches the debug counters on)."""
+    global _counting
     with _lock:
         _layer_calls.clear()
         _path_calls.clear()
+        _counting = True
+
+
+def stop_counting() -> None:
+    global _counting
+    _counting = False
 
 
 def _count(layer_idx, path: str) -> None:
+    if not _counting:
+        return
     with _lock:
         _layer_calls[layer_idx] += 1
         _path_calls[path] += 1
@@ -487,4 +501,5 @@ __all__ = [
     "call_counts",
     "path_counts",
     "reset_counts",
+    "stop_counting",
 ]
