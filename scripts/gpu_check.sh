@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [paged_selftest]
+#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
 #                        [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -55,6 +55,7 @@ for s in $stages; do
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
     overhead) run overhead python3 bench/bench_overhead.py --json "$WORK/bench/overhead.json";;
+    engine_step) run engine_step python3 scripts/engine_decode_step.py --json "$WORK/bench/engine_step.json";;
     paged_selftest)
       csrc=src/minipaged/cuda/csrc
       run paged_selftest_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \

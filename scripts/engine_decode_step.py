@@ -1,0 +1,61 @@
+"""The engine's batch-1 decode step per backend (Qwen3-0.6B shape, random bf16 weights):
+graph or eager, the capture error if any, and where a step's time goes.
+
+    PYTHONPATH=src python3 scripts/engine_decode_step.py [--backends cuda,triton] [--json PATH]
+
+A decode step's wall time is taken from the engine's own stats (decode seconds /
+decode steps, each step synchronised by the sampler's .tolist()). With
+--profile the graph replay of one step is also timed alone (CUDA events), so
+host work outside the graph (input copies, sampling) shows as the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", default="cuda,triton")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from minipaged.engine import Engine
+
+    rows = []
+    for name in args.backends.split(","):
+        eng = Engine(None, backend=name, max_num_seqs=8, max_model_len=2048, num_blocks=1024)
+        prompt = [[int(x) for x in torch.randint(0, eng.config.vocab_size, (128,))]]
+        eng.generate(prompt, max_new_tokens=4, ignore_eos=True)
+        out, st = eng.generate(prompt, max_new_tokens=args.new_tokens, ignore_eos=True, return_stats=True)
+        step_ms = st.decode_seconds / max(1, st.decode_steps) * 1e3
+        row = dict(backend=name, graph=st.cuda_graph, graph_error=eng.runner.graph_error, step_ms=step_ms,
+                   itl_p50_ms=st.itl_percentile(50) * 1e3)
+        if eng.runner.graphs_active:
+            g = eng.runner.graphs[1]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(20):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            row["replay_ms"] = start.elapsed_time(end) / 20
+        rows.append(row)
+        print(row, flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
