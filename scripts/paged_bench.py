@@ -56,6 +56,9 @@ def case(q_lens, cached, label):
     flops = sum(4 * Hq * D * sum(min(c, c - n + i + 1) for i in range(n)) for n, c in zip(q_lens, ctx))
     diff = (ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE).float()
             - ops.prefill_varlen(q, k, v, cu_q, cu_k, mq, mk, True, SCALE).float()).abs().max().item()
+    if mq <= 16:  # the packed-GQA kernel is the default there; variant 1 is the unpacked one
+        t_unpacked = timed(lambda: ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE, variant=1))
+        print(f"{label:34s} unpacked GQA rows: {t_unpacked:9.1f} us")
     print(f"{label:34s} paged {t_paged:9.1f} us ({flops / t_paged / 1e6:6.1f} TFLOP/s)  "
           f"+lse {t_lse:9.1f} us  varlen(contiguous) {t_varlen:9.1f} us ({flops / t_varlen / 1e6:6.1f} TFLOP/s)"
           f"  max|diff| {diff:.2e}", flush=True)
@@ -67,3 +70,4 @@ if __name__ == "__main__":
     case([2048], [30 * 1024], "1 x 2k new over 30k cached")
     case([4] * 32, [4096] * 32, "32 x 4 (speculative) over 4k")
     case([1] * 32 + [512] * 2, [4096] * 34, "32 decode + 2 x 512 chunks over 4k")
+    case([1] * 64, [4096] * 64, "64 decode over 4k (decode kernels)")
