@@ -56,7 +56,8 @@ def case(q_lens, cached, label):
     flops = sum(4 * Hq * D * sum(min(c, c - n + i + 1) for i in range(n)) for n, c in zip(q_lens, ctx))
     diff = (ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE).float()
             - ops.prefill_varlen(q, k, v, cu_q, cu_k, mq, mk, True, SCALE).float()).abs().max().item()
-    if mq <= 16:  # the packed-GQA kernel is the default there; variant 1 is the unpacked one
+    if 1 < mq <= 16:  # the packed-GQA kernel is the default there; variant 1 is the unpacked one
+        # (with max_seqlen_q == 1 the decode kernels run and variant is a decode tiling)
         t_unpacked = timed(lambda: ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE, variant=1))
         print(f"{label:34s} unpacked GQA rows: {t_unpacked:9.1f} us")
     print(f"{label:34s} paged {t_paged:9.1f} us ({flops / t_paged / 1e6:6.1f} TFLOP/s)  "

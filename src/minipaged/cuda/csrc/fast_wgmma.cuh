@@ -318,13 +318,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
     fence_proxy_async_smem();
     __syncthreads();
     // Stage (t+1)%3 last held tile t-2, whose P V finished in iteration t-1.
-    // Dense K/V: the next tile's copies go out before this tile's MMAs. Paged:
-    // right after them, so that the gather's address arithmetic runs while the
-    // tensor cores work (with one CTA per SM no other warp would cover it).
-    if constexpr (!kPaged) {
-      if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % 3);
-      cp_async_commit();
-    }
+    if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % 3);
+    cp_async_commit();
     const uint32_t k_tile = smem_base + stage * Cfg::kStageBytes;
     const int n0 = (n_tiles - 1 - t) * kBlockN;
 
@@ -352,12 +347,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
         for (int cb = 0; cb < kCB; ++cb)
           wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_prev[kk], v_desc(v_prev, cb, kk));
       wgmma_commit();
-    }
-    if constexpr (kPaged) {
-      if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % 3);
-      cp_async_commit();
-    }
-    if (t > 0) {
       wgmma_wait<1>();  // groups retire in order: S_t is ready, P V of t-1 may still run
     } else {
       wgmma_wait<0>();
