@@ -10,15 +10,19 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> None:
     if with_op:
-        parser.add_argument("--op", choices=["prefill", "decode", "all"], default="all",
-                            help="which op to benchmark (default: all)")
+        parser.add_argument("--op", choices=["prefill", "decode", "paged", "all"], default="all",
+                            help="which op to benchmark: prefill, decode, paged (paged_attention: chunked "
+                                 "prefill, speculative verification, a mixed batch) or all (default)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends to time (default: every available one of "
                              "torch, triton, cuda, cuda-wmma); a named backend that cannot run here is an error")
     parser.add_argument("--anchors", default=None,
                         help="comma-separated anchors or 'none' (default: all that exist here). On a GPU: "
-                             "sdpa-flash, sdpa-cudnn, sdpa-efficient, flex (prefill), copy (decode); on CPU: "
-                             "sdpa-cpu (torch's CPU kernel). A named anchor that cannot run here is an error")
+                             "sdpa-flash, sdpa-cudnn, sdpa-efficient, flex (prefill), copy (decode), "
+                             "flashinfer-ragged, flashinfer-paged (prefill, paged), flashinfer-decode, "
+                             "flashinfer-decode-tc (decode) when flashinfer imports; on CPU: sdpa-cpu "
+                             "(torch's CPU kernel); both: same-backend (paged: the backend's dense varlen / "
+                             "decode / split launches). A named anchor that cannot run here is an error")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="input dtype (default: bfloat16 on a GPU, float32 in the CPU quick mode)")
     parser.add_argument("--out", default=None,
@@ -96,7 +100,8 @@ def main(argv=None, *, op: str | None = None, prog: str = "minipaged bench") -> 
     from ..cli import run_checked
 
     parser = argparse.ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
-                                     "backends against PyTorch's SDPA/FlexAttention and copy bandwidth.")
+                                     "backends against PyTorch's SDPA/FlexAttention, FlashInfer (when importable) "
+                                     "and copy bandwidth.")
     add_arguments(parser, with_op=op is None)
     parser.set_defaults(func=lambda a: run(a, op=op), validate=lambda a: validate(a, op=op))
     return run_checked(parser.parse_args(argv))

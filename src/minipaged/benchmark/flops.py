@@ -7,6 +7,9 @@ pairs, softmax and scaling are not counted. A kernel that skips masked tiles
 is credited only for the pairs it had to compute.
 Decode is memory-bound, so its figure of merit is bytes: the K and V rows a
 sequence really has (its context length), plus q read and o written.
+Paged attention (any q_len per sequence over a paged cache) is counted the same
+way per sequence: exact causal FLOPs of its (q_len, context_len) pair, and the
+bytes of its context's K and V plus its q rows read and o rows written.
 """
 
 from __future__ import annotations
@@ -57,6 +60,26 @@ def decode_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int,
 def decode_flops(num_q_heads: int, head_dim: int, context_lens: Iterable[int]) -> int:
     """Matmul FLOPs of one decode step (reported for reference; decode is bandwidth-bound)."""
     return 4 * num_q_heads * head_dim * sum(int(x) for x in context_lens)
+
+
+def paged_flops(num_q_heads: int, head_dim: int, q_lens: Iterable[int],
+                context_lens: Iterable[int], causal: bool = True) -> int:
+    """Matmul FLOPs of one paged_attention call: per sequence, 4*D per visible pair of
+    its q_len new rows against its whole context (new tokens included, bottom-right causal)."""
+    pairs = sum(visible_pairs(int(nq), int(nk), causal) for nq, nk in zip(q_lens, context_lens, strict=True))
+    return 4 * num_q_heads * head_dim * pairs
+
+
+def paged_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, q_lens: Iterable[int],
+                context_lens: Iterable[int], elem_bytes: int) -> int:
+    """Bytes one paged_attention call must move: K and V of every context token once,
+    each query row read once and each output row written once (tables ignored)."""
+    q_lens, context_lens = [int(x) for x in q_lens], [int(x) for x in context_lens]
+    if len(q_lens) != len(context_lens):
+        raise ValueError(f"{len(q_lens)} q_lens but {len(context_lens)} context_lens")
+    kv = 2 * num_kv_heads * head_dim * elem_bytes * sum(context_lens)
+    q_and_o = 2 * num_q_heads * head_dim * elem_bytes * sum(q_lens)
+    return kv + q_and_o
 
 
 def copy_bytes(num_bytes: int) -> int:

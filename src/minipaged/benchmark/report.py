@@ -13,7 +13,51 @@ FLOP_DEFINITION = "exact causal FLOPs: 4*D per (query, key) pair the mask keeps"
 _OP_TITLE = {
     "prefill": f"Prefill (causal; TFLOP/s of {FLOP_DEFINITION})",
     "decode": "Decode (paged KV; TB/s of K+V actually read + q + o)",
+    "paged": ("Paged attention: chunked prefill, speculative verification, mixed batch "
+              "(one paged_attention launch; TFLOP/s exact causal, TB/s of K+V read + q + o)"),
 }
+
+# The targets of the paged rows (issue #13): the case kind each applies to, the bound, and
+# what the ratio divides. Ratios of medians; speed_* > 1 and time_* < 1 mean faster.
+PAGED_TARGETS = {
+    "speed_vs_dense": ("chunked", ">=", 0.9, "speed vs dense",
+                       "dense varlen ms / paged ms, the same backend's prefill_attention_varlen on the "
+                       "K/V made contiguous (gather not timed)"),
+    "speed_vs_flashinfer": ("chunked", ">=", 1.0, "speed vs FlashInfer",
+                            "FlashInfer ms / paged ms, its BatchPrefillWithPagedKVCacheWrapper on the same pages"),
+    "time_vs_decode": ("spec", "<=", 1.3, "time/decode",
+                       "paged ms / the same backend's decode_attention ms at the same B and context"),
+    "time_vs_split": ("mixed", "<=", 1.1, "time/(chunk+decodes)",
+                      "one-launch ms / (the faster of the backend's chunk-alone paged and dense varlen "
+                      "times + its decodes-alone time)"),
+}
+
+
+def meets_target(key: str, value, kind: str | None = None) -> bool | None:
+    """Whether a ratio meets its target; None when not measured, or measured on a case kind
+    the target is not about (e.g. speed vs dense on a mixed batch: shown, not judged)."""
+    target_kind, rel, bound, _, _ = PAGED_TARGETS[key]
+    if value is None or (kind is not None and kind != target_kind):
+        return None
+    return value >= bound if rel == ">=" else value <= bound
+
+
+def _kind(r) -> str | None:
+    return (r.get("shape") or {}).get("kind")
+
+
+def _ratio_cell(key: str):
+    def cell(r):
+        v = r.get(key)
+        if v is None:
+            return "-"
+        verdict = meets_target(key, v, _kind(r))
+        return f"{v:.2f}" + ("" if verdict is None else (" ok" if verdict else " MISS"))
+    return cell
+
+
+def _us(x):
+    return None if x is None else x * 1000.0
 
 
 def _f(x, fmt="{:.3f}", none="-"):
@@ -22,7 +66,46 @@ def _f(x, fmt="{:.3f}", none="-"):
     return fmt.format(x)
 
 
+def _paged_columns():
+    cols = [("case", lambda r: r["case"]),
+            ("backend", lambda r: r["backend"] + ("*" if r["kind"] == "anchor" else "")),
+            ("median µs", lambda r: _f(_us(r["median_ms"]), "{:.1f}")),
+            ("p20-p80 µs", lambda r: (f"{_us(r['p20_ms']):.1f}-{_us(r['p80_ms']):.1f}"
+                                      if r["p20_ms"] is not None else "-")),
+            ("TFLOP/s", lambda r: _f(r["tflops"], "{:.1f}" if (r["tflops"] or 0) >= 1 else "{:.3g}")),
+            ("TB/s", lambda r: _f(r["tbps"], "{:.3f}" if (r["tbps"] or 0) >= 0.01 else "{:.3g}"))]
+    for key, (_, rel, bound, title, _) in PAGED_TARGETS.items():
+        cols.append((f"{title} {rel}{bound}", _ratio_cell(key)))
+    cols += [("vs best anchor", lambda r: _f(r.get("vs_best_anchor"), "{:.2f}x" if (r.get("vs_best_anchor") or 0) >= 0.01
+                                             else "{:.2g}x")),
+             ("reps", lambda r: str(r["reps"]) if r["status"] == "ok" else "-"),
+             ("note", lambda r: r["note"] if r["status"] == "ok"
+              else f"{r['status'].upper()}: {r['error']}")]
+    return cols
+
+
+def paged_targets_lines(rows: list[dict]) -> list[str]:
+    """One line per (backend row, target ratio) that was measured: value, bound, met or missed."""
+    lines = []
+    for r in rows:
+        if r["op"] != "paged" or r["kind"] == "anchor" or r["status"] != "ok":
+            continue
+        for key, (_, rel, bound, title, _) in PAGED_TARGETS.items():
+            verdict = meets_target(key, r.get(key), _kind(r))
+            if verdict is not None:
+                lines.append(f"{r['backend']} {r['case']}: {title} = {r[key]:.2f} (target {rel} {bound}: "
+                             f"{'met' if verdict else 'MISSED'})")
+    return lines
+
+
+def paged_legend() -> list[str]:
+    return [f"{title} ({kind} rows, target {rel} {bound}): {what}"
+            for kind, rel, bound, title, what in PAGED_TARGETS.values()]
+
+
 def _columns(op: str, with_copy: bool = True):
+    if op == "paged":
+        return _paged_columns()
     cols = [("case", lambda r: r["case"]),
             ("backend", lambda r: r["backend"] + ("*" if r["kind"] == "anchor" else "")),
             ("median ms", lambda r: _f(r["median_ms"], "{:.4f}")),
@@ -49,7 +132,7 @@ def shapes_line(rows: list[dict], op: str) -> str:
         if r["op"] != op or not sh:
             continue
         text = f"Hq={sh['num_q_heads']} Hkv={sh['num_kv_heads']} D={sh['head_dim']}"
-        if op == "decode":
+        if op in ("decode", "paged"):
             text += f", block size {sh['block_size']}, pages scattered at random"
         if text not in seen:
             seen.append(text)
@@ -72,6 +155,8 @@ def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_no
         lines.append(shapes_line(rows, op))
     if op == "decode" and copy_tbps:
         lines.append(f"device copy bandwidth: {copy_tbps:.3g} TB/s (bytes read + written)")
+    if op == "paged":
+        lines.append("ratios: " + "; ".join(paged_legend()))
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))
     prev_case = None
@@ -82,6 +167,8 @@ def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_no
         lines.append("  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip())
     if not body:
         lines.append("(no rows)")
+    if op == "paged" and paged_targets_lines(rows):
+        lines += ["", "targets:"] + ["  " + x for x in paged_targets_lines(rows)]
     return "\n".join(lines)
 
 
@@ -191,13 +278,25 @@ def markdown_report(result: dict) -> str:
             lines.append(f"- skipped: {s['backend']}{' ' + s['op'] if s.get('op') else ''}: {s['reason']}")
         if result.get("crosscheck_skipped"):
             lines.append("")
-    for op in ("prefill", "decode"):
+    for op in ("prefill", "decode", "paged"):
         if any(r["op"] == op for r in result["rows"]):
             lines += [f"## {_OP_TITLE[op]}", "", f"Shapes: {shapes_line(result['rows'], op)}.", ""]
             if op == "decode" and result.get("copy_bandwidth_tbps"):
                 lines += [f"Device copy bandwidth: {result['copy_bandwidth_tbps']:.3f} TB/s "
                           "(bytes read + written).", ""]
+            if op == "paged":
+                lines += ["Cases: `chunked` = chunked prefill (q new tokens at the end of a context of L, "
+                          "new ones included), `spec` = speculative verification, `mixed` = one prefill "
+                          "chunk and many decodes in one launch. Anchor rows (`*`) named `<backend> <role>` "
+                          "are that backend's own kernels on the same data: `dense` (prefill_attention_varlen "
+                          "on the K/V made contiguous), `decode` (decode_attention, one query per sequence), "
+                          "`chunk-paged` / `chunk-dense` / `decodes` (the mixed batch split into separate "
+                          "launches). Decode-like cases (q <= 16) are timed as CUDA-graph replays on a GPU.", "",
+                          "Target ratios (`ok` / `MISS`):", ""]
+                lines += [f"- {x}" for x in paged_legend()] + [""]
             lines += [markdown_table(result["rows"], op, with_copy=bool(result.get("copy_bandwidth_tbps"))), ""]
+            if op == "paged" and paged_targets_lines(result["rows"]):
+                lines += ["Targets measured:", ""] + [f"- {x}" for x in paged_targets_lines(result["rows"])] + [""]
     for note in result.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

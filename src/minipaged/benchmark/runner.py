@@ -1,5 +1,6 @@
-"""`minipaged bench`: cross-check every backend against torch, then time prefill
-and decode for every backend and every anchor in one run, and write
+"""`minipaged bench`: cross-check every backend against torch, then time prefill,
+decode and paged attention (chunked prefill, speculative verification, mixed
+batches) for every backend and every anchor in one run, and write
 results.json, results.md and plots.
 
 Our kernels are timed through their registry ops directly (positional
@@ -27,8 +28,10 @@ from . import report, timing
 
 SCHEMA = "minipaged.bench/1"
 BACKEND_ORDER = ("torch", "triton", "cuda", "cuda-wmma")
-# cuda-wmma's decode entry is the cuda backend's kernel: timing it twice says nothing
+# cuda-wmma's decode and paged entries are the cuda backend's kernels: timing them twice says nothing
 _DECODE_SHARED = {"cuda-wmma": "cuda"}
+_SHARED_OPS = ("decode", "paged")
+OPS_ALL = ("prefill", "decode", "paged")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # max |o - o_fp32| allowed beyond twice the error of the torch oracle run in the same dtype
 _ATOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
@@ -36,7 +39,7 @@ _ATOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 @dataclass
 class BenchConfig:
-    op: str = "all"                       # prefill | decode | all
+    op: str = "all"                       # prefill | decode | paged | all
     backends: list[str] | None = None     # None: every available backend
     anchors: list[str] | None = None      # None: every anchor; [] none
     dtype: str | None = None              # None: bfloat16 on GPU, float32 in CPU quick mode
@@ -116,8 +119,8 @@ def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device
     b = registry.all_backends()[backend]
     if op not in b.provides:
         return f"{backend} has no {op}"
-    if op == "decode" and backend in _DECODE_SHARED:
-        return f"{backend} decode is the {_DECODE_SHARED[backend]} kernel (timed there)"
+    if op in _SHARED_OPS and backend in _DECODE_SHARED:
+        return f"{backend} {op} is the {_DECODE_SHARED[backend]} kernel (timed there)"
     if backend == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
         return "the Triton interpreter's bf16 tl.dot is wrong: use --dtype float16/float32"
     name = str(dtype).replace("torch.", "")
@@ -207,7 +210,8 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
 
     rows, failures = [], {}
     for op, case_list in (("prefill", cs.crosscheck_prefill_cases(quick)),
-                          ("decode", cs.crosscheck_decode_cases(quick))):
+                          ("decode", cs.crosscheck_decode_cases(quick)),
+                          ("paged", cs.crosscheck_paged_cases(quick))):
         if op not in ops:
             continue
         for case in case_list:
@@ -218,12 +222,18 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
                 def call(name, dt=None):
                     a = [t.to(dt) if dt else t for t in (q, k, v)]
                     return mp.prefill_attention(*a, causal=case.causal, backend=name)
-            else:
+            elif op == "decode":
                 q, kc, vc, bt, cl = cs.make_decode_inputs(case, dtype, device, pad_value=float("nan"))
 
                 def call(name, dt=None):
                     a = [t.to(dt) if dt else t for t in (q, kc, vc)]
                     return mp.decode_attention(a[0], a[1], a[2], bt, cl, backend=name)
+            else:
+                q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device, pad_value=float("nan"))
+
+                def call(name, dt=None):
+                    a = [t.to(dt) if dt else t for t in (q, kc, vc)]
+                    return mp.paged_attention(a[0], a[1], a[2], bt, cu, cl, causal=case.causal, backend=name)
             try:
                 ref = call("torch", torch.float32)
                 ref_err = _max_abs_err(call("torch"), ref)
@@ -300,7 +310,10 @@ def _base_row(op, case, backend, kind) -> dict:
                 median_ms=None, min_ms=None, p20_ms=None, p80_ms=None, mean_ms=None,
                 reps=0, warmup=0, cold_l2=None, clock=None,
                 flops=None, bytes=None, tflops=None, tbps=None,
-                vs_best_anchor=None, pct_copy_bw=None)
+                vs_best_anchor=None, pct_copy_bw=None,
+                # paged rows: what an anchor row is to its backend row, and the target ratios
+                role=None, of_backend=None, speed_vs_dense=None, speed_vs_flashinfer=None,
+                time_vs_decode=None, time_vs_split=None)
 
 
 class _Runner:
@@ -330,8 +343,11 @@ class _Runner:
     def over_budget(self) -> bool:
         return self.time_budget_s is not None and time.perf_counter() - self.t0 > self.time_budget_s
 
-    def timed(self, row, prepared_factory, work_flops=None, work_bytes=None, cuda_graph=False):
-        """Fill `row` by timing what prepared_factory() returns; errors become the row's status."""
+    def timed(self, row, prepared_factory, work_flops=None, work_bytes=None, cuda_graph=False, check=None):
+        """Fill `row` by timing what prepared_factory() returns; errors become the row's status.
+
+        check(prepared) -> note: called after the timing (outside it) to compare the
+        anchor's output with a backend's; raising AnchorMismatch makes the row an error."""
         if self.dead:
             row.update(status="error", error=f"not run: the CUDA context was lost earlier ({self.dead})")
             return row
@@ -351,6 +367,15 @@ class _Runner:
                 notes.append("eager (not graph-capturable)")
             if over:
                 notes.append("reps cut: past --time-budget")
+            if check is not None:
+                try:
+                    msg = check(prepared)
+                except AnchorMismatch as e:
+                    row["note"] = "; ".join(notes)
+                    row.update(status="error", error=str(e))
+                    return row
+                if msg:
+                    notes.append(msg)
             row["note"] = "; ".join(notes)
             secs = t.median_ms * 1e-3
             if work_flops is not None and secs > 0:
@@ -371,6 +396,57 @@ class _Runner:
                     # an illegal access poisons the CUDA context: every later row would fail
                     self.dead = f"{row['backend']} on {row['case']}: {_first_line(sticky)}"
         return row
+
+
+class AnchorMismatch(Exception):
+    """An anchor's output disagrees with a cross-checked backend's on the same inputs."""
+
+
+class _Reference:
+    """One backend's output on a case, computed on first use (one untimed call), to judge
+    anchors whose layout conversion the cross-check does not cover (FlashInfer, masked SDPA).
+    On a GPU a compiled backend is preferred (the torch oracle on a 32k-context case is slow
+    and large); on CPU the oracle (exact, and the interpreted Triton takes seconds)."""
+
+    def __init__(self, op, backends, failures, dtype, device, args):
+        self.op, self.args, self.out, self.name = op, args, None, None
+        pref = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch", "triton", "cuda")
+        order = [b for b in pref if b in backends] + [b for b in backends if b not in pref]
+        self.candidates = [b for b in order if (b, op) not in failures and not _skip_reason(b, op, dtype, device)]
+
+    def get(self):
+        while self.out is None and self.candidates:
+            name = self.candidates.pop(0)
+            try:
+                self.out = backend_op(name, self.op)(*self.args)
+                self.name = name
+            except Exception:  # noqa: BLE001 - that backend's own row reports it; try the next
+                continue
+        return self.out
+
+    def check(self, prepared) -> str:
+        return self.checker()(prepared)
+
+    def checker(self, index=None):
+        """A check for _Runner.timed comparing the output with ref[index] (index: rows of the
+        reference, e.g. the last query of each sequence for a decode of the same batch)."""
+        return lambda prepared: self._compare(prepared, index)
+
+    def _compare(self, prepared, index) -> str:
+        ref = self.get()
+        if ref is None:
+            return "output not compared (no backend output to compare with)"
+        if index is not None:
+            ref = ref[index]
+        out = prepared.fn()
+        if prepared.as_ours is not None:
+            out = prepared.as_ours(out)
+        err = _max_abs_err(out, ref)
+        # a wrong layout or mask gives errors of the size of the output itself; rounding, a few %
+        tol = 0.05 * float(ref.float().abs().max()) + 1e-3 if ref.numel() else 0.0
+        if math.isnan(err) or err > tol:
+            raise AnchorMismatch(f"output differs from {self.name}'s: max |diff| {err:.3g} > {tol:.3g}")
+        return f"agrees with {self.name} (max |diff| {err:.2g})"
 
 
 def _op_factory(name: str, op: str, args: tuple):
@@ -401,11 +477,19 @@ def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit
     torch.manual_seed(r.cfg.seed)
     q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device)
     scale = 1.0 / math.sqrt(case.head_dim)
-    yield from _backend_rows(r, "prefill", case, backends, failures, emit, (q, k, v, case.causal, scale, False),
+    args = (q, k, v, case.causal, scale, False)
+    yield from _backend_rows(r, "prefill", case, backends, failures, emit, args,
                              lambda name: dict(work_flops=case.flops))
+    ref = _Reference("prefill", backends, failures, r.dtype, r.device, args)
     for name in anchor_names:
         emit(f"{case.label} {name}")
         row = _base_row("prefill", case, name, "anchor")
+        if name in anc.FLASHINFER_ANCHORS:
+            row["role"] = "flashinfer"
+            prep = anc.prepare_flashinfer_ragged if name == anc.FI_RAGGED else anc.prepare_flashinfer_paged_prefill
+            yield r.timed(row, lambda p=prep: p(q, k, v, causal=case.causal, scale=scale),
+                          work_flops=case.flops, check=ref.check)
+            continue
         if name == "flex":
             if r.over_budget() or r.flex_compile_s > r.FLEX_COMPILE_CAP_S:
                 yield dict(row, status="skipped",
@@ -432,9 +516,20 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
     # Decode runs inside CUDA graphs in a serving engine, and one call is a few
     # microseconds of GPU work: time graph replays, or Python's launch path is
     # what gets measured. The torch oracle syncs the host (.item()): eager.
-    yield from _backend_rows(r, "decode", case, backends, failures, emit, (q, kc, vc, bt, cl, scale, False),
+    args = (q, kc, vc, bt, cl, scale, False)
+    yield from _backend_rows(r, "decode", case, backends, failures, emit, args,
                              lambda name: dict(work_flops=case.flops, work_bytes=nbytes,
                                                cuda_graph=name != "torch"))
+    ref = _Reference("decode", backends, failures, r.dtype, r.device, args)
+    for name in [a for a in anchor_names if a in anc.FLASHINFER_ANCHORS]:
+        emit(f"{case.label} {name}")
+        row = _base_row("decode", case, name, "anchor")
+        row["role"] = "flashinfer"
+        yield r.timed(row, lambda tc=(name == anc.FI_DECODE_TC): anc.prepare_flashinfer_decode(
+                          q, kc, vc, bt, cl, scale=scale, tensor_cores=tc),
+                      work_flops=case.flops, work_bytes=nbytes, cuda_graph=True, check=ref.check)
+    ref = None
+    anchor_names = [a for a in anchor_names if a not in anc.FLASHINFER_ANCHORS]
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
         del kc, vc
@@ -443,6 +538,147 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
             row = _base_row("decode", case, name, "anchor")
             yield r.timed(row, lambda n=name: anc.prepare_sdpa_decode(n, q, k4, v4, scale=scale),
                           work_flops=case.flops, work_bytes=nbytes, cuda_graph=True)
+
+
+def _bench_paged_case(r: _Runner, case, backends, anchor_names, failures, emit):
+    """paged_attention rows for each backend, then in the same run what they are judged
+    against: the same backend's dense varlen kernel on the K/V made contiguous (chunked,
+    mixed), its decode kernel at the same batch and context (spec), the mixed batch
+    split into its chunk and its decodes (mixed), SDPA and FlashInfer on the same data."""
+    torch.manual_seed(r.cfg.seed)
+    dtype, device = r.dtype, r.device
+    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    es = torch.empty((), dtype=dtype).element_size()
+    max_q = max(case.q_lens)
+    graph = case.decode_like
+    if device.type == "cuda" and r.cfg.backends is None:
+        # the oracle loops over sequences in fp32: its rows would time Python, not a kernel
+        backends = [b for b in backends if b != "torch"]
+    args = (q, kc, vc, bt, cu, cl, max_q, case.causal, scale, False)
+    yield from _backend_rows(r, "paged", case, backends, failures, emit, args,
+                             lambda name: dict(work_flops=case.flops, work_bytes=case.bytes(es),
+                                               cuda_graph=graph and name != "torch"))
+    runnable = [b for b in backends if not _skip_reason(b, "paged", dtype, device) and (b, "paged") not in failures]
+    ref = _Reference("paged", backends, failures, dtype, device, args)
+
+    if anc.SAME_BACKEND in anchor_names and runnable:
+        yield from _same_backend_rows(r, case, runnable, failures, emit, q, kc, vc, bt, cu, cl, scale, es, ref)
+
+    sdpa_names = [a for a in anchor_names if a.startswith("sdpa")]
+    if sdpa_names:
+        if case.uniform:
+            nq, nk = case.q_lens[0], case.context_lens[0]
+            q4 = q.view(case.batch, nq, case.num_q_heads, case.head_dim).transpose(1, 2).contiguous()
+            k4, v4 = cs.contiguous_kv(kc, vc, bt, nk)
+        for name in sdpa_names:
+            emit(f"{case.label} {name}")
+            row = dict(_base_row("paged", case, name, "anchor"), role="sdpa")
+            if not case.uniform:
+                yield dict(row, status="skipped", error="sequences of different lengths: no one batched "
+                                                        "SDPA call computes this batch")
+                continue
+            yield r.timed(row, lambda n=name: _with_layout(
+                              anc.prepare_sdpa_paged(n, q4, k4, v4, scale=scale),
+                              lambda o: o.transpose(1, 2).reshape(q.shape)),
+                          work_flops=case.flops, work_bytes=case.bytes(es), cuda_graph=graph, check=ref.check)
+        if case.uniform:
+            del q4, k4, v4
+    if anc.FI_PAGED in anchor_names:
+        emit(f"{case.label} {anc.FI_PAGED}")
+        row = dict(_base_row("paged", case, anc.FI_PAGED, "anchor"), role="flashinfer")
+        yield r.timed(row, lambda: anc.prepare_flashinfer_paged(q, kc, vc, bt, cu, cl, causal=case.causal,
+                                                                scale=scale, cuda_graph=graph),
+                      work_flops=case.flops, work_bytes=case.bytes(es), cuda_graph=graph, check=ref.check)
+
+
+def _with_layout(prepared, as_ours):
+    prepared.as_ours = as_ours
+    return prepared
+
+
+def _same_backend_rows(r, case, backends, failures, emit, q, kc, vc, bt, cu, cl, scale, es, ref):
+    """The anchors a paged row's target ratios divide by, for each backend that timed it.
+    Each is compared with the paged output's matching rows (the dense varlen op is not
+    in the cross-check, and a decode of a sequence's last query equals its last paged row)."""
+    dtype, device = r.dtype, r.device
+    lens = list(case.context_lens)
+
+    def anchor_row(name, role, sub, op):
+        row = _base_row("paged", case, f"{name} {role}", "anchor")
+        row.update(role=role, of_backend=name, shape=dict(case.shape(), part=sub.shape()))
+        skip = _skip_reason(name, op, dtype, device)
+        if skip:
+            return dict(row, status="skipped", error=skip)
+        if (name, op) in failures:
+            return dict(row, status="error", error=f"failed the cross-check: {failures[(name, op)]}")
+        return row
+
+    def varlen_args(seqs):
+        """Dense varlen inputs for the sequences `seqs` (K/V gathered once, before timing)."""
+        sub_q = torch.cat([q[int(cu[s]):int(cu[s + 1])] for s in seqs]) if len(seqs) < case.batch else q
+        k, v, cu_k = cs.gather_varlen_kv(kc, vc, bt[seqs], [lens[s] for s in seqs])
+        q_lens = [case.q_lens[s] for s in seqs]
+        return (sub_q, k, v, cs.cu_seqlens(q_lens, device), cu_k, max(q_lens),
+                max(lens[s] for s in seqs), case.causal, scale, False)
+
+    gather_note = "K/V gathered into contiguous [Tk, Hkv, D] before timing (gather not timed)"
+    everything = list(range(case.batch))
+    if case.kind in ("chunked", "mixed"):
+        dense = varlen_args(everything)
+        for name in backends:
+            emit(f"{case.label} {name} dense")
+            row = anchor_row(name, "dense", case, "prefill_varlen")
+            if row["status"] == "ok":
+                row = r.timed(row, _op_factory(name, "prefill_varlen", dense),
+                              work_flops=case.flops, work_bytes=case.bytes(es), check=ref.checker())
+                row["note"] = "; ".join(x for x in (gather_note, row["note"]) if x)
+            yield row
+        del dense
+    if case.kind == "spec":
+        # what the same batch costs when each sequence verifies one token instead of q_len
+        last = (cu[1:].long() - 1)
+        q1 = q[last].contiguous()
+        sub = cs.DecodeCase(case.batch, max(lens), case.num_q_heads, case.num_kv_heads, case.head_dim,
+                            case.block_size, context_lens=tuple(lens))
+        for name in backends:
+            emit(f"{case.label} {name} decode")
+            row = anchor_row(name, "decode", case, "decode")
+            if row["status"] == "ok":
+                row = r.timed(row, _op_factory(name, "decode", (q1, kc, vc, bt, cl, scale, False)),
+                              work_flops=sub.flops, work_bytes=sub.bytes(es), cuda_graph=name != "torch",
+                              check=ref.checker(last))
+                row["note"] = "; ".join(x for x in ("plain decode, 1 query per sequence", row["note"]) if x)
+            yield row
+    if case.kind == "mixed" and case.chunk_seqs and case.decode_seqs:
+        chunks, decs = case.chunk_seqs, case.decode_seqs
+        part = case.subset(chunks, "chunk")
+        sel = torch.tensor(chunks, device=device)
+        rows_q = torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in chunks]).to(device)
+        chunk_paged = (q[rows_q].contiguous(), kc, vc, bt[sel].contiguous(), cs.cu_seqlens(part.q_lens, device),
+                       cl[sel].contiguous(), max(part.q_lens), case.causal, scale, False)
+        chunk_dense = varlen_args(chunks)
+        dsel = torch.tensor(decs, device=device)
+        q_dec = q[cu[dsel].long()].contiguous()
+        dcase = cs.DecodeCase(len(decs), max(lens[s] for s in decs), case.num_q_heads, case.num_kv_heads,
+                              case.head_dim, case.block_size, context_lens=tuple(lens[s] for s in decs))
+        dec_args = (q_dec, kc, vc, bt[dsel].contiguous(), cl[dsel].contiguous(), scale, False)
+        dec_rows = cu[dsel].long()
+        for name in backends:
+            for role, op, a, work, rows_ref in (
+                    ("chunk-paged", "paged", chunk_paged, (part.flops, part.bytes(es)), rows_q),
+                    ("chunk-dense", "prefill_varlen", chunk_dense, (part.flops, part.bytes(es)), rows_q),
+                    ("decodes", "decode", dec_args, (dcase.flops, dcase.bytes(es)), dec_rows)):
+                emit(f"{case.label} {name} {role}")
+                row = anchor_row(name, role, part if role != "decodes" else dcase, op)
+                if row["status"] == "ok":
+                    row = r.timed(row, _op_factory(name, op, a), work_flops=work[0], work_bytes=work[1],
+                                  check=ref.checker(rows_ref))
+                    what = {"chunk-paged": f"the chunk alone through paged ({part.label})",
+                            "chunk-dense": f"the chunk alone through dense varlen; {gather_note}",
+                            "decodes": f"the {len(decs)} decodes alone through decode"}[role]
+                    row["note"] = "; ".join(x for x in (what, row["note"]) if x)
+                yield row
 
 
 def _free(device):
@@ -466,15 +702,71 @@ def finalize_rows(rows: list[dict], copy_tbps: float | None) -> None:
         r["vs_best_anchor"] = (b / r["median_ms"]) if b and r["median_ms"] else None
         if r["op"] == "decode" and copy_tbps and r["tbps"]:
             r["pct_copy_bw"] = 100.0 * r["tbps"] / copy_tbps
+    _paged_ratios(rows)
+
+
+def _paged_ratios(rows: list[dict]) -> None:
+    """Ratios of each paged backend row to its anchors of the same case (medians).
+    speed_vs_* > 1 is faster than the anchor; time_vs_* < 1 is faster."""
+    ok = [r for r in rows if r["op"] == "paged" and r["status"] == "ok" and r["median_ms"]]
+    own: dict[tuple, float] = {}
+    external: dict[tuple, float] = {}
+    for r in ok:
+        if r["kind"] != "anchor":
+            continue
+        if r.get("of_backend"):
+            own[(r["case"], r["of_backend"], r["role"])] = r["median_ms"]
+        elif r.get("role") in ("sdpa", "flashinfer"):
+            for key in ((r["case"], "any"), (r["case"], r["role"])):
+                external[key] = min(external.get(key, math.inf), r["median_ms"])
+    for r in rows:
+        if r["op"] != "paged" or r["kind"] == "anchor":
+            continue
+        for key in ("vs_best_anchor", "speed_vs_dense", "speed_vs_flashinfer", "time_vs_decode", "time_vs_split"):
+            r[key] = None
+        if r["status"] != "ok" or not r["median_ms"]:
+            continue
+        ms, case, name = r["median_ms"], r["case"], r["backend"]
+        kind = (r.get("shape") or {}).get("kind")
+        best = external.get((case, "any"))
+        r["vs_best_anchor"] = best / ms if best else None
+        if kind in ("chunked", "mixed") and (case, name, "dense") in own:
+            r["speed_vs_dense"] = own[(case, name, "dense")] / ms
+        if (case, "flashinfer") in external:
+            r["speed_vs_flashinfer"] = external[(case, "flashinfer")] / ms
+        if kind == "spec" and (case, name, "decode") in own:
+            r["time_vs_decode"] = ms / own[(case, name, "decode")]
+        if kind == "mixed":
+            chunk = [own[(case, name, k)] for k in ("chunk-paged", "chunk-dense") if (case, name, k) in own]
+            decodes = own.get((case, name, "decodes"))
+            if chunk and decodes:
+                r["time_vs_split"] = ms / (min(chunk) + decodes)
 
 
 def _anchor_names(cfg: BenchConfig, op: str, device) -> list[str]:
     """Anchors timed for `op`: every one that exists on `device`, or those of
-    cfg.anchors (check_config has already refused names that do not exist here)."""
+    cfg.anchors (check_config has already refused names that do not exist here).
+    FlashInfer's are dropped when it does not import (flashinfer_note says so)."""
     names = [a for a in anc.anchors_for(op, device) if a != anc.COPY_ANCHOR]
     if cfg.anchors is not None:
         names = [a for a in names if a in cfg.anchors]
+    if not anc.flashinfer_available(device)[0]:
+        names = [a for a in names if a not in anc.FLASHINFER_ANCHORS]
     return names
+
+
+def flashinfer_note(cfg: BenchConfig, ops, device) -> str | None:
+    """The note saying which FlashInfer anchors were not timed and why (None: all that
+    were asked for run). FlashInfer is never a dependency: without it the run goes on."""
+    gpu = torch.device("cuda")  # the ops' FlashInfer anchors as a GPU run lists them
+    wanted = [a for a in anc.FLASHINFER_ANCHORS
+              if (cfg.anchors is None or a in cfg.anchors) and any(a in anc.anchors_for(o, gpu) for o in ops)]
+    ok, why = anc.flashinfer_available(device)
+    if ok or not wanted:
+        return None
+    return (f"FlashInfer anchors not timed ({', '.join(wanted)}): {why}"
+            + ("; on the GPU machine `source .anchors/flashinfer/env.sh .anchors/flashinfer/fi_bundle.tar.xz` "
+               "makes it importable" if device.type == "cuda" else ""))
 
 
 def _wants_copy(cfg: BenchConfig, ops, device) -> bool:
@@ -498,6 +790,10 @@ def _anchor_unavailable(name: str, device) -> str:
                 "the CPU caches, so a percentage of a DRAM copy would mean nothing)")
     if name == "flex":
         return anc.flex_available(device)[1] or "not timed here"
+    if name in anc.FLASHINFER_ANCHORS:
+        return anc.flashinfer_available(device)[1] or "not timed here"
+    if name == anc.SAME_BACKEND:
+        return "it belongs to the paged rows (--op paged or all)"
     return anc.sdpa_available(name, device)[1] or "not timed here"
 
 
@@ -533,8 +829,8 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     from minipaged import registry
 
     log = log or cfg.log
-    if cfg.op not in ("prefill", "decode", "all"):
-        raise ValueError(f"op must be prefill, decode or all, got {cfg.op!r}")
+    if cfg.op not in (*OPS_ALL, "all"):
+        raise ValueError(f"op must be prefill, decode, paged or all, got {cfg.op!r}")
     _check_number("--reps", cfg.reps, minimum=1, integer=True)
     _check_number("--max-time", cfg.max_time_s)
     _check_number("--time-budget", cfg.time_budget_s, minimum=0)
@@ -547,7 +843,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPES[cfg.dtype]
-    ops = ["prefill", "decode"] if cfg.op == "all" else [cfg.op]
+    ops = list(OPS_ALL) if cfg.op == "all" else [cfg.op]
 
     if cfg.anchors is not None:
         known = anc.all_anchor_names()
@@ -558,12 +854,14 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                              f"(on {device.type} with --op {cfg.op}: {here})")
         for name in cfg.anchors:
             if name not in here:
-                where = [o for o in ("prefill", "decode") if name in anc.anchors_for(o, device)]
+                where = [o for o in OPS_ALL if name in anc.anchors_for(o, device)]
                 why = (f"it is a {where[0]} anchor and --op is {cfg.op}" if where
                        else _anchor_unavailable(name, device))
                 raise ValueError(f"--anchors {name}: not timed on {device.type}: {why}")
             if name == "flex" and not anc.flex_available(device)[0]:
                 raise ValueError(f"--anchors flex: {anc.flex_available(device)[1]}")
+            if name in anc.FLASHINFER_ANCHORS and not anc.flashinfer_available(device)[0]:
+                raise ValueError(f"--anchors {name}: {anc.flashinfer_available(device)[1]}")
 
     backends, backend_info = select_backends(cfg, device)
     if device.type == "cpu" and not interp_ok:
@@ -657,7 +955,12 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
             save()
 
         case_lists = {"prefill": cs.quick_prefill_cases() if quick else cs.standard_prefill_cases(),
-                      "decode": cs.quick_decode_cases() if quick else cs.standard_decode_cases()}
+                      "decode": cs.quick_decode_cases() if quick else cs.standard_decode_cases(),
+                      "paged": cs.quick_paged_cases() if quick else cs.standard_paged_cases()}
+        fi_note = flashinfer_note(cfg, ops, device)
+        if fi_note:
+            result["notes"].append(fi_note)
+            log(f"note: {fi_note}")
         total = sum(len(case_lists[o]) for o in ops) + (1 if "decode" in ops else 0)
         bar = _progress(total, cfg.progress)
         # a forced redraw per row is fine on a terminal, noise in a log file
@@ -684,7 +987,8 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
                 bar.update(1)
             for op in ops:
                 anchor_names = _anchor_names(cfg, op, device)
-                bench_case = _bench_prefill_case if op == "prefill" else _bench_decode_case
+                bench_case = {"prefill": _bench_prefill_case, "decode": _bench_decode_case,
+                              "paged": _bench_paged_case}[op]
                 for case in case_lists[op]:
                     try:
                         for row in bench_case(r, case, backends, anchor_names, failures, emit):
