@@ -59,6 +59,41 @@ def test_decode_bytes_counts_only_real_tokens():
     assert flops.copy_bytes(10) == 20
 
 
+def test_paged_flops_and_bytes_by_hand():
+    """The standard paged cases' counts, computed here from the definitions."""
+    hq, hkv, d, es = 16, 8, 128, 2
+    chunked, long_chunk, spec, mixed = cs.standard_paged_cases()
+    # 8 x 512 new over 4096 cached: row i sees 4096 + i + 1 keys
+    pairs = 512 * 4096 + 512 * 513 // 2
+    assert pairs == 2228480
+    assert chunked.flops == 4 * hq * d * 8 * pairs
+    assert chunked.bytes(es) == 2 * hkv * d * es * 8 * 4608 + 2 * hq * d * es * 8 * 512 == 184549376
+    assert long_chunk.flops == 4 * hq * d * (2048 * 30720 + 2048 * 2049 // 2)
+    # 4 speculative tokens over a 4096 context: 4093 + 4094 + 4095 + 4096 pairs
+    assert spec.flops == 4 * hq * d * 32 * (4093 + 4094 + 4095 + 4096)
+    assert spec.bytes(es) == 2 * hkv * d * es * 32 * 4096 + 2 * hq * d * es * 32 * 4
+    # one 2k chunk over 2k cached + 63 decodes, each decode row sees its whole context
+    assert mixed.flops == 4 * hq * d * (2048 * 2048 + 2048 * 2049 // 2 + 63 * 4096)
+    assert mixed.bytes(es) == 2 * hkv * d * es * 64 * 4096 + 2 * hq * d * es * (2048 + 63)
+    assert (chunked.decode_like, spec.decode_like, mixed.decode_like) == (False, True, False)
+    assert mixed.chunk_seqs == [0] and mixed.decode_seqs == list(range(1, 64))
+    assert [c.label for c in cs.standard_paged_cases()] == [
+        "chunked B=8 q=512 L=4608", "chunked B=1 q=2048 L=32768", "spec B=32 q=4 L=4096",
+        "mixed q=2048 L=4096 + 63 decodes L=4096"]
+
+
+def test_paged_flops_match_the_mask_on_ragged_sequences():
+    q_lens, ctx = (5, 1, 0, 20, 3), (40, 17, 3, 20, 2)  # the last: more queries than keys
+    brute = sum(_brute_pairs(nq, nk, True) for nq, nk in zip(q_lens, ctx))
+    assert flops.paged_flops(3, 64, q_lens, ctx) == 4 * 3 * 64 * brute
+    assert flops.paged_flops(3, 64, q_lens, ctx, causal=False) == 4 * 3 * 64 * sum(a * b for a, b in zip(q_lens, ctx))
+    assert flops.paged_bytes(4, 2, 64, q_lens, ctx, 4) == 2 * 2 * 64 * 4 * sum(ctx) + 2 * 4 * 64 * 4 * sum(q_lens)
+    with pytest.raises(ValueError):
+        flops.paged_bytes(4, 2, 64, (1, 2), (3,), 2)
+    with pytest.raises(ValueError):
+        cs.PagedCase("x", (1, 2), (3,), 4, 2, 64)
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -194,6 +229,41 @@ def test_decode_inputs_uniform_case_uses_a_random_permutation():
     assert kc.shape == (4 * 4 + 1, 16, 2, 64) and kc.dtype == torch.float16
 
 
+def test_paged_inputs_and_the_contiguous_copies():
+    torch.manual_seed(0)
+    case = cs.PagedCase("mixed", (5, 1, 0, 20), (40, 17, 3, 20), 4, 2, 64)
+    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, torch.float32, "cpu", pad_value=float("nan"))
+    assert q.shape == (26, 4, 64) and cu.tolist() == [0, 5, 6, 6, 26] and cl.tolist() == [40, 17, 3, 20]
+    assert cu.dtype == bt.dtype == cl.dtype == torch.int32
+    k, v, cu_k = cs.gather_varlen_kv(kc, vc, bt, [40, 17, 3, 20])
+    assert k.shape == (80, 2, 64) and cu_k.tolist() == [0, 40, 57, 60, 80]
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()  # no NaN slot was gathered
+    # token t of sequence s lives in page bt[s, t // 16] at offset t % 16
+    for s, t in [(0, 0), (0, 39), (1, 16), (2, 2), (3, 19)]:
+        page = int(bt[s, t // 16])
+        assert torch.equal(k[int(cu_k[s]) + t], kc[page, t % 16])
+        assert torch.equal(v[int(cu_k[s]) + t], vc[page, t % 16])
+
+
+def test_paged_from_dense_round_trips():
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 8)
+    kc, vc, bt, cl = cs.paged_from_dense(k, v, block_size=16)
+    assert kc.shape == (6, 16, 3, 8) and cl.tolist() == [37, 37]
+    k4, v4 = cs.contiguous_kv(kc, vc, bt, 37)
+    assert torch.equal(k4, k) and torch.equal(v4, v)
+
+
+def test_flashinfer_page_layout_by_hand():
+    bt = torch.tensor([[7, 2, -1], [-1, -1, -1], [4, 0, 5]], dtype=torch.int32)
+    cl = torch.tensor([17, 0, 48], dtype=torch.int32)
+    indptr, indices, last = anc.flashinfer_page_layout(bt, cl, 16)
+    assert indptr.tolist() == [0, 2, 2, 5]
+    assert indices.tolist() == [7, 2, 4, 0, 5]
+    assert last.tolist() == [1, 0, 16]
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+
+
 # ----------------------------------------------------------------------------- anchors
 
 
@@ -227,6 +297,36 @@ def test_sdpa_decode_anchor_matches_the_paged_oracle():
     with prep.context():
         out = prep.fn().reshape(3, 8, 64)
     torch.testing.assert_close(out, reference.decode(q, kc, vc, bt, cl, scale), atol=1e-5, rtol=1e-5)
+
+
+def _fp64_chunk_attention(q4, k4, v4, scale):
+    """q [B, Hq, Nq, D] against k, v [B, Hkv, Nk, D], bottom-right causal, in fp64, by loops."""
+    b, hq, nq, d = q4.shape
+    hkv, nk = k4.shape[1], k4.shape[2]
+    out = torch.zeros(b, hq, nq, d, dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k4[:, h // (hq // hkv)].double(), v4[:, h // (hq // hkv)].double()
+        s = torch.einsum("bqd,bkd->bqk", q4[:, h].double(), kh) * scale
+        allowed = torch.arange(nk)[None, :] < (nk - nq + torch.arange(nq)[:, None] + 1)
+        s = s.masked_fill(~allowed, float("-inf"))
+        out[:, h] = torch.softmax(s, dim=-1) @ vh
+    return out
+
+
+def test_cpu_sdpa_paged_anchor_is_bottom_right_causal():
+    torch.manual_seed(0)
+    q4, k4, v4 = torch.randn(2, 4, 5, 64), torch.randn(2, 2, 23, 64), torch.randn(2, 2, 23, 64)
+    prep = anc.prepare_sdpa_paged(anc.CPU_SDPA, q4, k4, v4, scale=0.125)
+    with prep.context():
+        out = prep.fn()
+    torch.testing.assert_close(out.double(), _fp64_chunk_attention(q4, k4, v4, 0.125), atol=1e-5, rtol=1e-5)
+    assert "bottom-right" in prep.note
+    # the top-left mask SDPA's is_causal means would differ: the test can tell them apart
+    top_left = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=0.125,
+                                                                enable_gqa=True)
+    assert (top_left - out).abs().max() > 0.1
+    with pytest.raises(anc.AnchorSkipped, match="CUDA only"):
+        anc.prepare_sdpa_paged("sdpa-flash", q4, k4, v4, scale=0.125)
 
 
 def test_copy_anchor_moves_bytes():
@@ -292,6 +392,205 @@ def test_ratio_to_best_anchor_and_copy_fraction():
     assert broken["vs_best_anchor"] is None
 
 
+def _paged_row(case, backend, kind, ms, role=None, of=None):
+    row = runner._base_row("paged", case, backend, kind)
+    row.update(median_ms=ms, role=role, of_backend=of)
+    return row
+
+
+def test_paged_ratios_and_their_targets():
+    chunk = cs.PagedCase("chunked", (32,) * 2, (96,) * 2, 4, 2, 64)
+    spec = cs.PagedCase("spec", (4,) * 4, (64,) * 4, 4, 2, 64)
+    mixed = cs.PagedCase("mixed", (48, 1, 1), (96, 64, 64), 4, 2, 64)
+    rows = [_paged_row(chunk, "triton", "backend", 2.0), _paged_row(chunk, "triton dense", "anchor", 1.9, "dense", "triton"),
+            _paged_row(chunk, "flashinfer-paged", "anchor", 2.5, "flashinfer"),
+            _paged_row(chunk, "sdpa-cpu", "anchor", 1.0, "sdpa"),
+            _paged_row(spec, "triton", "backend", 1.2), _paged_row(spec, "triton decode", "anchor", 1.0, "decode", "triton"),
+            _paged_row(mixed, "triton", "backend", 3.0),
+            _paged_row(mixed, "triton chunk-paged", "anchor", 2.0, "chunk-paged", "triton"),
+            _paged_row(mixed, "triton chunk-dense", "anchor", 1.5, "chunk-dense", "triton"),
+            _paged_row(mixed, "triton decodes", "anchor", 1.0, "decodes", "triton"),
+            _paged_row(mixed, "triton dense", "anchor", 4.0, "dense", "triton"),
+            _paged_row(mixed, "cuda", "backend", 1.0)]  # no anchors of its own: no ratios
+    runner.finalize_rows(rows, copy_tbps=None)
+    c, s_, m, other = rows[0], rows[4], rows[6], rows[-1]
+    assert c["speed_vs_dense"] == pytest.approx(0.95) and c["speed_vs_flashinfer"] == pytest.approx(1.25)
+    assert c["vs_best_anchor"] == pytest.approx(0.5)  # SDPA and FlashInfer only; the backend's own are not "best"
+    assert s_["time_vs_decode"] == pytest.approx(1.2) and s_["speed_vs_dense"] is None
+    assert m["time_vs_split"] == pytest.approx(3.0 / (1.5 + 1.0)) and m["speed_vs_dense"] == pytest.approx(4 / 3)
+    assert all(other[k] is None for k in ("speed_vs_dense", "time_vs_split", "time_vs_decode"))
+    assert report.meets_target("speed_vs_dense", 0.95, "chunked") is True
+    assert report.meets_target("time_vs_split", 1.2, "mixed") is False
+    assert report.meets_target("speed_vs_dense", 1.3, "mixed") is None  # shown, not judged
+    lines = report.paged_targets_lines(rows)
+    assert "triton chunked B=2 q=32 L=96: speed vs dense = 0.95 (target >= 0.9: met)" in lines
+    assert "triton mixed q=48 L=96 + 2 decodes L=64: time/(chunk+decodes) = 1.20 (target <= 1.1: MISSED)" in lines
+    assert not any("speed vs dense" in x and "mixed" in x for x in lines)
+    md = report.markdown_table(rows, "paged")
+    for header in ("median µs", "speed vs dense >=0.9", "speed vs FlashInfer >=1.0", "time/decode <=1.3",
+                   "time/(chunk+decodes) <=1.1"):
+        assert header in md
+    assert "0.95 ok" in md and "1.20 MISS" in md and "| 1.33 |" in md
+
+
+# ----------------------------------------------------------------------------- FlashInfer (a fake on CPU)
+
+
+def _fi_attend(q, k, v, causal, scale):
+    """fp64 attention of one request in FlashInfer's terms: q [Nq, Hq, D], k, v [Nk, Hkv, D]."""
+    nq, hq, _ = q.shape
+    nk, hkv, _ = k.shape
+    g = hq // hkv
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    if causal:
+        allowed = torch.arange(nk)[None, :] < (nk - nq + torch.arange(nq)[:, None] + 1)
+        s = s.masked_fill(~allowed[None], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, 1))
+
+
+class _FakeFlashInfer:
+    """The three wrappers with FlashInfer 0.7's signatures (keyword names checked: no
+    **kwargs), computing in fp64 from the CSR page layout alone, so a wrong conversion
+    of our block tables shows up as a wrong output. `skew` breaks the last-page length."""
+
+    __version__ = "fake"
+
+    def __init__(self, skew=0):
+        fake = self
+
+        def pages_to_kv(cache, indptr, indices, last, s, page_size):
+            ids = indices[indptr[s]:indptr[s + 1]].long()
+            n = 0 if len(ids) == 0 else (len(ids) - 1) * page_size + int(last[s]) + fake.skew
+            return cache[ids].reshape(-1, cache.shape[2], cache.shape[3])[:n]
+
+        class Paged:
+            def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                         paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                         backend="auto"):
+                assert kv_layout == "NHD"
+                if use_cuda_graph:
+                    assert all(torch.is_tensor(b) for b in (qo_indptr_buf, paged_kv_indptr_buf,
+                                                           paged_kv_indices_buf, paged_kv_last_page_len_buf))
+
+            def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                     num_kv_heads, head_dim_qk, page_size, causal=False, sm_scale=None, q_data_type=None,
+                     kv_data_type=None):
+                self.p = (qo_indptr.cpu(), paged_kv_indptr.cpu(), paged_kv_indices.cpu(),
+                          paged_kv_last_page_len.cpu(), page_size, causal, sm_scale)
+
+            def run(self, q, paged_kv_cache, out=None):
+                qo, indptr, indices, last, ps, causal, scale = self.p
+                kc, vc = paged_kv_cache
+                o = torch.cat([_fi_attend(q[qo[s]:qo[s + 1]], pages_to_kv(kc, indptr, indices, last, s, ps),
+                                          pages_to_kv(vc, indptr, indices, last, s, ps), causal, scale)
+                               for s in range(len(qo) - 1)]).to(q.dtype)
+                out.copy_(o)
+                return out
+
+        class Ragged:
+            def __init__(self, ws, kv_layout="NHD", backend="auto"):
+                assert kv_layout == "NHD"
+
+            def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False,
+                     sm_scale=None, q_data_type=None, kv_data_type=None):
+                self.p = (qo_indptr.cpu(), kv_indptr.cpu(), causal, sm_scale)
+
+            def run(self, q, k, v, out=None):
+                qo, kv, causal, scale = self.p
+                o = torch.cat([_fi_attend(q[qo[s]:qo[s + 1]], k[kv[s]:kv[s + 1]], v[kv[s]:kv[s + 1]], causal, scale)
+                               for s in range(len(qo) - 1)])
+                out.copy_(o.to(q.dtype))
+                return out
+
+        class Decode:
+            def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                         paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                         paged_kv_last_page_len_buffer=None, backend="auto"):
+                fake.decode_tensor_cores.append(use_tensor_cores)
+
+            def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                     pos_encoding_mode="NONE", sm_scale=None, q_data_type=None, kv_data_type=None):
+                self.p = (indptr.cpu(), indices.cpu(), last_page_len.cpu(), page_size, sm_scale)
+
+            def run(self, q, paged_kv_cache, out=None):
+                indptr, indices, last, ps, scale = self.p
+                kc, vc = paged_kv_cache
+                o = torch.cat([_fi_attend(q[s:s + 1], pages_to_kv(kc, indptr, indices, last, s, ps),
+                                          pages_to_kv(vc, indptr, indices, last, s, ps), False, scale)
+                               for s in range(q.shape[0])])
+                out.copy_(o.to(q.dtype))
+                return out
+
+        self.skew = skew
+        self.decode_tensor_cores = []
+        self.BatchPrefillWithPagedKVCacheWrapper = Paged
+        self.BatchPrefillWithRaggedKVCacheWrapper = Ragged
+        self.BatchDecodeWithPagedKVCacheWrapper = Decode
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fake = _FakeFlashInfer()
+    monkeypatch.setattr(anc, "_fi_state", (fake, ""))
+    monkeypatch.setattr(anc, "flashinfer_available", lambda device: (True, ""))
+    monkeypatch.setattr(anc, "_fi_workspace", lambda device: torch.zeros(16, dtype=torch.uint8))
+    return fake
+
+
+def test_flashinfer_anchors_on_our_pages_compute_our_attention(fake_flashinfer):
+    """Block tables -> FlashInfer's indptr/indices/last_page_len, and the wrappers' calls,
+    judged by the runner's comparison with the torch backend on every grid."""
+    r = runner._Runner(_cfg(quick=True, seed=3), torch.device("cpu"), torch.float32, True)
+    emit = lambda s: None  # noqa: E731
+    paged_rows = []
+    for case in cs.quick_paged_cases():
+        paged_rows += list(runner._bench_paged_case(r, case, ["torch"], [anc.FI_PAGED], {}, emit))
+    fi = [x for x in paged_rows if x["backend"] == anc.FI_PAGED]
+    assert len(fi) == 3 and all(x["status"] == "ok" for x in fi), fi
+    assert all("agrees with torch" in x["note"] and "the same pages" in x["note"] for x in fi)
+    pre = list(runner._bench_prefill_case(r, cs.PrefillCase(2, 37, 37, 4, 2, 64), ["torch"],
+                                          [anc.FI_RAGGED, anc.FI_PAGED], {}, emit))
+    dec = list(runner._bench_decode_case(r, cs.DecodeCase(3, 50, 4, 2, 64, 16, context_lens=(1, 17, 50)),
+                                         ["torch"], [anc.FI_DECODE, anc.FI_DECODE_TC], {}, emit))
+    for rows, names in ((pre, [anc.FI_RAGGED, anc.FI_PAGED]), (dec, [anc.FI_DECODE, anc.FI_DECODE_TC])):
+        got = {x["backend"]: x for x in rows if x["kind"] == "anchor"}
+        assert sorted(got) == sorted(names)
+        assert all(x["status"] == "ok" and "agrees with torch" in x["note"] for x in got.values()), got
+    assert fake_flashinfer.decode_tensor_cores == [False, True]
+    runner.finalize_rows(paged_rows, None)
+    chunk_row = next(x for x in paged_rows if x["backend"] == "torch" and x["shape"]["kind"] == "chunked")
+    assert chunk_row["speed_vs_flashinfer"] is not None
+
+
+def test_a_wrong_flashinfer_layout_is_an_error_row(fake_flashinfer):
+    fake_flashinfer.skew = -1  # every sequence loses its last key
+    r = runner._Runner(_cfg(quick=True), torch.device("cpu"), torch.float32, True)
+    case = cs.PagedCase("spec", (4,) * 2, (40,) * 2, 4, 2, 64)
+    rows = list(runner._bench_paged_case(r, case, ["torch"], [anc.FI_PAGED], {}, lambda s: None))
+    fi = [x for x in rows if x["backend"] == anc.FI_PAGED]
+    assert fi[0]["status"] == "error" and "differs from torch" in fi[0]["error"], fi
+
+
+def test_flashinfer_not_importable_is_skipped_and_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
+    monkeypatch.setattr(anc, "_fi_state", None)
+    gpu = torch.device("cuda")  # a device object only: nothing runs on it
+    ok, why = anc.flashinfer_available(gpu)
+    assert not ok and "not importable" in why
+    cfg = _cfg()
+    ops = list(runner.OPS_ALL)
+    note = runner.flashinfer_note(cfg, ops, gpu)
+    assert all(n in note for n in anc.FLASHINFER_ANCHORS) and "env.sh" in note
+    assert runner._anchor_names(cfg, "paged", gpu) == [anc.SAME_BACKEND, "sdpa-flash", "sdpa-cudnn"]
+    assert anc.FI_RAGGED not in runner._anchor_names(cfg, "prefill", gpu)
+    assert runner.flashinfer_note(_cfg(anchors=["sdpa-flash"]), ops, gpu) is None  # none asked for
+    assert runner.flashinfer_note(cfg, ["decode"], gpu).count("flashinfer-") == 2
+    with pytest.raises(anc.AnchorSkipped, match="not importable"):
+        anc._flashinfer(gpu)
+    assert "CUDA only" in runner.flashinfer_note(cfg, ops, torch.device("cpu"))
+
+
 def test_json_is_strict_even_with_nan(tmp_path):
     result = dict(schema=runner.SCHEMA, env=timing.environment("cpu"),
                   config=dict(dtype="float32", quick=True), backends={},
@@ -352,12 +651,13 @@ def test_quick_mode_runs_and_prints_tables(quick_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     assert "Cross-check against the torch oracle" in text
-    assert "== Prefill" in text and "== Decode" in text
+    assert "== Prefill" in text and "== Decode" in text and "== Paged attention" in text
     # CPU: no copy-bandwidth figure, no "% copy BW" column (the cases fit in the CPU caches)
     assert "device copy bandwidth" not in text and "% copy BW" not in text
     assert "sdpa-flash" not in text and "sdpa-cpu*" in text
     assert "exact causal FLOPs" in text and "unmasked" not in text
-    assert "compared with the torch oracle: triton (prefill, decode)" in text or "triton" not in text
+    assert "compared with the torch oracle: triton (prefill, decode, paged)" in text or "triton" not in text
+    assert "FlashInfer anchors not timed" in text and "CUDA only" in text
     assert seconds < 240  # the brief asks < 2 minutes; leave slack for a loaded CI box
 
 
@@ -375,11 +675,15 @@ def test_quick_mode_json_schema(quick_run):
         assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"] and r["min_ms"] <= r["median_ms"]
         assert r["reps"] >= 1
     torch_rows = [r for r in ok if r["backend"] == "torch"]
-    assert {r["op"] for r in torch_rows} == {"prefill", "decode"}
-    assert len(torch_rows) == len(cs.quick_prefill_cases()) + len(cs.quick_decode_cases())
+    assert {r["op"] for r in torch_rows} == {"prefill", "decode", "paged"}
+    assert len(torch_rows) == len(cs.quick_prefill_cases()) + len(cs.quick_decode_cases()) + len(cs.quick_paged_cases())
     for r in torch_rows:
         if r["op"] == "prefill":
             assert r["tflops"] > 0 and r["flops"] == cs.PrefillCase(**r["shape"]).flops
+        elif r["op"] == "paged":
+            case = next(c for c in cs.quick_paged_cases() if c.label == r["case"])
+            assert r["flops"] == case.flops and r["bytes"] == case.bytes(4)
+            assert r["tflops"] > 0 and r["tbps"] > 0 and 0 < r["median_ms"] < 1000
         else:
             assert r["tbps"] > 0 and r["bytes"] == flops.decode_bytes(
                 r["shape"]["num_q_heads"], r["shape"]["num_kv_heads"], r["shape"]["head_dim"],
@@ -388,6 +692,16 @@ def test_quick_mode_json_schema(quick_run):
     assert any(r["backend"] == anc.CPU_SDPA and r["status"] == "ok" for r in rows)
     assert all(r["vs_best_anchor"] is not None for r in ok if r["op"] in ("prefill", "decode"))
     assert data["copy_bandwidth_tbps"] is None and all(r["pct_copy_bw"] is None for r in rows)
+    # every paged backend row has the ratio its case kind is judged by, from anchors of this run
+    paged = [r for r in ok if r["op"] == "paged" and r["kind"] == "backend"]
+    assert {r["backend"] for r in paged} >= {"torch"}
+    for r in paged:
+        key = {"chunked": "speed_vs_dense", "spec": "time_vs_decode", "mixed": "time_vs_split"}[r["shape"]["kind"]]
+        assert r[key] is not None and 0 < r[key] < 1e4, r
+    paged_anchors = [r for r in rows if r["op"] == "paged" and r["kind"] == "anchor" and r["status"] == "ok"]
+    assert paged_anchors and all("agrees with torch" in r["note"] for r in paged_anchors), paged_anchors
+    assert any("FlashInfer anchors not timed" in n for n in data["notes"])
+    assert not any(r["backend"].startswith("flashinfer") for r in rows)
     assert not any(r["backend"] == anc.COPY_ANCHOR for r in rows)
     # Triton rows ran in the interpreter, unless triton is not installed at all
     if data["backends"]["triton"]["available"] or data["env"]["triton"]:
@@ -399,10 +713,51 @@ def test_quick_mode_json_schema(quick_run):
     assert any(r["backend"] == anc.CPU_SDPA and r.get("kind") == "anchor" for r in xc)
     md = (out / "results.md").read_text()
     assert data["env"]["git_commit"] in md and "| case | backend |" in md
+    assert "## Paged attention" in md and "speed vs dense >=0.9" in md and "time/(chunk+decodes) <=1.1" in md
+    assert "Targets measured" in md
+
+
+def test_op_paged_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    cfg = runner.BenchConfig(op="paged", backends=["torch"], anchors=[anc.SAME_BACKEND], quick=True,
+                             out=str(tmp_path), reps=1, max_time_s=0, crosscheck=False, plots=False,
+                             progress=False, log=lambda s: None)
+    result = runner.run_bench(cfg)
+    assert {r["op"] for r in result["rows"]} == {"paged"}
+    assert [r["case"] for r in result["rows"] if r["kind"] == "backend"] == [c.label for c in cs.quick_paged_cases()]
+    roles = {r["role"] for r in result["rows"] if r["kind"] == "anchor"}
+    assert roles == {"dense", "decode", "chunk-paged", "chunk-dense", "decodes"}
+    assert all(r["status"] == "ok" for r in result["rows"]), result["rows"]
+    assert not any("FlashInfer" in n for n in result["notes"])  # none was asked for
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: FlashInfer anchors do not exist there")
+@pytest.mark.parametrize("argv, words", [
+    (["--anchors", "flashinfer-paged"], ["flashinfer-paged", "CUDA only"]),
+    (["--anchors", "flashinfer-decode-tc"], ["flashinfer-decode-tc", "CUDA only"]),
+    (["--op", "prefill", "--anchors", "same-backend"], ["same-backend", "paged"]),
+    (["--op", "nope"], ["--op"]),
+])
+def test_bench_refuses_anchors_that_cannot_run(argv, words, capsys, tmp_path, monkeypatch):
+    from minipaged import cli
+
+    def not_run(*a, **k):
+        raise AssertionError("the benchmark ran before the arguments were checked")
+
+    monkeypatch.setattr(runner, "_run", not_run)
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    try:
+        rc = cli.main(["bench", "--out", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's own refusal of a --op choice
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = [x for x in err.splitlines() if x.startswith("error") or "error:" in x][-1]
+    assert all(w in line for w in words), line
 
 
 def test_bench_scripts_help():
-    for script in ("bench_prefill.py", "bench_decode.py"):
+    for script in ("bench_prefill.py", "bench_decode.py", "bench_paged.py"):
         proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "--backends" in proc.stdout, proc.stderr
