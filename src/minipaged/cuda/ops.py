@@ -169,3 +169,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Scatter k/v [T,Hkv,D] into the paged caches at slot_mapping (negative = skip). Returns None."""
     _check("k", k)
     _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+# The two registry backends (minipaged.registry loads these): `cuda` runs the
+# fast prefill kernels, `cuda-wmma` the article's teaching kernel for prefill;
+# both share decode, paged attention and the cache writer. Neither has a
+# merge_attention_states kernel (api.py routes it to torch/triton).
+from ..registry import BackendOps  # noqa: E402  (after the functions it names)
+
+OPS = BackendOps(prefill=prefill, prefill_varlen=prefill_varlen, decode=decode, paged=paged,
+                 write_kv_cache=write_kv_cache)
+WMMA_OPS = BackendOps(prefill=prefill_wmma, prefill_varlen=prefill_varlen_wmma, decode=decode, paged=paged,
+                      write_kv_cache=write_kv_cache)
