@@ -369,7 +369,8 @@ class _Runner:
                 notes.append("reps cut: past --time-budget")
             if check is not None:
                 try:
-                    msg = check(prepared)
+                    with prepared.context():  # the same kernel choice as the timed calls
+                        msg = check(prepared)
                 except AnchorMismatch as e:
                     row["note"] = "; ".join(notes)
                     row.update(status="error", error=str(e))
