@@ -591,6 +591,19 @@ def test_flashinfer_not_importable_is_skipped_and_named(monkeypatch):
     assert "CUDA only" in runner.flashinfer_note(cfg, ops, torch.device("cpu"))
 
 
+def test_quick_grid_leaves_flashinfer_out_unless_named(monkeypatch):
+    """Importable FlashInfer on a GPU: the standard grid times it; the quick grid (D=64, whose
+    kernels the bundle does not prebuild) only when --anchors names it."""
+    monkeypatch.setattr(anc, "flashinfer_available", lambda device: (True, ""))
+    gpu = torch.device("cuda")
+    assert anc.FI_PAGED in runner._anchor_names(_cfg(), "paged", gpu)
+    assert anc.FI_PAGED not in runner._anchor_names(_cfg(), "paged", gpu, quick=True)
+    assert runner._anchor_names(_cfg(anchors=[anc.FI_PAGED]), "paged", gpu, quick=True) == [anc.FI_PAGED]
+    assert runner.flashinfer_note(_cfg(), list(runner.OPS_ALL), gpu) is None
+    assert "quick grid" in runner.flashinfer_note(_cfg(), list(runner.OPS_ALL), gpu, quick=True)
+    assert runner.flashinfer_note(_cfg(anchors=[anc.FI_DECODE]), ["decode"], gpu, quick=True) is None
+
+
 def test_json_is_strict_even_with_nan(tmp_path):
     result = dict(schema=runner.SCHEMA, env=timing.environment("cpu"),
                   config=dict(dtype="float32", quick=True), backends={},
@@ -801,6 +814,55 @@ def test_quick_bench_on_gpu(tmp_path):
     assert result["copy_bandwidth_tbps"] > 0.5  # any datacenter GPU copies faster than this
     assert all(r["ok"] for r in result["crosscheck"]), result["crosscheck"]
     assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.gpu
+def test_quick_paged_bench_on_gpu(tmp_path):
+    """The paged rows' GPU branches: graph replays for the decode-like case, anchors compared
+    with a backend's output, every target ratio measured where its anchors ran."""
+    cfg = runner.BenchConfig(op="paged", quick=True, out=str(tmp_path),
+                             anchors=[anc.SAME_BACKEND, "sdpa-flash", "sdpa-cudnn"], reps=10, max_time_s=0.05,
+                             plots=False, progress=False, log=lambda s: None)
+    result = runner.run_bench(cfg)
+    rows = result["rows"]
+    assert all(r["ok"] for r in result["crosscheck"]), result["crosscheck"]
+    backend_rows = [r for r in rows if r["kind"] == "backend"]
+    assert {r["backend"] for r in backend_rows if r["status"] == "ok"} >= {"triton"}
+    assert not any(r["backend"] == "torch" for r in backend_rows)  # oracle rows: CPU quick grid only
+    for r in rows:
+        if r["kind"] == "backend":
+            assert r["status"] in ("ok", "skipped"), r
+        elif r["status"] == "ok":
+            assert "agrees with" in r["note"], r
+        if r["status"] == "ok" and r["shape"]["kind"] == "spec" and r["backend"] in ("triton", "cuda"):
+            assert r["clock"] == "cuda-graph", r
+    for r in backend_rows:
+        if r["status"] == "ok":
+            key = {"chunked": "speed_vs_dense", "spec": "time_vs_decode", "mixed": "time_vs_split"}[r["shape"]["kind"]]
+            assert r[key] is not None, r
+
+
+@pytest.mark.gpu
+def test_flashinfer_anchors_on_gpu():
+    """Real FlashInfer (skipped unless importable: source .anchors/flashinfer/env.sh), bf16
+    D=128 as its bundle prebuilds: every wrapper runs on our data and agrees with a backend."""
+    if not anc.flashinfer_available(torch.device("cuda"))[0]:
+        pytest.skip(anc.flashinfer_available(torch.device("cuda"))[1])
+    r = runner._Runner(_cfg(), torch.device("cuda"), torch.bfloat16, False)
+    emit = lambda s: None  # noqa: E731
+    h = cs.QWEN3_HEADS
+    backends = runner.select_backends(_cfg(), torch.device("cuda"))[0]
+    rows = []
+    for case in (cs.PagedCase("chunked", (300,) * 2, (1000,) * 2, **h), cs.PagedCase("spec", (4,) * 8, (1000,) * 8, **h),
+                 cs.PagedCase("mixed", (200, 1, 1, 1), (500, 17, 1000, 64), **h)):
+        rows += list(runner._bench_paged_case(r, case, backends, [anc.FI_PAGED], {}, emit))
+    rows += list(runner._bench_prefill_case(r, cs.PrefillCase(2, 1000, 1000, **h), backends,
+                                            [anc.FI_RAGGED, anc.FI_PAGED], {}, emit))
+    rows += list(runner._bench_decode_case(r, cs.DecodeCase(4, 1000, **h, context_lens=(1, 17, 1000, 333)),
+                                           backends, [anc.FI_DECODE, anc.FI_DECODE_TC], {}, emit))
+    fi = [x for x in rows if x["backend"].startswith("flashinfer")]
+    assert len(fi) == 3 + 2 + 2
+    assert all(x["status"] == "ok" and "agrees with" in x["note"] for x in fi), fi
 
 
 def test_run_goes_on_when_the_crosscheck_itself_breaks(tmp_path, monkeypatch):

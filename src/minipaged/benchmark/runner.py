@@ -744,26 +744,35 @@ def _paged_ratios(rows: list[dict]) -> None:
                 r["time_vs_split"] = ms / (min(chunk) + decodes)
 
 
-def _anchor_names(cfg: BenchConfig, op: str, device) -> list[str]:
+def _anchor_names(cfg: BenchConfig, op: str, device, quick: bool = False) -> list[str]:
     """Anchors timed for `op`: every one that exists on `device`, or those of
     cfg.anchors (check_config has already refused names that do not exist here).
-    FlashInfer's are dropped when it does not import (flashinfer_note says so)."""
+    FlashInfer's are dropped when it does not import, and by default in the quick grid
+    (flashinfer_note says so)."""
     names = [a for a in anc.anchors_for(op, device) if a != anc.COPY_ANCHOR]
     if cfg.anchors is not None:
         names = [a for a in names if a in cfg.anchors]
-    if not anc.flashinfer_available(device)[0]:
+    elif quick:
+        names = [a for a in names if a not in anc.FLASHINFER_ANCHORS]
+    if any(a in anc.FLASHINFER_ANCHORS for a in names) and not anc.flashinfer_available(device)[0]:
         names = [a for a in names if a not in anc.FLASHINFER_ANCHORS]
     return names
 
 
-def flashinfer_note(cfg: BenchConfig, ops, device) -> str | None:
+def flashinfer_note(cfg: BenchConfig, ops, device, quick: bool = False) -> str | None:
     """The note saying which FlashInfer anchors were not timed and why (None: all that
     were asked for run). FlashInfer is never a dependency: without it the run goes on."""
     gpu = torch.device("cuda")  # the ops' FlashInfer anchors as a GPU run lists them
     wanted = [a for a in anc.FLASHINFER_ANCHORS
               if (cfg.anchors is None or a in cfg.anchors) and any(a in anc.anchors_for(o, gpu) for o in ops)]
+    if not wanted:
+        return None
     ok, why = anc.flashinfer_available(device)
-    if ok or not wanted:
+    if ok and quick and cfg.anchors is None:
+        return (f"FlashInfer anchors not timed in the quick grid ({', '.join(wanted)}): its kernels for the "
+                "quick shapes (D=64) are not prebuilt and would JIT-compile for minutes; name them in "
+                "--anchors to time them anyway")
+    if ok:
         return None
     return (f"FlashInfer anchors not timed ({', '.join(wanted)}): {why}"
             + ("; on the GPU machine `source .anchors/flashinfer/env.sh .anchors/flashinfer/fi_bundle.tar.xz` "
@@ -939,7 +948,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
             t0 = time.perf_counter()
             try:
                 rows, failures = crosscheck(backends, device, dtype, quick, log, ops,
-                                            anchor_names=_anchor_names(cfg, "prefill", device))
+                                            anchor_names=_anchor_names(cfg, "prefill", device, quick))
             except Exception as e:  # noqa: BLE001 - the timing can still say something
                 msg = f"cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                 rows = [dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None)]
@@ -958,7 +967,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
         case_lists = {"prefill": cs.quick_prefill_cases() if quick else cs.standard_prefill_cases(),
                       "decode": cs.quick_decode_cases() if quick else cs.standard_decode_cases(),
                       "paged": cs.quick_paged_cases() if quick else cs.standard_paged_cases()}
-        fi_note = flashinfer_note(cfg, ops, device)
+        fi_note = flashinfer_note(cfg, ops, device, quick)
         if fi_note:
             result["notes"].append(fi_note)
             log(f"note: {fi_note}")
@@ -987,7 +996,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
             if "decode" in ops:
                 bar.update(1)
             for op in ops:
-                anchor_names = _anchor_names(cfg, op, device)
+                anchor_names = _anchor_names(cfg, op, device, quick)
                 bench_case = {"prefill": _bench_prefill_case, "decode": _bench_decode_case,
                               "paged": _bench_paged_case}[op]
                 for case in case_lists[op]:
