@@ -43,7 +43,7 @@ def problem(B, L, bs=16, Hq=16, Hkv=8, D=128, dtype=torch.bfloat16):
 
 def time_decode(prob, splits=0, variant=0):
     q, kc, vc, bt, cl, nbytes = prob
-    fn = lambda: ops.decode(q, kc, vc, bt, cl, 0.0883, splits, variant)  # noqa: E731
+    fn = lambda: ops.decode(q, kc, vc, bt, cl, 0.0883, False, num_splits=splits, variant=variant)  # noqa: E731
     fn()
     t = do_bench(fn, warmup=10, rep=40, return_mode="median")
     return t * 1e3, nbytes / (t * 1e-3) / 1e12

@@ -55,10 +55,10 @@ SCALE = 128**-0.5
 
 
 def runner(name, splits, variant, inputs):
-    """A zero-argument decode call; Triton's split count goes through its env override."""
+    """A zero-argument decode call; Triton's split count goes through configs.set_override."""
     q, kc, vc, bt, cl = inputs
     if name == "cuda":
-        return lambda: cuda_ops.decode(q, kc, vc, bt, cl, SCALE, splits, variant)
+        return lambda: cuda_ops.decode(q, kc, vc, bt, cl, SCALE, False, num_splits=splits, variant=variant)
     fn = all_backends()["triton"].op("decode")
 
     def run():

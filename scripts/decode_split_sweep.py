@@ -30,7 +30,7 @@ for B, L in ((1, 4096), (1, 32768), (8, 4096)):
             configs.set_override("decode_splits", str(splits))
         runs = {"triton": lambda: triton_decode(q, kc, vc, bt, cl, scale)}
         for variant in (0, 6, 7):
-            runs[f"cuda-v{variant}"] = lambda v=variant, s=splits: cuda_ops.decode(q, kc, vc, bt, cl, scale, s, v)
+            runs[f"cuda-v{variant}"] = lambda v=variant, s=splits: cuda_ops.decode(q, kc, vc, bt, cl, scale, False, num_splits=s, variant=v)
         for name, fn in runs.items():
             try:
                 t = timing.time_fn(fn, device="cuda", reps=100, max_time_s=0.2, cuda_graph=True)

@@ -197,30 +197,6 @@ def _load_torch() -> BackendOps:
     return reference.OPS
 
 
-def _interim(module, names: dict[str, str]) -> BackendOps:
-    # TEMPORARY while the backend modules gain OPS/return_lse/paged this session: adapt
-    # old signatures (no return_lse). Removed once triton/ops.py and cuda/ops.py export OPS.
-    import inspect
-
-    fns = {}
-    for field_name, attr in names.items():
-        fn = getattr(module, attr, None)
-        if fn is None:
-            def fn(*a, _op=field_name, **kw):
-                raise BackendUnavailableError(f"{_op} is not implemented yet by {module.__name__}")
-        elif "return_lse" not in inspect.signature(fn).parameters and field_name not in ("write_kv_cache", "merge_attention_states"):
-            def fn(*a, _fn=fn):
-                *rest, return_lse = a
-                if return_lse:
-                    raise BackendUnavailableError(f"return_lse is not implemented yet by {module.__name__}")
-                return _fn(*rest)
-        fns[field_name] = fn
-    return BackendOps(**fns)
-
-
-_NAMES = {f: f for f in ("prefill", "prefill_varlen", "decode", "paged", "write_kv_cache", "merge_attention_states")}
-
-
 def _load_triton() -> BackendOps:
     from .triton import ops
 
@@ -230,14 +206,13 @@ def _load_triton() -> BackendOps:
 def _load_cuda() -> BackendOps:
     from .cuda import ops
 
-    return getattr(ops, "OPS", None) or _interim(ops, _NAMES)
+    return ops.OPS
 
 
 def _load_cuda_wmma() -> BackendOps:
     from .cuda import ops
 
-    return getattr(ops, "WMMA_OPS", None) or _interim(
-        ops, {**_NAMES, "prefill": "prefill_wmma", "prefill_varlen": "prefill_varlen_wmma"})
+    return ops.WMMA_OPS
 
 
 _INTERPRETER_BF16 = (
