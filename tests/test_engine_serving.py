@@ -253,3 +253,19 @@ def test_generate_cli_shows_serving_stats(ckpt, capsys):
     assert rc == 0
     assert "prefix cache hit 0 tokens" in out and "time to first token" in out and "inter-token" in out
     assert cli.main(["--max-num-batched-tokens", "0", "--device", "cpu"]) == 2
+
+
+def test_requests_sharing_a_prefix_in_one_batch_compute_it_once(ckpt):
+    """Arriving together on an empty cache, the first request computes the shared prefix and the
+    others wait one step for it to be named instead of computing it too."""
+    folder, hf = ckpt
+    prefix = _tokens(70, 40)  # ten blocks of 4
+    prompts = [prefix + _tokens(71 + i, 3 + i) for i in range(6)]
+    eng = _engine(folder)
+    out, st = eng.generate(prompts, max_new_tokens=4, return_stats=True)
+    assert out == [hf_greedy(hf, p, 4) for p in prompts]
+    assert st.prefix_hit_tokens == 5 * 40
+    assert st.prefill_tokens == sum(map(len, prompts)) - 5 * 40
+    off = _engine(folder, enable_prefix_caching=False)
+    _, st_off = off.generate(prompts, max_new_tokens=4, return_stats=True)
+    assert st_off.prefill_tokens == sum(map(len, prompts))

@@ -124,6 +124,7 @@ class PagedKVCache:
         self._tables: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
         self._chain: dict[Hashable, list[int]] = {}  # hashes of the sequence's leading full, committed blocks
+        self._planned: dict[Hashable, list[int]] = {}  # hashes of every full block of the tokens given at allocation
         self._hit_tokens: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ queries
@@ -193,7 +194,8 @@ class PagedKVCache:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         self._count("num_tokens", num_tokens)
-        hits = self._match(token_ids) if token_ids is not None else []
+        planned = self.block_hashes(token_ids) if token_ids is not None else []
+        hits = self._match(token_ids, planned) if token_ids is not None else []
         hits = hits[: num_tokens // self.block_size]
         need = self._fresh_needed(num_tokens, hits)
         if need > self._available(hits):
@@ -203,6 +205,7 @@ class PagedKVCache:
         self._tables[seq_id] = [*hits, *(self._take() for _ in range(need))]
         self._lens[seq_id] = num_tokens
         self._chain[seq_id] = [self._hash_of[b] for b in hits]
+        self._planned[seq_id] = planned
         hit = len(hits) * self.block_size
         self._hit_tokens[seq_id] = hit
         return self.slot_mapping(seq_id, hit, num_tokens) if return_slots else None
@@ -226,9 +229,10 @@ class PagedKVCache:
         bs = self.block_size
         chain = self._chain[seq_id]
         full = min(num_computed, len(token_ids), self._lens[seq_id]) // bs
+        planned = self._planned[seq_id]
         for i in range(len(chain), full):
             tokens = tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs])
-            h = _block_hash(chain[-1] if chain else 0, tokens)
+            h = planned[i] if i < len(planned) else _block_hash(chain[-1] if chain else 0, tokens)
             chain.append(h)
             b = table[i]
             if h not in self._by_hash and self._hash_of[b] is None:
@@ -249,7 +253,7 @@ class PagedKVCache:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
-        del self._lens[seq_id], self._chain[seq_id], self._hit_tokens[seq_id]
+        del self._lens[seq_id], self._chain[seq_id], self._hit_tokens[seq_id], self._planned[seq_id]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no sequence references (they become empty)."""
@@ -292,18 +296,31 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ helpers
 
-    def _match(self, token_ids: Sequence[int]) -> list[int]:
+    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """The chained hashes of every full block of `token_ids` (what commit() would name them)."""
+        bs = self.block_size
+        out, prev = [], 0
+        for i in range(len(token_ids) // bs):
+            prev = _block_hash(prev, [int(t) for t in token_ids[i * bs:(i + 1) * bs]])
+            out.append(prev)
+        return out
+
+    def pending_hashes(self, seq_id: Hashable) -> list[int]:
+        """Hashes of the full blocks of `seq_id`'s allocation tokens that it has not committed yet
+        (the blocks it is still going to compute and name)."""
+        return self._planned[self._known(seq_id)][len(self._chain[seq_id]):]
+
+    def _match(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> list[int]:
         """Blocks of the longest cached prefix of `token_ids`, at most (len - 1) // block_size."""
         bs = self.block_size
-        blocks, prev = [], 0
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs])
-            h = _block_hash(prev, tokens)
-            b = self._by_hash.get(h)
-            if b is None or self._tokens_of[b] != tokens:  # a miss, or a 64-bit hash collision
-                break
+        if hashes is None:
+            hashes = self.block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs])
+        blocks = []
+        for i in range(min(len(hashes), (len(token_ids) - 1) // bs)):
+            b = self._by_hash.get(hashes[i])
+            if b is None or self._tokens_of[b] != tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs]):
+                break  # a miss, or a 64-bit hash collision
             blocks.append(b)
-            prev = h
         return blocks
 
     def _fresh_needed(self, num_tokens: int, hits: list[int]) -> int:

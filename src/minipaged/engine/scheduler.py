@@ -13,7 +13,10 @@ anywhere, also inside a block.
 Admission allocates blocks for the whole prompt at once, sharing the cached
 blocks of its longest cached prefix (prefix caching: those tokens are never
 computed). After every step `update()` names the blocks that became full, so
-later sequences can hit them. When a decode needs a page and none is free, the
+later sequences can hit them. A waiting sequence whose next uncached block is
+one that a running sequence is computing right now waits (first come, first
+served: admission stops there) instead of computing it a second time; once
+the block is named it is a hit. When a decode needs a page and none is free, the
 newest running sequence gives up its pages (preemption by recompute, as vLLM
 does): it returns to the front of the waiting queue with its prompt and the
 tokens generated so far; blocks it had named stay cached, so its re-admission
@@ -134,14 +137,19 @@ class Scheduler:
                 plan.chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
         # 3. admissions
+        in_flight = self._in_flight_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             capacity = self.blocks_for(len(seq)) * self.block_size
             tokens = seq.token_ids if self.enable_prefix_caching else None
+            if tokens is not None and in_flight and self._waits_for_in_flight(tokens, in_flight):
+                break
             if not self.cache.can_allocate(capacity, tokens):
                 break
             self.waiting.popleft()
             self.cache.allocate(seq.seq_id, capacity, token_ids=tokens, return_slots=False)
+            if tokens is not None:
+                in_flight.update(self.cache.pending_hashes(seq.seq_id))
             seq.num_computed = self.cache.prefix_hit_tokens(seq.seq_id)
             plan.prefix_hit_tokens += seq.num_computed
             seq.status = SeqStatus.RUNNING
@@ -154,6 +162,24 @@ class Scheduler:
             raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} running, "
                                f"{self.cache.num_free_blocks}/{self.cache.num_blocks} blocks free")
         return plan
+
+    def _in_flight_blocks(self) -> set[int]:
+        """Hashes of the prompt blocks that running sequences are computing and will name."""
+        if not self.enable_prefix_caching:
+            return set()
+        out: set[int] = set()
+        for seq in self.running:
+            if not seq.is_decoding:
+                out.update(self.cache.pending_hashes(seq.seq_id))
+        return out
+
+    def _waits_for_in_flight(self, tokens: list[int], in_flight: set[int]) -> bool:
+        """The first block of `tokens` that is not cached yet is one a running sequence is
+        computing: admitting now would compute it twice, waiting a step or two makes it a hit."""
+        bs = self.block_size
+        hit = self.cache.match_prefix(tokens) // bs
+        hashes = self.cache.block_hashes(tokens[: (hit + 1) * bs]) if hit < (len(tokens) - 1) // bs else []
+        return len(hashes) > hit and hashes[hit] in in_flight
 
     def _reserve_next_slot(self, seq: Sequence) -> bool:
         """Make room for position seq.num_computed; False if `seq` had to preempt itself."""
