@@ -276,3 +276,32 @@ def test_bad_inputs_on_cuda_leave_the_context_usable():
         assert (out.float() - ref).abs().max().item() < 3e-2
     torch.cuda.synchronize()
     assert len(eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)) == 2
+
+
+def test_validated_fast_path_never_skips_a_rule():
+    """decode/paged with check_values=False remember metadata that passed the checks; a later call
+    that differs in any checked fact (dtype, device, shape, a bool given as an int, layout) must
+    still be checked."""
+    q = torch.randn(2, 4, 64)
+    kc = torch.randn(4, 4, 2, 64)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    good = mp.decode_attention(q, kc, kc, tables, lens, check_values=False)
+    assert torch.equal(mp.decode_attention(q, kc, kc, tables, lens, check_values=False), good)
+    with pytest.raises(TypeError, match="return_lse"):
+        mp.decode_attention(q, kc, kc, tables, lens, check_values=False, return_lse=1)
+    with pytest.raises(TypeError, match="scale"):
+        mp.decode_attention(q, kc, kc, tables, lens, check_values=False, scale=True)
+    with pytest.raises(TypeError, match="k_cache"):
+        mp.decode_attention(q, kc.half(), kc, tables, lens, check_values=False)
+    with pytest.raises(ValueError, match="device"):
+        mp.decode_attention(q, kc, kc, tables.to("meta"), lens, check_values=False)
+    strided = torch.randn(2, 4, 128)[..., ::2]
+    torch.testing.assert_close(mp.decode_attention(strided, kc, kc, tables, lens, check_values=False),
+                               mp.decode_attention(strided.contiguous(), kc, kc, tables, lens))
+    mp.paged_attention(q, kc, kc, tables, cu, lens, max_seqlen_q=1, check_values=False)
+    with pytest.raises(TypeError, match="causal"):
+        mp.paged_attention(q, kc, kc, tables, cu, lens, max_seqlen_q=1, causal=1, check_values=False)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        mp.paged_attention(q, kc, kc, tables, cu, lens, max_seqlen_q=-1, check_values=False)

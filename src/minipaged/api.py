@@ -112,7 +112,22 @@ def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
+_picked: dict[tuple, Backend] = {}
+
+
 def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> Backend:
+    """The backend for this call, after its dtype and head-dim rules; memoised on everything
+    the answer depends on (the selection key, dtype, head dim)."""
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    key = (registry.selection_key(op, device.type, backend), dtype, head_dim)
+    b = _picked.get(key)
+    if b is None:
+        b = _picked[key] = _pick_uncached(op, device, backend, dtype, head_dim)
+    return b
+
+
+def _pick_uncached(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> Backend:
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     b = registry.resolve(op, device.type, backend)
@@ -298,6 +313,46 @@ def prefill_attention_varlen(
                                   causal, scale, return_lse)
 
 
+# Microsecond ops (decode, paged) called with check_values=False skip the metadata checks
+# when a call with the same metadata already passed them: the rules depend on shapes,
+# dtypes, devices, the scalar arguments and the backend selection only. The key holds
+# exactly those; the layout a kernel needs (contiguous, 16-byte aligned q) is re-tested
+# per call because it is not part of the key.
+_validated: dict[tuple, tuple] = {}
+_VALIDATED_MAX = 4096
+
+
+def _fast_key(op: str, tensors: tuple, scalars: tuple, backend) -> tuple | None:
+    try:
+        key = [op]
+        for t in tensors:
+            key += (t.shape, t.dtype, t.device)
+        for x in scalars:
+            key += (x, type(x))  # type too: True == 1 must not pass for a bool check
+        key.append(registry.selection_key(op, tensors[0].device.type, backend))
+        key = tuple(key)
+        hash(key)
+        return key
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say why
+        return None
+
+
+def _layout_ok(q: torch.Tensor, others: tuple) -> bool:
+    if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
+        return False
+    for t in others:
+        if not t.is_contiguous():
+            return False
+    return True
+
+
+def _remember(key: tuple | None, fn, scale: float) -> None:
+    if key is not None:
+        if len(_validated) >= _VALIDATED_MAX:
+            _validated.clear()
+        _validated[key] = (fn, scale)
+
+
 def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens):
     """Type/shape/device rules shared by decode_attention and paged_attention (no sync)."""
     _ndim("q", q, 3, "[tokens, Hq, D]")
@@ -344,6 +399,12 @@ def decode_attention(
     Returns:
         o: [B, Hq, D] in q's dtype (or (o, lse)).
     """
+    key = None
+    if check_values is False:
+        key = _fast_key("decode", (q, k_cache, v_cache, block_tables, context_lens), (scale, return_lse), backend)
+        hit = _validated.get(key) if key is not None else None
+        if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, context_lens)):
+            return hit[0](q, k_cache, v_cache, block_tables, context_lens, hit[1], return_lse)
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
@@ -358,9 +419,11 @@ def decode_attention(
         _check_tables(block_tables, context_lens, num_blocks, block_size)
     if B == 0:
         return _empty_result(torch.empty_like(q), (B, Hq), return_lse)
+    fn = b.op("decode")
+    _remember(key, fn, scale)
     q = _kernel_ready(b, q)
-    return b.op("decode")(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
-                          context_lens.contiguous(), scale, return_lse)
+    return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), context_lens.contiguous(),
+              scale, return_lse)
 
 
 def paged_attention(
@@ -403,6 +466,14 @@ def paged_attention(
     Returns:
         o: [Tq, Hq, D] in q's dtype (or (o, lse)). Rows that see no key are exact zeros.
     """
+    key = None
+    if check_values is False and max_seqlen_q is not None:
+        key = _fast_key("paged", (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens),
+                        (max_seqlen_q, causal, scale, return_lse), backend)
+        hit = _validated.get(key) if key is not None else None
+        if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)):
+            return hit[0](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal,
+                          hit[1], return_lse)
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
@@ -431,9 +502,11 @@ def paged_attention(
         _check_tables(block_tables, context_lens, num_blocks, block_size)
     if Tq == 0 or max_seqlen_q == 0:
         return _empty_result(torch.zeros_like(q), (Tq, Hq), return_lse)
+    fn = b.op("paged")
+    _remember(key, fn, scale)
     q = _kernel_ready(b, q)
-    return b.op("paged")(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
-                         cu_q.contiguous(), context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse)
+    return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), cu_q.contiguous(),
+              context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None = None, check_values: bool = True) -> None:

@@ -128,10 +128,15 @@ _loaded: dict[str, BackendOps] = {}
 _resolved: dict[tuple, "Backend"] = {}
 
 
+_generation = 0  # bumped by reset_caches so that caches keyed on selection_key() miss
+
+
 def reset_caches() -> None:
     """Forget probed availability and memoised resolutions (loaded modules stay loaded)."""
+    global _generation
     _availability.clear()
     _resolved.clear()
+    _generation += 1
 
 
 def _interpreting() -> bool:
@@ -304,13 +309,33 @@ def requested_name(op: str | None = None, name: str | None = None) -> tuple[str,
     return AUTO, "auto"
 
 
+if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict):
+    # os.environ.get costs about a microsecond (Mapping.get, key encoding) and resolve reads
+    # three variables per call; the mapping's own dict, which os.environ's setters keep
+    # current, is read directly with pre-encoded keys.
+    _ENV_DATA = os.environ._data
+    _ENC = {k: os.environ.encodekey(k) for k in (*set(_OP_ENV.values()), "MINIPAGED_BACKEND", "TRITON_INTERPRET")}
+
+    def _env(name: str):
+        return _ENV_DATA.get(_ENC[name])
+else:  # pragma: no cover - non-POSIX
+    def _env(name: str):
+        return os.environ.get(name)
+
+
+def selection_key(op: str, device: str, name: str | None) -> tuple:
+    """Everything a resolution depends on, as a dict key (cheap: no string formatting)."""
+    stack = getattr(_local, "stack", None)
+    return (op, device, name, stack[-1] if stack else None, _env(_OP_ENV[op]), _env("MINIPAGED_BACKEND"),
+            _env("TRITON_INTERPRET"), _generation)
+
+
 def resolve(op: str, device: str, name: str | None = None) -> Backend:
     """The backend that runs `op` on tensors of `device` ("cpu"/"cuda"); memoised."""
     if op not in _OP_ENV:
         raise ValueError(f"unknown op {op!r}; ops are {list(OPS)}")
     device = str(device).split(":")[0]
-    env = os.environ
-    key = (op, device, name, _scope(), env.get(_OP_ENV[op]), env.get("MINIPAGED_BACKEND"), env.get("TRITON_INTERPRET"))
+    key = selection_key(op, device, name)
     b = _resolved.get(key)
     if b is None:
         b = _resolved[key] = _resolve(op, device, name)
