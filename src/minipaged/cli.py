@@ -81,20 +81,24 @@ def _info(args) -> int:
     for name, b in registry.all_backends().items():
         for dev_type in b.devices:
             ok, why = b.is_available(dev_type)
-            rows.append((name, dev_type, "yes" if ok else "no", ", ".join(b.dtypes), ",".join(map(str, b.head_dims)), why))
+            dtypes, dtype_why = b.supported_dtypes(dev_type)
+            if dtype_why and ok:
+                why = f"{why}; {dtype_why}"
+            rows.append((name, dev_type, "yes" if ok else "no", ", ".join(dtypes), ",".join(map(str, b.head_dims)), why))
     header = ("backend", "device", "available", "dtypes", "head dims", "why")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
     print()
-    for op in ("prefill", "decode"):
+    for op in registry.OPS:
         chosen, source = registry.requested_name(op)
         try:
             b = registry.resolve(op, device, None)
-            print(f"{op:<8}: {b.name} on {device} (from {source}={chosen})" if source != "auto" else f"{op:<8}: auto picks {b.name} on {device}")
+            print(f"{op:<14}: {b.name} on {device} (from {source}={chosen})" if source != "auto"
+                  else f"{op:<14}: auto picks {b.name} on {device}")
         except registry.BackendUnavailableError as e:
             # a status command reports what the environment asks for and why it cannot run
-            print(f"{op:<8}: {type(e).__name__}: {e}")
+            print(f"{op:<14}: {type(e).__name__}: {e}")
     return 0
 
 
