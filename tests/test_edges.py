@@ -1,4 +1,4 @@
-"""Tile edges and semantic rules of every backend, judged by the fp64 oracle (tests/oracle.py).
+"""Tile edges and semantic rules of every backend, judged by the fp64 oracle of minipaged.testing.
 
 Causal tile sweep: a kernel splits a query tile's keys into fully visible
 tiles, a masked diagonal band and skipped tiles. An off-by-one at any of those
@@ -24,7 +24,22 @@ import torch
 
 import minipaged as mp
 from minipaged import registry
-from oracle import attention_fp64, attention_lowp, check, decode_fp64, varlen_fp64, visible_mask
+from minipaged.testing import (
+    PrefillCase,
+    VarlenCase,
+    assert_close,
+    assert_same_cache,
+    decode_ref,
+    gather_kv,
+    make_prefill_inputs,
+    make_varlen_inputs,
+    make_write_inputs,
+    paged_kv,
+    prefill_ref,
+    randn,
+    varlen_ref,
+    visible_mask,
+)
 
 GPU = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")]
@@ -57,10 +72,6 @@ def _tiles(backend: str, head_dim: int, dtype, batch_heads: int, nq: int, device
     return 16, 16  # torch has no tiles: sweep the interpreter's
 
 
-def _randn(shape, dtype, device, gen):
-    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-
 def _sweep(block_m: int, block_n: int) -> list[tuple[int, int]]:
     """(Nq, Nk) with Nk - Nq taking every value 0..block_n and Nq every residue mod block_m
     (at least two full query tiles before the last, so some band ends before Nk)."""
@@ -78,35 +89,26 @@ def _sweep(block_m: int, block_n: int) -> list[tuple[int, int]]:
 
 
 def _dense_case(backend, dtype, device, B, hq, hkv, D, nq, nk, causal, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = _randn((B, hq, nq, D), dtype, device, gen)
-    k = _randn((B, hkv, nk, D), dtype, device, gen)
-    v = _randn((B, hkv, nk, D), dtype, device, gen)
+    q, k, v = make_prefill_inputs(PrefillCase(B, nq, nk, hq, hkv, D, causal), dtype, device, seed)
     out = mp.prefill_attention(q, k, v, causal=causal, backend=backend)
-    truth = attention_fp64(q, k, v, causal)
-    check(out, truth, attention_lowp(q, k, v, causal), f"{backend} {dtype} B{B} Hq{hq} Hkv{hkv} D{D} Nq{nq} Nk{nk} c{causal}")
-    if causal and nq > nk:
-        assert (out[:, :, : nq - nk] == 0).all(), "rows that see no key must be exact zeros"
+    truth, truth_lse = prefill_ref(q, k, v, causal=causal)
+    # rows that see no key must be exact zeros: checked where truth_lse is -inf
+    assert_close(out, truth, prefill_ref(q, k, v, causal=causal, lowp=True)[0],
+                 f"{backend} {dtype} B{B} Hq{hq} Hkv{hkv} D{D} Nq{nq} Nk{nk} c{causal}", truth_lse=truth_lse)
 
 
 def _varlen_case(backend, dtype, device, seqs, hq, hkv, D, causal, seed):
-    gen = torch.Generator().manual_seed(seed)
-    lq, lk = [a for a, _ in seqs], [b for _, b in seqs]
-    cu_q = [0] + torch.tensor(lq).cumsum(0).tolist()
-    cu_k = [0] + torch.tensor(lk).cumsum(0).tolist()
-    q = _randn((cu_q[-1], hq, D), dtype, device, gen)
-    k = _randn((cu_k[-1], hkv, D), dtype, device, gen)
-    v = _randn((cu_k[-1], hkv, D), dtype, device, gen)
-    t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    out = mp.prefill_attention_varlen(q, k, v, t(cu_q), t(cu_k), causal=causal, backend=backend)
-    truth = varlen_fp64(q, k, v, cu_q, cu_k, causal)
-    base = varlen_fp64(q, k, v, cu_q, cu_k, causal, lowp=True)
+    case = VarlenCase(tuple(a for a, _ in seqs), tuple(b for _, b in seqs), hq, hkv, D, causal)
+    q, k, v, cu_q, cu_k = make_varlen_inputs(case, dtype, device, seed)
+    out = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, causal=causal, backend=backend)
+    truth, truth_lse = varlen_ref(q, k, v, cu_q, cu_k, causal=causal)
+    base, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, lowp=True)
     # per sequence, so a failure names the (Nq, Nk) that broke
+    cq = cu_q.tolist()
     for s, (a, b) in enumerate(seqs):
-        sl = slice(cu_q[s], cu_q[s + 1])
-        check(out[sl], truth[sl], base[sl], f"{backend} {dtype} varlen seq {s} Nq{a} Nk{b} c{causal}")
-        if causal and a > b:
-            assert (out[sl][: a - b] == 0).all(), f"seq {s}: rows that see no key must be exact zeros"
+        sl = slice(cq[s], cq[s + 1])
+        assert_close(out[sl], truth[sl], base[sl], f"{backend} {dtype} varlen seq {s} Nq{a} Nk{b} c{causal}",
+                     truth_lse=truth_lse[sl])
 
 
 # --------------------------------------------------------------------------- CPU: causal tile sweep
@@ -150,13 +152,20 @@ def test_oracle_mask_is_bottom_right():
     m = visible_mask(3, 5, True)
     assert m.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert visible_mask(4, 2, True).tolist() == [[0, 0], [0, 0], [1, 0], [1, 1]]
-    # and its numbers: one key gives that key's value, no key gives zeros
+    assert visible_mask(4, 2, True, row0=2, rows=2).tolist() == [[1, 0], [1, 1]]  # a chunk of rows
+    # and its numbers: one key gives that key's value and lse = its score, no key gives zeros and -inf
     q = torch.randn(1, 2, 2, 64)
     k = torch.randn(1, 1, 1, 64)
     v = torch.randn(1, 1, 1, 64)
-    o = attention_fp64(q, k, v, True)
+    o, lse = prefill_ref(q, k, v, causal=True)
     assert torch.equal(o[0, :, 0], torch.zeros(2, 64, dtype=torch.float64))
+    assert torch.isneginf(lse[0, :, 0]).all()
     assert torch.allclose(o[0, :, 1], v[0, 0, 0].double().expand(2, 64))
+    assert torch.allclose(lse[0, :, 1], (q[0, :, 1].double() @ k[0, 0, 0].double()) / 8)
+    # GQA: query head h reads KV head h // (Hq // Hkv)
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    o, _ = prefill_ref(q, k, v)
+    assert torch.allclose(o[0, :, 0], v[0, [0, 0, 1, 1], 0].double())
 
 
 # --------------------------------------------------------------------------- API rules no backend sees
@@ -185,64 +194,31 @@ def test_write_kv_cache_rejects_a_head_dim_mismatch():
 # --------------------------------------------------------------------------- paged inputs
 
 
-def _paged(lens, hkv, D, page, dtype, device, gen, tail=-1):
-    """NaN-poisoned caches holding random K/V of each sequence on shuffled pages.
-    Table entries past a sequence's pages are `tail` (never read by contract)."""
-    need = [-(-n // page) for n in lens]
-    num_blocks = sum(need) + 2  # two pages nobody owns: all NaN
-    kc = torch.full((num_blocks, page, hkv, D), float("nan"))
-    vc = torch.full((num_blocks, page, hkv, D), float("nan"))
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(need + [0]) + 1
-    tables, pos = [], 0
-    for b, n in enumerate(lens):
-        row = perm[pos: pos + need[b]]
-        pos += need[b]
-        t = torch.arange(n)
-        blk = torch.tensor(row, dtype=torch.long)[t // page] if n else t
-        kc[blk, t % page] = torch.randn(n, hkv, D, generator=gen)
-        vc[blk, t % page] = torch.randn(n, hkv, D, generator=gen)
-        tables.append(row + [tail] * (width - len(row)))
-    tab = torch.tensor(tables, dtype=torch.int32, device=device)
-    return kc.to(device=device, dtype=dtype), vc.to(device=device, dtype=dtype), tab, tables
-
-
 def _decode_case(backend, dtype, device, lens, hq, hkv, D, page, seed, tail=-1):
     gen = torch.Generator().manual_seed(seed)
-    kc, vc, tab, tables = _paged(lens, hkv, D, page, dtype, device, gen, tail)
-    q = _randn((len(lens), hq, D), dtype, device, gen)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    out = mp.decode_attention(q, kc, vc, tab, ctx, backend=backend)
-    truth = decode_fp64(q, kc, vc, tables, lens)
-    base = decode_fp64(q, kc, vc, tables, lens, lowp=True)
+    # two pages nobody owns, every unowned slot NaN, `tail` past each row's pages
+    kv = paged_kv(lens, hkv, D, page, dtype, device, gen=gen, spare_blocks=2, tail=tail)
+    q = randn((len(lens), hq, D), dtype, device, gen)
+    out = mp.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, backend=backend)
+    # the oracle walks the pages itself (used entries only) and must find what was written
+    keys, vals = gather_kv(kv.k_cache, kv.v_cache, kv.tables, lens)
+    assert all(torch.equal(a, b) for a, b in zip(keys, kv.keys))
+    truth, truth_lse = decode_ref(q, keys, vals)
+    base, _ = decode_ref(q, keys, vals, lowp=True)
     for b, n in enumerate(lens):
-        check(out[b], truth[b], base[b], f"{backend} {dtype} decode seq {b} ctx {n} page {page} Hq{hq} Hkv{hkv} D{D}")
-        if n == 0:
-            assert torch.equal(out[b], torch.zeros_like(out[b])), "context_len 0 must give exact zeros"
+        # context_len 0: exact zeros (truth_lse is -inf there)
+        assert_close(out[b], truth[b], base[b], f"{backend} {dtype} decode seq {b} ctx {n} page {page} Hq{hq} "
+                     f"Hkv{hkv} D{D}", truth_lse=truth_lse[b])
 
 
 def _write_case(backend, dtype, device, T, hkv, D, page, slot_dtype, seed):
     """Scatter T tokens to shuffled slots of a NaN cache, about a quarter skipped with
     negative slots (-1 and other negatives); every other slot must stay NaN."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = -(-T // page) + 2
-    slots = torch.randperm(num_blocks * page, generator=gen)[:T]
-    skip = torch.rand(T, generator=gen) < 0.25
-    slots[skip] = -torch.randint(1, 1000, (int(skip.sum()),), generator=gen)
-    k = _randn((T, hkv, D), dtype, device, gen)
-    v = _randn((T, hkv, D), dtype, device, gen)
-    kc = torch.full((num_blocks, page, hkv, D), float("nan"), dtype=dtype, device=device)
-    vc = torch.full_like(kc, float("nan"))
-    mp.write_kv_cache(k, v, kc, vc, slots.to(device=device, dtype=slot_dtype), backend=backend)
-    want_k = torch.full((num_blocks * page, hkv, D), float("nan"), dtype=dtype)
-    want_v = want_k.clone()
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            want_k[s], want_v[s] = k[t].cpu(), v[t].cpu()
-    for name, got, want in (("k_cache", kc, want_k), ("v_cache", vc, want_v)):
-        got = got.cpu().reshape(want.shape)
-        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{backend}: {name} written at the wrong slots"
-        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), f"{backend}: {name} holds wrong values"
+    k, v, kc, vc, slots, want_k, want_v = make_write_inputs(T, hkv, D, -(-T // page) + 2, page, dtype, device,
+                                                            seed=seed)
+    mp.write_kv_cache(k, v, kc, vc, slots.to(slot_dtype), backend=backend)
+    assert_same_cache(kc, want_k, f"{backend}: k_cache")
+    assert_same_cache(vc, want_v, f"{backend}: v_cache")
 
 
 # --------------------------------------------------------------------------- CPU: semantic rules, small
@@ -341,29 +317,27 @@ def test_write_then_decode_gpu(backend, dtype):
     """K/V written by the backend's write_kv_cache, read by its decode, against the fp64 oracle."""
     gen = torch.Generator().manual_seed(11)
     lens, page, hq, hkv, D = [97, 0, 1023, 17], 16, 16, 2, 128
-    kc0, vc0, tab, tables = _paged(lens, hkv, D, page, dtype, "cuda", gen)
-    slots, ks, vs = [], [], []
-    for b, n in enumerate(lens):
+    kv = paged_kv(lens, hkv, D, page, dtype, "cuda", gen=gen, spare_blocks=2)
+    slots = []
+    for row, n in zip(kv.tables, lens):
         t = torch.arange(n)
-        blk = torch.tensor(tables[b][: -(-n // page)], dtype=torch.long)[t // page] if n else t
-        slots.append(blk * page + t % page)
-        ks.append(kc0[blk.cuda(), (t % page).cuda()])
-        vs.append(vc0[blk.cuda(), (t % page).cuda()])
-    kc, vc = torch.full_like(kc0, float("nan")), torch.full_like(vc0, float("nan"))
-    mp.write_kv_cache(torch.cat(ks), torch.cat(vs), kc, vc, torch.cat(slots).cuda(), backend=backend)
-    q = _randn((len(lens), hq, D), dtype, "cuda", gen)
-    out = mp.decode_attention(q, kc, vc, tab, torch.tensor(lens, dtype=torch.int32, device="cuda"), backend=backend)
-    truth = decode_fp64(q, kc0, vc0, tables, lens)
-    check(out, truth, decode_fp64(q, kc0, vc0, tables, lens, lowp=True), f"{backend} write+decode")
+        slots.append(torch.tensor(row, dtype=torch.long)[t // page] * page + t % page if n else t)
+    kc, vc = torch.full_like(kv.k_cache, float("nan")), torch.full_like(kv.v_cache, float("nan"))
+    mp.write_kv_cache(torch.cat(kv.keys), torch.cat(kv.vals), kc, vc, torch.cat(slots).cuda(), backend=backend)
+    q = randn((len(lens), hq, D), dtype, "cuda", gen)
+    out = mp.decode_attention(q, kc, vc, kv.block_tables, kv.context_lens, backend=backend)
+    truth, truth_lse = decode_ref(q, kv.keys, kv.vals)
+    assert_close(out, truth, decode_ref(q, kv.keys, kv.vals, lowp=True)[0], f"{backend} write+decode",
+                 truth_lse=truth_lse)
 
 
 def test_backends_scale_is_used_cpu():
     # a non-default scale must reach every CPU backend, not only its default 1/sqrt(D)
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (_randn((1, 2, n, 64), torch.float32, "cpu", gen) for n in (19, 19, 19))
+    q, k, v = make_prefill_inputs(PrefillCase(1, 19, 19, 2, 2, 64), torch.float32, "cpu", seed=5)
     for backend in CPU_BACKENDS:
         out = mp.prefill_attention(q, k, v, scale=0.3, backend=backend)
-        check(out, attention_fp64(q, k, v, True, 0.3), attention_lowp(q, k, v, True, 0.3), f"{backend} scale 0.3")
+        assert_close(out, prefill_ref(q, k, v, scale=0.3)[0], prefill_ref(q, k, v, scale=0.3, lowp=True)[0],
+                     f"{backend} scale 0.3")
 
 
 # Last in the file: a kernel that follows such an entry faults and takes the CUDA context with it.
