@@ -2,7 +2,7 @@
 //
 // Build (from the repo root):
 //   nvcc -O2 -gencode=arch=compute_90,code=sm_90 -I src/minipaged/cuda/csrc \
-//        scripts/wmma_selftest.cu src/minipaged/cuda/csrc/prefill_wmma.cu -o wmma_selftest
+//        scripts/wmma_selftest.cu src/minipaged/cuda/csrc/prefill/wmma.cu -o wmma_selftest
 // Run:  ./wmma_selftest          all cases
 //       ./wmma_selftest small    only the small cases (for compute-sanitizer memcheck/racecheck)
 //       ./wmma_selftest time     all cases + one rough timing figure

@@ -1,5 +1,6 @@
-"""CPU / CI: every CUDA source compiles with plain nvcc for sm_80 and sm_90,
-ptxas reports no register spills, and the torch binding parses.
+"""CPU / CI: every CUDA source compiles with plain nvcc for sm_80, sm_90 and
+sm_90a (the wgmma kernels), ptxas reports no register spills, and the torch
+binding parses.
 
 No GPU is needed; the tests skip (with the reason) when nvcc is absent.
 """
@@ -19,10 +20,13 @@ import pytest
 from minipaged.cuda import build
 
 CSRC = build.CSRC
-SOURCES = sorted(p.name for p in CSRC.glob("*.cu"))
-# sm_90a too when a source has code that only the arch-specific target compiles (wgmma)
-ARCHS = ("80", "90", "90a") if build.uses_sm90a_features() else ("80", "90")
+SOURCES = build.cuda_sources()  # relative to csrc: "decode/launch.cu", ...
+# One nvcc run per source; with sm_90a in it the wgmma kernels are compiled
+# (real code for sm_90a, __trap() stubs for the other two).
+ARCHS = ("80", "90", "90a")
 NVCC = build.nvcc_path()
+# The translation units with kernels of their own (every launch path of the two backends).
+KERNEL_SOURCES = ("cache/write_kv.cu", "decode/launch.cu", "prefill/fast.cu", "prefill/paged.cu", "prefill/wmma.cu")
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): cannot compile the CUDA sources")
 
@@ -38,9 +42,12 @@ def compiled(tmp_path_factory):
 
 def test_expected_sources_present():
     # The registry's two CUDA backends need all five launch paths.
-    for name in ("decode.cu", "cache.cu", "prefill_wmma.cu", "prefill_fast.cu", "paged.cu", "binding.cpp",
-                 "params.h"):
+    for name in (*KERNEL_SOURCES, "binding.cpp", "params.h"):
         assert (CSRC / name).exists(), f"{name} missing from {CSRC}"
+    assert set(KERNEL_SOURCES) <= set(SOURCES)
+    # cpp_extension names every object after its source's base name
+    stems = [Path(s).stem for s in SOURCES] + ["binding"]
+    assert len(set(stems)) == len(stems), stems
 
 
 @needs_nvcc
@@ -50,7 +57,7 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
     rc, log = compiled[source]
     assert rc == 0, f"nvcc failed for {source} (sm_{'/sm_'.join(ARCHS)}):\n{log[-4000:]}"
     kernels = [k for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
-    if source in ("decode.cu", "cache.cu", "paged.cu", "prefill_fast.cu"):
+    if source in KERNEL_SOURCES:
         assert kernels, f"ptxas reported no sm_{arch} kernels for {source}:\n{log[-2000:]}"
     for k in kernels:
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (
@@ -59,8 +66,22 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("source", ["prefill/fast.cu", "prefill/paged.cu"])
+def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
+    # In an sm_90a build the dispatcher references the wgmma kernels, so they are
+    # compiled, and for sm_90a they are real code (elsewhere a __trap() stub of a
+    # few registers that the dispatcher of that build never picks).
+    rc, log = compiled[source]
+    assert rc == 0
+    wg = [k for k in build.parse_ptxas(log) if "prefill_wgmma_kernel" in k["kernel"]]
+    real = [k for k in wg if k["arch"] == "sm_90a"]
+    assert real and all(k["registers"] >= 64 for k in real), real
+    assert all(k["registers"] < 32 for k in wg if k["arch"] != "sm_90a")
+
+
+@needs_nvcc
 def test_parse_ptxas_reads_a_real_report(compiled):
-    rc, log = compiled["cache.cu"]
+    rc, log = compiled["cache/write_kv.cu"]
     assert rc == 0
     kernels = build.parse_ptxas(log)
     assert all(k["registers"] and k["registers"] > 0 for k in kernels)
@@ -109,6 +130,9 @@ def test_build_key_tracks_sources_and_flags(monkeypatch):
     assert build.build_key("90") != k1
     assert "-DMINIPAGED_TEST_FLAG=1" in build.nvcc_flags("90")
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_flags("90a")
+    # the dispatcher picks the wgmma kernels only in an sm_90a build, told by this define
+    assert "-DMINIPAGED_ENABLE_SM90A" in build.nvcc_flags("90a")
+    assert "-DMINIPAGED_ENABLE_SM90A" not in build.nvcc_flags("90")
 
 
 def test_ptxas_report_script_runs():
@@ -118,7 +142,7 @@ def test_ptxas_report_script_runs():
     if NVCC is None:
         pytest.skip("nvcc not found")
     env = dict(os.environ, PYTHONPATH=str(Path(build.__file__).resolve().parents[2]))
-    proc = subprocess.run([sys.executable, str(script), "--arch", "90", "cache.cu"],
+    proc = subprocess.run([sys.executable, str(script), "--arch", "90", "cache/write_kv.cu"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"write_kv_kernel.*\s\d+\s", proc.stdout), proc.stdout

@@ -15,7 +15,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
 #include "params.h"
 
 // Errors are thrown from this library (not through c10's torchCheckFail) and

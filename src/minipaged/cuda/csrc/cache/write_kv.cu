@@ -6,8 +6,7 @@
 // is not 16-byte aligned the same kernel runs with element-sized pieces.
 #include <algorithm>
 
-#include "common.cuh"
-#include "kernels.h"
+#include "params.h"
 
 namespace minipaged {
 namespace {

@@ -1,12 +1,13 @@
-// Device helpers shared by the decode and cache kernels. Torch-free: these
-// sources build with plain nvcc (CI compiles them for sm_80 and sm_90).
+// Device helpers shared by the two decode kernels (scalar.cuh, mma.cuh) and
+// their split reduction (reduce.cuh).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "kernels.h"
+#include "params.h"
+#include "ptx/misc.cuh"
 
 namespace minipaged {
 
@@ -15,23 +16,6 @@ namespace minipaged {
 constexpr float kLog2e = 1.4426950408889634f;
 // ln(2): converts a log2-domain log-sum-exp to the natural log the API returns.
 constexpr float kLn2 = 0.6931471805599453f;
-
-// ex2.approx maps -inf to +0, which is exactly what masked scores need.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 16-byte read of data that no thread of the kernel writes (.nc) and that is
-// used once (no L1 allocation): the KV cache stream of decode.
-__device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr));
-  return r;
-}
 
 // Eight packed 16-bit values -> eight floats.
 template <typename T>
@@ -68,28 +52,6 @@ struct Convert<__half> {
   __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
   __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
-
-}  // namespace minipaged
-
-namespace minipaged {
-
-// cp.async (sm_80+): 16 bytes global -> shared without passing through
-// registers; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-}  // namespace minipaged
-
-namespace minipaged {
 
 // What one decode CTA owns, from the launch grid (split, KV head x head chunk,
 // sequence): tokens [start, end) of sequence b's context and query heads

@@ -1,6 +1,6 @@
 // Paged decode on tensor cores, for GQA groups of 4 or more query heads.
 //
-// The scalar kernel in decode.cu spends G multiply-adds per cached element per
+// The scalar kernel (decode/scalar.cuh) spends G multiply-adds per cached element per
 // CTA; from G = 4 up that, not memory, bounds it. Here the query heads of one
 // KV group are the M = 16 rows of an mma.m16n8k16 tile (rows past the group are
 // zero), so a KV group of up to 16 heads costs one MMA row block:
@@ -16,9 +16,12 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common.cuh"
-#include "fast_mma.cuh"
-#include "kernels.h"
+#include "decode/common.cuh"
+#include "params.h"
+#include "ptx/cp_async.cuh"
+#include "ptx/ldmatrix.cuh"
+#include "ptx/misc.cuh"
+#include "ptx/mma.cuh"
 
 namespace minipaged {
 namespace decode_mma {
@@ -57,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   static_assert(kTileTokens % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t raw = fast::smem_u32(smem_raw);
+  const uint32_t raw = smem_u32(smem_raw);
   const uint32_t pad = ((raw + 255u) & ~255u) - raw;
   unsigned char* smem = smem_raw + pad;
   const uint32_t ring = raw + pad;
@@ -98,8 +101,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
         kp += page * p.k_block_stride + in_page * p.k_token_stride;
         vp += page * p.v_block_stride + in_page * p.v_token_stride;
       }
-      fast::cp_async_16(kdst + swz<D>(row, c), kp, valid);
-      fast::cp_async_16(vdst + swz<D>(row, c), vp, valid);
+      cp_async_16(kdst + swz<D>(row, c), kp, valid);
+      cp_async_16(vdst + swz<D>(row, c), vp, valid);
     }
   };
 
@@ -109,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
       const int row = idx / kChunks, ch = idx % kChunks;
       const bool valid = row < ng;
-      fast::cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
+      cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
     }
     cp_async_commit();
   }
@@ -128,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   {
     const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) fast::ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
   }
   // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1.
   const uint32_t k_lm = ring + swz<D>(warp * 16 + lm_row8 + lm_bit4 * 8, lm_bit3);
@@ -159,9 +162,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t bk[4];
-      fast::ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
-      fast::mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
-      fast::mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
+      ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
+      mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
+      mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
     }
     const int tok0 = start + t * kTileTokens + warp * 16;
 #pragma unroll
@@ -200,22 +203,20 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     }
     // The m16n8 C fragments of the two 8-token halves form the m16n8k16 A fragment.
     uint32_t a[4];
-    a[0] = fast::pack2<T>(s[0][0], s[0][1]);
-    a[1] = fast::pack2<T>(s[0][2], s[0][3]);
-    a[2] = fast::pack2<T>(s[1][0], s[1][1]);
-    a[3] = fast::pack2<T>(s[1][2], s[1][3]);
+    a[0] = pack2<T>(s[0][0], s[0][1]);
+    a[1] = pack2<T>(s[0][2], s[0][3]);
+    a[2] = pack2<T>(s[1][0], s[1][1]);
+    a[3] = pack2<T>(s[1][2], s[1][3]);
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t bv[4];
-      fast::ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
-      fast::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
-      fast::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
+      mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+      mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
     }
   }
   cp_async_wait<0>();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  griddep_launch_dependents();
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
   float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][D]

@@ -1,16 +1,16 @@
 // Shape dispatch of the fast prefill kernels, shared by the dense/varlen
-// launcher (prefill_fast.cu) and the paged one (paged.cu); kPaged picks the
+// launcher (prefill/fast.cu) and the paged one (prefill/paged.cu); kPaged picks the
 // K/V tile loader of the same kernels.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
-#include "prefill_fast.cuh"
+#include "prefill/mainloop_mma.cuh"
 #if !defined(MINIPAGED_DISABLE_WGMMA)
 // The wgmma kernels are real code only in an sm_90a build (the JIT build picks
-// sm_90a on sm_90 devices because mma_wgmma.cuh tests __CUDA_ARCH_FEAT_SM90_ALL);
+// sm_90a on sm_90 devices because ptx/wgmma.cuh tests __CUDA_ARCH_FEAT_SM90_ALL);
 // in any other build they are __trap() stubs that the dispatcher never selects.
-#include "fast_wgmma.cuh"
+#include "prefill/mainloop_wgmma.cuh"
 #endif
 
 namespace minipaged {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "prefill_dispatch.cuh"
+#include "prefill/dispatch.cuh"
 
 namespace minipaged {
 

@@ -27,8 +27,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "fast_mma.cuh"
 #include "params.h"
+#include "ptx/cp_async.cuh"
+#include "ptx/ldmatrix.cuh"
+#include "ptx/misc.cuh"
+#include "ptx/mma.cuh"
 
 namespace minipaged {
 namespace fast {

@@ -1,7 +1,7 @@
 // sm_90a variant of the fast prefill: the two GEMMs of every K/V tile run as
 // warpgroup MMAs (wgmma) that read their shared-memory operands once per
 // warpgroup (64 rows) instead of once per warp, which removes the
-// shared-memory bandwidth limit of the mma.sync kernel (prefill_fast.cuh).
+// shared-memory bandwidth limit of the mma.sync kernel (prefill/mainloop_mma.cuh).
 //
 //   S[64 x 64]  = Q K^T : wgmma, A = Q and B = K straight from shared memory
 //   softmax             : the wgmma accumulator layout of each warp equals the
@@ -16,8 +16,8 @@
 // specialisation): a 2-stage ring, or 3 stages when P V of tile t-1 is left
 // running under the softmax of tile t (kPipelined).
 #pragma once
-#include "mma_wgmma.cuh"
-#include "prefill_fast.cuh"
+#include "prefill/mainloop_mma.cuh"
+#include "ptx/wgmma.cuh"
 
 namespace minipaged {
 namespace fast {

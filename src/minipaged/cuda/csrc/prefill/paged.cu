@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "prefill_dispatch.cuh"
+#include "prefill/dispatch.cuh"
 
 namespace minipaged {
 

@@ -14,7 +14,6 @@
 #endif
 
 namespace minipaged {
-namespace fast {
 
 // Shared-memory matrix descriptor, 128-byte swizzle. Addresses and byte
 // offsets are encoded >> 4; the base-offset field stays 0 because every
@@ -141,5 +140,4 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb<__half>(float (&d)[8][4], 
 
 #endif  // MINIPAGED_WGMMA_DEVICE
 
-}  // namespace fast
 }  // namespace minipaged

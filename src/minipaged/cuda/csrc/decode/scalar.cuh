@@ -1,0 +1,311 @@
+// Scalar paged decode kernel (CUDA cores), for GQA groups of 1-2 query heads
+// (any group size when forced). Included by decode/launch.cu only.
+//
+// One CTA per (split, KV head, query-head chunk, sequence). All query heads of
+// a GQA group (up to G = 8 per CTA) are processed together, so a KV head's pages
+// are streamed from memory once for the whole group. Decode is memory-bound, so
+// the kernel is organised around keeping 16-byte loads in flight:
+//   * a token row (D elements) is read by TPT threads, each holding D/TPT
+//     contiguous-in-16-byte-pieces elements; a warp covers 32/TPT tokens per
+//     load and U such token groups per iteration, and K and V of all of them are
+//     requested before the first one is used;
+//   * block-table entries for the next iteration are fetched while the current
+//     one computes, so the page lookup is off the critical path;
+//   * every (warp, token slot) keeps its own online-softmax state in registers;
+//     the states are merged once at the end (shuffles, then shared memory).
+// Scores are in base 2: q is pre-multiplied by scale*log2(e) and exp is ex2.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "decode/common.cuh"
+#include "ptx/cp_async.cuh"
+#include "ptx/misc.cuh"
+
+namespace minipaged {
+namespace {
+
+constexpr int kWarps = 4;
+
+// STAGES == 0: K/V rows go straight to registers (PIPE: double-buffered).
+// STAGES >= 2: rows are staged through shared memory with cp.async, STAGES-1
+// iterations ahead. Each thread only ever reads back the bytes it copied
+// itself, so the pipeline needs cp.async.wait_group but no block barrier, and
+// the in-flight data costs shared memory instead of registers.
+template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES>
+__global__ void __launch_bounds__(kWarps * 32)
+paged_decode_kernel(const DecodeParams p) {
+  constexpr int VEC = D / (8 * TPT);  // 16-byte pieces per thread per token row
+  static_assert(VEC >= 1 && VEC * 8 * TPT == D, "TPT must divide D/8");
+  constexpr int DPT = 8 * VEC;         // elements of a row held by one thread
+  constexpr int SLOTS = 32 / TPT;      // tokens a warp covers per load
+  constexpr int TOK_WARP = SLOTS * U;  // tokens per warp per iteration
+  constexpr int TOK_CTA = kWarps * TOK_WARP;
+
+  __shared__ float sm_m[kWarps][G];
+  __shared__ float sm_l[kWarps][G];
+  __shared__ float sm_acc[kWarps][G][D];
+  extern __shared__ uint4 stage_smem[];  // [STAGES][U][VEC][2][threads], STAGES >= 2 only
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int slot = lane / TPT;
+  const int lt = lane % TPT;
+
+  const DecodeSlice slice = decode_slice(p, G);
+  const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int start = slice.start, end = slice.end, capacity = slice.capacity;
+  // Block-table reads are bounded by the table, not by ctx, so they need not
+  // wait for context_lens; entries past ctx are read but never followed.
+  const int table_end = min(capacity, start + p.tokens_per_split);
+
+  // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
+  // lanes of a slot read 16*TPT contiguous bytes per instruction.
+  auto dim_of = [&](int v) { return v * TPT * 8 + lt * 8; };
+
+  float q[G][DPT];
+  {
+    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
+    const float qscale = p.scale * kLog2e;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          q[g][v * 8 + e] =
+              g < ng ? Convert<T>::to_float(qp[g * p.q_head_stride + dim_of(v) + e]) * qscale : 0.f;
+        }
+      }
+    }
+  }
+
+  float acc[G][DPT];
+  float m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) acc[g][d] = 0.f;
+  }
+
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const int bs_mask = p.block_size - 1;
+  const int32_t* bt = p.block_tables + b * p.block_table_stride;
+  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + lt * 8;
+  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + lt * 8;
+
+  // Issues the K/V row loads of the U token groups at `base` (pages already known).
+  auto issue = [&](int base, const int (&pg)[U], uint4 (&kr)[U][VEC], uint4 (&vr)[U][VEC]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * SLOTS + slot;
+      if (tok < end) {
+        const int64_t in_page = tok & bs_mask;
+        const T* kp = kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride;
+        const T* vp = vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = ld_stream_16(kp + v * TPT * 8);
+          vr[u][v] = ld_stream_16(vp + v * TPT * 8);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) kr[u][v] = vr[u][v] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  auto fetch_pages = [&](int base, int (&pg)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * SLOTS + slot;
+      pg[u] = tok < table_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
+  };
+
+  // cp.async staging: thread t's piece (stage, u, v, k|v) at a stride of the
+  // block size, so a warp's 32 pieces are 512 contiguous bytes (no conflicts).
+  auto staged = [&](int st, int u, int v, int kv) -> uint4* {
+    return stage_smem + ((((st * U + u) * VEC + v) * 2 + kv) * (kWarps * 32) + threadIdx.x);
+  };
+  auto issue_async = [&](int base, const int (&pg)[U], int st) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * SLOTS + slot;
+      const bool valid = tok < end;
+      const int64_t in_page = tok & bs_mask;
+      const T* kp = valid ? kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride : kbase;
+      const T* vp = valid ? vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride : vbase;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        cp_async_16(staged(st, u, v, 0), kp + v * TPT * 8, valid);
+        cp_async_16(staged(st, u, v, 1), vp + v * TPT * 8, valid);
+      }
+    }
+  };
+
+  int tok_base = start + warp * TOK_WARP;
+  int page[U];  // pages of the next token groups to be loaded
+  uint4 kr[U][VEC], vr[U][VEC];
+  int stage = 0;
+  fetch_pages(tok_base, page);
+  if constexpr (STAGES >= 2) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      issue_async(tok_base + st * TOK_CTA, page, st);
+      cp_async_commit();
+      fetch_pages(tok_base + (st + 1) * TOK_CTA, page);
+    }
+  } else if constexpr (PIPE) {
+    // Register double buffering: the rows of iteration i+1 are requested
+    // before iteration i is computed.
+    issue(tok_base, page, kr, vr);
+    fetch_pages(tok_base + TOK_CTA, page);
+  }
+
+  for (; tok_base < end; tok_base += TOK_CTA) {
+    uint4 nk[U][VEC], nv[U][VEC];
+    if constexpr (STAGES >= 2) {
+      int st_next = stage + STAGES - 1;
+      if (st_next >= STAGES) st_next -= STAGES;
+      issue_async(tok_base + (STAGES - 1) * TOK_CTA, page, st_next);
+      cp_async_commit();
+      fetch_pages(tok_base + STAGES * TOK_CTA, page);
+      cp_async_wait<STAGES - 1>();  // this iteration's group has landed
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = *staged(stage, u, v, 0);
+          vr[u][v] = *staged(stage, u, v, 1);
+        }
+      }
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    } else if constexpr (PIPE) {
+      issue(tok_base + TOK_CTA, page, nk, nv);
+      fetch_pages(tok_base + 2 * TOK_CTA, page);
+    } else {
+      issue(tok_base, page, kr, vr);
+      // Next iteration's pages, while this iteration's rows are in flight.
+      fetch_pages(tok_base + TOK_CTA, page);
+    }
+
+    float s[G][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g][u] = 0.f;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float kf[8];
+        Convert<T>::to_float8(kr[u][v], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[g][u] = fmaf(q[g][v * 8 + e], kf[e], s[g][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = TPT / 2; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], off);
+      }
+    }
+
+    float pr[G][U];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (tok_base + u * SLOTS + slot >= end) s[g][u] = -INFINITY;
+        mx = fmaxf(mx, s[g][u]);
+      }
+      // While nothing was seen mx is -inf; 0 as the reference keeps ex2 away from inf-inf.
+      const float mref = mx == -INFINITY ? 0.f : mx;
+      const float alpha = fast_exp2(m[g] - mref);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        pr[g][u] = fast_exp2(s[g][u] - mref);
+        sum += pr[g][u];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) acc[g][d] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float vf[8];
+        Convert<T>::to_float8(vr[u][v], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[g][v * 8 + e] = fmaf(pr[g][u], vf[e], acc[g][v * 8 + e]);
+        }
+      }
+    }
+    if constexpr (PIPE && STAGES < 2) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          kr[u][v] = nk[u][v];
+          vr[u][v] = nv[u][v];
+        }
+      }
+    }
+  }
+  if constexpr (STAGES >= 2) cp_async_wait<0>();  // no copy may outlive the block
+  // Let the reduction grid launch while this one drains; it still waits for
+  // this grid's completion (griddep_wait) before reading partials.
+  griddep_launch_dependents();
+
+  // Merge the token slots of the warp: lanes with the same lt hold the same dims.
+#pragma unroll
+  for (int off = TPT; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mn = fmaxf(m[g], mo);
+      const float mref = mn == -INFINITY ? 0.f : mn;
+      const float a = fast_exp2(m[g] - mref);
+      const float c = fast_exp2(mo - mref);
+      l[g] = l[g] * a + lo * c;
+      m[g] = mn;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) {
+        const float other = __shfl_xor_sync(0xffffffffu, acc[g][d], off);
+        acc[g][d] = acc[g][d] * a + other * c;
+      }
+    }
+  }
+  if (slot == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sm_acc[warp][g][dim_of(v) + e] = acc[g][v * 8 + e];
+      }
+      if (lt == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
+}
+
+}  // namespace
+}  // namespace minipaged
