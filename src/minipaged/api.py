@@ -115,22 +115,25 @@ def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
 _picked: dict[tuple, Backend] = {}
 
 
-def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> Backend:
+def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int,
+          fp8_kv: bool = False) -> Backend:
     """The backend for this call, after its dtype and head-dim rules; memoised on everything
-    the answer depends on (the selection key, dtype, head dim)."""
+    the answer depends on (the selection key, dtype, head dim, an fp8 cache)."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    key = (registry.selection_key(op, device.type, backend), dtype, head_dim)
+    key = (registry.selection_key(op, device.type, backend), dtype, head_dim, fp8_kv)
     b = _picked.get(key)
     if b is None:
-        b = _picked[key] = _pick_uncached(op, device, backend, dtype, head_dim)
+        b = _picked[key] = _pick_uncached(op, device, backend, dtype, head_dim, fp8_kv)
     return b
 
 
-def _pick_uncached(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int) -> Backend:
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    b = registry.resolve(op, device.type, backend)
+def _pick_uncached(op: str, device: torch.device, backend: str | None, dtype: torch.dtype, head_dim: int,
+                   fp8_kv: bool) -> Backend:
+    b = registry.resolve(op, device.type, backend, fp8_kv=fp8_kv)
+    if fp8_kv and not b.fp8_kv:
+        have = [x.name for x in registry.all_backends().values() if x.fp8_kv]
+        raise TypeError(f"backend {b.name!r} has no float8_e4m3fn KV-cache kernels for {op}; backends that do: {have}")
     dname = _FLOAT_DTYPES[dtype]
     dtypes, why = b.supported_dtypes(device.type)
     if dname not in dtypes:
@@ -195,6 +198,64 @@ def _empty_result(o: torch.Tensor, lse_shape: tuple, return_lse: bool):
     if not return_lse:
         return o
     return o, torch.full(lse_shape, _NEG_INF, dtype=torch.float32, device=o.device)
+
+
+_FP8 = torch.float8_e4m3fn
+_scale_tensors: dict[tuple, torch.Tensor] = {}
+
+
+def _check_cache_dtype(ref_name: str, ref: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches share one dtype: the dtype of `ref` (q, or k for writes), or float8_e4m3fn with a
+    float16/bfloat16 `ref`. Returns whether the caches are fp8."""
+    if k_cache.dtype != _FP8 and v_cache.dtype != _FP8:
+        _same_dtype(ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+        return False
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"v_cache must have the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}")
+    if ref.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{ref_name} must be float16 or bfloat16 with a float8_e4m3fn cache, got {ref.dtype}")
+    return True
+
+
+def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) -> torch.Tensor | None:
+    """A k_scale/v_scale argument as the backends take it: float32 [Hkv] on the cache's device
+    (None for a 16/32-bit cache, which must not be given one)."""
+    if not fp8:
+        if s is not None:
+            raise ValueError(f"{name} was given but the cache is {cache.dtype}; scales apply to "
+                             "float8_e4m3fn caches only (they would be silently ignored)")
+        return None
+    num_kv_heads = cache.shape[2]
+    if s is None:
+        s = 1.0
+    if isinstance(s, torch.Tensor):
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float or a float32 tensor, got a {s.dtype} tensor")
+        if s.device != cache.device:
+            raise ValueError(f"{name} is on {s.device} but the cache is on {cache.device}")
+        if s.shape not in ((), (num_kv_heads,)):
+            raise ValueError(f"{name} must have shape [] or [Hkv] = [{num_kv_heads}] (one per KV head), "
+                             f"got {tuple(s.shape)}")
+        if check_values and not bool((torch.isfinite(s) & (s > 0)).all()):
+            raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
+        return s.reshape(1).expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"{name} must be a positive finite float, got {s}")
+    key = (float(s), num_kv_heads, cache.device)
+    t = _scale_tensors.get(key)
+    if t is None:
+        if len(_scale_tensors) >= 256:
+            _scale_tensors.clear()
+        t = _scale_tensors[key] = torch.full((num_kv_heads,), float(s), dtype=torch.float32, device=cache.device)
+    return t
+
+
+def _scale_args(k_scale, v_scale) -> tuple:
+    """Trailing backend arguments: none for 16-bit caches, so that backends without FP8 keep
+    their signatures."""
+    return () if k_scale is None else (k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------- ops
@@ -346,18 +407,18 @@ def _layout_ok(q: torch.Tensor, others: tuple) -> bool:
     return True
 
 
-def _remember(key: tuple | None, fn, scale: float) -> None:
+def _remember(key: tuple | None, fn, scale: float, scales: tuple) -> None:
     if key is not None:
         if len(_validated) >= _VALIDATED_MAX:
             _validated.clear()
-        _validated[key] = (fn, scale)
+        _validated[key] = (fn, scale, scales)
 
 
 def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens):
     """Type/shape/device rules shared by decode_attention and paged_attention (no sync)."""
     _ndim("q", q, 3, "[tokens, Hq, D]")
     _float_dtype("q", q)
-    _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    fp8 = _check_cache_dtype("q", q, k_cache, v_cache)
     _int_dtype("block_tables", block_tables)
     _int_dtype("context_lens", context_lens)
     _same_device("q", q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
@@ -366,7 +427,7 @@ def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens):
     _heads(q.shape[1], Hkv)
     _ndim("block_tables", block_tables, 2, "[S, max_blocks]")
     _ndim("context_lens", context_lens, 1, "[S]")
-    return num_blocks, block_size
+    return num_blocks, block_size, fp8
 
 
 def decode_attention(
@@ -377,6 +438,8 @@ def decode_attention(
     context_lens,
     *,
     scale: float | None = None,
+    k_scale=None,
+    v_scale=None,
     return_lse: bool = False,
     backend: str | None = None,
     check_values: bool = True,
@@ -392,6 +455,8 @@ def decode_attention(
             read; the rest may hold anything (e.g. -1).
         context_lens: int32 [B], tokens cached per sequence (0 gives zeros).
         scale, backend: as in `prefill_attention`.
+        k_scale, v_scale: for float8_e4m3fn caches only: a positive float or a float32
+            tensor [] or [Hkv]; stored value x scale = real value (default 1.0).
         return_lse: also return lse float32 [B, Hq].
         check_values: verify table entries and lengths (syncs); pass False only
             when you built them yourself.
@@ -401,29 +466,34 @@ def decode_attention(
     """
     key = None
     if check_values is False:
-        key = _fast_key("decode", (q, k_cache, v_cache, block_tables, context_lens), (scale, return_lse), backend)
+        key = _fast_key("decode", (q, k_cache, v_cache, block_tables, context_lens),
+                        (scale, return_lse, k_scale, v_scale), backend)
         hit = _validated.get(key) if key is not None else None
         if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, context_lens)):
-            return hit[0](q, k_cache, v_cache, block_tables, context_lens, hit[1], return_lse)
+            return hit[0](q, k_cache, v_cache, block_tables, context_lens, hit[1], return_lse, *hit[2])
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
-    num_blocks, block_size = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    num_blocks, block_size, fp8 = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     B, Hq, D = q.shape
     _dim_eq("block_tables.shape[0]", block_tables.shape[0], B, "one block-table row per query")
     _dim_eq("context_lens.shape[0]", context_lens.shape[0], B, "one context length per query")
     return_lse, check_values = _bool("return_lse", return_lse), _bool("check_values", check_values)
-    b = _pick("decode", q.device, backend, q.dtype, D)
+    b = _pick("decode", q.device, backend, q.dtype, D, fp8)
     scale = _scale(scale, D)
+    scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
+                         _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
+    if any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (k_scale, v_scale)):
+        key = None  # an expanded copy is passed: a later in-place change of the user's tensor must be seen
     if check_values:
         _check_tables(block_tables, context_lens, num_blocks, block_size)
     if B == 0:
         return _empty_result(torch.empty_like(q), (B, Hq), return_lse)
     fn = b.op("decode")
-    _remember(key, fn, scale)
+    _remember(key, fn, scale, scales)
     q = _kernel_ready(b, q)
     return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), context_lens.contiguous(),
-              scale, return_lse)
+              scale, return_lse, *scales)
 
 
 def paged_attention(
@@ -437,6 +507,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     causal: bool = True,
     scale: float | None = None,
+    k_scale=None,
+    v_scale=None,
     return_lse: bool = False,
     backend: str | None = None,
     check_values: bool = True,
@@ -459,6 +531,7 @@ def paged_attention(
         causal: row i of a sequence with q_len rows sees key j iff
             j < context_len - q_len + i + 1; False: every j < context_len.
         scale, backend: as in `prefill_attention`.
+        k_scale, v_scale: for float8_e4m3fn caches, as in `decode_attention`.
         return_lse: also return lse float32 [Tq, Hq].
         check_values: verify cu_seqlens_q, table entries and lengths (syncs); pass
             False only when you built them yourself.
@@ -469,11 +542,11 @@ def paged_attention(
     key = None
     if check_values is False and max_seqlen_q is not None:
         key = _fast_key("paged", (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens),
-                        (max_seqlen_q, causal, scale, return_lse), backend)
+                        (max_seqlen_q, causal, scale, return_lse, k_scale, v_scale), backend)
         hit = _validated.get(key) if key is not None else None
         if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)):
             return hit[0](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal,
-                          hit[1], return_lse)
+                          hit[1], return_lse, *hit[2])
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
@@ -481,7 +554,7 @@ def paged_attention(
     _int_dtype("cu_seqlens_q", cu_q)
     if cu_q.device != q.device:
         raise ValueError(f"cu_seqlens_q is on {cu_q.device} but q is on {q.device}; all tensors must share one device")
-    num_blocks, block_size = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    num_blocks, block_size, fp8 = _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     _dim_eq("context_lens.shape[0]", context_lens.shape[0], block_tables.shape[0],
             "one context length per block-table row")
     _ndim("cu_seqlens_q", cu_q, 1, "[S + 1]")
@@ -491,8 +564,12 @@ def paged_attention(
     causal, return_lse = _bool("causal", causal), _bool("return_lse", return_lse)
     check_values = _bool("check_values", check_values)
     _max_len("max_seqlen_q", max_seqlen_q)
-    b = _pick("paged", q.device, backend, q.dtype, D)
+    b = _pick("paged", q.device, backend, q.dtype, D, fp8)
     scale = _scale(scale, D)
+    scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
+                         _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
+    if any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (k_scale, v_scale)):
+        key = None
     if check_values or max_seqlen_q is None:
         _, real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")
         if max_seqlen_q is not None and max_seqlen_q < real_q:
@@ -503,13 +580,14 @@ def paged_attention(
     if Tq == 0 or max_seqlen_q == 0:
         return _empty_result(torch.zeros_like(q), (Tq, Hq), return_lse)
     fn = b.op("paged")
-    _remember(key, fn, scale)
+    _remember(key, fn, scale, scales)
     q = _kernel_ready(b, q)
     return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), cu_q.contiguous(),
-              context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse)
+              context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse, *scales)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None = None, check_values: bool = True) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None, backend: str | None = None,
+                   check_values: bool = True) -> None:
     """Scatter new tokens' K/V into the paged caches, in place.
 
     Args:
@@ -517,6 +595,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k, contiguous.
         slot_mapping: int32 or int64 [T]; token t goes to block slot // block_size,
             offset slot % block_size. A negative slot skips its token.
+        k_scale, v_scale: for float8_e4m3fn caches only (k, v float16/bfloat16): a positive
+            float or a float32 tensor [] or [Hkv]; the cache stores k / k_scale rounded to
+            nearest even, saturated at +-448 (default scale 1.0).
         backend: as in `prefill_attention`.
         check_values: verify slots < num_blocks * block_size (syncs).
     """
@@ -526,7 +607,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
     _ndim("k", k, 3, "[T, Hkv, D]")
     _ndim("v", v, 3, "[T, Hkv, D]")
     _float_dtype("k", k)
-    _same_dtype("k", k, v=v, k_cache=k_cache, v_cache=v_cache)
+    _same_dtype("k", k, v=v)
+    fp8 = _check_cache_dtype("k", k, k_cache, v_cache)
     _int_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     _same_device("k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_blocks, block_size, Hkv, D = _check_cache_pair(k_cache, v_cache)
@@ -537,7 +619,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
     _ndim("slot_mapping", slot_mapping, 1, "[T]")
     _dim_eq("slot_mapping.shape[0]", slot_mapping.shape[0], k.shape[0], "one slot per token")
     check_values = _bool("check_values", check_values)
-    b = _pick("write_kv_cache", k.device, backend, k.dtype, D)
+    b = _pick("write_kv_cache", k.device, backend, k.dtype, D, fp8)
+    scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
+                         _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if b.name != "torch" and not c.is_contiguous():
             raise ValueError(f"{name} must be contiguous for backend {b.name!r} (it is written in place)")
@@ -550,7 +634,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, backend: str | None 
     if k.shape[0] == 0:
         return None
     k, v = _kernel_ready(b, k), _kernel_ready(b, v)
-    b.op("write_kv_cache")(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+    b.op("write_kv_cache")(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous(), *scales)
     return None
 
 

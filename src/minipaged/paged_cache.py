@@ -39,7 +39,26 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; kept for strip
 
 
 HEAD_DIMS = (64, 128, 256)
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+
+
+def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """A cache's k_scale / v_scale as float32 [num_layers, Hkv] (stored value x scale = real value)."""
+    if s is None:
+        s = 1.0
+    if isinstance(s, torch.Tensor):
+        t = s.detach().to(dtype=torch.float32)
+        if t.shape not in ((), (num_kv_heads,), (num_layers, num_kv_heads)):
+            raise ValueError(f"{name} must be a float or a tensor of shape [], [Hkv] = [{num_kv_heads}] or "
+                             f"[num_layers, Hkv] = [{num_layers}, {num_kv_heads}], got {tuple(s.shape)}")
+        t = t.to(device).expand(num_layers, num_kv_heads).contiguous()
+    elif isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
+    else:
+        t = torch.full((num_layers, num_kv_heads), float(s), dtype=torch.float32, device=device)
+    if not bool((torch.isfinite(t) & (t > 0)).all()):
+        raise ValueError(f"{name} must be positive and finite, got {t.flatten().tolist()[:8]}")
+    return t
 
 
 def _check_device(device) -> torch.device:
@@ -71,7 +90,10 @@ class PagedKVCache:
         head_dim: D (64, 128 or 256).
         num_blocks: pages per pool.
         block_size: tokens per page, a power of two in 1..256.
-        dtype, device: of the pools.
+        dtype, device: of the pools (float16, bfloat16, float32 or float8_e4m3fn).
+        k_scale, v_scale: float8_e4m3fn caches only: a positive float, or a float32 tensor
+            [], [Hkv] or [num_layers, Hkv] (default 1.0); kept as `k_scales`/`v_scales`
+            [num_layers, Hkv], whose row l is what the ops take for layer l.
 
     Pools: `k_caches[l]`, `v_caches[l]`: [num_blocks, block_size, Hkv, D].
     """
@@ -86,6 +108,8 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
+        k_scale=None,
+        v_scale=None,
     ):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("num_blocks", num_blocks), ("block_size", block_size)):
@@ -100,6 +124,13 @@ class PagedKVCache:
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype must be one of {[str(d) for d in CACHE_DTYPES]}, got {dtype}")
         device = _check_device(device)
+        self.is_fp8 = dtype == torch.float8_e4m3fn
+        if not self.is_fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale/v_scale were given but dtype is {dtype}; scales apply to "
+                             "float8_e4m3fn caches only")
+        # fp8: float32 [num_layers, Hkv]; layer l's rows are what the ops take as k_scale / v_scale
+        self.k_scales = _layer_scales("k_scale", k_scale, num_layers, num_kv_heads, device) if self.is_fp8 else None
+        self.v_scales = _layer_scales("v_scale", v_scale, num_layers, num_kv_heads, device) if self.is_fp8 else None
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -89,17 +89,31 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return _result(out, lse, return_lse)
 
 
-def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values of cache rows [..., Hkv, D]: exact, times the per-KV-head scale [Hkv] for fp8."""
+    x = x.float()
+    return x if scale is None else x * scale[:, None]
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, D] -> float8_e4m3fn: x / scale[h], saturated at +-448, rounded to nearest even."""
+    return torch.clamp(x.float() / scale[:, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int, scale: torch.Tensor | None) -> torch.Tensor:
     """The first n tokens of one sequence, [n, Hkv, D] fp32, read through its table row.
     Only the first ceil(n / block_size) entries are touched (the rest may hold -1)."""
     block_size = cache.shape[1]
     pos = torch.arange(n, device=cache.device)
     blocks = table_row[: -(-n // block_size)].long()[pos // block_size]
-    return cache[blocks, pos % block_size].float()
+    return _dequant(cache[blocks, pos % block_size], scale)
 
 
 def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
-          return_lse=False):
+          return_lse=False, k_scale=None, v_scale=None):
     """q [Tq, Hq, D] (S sequences packed by cu_seqlens_q int32 [S+1]); caches
     [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S]
     (whole KV length, new tokens included) -> o [Tq, Hq, D], lse [Tq, Hq].
@@ -116,8 +130,8 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
         nq = q1 - q0
         if nq == 0 or n == 0:
             continue
-        k = _gather(k_cache, block_tables[s], n)  # [n, Hkv, D]
-        v = _gather(v_cache, block_tables[s], n)
+        k = _gather(k_cache, block_tables[s], n, k_scale)  # [n, Hkv, D]
+        v = _gather(v_cache, block_tables[s], n, v_scale)
         qf = q[q0:q1].float().reshape(nq, Hkv, group, D)
         scores = torch.einsum("qhgd,khd->hgqk", qf, k) * scale
         visible = _bottom_right(nq, n, q.device) if causal else torch.ones(nq, n, dtype=torch.bool, device=q.device)
@@ -127,7 +141,7 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
     return _result(out, lse, return_lse)
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, k_scale=None, v_scale=None):
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32
     [B, max_blocks]; context_lens int32 [B] -> o [B, Hq, D], lse [B, Hq].
 
@@ -145,25 +159,30 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=Fa
     blk = block_tables.long()[:, pos // block_size]
     blk = torch.where(valid, blk, torch.zeros_like(blk))
     off = (pos % block_size).unsqueeze(0).expand(B, -1)
-    k = k_cache[blk, off].float()  # [B, L, Hkv, D]
+    k = _dequant(k_cache[blk, off], k_scale)  # [B, L, Hkv, D]
     # masked_fill(0) stops NaN in unread cache slots leaking through 0 * NaN
-    v = v_cache[blk, off].float().masked_fill(~valid[:, :, None, None], 0.0)
+    v = _dequant(v_cache[blk, off], v_scale).masked_fill(~valid[:, :, None, None], 0.0)
     qf = q.float().reshape(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
     out, lse = _softmax_av(scores, valid[:, None, None, :], v, "bhgl,blhd->bhgd")
     return _result(out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq), return_lse)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """k/v [T, Hkv, D] -> k_cache/v_cache [num_blocks, block_size, Hkv, D] at
-    slot = block * block_size + offset; a negative slot skips its token."""
+    slot = block * block_size + offset; a negative slot skips its token. An fp8 cache
+    stores k / k_scale[h] (v / v_scale[h]) saturated and rounded to nearest even."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots = slots[keep]
     blk, off = slots // block_size, slots % block_size
-    k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+    if k_scale is not None:
+        k_cache[blk, off] = quantize_fp8(k[keep], k_scale)
+        v_cache[blk, off] = quantize_fp8(v[keep], v_scale)
+    else:
+        k_cache[blk, off] = k[keep].to(k_cache.dtype)
+        v_cache[blk, off] = v[keep].to(v_cache.dtype)
 
 
 def merge_attention_states(o_a, lse_a, o_b, lse_b):

@@ -81,6 +81,7 @@ class Backend:
     dtypes: tuple[str, ...] = ("float16", "bfloat16")
     head_dims: tuple[int, ...] = (64, 128)
     dtypes_by_device: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    fp8_kv: bool = False  # decode, paged and write_kv_cache take float8_e4m3fn caches
     description: str = ""
 
     def is_available(self, device: str | None = None) -> tuple[bool, str]:
@@ -235,6 +236,7 @@ _BACKENDS: dict[str, Backend] = {
             availability=_torch_availability,
             dtypes=("float16", "bfloat16", "float32"),
             head_dims=(64, 128, 256),
+            fp8_kv=True,
             description="plain PyTorch, fp32 softmax: the oracle",
         ),
         Backend(
@@ -245,6 +247,7 @@ _BACKENDS: dict[str, Backend] = {
             dtypes=("float16", "bfloat16", "float32"),
             dtypes_by_device=(("cpu", ("float16", "float32"), _INTERPRETER_BF16),),
             head_dims=(64, 128, 256),
+            fp8_kv=True,
             description="Triton: FA2 prefill, GQA-packed paged attention, split-KV decode",
         ),
         Backend(
@@ -330,19 +333,21 @@ def selection_key(op: str, device: str, name: str | None) -> tuple:
             _env("TRITON_INTERPRET"), _generation)
 
 
-def resolve(op: str, device: str, name: str | None = None) -> Backend:
-    """The backend that runs `op` on tensors of `device` ("cpu"/"cuda"); memoised."""
+def resolve(op: str, device: str, name: str | None = None, *, fp8_kv: bool = False) -> Backend:
+    """The backend that runs `op` on tensors of `device` ("cpu"/"cuda"); memoised.
+    fp8_kv: the call has float8_e4m3fn caches, so `auto` skips backends without FP8 kernels
+    (a backend asked for by name is returned as is; the API then says it cannot)."""
     if op not in _OP_ENV:
         raise ValueError(f"unknown op {op!r}; ops are {list(OPS)}")
     device = str(device).split(":")[0]
-    key = selection_key(op, device, name)
+    key = (selection_key(op, device, name), fp8_kv)
     b = _resolved.get(key)
     if b is None:
-        b = _resolved[key] = _resolve(op, device, name)
+        b = _resolved[key] = _resolve(op, device, name, fp8_kv)
     return b
 
 
-def _resolve(op: str, device: str, name: str | None) -> Backend:
+def _resolve(op: str, device: str, name: str | None, fp8_kv: bool = False) -> Backend:
     chosen, source = requested_name(op, name)
     if chosen == AUTO:
         order = _AUTO_CUDA_ORDER if device == "cuda" else ("torch",)
@@ -350,6 +355,8 @@ def _resolve(op: str, device: str, name: str | None) -> Backend:
         for cand in order:
             b = _BACKENDS[cand]
             ok, why = b.is_available(device)
+            if ok and fp8_kv and not b.fp8_kv:
+                ok, why = False, "no float8_e4m3fn KV-cache kernels"
             if ok and op in b.provides:
                 return b
             reasons.append(f"{cand}: {why}")
@@ -388,13 +395,19 @@ class BoundOps:
     backends: dict
 
 
-def bind(name: str | None, device: str) -> BoundOps:
-    """Resolve the engine's ops for `device` under `name` (None: scope, env vars, auto) once."""
+def bind(name: str | None, device: str, *, fp8_kv: bool = False) -> BoundOps:
+    """Resolve the engine's ops for `device` under `name` (None: scope, env vars, auto) once.
+    fp8_kv: the cache is float8_e4m3fn (every op but the fresh-prompt prefill reads or writes it)."""
     fns, names = {}, {}
     for f in fields(BoundOps):
         if f.name == "backends":
             continue
-        b = resolve(f.name, device, name)
+        needs_fp8 = fp8_kv and f.name != "prefill_varlen"
+        b = resolve(f.name, device, name, fp8_kv=needs_fp8)
+        if needs_fp8 and not b.fp8_kv:
+            raise BackendUnavailableError(
+                f"backend {b.name!r} has no float8_e4m3fn KV-cache kernels for {f.name}; backends that do: "
+                f"{[x.name for x in _BACKENDS.values() if x.fp8_kv]}")
         fns[f.name], names[f.name] = b.op(f.name), b.name
     return BoundOps(**fns, backends=names)
 

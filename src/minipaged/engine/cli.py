@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="token budget of one step: running decodes, then prompt chunks (default 8192)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the model dtype; fp8: float8_e4m3fn KV pages with per-head scales (triton/torch)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -94,6 +96,8 @@ def validate(args: argparse.Namespace) -> None:
     device = _device(args.device)
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
+    if args.kv_cache_dtype == "fp8" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"--kv-cache-dtype fp8 needs --dtype float16 or bfloat16, got {str(dtype)[6:]}")
     dtype_name = str(dtype).replace("torch.", "")
     # the ops the engine runs, resolved as it will: --backend, else the MINIPAGED_* variables, else auto
     if args.backend is not None and args.backend.strip().lower() not in registry.backend_names():
@@ -104,8 +108,9 @@ def validate(args: argparse.Namespace) -> None:
             continue
         _chosen, source = registry.requested_name(op, args.backend)
         flag = "--backend" if source == "backend=" else source
+        fp8 = args.kv_cache_dtype == "fp8" and op != "prefill_varlen"
         try:
-            b = registry.resolve(op, device.type, args.backend)
+            b = registry.resolve(op, device.type, args.backend, fp8_kv=fp8)
         except registry.BackendUnavailableError as e:
             if source != "backend=":
                 raise
@@ -114,6 +119,9 @@ def validate(args: argparse.Namespace) -> None:
         if dtype_name not in b.dtypes:
             raise ValueError(f"{flag}={b.name}: backend {b.name!r} does not run {dtype_name} "
                              f"(its dtypes: {', '.join(b.dtypes)}); pick --dtype from those")
+        if fp8 and not b.fp8_kv:
+            raise ValueError(f"{flag}={b.name}: --kv-cache-dtype fp8 needs a backend with FP8 KV-cache "
+                             f"kernels ({', '.join(n for n, x in registry.all_backends().items() if x.fp8_kv)})")
         if b.name == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
             raise ValueError(f"{flag}=triton with --dtype bfloat16 on CPU: the Triton interpreter's "
                              "bf16 tl.dot gives wrong results; use --dtype float16 or float32")
@@ -161,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
                      max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else args.batch,
                      seed=args.seed, cuda_graph=False if args.no_cuda_graph else None,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     enable_prefix_caching=not args.no_prefix_caching)
+                     enable_prefix_caching=not args.no_prefix_caching,
+                     kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8" else None)
     except (OSError, ValueError, KeyError, NotImplementedError, registry.BackendUnavailableError) as e:
         # the flags passed validate(); what is left is the checkpoint folder's content
         return _error(e)

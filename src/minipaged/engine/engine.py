@@ -74,6 +74,36 @@ def _token_id(where: str, t: Any, vocab: int) -> int:
     return t
 
 
+_KV_SCALE_NAMES = ("self_attn.{}_scale", "self_attn.attn.{}_scale", "self_attn.{}_proj.output_scale")
+
+
+def _checkpoint_kv_scales(state: dict, cfg: Qwen3Config) -> tuple:
+    """(k_scale, v_scale) as float32 [num_layers, Hkv] from a checkpoint's per-layer scale tensors
+    (the names FP8 checkpoints use: self_attn.k_scale / v_scale, scalar or per KV head), or
+    (None, None) when it has none. A checkpoint with scales for only some layers is an error."""
+    out = []
+    for kind in ("k", "v"):
+        rows = []
+        for i in range(cfg.num_hidden_layers):
+            t = next((state[f"model.layers.{i}.{n.format(kind)}"] for n in _KV_SCALE_NAMES
+                      if f"model.layers.{i}.{n.format(kind)}" in state), None)
+            rows.append(t)
+        if all(t is None for t in rows):
+            out.append(None)
+            continue
+        if any(t is None for t in rows):
+            raise ValueError(f"the checkpoint has {kind}_scale tensors for some layers only")
+        Hkv = cfg.num_key_value_heads
+        try:
+            out.append(torch.stack([t.detach().float().reshape(-1).expand(Hkv) if t.numel() == 1
+                                    else t.detach().float().reshape(Hkv) for t in rows]))
+        except RuntimeError:
+            raise ValueError(f"{kind}_scale tensors must hold 1 or {Hkv} (per KV head) values per layer") from None
+    if (out[0] is None) != (out[1] is None):
+        raise ValueError("the checkpoint has k_scale but not v_scale tensors (or the reverse)")
+    return out[0], out[1]
+
+
 def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -189,6 +219,12 @@ class Engine:
             prompt chunks (a longer prompt is prefilled over several steps). Default 8192.
         enable_prefix_caching: share the cached full blocks of a new prompt's longest
             cached prefix instead of recomputing them (default True).
+        kv_cache_dtype: None (the model dtype) or "fp8": float8_e4m3fn pages, half the
+            bytes of bf16, with per-layer, per-KV-head scales: the checkpoint's
+            `self_attn.k_scale` / `self_attn.v_scale` tensors when it has them, else
+            computed from the K/V amax of the first prompt step and fixed thereafter
+            (`warmup()` does not fix them). Needs a float16/bfloat16 model and a backend
+            with FP8 kernels (triton, torch; auto picks one).
         cuda_graph: capture the decode step in CUDA graphs (default: on for CUDA
             with a non-torch backend; falls back to eager if capture fails).
         seed: seed of the random weights when model is None or a config.
@@ -207,6 +243,7 @@ class Engine:
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 8192,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str | None = None,
         cuda_graph: bool | None = None,
         gpu_memory_fraction: float = 0.4,
         seed: int = 0,
@@ -227,6 +264,13 @@ class Engine:
                           ("max_num_batched_tokens", max_num_batched_tokens)):
             if val is not None:
                 _positive_int(name, val)
+        if kv_cache_dtype not in (None, "fp8"):
+            raise ValueError(f"kv_cache_dtype must be None (the model dtype) or 'fp8', got {kv_cache_dtype!r}")
+        fp8 = kv_cache_dtype == "fp8"
+        self.kv_cache_dtype = torch.float8_e4m3fn if fp8 else self.dtype
+        if fp8 and self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"kv_cache_dtype='fp8' needs a float16 or bfloat16 model, got dtype {self.dtype} "
+                             "(on CPU pass dtype=torch.bfloat16)")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
         if cuda_graph is not None and not isinstance(cuda_graph, bool):
@@ -236,7 +280,7 @@ class Engine:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
         # Resolved once: an unusable backend fails here, not mid-generate, and the
         # forward calls the bound functions with no per-call lookup.
-        self.ops = registry.bind(backend, self.device.type)
+        self.ops = registry.bind(backend, self.device.type, fp8_kv=fp8)
         dname = str(self.dtype).replace("torch.", "")
         for op, name in self.ops.backends.items():
             dtypes, why = registry.all_backends()[name].supported_dtypes(self.device.type)
@@ -269,13 +313,18 @@ class Engine:
                              f"{self.ops.backends['paged']!r}")
         self.model = Qwen3Model(cfg, state, dtype=self.dtype, device=self.device, ops=self.ops,
                                 max_positions=self.max_model_len)
+        ckpt_scales = _checkpoint_kv_scales(state, cfg) if fp8 else (None, None)
         del state, state_dict
 
         if num_blocks is None:
             num_blocks = self._default_num_blocks(block_size, gpu_memory_fraction)
+        scales = ckpt_scales
+        # without checkpoint scales, the first prompt step sets them (see kv_cache_dtype above)
+        self._calibrate_kv = fp8 and scales[0] is None
         self.cache = mp.PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                      num_blocks=int(num_blocks), block_size=block_size,
-                                     dtype=self.dtype, device=self.device)
+                                     dtype=self.kv_cache_dtype, device=self.device,
+                                     k_scale=scales[0], v_scale=scales[1])
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda" and self.ops.backends["decode"] != "torch"
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=max_num_seqs,
@@ -296,7 +345,7 @@ class Engine:
     # ------------------------------------------------------------------ helpers
     def kv_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _default_num_blocks(self, block_size: int, fraction: float) -> int:
@@ -417,7 +466,10 @@ class Engine:
     def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float, bar) -> None:
         t0 = time.perf_counter()
         plan = sched.schedule()
-        logits = self.runner.run(plan)
+        calibrate = self._calibrate_kv and not plan.decode_only
+        logits = self.runner.run(plan, calibrate_kv=calibrate)
+        if calibrate:
+            self._calibrate_kv = False
         sampling = plan.sampling
         gens = [s.generator for s in sampling] if temperature > 0 else None
         tokens = sample(logits, temperature=temperature, top_p=top_p, generators=gens).tolist() if sampling else []
@@ -451,9 +503,14 @@ class Engine:
             bar.update(len(sampling))
 
     def warmup(self) -> None:
-        """Compile kernels and capture decode graphs now, so the next generate() times only generation."""
+        """Compile kernels and capture decode graphs now, so the next generate() times only generation.
+        fp8 scales that the warm-up prompt set are released: the next real prompt sets them."""
         n = min(2, self.max_num_seqs)
+        recalibrate = self._calibrate_kv
         self.generate([[0] * 4] * n, max_new_tokens=3, ignore_eos=True)
+        self._calibrate_kv = recalibrate
+        if recalibrate:
+            self.cache.reset_prefix_cache()  # blocks named under the warm-up scales
 
     # ------------------------------------------------------------------ testing aid
     @torch.inference_mode()
@@ -476,7 +533,7 @@ class Engine:
             meta = AttentionMetadata("prefill", torch.cat(slots).to(dev),
                                      cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
                                      max_seqlen_q=max(len(s) for s in seqs))
-            hidden = self.model.forward(ids, pos, meta, self.cache.k_caches, self.cache.v_caches)
+            hidden = self.model.forward(ids, pos, meta, self.cache)
             logits = self.model.logits(hidden).float()
             return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
         finally:

@@ -39,6 +39,15 @@ class AttentionMetadata:
     max_seqlen_q: int | None = None
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
+    calibrate_kv: bool = False  # fp8 cache: set each layer's k/v scales from this step's K/V
+
+
+FP8_MAX = 448.0
+
+
+def _amax_scale(x: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, D] -> float32 [Hkv]: the scale that maps each KV head's largest |value| to 448."""
+    return (x.float().abs().amax(dim=(0, 2)) / FP8_MAX).clamp_min(1e-8)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,10 +139,10 @@ class Qwen3Model:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
+        cache,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final normed hidden states [T, hidden].
+        """input_ids/positions [T] -> final normed hidden states [T, hidden]; K/V go to and come
+        from `cache` (a PagedKVCache; an fp8 one brings per-layer k/v scales).
 
         Attention calls the bound backend functions directly: the tensors are built
         here (views with a stride-1 last dim and 16-byte aligned rows), so the API's
@@ -155,17 +164,24 @@ class Qwen3Model:
             # QK-norm (per head, before RoPE), then RoPE, for q and k heads at once
             qk = apply_rope(rms_norm(qk, L["qk_norm"], eps), cos, sin)
             q, k = qk[:, :Hq], qk[:, Hq:]
-            kc, vc = k_caches[li], v_caches[li]
-            ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
+            kc, vc = cache.k_caches[li], cache.v_caches[li]
+            sc = ()
+            if cache.is_fp8:
+                if meta.calibrate_kv:
+                    # first write of this layer: scales from this prompt's K/V amax per KV head, then fixed
+                    cache.k_scales[li].copy_(_amax_scale(k))
+                    cache.v_scales[li].copy_(_amax_scale(v))
+                sc = (cache.k_scales[li], cache.v_scales[li])
+            ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping, *sc)
             if meta.kind == "prefill":
                 # No cached context: attend over the fresh K/V (already in the cache too).
                 o = ops.prefill_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen_q,
                                        meta.max_seqlen_q, True, self.scale, False)
             elif meta.kind == "paged":
                 o = ops.paged(q, kc, vc, meta.block_tables, meta.cu_seqlens, meta.context_lens,
-                              meta.max_seqlen_q, True, self.scale, False)
+                              meta.max_seqlen_q, True, self.scale, False, *sc)
             else:
-                o = ops.decode(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, False)
+                o = ops.decode(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, False, *sc)
             h = h + F.linear(o.reshape(T, q_size), L["o"])
             x = rms_norm(h, L["post_norm"], eps)
             gate_up = F.linear(x, L["gate_up"])

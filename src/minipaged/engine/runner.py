@@ -48,14 +48,16 @@ class ModelRunner:
         self.graph_error: str | None = None
         self._graphs_ready = False
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [R, V] (fp32), one row per sampling chunk of `plan`, in plan order."""
+    def run(self, plan: StepPlan, *, calibrate_kv: bool = False) -> torch.Tensor:
+        """Logits [R, V] (fp32), one row per sampling chunk of `plan`, in plan order.
+        calibrate_kv: an fp8 cache's scales are set from this step's K/V (a prompt step)."""
         if plan.decode_only:
+            assert not calibrate_kv, "fp8 scales are calibrated on a prompt step"
             return self.decode([c.seq for c in plan.chunks])
-        return self.forward_chunks(plan)
+        return self.forward_chunks(plan, calibrate_kv)
 
     # ------------------------------------------------------------------ chunks
-    def forward_chunks(self, plan: StepPlan) -> torch.Tensor:
+    def forward_chunks(self, plan: StepPlan, calibrate_kv: bool = False) -> torch.Tensor:
         dev, bs = self.device, self.block_size
         ids: list[int] = []
         pos, slots, tables = [], [], []
@@ -77,16 +79,16 @@ class ModelRunner:
         cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
         max_q = max(c.num_tokens for c in plan.chunks)
         if all(c.start == 0 for c in plan.chunks):
-            meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q)
+            meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
+                                     calibrate_kv=calibrate_kv)
         else:
             width = max(len(t) for t in tables)
             meta = AttentionMetadata(
                 "paged", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                 block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
                                           device=dev),
-                context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev))
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta,
-                                    self.cache.k_caches, self.cache.v_caches)
+                context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), calibrate_kv=calibrate_kv)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta, self.cache)
         if not last_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=dev)
@@ -126,7 +128,7 @@ class ModelRunner:
             )
             hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
                                         torch.tensor(positions, dtype=torch.int64, device=dev),
-                                        meta, self.cache.k_caches, self.cache.v_caches)
+                                        meta, self.cache)
             logits = self.model.logits(hidden)
         return logits.float()
 
@@ -147,8 +149,7 @@ class ModelRunner:
     def _graph_forward(self, b: int) -> torch.Tensor:
         meta = AttentionMetadata("decode", self.s_slots[:b], block_tables=self.s_tables[:b],
                                  context_lens=self.s_ctx[:b])
-        hidden = self.model.forward(self.s_ids[:b], self.s_pos[:b], meta,
-                                    self.cache.k_caches, self.cache.v_caches)
+        hidden = self.model.forward(self.s_ids[:b], self.s_pos[:b], meta, self.cache)
         return self.model.logits(hidden)
 
     @torch.inference_mode()
