@@ -32,6 +32,7 @@ from minipaged.testing import (
     make_varlen_inputs,
     prefill_ref,
     randn,
+    slot_mapping,
     varlen_ref,
 )
 from strategies import decode_cases, prefill_cases, varlen_cases
@@ -111,12 +112,7 @@ def _run_write(backend, dtype, device, case):
     k = randn((T, case.num_kv_heads, case.head_dim), dtype, device, gen)
     v = randn((T, case.num_kv_heads, case.head_dim), dtype, device, gen)
     # every token's slot under the table, with every third token skipped (-1)
-    bs = case.block_size
-    slots = []
-    for b, n in enumerate(case.lens):
-        pos = torch.arange(n, device=device)
-        slots.append(tables[b].long()[pos // bs] * bs + pos % bs)
-    slot = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long, device=device)
+    slot = slot_mapping(tables, lens, case.block_size).to(device)
     slot[::3] = -1
     want_k, want_v = kc.clone(), vc.clone()
     mp.write_kv_cache(k, v, want_k, want_v, slot, backend="torch")

@@ -37,6 +37,7 @@ from minipaged.testing import (
     paged_kv,
     prefill_ref,
     randn,
+    slot_mapping,
     varlen_ref,
     visible_mask,
 )
@@ -318,12 +319,9 @@ def test_write_then_decode_gpu(backend, dtype):
     gen = torch.Generator().manual_seed(11)
     lens, page, hq, hkv, D = [97, 0, 1023, 17], 16, 16, 2, 128
     kv = paged_kv(lens, hkv, D, page, dtype, "cuda", gen=gen, spare_blocks=2)
-    slots = []
-    for row, n in zip(kv.tables, lens):
-        t = torch.arange(n)
-        slots.append(torch.tensor(row, dtype=torch.long)[t // page] * page + t % page if n else t)
     kc, vc = torch.full_like(kv.k_cache, float("nan")), torch.full_like(kv.v_cache, float("nan"))
-    mp.write_kv_cache(torch.cat(kv.keys), torch.cat(kv.vals), kc, vc, torch.cat(slots).cuda(), backend=backend)
+    mp.write_kv_cache(torch.cat(kv.keys), torch.cat(kv.vals), kc, vc, slot_mapping(kv.tables, lens, page).cuda(),
+                      backend=backend)
     q = randn((len(lens), hq, D), dtype, "cuda", gen)
     out = mp.decode_attention(q, kc, vc, kv.block_tables, kv.context_lens, backend=backend)
     truth, truth_lse = decode_ref(q, kv.keys, kv.vals)

@@ -1,9 +1,10 @@
 """mp.paged_attention, return_lse and mp.merge_attention_states through the public API.
 
-Every backend that can run here is judged against an fp64 oracle written in this
-file (plain loops over sequences and rows, its own mask), not against
-reference.py. Unused cache slots are NaN and table entries past the used ones
-are -1, so a kernel that reads what it must not read fails.
+Every backend that can run here is judged against the fp64 oracle of
+minipaged.testing (per sequence, its own mask, fed the K/V that were written,
+not read back from the cache), not against reference.py. Unused cache slots are
+NaN and table entries past the used ones are -1, so a kernel that reads what it
+must not read fails.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import minipaged as mp
 from minipaged import registry
+from minipaged.testing import assert_close, cu_seqlens, paged_kv, paged_ref, randn
 
 NAN = float("nan")
 
@@ -38,82 +40,21 @@ def make_paged(q_lens, ctx_lens, *, Hq=4, Hkv=2, D=64, block_size=4, dtype=torch
                spare_blocks=3):
     """A paged batch with pages scattered at random, every unused slot NaN, -1 past the used entries."""
     g = torch.Generator().manual_seed(seed)
-    S = len(q_lens)
-    used = [-(-n // block_size) for n in ctx_lens]
-    num_blocks = sum(used) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(used + [1]) + 1
-    tables = torch.full((S, width), -1, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, block_size, Hkv, D), NAN)
-    v_cache = torch.full_like(k_cache, NAN)
-    keys, vals = [], []
-    at = 0
-    for s, n in enumerate(ctx_lens):
-        ks = torch.randn(n, Hkv, D, generator=g)
-        vs = torch.randn(n, Hkv, D, generator=g)
-        keys.append(ks)
-        vals.append(vs)
-        for j in range(used[s]):
-            blk = perm[at]
-            at += 1
-            tables[s, j] = blk
-            lo, hi = j * block_size, min(n, (j + 1) * block_size)
-            k_cache[blk, : hi - lo] = ks[lo:hi]
-            v_cache[blk, : hi - lo] = vs[lo:hi]
-    q = torch.randn(sum(q_lens), Hq, D, generator=g)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(ctx_lens, dtype=torch.int32)
-    cast = dict(dtype=dtype, device=device)
-    return dict(q=q.to(**cast), k_cache=k_cache.to(**cast), v_cache=v_cache.to(**cast),
-                block_tables=tables.to(device), cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
-                keys=keys, vals=vals)
+    kv = paged_kv(ctx_lens, Hkv, D, block_size, dtype, device, gen=g, spare_blocks=spare_blocks)
+    q = randn((sum(q_lens), Hq, D), dtype, device, g)
+    return dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,
+                cu_seqlens_q=cu_seqlens(q_lens, device), context_lens=kv.context_lens, keys=kv.keys, vals=kv.vals)
 
 
-def oracle(p, *, causal=True, scale=None):
-    """fp64: (o [Tq, Hq, D], lse [Tq, Hq]) from the raw keys/values (not the cache), one
-    sequence at a time with its own mask: row i of q_len rows sees key j iff
-    j <= context_len - q_len + i (causal)."""
-    q = p["q"].double().cpu()
-    Tq, Hq, D = q.shape
-    Hkv = p["keys"][0].shape[1] if p["keys"] else 1
-    group = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    o = torch.zeros(Tq, Hq, D, dtype=torch.float64)
-    lse = torch.full((Tq, Hq), -math.inf, dtype=torch.float64)
-    cu = p["cu_seqlens_q"].tolist()
-    for s, (ks, vs) in enumerate(zip(p["keys"], p["vals"])):
-        n, nq = ks.shape[0], cu[s + 1] - cu[s]
-        if nq == 0 or n == 0:
-            continue
-        # the low-precision inputs are what the kernels see: round them the same way
-        kd = ks.to(p["k_cache"].dtype).double().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        vd = vs.to(p["v_cache"].dtype).double().repeat_interleave(group, dim=1)
-        qs = q[cu[s]:cu[s + 1]]  # [nq, Hq, D]
-        scores = torch.einsum("ihd,jhd->hij", qs, kd) * scale
-        i = torch.arange(nq)[:, None]
-        j = torch.arange(n)[None, :]
-        seen = (j <= n - nq + i) if causal else torch.ones(nq, n, dtype=torch.bool)
-        scores = scores.masked_fill(~seen, -math.inf)
-        has = seen.any(1)  # [nq]
-        m = scores.amax(-1, keepdim=True).clamp_min(-1e300)
-        w = torch.exp(scores - m)
-        den = w.sum(-1, keepdim=True)
-        out = torch.einsum("hij,jhd->ihd", w / den.clamp_min(1e-300), vd)
-        o[cu[s]:cu[s + 1]] = torch.where(has[:, None, None], out, torch.zeros_like(out))
-        l_s = (m + torch.log(den)).squeeze(-1).transpose(0, 1)  # [nq, Hq]
-        lse[cu[s]:cu[s + 1]] = torch.where(has[:, None], l_s, torch.full_like(l_s, -math.inf))
-    return o, lse
+def oracle(p, *, causal=True, scale=None, lowp=False):
+    """fp64 (o [Tq, Hq, D], lse [Tq, Hq]) from the K/V that were written (not the cache)."""
+    return paged_ref(p["q"], p["keys"], p["vals"], p["cu_seqlens_q"], causal=causal, scale=scale, lowp=lowp)
 
 
-def assert_close_to_oracle(o, ref, dtype):
-    o = o.double().cpu()
-    assert not torch.isnan(o).any(), "NaN leaked into the output"
-    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    if o.numel() == 0:
-        assert ref.numel() == 0
-        return
-    err = (o - ref).abs().max().item()
-    assert err <= tol * max(1.0, ref.abs().max().item()), f"max abs error {err} > {tol}"
+def check_against_oracle(p, o, lse=None, *, causal=True, what=""):
+    truth, truth_lse = oracle(p, causal=causal)
+    assert o.dtype == p["q"].dtype and o.shape == p["q"].shape, what
+    assert_close(o, truth, oracle(p, causal=causal, lowp=True)[0], what, lse=lse, truth_lse=truth_lse)
 
 
 def _args(p, **kw):
@@ -141,14 +82,8 @@ def test_paged_matches_fp64_oracle(backend, q_lens, ctx_lens, causal):
     dtype = torch.float32
     p = make_paged(q_lens, ctx_lens, dtype=dtype, seed=sum(q_lens) + 7 * len(ctx_lens))
     o, lse = mp.paged_attention(**_args(p), causal=causal, return_lse=True, backend=backend)
-    ref_o, ref_lse = oracle(p, causal=causal)
-    assert o.dtype == dtype and o.shape == p["q"].shape and lse.dtype == torch.float32
-    assert_close_to_oracle(o, ref_o, dtype)
-    lse = lse.double().cpu()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "-inf exactly where a row sees no key"
-    fin = torch.isfinite(ref_lse)
-    assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-4 if fin.any() else True
-    assert (o.double()[~fin.cpu()] == 0).all(), "rows that see no key must be exact zeros"
+    # -inf lse and exact zeros where a row sees no key, the lse bound elsewhere
+    check_against_oracle(p, o, lse, causal=causal, what=f"{backend} q{q_lens} ctx{ctx_lens} c{causal}")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -158,7 +93,7 @@ def test_paged_page_sizes_and_gqa(backend, block_size, Hq, Hkv):
     dtype = torch.float16
     p = make_paged([3, 1, 9], [17, 5, 40], Hq=Hq, Hkv=Hkv, block_size=block_size, dtype=dtype, seed=block_size)
     o = mp.paged_attention(**_args(p), backend=backend)
-    assert_close_to_oracle(o, oracle(p)[0], dtype)
+    check_against_oracle(p, o, what=f"{backend} page {block_size} Hq{Hq} Hkv{Hkv}")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -169,7 +104,7 @@ def test_paged_causal_residues(backend):
     offsets = list(range(17))
     ctx = [ql + offsets[i % 17] + 16 * (i % 2) for i, ql in enumerate(q_lens)]
     p = make_paged(q_lens, ctx, Hq=2, Hkv=1, D=64, block_size=8, dtype=dtype, seed=3)
-    assert_close_to_oracle(mp.paged_attention(**_args(p), backend=backend), oracle(p)[0], dtype)
+    check_against_oracle(p, mp.paged_attention(**_args(p), backend=backend), what=f"{backend} residues")
 
 
 # ------------------------------------------------------------------ identities
@@ -366,11 +301,7 @@ def test_paged_gpu_mixed_batches(backend, dtype, D, block_size):
                    seed=block_size + D)
     for causal in (True, False):
         o, lse = mp.paged_attention(**_args(p), causal=causal, return_lse=True, backend=backend)
-        ref_o, ref_lse = oracle(p, causal=causal)
-        assert_close_to_oracle(o, ref_o, dtype)
-        fin = torch.isfinite(ref_lse)
-        assert torch.equal(torch.isinf(lse.cpu()), ~fin)
-        assert (lse.double().cpu()[fin] - ref_lse[fin]).abs().max().item() < 2e-2
+        check_against_oracle(p, o, lse, causal=causal, what=f"{backend} {dtype} D{D} page {block_size} c{causal}")
         again = mp.paged_attention(**_args(p), causal=causal, backend=backend)
         assert torch.equal(o, again), "paged attention must be bitwise deterministic"
 

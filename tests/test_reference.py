@@ -21,6 +21,7 @@ from minipaged.testing import (
     make_prefill_inputs,
     make_varlen_inputs,
     prefill_ref,
+    slot_mapping,
     varlen_ref,
 )
 from strategies import decode_cases, prefill_cases, varlen_cases
@@ -124,14 +125,9 @@ def test_write_then_decode_roundtrip(case):
     """write_kv_cache into a NaN pool at the slots a block table implies, then
     decode reads exactly those tokens back."""
     q, kc, vc, tables, lens = make_decode_inputs(case, torch.float32, "cpu")
-    bs = case.block_size
     dense_k, dense_v = gather_kv(kc, vc, tables, lens)
-    slots = []
-    for b in range(case.batch):
-        pos = torch.arange(case.lens[b])
-        slots.append(tables[b].long()[pos // bs] * bs + pos % bs)
     k_new, v_new = torch.cat(dense_k), torch.cat(dense_v)
-    slot = torch.cat(slots)
+    slot = slot_mapping(tables, lens, case.block_size)
     # a skipped token (negative slot) must not be written anywhere
     marker = torch.full((1, case.num_kv_heads, case.head_dim), 7.0)
     k_new = torch.cat([k_new, marker])

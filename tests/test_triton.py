@@ -10,7 +10,7 @@ present, which works as long as nothing imported minipaged.triton before).
 GPU tests: `pytest -m gpu tests/test_triton.py` on the H200.
 
 Error bound, as FlashAttention's tests: the kernel's error against the fp64
-oracle of tests/oracle.py (written independently of minipaged.reference, so a
+oracle of minipaged.testing (written independently of minipaged.reference, so a
 wrong torch backend can neither pass itself off as the truth nor widen the
 bound) must be within twice the error that plain low-precision PyTorch math
 (the same attention with matmuls in fp16/bf16) makes against that oracle,
@@ -29,7 +29,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import minipaged as mp  # noqa: E402
-from oracle import attention_fp64, attention_lowp, check, decode_fp64  # noqa: E402
+from minipaged.testing import (  # noqa: E402
+    DecodeCase,
+    PrefillCase,
+    VarlenCase,
+    assert_close,
+    assert_same_cache,
+    decode_ref,
+    gather_kv,
+    make_decode_inputs,
+    make_prefill_inputs,
+    make_varlen_inputs,
+    make_write_inputs,
+    prefill_ref,
+    strided_copy,
+    varlen_ref,
+)
 
 triton = pytest.importorskip("triton")
 
@@ -40,41 +55,23 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                                 reason="needs a CUDA device and TRITON_INTERPRET unset")
 
 
-# ----------------------------------------------------------------- oracles
-
-
-def _check(out, truth, baseline, dtype, what=""):
-    assert out.dtype == dtype
-    check(out, truth, baseline, what)
-
-
-def _rand(*shape, dtype, device, noncontig=False):
-    if noncontig:
-        # last dim stays stride 1, everything else is strided: a [.., 2, D] buffer sliced
-        full = torch.randn(*shape[:-1], 2, shape[-1], device=device).to(dtype)
-        return full[..., 1, :]
-    return torch.randn(*shape, device=device).to(dtype)
-
-
 # ----------------------------------------------------------------- prefill
 
 
 def _run_prefill(B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, noncontig=False, scale=None):
-    torch.manual_seed(1000 * Nq + Nk + Hq)
-    q = _rand(B, Hq, Nq, D, dtype=dtype, device=device, noncontig=noncontig)
-    k = _rand(B, Hkv, Nk, D, dtype=dtype, device=device, noncontig=noncontig)
-    v = _rand(B, Hkv, Nk, D, dtype=dtype, device=device, noncontig=noncontig)
+    q, k, v = make_prefill_inputs(PrefillCase(B, Nq, Nk, Hq, Hkv, D, causal), dtype, device,
+                                  seed=1000 * Nq + Nk + Hq)
     if noncontig:
+        q, k, v = strided_copy(q), strided_copy(k), strided_copy(v)
         assert not q.is_contiguous() and q.stride(-1) == 1
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     out = mp.prefill_attention(q, k, v, causal=causal, scale=scale, backend="triton")
-    assert out.shape == (B, Hq, Nq, D)
-    truth = attention_fp64(q, k, v, causal, scale)
-    baseline = attention_lowp(q, k, v, causal, scale)
-    _check(out, truth, baseline, dtype, f"prefill B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} c{causal}")
-    if causal and Nq > Nk:
-        # rows that see no key must be exact zeros
-        assert (out[:, :, : Nq - Nk] == 0).all()
+    assert out.shape == (B, Hq, Nq, D) and out.dtype == dtype
+    truth, truth_lse = prefill_ref(q, k, v, causal=causal, scale=scale)
+    baseline, _ = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)
+    # rows that see no key must be exact zeros: checked where truth_lse is -inf
+    assert_close(out, truth, baseline, f"prefill B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} c{causal}",
+                 truth_lse=truth_lse)
     return out
 
 
@@ -122,27 +119,17 @@ def test_prefill_custom_scale_interpreter():
 
 
 def _run_varlen(seqlens_q, seqlens_k, Hq, Hkv, D, causal, dtype, device, noncontig=False):
-    torch.manual_seed(sum(seqlens_q) * 31 + sum(seqlens_k))
-    cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    Tq, Tk = sum(seqlens_q), sum(seqlens_k)
-    q = _rand(Tq, Hq, D, dtype=dtype, device=device, noncontig=noncontig)
-    k = _rand(Tk, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
-    v = _rand(Tk, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
+    case = VarlenCase(tuple(seqlens_q), tuple(seqlens_k), Hq, Hkv, D, causal)
+    q, k, v, cu_q, cu_k = make_varlen_inputs(case, dtype, device, seed=sum(seqlens_q) * 31 + sum(seqlens_k))
+    if noncontig:
+        q, k, v = strided_copy(q), strided_copy(k), strided_copy(v)
     scale = 1.0 / math.sqrt(D)
     out = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max(seqlens_q),
                                       max_seqlen_k=max(seqlens_k), causal=causal, scale=scale, backend="triton")
-    assert out.shape == (Tq, Hq, D)
-    truth = torch.zeros(Tq, Hq, D, dtype=torch.float64, device=device)
-    baseline = torch.zeros(Tq, Hq, D, dtype=torch.float64, device=device)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for s in range(len(seqlens_q)):
-        qs = q[cq[s]:cq[s + 1]].transpose(0, 1)[None]
-        ks = k[ck[s]:ck[s + 1]].transpose(0, 1)[None]
-        vs = v[ck[s]:ck[s + 1]].transpose(0, 1)[None]
-        truth[cq[s]:cq[s + 1]] = attention_fp64(qs, ks, vs, causal, scale)[0].transpose(0, 1)
-        baseline[cq[s]:cq[s + 1]] = attention_lowp(qs, ks, vs, causal, scale)[0].transpose(0, 1)
-    _check(out, truth, baseline, dtype, f"varlen q{seqlens_q} k{seqlens_k} c{causal}")
+    assert out.shape == q.shape and out.dtype == dtype
+    truth, truth_lse = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    baseline, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale, lowp=True)
+    assert_close(out, truth, baseline, f"varlen q{seqlens_q} k{seqlens_k} c{causal}", truth_lse=truth_lse)
     return out
 
 
@@ -185,67 +172,23 @@ def test_varlen_matches_dense_interpreter():
 # ----------------------------------------------------------------- paged decode
 
 
-def _make_paged(context_lens, Hkv, D, page, dtype, device, noncontig=False, seed=0):
-    """Random K/V scattered into a NaN-poisoned paged cache through shuffled block
-    tables; table entries past each sequence's need are -1. Returns the caches,
-    block tables and the dense per-sequence K/V [Hkv, L, D] for the oracle."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(context_lens)
-    need = [-(-c // page) for c in context_lens]
-    max_blocks = max(max(need), 1) + 1
-    num_blocks = sum(need) + 3
-    shape = (num_blocks, page, Hkv, D)
-    if noncontig:
-        kc = torch.full((num_blocks, page, Hkv, 2, D), float("nan"), dtype=dtype, device=device)[:, :, :, 0]
-        vc = torch.full((num_blocks, page, Hkv, 2, D), float("nan"), dtype=dtype, device=device)[:, :, :, 1]
-    else:
-        kc = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        vc = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((B, max_blocks), -1, dtype=torch.int32)
-    dense_k, dense_v = [], []
-    nxt = 0
-    for b, c in enumerate(context_lens):
-        kd = torch.randn(c, Hkv, D, generator=g).to(dtype)
-        vd = torch.randn(c, Hkv, D, generator=g).to(dtype)
-        tables[b, : need[b]] = torch.tensor(perm[nxt: nxt + need[b]], dtype=torch.int32)
-        nxt += need[b]
-        tok = torch.arange(c)
-        blk = tables[b].long()[tok // page].to(device)
-        kc[blk, (tok % page).to(device)] = kd.to(device)
-        vc[blk, (tok % page).to(device)] = vd.to(device)
-        dense_k.append(kd.transpose(0, 1).to(device))
-        dense_v.append(vd.transpose(0, 1).to(device))
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    return kc, vc, tables.to(device), ctx, dense_k, dense_v
-
-
 def _run_decode(context_lens, Hq, Hkv, D, page, dtype, device, noncontig=False, splits=None,
                 monkeypatch=None):
-    kc, vc, tables, ctx, dk, dv = _make_paged(context_lens, Hkv, D, page, dtype, device,
-                                              noncontig=noncontig, seed=sum(context_lens) + page)
-    B = len(context_lens)
-    torch.manual_seed(B * 7 + Hq)
-    q = _rand(B, Hq, D, dtype=dtype, device=device, noncontig=noncontig)
+    case = DecodeCase.of(context_lens, Hq, Hkv, D, page, spare_blocks=3)
+    q, kc, vc, tables, ctx = make_decode_inputs(case, dtype, device, seed=sum(context_lens) + page)
+    if noncontig:
+        q, kc, vc = strided_copy(q), strided_copy(kc), strided_copy(vc)
     scale = 1.0 / math.sqrt(D)
     if splits is not None:
         monkeypatch.setenv("MINIPAGED_TRITON_DECODE_SPLITS", str(splits))
     out = mp.decode_attention(q, kc, vc, tables, ctx, scale=scale, backend="triton")
-    assert out.shape == (B, Hq, D)
-    truth = torch.zeros(B, Hq, D, dtype=torch.float64, device=device)
-    baseline = torch.zeros(B, Hq, D, dtype=torch.float64, device=device)
-    for b in range(B):
-        qb = q[b][None, :, None]  # [1, Hq, 1, D]
-        truth[b] = attention_fp64(qb, dk[b][None], dv[b][None], False, scale)[0, :, 0]
-        baseline[b] = attention_lowp(qb, dk[b][None], dv[b][None], False, scale)[0, :, 0]
-    _check(out, truth, baseline, dtype, f"decode ctx{context_lens[:6]} Hq{Hq} Hkv{Hkv} page{page}")
-    # the same truth read back through the block tables by the oracle's own page gather
-    tab = tables.tolist()
-    _check(out, decode_fp64(q, kc, vc, tab, list(context_lens), scale),
-           decode_fp64(q, kc, vc, tab, list(context_lens), scale, lowp=True), dtype, "decode via the page gather")
-    for b, c in enumerate(context_lens):
-        if c == 0:
-            assert (out[b] == 0).all()
+    assert out.shape == q.shape and out.dtype == dtype
+    keys, vals = gather_kv(kc, vc, tables, ctx)
+    truth, truth_lse = decode_ref(q, keys, vals, scale=scale)
+    baseline, _ = decode_ref(q, keys, vals, scale=scale, lowp=True)
+    # context_len 0: exact zeros (truth_lse is -inf there)
+    assert_close(out, truth, baseline, f"decode ctx{context_lens[:6]} Hq{Hq} Hkv{Hkv} page{page}",
+                 truth_lse=truth_lse)
     return out
 
 
@@ -303,24 +246,13 @@ def test_num_splits_heuristic_no_sync(monkeypatch):
 
 
 def _run_write(T, Hkv, D, page, num_blocks, dtype, device, noncontig=False):
-    g = torch.Generator().manual_seed(T * 13 + page)
-    k = _rand(T, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
-    v = _rand(T, Hkv, D, dtype=dtype, device=device, noncontig=noncontig)
-    slots = torch.randperm(num_blocks * page, generator=g)[:T]
-    slots[torch.rand(T, generator=g) < 0.25] = -1
-    slots = slots.to(device=device, dtype=torch.int64)
-    kc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
-    vc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
-    # what the slots say, written by hand: token t at page slot // page, offset slot % page
-    kr, vr = kc.clone(), vc.clone()
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            kr[slot // page, slot % page] = k[t]
-            vr[slot // page, slot % page] = v[t]
+    k, v, kc, vc, slots, want_k, want_v = make_write_inputs(T, Hkv, D, num_blocks, page, dtype, device,
+                                                            seed=T * 13 + page, any_negative=False)
+    if noncontig:
+        k, v = strided_copy(k), strided_copy(v)
     mp.write_kv_cache(k, v, kc, vc, slots, backend="triton")
-    for got, want in ((kc, kr), (vc, vr)):
-        assert torch.equal(torch.isnan(got), torch.isnan(want))
-        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert_same_cache(kc, want_k, "k_cache")
+    assert_same_cache(vc, want_v, "v_cache")
 
 
 @cpu_only
@@ -428,8 +360,8 @@ def test_decode_gpu_fp32_noncontiguous():
 @needs_cuda
 def test_decode_cuda_graph_capture():
     """Decode issues no host sync, so it can be captured and replayed."""
-    kc, vc, tables, ctx, _, _ = _make_paged([1000, 37, 2000], 8, 128, 16, torch.bfloat16, "cuda")
-    q = torch.randn(3, 16, 128, device="cuda").bfloat16()
+    q, kc, vc, tables, ctx = make_decode_inputs(DecodeCase.of([1000, 37, 2000], 16, 8, 128, 16),
+                                                torch.bfloat16, "cuda")
     def run():
         # check_values=False: the value checks sync with the host, which capture forbids
         return mp.decode_attention(q, kc, vc, tables, ctx, scale=0.088, backend="triton", check_values=False)

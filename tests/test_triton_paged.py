@@ -1,15 +1,15 @@
 """Tests of the Triton paged-attention kernel (any mix of query lengths), return_lse
-on every attention op, and merge_attention_states, against an fp64 oracle
-written here (independent of minipaged.reference and of the kernels).
+on every attention op, and merge_attention_states, against the fp64 oracle of
+minipaged.testing (independent of minipaged.reference and of the kernels).
 
 CPU: the kernels run under TRITON_INTERPRET=1 in fp16/fp32 (the interpreter's
 bf16 tl.dot is wrong) with the interpreter's tiles: BLOCK_N = 16 keys and
 BLOCK_M <= 32 packed (position, head) rows (configs.paged_config).
 GPU: `pytest -m gpu tests/test_triton_paged.py` on the H200.
 
-Error bound, as in test_triton.py: the kernel's max error against the fp64
-oracle is within twice that of the same attention written in plain PyTorch in
-the input dtype (matmuls in fp16/bf16, softmax in fp32), plus a small slack.
+Error bound, minipaged.testing.assert_close: the kernel's max error against the
+fp64 oracle is within twice that of the same attention written in plain PyTorch
+in the input dtype (matmuls in fp16/bf16, softmax in fp32), plus a small floor.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 from minipaged.triton import configs, ops  # noqa: E402
+from minipaged.testing import (  # noqa: E402
+    assert_close,
+    attention_ref,
+    cu_seqlens,
+    make_varlen_inputs,
+    paged_kv,
+    paged_ref,
+    randn,
+    slot_mapping,
+    VarlenCase,
+)
 from minipaged.triton.configs import PagedConfig  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -35,126 +46,33 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
 NEG_INF = float("-inf")
 
 
-# ----------------------------------------------------------------- data
+# ----------------------------------------------------------------- data and check
 
 
 def _cu(lens, device):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    return cu_seqlens(lens, device)
 
 
-def _cache_from_dense(dense_k, dense_v, page, device, seed=0, spare_entries=1):
-    """Scatter per-sequence K/V [L, Hkv, D] into a NaN-poisoned paged cache through
-    shuffled block tables. Pages hold NaN in every slot no sequence uses, and table
-    entries past each sequence's ceil(L / page) are -1."""
-    g = torch.Generator().manual_seed(seed)
-    Hkv, D = dense_k[0].shape[1:]
-    dtype = dense_k[0].dtype
-    need = [-(-k.shape[0] // page) for k in dense_k]
-    max_blocks = max(need + [1]) + spare_entries
-    num_blocks = sum(need) + 3
-    kc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
-    vc = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=dtype, device=device)
-    perm = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(dense_k), max_blocks), -1, dtype=torch.int32)
-    nxt = 0
-    for s, (k, v) in enumerate(zip(dense_k, dense_v)):
-        tables[s, : need[s]] = perm[nxt: nxt + need[s]].to(torch.int32)
-        nxt += need[s]
-        tok = torch.arange(k.shape[0])
-        blk = tables[s].long()[tok // page].to(device)
-        kc[blk, (tok % page).to(device)] = k
-        vc[blk, (tok % page).to(device)] = v
-    ctx = torch.tensor([k.shape[0] for k in dense_k], dtype=torch.int32, device=device)
-    return kc, vc, tables.to(device), ctx
+def _cache_from_dense(dense_k, dense_v, page, device, seed=0):
+    """Per-sequence K/V [L, Hkv, D] on shuffled NaN-poisoned pages, -1 past the used
+    table entries. -> (k_cache, v_cache, block_tables, context_lens)."""
+    kv = paged_kv(None, dense_k[0].shape[1], dense_k[0].shape[2], page, dense_k[0].dtype, device, seed=seed,
+                  spare_blocks=3, keys=dense_k, vals=dense_v)
+    return kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens
 
 
 def _problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    dense_k = [torch.randn(c, Hkv, D, generator=g).to(dtype).to(device) for c in ctxs]
-    dense_v = [torch.randn(c, Hkv, D, generator=g).to(dtype).to(device) for c in ctxs]
-    kc, vc, tables, ctx = _cache_from_dense(dense_k, dense_v, page, device, seed=seed)
-    q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype).to(device)
-    return q, kc, vc, tables, _cu(q_lens, device), ctx, dense_k, dense_v
-
-
-# ----------------------------------------------------------------- oracle
-
-
-def _attend(q, k, v, diag, causal, scale, low):
-    """q [n, Hq, D] (query positions p0.. of one sequence), k/v [L, Hkv, D]; position
-    i (0-based of q) sees key j iff j < L (and j <= i + diag when causal).
-    low=False: fp64 (o, lse). low=True: matmuls in the input dtype, fp32 softmax."""
-    n, Hq, D = q.shape
-    L, Hkv = k.shape[0], k.shape[1]
-    wide = torch.float32 if low else torch.float64
-    if L == 0:
-        return (torch.zeros(n, Hq, D, dtype=wide, device=q.device),
-                torch.full((n, Hq), NEG_INF, dtype=torch.float64, device=q.device))
-    group = Hq // Hkv
-    kk = k.repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
-    vv = v.repeat_interleave(group, 1).transpose(0, 1)
-    qq = q.transpose(0, 1)  # [Hq, n, D]
-    if not low:
-        qq, kk, vv = qq.double(), kk.double(), vv.double()
-    s = torch.matmul(qq, kk.transpose(1, 2)).to(wide) * scale
-    if causal:
-        rows = torch.arange(n, device=q.device)[:, None]
-        cols = torch.arange(L, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + diag, NEG_INF)
-    lse = torch.logsumexp(s.double(), -1)  # [Hq, n]
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows with no key: all zeros
-    if low:
-        o = torch.matmul(p.to(q.dtype), vv).float()
-    else:
-        o = torch.matmul(p, vv)
-    return o.transpose(0, 1), lse.transpose(0, 1)
-
-
-def _reference(q, dense_k, dense_v, cu_q, causal, scale, low=False, rows_per_chunk=1024):
-    """Packed queries of S sequences over their whole K/V (bottom-right causal)."""
-    Tq, Hq, D = q.shape
-    o = torch.zeros(Tq, Hq, D, dtype=torch.float32 if low else torch.float64, device=q.device)
-    lse = torch.full((Tq, Hq), NEG_INF, dtype=torch.float64, device=q.device)
-    cu = cu_q.tolist()
-    for s in range(len(cu) - 1):
-        a, b = cu[s], cu[s + 1]
-        L = dense_k[s].shape[0]
-        for c0 in range(a, b, rows_per_chunk):
-            c1 = min(b, c0 + rows_per_chunk)
-            # chunk rows start at position c0 - a of a q_len (b - a) run
-            diag = L - (b - a) + (c0 - a)
-            o[c0:c1], lse[c0:c1] = _attend(q[c0:c1], dense_k[s], dense_v[s], diag, causal, scale, low)
-    return o, lse
+    kv = paged_kv(ctxs, Hkv, D, page, dtype, device, gen=g, spare_blocks=3)
+    q = randn((sum(q_lens), Hq, D), dtype, device, g)
+    return q, kv.k_cache, kv.v_cache, kv.block_tables, _cu(q_lens, device), kv.context_lens, kv.keys, kv.vals
 
 
 def _check(out, lse, q, dense_k, dense_v, cu_q, causal, scale, what):
-    truth, truth_lse = _reference(q, dense_k, dense_v, cu_q, causal, scale)
-    base, _ = _reference(q, dense_k, dense_v, cu_q, causal, scale, low=True)
-    _check_against(out, lse, truth, truth_lse, base, q.dtype, what)
-
-
-def _check_against(out, lse, truth, truth_lse, base, dtype, what):
-    assert out.dtype == dtype and out.shape == truth.shape, what
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    if out.numel():
-        err = (out.double() - truth).abs().max().item()
-        ref_err = (base.double() - truth).abs().max().item()
-        slack = 1e-5 if dtype == torch.float32 else 2e-3
-        assert err <= 2 * ref_err + slack, f"{what}: max err {err:.3e} vs low-precision {ref_err:.3e}"
-    # rows that see no key: exact zeros
-    empty = torch.isneginf(truth_lse)
-    assert (out[empty] == 0).all(), f"{what}: a row with no key is not zero"
-    if lse is not None:
-        assert lse.dtype == torch.float32 and lse.shape == truth_lse.shape, what
-        assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern differs"
-        assert not torch.isnan(lse).any(), what
-        if (~empty).any():
-            d = (lse.double() - truth_lse)[~empty].abs()
-            tol = 1e-4 if dtype == torch.float32 else 2e-3
-            assert (d <= tol * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
+    truth, truth_lse = paged_ref(q, dense_k, dense_v, cu_q, causal=causal, scale=scale)
+    base, _ = paged_ref(q, dense_k, dense_v, cu_q, causal=causal, scale=scale, lowp=True)
+    assert out.dtype == q.dtype, what
+    assert_close(out, truth, base, what, lse=lse, truth_lse=truth_lse)
 
 
 def _run(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, scale=None, **kw):
@@ -289,9 +207,14 @@ def test_paged_num_splits_rule(monkeypatch):
 # ----------------------------------------------------------------- return_lse on the other ops
 
 
-def _dense_truth(q, k, v, causal, scale):
-    """q [Nq, Hq, D] k/v [Nk, Hkv, D] of one sequence -> fp64 (o, lse)."""
-    return _attend(q, k, v, k.shape[0] - q.shape[0], causal, scale, low=False)
+def _check_dense(out, lse, q, k, v, causal, scale, what):
+    """Dense [B, H, N, D] output and [B, Hq, Nq] lse, one sequence at a time."""
+    for b in range(q.shape[0]):
+        seq = [x[b].transpose(0, 1) for x in (q, k, v)]
+        truth, truth_lse = attention_ref(*seq, causal=causal, scale=scale)
+        base, _ = attention_ref(*seq, causal=causal, scale=scale, lowp=True)
+        assert_close(out[b].transpose(0, 1), truth, base, f"{what} b{b}", lse=lse[b].transpose(0, 1),
+                     truth_lse=truth_lse)
 
 
 @cpu_only
@@ -305,11 +228,7 @@ def test_prefill_return_lse_interpreter(dtype, causal):
     v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
     out, lse = ops.prefill(q, k, v, causal, 0.125, True)
     assert torch.equal(out, ops.prefill(q, k, v, causal, 0.125))
-    for b in range(B):
-        to, tl_ = _dense_truth(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), causal, 0.125)
-        bo, _ = _attend(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), Nk - Nq, causal,
-                        0.125, low=True)
-        _check_against(out[b].transpose(0, 1), lse[b].transpose(0, 1), to, tl_, bo, dtype, f"prefill b{b}")
+    _check_dense(out, lse, q, k, v, causal, 0.125, "prefill")
     # no key at all
     _, lse0 = ops.prefill(q, k[:, :, :0], v[:, :, :0], causal, 0.125, True)
     assert torch.isneginf(lse0).all()
@@ -318,13 +237,8 @@ def test_prefill_return_lse_interpreter(dtype, causal):
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_prefill_varlen_return_lse_interpreter(dtype):
-    g = torch.Generator().manual_seed(6)
     lq, lk = [17, 0, 9, 12], [17, 3, 30, 0]
-    Hq, Hkv, D = 4, 1, 64
-    q = torch.randn(sum(lq), Hq, D, generator=g).to(dtype)
-    k = torch.randn(sum(lk), Hkv, D, generator=g).to(dtype)
-    v = torch.randn(sum(lk), Hkv, D, generator=g).to(dtype)
-    cu_q, cu_k = _cu(lq, "cpu"), _cu(lk, "cpu")
+    q, k, v, cu_q, cu_k = make_varlen_inputs(VarlenCase(tuple(lq), tuple(lk), 4, 1, 64), dtype, "cpu", seed=6)
     out, lse = ops.prefill_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True, 0.125, True)
     ck = cu_k.tolist()
     dk = [k[ck[s]:ck[s + 1]] for s in range(len(lk))]
@@ -497,25 +411,14 @@ def test_paged_gpu_matches_varlen_over_written_cache():
     """A cache filled by write_kv_cache: paged == prefill_varlen on the same K/V."""
     lens, page, Hq, Hkv, D = [1000, 1, 300, 2500], 16, 16, 8, 128
     g = torch.Generator().manual_seed(4)
-    k = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16().cuda()
-    v = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16().cuda()
-    q = torch.randn(sum(lens), Hq, D, generator=g).bfloat16().cuda()
-    need = [-(-n // page) for n in lens]
-    nblk = sum(need) + 2
-    kc = torch.full((nblk, page, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    vc = kc.clone()
-    perm = torch.randperm(nblk, generator=g)
-    tables = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
-    slots, nxt = [], 0
-    for s, n in enumerate(lens):
-        tables[s, : need[s]] = perm[nxt: nxt + need[s]].int()
-        nxt += need[s]
-        t = torch.arange(n)
-        slots.append(tables[s].long()[t // page] * page + t % page)
-    tables = tables.cuda()
-    ops.write_kv_cache(k, v, kc, vc, torch.cat(slots).cuda())
+    kv = paged_kv(lens, Hkv, D, page, torch.bfloat16, "cuda", gen=g, spare_blocks=2)
+    k, v = torch.cat(kv.keys), torch.cat(kv.vals)
+    q = randn((sum(lens), Hq, D), torch.bfloat16, "cuda", g)
+    kc, vc = torch.full_like(kv.k_cache, float("nan")), torch.full_like(kv.v_cache, float("nan"))
+    tables = kv.block_tables
+    ops.write_kv_cache(k, v, kc, vc, slot_mapping(kv.tables, lens, page).cuda())
     cu = _cu(lens, "cuda")
-    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ctx = kv.context_lens
     po, pl = ops.paged(q, kc, vc, tables, cu, ctx, max(lens), True, 0.088, True)
     vo, vl = ops.prefill_varlen(q, k, v, cu, cu, max(lens), max(lens), True, 0.088, True)
     assert (po.float() - vo.float()).abs().max() < 2e-2
@@ -552,9 +455,5 @@ def test_return_lse_gpu(dtype):
     v = torch.randn(2, 8, 1000, 128, generator=g).to(dtype).cuda()
     out, lse = ops.prefill(q, k, v, True, 0.088, True)
     assert torch.equal(out, ops.prefill(q, k, v, True, 0.088))
-    for b in range(2):
-        to, tl_ = _dense_truth(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), True, 0.088)
-        bo, _ = _attend(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), -500, True,
-                        0.088, low=True)
-        _check_against(out[b].transpose(0, 1), lse[b].transpose(0, 1), to, tl_, bo, dtype, "prefill gpu")
+    _check_dense(out, lse, q, k, v, True, 0.088, "prefill gpu")
     _split_decode_identity([4000, 31, 0, 2048], lambda c: c // 3, 16, 8, 128, 16, dtype, "cuda")

@@ -46,7 +46,7 @@ from .benchmark import flops as _flops
 
 __all__ = [
     "PrefillCase", "VarlenCase", "DecodeCase", "PagedCase",
-    "randn", "cu_seqlens", "strided_copy",
+    "randn", "cu_seqlens", "strided_copy", "slot_mapping",
     "make_prefill_inputs", "make_varlen_inputs", "PagedKV", "paged_kv", "make_decode_inputs",
     "make_paged_inputs",
     "visible_mask", "attention_ref", "prefill_ref", "varlen_ref", "paged_ref", "decode_ref", "gather_kv",
@@ -346,11 +346,7 @@ def paged_kv(context_lens: Sequence[int], num_kv_heads: int, head_dim: int, bloc
     block_tables = torch.full((len(lens), width), tail, dtype=torch.int32)
     for s, r in enumerate(rows):
         block_tables[s, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    # slot of token t of sequence s: page rows[s][t // block_size], offset t % block_size
-    slots = [torch.tensor(r, dtype=torch.long)[torch.arange(n) // block_size] * block_size
-             + torch.arange(n) % block_size if n else torch.zeros(0, dtype=torch.long)
-             for r, n in zip(rows, lens)]
-    slot = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+    slot = slot_mapping(rows, lens, block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches, written = [], []
     for given in (keys, vals):
@@ -366,6 +362,18 @@ def paged_kv(context_lens: Sequence[int], num_kv_heads: int, head_dim: int, bloc
         written.append(list(torch.split(tok, lens)))
     return PagedKV(caches[0], caches[1], block_tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
                    rows, written[0], written[1])
+
+
+def slot_mapping(block_tables, context_lens, block_size: int) -> torch.Tensor:
+    """int64 [sum(context_lens)]: slot page * block_size + offset of every token, sequence
+    by sequence (what write_kv_cache takes), on the CPU."""
+    tables = block_tables.tolist() if isinstance(block_tables, torch.Tensor) else block_tables
+    out = []
+    for row, n in zip(tables, _ints(context_lens)):
+        t = torch.arange(n)
+        out.append(torch.tensor(row[: -(-n // block_size)], dtype=torch.long)[t // block_size] * block_size
+                   + t % block_size)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def make_decode_inputs(case: DecodeCase, dtype, device, seed: int | None = 0, poison: bool = True,
