@@ -208,12 +208,12 @@ def test_standard_grids_are_the_documented_ones():
 def test_decode_inputs_scatter_pages_and_pad_tables():
     torch.manual_seed(0)
     case = cs.DecodeCase(3, 40, 4, 2, 64, 16, context_lens=(0, 17, 40))
-    q, kc, vc, bt, cl = cs.make_decode_inputs(case, torch.float32, "cpu", pad_value=float("nan"))
+    q, kc, vc, bt, cl = cs.make_decode_inputs(case, torch.float32, "cpu", poison=True)
     assert bt.dtype == torch.int32 and cl.tolist() == [0, 17, 40]
     used = [bt[b, : (n + 15) // 16].tolist() for b, n in enumerate(cl.tolist())]
     flat = sum(used, [])
     assert len(flat) == len(set(flat)) == 0 + 2 + 3 and all(0 <= x < kc.shape[0] for x in flat)
-    assert bt[0].tolist() == [-1, -1, -1] and bt[1, 2].item() == -1
+    assert bt[0].tolist() == [-1, -1, -1, -1] and bt[1, 2:].tolist() == [-1, -1] and bt[2, 3].item() == -1
     # the slots no sequence owns are NaN; every real token is finite
     assert torch.isfinite(kc[bt[2, :3].long()].reshape(-1, 2, 64)[:40]).all()
     assert torch.isnan(kc[bt[1, 1].long(), 1:]).all()
@@ -223,7 +223,9 @@ def test_decode_inputs_scatter_pages_and_pad_tables():
 def test_decode_inputs_uniform_case_uses_a_random_permutation():
     torch.manual_seed(0)
     case = cs.DecodeCase(4, 64, 4, 2, 64, 16)
-    _, kc, _, bt, _ = cs.make_decode_inputs(case, torch.float16, "cpu")
+    # as the runner times it: no spare table column (the split heuristics read the capacity)
+    _, kc, _, bt, _ = cs.make_decode_inputs(case, torch.float16, "cpu", seed=None, poison=False, spare_columns=0)
+    assert bt.shape == (4, 4) and torch.isfinite(kc).all()
     assert sorted(bt.flatten().tolist()) == sorted(set(bt.flatten().tolist()))
     assert bt.flatten().tolist() != sorted(bt.flatten().tolist())  # scattered, not in order
     assert kc.shape == (4 * 4 + 1, 16, 2, 64) and kc.dtype == torch.float16
@@ -232,7 +234,7 @@ def test_decode_inputs_uniform_case_uses_a_random_permutation():
 def test_paged_inputs_and_the_contiguous_copies():
     torch.manual_seed(0)
     case = cs.PagedCase("mixed", (5, 1, 0, 20), (40, 17, 3, 20), 4, 2, 64)
-    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, torch.float32, "cpu", pad_value=float("nan"))
+    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, torch.float32, "cpu", poison=True)
     assert q.shape == (26, 4, 64) and cu.tolist() == [0, 5, 6, 6, 26] and cl.tolist() == [40, 17, 3, 20]
     assert cu.dtype == bt.dtype == cl.dtype == torch.int32
     k, v, cu_k = cs.gather_varlen_kv(kc, vc, bt, [40, 17, 3, 20])

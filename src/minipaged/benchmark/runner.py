@@ -217,19 +217,19 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
         for case in case_list:
             torch.manual_seed(1234)
             if op == "prefill":
-                q, k, v = cs.make_prefill_inputs(case, dtype, device)
+                q, k, v = cs.make_prefill_inputs(case, dtype, device, seed=None)
 
                 def call(name, dt=None):
                     a = [t.to(dt) if dt else t for t in (q, k, v)]
                     return mp.prefill_attention(*a, causal=case.causal, backend=name)
             elif op == "decode":
-                q, kc, vc, bt, cl = cs.make_decode_inputs(case, dtype, device, pad_value=float("nan"))
+                q, kc, vc, bt, cl = cs.make_decode_inputs(case, dtype, device, seed=None, poison=True)
 
                 def call(name, dt=None):
                     a = [t.to(dt) if dt else t for t in (q, kc, vc)]
                     return mp.decode_attention(a[0], a[1], a[2], bt, cl, backend=name)
             else:
-                q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device, pad_value=float("nan"))
+                q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device, seed=None, poison=True)
 
                 def call(name, dt=None):
                     a = [t.to(dt) if dt else t for t in (q, kc, vc)]
@@ -476,7 +476,7 @@ def _backend_rows(r: _Runner, op, case, backends, failures, emit, args, timed_kw
 
 def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit):
     torch.manual_seed(r.cfg.seed)
-    q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device)
+    q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device, seed=None)
     scale = 1.0 / math.sqrt(case.head_dim)
     args = (q, k, v, case.causal, scale, False)
     yield from _backend_rows(r, "prefill", case, backends, failures, emit, args,
@@ -511,7 +511,9 @@ def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit
 
 def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit):
     torch.manual_seed(r.cfg.seed)
-    q, kc, vc, bt, cl = cs.make_decode_inputs(case, r.dtype, r.device)
+    # timed inputs: unused slots random, tables exactly as wide as the pages (the split
+    # heuristics read the table's capacity)
+    q, kc, vc, bt, cl = cs.make_decode_inputs(case, r.dtype, r.device, seed=None, poison=False, spare_columns=0)
     scale = 1.0 / math.sqrt(case.head_dim)
     nbytes = case.bytes(torch.empty((), dtype=r.dtype).element_size())
     # Decode runs inside CUDA graphs in a serving engine, and one call is a few
@@ -548,7 +550,7 @@ def _bench_paged_case(r: _Runner, case, backends, anchor_names, failures, emit):
     split into its chunk and its decodes (mixed), SDPA and FlashInfer on the same data."""
     torch.manual_seed(r.cfg.seed)
     dtype, device = r.dtype, r.device
-    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device)
+    q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device, seed=None, poison=False, spare_columns=0)
     scale = 1.0 / math.sqrt(case.head_dim)
     es = torch.empty((), dtype=dtype).element_size()
     max_q = max(case.q_lens)
