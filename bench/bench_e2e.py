@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -36,20 +35,7 @@ if os.path.join(ROOT, "src") not in sys.path:
 
 import torch  # noqa: E402
 
-
-def _git_commit() -> str:
-    env = os.environ.get("MINIPAGED_GIT_COMMIT")
-    if env:
-        return env
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return out.stdout.strip() + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        pass
-    return "unknown"
+from minipaged.benchmark.timing import git_commit  # noqa: E402
 
 
 def _versions() -> dict:
@@ -141,7 +127,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "model": "tiny Qwen3 (smoke test)" if args.smoke_cpu else "Qwen3-0.6B shape, random bf16 weights",
         "prompt_len": P, "new_tokens": N, "repeats": R, "batches": batches,
         "metric": "decode tokens/s = B*(N-1) / (t_generate(N) - t_generate(1)), medians",

@@ -3,9 +3,10 @@
 
     PYTHONPATH=src python scripts/cuda_decode_quickbench.py [--sweep]
 
-bf16, Hq=16, Hkv=8, D=128, block 16, pages in random order. Median of
-triton.testing.do_bench (which clears L2 before every timed call); TB/s
-counts the K and V bytes read. The real benchmark harness is bench/; this
+bf16, Hq=16, Hkv=8, D=128, block 16, pages in random order (the benchmark's
+inputs, minipaged.testing). Medians of minipaged.benchmark.timing.time_fn (cold,
+clean L2 before every timed call, as `minipaged bench`); TB/s counts the K and V
+bytes read. The real benchmark harness is bench/; this
 script only exists to tune the kernel (variants, split counts).
 """
 
@@ -15,37 +16,38 @@ import argparse
 import math
 
 import torch
-from triton.testing import do_bench
 
+from minipaged.benchmark import timing
 from minipaged.cuda import ops
+from minipaged.testing import DecodeCase, make_decode_inputs
 
 SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)]
+
+
+def _median_ms(fn, reps=40, warmup=10):
+    return timing.time_fn(fn, device="cuda", reps=reps, warmup=warmup, max_time_s=0).median_ms
 
 
 def anchors():
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
     y = torch.empty_like(x)
-    t_copy = do_bench(lambda: y.copy_(x), return_mode="median")
-    t_read = do_bench(lambda: x.sum(dtype=torch.float32), return_mode="median")
+    t_copy = _median_ms(lambda: y.copy_(x))
+    t_read = _median_ms(lambda: x.sum(dtype=torch.float32))
     del x, y
     return 2 * (1 << 31) / (t_copy * 1e-3) / 1e12, (1 << 31) / (t_read * 1e-3) / 1e12
 
 
 def problem(B, L, bs=16, Hq=16, Hkv=8, D=128, dtype=torch.bfloat16):
-    nblk = math.ceil(L / bs)
-    kc = torch.randn(B * nblk, bs, Hkv, D, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(B * nblk, device="cuda").view(B, nblk).to(torch.int32)
-    cl = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
-    return q, kc, vc, bt, cl, B * L * Hkv * D * 2 * 2
+    case = DecodeCase(B, L, Hq, Hkv, D, bs)
+    inputs = make_decode_inputs(case, dtype, "cuda", seed=None, poison=False, spare_columns=0)
+    return (*inputs, B * L * Hkv * D * 2 * 2)
 
 
 def time_decode(prob, splits=0, variant=0):
     q, kc, vc, bt, cl, nbytes = prob
     fn = lambda: ops.decode(q, kc, vc, bt, cl, 0.0883, False, num_splits=splits, variant=variant)  # noqa: E731
     fn()
-    t = do_bench(fn, warmup=10, rep=40, return_mode="median")
+    t = _median_ms(fn)
     return t * 1e3, nbytes / (t * 1e-3) / 1e12
 
 

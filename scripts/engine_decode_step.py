@@ -5,8 +5,9 @@ graph or eager, the capture error if any, and where a step's time goes.
 
 A decode step's wall time is taken from the engine's own stats (decode seconds /
 decode steps, each step synchronised by the sampler's .tolist()). With
---profile the graph replay of one step is also timed alone (CUDA events), so
-host work outside the graph (input copies, sampling) shows as the difference.
+graphs active the replay of one step is also timed alone (minipaged.benchmark.timing,
+median, cold L2), so host work outside the graph (input copies, sampling) shows
+as the difference.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    from minipaged.benchmark import timing
     from minipaged.engine import Engine
 
     rows = []
@@ -37,16 +39,7 @@ def main(argv=None) -> int:
                    itl_p50_ms=st.itl_percentile(50) * 1e3)
         if eng.runner.graphs_active:
             g = eng.runner.graphs[1]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(20):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            row["replay_ms"] = start.elapsed_time(end) / 20
+            row["replay_ms"] = timing.time_fn(g.replay, device="cuda", reps=20, warmup=3, max_time_s=0).median_ms
         rows.append(row)
         print(row, flush=True)
         del eng

@@ -1,27 +1,19 @@
 """Anchor timings for the fast prefill: torch SDPA (flash / cuDNN backends) at the
-shapes fast_selftest times (bf16, Hq=16, Hkv=8, D=128, causal), cold L2, median."""
+shapes fast_selftest times (bf16, Hq=16, Hkv=8, D=128, causal), cold L2, median
+(minipaged.benchmark.timing, as `minipaged bench`)."""
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from minipaged.benchmark import timing
+from minipaged.testing import PrefillCase, make_prefill_inputs
 
 SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 1024)]
 HQ, HKV, D = 16, 8, 128
 
 
 def bench(fn, reps=20):
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for r in range(reps + 3):
-        flush.fill_(r & 0xFF)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if r >= 3:
-            times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
+    return timing.time_fn(fn, device="cuda", reps=reps, warmup=3, max_time_s=0).median_ms
 
 
 def main():
@@ -29,9 +21,7 @@ def main():
     for name, backend in [("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)]:
         row = f"{name:<16s}"
         for b, n in SHAPES:
-            q = torch.randn(b, HQ, n, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(b, HKV, n, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(b, HKV, n, D, device="cuda", dtype=torch.bfloat16)
+            q, k, v = make_prefill_inputs(PrefillCase(b, n, n, HQ, HKV, D), torch.bfloat16, "cuda", seed=None)
             try:
                 with sdpa_kernel(backend):
                     try:

@@ -1,6 +1,7 @@
 """Quick timing of the cuda paged attention (ops.paged) against the cuda varlen
 prefill on the same K/V made contiguous (what paged saves: no gather copy, but
-it pays the page-table indirection). bf16, Hq=16, Hkv=8, D=128, page 16.
+it pays the page-table indirection). bf16, Hq=16, Hkv=8, D=128, page 16; the
+benchmark's inputs (minipaged.testing) and timer (minipaged.benchmark.timing).
 
     PYTHONPATH=src python scripts/paged_bench.py
 """
@@ -9,46 +10,26 @@ from __future__ import annotations
 
 import torch
 
+from minipaged.benchmark import timing
+from minipaged.benchmark.cases import gather_varlen_kv
 from minipaged.cuda import ops
+from minipaged.testing import PagedCase, make_paged_inputs
 
 Hq, Hkv, D, BS = 16, 8, 128, 16
 SCALE = D ** -0.5
 
 
 def timed(fn, reps=30):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()  # cold L2, as the project's benches
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """Median microseconds, cold L2."""
+    return timing.time_fn(fn, device="cuda", reps=reps, warmup=3, max_time_s=0).median_ms * 1e3
 
 
 def case(q_lens, cached, label):
     ctx = [c + n for c, n in zip(cached, q_lens)]
-    nblk = [(c + BS - 1) // BS for c in ctx]
-    kc = torch.randn(sum(nblk), BS, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    perm = torch.randperm(sum(nblk), device="cuda").int()
-    bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32, device="cuda")
-    o = 0
-    for s, n in enumerate(nblk):
-        bt[s, :n] = perm[o : o + n]
-        o += n
-    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    cl = torch.tensor(ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(q_lens), Hq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.cat([kc[bt[s, :n].long()].reshape(-1, Hkv, D)[: ctx[s]] for s, n in enumerate(nblk)])
-    v = torch.cat([vc[bt[s, :n].long()].reshape(-1, Hkv, D)[: ctx[s]] for s, n in enumerate(nblk)])
+    pc = PagedCase("mixed", tuple(q_lens), tuple(ctx), Hq, Hkv, D, BS)
+    q, kc, vc, bt, cu_q, cl = make_paged_inputs(pc, torch.bfloat16, "cuda", seed=None, poison=False,
+                                                spare_columns=0)
+    k, v, cu_k = gather_varlen_kv(kc, vc, bt, ctx)
     mq, mk = max(q_lens), max(ctx)
     t_paged = timed(lambda: ops.paged(q, kc, vc, bt, cu_q, cl, mq, True, SCALE))
     t_varlen = timed(lambda: ops.prefill_varlen(q, k, v, cu_q, cu_k, mq, mk, True, SCALE))

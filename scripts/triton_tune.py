@@ -3,8 +3,9 @@ config table. Not the project benchmark (that is `minipaged bench`).
 
     PYTHONPATH=src python scripts/triton_tune.py [prefill] [decode] [sweep] [paged]
 
-Medians of triton.testing.do_bench (which flushes L2 between repetitions),
-random data, bf16, Qwen3-0.6B heads (Hq 16, Hkv 8, D 128).
+Medians of minipaged.benchmark.timing.time_fn (cold, clean L2 before every
+timed call, as `minipaged bench`), the benchmark's random inputs
+(minipaged.testing), bf16, Qwen3-0.6B heads (Hq 16, Hkv 8, D 128).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
+from minipaged.benchmark import timing
+from minipaged.testing import DecodeCase, PagedCase, PrefillCase, make_decode_inputs, make_paged_inputs, \
+    make_prefill_inputs
 from minipaged.triton import configs, ops
 
 HQ, HKV, D = 16, 8, 128
@@ -32,16 +35,19 @@ def _sdpa_flash(q, k, v, causal):
 
 
 def _bench(fn):
-    return do_bench(fn, warmup=10, rep=60, return_mode="median")  # ms
+    """Median ms of eager calls, cold L2."""
+    return timing.time_fn(fn, device="cuda", reps=60, warmup=10, max_time_s=0).median_ms
+
+
+def _prefill_inputs(B, N, d=D):
+    return make_prefill_inputs(PrefillCase(B, N, N, HQ, HKV, d), DT, "cuda", seed=None)
 
 
 def prefill_table(configs=None):
     print("## prefill (causal, bf16, Hq16 Hkv8 D128); TFLOP/s counts the causal half")
     print(f"{'B':>3} {'N':>6} {'config':>16} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'TFLOP/s':>8}")
     for B, N in ((1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 1024)):
-        q = torch.randn(B, HQ, N, D, device="cuda", dtype=DT)
-        k = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
-        v = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
+        q, k, v = _prefill_inputs(B, N)
         flops = 4 * B * HQ * N * N * D / 2
         kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
         t_sdpa = _bench(lambda: _sdpa_flash(q, kr, vr, True))
@@ -64,41 +70,14 @@ def prefill_table(configs=None):
 
 
 def _paged(B, L, page=16):
-    nblk = B * L // page
-    kc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
-    vc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
-    tables = torch.randperm(nblk, device="cuda").to(torch.int32).reshape(B, L // page)
-    ctx = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
-    return q, kc, vc, tables, ctx
+    return make_decode_inputs(DecodeCase(B, L, HQ, HKV, D, page), DT, "cuda", seed=None, poison=False,
+                              spare_columns=0)
 
 
-def _graph_us(sets):
-    """GPU time per decode call: every set decoded once inside one CUDA graph (no
-    host launch cost); the sets together exceed L2, so each call reads cold K/V."""
-    for a in sets:
-        ops.decode(*a, 0.088)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for a in sets:
-            ops.decode(*a, 0.088)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for a in sets:
-            ops.decode(*a, 0.088)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(sets))
-    return sorted(times)[len(times) // 2]
+def _graph_us(args):
+    """GPU time per decode call: CUDA-graph replays, cold L2 (no host launch cost)."""
+    t = timing.time_fn(lambda: ops.decode(*args, 0.088), device="cuda", reps=30, max_time_s=0, cuda_graph=True)
+    return t.median_ms * 1e3
 
 
 def _set_env(splits, cfg):
@@ -108,13 +87,11 @@ def _set_env(splits, cfg):
 
 def decode_table(sweep=False):
     print("## decode (bf16, Hq16 Hkv8 D128, page 16); TB/s = bytes of K+V read / time")
-    print("## eager = do_bench of the Python call (L2 flushed); graph = GPU time per call in a CUDA graph, cold K/V")
+    print("## eager = the Python call (cold L2); graph = GPU time per call as a CUDA-graph replay (cold L2)")
     print(f"{'B':>4} {'L':>6} {'variant':>14} {'eager us':>9} {'TB/s':>6} {'graph us':>9} {'TB/s':>6} {'sdpa us':>8} {'TB/s':>6}")
     for B, L in ((1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)):
         nbytes = 2 * B * L * HKV * D * 2
-        reps = max(2, min(16, -(-256 * 2 ** 20 // nbytes)))
-        sets = [_paged(B, L) for _ in range(reps)]
-        q, kc, vc, tables, ctx = sets[0]
+        q, kc, vc, tables, ctx = _paged(B, L)
         kd = kc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
         vd = vc[tables.long()].reshape(B, L, HKV, D).transpose(1, 2)
         kr, vr = kd.repeat_interleave(HQ // HKV, 1), vd.repeat_interleave(HQ // HKV, 1)
@@ -137,14 +114,14 @@ def decode_table(sweep=False):
                 out = ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))
                 err = (out.float() - ref).abs().max().item() if ref is not None else float("nan")
                 t = _bench(lambda: ops.decode(q, kc, vc, tables, ctx, 1 / math.sqrt(D))) * 1e3
-                tg = _graph_us(sets)
+                tg = _graph_us((q, kc, vc, tables, ctx))
                 print(f"{B:>4} {L:>6} {label:>14} {t:>9.1f} {nbytes / t / 1e6:>6.2f} {tg:>9.1f} "
                       f"{nbytes / tg / 1e6:>6.2f} {t_sdpa:>8.1f} {nbytes / t_sdpa / 1e6:>6.2f}  maxdiff_vs_sdpa={err:.2e}",
                       flush=True)
             except Exception as e:
                 print(f"{B:>4} {L:>6} {label:>14} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
         _set_env(None, None)
-        del sets, q, kc, vc
+        del q, kc, vc
         torch.cuda.empty_cache()
 
 
@@ -155,9 +132,7 @@ def prefill_extra():
                                   (1, 8192, 128, False, [None, "128,128,8,3"]),
                                   (1, 1024, 128, True, [None, "128,64,8,3", "64,64,4,3", "64,128,4,3", "64,64,4,2"]),
                                   (2, 2048, 128, True, [None, "128,64,8,3", "64,64,4,3"])):
-        q = torch.randn(B, HQ, N, d, device="cuda", dtype=DT)
-        k = torch.randn(B, HKV, N, d, device="cuda", dtype=DT)
-        v = torch.randn(B, HKV, N, d, device="cuda", dtype=DT)
+        q, k, v = _prefill_inputs(B, N, d)
         flops = 4 * B * HQ * N * N * d / (2 if causal else 1)
         kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
         t_sdpa = _bench(lambda: _sdpa_flash(q, kr, vr, causal))
@@ -180,7 +155,8 @@ def prefill_extra():
 
 
 def host_overhead():
-    """Back-to-back eager calls without flushes: max(host launch cost, GPU time) per call."""
+    """Back-to-back eager calls without flushes: max(host launch cost, GPU time) per call.
+    A throughput of launches, not a kernel time, so not timing.time_fn's per-call events."""
     import time
 
     q, kc, vc, tables, ctx = _paged(1, 256)
@@ -204,21 +180,8 @@ def host_overhead():
 
 
 def _paged_problem(q_lens, ctxs, page=16):
-    S = len(q_lens)
-    need = [-(-c // page) for c in ctxs]
-    nblk = sum(need)
-    kc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
-    vc = torch.randn(nblk, page, HKV, D, device="cuda", dtype=DT)
-    perm = torch.randperm(nblk, device="cuda").to(torch.int32)
-    tables = torch.zeros(S, max(need), dtype=torch.int32, device="cuda")
-    start = 0
-    for s, n in enumerate(need):
-        tables[s, :n] = perm[start:start + n]
-        start += n
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    ctx = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=DT)
-    return q, kc, vc, tables, cu, ctx
+    case = PagedCase("mixed", tuple(q_lens), tuple(ctxs), HQ, HKV, D, page)
+    return make_paged_inputs(case, DT, "cuda", seed=None, poison=False, spare_columns=0)
 
 
 def _paged_variant(gather, cfg):
@@ -232,7 +195,7 @@ def _paged_variant(gather, cfg):
 
 def paged_table(sweep=False):
     """ops.paged next to the kernels it generalises, on the same work."""
-    print("## paged (bf16, Hq16 Hkv8 D128, page 16), do_bench medians (L2 flushed)")
+    print("## paged (bf16, Hq16 Hkv8 D128, page 16), medians, cold L2")
     scale = 1 / math.sqrt(D)
     default_gather = ops.PAGED_GATHER
     variants = [(default_gather, None)]

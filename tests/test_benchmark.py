@@ -612,7 +612,9 @@ def test_json_is_strict_even_with_nan(tmp_path):
                   crosscheck=[dict(op="prefill", case="c", backend="b", max_abs_err=float("nan"),
                                    tol=1.0, ok=False, error=None, note="NaN in the output")],
                   rows=[], copy_bandwidth_tbps=None, notes=[], complete=True)
-    paths = report.write_all(result, tmp_path, plots=False)
+    from minipaged.benchmark import outputs
+
+    paths = outputs.write_all(result, tmp_path, plots=False)
     data = json.loads(paths[0].read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert data["crosscheck"][0]["max_abs_err"] is None
     assert "FAIL (NaN in the output)" in paths[1].read_text()
@@ -620,14 +622,33 @@ def test_json_is_strict_even_with_nan(tmp_path):
 
 def test_plots_rerender_from_json(quick_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from minipaged.benchmark import plots
+    from minipaged.benchmark import outputs
 
     _, out, _ = quick_run
-    assert plots.main([str(out), "--out", str(tmp_path)]) == 0
+    assert outputs.main([str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "prefill.png").stat().st_size > 1000 and (tmp_path / "decode.png").exists()
     data = json.loads((tmp_path / "results.json").read_text())
     assert not any(n.startswith("plots skipped") for n in data["notes"])
     assert "## Decode" in (tmp_path / "results.md").read_text()
+
+
+def test_report_and_plots_do_not_import_each_other():
+    # outputs.py is the one module that writes both; a cycle would come back through it
+    import ast
+    import inspect
+
+    from minipaged.benchmark import plots
+
+    for mod, other in ((report, "plots"), (plots, "report")):
+        tree = ast.parse(inspect.getsource(mod))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        assert other not in names and f"minipaged.benchmark.{other}" not in names, (mod.__name__, names)
+
+
+def test_git_commit_honours_the_environment(monkeypatch):
+    monkeypatch.setenv("MINIPAGED_GIT_COMMIT", "0123abc")
+    assert timing.git_commit() == "0123abc"
+    assert timing.environment("cpu")["git_commit"] == "0123abc"
 
 
 def test_plots_skip_with_a_note_without_matplotlib(tmp_path, monkeypatch):

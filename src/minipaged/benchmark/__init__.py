@@ -1,5 +1,7 @@
-"""Benchmarks: one timing harness (timing.py), the grids (cases.py), FLOP/byte
-counts (flops.py), PyTorch anchors (anchors.py) and the `minipaged bench` runner."""
+"""Benchmarks: one timing harness (timing.py), the grids (cases.py; case classes and
+inputs are minipaged.testing's), FLOP/byte counts (flops.py), PyTorch anchors
+(anchors.py), the `minipaged bench` runner and what it writes (outputs.py: JSON,
+report.py's markdown, plots.py's figures)."""
 
 from .flops import decode_bytes, decode_flops, prefill_flops, visible_pairs
 from .timing import Timing, environment, time_fn

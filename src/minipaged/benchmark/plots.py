@@ -115,38 +115,3 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
         plt.close(fig)
         paths.append(p)
     return paths, None
-
-
-def main(argv=None) -> int:
-    """Re-render plots and results.md from a results.json (e.g. one fetched from
-    a GPU machine without matplotlib): python -m minipaged.benchmark.plots RESULTS [--out DIR]."""
-    import argparse
-    import json
-
-    from . import report
-
-    parser = argparse.ArgumentParser(prog="python -m minipaged.benchmark.plots", description=main.__doc__)
-    parser.add_argument("results", help="results.json, or the folder holding it")
-    parser.add_argument("--out", default=None, help="folder to write into (default: the results' folder)")
-    args = parser.parse_args(argv)
-    src = Path(args.results)
-    if src.is_dir():
-        src = src / "results.json"
-    result = json.loads(src.read_text())
-    out = Path(args.out) if args.out else src.parent
-    out.mkdir(parents=True, exist_ok=True)
-    result["notes"] = [n for n in result.get("notes", []) if not n.startswith("plots skipped")]
-    paths, why = make_plots(result, out)
-    if why:
-        print(why)
-        return 1
-    (out / "results.json").write_text(
-        json.dumps(report._finite(result), indent=1, default=str, allow_nan=False) + "\n")
-    (out / "results.md").write_text(report.markdown_report(result))
-    for p in [*paths, out / "results.md"]:
-        print(f"wrote {p}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

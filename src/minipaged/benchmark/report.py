@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 # One FLOP definition everywhere (flops.py, these titles, the README): exact causal
 # FLOPs, 4*D per (query, key) pair the mask keeps, i.e. QK^T and PV, 2 FLOPs per
@@ -300,37 +298,3 @@ def markdown_report(result: dict) -> str:
     for note in result.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
-
-
-def _finite(obj):
-    """Strict JSON: NaN/inf become null (a NaN error is also spelled out in the row's error)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def write_all(result: dict, out_dir, *, plots: bool = True, log=None) -> list[Path]:
-    """results.json and results.md always; prefill.png / decode.png when matplotlib is there."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    if plots:
-        from . import plots as plots_mod
-
-        made, why = plots_mod.make_plots(result, out_dir)
-        written += made
-        if why:
-            result.setdefault("notes", [])
-            if why not in result["notes"]:
-                result["notes"].append(why)
-            if log:
-                log(f"note: {why}")
-    json_path = out_dir / "results.json"
-    json_path.write_text(json.dumps(_finite(result), indent=1, default=str, allow_nan=False) + "\n")
-    md_path = out_dir / "results.md"
-    md_path.write_text(markdown_report(result))
-    return [json_path, md_path, *written]

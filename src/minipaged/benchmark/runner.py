@@ -24,7 +24,7 @@ import torch
 
 from . import anchors as anc
 from . import cases as cs
-from . import report, timing
+from . import outputs, report, timing
 
 SCHEMA = "minipaged.bench/1"
 BACKEND_ORDER = ("torch", "triton", "cuda", "cuda-wmma")
@@ -941,7 +941,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
             log(f"  {b}: unavailable ({info['reason']})")
 
     def save():
-        report.write_all(result, out_dir, plots=False)
+        outputs.write_all(result, out_dir, plots=False)
 
     r = _Runner(cfg, device, dtype, quick)
     failures: dict = {}
@@ -1023,7 +1023,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
         log("interrupted: writing partial results")
     finally:
         finalize_rows(result["rows"], result["copy_bandwidth_tbps"])
-        paths = report.write_all(result, out_dir, plots=cfg.plots, log=log)
+        paths = outputs.write_all(result, out_dir, plots=cfg.plots, log=log)
     for op in ops:
         log(report.text_table(result["rows"], op, result["copy_bandwidth_tbps"]))
     if result.get("bench_seconds") is not None:
