@@ -19,6 +19,14 @@ the same [rows, Hq, splits, D] layout with a token in place of a sequence).
 
 RETURN_LSE (constexpr) also stores the natural-log softmax denominator per
 query head, -inf where the context is empty.
+
+KV_FP8 (constexpr): the caches hold float8_e4m3fn and the real value is the
+stored one times K_scale[h] / V_scale[h] (fp32, one per KV head). Tiles are
+loaded as fp8 and widened to q's dtype in registers, which is exact (every e4m3
+value is an fp16 and a bf16 value), so the dots see the stored values
+unrounded; k_scale is folded into the softmax scale of the program's KV head
+and v_scale multiplies the normalised output, the only roundings the scales
+add. With KV_FP8 off the kernel is the 16/32-bit one, unchanged.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_to
 @triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
-    O, LSE, O_partial, LSE_partial,
+    O, LSE, O_partial, LSE_partial, K_scale, V_scale,
     stride_qb, stride_qh,
     stride_kblock, stride_ktok, stride_khead,
     stride_vblock, stride_vtok, stride_vhead,
@@ -61,10 +69,13 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:
+        qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
 
     ctx = tl.load(context_lens + seq)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
@@ -98,6 +109,9 @@ def _decode_kernel(
                                  stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
         k = tl.load(k_head + k_off[:, None])
         v = tl.load(v_head + v_off[:, None])
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
         p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
@@ -117,6 +131,9 @@ def _decode_kernel(
                                  stride_vblock, stride_vtok, PAGE, BLOCK_N, True)
         k = tl.load(k_head + k_off[:, None], mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_head + v_off[:, None], mask=tok_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,6 +147,9 @@ def _decode_kernel(
     # empty range (context 0, or a split past the end): l == 0, acc == 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        # the reduce's weighted mean of split partials is linear: scaling each is exact
+        out = out * tl.load(V_scale + kv_head)
     if SPLIT:
         # partial layout [B, Hq, num_splits, D] and [B, Hq, num_splits], fp32
         row = (seq64 * (kv_group * tl.num_programs(1)) + heads.to(tl.int64)) * num_splits + split

@@ -182,9 +182,19 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
     return plan
 
 
+def _kv_scales(k_cache: torch.Tensor, k_scale, v_scale, dummy: torch.Tensor):
+    """(fp8?, K scale, V scale) kernel arguments: float32 [Hkv] scales for an fp8
+    cache (api.py made them so), a never-read placeholder otherwise."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        # the kernels index the scales as dense [Hkv] (an expanded scalar has stride 0)
+        return True, k_scale.contiguous(), v_scale.contiguous()
+    return False, dummy, dummy
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-           return_lse: bool = False):
+           return_lse: bool = False, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None):
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -203,10 +213,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         o_partial = lse_partial = out  # unused
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, context_lens,
-            out, lse_arg, o_partial, lse_partial,
+            out, lse_arg, o_partial, lse_partial, k_s, v_s,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -222,6 +233,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SPLIT=split,
             DOT_PRECISION=_dot_precision(q.dtype),
             RETURN_LSE=lse is not None,
+            KV_FP8=fp8,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -246,14 +258,23 @@ def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int,
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     page_size = k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        # the kernel writes the e4m3 bytes it computes itself (cache.py says why)
+        k_dst, v_dst = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_s, v_s = k_scale.contiguous(), v_scale.contiguous()
+    else:
+        k_dst, v_dst = k_cache, v_cache
+        k_s = v_s = slot_mapping  # unused
     with _device_scope(k):
         _write_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, slot_mapping,
+            k, v, k_dst, v_dst, slot_mapping, k_s, v_s,
             k.stride(0), k.stride(1),
             v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -262,6 +283,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             PAGE=page_size,
             HEAD_DIM=head_dim,
             HEADS_POW2=triton.next_power_of_2(num_kv_heads),
+            KV_FP8=fp8,
             num_warps=4,
         )
 
@@ -274,7 +296,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 # A module attribute so tuning runs can compare them.
 PAGED_GATHER: int | None = None
 
-# (cfg, head_dim, dtype, causal, page, split, lse) that ran out of shared memory -> smaller config
+# (cfg, head_dim, q dtype, cache dtype, causal, page, lse) that ran out of shared memory -> smaller config
 _paged_fallback: dict = {}
 
 
@@ -296,7 +318,8 @@ _paged_plans: dict = {}
 
 def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, causal: bool,
-          scale: float, return_lse: bool = False, *, num_splits: int | None = None,
+          scale: float, return_lse: bool = False, k_scale: torch.Tensor | None = None,
+          v_scale: torch.Tensor | None = None, *, num_splits: int | None = None,
           config: PagedConfig | None = None):
     """Paged attention for packed new tokens of any lengths (see paged.py).
 
@@ -323,9 +346,10 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         plan = config or paged_config(head_dim, q.dtype, bool(causal), max_seqlen_q, group, q.device)
         if config is None:
             _paged_plans[plan_key] = plan
-    fb_key = (plan, head_dim, q.dtype, bool(causal), page_size, lse is not None)
+    fb_key = (plan, head_dim, q.dtype, k_cache.dtype, bool(causal), page_size, lse is not None)
     cfg = _paged_fallback.get(fb_key, plan)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
         while True:
             splits = num_splits or paged_num_splits(
@@ -343,7 +367,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
             try:
                 _paged_kernel[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                    out, lse_arg, o_partial, lse_partial,
+                    out, lse_arg, o_partial, lse_partial, k_s, v_s,
                     q.stride(0), q.stride(1),
                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -362,6 +386,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
                     RETURN_LSE=lse is not None,
                     GATHER=PAGED_GATHER if PAGED_GATHER is not None else (1 if cfg.packed else 2),
                     DOT_PRECISION=_dot_precision(q.dtype),
+                    KV_FP8=fp8,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                 )

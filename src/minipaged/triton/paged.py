@@ -25,6 +25,10 @@ j <= i + context_len - q_len). A tile's key range splits like prefill's:
   [end, ctx)        seen by no row of the tile: never loaded
 The same inner-loop function runs both ranges (MASKED is a constexpr).
 
+KV_FP8 (constexpr): fp8 e4m3fn caches dequantised on the fly, as in decode.py
+(tiles widened to q's dtype in registers, k_scale of the KV head folded into
+the softmax scale, v_scale applied to the normalised output).
+
 Split-KV: with several splits, split p takes a contiguous BLOCK_N-aligned slice
 of [0, end) and writes an fp32 partial output and its log2-sum-exp; the decode
 reduce kernel merges them, and stores the lse when asked.
@@ -85,8 +89,9 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
             tok_ok = cols < ctx
             # masked loads give 0 for keys past the context: NaN in unused slots never
             # reaches the dots (0 * NaN would poison every row)
-            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0)
+            # .to(q.dtype): widens fp8 tiles (exact); a no-op for 16/32-bit caches
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = tok_ok[None, :]
             if IS_CAUSAL:
@@ -98,8 +103,8 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
             p = tl.math.exp2(s - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k = tl.load(k_ptrs).to(q.dtype)
+            v = tl.load(v_ptrs).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
             p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
@@ -114,7 +119,7 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
 @triton.jit
 def _paged_kernel(
     Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
-    O, LSE, O_partial, LSE_partial,
+    O, LSE, O_partial, LSE_partial, K_scale, V_scale,
     stride_qt, stride_qh,
     stride_kblock, stride_ktok, stride_khead,
     stride_vblock, stride_vtok, stride_vhead,
@@ -133,6 +138,7 @@ def _paged_kernel(
     RETURN_LSE: tl.constexpr,
     GATHER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seq = pid % num_seqs
@@ -177,6 +183,8 @@ def _paged_kernel(
         k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
         v_head = V_cache + kv_head.to(tl.int64) * stride_vhead + offs_d[None, :]
 
+        if KV_FP8:
+            qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -192,6 +200,8 @@ def _paged_kernel(
         # rows that saw no key: l == 0 and acc == 0, so they store exact zeros
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * tl.load(V_scale + kv_head)
         if SPLIT:
             # partials [Tq, Hq, num_splits, D] and [Tq, Hq, num_splits], fp32, log2 domain
             row = (tok * num_q_heads + heads) * num_splits + split
