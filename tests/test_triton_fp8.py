@@ -73,7 +73,7 @@ def _special_values() -> torch.Tensor:
     big = torch.tensor([448.0, 448.0001, 455.0, 463.99, 464.0, 464.01, 470.0, 479.99, 480.0, 500.0,
                         1e4, 3e38, float("inf")])
     mag = torch.cat([v.abs(), pos, mids, up, down, sub, tiny, big, torch.nextafter(big, torch.tensor(0.0))])
-    return torch.cat([mag, -mag, torch.tensor([0.0, -0.0])])
+    return torch.cat([mag, -mag, torch.tensor([0.0, -0.0, float("nan"), -float("nan")])])
 
 
 def _as_tokens(vals: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
