@@ -1,7 +1,8 @@
 """The `cuda` and `cuda-wmma` backend ops (signatures: minipaged.registry).
 
 Every function forwards to a torch custom op of the `minipaged_cuda` namespace
-(schemas and CUDA kernels in csrc/binding.cpp). The fake (meta) implementations
+(schemas and CUDA kernels in csrc/binding.cpp). Arguments are trusted: api.py
+has checked them (the binding keeps only the checks that guard memory). The fake (meta) implementations
 registered here let the ops run under torch.compile(fullgraph=True) and in CUDA
 graphs: they only allocate the output, and no op syncs the host.
 
@@ -78,63 +79,35 @@ def _ops():
     return torch.ops.minipaged_cuda
 
 
-_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _check(name, x, head_dim_axis=-1):
-    # Shape/dtype facts only (no device sync); api.py has checked everything
-    # else. Raising here keeps the common mistakes out of the C++ layer.
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name}: the cuda backends take float16 or bfloat16, got {x.dtype}")
-    if x.shape[head_dim_axis] not in (64, 128):
-        raise ValueError(f"{name}: head dim must be 64 or 128 on the cuda backends, got {x.shape[head_dim_axis]}")
-
-
-def _flag(return_lse):
-    # num_splits/variant used to follow scale positionally in decode(); an int
-    # arriving here is such an old call, which must not silently mean "True".
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r} (pass num_splits/variant as keywords)")
-    return return_lse
-
-
 def _result(out, return_lse):
     return out if return_lse else out[0]
 
 
 def prefill(q, k, v, causal, scale, return_lse=False):
     """FA2-style prefill (mma.sync, or wgmma on sm_90). q [B,Hq,Nq,D] -> o, or (o, lse [B,Hq,Nq])."""
-    _check("q", q)
-    flag = _flag(return_lse)
-    return _result(_ops().prefill_fast(q, k, v, bool(causal), float(scale), flag), flag)
+    return _result(_ops().prefill_fast(q, k, v, bool(causal), float(scale), return_lse), return_lse)
 
 
 def prefill_wmma(q, k, v, causal, scale, return_lse=False):
     """The article's WMMA teaching kernel (launch_prefill_wmma). q [B,Hq,Nq,D]."""
-    _check("q", q)
-    flag = _flag(return_lse)
-    return _result(_ops().prefill_wmma(q, k, v, bool(causal), float(scale), flag), flag)
+    return _result(_ops().prefill_wmma(q, k, v, bool(causal), float(scale), return_lse), return_lse)
 
 
 def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse=False):
     """Varlen prefill through the fast kernels. q [Tq,Hq,D], cu_seqlens int32 [S+1] -> o, or (o, lse [Tq,Hq])."""
-    _check("q", q)
-    flag = _flag(return_lse)
     out = _ops().prefill_varlen_fast(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), flag
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), return_lse
     )
-    return _result(out, flag)
+    return _result(out, return_lse)
 
 
 def prefill_varlen_wmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                         return_lse=False):
     """Varlen prefill through the WMMA teaching kernel."""
-    _check("q", q)
-    flag = _flag(return_lse)
     out = _ops().prefill_varlen_wmma(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), flag
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), float(scale), return_lse
     )
-    return _result(out, flag)
+    return _result(out, return_lse)
 
 
 def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, *, num_splits=0, variant=0):
@@ -143,11 +116,9 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=Fa
     -> o, or (o, lse [B,Hq]). num_splits (0: heuristic) and variant (0: tuned
     tiling) exist for benchmarking.
     """
-    _check("q", q)
-    flag = _flag(return_lse)
     out = _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(num_splits), int(variant),
-                        flag)
-    return _result(out, flag)
+                        return_lse)
+    return _result(out, return_lse)
 
 
 def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
@@ -158,16 +129,13 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
     -> o [Tq,Hq,D], or (o, lse [Tq,Hq]). With max_seqlen_q == 1 and one row per
     sequence it runs the decode kernels (num_splits/variant apply there only).
     """
-    _check("q", q)
-    flag = _flag(return_lse)
     out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),
-                       bool(causal), float(scale), flag, int(num_splits), int(variant))
-    return _result(out, flag)
+                       bool(causal), float(scale), return_lse, int(num_splits), int(variant))
+    return _result(out, return_lse)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Scatter k/v [T,Hkv,D] into the paged caches at slot_mapping (negative = skip). Returns None."""
-    _check("k", k)
     _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 

@@ -105,13 +105,25 @@ struct DecodeParams {
   int variant;         // 0: tuned default; >0 selects alternative tilings (benchmarking only)
 };
 
-// Chooses num_splits / tokens_per_split from B, Hkv, the table capacity
-// (max_blocks * block_size) and the SM count; reads no device memory.
-// `requested_splits` > 0 forces a split count (benchmarking).
-void decode_plan(DecodeParams& p, int requested_splits);
+// The kernels one decode call runs and how, chosen once by decode_plan.
+struct DecodePlan {
+  void (*kernel)(const DecodeParams) = nullptr;  // nullptr: no kernel for this head_dim / dtype
+  void (*reduce)(const DecodeParams) = nullptr;  // the split-KV reduction
+  int group_tile = 1;        // query heads per CTA
+  int tokens_per_iter = 32;  // tokens a CTA covers per loop iteration (split sizes are multiples)
+  int smem_bytes = 0;        // dynamic shared memory
+};
 
-// Launches decode (plus the split-KV reduction when num_splits > 1). Never syncs.
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+// Chooses the kernel (dtype, head dim, GQA group, p.variant) and
+// num_splits / tokens_per_split from B, Hkv, the table capacity
+// (max_blocks * block_size) and the SM count; reads no device memory. Also
+// raises the chosen kernel's dynamic shared-memory limit on the current device.
+// `requested_splits` > 0 forces a split count (benchmarking).
+DecodePlan decode_plan(DecodeParams& p, int requested_splits);
+
+// Launches the planned decode (plus the split-KV reduction when
+// num_splits > 1) for the p that decode_plan filled. Never syncs.
+cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStream_t stream);
 
 // Scatter new K/V rows into the paged caches: row t goes to slot
 // slot_mapping[t] = block * block_size + offset; a negative slot is skipped.

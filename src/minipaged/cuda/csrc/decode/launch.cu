@@ -35,21 +35,13 @@ int group_tile(int group) {
 using DecodeKernel = void (*)(const DecodeParams);
 
 // Benchmark-only bit above the tiling number (p.variant & 0xff): launch the
-// reduction without programmatic dependent launch (worth ~0.8 us at B=1, L=32k
-// on the H200).
+// reduction without programmatic dependent launch, to measure what PDL saves
+// (bench/results/nvidia-h200/cuda_kernel_notes.md).
 constexpr int kVariantNoPDL = 0x200;
 
-struct KernelInfo {
-  DecodeKernel kernel = nullptr;
-  DecodeKernel reduce = nullptr;
-  int group_tile = 1;
-  int tokens_per_iter = 32;  // tokens a CTA covers per loop iteration (split sizes are multiples)
-  int smem_bytes = 0;        // dynamic shared memory
-};
-
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0>
-KernelInfo info() {
-  KernelInfo k;
+DecodePlan info() {
+  DecodePlan k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = G;
@@ -60,8 +52,8 @@ KernelInfo info() {
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
 template <typename T, int D, int STAGES>
-KernelInfo info_mma() {
-  KernelInfo k;
+DecodePlan info_mma() {
+  DecodePlan k;
   k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = decode_mma::kRows;
@@ -74,7 +66,7 @@ KernelInfo info_mma() {
 // live in registers), so larger groups spread a row over more threads.
 // `variant` exposes alternatives of the common G <= 2, D = 128 case for tuning.
 template <typename T, int D>
-KernelInfo select_for_dim(const DecodeParams& p) {
+DecodePlan select_for_dim(const DecodeParams& p) {
   const int g = group_tile(p.num_q_heads / p.num_kv_heads);
   const int requested = p.variant & 0xff;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
@@ -82,24 +74,19 @@ KernelInfo select_for_dim(const DecodeParams& p) {
   if (tiling == 10) return info_mma<T, D, 3>();  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
-  // kernel is bound by its G multiply-adds per cached element: the tensor-core
-  // kernel is 1.7x (G=4) to 3.4x (G=5, 8) faster on the H200 and reaches 4.07
-  // TB/s at B=32 L=4k. At G=2 the scalar kernel stays: it is ahead with few
-  // sequences (B=1 L=32k: 40.1 vs 41.3 us) and, by its one-wave occupancy, with
-  // short contexts (B=64 L=192: 18.6 vs 22.9 us; the engine's B=64 decode:
-  // 22.5k vs 20.3k tok/s), and only 3% behind at B=64 L=8k (507 vs 494 us).
-  // bench/results/nvidia-h200/decode_diag.
+  // kernel is bound by its G multiply-adds per cached element, so the
+  // tensor-core kernel wins; at G=2 the scalar kernel stays ahead with few
+  // sequences and, by its one-wave occupancy, with short contexts
+  // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
   if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>();
   if constexpr (D == 128) {
     switch (g) {
       case 1:
         return info<T, D, 1, 8, 2>();
       case 2:
-        // Default: a row over 16 threads (one 16-byte piece each, 96 registers,
-        // 5 CTAs/SM) with the next iteration's rows double-buffered in
-        // registers. H200, B=1 L=32k, clean cold L2, graph replay: 40.7 us
-        // against 43.6 for the former default (now 4), 42.5 for Triton; it also
-        // won at B=1 L=4k, B=8 L=4k and B=64 L=8k (scripts/decode_diag.py).
+        // Default: a row over 16 threads (one 16-byte piece each) with the next
+        // iteration's rows double-buffered in registers: the fastest tiling of
+        // the scripts/decode_diag.py sweep (cuda_kernel_notes.md).
         switch (tiling) {
           case 1: return info<T, D, 2, 8, 4>();
           case 2: return info<T, D, 2, 16, 2>();
@@ -132,7 +119,7 @@ KernelInfo select_for_dim(const DecodeParams& p) {
   }
 }
 
-KernelInfo select_kernel(const DecodeParams& p) {
+DecodePlan select_kernel(const DecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return {};
   const bool d128 = p.head_dim == 128;
   switch (p.dtype) {
@@ -147,7 +134,7 @@ KernelInfo select_kernel(const DecodeParams& p) {
 // occupancy query is host-only but not free, and decode runs once per layer
 // per step). The first call per (kernel, device) also raises the kernel's
 // dynamic shared-memory limit there.
-int blocks_per_sm(const KernelInfo& k) {
+int blocks_per_sm(const DecodePlan& k) {
   static std::mutex mu;
   static std::vector<std::pair<std::pair<DecodeKernel, int>, int>> cache;
   int device = 0;
@@ -173,9 +160,11 @@ int blocks_per_sm(const KernelInfo& k) {
 
 }  // namespace
 
-void decode_plan(DecodeParams& p, int requested_splits) {
+DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
   const int group = p.num_q_heads / std::max(p.num_kv_heads, 1);
-  const KernelInfo k = select_kernel(p);
+  const DecodePlan k = select_kernel(p);
+  // Resident blocks per SM (cached), which also raises the shared-memory limit.
+  const int resident = k.kernel != nullptr ? blocks_per_sm(k) : 1;
   const int g = std::max(k.group_tile, 1);
   const int64_t gchunks = (group + g - 1) / g;
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
@@ -184,10 +173,10 @@ void decode_plan(DecodeParams& p, int requested_splits) {
     splits = requested_splits;
   } else if (k.kernel != nullptr) {
     // Fill one wave of resident blocks, not more: a second, partial wave costs
-    // more than it hides (measured on the H200). Never cut a sequence into
+    // more than it hides. Never cut a sequence into
     // pieces shorter than kMinTokensPerSplit: the merge would cost more.
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
-    const int64_t slots = static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
+    const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
     if (ctas > 0 && 2 * ctas <= slots) {
       splits = slots / ctas;
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
@@ -197,7 +186,7 @@ void decode_plan(DecodeParams& p, int requested_splits) {
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
-    return;
+    return k;
   }
   splits = std::min<int64_t>(splits, capacity);
   int64_t per_split = (capacity + splits - 1) / splits;
@@ -205,18 +194,17 @@ void decode_plan(DecodeParams& p, int requested_splits) {
   if (splits > 1) per_split = (per_split + iter - 1) / iter * iter;  // whole CTA iterations
   p.tokens_per_split = static_cast<int>(per_split);
   p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
+  return k;
 }
 
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
   if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   if (p.batch > 65535) return cudaErrorInvalidConfiguration;
-  const KernelInfo k = select_kernel(p);
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  blocks_per_sm(k);  // also raises the dynamic shared-memory limit where needed
   const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
   const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
