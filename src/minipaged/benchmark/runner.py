@@ -910,7 +910,7 @@ def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
     device, quick, dtype = plan.device, plan.quick, plan.dtype
 
     # On CPU (a functional check, not a speed figure) one intra-op thread: on a
-    # loaded 2-core box, 2 spinning threads turn a 2 ms call into 10-70 ms noise.
+    # loaded small box, spinning intra-op threads bury a short call in noise.
     saved_threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)

@@ -104,11 +104,9 @@ def l2_flush_mode() -> str:
     "read" (default) streams the flush buffer: the timed call starts with none
     of its data in L2 and with L2 full of *clean* lines. "write" overwrites the
     buffer, as `triton.testing.do_bench` does; that leaves up to a whole L2 of
-    dirty lines, and their write-back to HBM lands inside the next timed call.
-    On the H200 (60 MB of L2) a plain contiguous read of 134 MB (`x.sum()`,
-    graph replay) takes 39.4 us after a read flush and 47.6 us after a write
-    flush: the write mode charges short memory-bound kernels for the flush
-    itself, which is why it is not the default.
+    dirty lines, and their write-back to HBM lands inside the next timed call,
+    charging short memory-bound kernels for the flush itself (measured in
+    bench/results/nvidia-h200/triton_config_notes.md), so it is not the default.
     """
     mode = os.environ.get("MINIPAGED_BENCH_L2_FLUSH", "read")
     if mode not in ("write", "read"):

@@ -52,13 +52,12 @@ def sm_count(device: torch.device) -> int:
 
 
 # (head_dim, element_bytes, causal) -> config for long sequences on sm_90.
-# Filled from measurements on an H200 (see bench/notes_triton.md); entries that
-# were never measured are conservative choices that fit 227 KB of shared memory.
+# Measured entries come from H200 sweeps (bench/results/nvidia-h200/triton_config_notes.md);
+# the others are conservative choices that fit 227 KB of shared memory.
 _PREFILL_SM90 = {
     (64, 2, True): PrefillConfig(128, 64, 8, 3),
     (64, 2, False): PrefillConfig(128, 64, 8, 3),
-    # H200 run 1, B=1 N=8k causal: 128/64/8/3 497 TFLOP/s, 128/128/8/3 478,
-    # 128/128/8/2 423, 128/64/4/3 202
+    # the fastest of the swept tiles for long causal prompts (numbers in the notes)
     (128, 2, True): PrefillConfig(128, 64, 8, 3),
     (128, 2, False): PrefillConfig(128, 64, 8, 3),
     (256, 2, True): PrefillConfig(128, 64, 8, 2),
@@ -120,15 +119,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> De
         return DecodeConfig(32, 8, 2)
     if head_dim >= 256:
         return DecodeConfig(32, 4, 2)
-    # H200 run 1 (page 16, D 128): 64/4/2 beat 64/4/3 at every batch (B=64 L=8k
-    # 4.37 vs 3.11 TB/s; B=256 L=1k 4.14 vs 3.59)
+    # two stages beat three at every measured batch (triton_config_notes.md)
     return DecodeConfig(64, 4, 2)
 
 
-# Split-KV target: about this many programs per SM. H200 run 2 (page 16, D 128,
-# Hkv 8, GPU time in a CUDA graph): the best split count always put B*Hkv*splits
-# near 512 = ~4 per SM: B=1 L=32k s=64 43.4 us (s=32 51.0), B=8 L=4k s=8 43.0 us
-# (s=4 49.2, s=16 45.5), B=32 L=4k s=2 134 us (s=1 161), B=64 and B=256 s=1.
+# Split-KV target: about this many programs per SM; the best measured split count
+# always put B*Hkv*splits near 4 per SM (triton_config_notes.md).
 _SPLIT_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
 
