@@ -382,7 +382,7 @@ static std::vector<Case> check_cases() {
   cs.push_back({"dense bf16 d128 causal 1023x1023 bnhd gqa2", bf, 4, 2, 128, true, false, {1023}, {1023}, 1, true, 0.f});
   cs.push_back({"dense fp16 d64 causal 257x700 bnhd gqa1", fp, 2, 2, 64, true, false, {257}, {700}, 2, true, 0.f});
   cs.push_back({"dense fp16 d128 causal 1x1 (decode-like)", fp, 2, 1, 128, true, false, {1}, {1}, 2, false, 0.f});
-  cs.push_back({"dense bf16 d128 causal 130x130 scale=-0.2", bf, 2, 1, 128, true, false, {130}, {130}, 1, false, -0.2f});
+  cs.push_back({"dense bf16 d128 causal 130x130 scale=0.05", bf, 2, 1, 128, true, false, {130}, {130}, 1, false, 0.05f});
   cs.push_back({"dense fp16 d64 noncausal 64x64 scale=2.5", fp, 2, 2, 64, false, false, {64}, {64}, 1, false, 2.5f});
   cs.push_back({"varlen bf16 d128 causal gqa2", bf, 16, 8, 128, true, true, {17, 0, 300, 1023, 5}, {17, 5, 400, 1023, 2}, 0, false, 0.f});
   cs.push_back({"varlen fp16 d64 noncausal gqa8", fp, 8, 1, 64, false, true, {97, 1, 64, 0}, {33, 200, 64, 0}, 0, false, 0.f});
@@ -398,6 +398,17 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   int failures = 0;
   if (mode == "check") {
+    {  // the kernels track the max of raw scores: the launcher admits a positive scale only
+      PrefillParams bad{};
+      bad.num_q_heads = bad.num_kv_heads = bad.batch = 1;
+      bad.head_dim = 64;
+      for (const float sc : {-0.2f, 0.f}) {
+        bad.scale = sc;
+        const bool ok = minipaged::launch_prefill_fast(bad, nullptr) == cudaErrorInvalidValue;
+        std::printf("%s  scale=%g rejected by launch_prefill_fast\n", ok ? "PASS" : "FAIL", sc);
+        failures += !ok;
+      }
+    }
     for (const Case& c : check_cases())
       failures += !run_case(c, minipaged::launch_prefill_fast, "dispatch");
 #if defined(MINIPAGED_ENABLE_SM90A)

@@ -101,9 +101,9 @@ def _check_decode(ops, q, kc, vc, bt, lens, scale, what, **kw):
 HEADS = [(7, 7), (16, 8), (12, 3), (6, 2), (16, 2), (24, 1)]  # GQA 1, 2, 4, 3, 8, 24
 
 
-MMA = 10  # decode.cu tiling 10: the tensor-core kernel (decode_mma.cuh), any group size
-SCALAR = 12  # decode.cu tiling 12: the scalar kernel's default tiling for any group size
-NO_PDL = 0x200  # decode.cu kVariantNoPDL: plain launch of the split reduction
+MMA = 10  # decode/launch.cu tiling 10: the tensor-core kernel (decode/mma.cuh), any group size
+SCALAR = 12  # decode/launch.cu tiling 12: the scalar kernel's default tiling for any group size
+NO_PDL = 0x200  # decode/launch.cu kVariantNoPDL: plain launch of the split reduction
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -174,7 +174,8 @@ def test_decode_rejects_bad_input(ops):
         ops.decode(q.float(), kc.float(), vc.float(), bt, cl, 0.1)
     q96 = torch.randn(2, 4, 96, device="cuda", dtype=torch.bfloat16)
     kc96 = torch.randn(kc.shape[0], 16, 2, 96, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="head dim"):
+    # head dims are the launcher's rule (api.py names it for users): a launch error here
+    with pytest.raises(RuntimeError, match="launch_decode"):
         ops.decode(q96, kc96, kc96, bt, cl, 0.1)
 
 
@@ -194,6 +195,11 @@ _CPP_ERRORS_SCRIPT = textwrap.dedent(
                                          torch.randn(4, 16, 2, 96, device=dev, dtype=bf), bt, cl, 0.1, 0, 0),
         "prefill_fast_d96": lambda: raw.prefill_fast(*[torch.randn(1, 2, 8, 96, device=dev, dtype=bf)] * 3, True, 0.1),
         "prefill_wmma_d96": lambda: raw.prefill_wmma(*[torch.randn(1, 2, 8, 96, device=dev, dtype=bf)] * 3, True, 0.1),
+        "prefill_fast_negative_scale": lambda: raw.prefill_fast(*[torch.randn(1, 2, 8, 64, device=dev, dtype=bf)] * 3,
+                                                                True, -0.1),
+        # k's head dim differs from q's: the kernel would read past k's rows
+        "prefill_fast_k_d64": lambda: raw.prefill_fast(torch.randn(1, 2, 8, 128, device=dev, dtype=bf),
+                                                       *[torch.randn(1, 2, 8, 64, device=dev, dtype=bf)] * 2, True, 0.1),
         "write_kv_int16": lambda: raw.write_kv_cache(kc[0], kc[0], kc, kc, torch.zeros(16, dtype=torch.int16, device=dev)),
         # cu_seqlens_q says 3 sequences, the table has 2 rows
         "paged_rows": lambda: raw.paged(torch.randn(6, 4, 128, device=dev, dtype=bf), kc, kc, bt,
@@ -231,9 +237,13 @@ def test_cpp_errors_raise_cleanly(ops, tmp_path):
                           env=env, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    want = {"decode_fp32": "TypeError", "decode_d96": "ValueError", "prefill_fast_d96": "RuntimeError",
-            "prefill_wmma_d96": "RuntimeError", "write_kv_int16": "TypeError", "paged_rows": "ValueError",
-            "paged_cu_int64": "TypeError", "paged_block_size_3": "ValueError"}
+    # The binding raises TypeError/ValueError for what would break memory safety;
+    # rules the launchers enforce (head dims, power-of-two pages, scale > 0 for
+    # the prefill kernels) come back as RuntimeError launch failures.
+    want = {"decode_fp32": "TypeError", "decode_d96": "RuntimeError", "prefill_fast_d96": "RuntimeError",
+            "prefill_wmma_d96": "RuntimeError", "prefill_fast_negative_scale": "RuntimeError",
+            "prefill_fast_k_d64": "ValueError", "write_kv_int16": "TypeError", "paged_rows": "ValueError",
+            "paged_cu_int64": "TypeError", "paged_block_size_3": "RuntimeError"}
     for name, exc in want.items():
         assert f"RESULT {name} {exc}" in log, log[-4000:]
     assert "launch_prefill_fast failed" in log and "launch_prefill_wmma failed" in log
@@ -722,9 +732,13 @@ def test_paged_short_queries(ops, variant, heads, block_size, dtype):
 
 
 def test_paged_scale_and_max_seqlen_over_actual(ops):
-    # negative scale (max/min swap in the kernel) and a max_seqlen_q above every q_len
+    # a large scale and a max_seqlen_q above every q_len
     q, kc, vc, bt, cu, cl = _paged_case([17, 300, 2], [600, 300, 2], 8, 2, 128, 32, torch.float16, seed=3)
-    _check_paged(ops, q, kc, vc, bt, cu, cl, True, -0.2, "negative scale", max_q=512)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.2, "scale 0.2", max_q=512)
+    # the prefill kernels track the max of raw scores: only a positive scale is theirs (api.py
+    # rejects scale <= 0 for users; a direct call gets the launcher's error, not wrong numbers)
+    with pytest.raises(RuntimeError, match="launch_prefill_paged"):
+        ops.paged(q, kc, vc, bt, cu, cl, 512, True, -0.2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -876,5 +890,6 @@ def test_decode_return_lse(ops, variant, num_splits, heads):
 
 def test_return_lse_must_be_bool(ops):
     q, kc, vc, bt, cl = _paged_problem(2, 4, 2, 128, 16, [5, 9], torch.bfloat16)
-    with pytest.raises(TypeError, match="return_lse"):
-        ops.decode(q, kc, vc, bt, cl, 0.1, 3)  # an old positional num_splits
+    # the op schema rejects an old positional num_splits (torch raises TypeError or RuntimeError)
+    with pytest.raises((TypeError, RuntimeError), match="return_lse"):
+        ops.decode(q, kc, vc, bt, cl, 0.1, 3)

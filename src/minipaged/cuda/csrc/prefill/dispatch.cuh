@@ -6,11 +6,14 @@
 #include <cstdint>
 
 #include "prefill/mainloop_mma.cuh"
-#if !defined(MINIPAGED_DISABLE_WGMMA)
-// The wgmma kernels are real code only in an sm_90a build (the JIT build picks
-// sm_90a on sm_90 devices because ptx/wgmma.cuh tests __CUDA_ARCH_FEAT_SM90_ALL);
-// in any other build they are __trap() stubs that the dispatcher never selects.
+// The wgmma kernels exist only in an sm_90a build, which build.py marks with
+// -DMINIPAGED_ENABLE_SM90A (MINIPAGED_DISABLE_WGMMA turns them off again, to
+// measure or rule out that path). An sm_90a library runs on sm_90 devices only.
+#if defined(MINIPAGED_ENABLE_SM90A) && !defined(MINIPAGED_DISABLE_WGMMA)
+#define MINIPAGED_DISPATCH_WGMMA 1
 #include "prefill/mainloop_wgmma.cuh"
+#else
+#define MINIPAGED_DISPATCH_WGMMA 0
 #endif
 
 namespace minipaged {
@@ -22,7 +25,7 @@ namespace fast {
 //   kLarge: 4 warps x 32 rows, BLOCK_M 128, BLOCK_N 32, Q re-read from shared
 //           memory -- every K/V fragment feeds two m-tiles, which halves
 //           ldmatrix traffic per MMA (shared-memory bandwidth bounds the 16-row
-//           warp); BLOCK_N 32 keeps it at 253 registers without spills
+//           warp); BLOCK_N 32 keeps it within the register file without spills
 // On sm_90 (sm_90a build) the wgmma kernels below replace both.
 template <typename T, int D>
 using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
@@ -38,35 +41,13 @@ using CfgPack = PrefillCfg<T, D, 32, 2, 1, true, 3>;
 // verification lengths; longer chunks have enough rows per query head.
 constexpr int kPackMaxSeqlenQ = 16;
 
-#if !defined(MINIPAGED_DISABLE_WGMMA)
+#if MINIPAGED_DISPATCH_WGMMA
 // wgmma kernels: 2 warpgroups (BLOCK_M 128, BLOCK_N 128) or, for short grids,
 // 1 warpgroup (BLOCK_M 64, BLOCK_N 64, two CTAs per SM); both pipelined.
 template <typename T, int D>
 using CfgWgmmaLarge = WgmmaCfg<T, D, 2, 1, true, 128>;
 template <typename T, int D>
 using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
-
-// sm_90a code runs on compute capability 9.0 only.
-inline bool device_is_sm90() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
-  return major == 9 && minor == 0;
-}
-
-// Whether this library holds real wgmma code: without an sm_90a target the
-// kernel body is a 4-register __trap() stub. Asked once per instantiation.
-template <typename T, int D, bool kCausal, bool kPaged>
-bool wgmma_kernels_built() {
-  cudaFuncAttributes large{}, small{};
-  if (cudaFuncGetAttributes(&large, prefill_wgmma_kernel<CfgWgmmaLarge<T, D>, kCausal, kPaged>) != cudaSuccess ||
-      cudaFuncGetAttributes(&small, prefill_wgmma_kernel<CfgWgmmaSmall<T, D>, kCausal, kPaged>) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return large.numRegs >= 32 && small.numRegs >= 32;
-}
 #endif
 
 template <typename T, int D, bool kCausal, bool kPaged>
@@ -76,9 +57,8 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
                                          p.num_q_heads >= 2 * p.num_kv_heads);
     if (pack) return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(p, stream);
   }
-#if !defined(MINIPAGED_DISABLE_WGMMA)
-  static const bool wgmma_ok_on_sm90 = wgmma_kernels_built<T, D, kCausal, kPaged>();
-  if (device_is_sm90() && wgmma_ok_on_sm90) {
+#if MINIPAGED_DISPATCH_WGMMA
+  {
     const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
                               ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
     const int sms = p.num_sms > 0 ? p.num_sms : 132;

@@ -11,7 +11,9 @@ cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream) {
   using namespace fast;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.batch < 0 || p.max_seqlen_q < 0 || p.max_seqlen_k < 0) return cudaErrorInvalidValue;
-  if (!std::isfinite(p.scale)) return cudaErrorInvalidValue;
+  // The kernels track the row max of raw scores, which is the max of the
+  // scaled ones only for a positive scale.
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return cudaErrorInvalidValue;
   // Every row is moved in 16-byte cp.async / vector stores, so every stride
   // that is actually used (its extent is > 1) must be a multiple of 8 elements.
   const bool varlen = p.cu_seqlens_q != nullptr;

@@ -28,6 +28,8 @@
 #include <type_traits>
 
 #include "params.h"
+#include "prefill/common.cuh"
+#include "prefill/softmax.cuh"
 #include "ptx/cp_async.cuh"
 #include "ptx/ldmatrix.cuh"
 #include "ptx/misc.cuh"
@@ -110,101 +112,6 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_tile, const typena
   }
 }
 
-// Paged counterpart of load_tile_async for the K and V tiles of one sequence:
-// key j is token j % block_size of cache block table[j / block_size]. Rows at
-// or past num_rows are zero-filled and never looked up, so table entries past
-// ceil(num_rows / block_size) (which may be -1) are not read.
-// The page ids of a tile are fetched one tile ahead (fetch() right after the
-// previous tile's copies were issued), so the table round trip overlaps a
-// whole tile of math instead of stalling the copy. Tiles must be issued in
-// order (fetch(t), issue(t), fetch(t+1), issue(t+1), ...), which both kernels do.
-// `dst_off(row, chunk)` is the byte offset of a 16-byte chunk in the shared
-// tile (the mma.sync and wgmma kernels swizzle differently).
-template <class Cfg, int kRows>
-struct PagedKVLoader {
-  static constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
-  static constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
-  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kIters >= 1, "copy layout");
-  using T = typename Cfg::T;
-  int page[kIters];
-
-  // row0 is a multiple of kRows, so with block_size >= kRows the tile lies in one page.
-  __device__ __forceinline__ void fetch(const PrefillParams& p, const int32_t* table, int row0, int num_rows,
-                                        int tid) {
-    const int log2_bs = __ffs(p.block_size) - 1;
-    if (p.block_size >= kRows) {
-      const int pg = row0 < num_rows ? __ldg(table + (row0 >> log2_bs)) : 0;
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) page[it] = pg;
-    } else {
-      const int r = tid / Cfg::kChunks;
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int j = row0 + r + it * kRowStep;
-        page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
-      }
-    }
-  }
-
-  template <class DstOff>
-  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const T* k_head, const T* v_head,
-                                        const PrefillParams& p, int row0, int num_rows, int tid,
-                                        DstOff dst_off) const {
-    const int r = tid / Cfg::kChunks;
-    const int c = tid % Cfg::kChunks;
-    const int bs_mask = p.block_size - 1;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int row = r + it * kRowStep;
-      const int j = row0 + row;
-      const bool valid = j < num_rows;
-      const int64_t in_page = j & bs_mask;
-      const T* kp = valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 8 : k_head;
-      const T* vp = valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 8 : v_head;
-      const uint32_t off = dst_off(row, c);
-      cp_async_16(k_tile + off, kp, valid);
-      cp_async_16(v_tile + off, vp, valid);
-    }
-  }
-};
-struct NoLoader {};
-
-// Where sequence `batch` lives and how long it is, for the three layouts.
-struct SeqInfo {
-  int q_begin, k_begin, seqlen_q, seqlen_k;
-};
-template <bool kPaged>
-__device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
-  SeqInfo s{0, 0, p.max_seqlen_q, p.max_seqlen_k};
-  if (p.cu_seqlens_q != nullptr) {
-    s.q_begin = p.cu_seqlens_q[batch];
-    s.seqlen_q = p.cu_seqlens_q[batch + 1] - s.q_begin;
-  }
-  if constexpr (kPaged) {
-    // api.py guarantees 0 <= context_len <= capacity; the clamp keeps a bad
-    // value from walking off the block table.
-    s.seqlen_k = min(max(p.context_lens[batch], 0), p.max_blocks * p.block_size);
-  } else if (p.cu_seqlens_k != nullptr) {
-    s.k_begin = p.cu_seqlens_k[batch];
-    s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_begin;
-  }
-  return s;
-}
-
-// Natural-log log-sum-exp of a row from its reference (log2 units of the
-// scaled scores) and its sum of 2^(s - ref); -inf when the row saw no key.
-__device__ __forceinline__ float row_lse(float ref_log2, float sum) {
-  return sum > 0.f ? (ref_log2 + log2f(sum)) * 0.6931471805599453f : -INFINITY;
-}
-
-// -inf for rows [row0, row0 + rows) of (batch, head): a block that sees no key.
-__device__ __forceinline__ void write_empty_lse(const PrefillParams& p, int batch, int head, int row0,
-                                                int rows, int tid, int threads) {
-  if (p.lse == nullptr) return;
-  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride;
-  for (int r = tid; r < rows; r += threads) lse[int64_t(row0 + r) * p.lse_row_stride] = -INFINITY;
-}
-
 // ldmatrix addresses: for a fixed row set, stepping the logical 16-byte chunk
 // pair index kk (chunks 2kk, 2kk+1) only flips address bits 5..7 under the XOR
 // swizzle (rows are >= 128-byte aligned), so one base per operand suffices.
@@ -216,12 +123,6 @@ __device__ __forceinline__ uint32_t chunk_pair_step(uint32_t base, int kk) {
     return base + uint32_t(kk << 5);
   }
 }
-
-// Lazy rescaling tolerates a stale row max this far (log2 units) below the true one.
-constexpr float kRescaleLog2 = 8.f;
-
-struct MaskOn { static constexpr bool value = true; };
-struct MaskOff { static constexpr bool value = false; };
 
 // Q rows [0, num_rows) of a block whose row r lives at gmem + row_off(r);
 // rows at or past num_rows are zero-filled.
@@ -389,22 +290,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
 
   // Scores are kept raw; the running max is tracked in raw units and scaled
-  // once per row. A negative scale flips which raw extreme is the maximum; a
-  // zero scale is nudged positive so masked -inf never meets 0 * inf.
-  float scale_log2 = p.scale * 1.4426950408889634f;
-  if (scale_log2 == 0.f) scale_log2 = 1e-30f;
-  const bool neg_scale = scale_log2 < 0.f;
-  const float masked = neg_scale ? INFINITY : -INFINITY;  // raw value that scales to -inf
-
-  float row_ext[kMT][2];  // raw max (min for negative scale) per owned row
-  float row_sum[kMT][2];  // this thread's partial row sums; quad-reduced at the end
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      row_ext[mt][h] = masked;
-      row_sum[mt][h] = 0.f;
-    }
+  // once per row (the launchers admit only a positive scale).
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  FragSoftmax<kMT> sm;
+  sm.init();
+  auto o_frag = [&](int mt, int dt, int e) -> float& { return acc_o[mt][dt][e]; };
 
   const int g = lane >> 2;        // fragment row (and row + 8)
   const int tq = (lane & 3) * 2;  // fragment column pair
@@ -461,111 +351,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
 
+    auto s_frag = [&](int mt, int nt, int e) -> float& { return acc_s[mt][nt][e]; };
     // ---- mask (diagonal / tail tiles only) ----
-    if constexpr (kMask) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = m_start + warp_row0 + mt * 16 + g + (e >> 1) * 8;
-            const int col = n0 + nt * 8 + tq + (e & 1);
-            bool visible = col < seqlen_k;
-            if (kCausal) visible = visible && col <= qrow(row) + diag;
-            if (!visible) acc_s[mt][nt][e] = masked;
-          }
-    }
+    if constexpr (kMask)
+      mask_tile<kMT, kNT, kCausal>(s_frag, m_start + warp_row0, n0, seqlen_k, diag, g, tq, qrow);
 
     // ---- online softmax on the fragments ----
-    // Row extremum of this tile (raw units), reduced over the quad owning the row.
-    float tile_ext[kMT][2];
-    if (!neg_scale) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float ext = row_ext[mt][h];
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt)
-            ext = fmaxf(ext, fmaxf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
-          ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-          tile_ext[mt][h] = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-        }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float ext = row_ext[mt][h];
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt)
-            ext = fminf(ext, fminf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
-          ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-          tile_ext[mt][h] = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-        }
-    }
-    // Move the reference maximum (and rescale O) only when needed. Lazy mode
-    // keeps a stale reference while the true max exceeds it by at most
-    // kRescaleLog2 (p <= 2^kRescaleLog2, harmless in fp32 and in 16-bit P);
-    // the final 1/l uses the same reference, so the result is exact. The
-    // decision is warp-uniform, so the common case skips the O multiply.
+    float tile_max[kMT][2];
+    sm.template tile_max<kNT>(s_frag, tile_max);
+    // Move the reference maximum (and rescale O) only when needed (always, without kLazyRescale).
     bool rescale = true;
-    if constexpr (Cfg::kLazyRescale) {
-      bool need = false;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          need |= tile_ext[mt][h] * scale_log2 - row_ext[mt][h] * scale_log2 > kRescaleLog2;
-      rescale = __any_sync(0xffffffffu, need);
-    }
-    if (rescale) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float ext = tile_ext[mt][h];
-          // A row that has seen only masked keys keeps base 0: exp2(-inf - 0) = 0.
-          const float base = (ext == masked) ? 0.f : ext * scale_log2;
-          const float alpha = fast_exp2(row_ext[mt][h] * scale_log2 - base);
-          row_ext[mt][h] = ext;
-          row_sum[mt][h] *= alpha;
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt) {
-            acc_o[mt][dt][2 * h] *= alpha;
-            acc_o[mt][dt][2 * h + 1] *= alpha;
-          }
-        }
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float base = (row_ext[mt][h] == masked) ? 0.f : row_ext[mt][h] * scale_log2;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = fast_exp2(fmaf(acc_s[mt][nt][2 * h], scale_log2, -base));
-          const float p1 = fast_exp2(fmaf(acc_s[mt][nt][2 * h + 1], scale_log2, -base));
-          acc_s[mt][nt][2 * h] = p0;
-          acc_s[mt][nt][2 * h + 1] = p1;
-          sum += p0 + p1;
-        }
-        row_sum[mt][h] += sum;
-      }
+    if constexpr (Cfg::kLazyRescale) rescale = sm.need_rescale(tile_max, scale_log2);
+    if (rescale) sm.template rescale<kDT>(tile_max, scale_log2, o_frag);
+    sm.template exp_and_sum<kNT>(s_frag, scale_log2);
 
     // ---- O += P V ----
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = pack2<T>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-        a[mt][1] = pack2<T>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-        a[mt][2] = pack2<T>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<T>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < kMT; ++mt) pack_p<T>(s_frag, mt, kk, a[mt]);
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
@@ -606,22 +411,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = row_sum[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = sm.row_total(mt, h);
       const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key -> exact zeros
       const int r = warp_row0 + mt * 16 + g + h * 8;
       if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-        const float ref = row_ext[mt][h] == masked ? 0.f : row_ext[mt][h] * scale_log2;
+        const float ref = sm.row_ref(mt, h, scale_log2);
         const int pr = m_start + r;
         p.lse[batch * p.lse_batch_stride + (kPack ? head + pr % group : head) * p.lse_head_stride +
               int64_t(q_begin + qrow(pr)) * p.lse_row_stride] = row_lse(ref, l);
       }
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) =
-            pack2<T>(acc_o[mt][dt][2 * h] * inv, acc_o[mt][dt][2 * h + 1] * inv);
-      }
+      pack_o_row<T, kDT>(o_frag, mt, h, inv, [&](int dt, uint32_t pair) {
+        *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) = pair;
+      });
     }
   __syncwarp();
 #pragma unroll

@@ -5,8 +5,8 @@
 //
 //   S[64 x 64]  = Q K^T : wgmma, A = Q and B = K straight from shared memory
 //   softmax             : the wgmma accumulator layout of each warp equals the
-//                         mma.sync m16n8 C layout, so the online softmax,
-//                         masking and lazy rescale are the mma.sync ones
+//                         mma.sync m16n8 C layout, so masking, online softmax
+//                         and epilogue are the mma.sync ones (prefill/softmax.cuh)
 //   O[64 x D]  += P V   : wgmma, A = P from registers (16-bit, C->A reuse),
 //                         B = V from shared memory as an MN-major operand
 //
@@ -16,7 +16,14 @@
 // specialisation): a 2-stage ring, or 3 stages when P V of tile t-1 is left
 // running under the softmax of tile t (kPipelined).
 #pragma once
-#include "prefill/mainloop_mma.cuh"
+#include <cstdint>
+#include <type_traits>
+
+#include "params.h"
+#include "prefill/common.cuh"
+#include "prefill/softmax.cuh"
+#include "ptx/cp_async.cuh"
+#include "ptx/ldmatrix.cuh"
 #include "ptx/wgmma.cuh"
 
 namespace minipaged {
@@ -72,10 +79,6 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t smem_tile, const typena
     cp_async_16(dst + it * kRowStep * 128, in_range ? src + it * src_step : gmem, in_range);
   }
 }
-
-// Element e of the n8 block nt of this thread's S fragment (acc_s is split in
-// 64-key halves, one wgmma accumulator each).
-#define S_FRAG(nt, e) acc_s[(nt) >> 3][(nt) & 7][e]
 
 template <class Cfg, bool kCausal, bool kPaged = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_kernel(const PrefillParams p) {
@@ -183,155 +186,54 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
-
-  float scale_log2 = p.scale * 1.4426950408889634f;
-  if (scale_log2 == 0.f) scale_log2 = 1e-30f;
-  const bool neg_scale = scale_log2 < 0.f;
-  const float masked = neg_scale ? INFINITY : -INFINITY;
-  float row_ext[2] = {masked, masked};
-  float row_sum[2] = {0.f, 0.f};
-  const int g = lane >> 2;
-  const int tq = (lane & 3) * 2;
-
-  auto tile_step = [&](int t, auto mask_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
-    const int stage = t & 1;
-    cp_async_wait<0>();
-    fence_proxy_async_smem();  // cp.async data -> visible to the async proxy (wgmma)
-    __syncthreads();
-    if (t + 1 < n_tiles) load_kv(t + 1, stage ^ 1);
-    cp_async_commit();
-    const uint32_t k_tile = smem_base + stage * Cfg::kStageBytes;
-    const uint32_t v_tile = k_tile + Cfg::kTileBytes;
-    const int n0 = (n_tiles - 1 - t) * kBlockN;
-
-    float acc_s[kNT / 8][8][4];  // [64-key half][n8 block][fragment]
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) S_FRAG(nt, e) = 0.f;
-    fence_operand(acc_s);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-#pragma unroll
-      for (int nb = 0; nb < kNT / 8; ++nb)
-        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_tile + nb * 64 * 128, kk));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operand(acc_s);
-
-    if constexpr (kMask) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = m_start + warp_row0 + g + (e >> 1) * 8;
-          const int col = n0 + nt * 8 + tq + (e & 1);
-          bool visible = col < seqlen_k;
-          if (kCausal) visible = visible && col <= row + diag;
-          if (!visible) S_FRAG(nt, e) = masked;
-        }
-    }
-
-    float tile_ext[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float ext = row_ext[h];
-      if (!neg_scale) {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) ext = fmaxf(ext, fmaxf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
-        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) ext = fminf(ext, fminf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
-        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-      }
-      tile_ext[h] = ext;
-    }
-    bool need = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) need |= tile_ext[h] * scale_log2 - row_ext[h] * scale_log2 > kRescaleLog2;
-    if (__any_sync(0xffffffffu, need)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float base = (tile_ext[h] == masked) ? 0.f : tile_ext[h] * scale_log2;
-        const float alpha = fast_exp2(row_ext[h] * scale_log2 - base);
-        row_ext[h] = tile_ext[h];
-        row_sum[h] *= alpha;
-#pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            acc_o[cb][j][2 * h] *= alpha;
-            acc_o[cb][j][2 * h + 1] *= alpha;
-          }
-      }
-    }
-    uint32_t p_frag[kBlockN / 16][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float base = (row_ext[h] == masked) ? 0.f : row_ext[h] * scale_log2;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const float p0 = fast_exp2(fmaf(S_FRAG(nt, 2 * h), scale_log2, -base));
-        const float p1 = fast_exp2(fmaf(S_FRAG(nt, 2 * h + 1), scale_log2, -base));
-        S_FRAG(nt, 2 * h) = p0;
-        S_FRAG(nt, 2 * h + 1) = p1;
-        sum += p0 + p1;
-      }
-      row_sum[h] += sum;
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      p_frag[kk][0] = pack2<T>(S_FRAG(2 * kk, 0), S_FRAG(2 * kk, 1));
-      p_frag[kk][1] = pack2<T>(S_FRAG(2 * kk, 2), S_FRAG(2 * kk, 3));
-      p_frag[kk][2] = pack2<T>(S_FRAG(2 * kk + 1, 0), S_FRAG(2 * kk + 1, 1));
-      p_frag[kk][3] = pack2<T>(S_FRAG(2 * kk + 1, 2), S_FRAG(2 * kk + 1, 3));
-    }
-
-    fence_operand(p_frag);
+  // O's n8 tile dt is column block dt / 8 of the accumulators.
+  auto o_frag = [&](int, int dt, int e) -> float& { return acc_o[dt >> 3][dt & 7][e]; };
+  auto fence_o = [&] {
 #pragma unroll
     for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
-    wgmma_fence();
+  };
+  // O += P V for the kBlockN keys of the V tile at v_tile (issue only).
+  auto issue_pv = [&](const uint32_t (&pf)[kBlockN / 16][4], uint32_t v_tile) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
       for (int cb = 0; cb < kCB; ++cb)
-        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_tile, cb, kk));
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], pf[kk], v_desc(v_tile, cb, kk));
   };
 
-  // ---- pipelined variant ----
-  // P of the previous tile, waiting for its P V wgmma (A operand registers).
+  const float scale_log2 = p.scale * 1.4426950408889634f;  // positive: the launchers check
+  FragSoftmax<1> sm;
+  sm.init();
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+  // Pipelined: P of the previous tile, waiting for its P V wgmma (A operand registers).
   uint32_t p_prev[kBlockN / 16][4] = {};
-  auto tile_step_pipe = [&](int t, auto mask_tag) {
+
+  auto tile_step = [&](int t, auto mask_tag) {
     constexpr bool kMask = decltype(mask_tag)::value;
-    const int stage = t % 3;
+    constexpr bool kPipe = Cfg::kPipelined;
+    const int stage = kPipe ? t % 3 : t & 1;
     cp_async_wait<0>();
-    fence_proxy_async_smem();
+    fence_proxy_async_smem();  // cp.async data -> visible to the async proxy (wgmma)
     __syncthreads();
-    // Stage (t+1)%3 last held tile t-2, whose P V finished in iteration t-1.
-    if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % 3);
+    // Pipelined: stage (t+1)%3 last held tile t-2, whose P V finished in iteration t-1.
+    if (t + 1 < n_tiles) load_kv(t + 1, kPipe ? (t + 1) % 3 : stage ^ 1);
     cp_async_commit();
     const uint32_t k_tile = smem_base + stage * Cfg::kStageBytes;
     const int n0 = (n_tiles - 1 - t) * kBlockN;
 
+    // ---- S = Q K^T (pipelined: then P V of tile t-1 behind it) ----
     float acc_s[kNT / 8][8][4];  // [64-key half][n8 block][fragment]
+    auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S_FRAG(nt, e) = 0.f;
+      for (int e = 0; e < 4; ++e) s_frag(0, nt, e) = 0.f;
     fence_operand(acc_s);
-    fence_operand(p_prev);
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    if constexpr (kPipe) {
+      fence_operand(p_prev);
+      fence_o();
+    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
@@ -339,13 +241,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
       for (int nb = 0; nb < kNT / 8; ++nb)
         wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_tile + nb * 64 * 128, kk));
     wgmma_commit();
-    if (t > 0) {
-      const uint32_t v_prev = smem_base + ((t + 2) % 3) * Cfg::kStageBytes + Cfg::kTileBytes;
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
-          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_prev[kk], v_desc(v_prev, cb, kk));
+    if (kPipe && t > 0) {
+      issue_pv(p_prev, smem_base + ((t + 2) % 3) * Cfg::kStageBytes + Cfg::kTileBytes);
       wgmma_commit();
       wgmma_wait<1>();  // groups retire in order: S_t is ready, P V of t-1 may still run
     } else {
@@ -353,123 +250,68 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
     }
     fence_operand(acc_s);
 
-    if constexpr (kMask) {
+    // ---- mask, online softmax ----
+    if constexpr (kMask)
+      mask_tile<1, kNT, kCausal>(s_frag, m_start + warp_row0, n0, seqlen_k, diag, g, tq, [](int r) { return r; });
+    float tile_max[1][2];
+    sm.template tile_max<kNT>(s_frag, tile_max);
+    if constexpr (!kPipe) {
+      if (sm.need_rescale(tile_max, scale_log2)) sm.template rescale<kCB * 8>(tile_max, scale_log2, o_frag);
+      sm.template exp_and_sum<kNT>(s_frag, scale_log2);
+      uint32_t p_frag[kBlockN / 16][4];
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
+
+      // ---- O += P V ----
+      fence_operand(p_frag);
+      fence_o();
+      wgmma_fence();
+      issue_pv(p_frag, k_tile + Cfg::kTileBytes);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_o();
+    } else {
+      // O is still an operand of the running P V: its rescale waits below.
+      const bool rescale = sm.need_rescale(tile_max, scale_log2);
+      float alpha[2] = {1.f, 1.f};
+      if (rescale) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = m_start + warp_row0 + g + (e >> 1) * 8;
-          const int col = n0 + nt * 8 + tq + (e & 1);
-          bool visible = col < seqlen_k;
-          if (kCausal) visible = visible && col <= row + diag;
-          if (!visible) S_FRAG(nt, e) = masked;
-        }
-    }
-    float tile_ext[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float ext = row_ext[h];
-      if (!neg_scale) {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) ext = fmaxf(ext, fmaxf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
-        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-        ext = fmaxf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) ext = fminf(ext, fminf(S_FRAG(nt, 2 * h), S_FRAG(nt, 2 * h + 1)));
-        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 1));
-        ext = fminf(ext, __shfl_xor_sync(0xffffffffu, ext, 2));
+        for (int h = 0; h < 2; ++h) alpha[h] = sm.move_max(0, h, tile_max[0][h], scale_log2);
       }
-      tile_ext[h] = ext;
-    }
-    bool need = false;
+      sm.template exp_and_sum<kNT>(s_frag, scale_log2);
+      // O and the previous P may be touched only after their wgmma retired. The
+      // operand fence keeps the exponentials above the wait (ptxas would
+      // otherwise sink them below it and lose the overlap with P V).
+      fence_operand(acc_s);
+      wgmma_wait<0>();
+      fence_operand(p_prev);
+      fence_o();
+      if (rescale) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) need |= tile_ext[h] * scale_log2 - row_ext[h] * scale_log2 > kRescaleLog2;
-    const bool rescale = __any_sync(0xffffffffu, need);
-    float alpha[2] = {1.f, 1.f};
-    if (rescale) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float base = (tile_ext[h] == masked) ? 0.f : tile_ext[h] * scale_log2;
-        alpha[h] = fast_exp2(row_ext[h] * scale_log2 - base);
-        row_ext[h] = tile_ext[h];
-        row_sum[h] *= alpha[h];
+        for (int h = 0; h < 2; ++h) FragSoftmax<1>::scale_o_row<kCB * 8>(o_frag, 0, h, alpha[h]);
       }
-    }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float base = (row_ext[h] == masked) ? 0.f : row_ext[h] * scale_log2;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const float p0 = fast_exp2(fmaf(S_FRAG(nt, 2 * h), scale_log2, -base));
-        const float p1 = fast_exp2(fmaf(S_FRAG(nt, 2 * h + 1), scale_log2, -base));
-        S_FRAG(nt, 2 * h) = p0;
-        S_FRAG(nt, 2 * h + 1) = p1;
-        sum += p0 + p1;
-      }
-      row_sum[h] += sum;
-    }
-    // O and the previous P may be touched only after their wgmma retired. The
-    // operand fence keeps the exponentials above the wait (ptxas would
-    // otherwise sink them below it and lose the overlap with P V).
-    fence_operand(acc_s);
-    wgmma_wait<0>();
-    fence_operand(p_prev);
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
-    if (rescale) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            acc_o[cb][j][2 * h] *= alpha[h];
-            acc_o[cb][j][2 * h + 1] *= alpha[h];
-          }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      p_prev[kk][0] = pack2<T>(S_FRAG(2 * kk, 0), S_FRAG(2 * kk, 1));
-      p_prev[kk][1] = pack2<T>(S_FRAG(2 * kk, 2), S_FRAG(2 * kk, 3));
-      p_prev[kk][2] = pack2<T>(S_FRAG(2 * kk + 1, 0), S_FRAG(2 * kk + 1, 1));
-      p_prev[kk][3] = pack2<T>(S_FRAG(2 * kk + 1, 2), S_FRAG(2 * kk + 1, 3));
+      for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_prev[kk]);
     }
   };
 
   int t = 0;
+  for (; t < n_tiles; ++t) {
+    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
+    if (full) break;
+    tile_step(t, MaskOn{});
+  }
+  for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
   if constexpr (Cfg::kPipelined) {
-    for (; t < n_tiles; ++t) {
-      const int n0 = (n_tiles - 1 - t) * kBlockN;
-      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
-      if (full) break;
-      tile_step_pipe(t, MaskOn{});
-    }
-    for (; t < n_tiles; ++t) tile_step_pipe(t, MaskOff{});
     // P V of the last tile.
-    const uint32_t v_last = smem_base + ((n_tiles - 1) % 3) * Cfg::kStageBytes + Cfg::kTileBytes;
     fence_operand(p_prev);
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+    fence_o();
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-      for (int cb = 0; cb < kCB; ++cb)
-        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_prev[kk], v_desc(v_last, cb, kk));
+    issue_pv(p_prev, smem_base + ((n_tiles - 1) % 3) * Cfg::kStageBytes + Cfg::kTileBytes);
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
-  } else {
-    for (; t < n_tiles; ++t) {
-      const int n0 = (n_tiles - 1 - t) * kBlockN;
-      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= m_start + diag);
-      if (full) break;
-      tile_step(t, MaskOn{});
-    }
-    for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
+    fence_o();
   }
   cp_async_wait<0>();
 
@@ -478,24 +320,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = row_sum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float l = sm.row_total(0, h);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int r = warp_row0 + g + h * 8;
     if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-      const float ref = row_ext[h] == masked ? 0.f : row_ext[h] * scale_log2;
+      const float ref = sm.row_ref(0, h, scale_log2);
       p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
             int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
     }
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int chunk = cb * 8 + j;
-        *reinterpret_cast<uint32_t*>(s_q_ptr + r * kD + ((chunk ^ (r & 7)) << 3) + tq) =
-            pack2<T>(acc_o[cb][j][2 * h] * inv, acc_o[cb][j][2 * h + 1] * inv);
-      }
+    pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
+      *reinterpret_cast<uint32_t*>(s_q_ptr + r * kD + ((dt ^ (r & 7)) << 3) + tq) = pair;
+    });
   }
   __syncwarp();
 #pragma unroll
@@ -512,8 +347,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   __trap();  // built without sm_90a: the launcher never selects this kernel
 #endif
 }
-
-#undef S_FRAG
 
 template <class Cfg, bool kCausal, bool kPaged = false>
 cudaError_t launch_prefill_wgmma_cfg(const PrefillParams& p, cudaStream_t stream) {

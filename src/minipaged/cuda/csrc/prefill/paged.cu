@@ -22,7 +22,9 @@ cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t strea
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.batch < 0 || p.max_seqlen_q < 0 || p.max_blocks < 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (!std::isfinite(p.scale)) return cudaErrorInvalidValue;
+  // The kernels track the row max of raw scores, which is the max of the
+  // scaled ones only for a positive scale.
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return cudaErrorInvalidValue;
   // Sequences are located through cu_seqlens_q / the block table only.
   p.cu_seqlens_k = nullptr;
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
