@@ -39,7 +39,7 @@ NOPDL = 0x200  # decode.cu kVariantNoPDL
 SHAPES = ((1, 32768), (1, 4096), (8, 4096), (64, 8192))
 
 
-def configs(B, L):
+def sweep_configs(B, L):
     out = [("triton", 0, None)]
     if B == 1:
         out.append(("triton", 64, None))
@@ -105,7 +105,7 @@ def main_time(out_path):
             for name, fn in (("anchor-empty-graph", lambda: tiny.add_(1.0)),
                              ("anchor-read-same-bytes", lambda: x.sum(dtype=torch.float32))):
                 rows.append(measure(fn, nbytes, dict(B=B, L=L, flush=mode, backend=name)))
-            for name, splits, variant in configs(B, L):
+            for name, splits, variant in sweep_configs(B, L):
                 row = dict(B=B, L=L, flush=mode, backend=name, splits=splits, variant=variant)
                 rows.append(measure(runner(name, splits, variant, inputs), nbytes, row, ref))
             configs.set_override("decode_splits", None)

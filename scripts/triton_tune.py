@@ -43,7 +43,7 @@ def _prefill_inputs(B, N, d=D):
     return make_prefill_inputs(PrefillCase(B, N, N, HQ, HKV, d), DT, "cuda", seed=None)
 
 
-def prefill_table(configs=None):
+def prefill_table(cfgs=None):
     print("## prefill (causal, bf16, Hq16 Hkv8 D128); TFLOP/s counts the causal half")
     print(f"{'B':>3} {'N':>6} {'config':>16} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'TFLOP/s':>8}")
     for B, N in ((1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 1024)):
@@ -52,7 +52,7 @@ def prefill_table(configs=None):
         kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
         t_sdpa = _bench(lambda: _sdpa_flash(q, kr, vr, True))
         ref = _sdpa_flash(q, kr, vr, True).float()
-        for cfg in (configs or [None]):
+        for cfg in (cfgs or [None]):
             if cfg is not None:
                 configs.set_override("prefill", cfg)
             else:
