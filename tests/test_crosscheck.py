@@ -22,20 +22,23 @@ import minipaged as mp
 from minipaged import registry
 from minipaged.testing import (
     DecodeCase,
+    PagedCase,
     PrefillCase,
     VarlenCase,
     assert_close,
     decode_ref,
     gather_kv,
     make_decode_inputs,
+    make_paged_inputs,
     make_prefill_inputs,
     make_varlen_inputs,
+    paged_ref,
     prefill_ref,
     randn,
     slot_mapping,
     varlen_ref,
 )
-from strategies import decode_cases, prefill_cases, varlen_cases
+from strategies import decode_cases, paged_cases, prefill_cases, varlen_cases
 
 
 def _backends(device: str, op: str):
@@ -66,6 +69,8 @@ _SIZES = dict(
     prefill=dict(max_len=1100, max_batch=3, max_kv_heads=4) if _GPU else dict(max_len=80, max_batch=2, max_kv_heads=2),
     varlen=dict(max_len=700, max_seqs=5, max_kv_heads=4) if _GPU else dict(max_len=50, max_seqs=3, max_kv_heads=2),
     decode=dict(max_ctx=2100, max_batch=8, max_kv_heads=4) if _GPU else dict(max_ctx=120, max_batch=4, max_kv_heads=2),
+    paged=dict(max_ctx=3000, max_chunk=600, max_seqs=8, max_kv_heads=4, tile=64) if _GPU
+    else dict(max_ctx=100, max_chunk=40, max_seqs=4, max_kv_heads=2, tile=16),
 )
 
 
@@ -120,7 +125,21 @@ def _run_write(backend, dtype, device, case):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v), f"{backend}: caches differ from torch's write"
 
 
-_RUNNERS = {"prefill": _run_prefill, "prefill_varlen": _run_varlen, "decode": _run_decode, "write_kv_cache": _run_write}
+def _run_paged(backend, dtype, device, case):
+    q, kc, vc, tables, cu_q, lens = make_paged_inputs(case, dtype, device, seed=hash(case) % 1000, poison=True)
+    out, lse = mp.paged_attention(q, kc, vc, tables, cu_q, lens, causal=case.causal, return_lse=True, backend=backend)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    keys, vals = gather_kv(kc, vc, tables, lens)
+    ref, ref_lse = paged_ref(q, keys, vals, cu_q, causal=case.causal)
+    base, _ = paged_ref(q, keys, vals, cu_q, causal=case.causal, lowp=True)
+    cq = cu_q.tolist()
+    for s in range(case.batch):
+        sl = slice(cq[s], cq[s + 1])
+        assert_close(out[sl], ref[sl], base[sl], f"{backend} seq {s} of {case}", lse=lse[sl], truth_lse=ref_lse[sl])
+
+
+_RUNNERS = {"prefill": _run_prefill, "prefill_varlen": _run_varlen, "decode": _run_decode, "write_kv_cache": _run_write,
+            "paged": _run_paged}
 
 
 # Every backend here takes head dims 64 and 128 (the strategies draw no others).
@@ -130,6 +149,7 @@ _STRATEGIES = {
     "prefill_varlen": varlen_cases(**_SIZES["varlen"]),
     "decode": decode_cases(**_SIZES["decode"]),
     "write_kv_cache": decode_cases(max_ctx=200, max_batch=4),
+    "paged": paged_cases(**_SIZES["paged"]),
 }
 
 P, V = PrefillCase, VarlenCase
@@ -158,6 +178,14 @@ _EXAMPLES = {
                          Dc((17, 97, 1025), 4, 4, 128, 16, 3)],
     ("write_kv_cache", "cpu"): [Dc((17, 0, 97), 2, 1, 64, 1, 2), Dc((33,), 1, 2, 128, 256, 1)],
     ("write_kv_cache", "cuda"): [Dc((17, 0, 97), 2, 1, 64, 1, 2), Dc((199, 1), 4, 2, 128, 256, 1)],
+    # (kind, q_lens, context_lens, Hq, Hkv, D, block_size, causal): every kind in one batch, a chunk
+    # whose band ends one key into a new tile, q_len > context, a context one past a page
+    ("paged", "cpu"): [PagedCase("mixed", (0, 1, 4, 33, 5), (9, 17, 20, 50, 3), 2, 1, 64, 4, True),
+                       PagedCase("mixed", (40, 1), (57, 1), 4, 2, 64, 16, True, 2),
+                       PagedCase("mixed", (3, 19), (3, 0), 2, 2, 64, 1, False)],
+    ("paged", "cuda"): [PagedCase("mixed", (0, 1, 4, 300, 8), (17, 2049, 4097, 1025, 8), 8, 2, 128, 16, True),
+                        PagedCase("mixed", (257, 1), (322, 1), 4, 1, 64, 256, True, 2),
+                        PagedCase("mixed", (129, 2, 1), (129, 2, 3000), 16, 8, 128, 1, False)],
 }
 
 
