@@ -59,7 +59,7 @@ for s in $stages; do
     paged_selftest)
       csrc=src/minipaged/cuda/csrc
       run paged_selftest_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
-        -DMINIPAGED_ENABLE_SM90A -I $csrc scripts/paged_selftest.cu $csrc/paged.cu -o /tmp/paged_selftest -lgomp
+        -DMINIPAGED_ENABLE_SM90A -I $csrc scripts/paged_selftest.cu $csrc/prefill/paged.cu -o /tmp/paged_selftest -lgomp
       run paged_memcheck compute-sanitizer --tool memcheck /tmp/paged_selftest small
       OMP_NUM_THREADS=16 run paged_selftest /tmp/paged_selftest check;;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;

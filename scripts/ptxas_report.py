@@ -43,7 +43,7 @@ def main() -> int:
     if build.nvcc_path() is None:
         print("nvcc not found", file=sys.stderr)
         return 2
-    files = args.files or sorted(p.name for p in build.CSRC.glob("*.cu"))
+    files = args.files or build.cuda_sources()
     rc = 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda f: build.compile_standalone(build.CSRC / f, args.arch, tmp), files))
