@@ -61,7 +61,8 @@ def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torc
     return t
 
 
-def _check_device(device) -> torch.device:
+def check_device(device) -> torch.device:
+    """A cpu or cuda[:N] device that exists here, else ValueError (TypeError for a non-device)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     try:
@@ -71,7 +72,8 @@ def _check_device(device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no CUDA device")
+        raise ValueError(f"device={device!r} but torch sees no CUDA device"
+                         f"{' (this torch build has no CUDA)' if torch.version.cuda is None else ''}")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
@@ -123,7 +125,7 @@ class PagedKVCache:
             raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype must be one of {[str(d) for d in CACHE_DTYPES]}, got {dtype}")
-        device = _check_device(device)
+        device = check_device(device)
         self.is_fp8 = dtype == torch.float8_e4m3fn
         if not self.is_fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError(f"k_scale/v_scale were given but dtype is {dtype}; scales apply to "

@@ -11,6 +11,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from ..paged_cache import check_device
 from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
@@ -31,22 +32,9 @@ def resolve_device(device: Any) -> torch.device:
     An unknown device, or cuda without a usable GPU, is a ValueError."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but torch sees no CUDA device"
-                             f"{' (this torch build has no CUDA)' if torch.version.cuda is None else ''}")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
