@@ -307,14 +307,18 @@ def test_validated_fast_path_never_skips_a_rule():
         mp.paged_attention(q, kc, kc, tables, cu, lens, max_seqlen_q=-1, check_values=False)
 
 
-def test_info_lists_paged_and_the_interpreter_dtypes():
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_info_lists_paged_and_the_interpreter_dtypes(interpret):
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="1", MINIPAGED_DECODE_BACKEND="torch")
+    env = dict(os.environ, TRITON_INTERPRET=interpret, MINIPAGED_DECODE_BACKEND="torch")
     out = subprocess.run([sys.executable, "-m", "minipaged.cli", "info"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "paged         : torch on cpu (from MINIPAGED_DECODE_BACKEND=torch)" in out.stdout
     triton_cpu = next(line for line in out.stdout.splitlines() if line.startswith("triton") and " cpu " in line)
-    assert "bfloat16" in triton_cpu.split("64,128")[1] and "float16, float32" in triton_cpu
+    dtypes = triton_cpu.split("64,128")[0]
+    assert "float16, float32" in dtypes and "bfloat16" not in dtypes, triton_cpu
+    if interpret == "1":
+        assert "bfloat16" in triton_cpu.split("64,128")[1], "the reason for the missing bf16 is printed"

@@ -101,7 +101,7 @@ class Backend:
         """(dtype names this backend computes correctly on `device`, why the others are missing)."""
         device = str(device).split(":")[0]
         for dev, dtypes, why in self.dtypes_by_device:
-            if dev == device and (dev != "cpu" or _interpreting()):
+            if dev == device:
                 return dtypes, why
         return self.dtypes, ""
 
