@@ -1,0 +1,366 @@
+// Torch-free self test and timing of the warp-specialised TMA prefill
+// (src/minipaged/cuda/csrc/prefill/mainloop_ws.cuh), which nothing else
+// launches yet.
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
+//        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/ws_selftest.cu -o ws_selftest
+//   ./ws_selftest check        dense causal / non-causal, bf16 / fp16, D 128 and 64, odd
+//                              lengths, Nq != Nk, every residue of (Nk - Nq) mod BLOCK_N,
+//                              rows that see no key; vs an fp64 CPU reference
+//   ./ws_selftest small        two tiny cases (for compute-sanitizer)
+//   ./ws_selftest time [reps]  B=1 Hq=16 Hkv=8 N=8192 D=128 bf16 causal and non-causal, TFLOP/s
+//
+// The TMA descriptors are encoded with cuTensorMapEncodeTiled fetched from the
+// driver at run time (cudaGetDriverEntryPointByVersion), so no -lcuda.
+// Outputs are poisoned with NaN bits and written with a padded row stride:
+// a write outside the owned rows/columns shows up as a clobbered pad. The lse
+// is checked too (-inf for rows that see no key). Exit status 0 only if every
+// check passed.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "params.h"
+#include "prefill/mainloop_ws.cuh"
+
+using minipaged::DType;
+using minipaged::PrefillParams;
+using minipaged::fast::WsCfg;
+using minipaged::fast::WsParams;
+
+#define CHECK_CUDA(expr)                                                                                  \
+  do {                                                                                                    \
+    cudaError_t err_ = (expr);                                                                            \
+    if (err_ != cudaSuccess) {                                                                            \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__, __LINE__,    \
+                   cudaGetErrorString(err_));                                                             \
+      std::exit(2);                                                                                       \
+    }                                                                                                     \
+  } while (0)
+
+static minipaged::fast::TensorMapEncodeFn get_encode() {
+  static minipaged::fast::TensorMapEncodeFn fn = nullptr;
+  if (fn != nullptr) return fn;
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
+#else
+  CHECK_CUDA(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q));
+#endif
+  if (q != cudaDriverEntryPointSuccess || ptr == nullptr) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled not found in the driver\n");
+    std::exit(2);
+  }
+  fn = reinterpret_cast<minipaged::fast::TensorMapEncodeFn>(ptr);
+  return fn;
+}
+
+static uint16_t to_bits(float x, DType dt) {
+  uint16_t b;
+  if (dt == DType::kBFloat16) {
+    const __nv_bfloat16 h = __float2bfloat16(x);
+    std::memcpy(&b, &h, 2);
+  } else {
+    const __half h = __float2half(x);
+    std::memcpy(&b, &h, 2);
+  }
+  return b;
+}
+static float from_bits(uint16_t b, DType dt) {
+  if (dt == DType::kBFloat16) {
+    __nv_bfloat16 h;
+    std::memcpy(&h, &b, 2);
+    return __bfloat162float(h);
+  }
+  __half h;
+  std::memcpy(&h, &b, 2);
+  return __half2float(h);
+}
+
+struct Case {
+  DType dtype;
+  int batch, hq, hkv, nq, nk, d;
+  bool causal;
+};
+
+static std::string case_name(const Case& c) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s B=%d Hq=%d Hkv=%d Nq=%d Nk=%d D=%d %s", c.dtype == DType::kBFloat16 ? "bf16" : "fp16",
+                c.batch, c.hq, c.hkv, c.nq, c.nk, c.d, c.causal ? "causal" : "full");
+  return buf;
+}
+
+template <typename T, int D, bool kCausal>
+static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
+  using Cfg = WsCfg<T, D>;
+  WsParams wp{};
+  wp.p = p;
+  auto enc = get_encode();
+  // Dense [B, H, N, D] with the strides of p (any row/head/batch strides TMA accepts).
+  CUresult r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_q, p.q, p.dtype, D, p.max_seqlen_q, p.num_q_heads,
+                                                   p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                                                   Cfg::kBlockM);
+  if (r == CUDA_SUCCESS)
+    r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_k, p.k, p.dtype, D, p.max_seqlen_k, p.num_kv_heads, p.batch,
+                                            p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN);
+  if (r == CUDA_SUCCESS)
+    r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_v, p.v, p.dtype, D, p.max_seqlen_k, p.num_kv_heads, p.batch,
+                                            p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", int(r));
+    return cudaErrorInvalidValue;
+  }
+  return minipaged::fast::launch_prefill_ws_cfg<Cfg, kCausal>(wp, stream);
+}
+
+template <typename T>
+static cudaError_t launch_dim(const PrefillParams& p, cudaStream_t s) {
+  if (p.head_dim == 128) return p.causal ? launch_t<T, 128, true>(p, s) : launch_t<T, 128, false>(p, s);
+  if (p.head_dim == 64) return p.causal ? launch_t<T, 64, true>(p, s) : launch_t<T, 64, false>(p, s);
+  return cudaErrorInvalidValue;
+}
+static cudaError_t launch_ws(const PrefillParams& p, cudaStream_t s) {
+  return p.dtype == DType::kBFloat16 ? launch_dim<__nv_bfloat16>(p, s) : launch_dim<__half>(p, s);
+}
+
+struct DeviceCase {
+  PrefillParams p{};
+  uint16_t *dq = nullptr, *dk = nullptr, *dv = nullptr, *dout = nullptr;
+  float* dlse = nullptr;
+  size_t q_elems = 0, k_elems = 0, o_elems = 0, lse_elems = 0;
+  std::vector<uint16_t> hq, hk, hv;
+  static constexpr int kOPad = 8;  // extra columns per output row that must stay NaN
+
+  void setup(const Case& c, unsigned seed) {
+    const int D = c.d;
+    q_elems = size_t(c.batch) * c.hq * c.nq * D;
+    k_elems = size_t(c.batch) * c.hkv * c.nk * D;
+    o_elems = size_t(c.batch) * c.hq * c.nq * (D + kOPad);
+    lse_elems = size_t(c.batch) * c.hq * c.nq;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    hq.resize(q_elems);
+    hk.resize(k_elems);
+    hv.resize(k_elems);
+    for (auto& x : hq) x = to_bits(nd(rng), c.dtype);
+    for (auto& x : hk) x = to_bits(nd(rng), c.dtype);
+    for (auto& x : hv) x = to_bits(nd(rng), c.dtype);
+    CHECK_CUDA(cudaMalloc(&dq, std::max<size_t>(q_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dk, std::max<size_t>(k_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dv, std::max<size_t>(k_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dout, std::max<size_t>(o_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dlse, std::max<size_t>(lse_elems, 8) * 4));
+    CHECK_CUDA(cudaMemcpy(dq, hq.data(), q_elems * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dk, hk.data(), k_elems * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dv, hv.data(), k_elems * 2, cudaMemcpyHostToDevice));
+    poison();
+    int dev = 0, sms = 0;
+    CHECK_CUDA(cudaGetDevice(&dev));
+    CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    p.q = dq; p.k = dk; p.v = dv; p.o = dout;
+    p.q_batch_stride = int64_t(c.hq) * c.nq * D; p.q_head_stride = int64_t(c.nq) * D; p.q_row_stride = D;
+    p.k_batch_stride = int64_t(c.hkv) * c.nk * D; p.k_head_stride = int64_t(c.nk) * D; p.k_row_stride = D;
+    p.v_batch_stride = p.k_batch_stride; p.v_head_stride = p.k_head_stride; p.v_row_stride = D;
+    p.o_batch_stride = int64_t(c.hq) * c.nq * (D + kOPad); p.o_head_stride = int64_t(c.nq) * (D + kOPad);
+    p.o_row_stride = D + kOPad;
+    p.lse = dlse;
+    p.lse_batch_stride = int64_t(c.hq) * c.nq; p.lse_head_stride = c.nq; p.lse_row_stride = 1;
+    p.batch = c.batch; p.num_q_heads = c.hq; p.num_kv_heads = c.hkv; p.head_dim = D;
+    p.max_seqlen_q = c.nq; p.max_seqlen_k = c.nk;
+    p.scale = 1.f / std::sqrt(float(D));
+    p.causal = c.causal; p.dtype = c.dtype; p.num_sms = sms;
+  }
+  void poison() {
+    CHECK_CUDA(cudaMemset(dout, 0xFF, std::max<size_t>(o_elems, 8) * 2));
+    CHECK_CUDA(cudaMemset(dlse, 0xFF, std::max<size_t>(lse_elems, 8) * 4));
+  }
+  ~DeviceCase() {
+    cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse);
+  }
+};
+
+static bool run_case(const Case& c, bool verbose) {
+  DeviceCase dc;
+  dc.setup(c, 1234u + c.nq * 31u + c.nk * 7u + c.d + (c.causal ? 1u : 0u));
+  const PrefillParams& p = dc.p;
+  CHECK_CUDA(launch_ws(p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> hout(dc.o_elems);
+  std::vector<float> hlse(dc.lse_elems);
+  CHECK_CUDA(cudaMemcpy(hout.data(), dc.dout, dc.o_elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hlse.data(), dc.dlse, dc.lse_elems * 4, cudaMemcpyDeviceToHost));
+
+  const DType dt = c.dtype;
+  const int D = c.d;
+  // Same bounds as scripts/fast_selftest.cu: P and O pass through 16 bits once each.
+  const double atol = dt == DType::kBFloat16 ? 1e-2 : 1.5e-3;
+  const double rtol = dt == DType::kBFloat16 ? 2e-2 : 4e-3;
+  const int group = c.hq / c.hkv;
+  double max_err = 0.0, max_lse_err = 0.0;
+  long long bad = 0, bad_zero = 0, bad_pad = 0, bad_lse = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(max : max_err, max_lse_err) \
+    reduction(+ : bad, bad_zero, bad_pad, bad_lse)
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.hq; ++h) {
+      const int kvh = h / group;
+      std::vector<double> s(std::max(c.nk, 1)), qrow(D), acc(D);
+      for (int i = 0; i < c.nq; ++i) {
+        const size_t qo = p.q_batch_stride * b + p.q_head_stride * h + size_t(i) * D;
+        const size_t oo = p.o_batch_stride * b + p.o_head_stride * h + p.o_row_stride * i;
+        const float lse_dev = hlse[p.lse_batch_stride * b + p.lse_head_stride * h + i];
+        for (int d = 0; d < D; ++d) qrow[d] = from_bits(dc.hq[qo + d], dt);
+        int visible = c.nk;
+        if (c.causal) visible = std::min(c.nk, std::max(0, c.nk - c.nq + i + 1));
+        for (int e = D; e < D + DeviceCase::kOPad; ++e)
+          if (hout[oo + e] != 0xFFFF) ++bad_pad;
+        if (visible == 0) {
+          for (int d = 0; d < D; ++d)
+            if (hout[oo + d] != 0 && hout[oo + d] != 0x8000) ++bad_zero;
+          if (!(std::isinf(lse_dev) && lse_dev < 0)) ++bad_lse;
+          continue;
+        }
+        double mx = -INFINITY;
+        for (int j = 0; j < visible; ++j) {
+          const size_t ko = p.k_batch_stride * b + p.k_head_stride * kvh + size_t(j) * D;
+          double dot = 0.0;
+          for (int d = 0; d < D; ++d) dot += qrow[d] * double(from_bits(dc.hk[ko + d], dt));
+          s[j] = dot * double(p.scale);
+          mx = std::max(mx, s[j]);
+        }
+        double l = 0.0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int j = 0; j < visible; ++j) {
+          const double w = std::exp(s[j] - mx);
+          l += w;
+          const size_t vo = p.v_batch_stride * b + p.v_head_stride * kvh + size_t(j) * D;
+          for (int d = 0; d < D; ++d) acc[d] += w * double(from_bits(dc.hv[vo + d], dt));
+        }
+        for (int d = 0; d < D; ++d) {
+          const double ref = acc[d] / l;
+          const double got = from_bits(hout[oo + d], dt);
+          const double err = std::fabs(got - ref);
+          if (!(err <= atol + rtol * std::fabs(ref))) ++bad;  // NaN counts as bad
+          if (err > max_err || std::isnan(err)) max_err = std::isnan(err) ? INFINITY : err;
+        }
+        const double lse_ref = mx + std::log(l);
+        const double lerr = std::fabs(double(lse_dev) - lse_ref);
+        if (!(lerr <= 1e-3 + 1e-4 * std::fabs(lse_ref))) ++bad_lse;
+        max_lse_err = std::max(max_lse_err, std::isnan(lerr) ? INFINITY : lerr);
+      }
+    }
+  const bool ok = bad == 0 && bad_zero == 0 && bad_pad == 0 && bad_lse == 0;
+  if (verbose || !ok)
+    std::printf("%s  %-52s max|err| %.3e  lse %.2e  bad %lld zero-rows %lld pad %lld lse %lld\n", ok ? "PASS" : "FAIL",
+                case_name(c).c_str(), max_err, max_lse_err, bad, bad_zero, bad_pad, bad_lse);
+  return ok;
+}
+
+static std::vector<Case> check_cases() {
+  std::vector<Case> cs;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16})
+    for (int d : {128, 64})
+      for (bool causal : {true, false}) {
+        for (int n : {1, 17, 97, 128, 129, 1023}) cs.push_back({dt, 1, 2, 1, n, n, d, causal});
+        cs.push_back({dt, 2, 4, 2, 97, 300, d, causal});   // cached prefix, GQA 2
+        cs.push_back({dt, 2, 4, 2, 300, 97, d, causal});   // Nq > Nk: causal rows with no key
+        cs.push_back({dt, 1, 3, 1, 1, 1023, d, causal});   // decode-like, GQA 3
+        cs.push_back({dt, 1, 2, 2, 255, 513, d, causal});  // MHA, tails on both sides
+      }
+  // Every residue of (Nk - Nq) mod BLOCK_N (128), bf16 and fp16, causal (where
+  // the diagonal tile's position depends on it), both head dims.
+  for (DType dt : {DType::kBFloat16, DType::kFloat16})
+    for (int d : {128, 64})
+      for (int r = 0; r < 128; ++r) cs.push_back({dt, 1, 2, 1, 150, 150 + r, d, true});
+  return cs;
+}
+
+static int cmd_check() {
+  int fails = 0, n = 0;
+  for (const Case& c : check_cases()) {
+    ++n;
+    if (!run_case(c, /*verbose=*/c.nq != 150)) ++fails;  // the residue sweep prints failures only
+  }
+  std::printf("%s: %d of %d cases failed\n", fails ? "FAIL" : "ALL PASS", fails, n);
+  return fails ? 1 : 0;
+}
+
+static int cmd_small() {
+  bool ok = run_case({DType::kBFloat16, 1, 2, 1, 97, 161, 128, true}, true);
+  ok &= run_case({DType::kFloat16, 1, 2, 2, 130, 70, 64, false}, true);
+  std::printf("%s\n", ok ? "ALL PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+
+static int cmd_time(int reps) {
+  int fails = 0;
+  for (bool causal : {true, false}) {
+    const Case c{DType::kBFloat16, 1, 16, 8, 8192, 8192, 128, causal};
+    DeviceCase dc;
+    dc.setup(c, 42u);
+    dc.p.lse = nullptr;
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    // The L2 (60 MB on H200) is flushed before every timed call, as in fast_selftest.
+    void* flush = nullptr;
+    const size_t flush_bytes = size_t(256) << 20;
+    CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+    for (int w = 0; w < 3; ++w) CHECK_CUDA(launch_ws(dc.p, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, 0));
+      CHECK_CUDA(cudaEventRecord(e0, 0));
+      CHECK_CUDA(launch_ws(dc.p, 0));
+      CHECK_CUDA(cudaEventRecord(e1, 0));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0.f;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    // Exact FLOPs: 4 D per visible (query, key) pair (2 for Q K^T, 2 for P V).
+    double pairs = 0.0;
+    for (int i = 0; i < c.nq; ++i)
+      pairs += causal ? std::min(c.nk, std::max(0, c.nk - c.nq + i + 1)) : c.nk;
+    const double flops = 4.0 * c.batch * c.hq * c.d * pairs;
+    std::printf("time %-52s median %.3f ms  %.1f TFLOP/s (%d reps)\n", case_name(c).c_str(), med,
+                flops / (med * 1e-3) / 1e12, reps);
+    CHECK_CUDA(cudaFree(flush));
+    CHECK_CUDA(cudaEventDestroy(e0));
+    CHECK_CUDA(cudaEventDestroy(e1));
+  }
+  // A timing is worth nothing if that shape is wrong: check it too (B=1, 2 heads).
+  if (!run_case({DType::kBFloat16, 1, 2, 1, 2048, 2048, 128, true}, true)) ++fails;
+  return fails ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  const std::string cmd = argc > 1 ? argv[1] : "check";
+  int dev = 0;
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, dev));
+  if (prop.major != 9) {
+    std::fprintf(stderr, "needs an sm_90 device (found sm_%d%d)\n", prop.major, prop.minor);
+    return 2;
+  }
+  if (cmd == "check") return cmd_check();
+  if (cmd == "small") return cmd_small();
+  if (cmd == "time") return cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
+  std::fprintf(stderr, "usage: %s check | small | time [reps]\n", argv[0]);
+  return 2;
+}

@@ -1,0 +1,386 @@
+// sm_90a warp-specialised prefill (issue #16, step "TMA ring + warp
+// specialisation + setmaxnreg"). NOT wired into dispatch.cuh / the binding:
+// only scripts/ws_selftest.cu includes it until it has passed on a GPU.
+//
+// CTA = 3 warpgroups, BLOCK_M = 128 query rows, BLOCK_N keys per tile:
+//   warpgroup 0 (producer): gives its registers away (setmaxnreg.dec); one
+//     thread issues every TMA load: Q once, then K_t and V_t of each tile into
+//     a kStages-deep ring. The other 127 threads exit.
+//   warpgroups 1, 2 (consumers): take the registers (setmaxnreg.inc); each owns
+//     64 query rows and runs the wgmma / online-softmax tile step of
+//     prefill/mainloop_wgmma.cuh on them (S = Q K^T from shared memory, P kept
+//     in registers as the A operand of O += P V).
+//
+// Synchronisation, per ring slot s (all mbarriers in shared memory):
+//   k_full[s], v_full[s]   1 arrival (the producer's expect_tx) + the tile's
+//                          TMA bytes; consumers wait on them.
+//   k_empty[s], v_empty[s] one arrival per consumer warp, after its wgmma that
+//                          read the slot retired; the producer waits on them
+//                          before it overwrites the slot.
+//   q_full                 Q of the block, waited once.
+// K and V of a tile have separate barriers so S = Q K^T can start before V
+// lands and K's slot is handed back before P V runs: the two halves of a tile
+// are what ping-pong and intra-warpgroup overlap will move relative to each
+// other next (the sched_* hooks below mark where).
+//
+// Tiles run from the last key tile to the first, as in the cp.async kernel:
+// the diagonal / tail tiles that need masking come first, then unmasked ones.
+//
+// Tensor maps (host: make_ws_tensor_map) are 4-D (D, rows, heads, batch),
+// box (64, box rows, 1, 1), 128-byte swizzle: one box is one 64-column block
+// of the canonical sw128 layout the wgmma descriptors expect. Rows past the
+// tensor's end are zero-filled by TMA. Varlen uses batch extent 1 and rows =
+// total tokens; a tile's rows past its own sequence then read the next
+// sequence's (finite) K/V, which the mask turns into P = 0.
+#pragma once
+#include <cuda.h>  // CUtensorMap and the encode enums (types only: no -lcuda)
+#include <cstdint>
+
+#include "params.h"
+#include "prefill/common.cuh"
+#include "prefill/mainloop_wgmma.cuh"  // sw128_off, the descriptor conventions
+#include "prefill/softmax.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma.cuh"
+
+namespace minipaged {
+namespace fast {
+
+template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2>
+struct WsCfg {
+  using T = T_;
+  static constexpr int kD = kD_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kBlockM = 64 * kConsumerWGs;
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kColBlocks = kD / 64;
+  // 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers (one CTA per SM).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or one V tile
+  static constexpr int kQBytes = kBlockM * kD * 2;
+  // Layout from the 1024-aligned base: Q | K ring | V ring | mbarriers.
+  static constexpr int kKOff = kQBytes;
+  static constexpr int kVOff = kKOff + kStages * kTileBytes;
+  static constexpr int kBarOff = kVOff + kStages * kTileBytes;
+  static constexpr int kNumBars = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kBarOff + 8 * kNumBars + 1024;  // +1024: base realignment
+  // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
+  // 3, 4: reserved for the ping-pong scheduler (one per consumer warpgroup).
+  static constexpr int kBarEpilogue = 1;
+  static constexpr int kBarSched = 3;
+  static_assert(kD == 64 || kD == 128, "head dim");
+  static_assert(kBlockN == 64 || kBlockN == 128, "key tile (S: 32 or 64 registers per thread)");
+  static_assert(kStages >= 2, "ring");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+};
+
+struct WsParams {
+  PrefillParams p;
+  CUtensorMap tm_q, tm_k, tm_v;
+};
+
+template <class Cfg, bool kCausal>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __grid_constant__ WsParams wp) {
+#if MINIPAGED_WGMMA_DEVICE
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kD;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kNT = kBlockN / 8;
+  constexpr int kCB = Cfg::kColBlocks;
+  const PrefillParams& p = wp.p;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t smem_base = (raw_u32 + 1023u) & ~1023u;  // sw128 atoms need 1024-byte alignment
+  unsigned char* smem_ptr = smem_raw + (smem_base - raw_u32);
+  const uint32_t s_q = smem_base;
+  const uint32_t bars = smem_base + Cfg::kBarOff;
+  auto q_full = [&] { return bars; };
+  auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+  auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
+  auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
+
+  const int head = blockIdx.x;
+  const int batch = blockIdx.y;
+  const int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+  const int m_start = m_block * kBlockM;
+
+  const SeqInfo seq = seq_info<false>(p, batch);
+  const int q_begin = seq.q_begin, k_begin = seq.k_begin;
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+  if (m_start >= seqlen_q) return;
+  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
+             head * p.o_head_stride;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int m_rows = min(kBlockM, seqlen_q - m_start);
+  const int diag = seqlen_k - seqlen_q;
+  int n_end = seqlen_k;
+  if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
+  if (n_end <= 0) {
+    // No row of the block sees a key: zeros (and -inf lse), no pipeline at all.
+    for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
+      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) = make_uint4(0, 0, 0, 0);
+    }
+    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
+    return;
+  }
+  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
+  auto tile_n0 = [&](int t) { return (n_tiles - 1 - t) * kBlockN; };
+
+  if (tid == 0) {
+    mbar_init(q_full(), 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), Cfg::kConsumerWarps);
+      mbar_init(v_empty(s), Cfg::kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles diverge below
+
+  const int warp_group = warp / 4;
+  if (warp_group == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      tma_prefetch_desc(&wp.tm_q);
+      tma_prefetch_desc(&wp.tm_k);
+      tma_prefetch_desc(&wp.tm_v);
+      // Dense: (row, batch) coordinates; varlen: rows of the packed tensor, batch extent 1.
+      const int q_b = p.cu_seqlens_q != nullptr ? 0 : batch;
+      const int k_b = p.cu_seqlens_k != nullptr ? 0 : batch;
+      mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
+#pragma unroll
+      for (int cb = 0; cb < kCB; ++cb)
+        tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = t % kStages;
+        // Round r of slot s waits for the consumers' release of round r - 1,
+        // i.e. phase parity (r - 1) & 1; round 0 passes on the fresh barrier.
+        const uint32_t parity = ((t / kStages) & 1) ^ 1;
+        const int row = k_begin + tile_n0(t);
+        mbar_wait(k_empty(s), parity);
+        mbar_arrive_expect_tx(k_full(s), Cfg::kTileBytes);
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+          tma_load_4d(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b);
+        mbar_wait(v_empty(s), parity);
+        mbar_arrive_expect_tx(v_full(s), Cfg::kTileBytes);
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+          tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
+      }
+    }
+    // Nothing waits for the producer: the CTA (and its shared memory) lives
+    // until the consumers finish, and they wait for every byte they read.
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int cw = warp_group - 1;          // consumer warpgroup 0 or 1
+  const int warp_row0 = (warp - 4) * 16;  // the warp's 16 rows of the block
+  const int wg_row0 = m_start + cw * 64;
+
+  const uint32_t q_wg = s_q + cw * 64 * 128;
+  auto q_desc = [&](int kk) {
+    return wgmma_desc_sw128(q_wg + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32, 16, 1024);
+  };
+  auto k_desc = [&](uint32_t k_tile, int kk) {
+    return wgmma_desc_sw128(k_tile + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+  };
+  auto v_desc = [&](uint32_t v_tile, int cb, int kk) {
+    return wgmma_desc_sw128(v_tile + cb * (kBlockN * 128) + kk * 16 * 128, 1024, 1024);
+  };
+  // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
+  // that read the slot has retired, so the producer may overwrite it.
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  // Ping-pong hooks (no-ops in this step): a warpgroup will wait for its turn
+  // before issuing a tile's GEMMs and hand the tensor cores to the other
+  // warpgroup after issuing them (named barriers Cfg::kBarSched + cw).
+  auto sched_wait = [&] {};
+  auto sched_signal = [&] {};
+
+  float acc_o[kCB][8][4];
+#pragma unroll
+  for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
+  auto o_frag = [&](int, int dt, int e) -> float& { return acc_o[dt >> 3][dt & 7][e]; };
+  auto fence_o = [&] {
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
+  };
+
+  const float scale_log2 = p.scale * 1.4426950408889634f;  // positive: the launchers check
+  FragSoftmax<1> sm;
+  sm.init();
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+
+  mbar_wait(q_full(), 0);
+
+  auto tile_step = [&](int t, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    const int s = t % kStages;
+    const uint32_t parity = (t / kStages) & 1;
+    const int n0 = tile_n0(t);
+
+    // ---- S = Q K^T ----
+    float acc_s[kNT / 8][8][4];
+    auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_frag(0, nt, e) = 0.f;
+    mbar_wait(k_full(s), parity);
+    sched_wait();
+    fence_operand(acc_s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+      for (int nb = 0; nb < kNT / 8; ++nb)
+        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(s) + nb * 64 * 128, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operand(acc_s);
+    release(k_empty(s));
+
+    // ---- mask, online softmax ----
+    if constexpr (kMask)
+      mask_tile<1, kNT, kCausal>(s_frag, m_start + warp_row0, n0, seqlen_k, diag, g, tq, [](int r) { return r; });
+    float tile_max[1][2];
+    sm.template tile_max<kNT>(s_frag, tile_max);
+    if (sm.need_rescale(tile_max, scale_log2)) sm.template rescale<kCB * 8>(tile_max, scale_log2, o_frag);
+    sm.template exp_and_sum<kNT>(s_frag, scale_log2);
+    uint32_t p_frag[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
+
+    // ---- O += P V ----
+    mbar_wait(v_full(s), parity);
+    fence_operand(p_frag);
+    fence_o();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int cb = 0; cb < kCB; ++cb) wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(s), cb, kk));
+    wgmma_commit();
+    sched_signal();
+    wgmma_wait<0>();
+    fence_o();
+    release(v_empty(s));
+  };
+
+  // Every consumer warpgroup walks all n_tiles (the producer fills each slot
+  // once per tile for both); only where masking stops differs per warpgroup.
+  int t = 0;
+  for (; t < n_tiles; ++t) {
+    const int n0 = tile_n0(t);
+    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
+    if (full) break;
+    tile_step(t, MaskOn{});
+  }
+  for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
+
+  // ---- epilogue ----
+  // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
+  // thread's 4-byte writes of 8 rows land in 8 different 16-byte chunks); the
+  // barrier keeps it behind the warpgroup's last wgmma read of Q.
+  named_bar_sync(Cfg::kBarEpilogue + cw, 128);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = sm.row_total(0, h);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = warp_row0 + g + h * 8;
+    if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
+      const float ref = sm.row_ref(0, h, scale_log2);
+      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+            int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+    }
+    pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
+      const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
+      *reinterpret_cast<uint32_t*>(smem_ptr + off) = pair;
+    });
+  }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
+    const int idx = lane + it * 32;
+    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    const int row = warp_row0 + r;
+    if (row < m_rows) {
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(smem_ptr + sw128_off<kBlockM>(row, c));
+    }
+  }
+#else
+  __trap();  // built without sm_90a: never launched
+#endif
+}
+
+// Host: a 4-D tensor map (D, rows, heads, batch) over a 16-bit tensor with
+// the given element strides, box (64, box_rows, 1, 1), 128-byte swizzle,
+// zero fill out of bounds. `encode` is cuTensorMapEncodeTiled, obtained from
+// the driver at run time (cudaGetDriverEntryPoint*), so nothing links -lcuda.
+using TensorMapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                       const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline CUresult make_ws_tensor_map(TensorMapEncodeFn encode, CUtensorMap* map, const void* base, DType dtype,
+                                   int head_dim, int64_t rows, int64_t heads, int64_t batch, int64_t row_stride,
+                                   int64_t head_stride, int64_t batch_stride, int box_rows) {
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
+  // Byte strides of dims 1..3 (dim 0 is contiguous); TMA wants multiples of 16.
+  const cuuint64_t strides[3] = {cuuint64_t(row_stride * 2), cuuint64_t(head_stride * 2),
+                                 cuuint64_t(batch_stride * 2)};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dt =
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, dt, 4, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// wp.tm_q must have box rows Cfg::kBlockM, wp.tm_k / wp.tm_v Cfg::kBlockN.
+template <class Cfg, bool kCausal>
+cudaError_t launch_prefill_ws_cfg(const WsParams& wp, cudaStream_t stream) {
+  const PrefillParams& p = wp.p;
+  const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
+  if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  auto kernel = prefill_ws_kernel<Cfg, kCausal>;
+  constexpr int kSmem = Cfg::kSmemBytes;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.num_q_heads, p.batch, m_blocks);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
+  return cudaGetLastError();
+}
+
+}  // namespace fast
+}  // namespace minipaged
