@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "params.h"
+#include "selftest_common.h"
 #include "prefill/mainloop_mma.cuh"
 #if defined(MINIPAGED_ENABLE_SM90A)
 #include "prefill/mainloop_wgmma.cuh"
@@ -37,38 +38,6 @@
 using minipaged::DType;
 using minipaged::PrefillParams;
 
-#define CHECK_CUDA(expr)                                                                 \
-  do {                                                                                   \
-    cudaError_t err_ = (expr);                                                           \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__, \
-                   __LINE__, cudaGetErrorString(err_));                                  \
-      std::exit(2);                                                                      \
-    }                                                                                    \
-  } while (0)
-
-static uint16_t to_bits(float x, DType dt) {
-  if (dt == DType::kBFloat16) {
-    __nv_bfloat16 h = __float2bfloat16(x);
-    uint16_t b;
-    std::memcpy(&b, &h, 2);
-    return b;
-  }
-  __half h = __float2half(x);
-  uint16_t b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
-static float from_bits(uint16_t b, DType dt) {
-  if (dt == DType::kBFloat16) {
-    __nv_bfloat16 h;
-    std::memcpy(&h, &b, 2);
-    return __bfloat162float(h);
-  }
-  __half h;
-  std::memcpy(&h, &b, 2);
-  return __half2float(h);
-}
 
 using LaunchFn = cudaError_t (*)(const PrefillParams&, cudaStream_t);
 

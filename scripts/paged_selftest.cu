@@ -30,42 +30,12 @@
 #include <vector>
 
 #include "params.h"
+#include "selftest_common.h"
 #include "prefill/dispatch.cuh"
 
 using minipaged::DType;
 using minipaged::PrefillParams;
 
-#define CHECK_CUDA(expr)                                                                           \
-  do {                                                                                             \
-    cudaError_t err_ = (expr);                                                                     \
-    if (err_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__,      \
-                   __LINE__, cudaGetErrorString(err_));                                            \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-
-static uint16_t to_bits(float x, DType dt) {
-  uint16_t b;
-  if (dt == DType::kBFloat16) {
-    __nv_bfloat16 h = __float2bfloat16(x);
-    std::memcpy(&b, &h, 2);
-  } else {
-    __half h = __float2half(x);
-    std::memcpy(&b, &h, 2);
-  }
-  return b;
-}
-static float from_bits(uint16_t b, DType dt) {
-  if (dt == DType::kBFloat16) {
-    __nv_bfloat16 h;
-    std::memcpy(&h, &b, 2);
-    return __bfloat162float(h);
-  }
-  __half h;
-  std::memcpy(&h, &b, 2);
-  return __half2float(h);
-}
 
 using LaunchFn = cudaError_t (*)(const PrefillParams&, cudaStream_t);
 namespace mf = minipaged::fast;
