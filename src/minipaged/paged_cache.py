@@ -202,22 +202,24 @@ class PagedKVCache:
         have = 0 if seq_id is None else len(self._tables[seq_id])
         return max(0, -(-(cur + num_new_tokens) // self.block_size) - have)
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
-        hits = self._match(token_ids) if token_ids is not None else []
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+                     block_hashes: list[int] | None = None) -> bool:
+        """block_hashes: `block_hashes(token_ids)` when the caller already has them (saves rehashing)."""
+        hits = self._match(token_ids, block_hashes) if token_ids is not None else []
         return self._fresh_needed(num_tokens, hits) <= self._available(hits)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
 
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, token_ids: Sequence[int], *, block_hashes: list[int] | None = None) -> int:
         """Tokens of the longest cached prefix of `token_ids` that an allocation would reuse
         (whole blocks, never the last token: it must be computed to have logits)."""
-        return len(self._match(token_ids)) * self.block_size
+        return len(self._match(token_ids, block_hashes)) * self.block_size
 
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, seq_id: Hashable, num_tokens: int, *, token_ids: Sequence[int] | None = None,
-                 return_slots: bool = True) -> torch.Tensor | None:
+                 block_hashes: list[int] | None = None, return_slots: bool = True) -> torch.Tensor | None:
         """Start sequence `seq_id` with room for `num_tokens`.
 
         With `token_ids` (the sequence's tokens), the cached blocks of its longest cached
@@ -227,7 +229,9 @@ class PagedKVCache:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         self._count("num_tokens", num_tokens)
-        planned = self.block_hashes(token_ids) if token_ids is not None else []
+        planned = []
+        if token_ids is not None:
+            planned = block_hashes if block_hashes is not None else self.block_hashes(token_ids)
         hits = self._match(token_ids, planned) if token_ids is not None else []
         hits = hits[: num_tokens // self.block_size]
         need = self._fresh_needed(num_tokens, hits)

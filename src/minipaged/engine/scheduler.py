@@ -142,12 +142,13 @@ class Scheduler:
             seq = self.waiting[0]
             capacity = self.blocks_for(len(seq)) * self.block_size
             tokens = seq.token_ids if self.enable_prefix_caching else None
-            if tokens is not None and in_flight and self._waits_for_in_flight(tokens, in_flight):
+            hashes = self.cache.block_hashes(tokens) if tokens is not None else None  # hashed once per try
+            if tokens is not None and in_flight and self._waits_for_in_flight(tokens, hashes, in_flight):
                 break
-            if not self.cache.can_allocate(capacity, tokens):
+            if not self.cache.can_allocate(capacity, tokens, block_hashes=hashes):
                 break
             self.waiting.popleft()
-            self.cache.allocate(seq.seq_id, capacity, token_ids=tokens, return_slots=False)
+            self.cache.allocate(seq.seq_id, capacity, token_ids=tokens, block_hashes=hashes, return_slots=False)
             if tokens is not None:
                 in_flight.update(self.cache.pending_hashes(seq.seq_id))
             seq.num_computed = self.cache.prefix_hit_tokens(seq.seq_id)
@@ -173,13 +174,12 @@ class Scheduler:
                 out.update(self.cache.pending_hashes(seq.seq_id))
         return out
 
-    def _waits_for_in_flight(self, tokens: list[int], in_flight: set[int]) -> bool:
+    def _waits_for_in_flight(self, tokens: list[int], hashes: list[int], in_flight: set[int]) -> bool:
         """The first block of `tokens` that is not cached yet is one a running sequence is
-        computing: admitting now would compute it twice, waiting a step or two makes it a hit."""
-        bs = self.block_size
-        hit = self.cache.match_prefix(tokens) // bs
-        hashes = self.cache.block_hashes(tokens[: (hit + 1) * bs]) if hit < (len(tokens) - 1) // bs else []
-        return len(hashes) > hit and hashes[hit] in in_flight
+        computing: admitting now would compute it twice, waiting a step or two makes it a hit.
+        `hashes` are the tokens' block hashes."""
+        hit = self.cache.match_prefix(tokens, block_hashes=hashes) // self.block_size
+        return hit < (len(tokens) - 1) // self.block_size and hashes[hit] in in_flight
 
     def _reserve_next_slot(self, seq: Sequence) -> bool:
         """Make room for position seq.num_computed; False if `seq` had to preempt itself."""
