@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .softmax import _softmax_step, _softmax_step_masked
+
 
 @triton.jit
 def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_tok,
@@ -112,14 +114,7 @@ def _decode_kernel(
         if KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-        p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
 
     # at most one ragged tile; masked loads keep NaN-poisoned unused slots and
     # -1 table entries out of the math
@@ -134,15 +129,9 @@ def _decode_kernel(
         if KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # the ragged tile holds at least one key of the range, so no row's max stays -inf
+        acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, tok_ok[None, :], qk_scale_log2,
+                                             DOT_PRECISION, False)
 
     # empty range (context 0, or a split past the end): l == 0, acc == 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .softmax import _softmax_step, _softmax_step_masked
+
 
 
 @triton.jit
@@ -92,27 +94,16 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
             # .to(q.dtype): widens fp8 tiles (exact); a no-op for 16/32-bit caches
             k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
             v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = tok_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= pos[:, None] + diag)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row may see nothing here (or at all): keep exp2 off (-inf) - (-inf)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
+            # a row may see nothing here (or at all)
+            acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION,
+                                                 True)
         else:
             k = tl.load(k_ptrs).to(q.dtype)
             v = tl.load(v_ptrs).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-            p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
     return acc, l_i, m_i
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .softmax import _softmax_step, _softmax_step_masked
+
 
 @triton.jit
 def _attn_fwd(
@@ -102,36 +104,20 @@ def _attn_fwd(
         for start_n in range(0, full_end, BLOCK_N):
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
-            p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
 
-        # Diagonal band and the ragged last tile: per-element masks. A row may see
-        # nothing in a tile (or at all), so the running max can stay -inf; the
-        # subtraction uses 0 instead to keep exp2 away from (-inf) - (-inf).
+        # Diagonal band and the ragged last tile: per-element masks; a row may see
+        # nothing in a tile (or at all).
         for start_n in range(full_end, end, BLOCK_N):
             cols = start_n + offs_n
             col_ok = cols < k_len
             k = tl.load(k_ptrs + start_n * stride_kn, mask=col_ok[:, None], other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=col_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             visible = col_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION,
+                                                 True)
 
         # Rows that saw no key have l == 0 and acc == 0: they store exact zeros.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)

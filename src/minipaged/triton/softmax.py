@@ -1,0 +1,42 @@
+"""The online-softmax tile step every Triton attention kernel runs (prefill, decode, paged).
+
+Scores live in the exp2 domain (log2(e) folded into `qk_scale_log2`). A step takes one K/V
+tile already in registers; the kernels differ only in how they load it.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION: tl.constexpr):
+    """A tile every row sees whole: no mask. Returns the updated (acc, l, m)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION: tl.constexpr,
+                         ROWS_MAY_BE_EMPTY: tl.constexpr):
+    """A tile with a [rows, keys] `visible` mask. ROWS_MAY_BE_EMPTY: a row may see no key here
+    (or at all), so its running max can stay -inf; subtracting 0 instead keeps exp2 away from
+    (-inf) - (-inf)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if ROWS_MAY_BE_EMPTY:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
