@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
-#                        [sanitize] [diag] [ncu]
+#                        [ws] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -62,6 +62,25 @@ for s in $stages; do
         -DMINIPAGED_ENABLE_SM90A -I $csrc scripts/paged_selftest.cu $csrc/prefill/paged.cu -o /tmp/paged_selftest -lgomp
       run paged_memcheck compute-sanitizer --tool memcheck /tmp/paged_selftest small
       OMP_NUM_THREADS=16 run paged_selftest /tmp/paged_selftest check;;
+    ws)
+      # Warp-specialised TMA prefill (issue #16) and the current wgmma kernel for the
+      # previous-step figure. Binaries prebuilt on the dev box may be carried in
+      # .gpubin/ (same nvcc); otherwise build here.
+      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
+      flags="-std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xcompiler -fopenmp -I $csrc"
+      mkdir -p "$bin"
+      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      [ -x "$bin/fast_selftest" ] || run fast_build nvcc $flags scripts/fast_selftest.cu $csrc/prefill/fast.cu -o "$bin/fast_selftest" -lgomp
+      export OMP_NUM_THREADS=16
+      STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
+      STAGE_TIMEOUT_ws_check=240 run ws_check "$bin/ws_selftest" check
+      export STAGE_TIMEOUT_ws_memcheck=120 STAGE_TIMEOUT_ws_racecheck=120 STAGE_TIMEOUT_ws_synccheck=120
+      for tool in memcheck racecheck synccheck; do
+        run ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/ws_selftest" small
+      done
+      STAGE_TIMEOUT_ws_time=120 run ws_time "$bin/ws_selftest" time 20
+      STAGE_TIMEOUT_fast_time=120 run fast_time "$bin/fast_selftest" time 20
+      (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
