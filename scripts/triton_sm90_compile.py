@@ -1,0 +1,144 @@
+"""Compile the Triton prefill kernels for sm_90 ahead of time, without a GPU, and report
+what the backend made of them: whether it compiled, shared memory, spills (from ptxas),
+and which Hopper instructions the PTX holds (TMA `cp.async.bulk.tensor`, `wgmma`,
+`setmaxnreg` / warp-specialised partitions).
+
+    PYTHONPATH=src python scripts/triton_sm90_compile.py [--dump DIR] [--only NAME]
+
+Run it with the triton the GPU machine has as well (an unpacked wheel first on
+PYTHONPATH) to catch compile errors before they cost device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from minipaged.triton.prefill import _attn_fwd  # noqa: E402
+from minipaged.triton.prefill_tma import _attn_fwd_tma  # noqa: E402
+
+_PTRS = ("Q", "K", "V", "O", "LSE", "cu_seqlens_q", "cu_seqlens_k")
+# opt-in shared memory per block on sm_90 (H100/H200): a kernel above it fails at launch
+SM90_MAX_SHARED = 232448
+
+
+def _signature(fn, dtype: str, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O"):
+            sig[name] = f"*{dtype}"
+        elif name == "LSE":
+            sig[name] = "*fp32"
+        elif name.startswith("cu_seqlens"):
+            sig[name] = "*i32"
+        elif name == "qk_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _attrs(fn, constexprs: dict) -> dict:
+    # what the launcher's specialisation sees for contiguous 16-bit tensors: 16-byte aligned
+    # pointers and strides divisible by 16 (a zero varlen batch stride is too); lengths and
+    # head counts stay unspecialised
+    div16 = set(_PTRS) | {n for n in fn.arg_names if n.startswith("stride_")}
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+            if n in div16 and n not in constexprs}
+
+
+def compile_one(fn, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
+    src = ASTSource(fn, _signature(fn, dtype, constexprs), constexprs=constexprs, attrs=_attrs(fn, constexprs))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def summarize(k) -> dict:
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    return {
+        "shared": k.metadata.shared,
+        "num_warps": k.metadata.num_warps,
+        "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cluster|cta)\.global", ptx)),
+        "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
+        "tensormap_create": len(re.findall(r"tensormap\.replace", ptx)),
+        "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
+        "ttg.warp_specialize": ttgir.count("ttg.warp_specialize"),
+        "mbarrier_wait": len(re.findall(r"mbarrier\.try_wait", ptx)),
+        "n_regs": getattr(k, "n_regs", None),
+        "n_spills": getattr(k, "n_spills", None),
+    }
+
+
+def variants():
+    """(name, fn, dtype, constexprs, num_warps, num_stages): the tiles configs.py can pick."""
+    out = []
+    for dt in ("bf16", "fp16"):
+        for d in (64, 128):
+            for causal in (True, False):
+                for varlen in (False, True):
+                    base = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d, DOT_PRECISION="tf32",
+                                RETURN_LSE=False)
+                    tag = f"{dt}_d{d}_{'causal' if causal else 'full'}_{'varlen' if varlen else 'dense'}"
+                    out.append((f"pointer_{tag}", _attn_fwd, dt, dict(base, BLOCK_M=128, BLOCK_N=64), 8, 3))
+                    for bn, w, s in ((64, 8, 3), (128, 8, 2)):
+                        out.append((f"tma_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
+                                    dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=False), w, s))
+                    # warp specialisation wants num_warps=4 (one warpgroup, which the pass turns
+                    # into a producer and two consumers: 12 warps)
+                    for bn, w, s in ((64, 4, 3), (128, 4, 2), (128, 4, 3)):
+                        out.append((f"tma_ws_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
+                                    dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=True), w, s))
+    # lse on, once per kernel
+    base = dict(IS_VARLEN=True, IS_CAUSAL=True, HEAD_DIM=128, DOT_PRECISION="tf32", RETURN_LSE=True,
+                BLOCK_M=128, BLOCK_N=128)
+    out.append(("tma_lse_bf16_d128_causal_varlen", _attn_fwd_tma, "bf16", dict(base, WARP_SPECIALIZE=False), 8, 2))
+    out.append(("tma_ws_lse_bf16_d128_causal_varlen", _attn_fwd_tma, "bf16", dict(base, WARP_SPECIALIZE=True), 4, 2))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dump", help="write <name>.ttgir/.ptx here")
+    ap.add_argument("--only", help="substring of the variant names to compile")
+    args = ap.parse_args(argv)
+    print(f"triton {triton.__version__}, target sm_90")
+    failures = 0
+    for name, fn, dt, cx, w, s in variants():
+        if args.only and args.only not in name:
+            continue
+        try:
+            k = compile_one(fn, dt, cx, w, s)
+        except Exception as e:  # a variant that does not compile is a result
+            failures += 1
+            msg = str(e).strip().splitlines()
+            print(f"FAIL {name}: {type(e).__name__}: {msg[0][:200] if msg else ''}", flush=True)
+            if os.environ.get("VERBOSE"):
+                traceback.print_exc()
+            continue
+        info = summarize(k)
+        status = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
+        print(f"{status} {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(k.asm[ext])
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Hopper (sm_90) variants of the Triton prefill: TMA loads through tensor descriptors,
+optionally with the compiler's warp specialisation of the key loop (issue #16, item 4).
+
+Same algorithm, masks and outputs as prefill._attn_fwd (read that docstring first); what
+changes is how tiles move:
+
+  * Q, K, V and O go through device-side tensor descriptors (`tl.make_tensor_descriptor`),
+    which the sm_90 backend lowers to TMA (`cp.async.bulk.tensor`) with mbarrier waits. Each
+    program builds its descriptors over *its own* sequence and head: shape [len, D], so TMA
+    clips the ragged last tile at the sequence end (zero fill on load, dropped rows on
+    store). Varlen needs no row masks on loads or the store, and a tile never reads into
+    the next sequence.
+  * WARP_SPECIALIZE puts `warp_specialize=True` on the key loops; on sm_90 Triton's Hopper
+    warp-specialisation pass then splits them into a producer partition (TMA) and consumer
+    partitions (wgmma + softmax).
+
+Descriptors need 16-byte aligned bases and strides (`usable`); the launchers here are only
+called when that holds, and the pointer kernel serves everything else. Device-side
+descriptors live in a per-launch global scratch buffer that Triton asks an allocator for;
+`ensure_allocator` installs one backed by torch's caching allocator if the caller has not
+set their own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .softmax import _softmax_step, _softmax_step_masked
+
+# Scratch for device-side descriptors, requested by Triton at launch time.
+
+
+def _torch_alloc(size: int, alignment: int, stream):
+    # the caching allocator returns 512-byte aligned blocks, more than TMA's 64-byte rule
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Install `_torch_alloc` as Triton's launch-time allocator unless one is already set.
+
+    Triton keeps the allocator in a ContextVar, so "already set" is per thread/context: this
+    is checked on every launch (one ContextVar read) and set at most once per context, never
+    replacing an allocator the user installed."""
+    try:
+        from triton.runtime import _allocation
+    except ImportError:  # pragma: no cover - every supported triton has it
+        return
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_alloc)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    if t.data_ptr() % 16 != 0 or t.stride(-1) != 1:
+        return False
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these tensors: 16-bit floats, 16-byte aligned base
+    and every leading stride a multiple of 16 bytes (so every per-(sequence, head) base the
+    kernel forms is aligned too), unit last stride."""
+    return all(t.dtype in (torch.float16, torch.bfloat16) and _aligned(t) for t in tensors)
+
+
+@triton.jit
+def _attn_fwd_tma(
+    Q, K, V, O, LSE,
+    cu_seqlens_q, cu_seqlens_k,
+    seqlen_q, seqlen_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
+    num_q_heads, kv_group,
+    qk_scale_log2,
+    IS_VARLEN: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # longest-first under a causal mask, as in the pointer kernel
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = pid_bh // num_q_heads
+    head = pid_bh % num_q_heads
+    kv_head = head // kv_group
+
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + seq).to(tl.int64)
+        q_len = (tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)).to(tl.int32)
+        k_start = tl.load(cu_seqlens_k + seq).to(tl.int64)
+        k_len = (tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+
+    m_start = pid_m * BLOCK_M
+    if m_start < q_len:
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        seq64 = seq.to(tl.int64)
+        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(tl.int64) * stride_qh
+        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(tl.int64) * stride_kh
+        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
+        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(tl.int64) * stride_oh
+
+        # An empty key range gets a one-row shape (a zero extent is not a valid TMA box
+        # bound); no tile of it is ever loaded, since the loops below run to k_len.
+        k_rows = tl.maximum(k_len, 1)
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[q_len, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[k_rows, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[k_rows, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+
+        # rows past q_len come back as zeros and are never stored
+        q = q_desc.load([m_start, 0])
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        if IS_CAUSAL:
+            diag = k_len - q_len
+            full_end = tl.minimum(m_start + diag + 1, k_len)
+            end = tl.minimum(m_start + BLOCK_M + diag, k_len)
+        else:
+            diag = 0
+            full_end = k_len
+            end = k_len
+        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(end, 0)
+
+        if WARP_SPECIALIZE:
+            # One loop over every key tile with the mask on every tile: the Hopper
+            # warp-specialisation pass (triton 3.6 and 3.9) partitions a single key loop,
+            # but gives up on a second loop that consumes the first one's results and on an
+            # `if` inside the loop. The mask is one compare per score against a per-row limit
+            # (last key the row sees); a row with limit < 0 sees nothing.
+            if IS_CAUSAL:
+                limit = tl.minimum(offs_m + diag, k_len - 1)
+            else:
+                limit = tl.zeros([BLOCK_M], dtype=tl.int32) + (k_len - 1)
+            for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
+                k = k_desc.load([start_n, 0])
+                v = v_desc.load([start_n, 0])
+                visible = (start_n + offs_n)[None, :] <= limit[:, None]
+                acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2,
+                                                     DOT_PRECISION, True)
+        else:
+            for start_n in tl.range(0, full_end, BLOCK_N):
+                k = k_desc.load([start_n, 0])
+                v = v_desc.load([start_n, 0])
+                acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+
+            # Keys past k_len load as zeros (TMA clips at the descriptor's shape); their scores
+            # still need the column mask, since a zero key scores 0, not -inf.
+            for start_n in tl.range(full_end, end, BLOCK_N):
+                cols = start_n + offs_n
+                k = k_desc.load([start_n, 0])
+                v = v_desc.load([start_n, 0])
+                visible = (cols < k_len)[None, :]
+                if IS_CAUSAL:
+                    visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+                acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2,
+                                                     DOT_PRECISION, True)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_desc.store([m_start, 0], out.to(O.dtype.element_ty))
+        if RETURN_LSE:
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
+                     + offs_m * stride_lm, lse, mask=offs_m < q_len)
