@@ -57,6 +57,14 @@ struct PrefillParams {
   bool causal;
   DType dtype;
   int num_sms;        // multiprocessors on the device, for launch heuristics
+  // FP8 K/V (launch_prefill_paged only): the caches hold float8_e4m3fn bytes
+  // (k_row_stride and the other K/V strides then count bytes) and the real
+  // value of a stored element of KV head h is stored * k_scale[h] (v_scale[h]
+  // for V); k_scale/v_scale are float32 [num_kv_heads]. false: 16-bit K/V of
+  // `dtype`, the scales unused.
+  bool kv_fp8;
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // All return cudaSuccess or the launch error; they never synchronize.
@@ -103,6 +111,12 @@ struct DecodeParams {
   int num_sms;
   int cc_major;        // compute capability of the device (9: programmatic dependent launch)
   int variant;         // 0: tuned default; >0 selects alternative tilings (benchmarking only)
+  // FP8 caches: float8_e4m3fn bytes (the cache strides count bytes); a stored
+  // element of KV head h is worth stored * k_scale[h] (V: v_scale[h]);
+  // k_scale/v_scale are float32 [num_kv_heads]. false: caches of `dtype`.
+  bool kv_fp8;
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // The kernels one decode call runs and how, chosen once by decode_plan.
@@ -143,7 +157,15 @@ struct WriteKVParams {
   int num_kv_heads;
   int head_dim;
   int block_size;
-  int elem_bytes;  // 2 (fp16/bf16) or 4
+  int elem_bytes;  // of k/v: 2 (fp16/bf16) or 4
+  // FP8 caches: each element is stored as e4m3(k / k_scale[h]) (v / v_scale[h]),
+  // rounded to nearest even and saturated at +-448; k/v are then float16
+  // (src_dtype kFloat16), bfloat16 (kBFloat16) or float32 (elem_bytes 4), and
+  // the cache strides count bytes. false: a plain copy of elem_bytes elements.
+  bool cache_fp8;
+  DType src_dtype;  // of k/v when elem_bytes == 2 (fp8 caches only)
+  const float* k_scale;
+  const float* v_scale;
 };
 
 cudaError_t launch_write_kv_cache(const WriteKVParams& p, cudaStream_t stream);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "params.h"
+#include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
 
 namespace minipaged {
@@ -53,6 +54,20 @@ struct Convert<__half> {
   __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
 
+// One 16-byte piece of a cache row -> floats: 8 elements of T, or 16 e4m3
+// bytes (FP8: exact, through f16).
+template <typename T, bool kFp8>
+struct Piece {
+  static constexpr int kElems = kFp8 ? 16 : 8;
+  __device__ __forceinline__ static void to_float(const uint4& u, float (&f)[kElems]) {
+    if constexpr (kFp8) {
+      fp8x16_to_float(u, f);
+    } else {
+      Convert<T>::to_float8(u, f);
+    }
+  }
+};
+
 // What one decode CTA owns, from the launch grid (split, KV head x head chunk,
 // sequence): tokens [start, end) of sequence b's context and query heads
 // [h0, h0 + ng) of KV head kvh's group. Shared by both decode kernels.
@@ -87,15 +102,24 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
 // the output itself with one split, else the split's normalised partial and,
 // once per row, its log2-sum-exp for decode_reduce_kernel. Every element is
 // produced by one thread, walking the warps in a fixed order.
-template <typename T, int kNumWarps, int kRowsPerCta, int D>
+// kScaleOut (FP8 caches): the output is also multiplied by out_scale, the KV
+// head's v_scale (V was accumulated as stored), partials included, so the
+// split reduction needs no change. dim_of(c) is the output dim that column c
+// of sm_o holds (the tensor-core kernel keeps FP8 outputs in a permuted order).
+struct IdentityDim {
+  __device__ __forceinline__ int operator()(int c) const { return c; }
+};
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                       const float* sm_m,  // [kNumWarps][kRowsPerCta]
                                                       const float* sm_l,  // [kNumWarps][kRowsPerCta]
-                                                      const float* sm_o)  // [kNumWarps][kRowsPerCta][D]
+                                                      const float* sm_o,  // [kNumWarps][kRowsPerCta][D]
+                                                      float out_scale = 1.f, DimOf dim_of = {})
 {
   for (int idx = threadIdx.x; idx < slice.ng * D; idx += kNumWarps * 32) {
     const int row = idx / D;
-    const int d = idx - row * D;
+    const int col = idx - row * D;
+    const int d = dim_of(col);
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
@@ -105,9 +129,10 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     for (int w = 0; w < kNumWarps; ++w) {
       const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
       L += sm_l[w * kRowsPerCta + row] * c;
-      O += sm_o[(w * kRowsPerCta + row) * D + d] * c;
+      O += sm_o[(w * kRowsPerCta + row) * D + col] * c;
     }
-    const float out = L > 0.f ? O / L : 0.f;
+    float out = L > 0.f ? O / L : 0.f;
+    if constexpr (kScaleOut) out *= out_scale;
     const int h = slice.h0 + row;
     if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride;

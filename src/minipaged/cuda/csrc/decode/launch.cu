@@ -8,6 +8,7 @@
 // second kernel merges them. The split count depends only on host-side shapes
 // (B, Hkv, table capacity, SM count), never on context_lens, so the launch is
 // graph-capturable and needs no host sync.
+// FP8 caches (p.kv_fp8) have their own, smaller set of kernels: select_fp8().
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -39,10 +40,11 @@ using DecodeKernel = void (*)(const DecodeParams);
 // (bench/results/nvidia-h200/cuda_kernel_notes.md).
 constexpr int kVariantNoPDL = 0x200;
 
-template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0>
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false>
 DecodePlan info() {
+  static_assert(!FP8 || STAGES == 0, "FP8: registers only");
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
@@ -51,15 +53,33 @@ DecodePlan info() {
 }
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
-template <typename T, int D, int STAGES>
+template <typename T, int D, int STAGES, bool FP8 = false>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kTileTokens;
-  k.smem_bytes = decode_mma::Smem<D, STAGES>::kBytes;
+  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8>::kBytes;
   return k;
+}
+
+// FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
+// row over D/16 threads (one piece each) and covers twice the tokens per load
+// of the 16-bit tiling with the same bytes in flight. From 3 query heads per
+// KV head up (both head dims) the tensor-core kernel runs; its 3-stage ring of
+// byte tiles takes half the shared memory of the 16-bit one, so twice the CTAs
+// fit per SM. The 16-bit benchmarking tilings do not apply, except: 10/11
+// force the tensor-core kernel, 12 the scalar one (2 heads per CTA: a larger
+// group is covered by several CTAs per KV head, each re-reading its pages).
+template <typename T, int D>
+DecodePlan select_fp8(const DecodeParams& p) {
+  constexpr int TPT = D / 16;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int tiling = p.variant & 0xff;
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma<T, D, 3, true>();
+  if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true>();
+  return info<T, D, 2, TPT, 2, true, 0, true>();
 }
 
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
@@ -122,6 +142,14 @@ DecodePlan select_for_dim(const DecodeParams& p) {
 DecodePlan select_kernel(const DecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return {};
   const bool d128 = p.head_dim == 128;
+  if (p.kv_fp8) {
+    if (p.k_scale == nullptr || p.v_scale == nullptr) return {};
+    switch (p.dtype) {
+      case DType::kFloat16: return d128 ? select_fp8<__half, 128>(p) : select_fp8<__half, 64>(p);
+      case DType::kBFloat16: return d128 ? select_fp8<__nv_bfloat16, 128>(p) : select_fp8<__nv_bfloat16, 64>(p);
+    }
+    return {};
+  }
   switch (p.dtype) {
     case DType::kFloat16: return d128 ? select_for_dim<__half, 128>(p) : select_for_dim<__half, 64>(p);
     case DType::kBFloat16:

@@ -12,13 +12,35 @@
 // kernel. K/V rows are gathered through the block table with cp.async into a
 // STAGES-deep ring of XOR-swizzled shared tiles (one barrier per tile), so a page
 // size of 1 costs no more than 16: every row is addressed on its own.
+//
+// FP8 caches (FP8): the ring holds the e4m3 bytes as loaded (half the bytes of
+// a 16-bit tile) and the MMA operands are widened in registers, exactly, to
+// q's 16-bit type; k_scale is folded into the score scale and v_scale into the
+// output. ldmatrix moves 16-bit elements, so the fragments are read with plain
+// shared loads instead, in layouts chosen so that each thread's bytes are
+// contiguous:
+//   K: a dot product may sum the head dim in any order, as long as Q and K use
+//      the same one. Within each 64-dim block, thread t of a quad reads 16
+//      contiguous bytes, dims 16t..16t+15, and k step j of the block takes its
+//      dims 16t+4j..16t+4j+3 as the k indices {2t, 2t+1, 2t+8, 2t+9} of the
+//      m16n8k16 fragment (one 32-bit word: low half b0, high half b1). Q's A
+//      fragment is read from shared memory in the same permuted order.
+//   V: thread (g, t) supplies B column g of every n tile, and n tile dt column
+//      n is taken to be dim n * (D/8) + dt, so the thread reads D/8 contiguous
+//      bytes (dims g*D/8 ..) of each of its four token rows {2t, 2t+1, 2t+8,
+//      2t+9}; a byte transpose (prmt) pairs the rows per dim. O then holds dims
+//      in that permuted order, which the final merge undoes (FragDimOf).
+// Both tiles are XOR-swizzled in 16-byte chunks so these reads hit distinct
+// banks (a 2-way conflict remains for V at D = 64).
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "decode/common.cuh"
 #include "params.h"
 #include "ptx/cp_async.cuh"
+#include "ptx/fp8.cuh"
 #include "ptx/ldmatrix.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/mma.cuh"
@@ -31,10 +53,11 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 constexpr int kTileTokens = 64;    // tokens per pipeline stage, 16 per warp
 
-template <int D, int STAGES>
+template <int D, int STAGES, bool FP8 = false>
 struct Smem {
   static constexpr int kTileElems = kTileTokens * D;
-  static constexpr int kStageBytes = 2 * kTileElems * 2;  // K tile then V tile, 16-bit
+  static constexpr int kTileBytes = kTileElems * (FP8 ? 1 : 2);
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
   static constexpr int kRingBytes = STAGES * kStageBytes;
@@ -50,10 +73,35 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>((row * D + ((chunk ^ (row & 7)) << 3)) * 2);
 }
 
-template <typename T, int D, int STAGES>
+// FP8 tiles: byte offset of (row, 16-byte chunk) in a [rows][D] e4m3 tile.
+// K is read as 16-byte chunks t (+4 per 64-dim block) of rows g and g + 8: at
+// D = 128 odd rows flip the 64-byte half, so a quarter warp's two rows cover all
+// banks (64-byte rows at D = 64 already do). V is read as chunk g (D = 128) or
+// half chunk (D = 64) of rows 2t + const: bits 1-2 of the row pick the XOR.
+template <int D>
+__device__ __forceinline__ uint32_t swz8_k(int row, int chunk) {
+  const int c = D == 128 ? chunk ^ ((row & 1) << 2) : chunk;
+  return static_cast<uint32_t>(row * D + (c << 4));
+}
+template <int D>
+__device__ __forceinline__ uint32_t swz8_v(int row, int chunk) {
+  const int c = D == 128 ? chunk ^ (((row >> 1) & 3) << 1) : chunk ^ ((row >> 1) & 3);
+  return static_cast<uint32_t>(row * D + (c << 4));
+}
+
+// Column c of an FP8 O fragment row (n tile c / 8, column c % 8) holds dim
+// (c % 8) * (D / 8) + c / 8 (see the V layout above).
+template <int D>
+struct FragDimOf {
+  __device__ __forceinline__ int operator()(int c) const { return (c & 7) * (D / 8) + (c >> 3); }
+};
+
+template <typename T, int D, int STAGES, bool FP8 = false>
 __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const DecodeParams p) {
-  using S = Smem<D, STAGES>;
-  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  using S = Smem<D, STAGES, FP8>;
+  using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
+  constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
+  constexpr int kChunks = D / kEPC;              // 16-byte chunks per row
   constexpr int kRowStep = kThreads / kChunks;   // rows one copy pass covers
   constexpr int kCopyIters = kTileTokens / kRowStep;
   constexpr int kDT = D / 8;                     // n-tiles of O per warp
@@ -80,37 +128,42 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   const int32_t* bt = p.block_tables + b * p.block_table_stride;
   const int c = tid % kChunks;
   const int r0 = tid / kChunks;
-  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + c * 8;
-  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + c * 8;
+  const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + c * kEPC;
+  const KV* vbase = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride + c * kEPC;
 
   // Gathers the K and V rows of tile t into ring stage `stage`; rows past `end`
   // are zero-filled without being read (their scores are masked below).
   auto load_tile = [&](int t, int stage) {
     const uint32_t kdst = ring + stage * S::kStageBytes;
-    const uint32_t vdst = kdst + S::kTileElems * 2;
+    const uint32_t vdst = kdst + S::kTileBytes;
 #pragma unroll
     for (int it = 0; it < kCopyIters; ++it) {
       const int row = r0 + it * kRowStep;
       const int tok = start + t * kTileTokens + row;
       const bool valid = tok < end;
-      const T* kp = kbase;
-      const T* vp = vbase;
+      const KV* kp = kbase;
+      const KV* vp = vbase;
       if (valid) {
         const int64_t page = __ldg(bt + (tok >> log2_bs));
         const int64_t in_page = tok & bs_mask;
         kp += page * p.k_block_stride + in_page * p.k_token_stride;
         vp += page * p.v_block_stride + in_page * p.v_token_stride;
       }
-      cp_async_16(kdst + swz<D>(row, c), kp, valid);
-      cp_async_16(vdst + swz<D>(row, c), vp, valid);
+      if constexpr (FP8) {
+        cp_async_16(kdst + swz8_k<D>(row, c), kp, valid);
+        cp_async_16(vdst + swz8_v<D>(row, c), vp, valid);
+      } else {
+        cp_async_16(kdst + swz<D>(row, c), kp, valid);
+        cp_async_16(vdst + swz<D>(row, c), vp, valid);
+      }
     }
   };
 
   // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
   {
     const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
-    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
-      const int row = idx / kChunks, ch = idx % kChunks;
+    for (int idx = tid; idx < kRows * (D / 8); idx += kThreads) {
+      const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
       cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
     }
@@ -125,10 +178,29 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   const int lm_row8 = lane & 7;
   const int lm_bit3 = (lane >> 3) & 1;
   const int lm_bit4 = lane >> 4;
+  const int g = lane >> 2;        // fragment rows g and g + 8
+  const int tq = (lane & 3) * 2;  // fragment column pair
   uint32_t q_frag[D / 16][4];
   cp_async_wait<STAGES - 1>();  // the Q group has landed
   __syncthreads();
-  {
+  if constexpr (FP8) {
+    // k step 4 * blk + j: dims 64 blk + 16 t + 4 j .. + 3 (the K layout above),
+    // i.e. half of the 16-bit chunk 8 blk + 2 t + j / 2.
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int chunk = (kk >> 2) * 8 + tq + ((kk & 3) >> 1);
+      const uint32_t half = (kk & 1) * 8;
+      uint32_t lo[2], hi[2];
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo[0]), "=r"(lo[1]) : "r"(s_q + swz<D>(g, chunk) + half));
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                   : "=r"(hi[0]), "=r"(hi[1])
+                   : "r"(s_q + swz<D>(g + 8, chunk) + half));
+      q_frag[kk][0] = lo[0];
+      q_frag[kk][1] = hi[0];
+      q_frag[kk][2] = lo[1];
+      q_frag[kk][3] = hi[1];
+    }
+  } else {
     const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
@@ -136,11 +208,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1.
   const uint32_t k_lm = ring + swz<D>(warp * 16 + lm_row8 + lm_bit4 * 8, lm_bit3);
   // V (B operand of P V, transposed): tokens 0-7 / 8-15 x chunk 2dp / 2dp+1.
-  const uint32_t v_lm = ring + S::kTileElems * 2 + swz<D>(warp * 16 + lm_row8 + lm_bit3 * 8, lm_bit4);
+  const uint32_t v_lm = ring + S::kTileBytes + swz<D>(warp * 16 + lm_row8 + lm_bit3 * 8, lm_bit4);
 
-  const float scale_log2 = p.scale * kLog2e;
-  const int g = lane >> 2;        // fragment rows g and g + 8
-  const int tq = (lane & 3) * 2;  // fragment column pair
+  float scale_log2 = p.scale * kLog2e;
+  if constexpr (FP8) scale_log2 *= p.k_scale[kvh];
   float acc_o[kDT][4];
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt)
@@ -159,12 +230,33 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     const uint32_t k_stage = k_lm + stage * S::kStageBytes;
     const uint32_t v_stage = v_lm + stage * S::kStageBytes;
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if constexpr (FP8) {
+      const uint32_t kt = ring + stage * S::kStageBytes;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t bk[4];
-      ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
-      mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
-      mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
+      for (int blk = 0; blk < D / 64; ++blk) {
+        uint4 kw[2];  // tokens g and g + 8 of this warp, dims 64 blk + 16 t ..
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(kw[nt].x), "=r"(kw[nt].y), "=r"(kw[nt].z), "=r"(kw[nt].w)
+                       : "r"(kt + swz8_k<D>(warp * 16 + nt * 8 + g, blk * 4 + (lane & 3))));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t w = j == 0 ? kw[nt].x : j == 1 ? kw[nt].y : j == 2 ? kw[nt].z : kw[nt].w;
+            mma_16816<T>(s[nt], q_frag[blk * 4 + j], fp8x2_to_16x2<T>(w & 0xffffu), fp8x2_to_16x2<T>(w >> 16));
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
+        mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
+        mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
+      }
     }
     const int tok0 = start + t * kTileTokens + warp * 16;
 #pragma unroll
@@ -207,12 +299,44 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     a[1] = pack2<T>(s[0][2], s[0][3]);
     a[2] = pack2<T>(s[1][0], s[1][1]);
     a[3] = pack2<T>(s[1][2], s[1][3]);
+    if constexpr (FP8) {
+      // Token rows 2t, 2t+1, 2t+8, 2t+9 of this warp, D/8 bytes each (dims g*D/8 ..).
+      constexpr int kW = D / 32;  // 32-bit words per row piece
+      const uint32_t vt = ring + stage * S::kStageBytes + S::kTileBytes;
+      uint32_t vw[4][kW];
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
-      mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
-      mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      for (int r = 0; r < 4; ++r) {
+        const int row = warp * 16 + tq + (r & 1) + (r >> 1) * 8;
+        if constexpr (D == 128) {
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(vw[r][0]), "=r"(vw[r][1]), "=r"(vw[r][2]), "=r"(vw[r][3])
+                       : "r"(vt + swz8_v<D>(row, g)));
+        } else {
+          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                       : "=r"(vw[r][0]), "=r"(vw[r][1])
+                       : "r"(vt + swz8_v<D>(row, g >> 1) + (g & 1) * 8));
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < kW; ++w) {
+        // Bytes i of rows (2t, 2t+1) and of rows (2t+8, 2t+9), paired: dim 4w + i.
+        const uint32_t ab_lo = __byte_perm(vw[0][w], vw[1][w], 0x5140);
+        const uint32_t ab_hi = __byte_perm(vw[0][w], vw[1][w], 0x7362);
+        const uint32_t cd_lo = __byte_perm(vw[2][w], vw[3][w], 0x5140);
+        const uint32_t cd_hi = __byte_perm(vw[2][w], vw[3][w], 0x7362);
+        mma_16816<T>(acc_o[4 * w + 0], a, fp8x2_to_16x2<T>(ab_lo & 0xffffu), fp8x2_to_16x2<T>(cd_lo & 0xffffu));
+        mma_16816<T>(acc_o[4 * w + 1], a, fp8x2_to_16x2<T>(ab_lo >> 16), fp8x2_to_16x2<T>(cd_lo >> 16));
+        mma_16816<T>(acc_o[4 * w + 2], a, fp8x2_to_16x2<T>(ab_hi & 0xffffu), fp8x2_to_16x2<T>(cd_hi & 0xffffu));
+        mma_16816<T>(acc_o[4 * w + 3], a, fp8x2_to_16x2<T>(ab_hi >> 16), fp8x2_to_16x2<T>(cd_hi >> 16));
+      }
+    } else {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
+        mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+        mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      }
     }
   }
   cp_async_wait<0>();
@@ -240,7 +364,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   }
   __syncthreads();
 
-  merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
+  if constexpr (FP8) {
+    merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
+  } else {
+    merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
+  }
 }
 
 }  // namespace decode_mma

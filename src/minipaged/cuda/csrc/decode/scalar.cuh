@@ -14,9 +14,15 @@
 //   * every (warp, token slot) keeps its own online-softmax state in registers;
 //     the states are merged once at the end (shuffles, then shared memory).
 // Scores are in base 2: q is pre-multiplied by scale*log2(e) and exp is ex2.
+//
+// FP8 caches (FP8): a 16-byte piece holds 16 e4m3 elements instead of 8, so
+// the same loads move twice the tokens; the pieces are widened to fp32 in
+// registers (exact), the KV head's k_scale is folded into q's pre-scale and its
+// v_scale into the output (merge_warps_and_store), so K and V are used as stored.
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "decode/common.cuh"
 #include "ptx/cp_async.cuh"
@@ -32,12 +38,14 @@ constexpr int kWarps = 4;
 // iterations ahead. Each thread only ever reads back the bytes it copied
 // itself, so the pipeline needs cp.async.wait_group but no block barrier, and
 // the in-flight data costs shared memory instead of registers.
-template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES>
+template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false>
 __global__ void __launch_bounds__(kWarps * 32)
 paged_decode_kernel(const DecodeParams p) {
-  constexpr int VEC = D / (8 * TPT);  // 16-byte pieces per thread per token row
-  static_assert(VEC >= 1 && VEC * 8 * TPT == D, "TPT must divide D/8");
-  constexpr int DPT = 8 * VEC;         // elements of a row held by one thread
+  using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
+  constexpr int EPP = Piece<T, FP8>::kElems;      // cache elements per 16-byte piece
+  constexpr int VEC = D / (EPP * TPT);  // 16-byte pieces per thread per token row
+  static_assert(VEC >= 1 && VEC * EPP * TPT == D, "TPT must divide D / (elements per 16 bytes)");
+  constexpr int DPT = EPP * VEC;       // elements of a row held by one thread
   constexpr int SLOTS = 32 / TPT;      // tokens a warp covers per load
   constexpr int TOK_WARP = SLOTS * U;  // tokens per warp per iteration
   constexpr int TOK_CTA = kWarps * TOK_WARP;
@@ -61,19 +69,20 @@ paged_decode_kernel(const DecodeParams p) {
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
-  auto dim_of = [&](int v) { return v * TPT * 8 + lt * 8; };
+  auto dim_of = [&](int v) { return v * TPT * EPP + lt * EPP; };
 
   float q[G][DPT];
   {
     const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
-    const float qscale = p.scale * kLog2e;
+    float qscale = p.scale * kLog2e;
+    if constexpr (FP8) qscale *= p.k_scale[kvh];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          q[g][v * 8 + e] =
+        for (int e = 0; e < EPP; ++e) {
+          q[g][v * EPP + e] =
               g < ng ? Convert<T>::to_float(qp[g * p.q_head_stride + dim_of(v) + e]) * qscale : 0.f;
         }
       }
@@ -93,8 +102,8 @@ paged_decode_kernel(const DecodeParams p) {
   const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
   const int32_t* bt = p.block_tables + b * p.block_table_stride;
-  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_head_stride + lt * 8;
-  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_head_stride + lt * 8;
+  const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + lt * EPP;
+  const KV* vbase = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride + lt * EPP;
 
   // Issues the K/V row loads of the U token groups at `base` (pages already known).
   auto issue = [&](int base, const int (&pg)[U], uint4 (&kr)[U][VEC], uint4 (&vr)[U][VEC]) {
@@ -103,12 +112,12 @@ paged_decode_kernel(const DecodeParams p) {
       const int tok = base + u * SLOTS + slot;
       if (tok < end) {
         const int64_t in_page = tok & bs_mask;
-        const T* kp = kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride;
-        const T* vp = vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride;
+        const KV* kp = kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride;
+        const KV* vp = vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride;
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
-          kr[u][v] = ld_stream_16(kp + v * TPT * 8);
-          vr[u][v] = ld_stream_16(vp + v * TPT * 8);
+          kr[u][v] = ld_stream_16(kp + v * TPT * EPP);
+          vr[u][v] = ld_stream_16(vp + v * TPT * EPP);
         }
       } else {
 #pragma unroll
@@ -135,12 +144,12 @@ paged_decode_kernel(const DecodeParams p) {
       const int tok = base + u * SLOTS + slot;
       const bool valid = tok < end;
       const int64_t in_page = tok & bs_mask;
-      const T* kp = valid ? kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride : kbase;
-      const T* vp = valid ? vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride : vbase;
+      const KV* kp = valid ? kbase + pg[u] * p.k_block_stride + in_page * p.k_token_stride : kbase;
+      const KV* vp = valid ? vbase + pg[u] * p.v_block_stride + in_page * p.v_token_stride : vbase;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        cp_async_16(staged(st, u, v, 0), kp + v * TPT * 8, valid);
-        cp_async_16(staged(st, u, v, 1), vp + v * TPT * 8, valid);
+        cp_async_16(staged(st, u, v, 0), kp + v * TPT * EPP, valid);
+        cp_async_16(staged(st, u, v, 1), vp + v * TPT * EPP, valid);
       }
     }
   };
@@ -198,12 +207,12 @@ paged_decode_kernel(const DecodeParams p) {
       for (int g = 0; g < G; ++g) s[g][u] = 0.f;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        float kf[8];
-        Convert<T>::to_float8(kr[u][v], kf);
+        float kf[EPP];
+        Piece<T, FP8>::to_float(kr[u][v], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s[g][u] = fmaf(q[g][v * 8 + e], kf[e], s[g][u]);
+          for (int e = 0; e < EPP; ++e) s[g][u] = fmaf(q[g][v * EPP + e], kf[e], s[g][u]);
         }
       }
     }
@@ -243,12 +252,12 @@ paged_decode_kernel(const DecodeParams p) {
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        float vf[8];
-        Convert<T>::to_float8(vr[u][v], vf);
+        float vf[EPP];
+        Piece<T, FP8>::to_float(vr[u][v], vf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][v * 8 + e] = fmaf(pr[g][u], vf[e], acc[g][v * 8 + e]);
+          for (int e = 0; e < EPP; ++e) acc[g][v * EPP + e] = fmaf(pr[g][u], vf[e], acc[g][v * EPP + e]);
         }
       }
     }
@@ -294,7 +303,7 @@ paged_decode_kernel(const DecodeParams p) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sm_acc[warp][g][dim_of(v) + e] = acc[g][v * 8 + e];
+        for (int e = 0; e < EPP; ++e) sm_acc[warp][g][dim_of(v) + e] = acc[g][v * EPP + e];
       }
       if (lt == 0) {
         sm_m[warp][g] = m[g];
@@ -304,7 +313,12 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
+  if constexpr (FP8) {
+    merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
+                                                  p.v_scale[kvh]);
+  } else {
+    merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
+  }
 }
 
 }  // namespace
