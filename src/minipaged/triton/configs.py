@@ -73,19 +73,24 @@ _PREFILL_SM90 = {
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
 # "prefill": (BM, BN, WARPS, STAGES), "decode": (BN, WARPS, STAGES), "decode_splits": int,
-# "paged": (BM, BN, WARPS, STAGES).
+# "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
 
 
 def set_override(name: str, value) -> None:
-    """Force (value) or release (None) one config for tuning runs; see OVERRIDES."""
+    """Force (value) or release (None) one config for tuning runs; see OVERRIDES.
+    "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
-    if name not in ("prefill", "decode", "decode_splits", "paged"):
+    if name not in ("prefill", "decode", "decode_splits", "paged", "prefill_variant"):
         raise ValueError(f"unknown override {name!r}")
     if value is None:
         OVERRIDES.pop(name, None)
+    elif name == "prefill_variant":
+        if value not in PREFILL_VARIANTS:
+            raise ValueError(f"prefill_variant must be one of {PREFILL_VARIANTS}, got {value!r}")
+        OVERRIDES[name] = value
     else:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
     overrides_version += 1
@@ -106,6 +111,60 @@ def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads:
     # Too few query tiles to fill the SMs (short prompts, small batch): halve BLOCK_M.
     if cfg.block_m > 64 and batch_heads * -(-max_seqlen_q // cfg.block_m) < sm_count(device):
         cfg = PrefillConfig(64, min(cfg.block_n, 64), 4, cfg.num_stages)
+    return cfg
+
+
+# ----------------------------------------------------------------- Hopper prefill variants
+
+# How the prefill kernel moves its tiles (issue #16): "pointer" is prefill._attn_fwd (pointer
+# loads, software-pipelined by the compiler), "tma" is prefill_tma._attn_fwd_tma with tensor
+# descriptors (TMA loads and stores), "tma_ws" the same with the key loop warp-specialised by
+# the compiler (a producer warpgroup issuing TMA, two consumer warpgroups).
+PREFILL_VARIANTS = ("pointer", "tma", "tma_ws")
+
+# >>> The one switch: the variant prefill uses on sm_90 when nothing is overridden. <<<
+# "pointer" until scripts/triton_hopper_ab.py, run on the H200, shows a Hopper variant ahead of
+# the pointer kernel on the standard prefill grid (causal and not, D 64 and 128, dense and
+# varlen); then set it to that variant's name. Other GPUs, fp32, and layouts that TMA cannot
+# address (prefill_tma.usable) always take the pointer kernel.
+SM90_PREFILL_VARIANT = "pointer"
+
+# (variant, head_dim) -> tile for 16-bit inputs on sm_90, causal or not. Shared memory from the
+# sm_90 compile (scripts/triton_sm90_compile.py); none of these is measured yet.
+# tma_ws needs num_warps=4: the pass turns that one warpgroup into a producer and two consumer
+# warpgroups of BLOCK_M/2 rows each (12 warps in all), and leaves 8-warp kernels unspecialised.
+_PREFILL_SM90_HOPPER = {
+    ("tma", 64): PrefillConfig(128, 128, 8, 2),      # 81 KB
+    ("tma", 128): PrefillConfig(128, 64, 8, 3),      # 129 KB, the pointer kernel's tile
+    ("tma", 256): PrefillConfig(128, 64, 8, 2),
+    ("tma_ws", 64): PrefillConfig(128, 128, 4, 3),   # 129 KB
+    ("tma_ws", 128): PrefillConfig(128, 128, 4, 2),  # 193 KB; 3 stages would need 257 KB
+    ("tma_ws", 256): PrefillConfig(128, 64, 4, 2),
+}
+
+
+def prefill_variant(dtype: torch.dtype, device: torch.device) -> str:
+    """Which prefill kernel to launch (before the layout check prefill_tma.usable)."""
+    if "prefill_variant" in OVERRIDES:
+        # forced (tuning, tests): also under the interpreter, which runs descriptors too
+        return OVERRIDES["prefill_variant"]
+    if interpreting() or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "pointer"
+    major, _ = torch.cuda.get_device_capability(device)
+    return SM90_PREFILL_VARIANT if major == 9 else "pointer"
+
+
+def prefill_hopper_config(variant: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> PrefillConfig:
+    """Tile of a Hopper prefill variant. No BLOCK_M halving for short prompts (unlike
+    prefill_config): the warp-specialised kernel splits BLOCK_M between two consumer
+    warpgroups, each of which needs the 64 rows of one wgmma."""
+    if interpreting() or device.type != "cuda":
+        return PrefillConfig(16, 16, 4, 1)
+    if "prefill" in OVERRIDES:
+        return PrefillConfig(*OVERRIDES["prefill"])
+    cfg = _PREFILL_SM90_HOPPER.get((variant, head_dim), PrefillConfig(64, 64, 4, 2))
+    if dtype.itemsize == 4:
+        cfg = PrefillConfig(64, 32, cfg.num_warps, 2)
     return cfg
 
 

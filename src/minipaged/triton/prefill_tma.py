@@ -186,3 +186,153 @@ def _attn_fwd_tma(
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
             tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
                      + offs_m * stride_lm, lse, mask=offs_m < q_len)
+
+
+# ------------------------------------------------------------------------------ launchers
+
+_LOG2E = 1.4426950408889634
+# (variant, cfg, head_dim, dtype, causal, varlen, lse) that failed to launch for lack of shared
+# memory or registers: such calls take the pointer kernel from then on
+_unlaunchable: set = set()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: int, args: tuple,
+            is_varlen: bool, causal: bool, head_dim: int, return_lse: bool, strict: bool) -> bool:
+    """Launch one Hopper variant; False when it does not fit (and strict is off)."""
+    from triton.runtime.errors import OutOfResources
+
+    from . import configs
+
+    cfg = configs.prefill_hopper_config(variant, head_dim, q.dtype, q.device)
+    key = (variant, cfg, head_dim, q.dtype, causal, is_varlen, return_lse)
+    if key in _unlaunchable and not strict:
+        return False
+    if q.is_cuda:
+        ensure_allocator()
+    grid = (num_programs_bh, triton.cdiv(max_seqlen_q, cfg.block_m))
+    try:
+        _attn_fwd_tma[grid](
+            *args,
+            IS_VARLEN=is_varlen,
+            IS_CAUSAL=causal,
+            HEAD_DIM=head_dim,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            RETURN_LSE=return_lse,
+            WARP_SPECIALIZE=variant == "tma_ws",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    except OutOfResources:
+        if strict:
+            raise
+        _unlaunchable.add(key)
+        return False
+    return True
+
+
+def _resolve(variant, q, k, v) -> tuple[str | None, bool]:
+    """(variant to run or None for the pointer kernel, whether the caller forced it). A forced
+    variant must suit the layout; fp32 is allowed then (the interpreter tests run it)."""
+    from . import configs
+
+    explicit = variant is not None
+    if variant is None:
+        variant = configs.prefill_variant(q.dtype, q.device)
+    if variant not in configs.PREFILL_VARIANTS:
+        raise ValueError(f"variant must be one of {configs.PREFILL_VARIANTS}, got {variant!r}")
+    if variant == "pointer":
+        return None, explicit
+    ok = usable(q, k, v) or (explicit and q.dtype == torch.float32 and all(_aligned(t) for t in (q, k, v)))
+    if not ok:
+        if explicit:
+            raise ValueError(f"variant {variant!r} needs 16-byte aligned bases and strides "
+                             f"(q strides {tuple(q.stride())}, k {tuple(k.stride())}, v {tuple(v.stride())})")
+        return None, explicit
+    return variant, explicit
+
+
+def try_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                return_lse: bool = False, variant: str | None = None):
+    """Dense prefill (ops.prefill's signature) through a Hopper variant, or None when the pointer
+    kernel should run instead: the selected variant is "pointer", the layout does not suit TMA,
+    the tile does not fit, or there is nothing to compute. `variant` forces one (tests, A/B);
+    then an unsuitable layout or a tile that does not fit raises."""
+    variant, strict = _resolve(variant, q, k, v)
+    if variant is None:
+        return None
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return None
+    lse = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    args = (
+        q, k, v, out, lse_arg,
+        q, q,  # cu_seqlens unused in dense mode
+        seqlen_q, seqlen_k,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        num_q_heads, num_q_heads // num_kv_heads,
+        float(scale) * _LOG2E,
+    )
+    with _device_scope(q):
+        if not _launch(variant, q, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim,
+                       lse is not None, strict):
+            return None
+    return out if lse is None else (out, lse)
+
+
+def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+                       return_lse: bool = False, variant: str | None = None):
+    """Varlen prefill (ops.prefill_varlen's signature) through a Hopper variant, or None; see
+    try_prefill."""
+    variant, strict = _resolve(variant, q, k, v)
+    if variant is None:
+        return None
+    total_q, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if total_q * num_q_heads * head_dim == 0 or num_seqs <= 0 or int(max_seqlen_q) <= 0:
+        return None
+    out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
+    args = (
+        q, k, v, out, lse_arg,
+        cu_q, cu_k,
+        int(max_seqlen_q), int(max_seqlen_k),
+        0, q.stride(1), q.stride(0),
+        0, k.stride(1), k.stride(0),
+        0, v.stride(1), v.stride(0),
+        0, out.stride(1), out.stride(0),
+        *lse_strides,
+        num_q_heads, num_q_heads // num_kv_heads,
+        float(scale) * _LOG2E,
+    )
+    with _device_scope(q):
+        if not _launch(variant, q, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
+                       head_dim, lse is not None, strict):
+            return None
+    return out if lse is None else (out, lse)
+
+
+def _device_scope(t: torch.Tensor):
+    import contextlib
+
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
