@@ -179,6 +179,7 @@ OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::
     p.o_row_stride = q.size(1) * q.size(2), p.o_head_stride = q.size(2);
     p.max_seqlen_q = static_cast<int>(max_seqlen_q);
     p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+    p.total_q = q.size(0), p.total_k = k.size(0);
     // lse [Tq, Hq]
     p.lse_batch_stride = 0, p.lse_head_stride = 1, p.lse_row_stride = q.size(1);
   } else {

@@ -53,6 +53,9 @@ struct PrefillParams {
   int head_dim;       // 64 or 128
   int max_seqlen_q;   // dense: Nq
   int max_seqlen_k;   // dense: Nk
+  // Varlen: rows of the packed q and k/v tensors (cu_seqlens_*[batch] as the host
+  // knows it without reading the device), the extents of the sm_90 TMA maps.
+  int64_t total_q, total_k;
   float scale;        // softmax scale (1/sqrt(D) by default), not yet multiplied by log2(e)
   bool causal;
   DType dtype;
