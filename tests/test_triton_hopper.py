@@ -1,0 +1,296 @@
+"""The Hopper variants of the Triton prefill (prefill_tma: TMA descriptors, optionally a
+warp-specialised key loop) against an fp64 oracle written here, independently of both the
+kernels and minipaged.testing.
+
+CPU (TRITON_INTERPRET=1, fp16/fp32: the interpreter's bf16 tl.dot is wrong): the interpreter
+runs tensor descriptors, so both variants run here with the interpreter's 16x16 tiles; plus
+the selection: which variant configs picks, and the fall back to the pointer kernel.
+GPU (`pytest -m gpu tests/test_triton_hopper.py` on the H200): the sm_90 tiles of
+configs.prefill_hopper_config, every residue of (Nk - Nq) mod BLOCK_N, odd sizes, Nq != Nk,
+rows that see no key, varlen with empty sequences, K/V rows just past the tensor poisoned
+with NaN (TMA must clip at the descriptor's shape).
+
+Bound: max|out - truth| <= 2 * max|lowp - truth| + floor, where lowp is the same attention
+with its matmuls in the input dtype (FlashAttention's rule).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from minipaged.triton import configs, prefill_tma  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+VARIANTS = ("tma", "tma_ws")
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-3}
+
+
+# ----------------------------------------------------------------- oracle (independent)
+
+
+def _attention(q, k, v, causal: bool, scale: float, work: torch.dtype):
+    """q [H, Nq, D], k/v [Hkv, Nk, D] of one sequence -> (o fp64 [H, Nq, D], lse fp64 [H, Nq]).
+    work=float64: the truth. work=q.dtype: matmuls rounded like a low-precision kernel's."""
+    h, nq, d = q.shape
+    hkv, nk = k.shape[0], k.shape[1]
+    o = torch.zeros(h, nq, d, dtype=torch.float64)
+    lse = torch.full((h, nq), -math.inf, dtype=torch.float64)
+    if nq == 0 or nk == 0:
+        return o, lse
+    group = h // hkv
+    kk = k.cpu().to(work).repeat_interleave(group, 0)
+    vv = v.cpu().to(work).repeat_interleave(group, 0)
+    s = (q.cpu().to(work) @ kk.transpose(1, 2)).double() * scale
+    rows = torch.arange(nq).view(-1, 1)
+    cols = torch.arange(nk).view(1, -1)
+    seen = (cols <= rows + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool)
+    s = s.masked_fill(~seen, -math.inf)
+    any_seen = seen.any(1)  # [Nq]
+    m = torch.where(any_seen.view(1, -1, 1), s.amax(-1, keepdim=True), torch.zeros(1, 1, 1, dtype=torch.float64))
+    w = torch.exp(s - m)
+    z = w.sum(-1, keepdim=True)
+    p = w / torch.where(z > 0, z, torch.ones_like(z))
+    o = (p.to(work) @ vv).double()
+    lse = torch.where(any_seen.view(1, -1), (m + torch.log(z)).squeeze(-1), torch.tensor(-math.inf, dtype=torch.float64))
+    return o, lse
+
+
+def _dense_oracle(q, k, v, causal, scale, work):
+    outs = [_attention(q[b], k[b], v[b], causal, scale, work) for b in range(q.shape[0])]
+    return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+
+def _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, work):
+    """q [Tq, H, D] packed -> (o fp64 [Tq, H, D], lse fp64 [Tq, H])."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(cq) - 1):
+        a, b, c, e = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        os_, ls = _attention(q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1),
+                             causal, scale, work)
+        o[a:b] = os_.transpose(0, 1)
+        lse[a:b] = ls.transpose(0, 1)
+    return o, lse
+
+
+def _check(what, out, lse, truth, truth_lse, lowp):
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    o = out.detach().cpu().double()
+    err = (o - truth).abs().max().item() if o.numel() else 0.0
+    base = (lowp - truth).abs().max().item() if o.numel() else 0.0
+    bound = 2.0 * base + FLOOR[out.dtype]
+    assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e} (low-precision error {base:.3e})"
+    empty = torch.isneginf(truth_lse)
+    # a row that sees no key: exact zeros, lse -inf
+    assert (o[empty] == 0).all(), f"{what}: a row that sees no key is not zeros"
+    ld = lse.detach().cpu().double()
+    assert lse.dtype == torch.float32 and ld.shape == truth_lse.shape
+    assert not torch.isnan(ld).any(), f"{what}: NaN in lse"
+    assert torch.equal(torch.isneginf(ld), empty), f"{what}: lse is -inf exactly where no key is seen"
+    if (~empty).any():
+        d = (ld - truth_lse)[~empty].abs()
+        assert (d <= LSE_TOL[out.dtype] * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max():.3e}"
+
+
+# ----------------------------------------------------------------- inputs
+
+
+def _randn(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _poisoned(x: torch.Tensor, dim: int, pad: int = 16) -> torch.Tensor:
+    """x as a view into a larger buffer whose extra rows along `dim` (just past x's end) hold
+    NaN: a load that strays past the sequence end poisons the output. The view keeps the
+    buffer's strides, so the row stride stays 16-byte aligned."""
+    shape = list(x.shape)
+    shape[dim] += pad
+    buf = torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+    view = buf.narrow(dim, 0, x.shape[dim])
+    view.copy_(x)
+    return view
+
+
+def _dense_case(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = _randn((B, Hq, Nq, D), dtype, device, gen)
+    k = _poisoned(_randn((B, Hkv, Nk, D), dtype, device, gen), 2)
+    v = _poisoned(_randn((B, Hkv, Nk, D), dtype, device, gen), 2)
+    return q, k, v
+
+
+def _run_dense(variant, B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, seed=0):
+    q, k, v = _dense_case(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed + 7919 * Nq + Nk)
+    scale = 1.0 / math.sqrt(D)
+    res = prefill_tma.try_prefill(q, k, v, causal, scale, True, variant=variant)
+    assert res is not None, "a forced variant must run"
+    out, lse = res
+    assert out.shape == (B, Hq, Nq, D) and out.dtype == dtype and lse.shape == (B, Hq, Nq)
+    truth, truth_lse = _dense_oracle(q, k, v, causal, scale, torch.float64)
+    lowp, _ = _dense_oracle(q, k, v, causal, scale, dtype)
+    _check(f"{variant} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {dtype}", out, lse, truth,
+           truth_lse, lowp)
+    # return_lse=False returns the same output alone
+    out2 = prefill_tma.try_prefill(q, k, v, causal, scale, False, variant=variant)
+    assert isinstance(out2, torch.Tensor) and torch.equal(out2, out)
+
+
+def _run_varlen(variant, q_lens, k_lens, Hq, Hkv, D, causal, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed + sum(q_lens) * 31 + sum(k_lens))
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = _poisoned(_randn((tq, Hq, D), dtype, device, gen), 0)
+    k = _poisoned(_randn((tk, Hkv, D), dtype, device, gen), 0)
+    v = _poisoned(_randn((tk, Hkv, D), dtype, device, gen), 0)
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = prefill_tma.try_prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal, scale, True,
+                                              variant=variant)
+    truth, truth_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, torch.float64)
+    lowp, _ = _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, dtype)
+    _check(f"{variant} varlen q{q_lens} k{k_lens} D{D} causal={causal} {dtype}", out, lse, truth, truth_lse, lowp)
+
+
+@pytest.fixture
+def no_overrides():
+    saved = dict(configs.OVERRIDES)
+    yield
+    for name in ("prefill", "prefill_variant"):
+        configs.set_override(name, saved.get(name))
+
+
+# ----------------------------------------------------------------- CPU: interpreter
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [
+    # B, Hq, Hkv, Nq, Nk, D
+    (1, 2, 1, 17, 17, 64),   # ragged last tile, Nq == Nk
+    (2, 2, 2, 5, 37, 64),    # Nq < Nk (prefix cache)
+    (1, 2, 1, 40, 9, 64),    # Nq > Nk: the first causal rows see no key
+    (1, 4, 2, 33, 48, 128),  # GQA, D 128
+])
+def test_cpu_dense(variant, dtype, causal, shape):
+    _run_dense(variant, *shape, causal, dtype, "cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("r", range(16))
+def test_cpu_every_residue(variant, r):
+    # the interpreter's BLOCK_N is 16: every (Nk - Nq) mod 16, above and below the diagonal
+    _run_dense(variant, 1, 2, 1, 19, 19 + r, 64, True, torch.float16, "cpu")
+    _run_dense(variant, 1, 2, 1, 19 + r, 19, 64, True, torch.float16, "cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_varlen(variant, causal):
+    # empty sequences (q 0, k 0, both), q > k (rows without keys), lengths off the tile
+    _run_varlen(variant, [17, 0, 5, 3, 0, 33], [17, 4, 0, 30, 0, 20], 4, 2, 64, causal, torch.float16, "cpu")
+
+
+@cpu_only
+def test_cpu_selection_falls_back(no_overrides):
+    # nothing forced: CPU (interpreter) and fp32 always take the pointer kernel
+    assert configs.prefill_variant(torch.float16, torch.device("cpu")) == "pointer"
+    q, k, v = _dense_case(1, 2, 1, 17, 17, 64, torch.float16, "cpu", 0)
+    assert prefill_tma.try_prefill(q, k, v, True, 0.125) is None
+    # forced through the override, the interpreter runs the variant
+    configs.set_override("prefill_variant", "tma_ws")
+    assert configs.prefill_variant(torch.float16, torch.device("cpu")) == "tma_ws"
+    assert prefill_tma.try_prefill(q, k, v, True, 0.125) is not None
+    # a layout TMA cannot address (row stride of 60 bytes) falls back, unless forced
+    qb = torch.randn(1, 2, 17, 30, dtype=torch.float16)
+    kb = torch.randn(1, 1, 17, 30, dtype=torch.float16)
+    assert prefill_tma.try_prefill(qb, kb, kb, True, 0.125) is None
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        prefill_tma.try_prefill(qb, kb, kb, True, 0.125, variant="tma")
+    # a base off the 16-byte grid falls back too
+    flat = torch.randn(1 + 2 * 17 * 64, dtype=torch.float16)[1:].view(1, 2, 17, 64)
+    assert flat.data_ptr() % 16 != 0
+    assert prefill_tma.try_prefill(flat, k, v, True, 0.125) is None
+    configs.set_override("prefill_variant", "pointer")
+    assert prefill_tma.try_prefill(q, k, v, True, 0.125) is None
+
+
+def test_override_rejects_unknown_variant(no_overrides):
+    with pytest.raises(ValueError, match="prefill_variant"):
+        configs.set_override("prefill_variant", "tma_fast")
+    with pytest.raises(ValueError, match="variant"):
+        q = torch.zeros(1, 1, 16, 64, dtype=torch.float16)
+        prefill_tma.try_prefill(q, q, q, True, 0.125, variant="bogus")
+    assert configs.SM90_PREFILL_VARIANT in configs.PREFILL_VARIANTS
+
+
+# ----------------------------------------------------------------- GPU (H200)
+
+
+def _gpu_block_n(variant, D, dtype):
+    return configs.prefill_hopper_config(variant, D, dtype, torch.device("cuda")).block_n
+
+
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_every_residue(variant, D, causal, no_overrides):
+    # the sm_90 tiles: every residue of (Nk - Nq) mod BLOCK_N, with Nk above and below Nq
+    bn = _gpu_block_n(variant, D, torch.bfloat16)
+    for r in range(bn):
+        _run_dense(variant, 1, 2, 1, 97, 97 + r, D, causal, torch.bfloat16, "cuda", seed=r)
+        if causal:
+            _run_dense(variant, 1, 2, 1, 150 + r, 150, D, causal, torch.bfloat16, "cuda", seed=r)
+
+
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [
+    (1, 16, 8, 17, 17, 128),
+    (2, 16, 8, 97, 97, 128),
+    (1, 16, 8, 1023, 1023, 128),
+    (1, 8, 8, 1023, 1023, 64),
+    (2, 4, 2, 97, 1023, 128),   # Nq < Nk
+    (1, 4, 2, 1023, 97, 64),    # Nq > Nk: rows without keys
+    (1, 16, 8, 2048, 2048, 128),
+])
+def test_gpu_dense(variant, dtype, causal, shape, no_overrides):
+    _run_dense(variant, *shape, causal, dtype, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_varlen(variant, D, causal, no_overrides):
+    _run_varlen(variant, [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, D, causal,
+                torch.bfloat16, "cuda")
+
+
+@gpu
+def test_gpu_default_selection(no_overrides):
+    # the sm_90 default is the single constant, and a forced variant runs on any 16-bit input
+    dev = torch.device("cuda")
+    major, _ = torch.cuda.get_device_capability(dev)
+    want = configs.SM90_PREFILL_VARIANT if major == 9 else "pointer"
+    assert configs.prefill_variant(torch.bfloat16, dev) == want
+    assert configs.prefill_variant(torch.float32, dev) == "pointer"
