@@ -33,6 +33,7 @@
 #include "prefill/mainloop_mma.cuh"
 #if defined(MINIPAGED_ENABLE_SM90A)
 #include "prefill/mainloop_wgmma.cuh"
+#include "prefill/mainloop_ws.cuh"
 #endif
 
 using minipaged::DType;
@@ -143,6 +144,7 @@ static bool run_case(const Case& c, LaunchFn fn, const char* fn_name, bool verbo
   p.batch = B; p.num_q_heads = c.hq; p.num_kv_heads = c.hkv; p.head_dim = D;
   p.max_seqlen_q = max_q; p.max_seqlen_k = max_k; p.scale = scale; p.causal = c.causal;
   p.dtype = dt; p.num_sms = num_sms;
+  p.total_q = Tq; p.total_k = Tk;
   CHECK_CUDA(fn(p, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<uint16_t> hout(o_elems);
@@ -239,6 +241,19 @@ cudaError_t wg_all(const PrefillParams& p, cudaStream_t s) {
   return p.head_dim == 128 ? wg_variant<mf::WgmmaCfg<__half, 128, kWG, 1, kPipe, kBN>>(p, s)
                            : wg_variant<mf::WgmmaCfg<__half, 64, kWG, 1, kPipe, kBN>>(p, s);
 }
+// Warp-specialised TMA kernel: WsCfg<T, D, BLOCK_N, stages, ping-pong, overlap, pipelined>.
+template <class Cfg>
+cudaError_t ws_variant(const PrefillParams& p, cudaStream_t s) {
+  return p.causal ? mf::launch_prefill_ws<Cfg, true>(p, s) : mf::launch_prefill_ws<Cfg, false>(p, s);
+}
+template <bool kPP, bool kOv>
+cudaError_t ws_all(const PrefillParams& p, cudaStream_t s) {
+  if (p.dtype == DType::kBFloat16)
+    return p.head_dim == 128 ? ws_variant<mf::WsCfg<bf16, 128, 128, 2, kPP, kOv>>(p, s)
+                             : ws_variant<mf::WsCfg<bf16, 64, 128, 2, kPP, kOv>>(p, s);
+  return p.head_dim == 128 ? ws_variant<mf::WsCfg<__half, 128, 128, 2, kPP, kOv>>(p, s)
+                           : ws_variant<mf::WsCfg<__half, 64, 128, 2, kPP, kOv>>(p, s);
+}
 #endif
 // PrefillCfg<T, D, BLOCK_N, warps, m-tiles per warp, Q in registers, stages, swizzle,
 //            min CTAs per SM (launch bounds), lazy rescale>
@@ -264,6 +279,12 @@ static const Variant kVariants[] = {
     {"wgmma_m128wg2_pipe_n128", wg_variant<mf::WgmmaCfg<bf16, 128, 2, 1, true, 128>>},
     {"wgmma_m64wg1", wg_variant<mf::WgmmaCfg<bf16, 128, 1, 1, false, 64>>},
     {"wgmma_m64wg1_pipe", wg_variant<mf::WgmmaCfg<bf16, 128, 1, 1, true, 64>>},
+    {"ws_serial", ws_variant<mf::WsCfg<bf16, 128, 128, 2, false, false, false>>},
+    {"ws_pipe", ws_variant<mf::WsCfg<bf16, 128, 128, 2, false, false, true>>},
+    {"ws_pingpong", ws_variant<mf::WsCfg<bf16, 128, 128, 2, true, false, true>>},
+    {"ws_overlap", ws_variant<mf::WsCfg<bf16, 128, 128, 2, false, true, true>>},
+    {"ws_pp_overlap", ws_variant<mf::WsCfg<bf16, 128, 128, 2, true, true, true>>},
+    {"ws_pp_overlap_s3", ws_variant<mf::WsCfg<bf16, 128, 128, 3, true, true, true>>},
 #endif
 };
 
@@ -386,6 +407,8 @@ int main(int argc, char** argv) {
     for (const Case& c : check_cases()) failures += !run_case(c, wg_all<1, true, 64>, "wg1p_n64_all");
     for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 64>, "wg2p_n64_all");
     for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 128>, "wg2p_n128_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<true, true>, "ws_ppov_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<false, false>, "ws_pipe_all");
 #endif
     // Every timed variant must also be correct (bf16, D=128, causal and not).
     const Case big = {"dense bf16 d128 causal 1023x1023 gqa2 b2", DType::kBFloat16, 4, 2, 128, true, false, {1023}, {1023}, 2, false, 0.f};
@@ -413,6 +436,9 @@ int main(int argc, char** argv) {
     failures += !run_case(b, wg_all<2, true, 128>, "wg2p_n128_all");
     failures += !run_case(c, wg_all<1, true, 64>, "wg1p_n64_all");
     failures += !run_case(b, wg_all<2, false, 64>, "wg2_n64_all");
+    failures += !run_case(a, ws_all<true, true>, "ws_ppov_all");
+    failures += !run_case(b, ws_all<true, true>, "ws_ppov_all");
+    failures += !run_case(c, ws_all<true, true>, "ws_ppov_all");
 #endif
   } else if (mode == "time") {
     time_mode(argc > 2 ? std::atoi(argv[2]) : 20, argc > 3 ? argv[3] : "");

@@ -50,7 +50,7 @@ for s in $stages; do
         run probe_nowgmma python3 scripts/probe_cuda_prefill.py
       fi;;
     build) run build python3 -c "import time; t=time.time(); from minipaged.cuda import build; build.load(); print(f'build {time.time()-t:.1f} s')";;
-    tests) run tests env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
+    tests) run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
     bench) run bench python3 -m minipaged.cli bench ${BENCH_ARGS:-} --out "$WORK/bench";;
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
@@ -79,7 +79,8 @@ for s in $stages; do
         run ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/ws_selftest" small
       done
       STAGE_TIMEOUT_ws_time=120 run ws_time "$bin/ws_selftest" time 20
-      STAGE_TIMEOUT_fast_time=120 run fast_time "$bin/fast_selftest" time 20
+      STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20
+      STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check
       (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;

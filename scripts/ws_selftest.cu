@@ -4,11 +4,11 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/ws_selftest.cu -o ws_selftest
-//   ./ws_selftest check        dense causal / non-causal, bf16 / fp16, D 128 and 64, odd
+//   ./ws_selftest check        every consumer schedule: dense causal / non-causal, bf16 / fp16, D 128 and 64, odd
 //                              lengths, Nq != Nk, every residue of (Nk - Nq) mod BLOCK_N,
 //                              rows that see no key; vs an fp64 CPU reference
 //   ./ws_selftest small        two tiny cases (for compute-sanitizer)
-//   ./ws_selftest time [reps]  B=1 Hq=16 Hkv=8 N=8192 D=128 bf16 causal and non-causal, TFLOP/s
+//   ./ws_selftest time [reps]  the standard prefill grid for every consumer schedule, TFLOP/s
 //
 // The TMA descriptors are encoded with cuTensorMapEncodeTiled fetched from the
 // driver at run time (cudaGetDriverEntryPointByVersion), so no -lcuda.
@@ -38,26 +38,6 @@
 using minipaged::DType;
 using minipaged::PrefillParams;
 using minipaged::fast::WsCfg;
-using minipaged::fast::WsParams;
-
-static minipaged::fast::TensorMapEncodeFn get_encode() {
-  static minipaged::fast::TensorMapEncodeFn fn = nullptr;
-  if (fn != nullptr) return fn;
-  void* ptr = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
-#else
-  CHECK_CUDA(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q));
-#endif
-  if (q != cudaDriverEntryPointSuccess || ptr == nullptr) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled not found in the driver\n");
-    std::exit(2);
-  }
-  fn = reinterpret_cast<minipaged::fast::TensorMapEncodeFn>(ptr);
-  return fn;
-}
-
 
 struct Case {
   DType dtype;
@@ -72,27 +52,24 @@ static std::string case_name(const Case& c) {
   return buf;
 }
 
+// Consumer schedules of the ablation (WsCfg<T, D, BLOCK_N, stages, ping-pong, overlap, pipelined>).
+enum Sched { kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3, kNumSched };
+static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
+                                                   "pp+overlap 3-stage"};
+static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
+
 template <typename T, int D, bool kCausal>
 static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
-  using Cfg = WsCfg<T, D>;
-  WsParams wp{};
-  wp.p = p;
-  auto enc = get_encode();
-  // Dense [B, H, N, D] with the strides of p (any row/head/batch strides TMA accepts).
-  CUresult r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_q, p.q, p.dtype, D, p.max_seqlen_q, p.num_q_heads,
-                                                   p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
-                                                   Cfg::kBlockM);
-  if (r == CUDA_SUCCESS)
-    r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_k, p.k, p.dtype, D, p.max_seqlen_k, p.num_kv_heads, p.batch,
-                                            p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN);
-  if (r == CUDA_SUCCESS)
-    r = minipaged::fast::make_ws_tensor_map(enc, &wp.tm_v, p.v, p.dtype, D, p.max_seqlen_k, p.num_kv_heads, p.batch,
-                                            p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", int(r));
-    return cudaErrorInvalidValue;
+  namespace mf = minipaged::fast;
+  switch (g_sched) {
+    case kSerial: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, false, false, false>, kCausal>(p, stream);
+    case kPipe: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, false, false, true>, kCausal>(p, stream);
+    case kOverlap: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, false, true, true>, kCausal>(p, stream);
+    case kPingPong: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, false, true>, kCausal>(p, stream);
+    case kPingPongOverlap: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true>, kCausal>(p, stream);
+    case kPingPongOverlap3: return mf::launch_prefill_ws<WsCfg<T, D, 128, 3, true, true, true>, kCausal>(p, stream);
   }
-  return minipaged::fast::launch_prefill_ws_cfg<Cfg, kCausal>(wp, stream);
+  return cudaErrorInvalidValue;
 }
 
 template <typename T>
@@ -258,63 +235,97 @@ static std::vector<Case> check_cases() {
 
 static int cmd_check() {
   int fails = 0, n = 0;
-  for (const Case& c : check_cases()) {
-    ++n;
-    if (!run_case(c, /*verbose=*/c.nq != 150)) ++fails;  // the residue sweep prints failures only
+  for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
+    int sched_fails = 0, sched_n = 0;
+    for (const Case& c : check_cases()) {
+      ++sched_n;
+      // the residue sweep prints failures only; the first schedule prints every named case
+      if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
+    }
+    std::printf("schedule %-20s %d of %d cases failed\n", kSchedNames[g_sched], sched_fails, sched_n);
+    fails += sched_fails;
+    n += sched_n;
   }
   std::printf("%s: %d of %d cases failed\n", fails ? "FAIL" : "ALL PASS", fails, n);
   return fails ? 1 : 0;
 }
 
 static int cmd_small() {
-  bool ok = run_case({DType::kBFloat16, 1, 2, 1, 97, 161, 128, true}, true);
-  ok &= run_case({DType::kFloat16, 1, 2, 2, 130, 70, 64, false}, true);
+  bool ok = true;
+  for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
+    std::printf("schedule %s\n", kSchedNames[g_sched]);
+    ok &= run_case({DType::kBFloat16, 1, 2, 1, 97, 161, 128, true}, true);
+    ok &= run_case({DType::kFloat16, 1, 2, 2, 130, 70, 64, false}, true);
+    ok &= run_case({DType::kBFloat16, 1, 2, 1, 300, 300, 128, true}, true);  // 3 tiles: every phase kind
+  }
   std::printf("%s\n", ok ? "ALL PASS" : "FAIL");
   return ok ? 0 : 1;
 }
 
-static int cmd_time(int reps) {
-  int fails = 0;
-  for (bool causal : {true, false}) {
-    const Case c{DType::kBFloat16, 1, 16, 8, 8192, 8192, 128, causal};
-    DeviceCase dc;
-    dc.setup(c, 42u);
-    dc.p.lse = nullptr;
-    cudaEvent_t e0, e1;
-    CHECK_CUDA(cudaEventCreate(&e0));
-    CHECK_CUDA(cudaEventCreate(&e1));
-    // The L2 (60 MB on H200) is flushed before every timed call, as in fast_selftest.
-    void* flush = nullptr;
-    const size_t flush_bytes = size_t(256) << 20;
-    CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
-    for (int w = 0; w < 3; ++w) CHECK_CUDA(launch_ws(dc.p, 0));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, 0));
-      CHECK_CUDA(cudaEventRecord(e0, 0));
-      CHECK_CUDA(launch_ws(dc.p, 0));
-      CHECK_CUDA(cudaEventRecord(e1, 0));
-      CHECK_CUDA(cudaEventSynchronize(e1));
-      float t = 0.f;
-      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double med = ms[ms.size() / 2];
-    // Exact FLOPs: 4 D per visible (query, key) pair (2 for Q K^T, 2 for P V).
-    double pairs = 0.0;
-    for (int i = 0; i < c.nq; ++i)
-      pairs += causal ? std::min(c.nk, std::max(0, c.nk - c.nq + i + 1)) : c.nk;
-    const double flops = 4.0 * c.batch * c.hq * c.d * pairs;
-    std::printf("time %-52s median %.3f ms  %.1f TFLOP/s (%d reps)\n", case_name(c).c_str(), med,
-                flops / (med * 1e-3) / 1e12, reps);
-    CHECK_CUDA(cudaFree(flush));
-    CHECK_CUDA(cudaEventDestroy(e0));
-    CHECK_CUDA(cudaEventDestroy(e1));
+// Median time of `reps` calls after a 256 MB write flush each (cold L2).
+static double time_case(const Case& c, int reps) {
+  DeviceCase dc;
+  dc.setup(c, 42u);
+  dc.p.lse = nullptr;
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  static void* flush = nullptr;
+  const size_t flush_bytes = size_t(256) << 20;
+  if (flush == nullptr) CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  for (int w = 0; w < 3; ++w) CHECK_CUDA(launch_ws(dc.p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, 0));
+    CHECK_CUDA(cudaEventRecord(e0, 0));
+    CHECK_CUDA(launch_ws(dc.p, 0));
+    CHECK_CUDA(cudaEventRecord(e1, 0));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float t = 0.f;
+    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
   }
-  // A timing is worth nothing if that shape is wrong: check it too (B=1, 2 heads).
-  if (!run_case({DType::kBFloat16, 1, 2, 1, 2048, 2048, 128, true}, true)) ++fails;
+  std::sort(ms.begin(), ms.end());
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  return ms[ms.size() / 2];
+}
+
+// Exact FLOPs: 4 D per visible (query, key) pair (2 for Q K^T, 2 for P V).
+static double case_flops(const Case& c) {
+  double pairs = 0.0;
+  for (int i = 0; i < c.nq; ++i) pairs += c.causal ? std::min(c.nk, std::max(0, c.nk - c.nq + i + 1)) : c.nk;
+  return 4.0 * c.batch * c.hq * c.d * pairs;
+}
+
+// The standard grid (bf16, Hq=16, Hkv=8, D=128) for every schedule, causal,
+// plus N=8k non-causal and D=64: TFLOP/s.
+static int cmd_time(int reps) {
+  struct Shape { int b, n, d; bool causal; };
+  const Shape shapes[] = {{1, 1024, 128, true}, {1, 4096, 128, true}, {1, 8192, 128, true}, {1, 16384, 128, true},
+                          {8, 1024, 128, true}, {1, 8192, 128, false}, {1, 8192, 64, true}};
+  std::printf("%-20s", "schedule");
+  for (const Shape& sh : shapes) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "B=%d N=%d%s%s", sh.b, sh.n, sh.d == 64 ? " D64" : "", sh.causal ? "" : " full");
+    std::printf(" %16s", buf);
+  }
+  std::printf("   (TFLOP/s, bf16 Hq=16 Hkv=8 D=128 unless noted, causal unless full, median of %d, cold L2)\n", reps);
+  for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
+    std::printf("%-20s", kSchedNames[g_sched]);
+    for (const Shape& sh : shapes) {
+      const Case c{DType::kBFloat16, sh.b, 16, 8, sh.n, sh.n, sh.d, sh.causal};
+      const double med = time_case(c, reps);
+      std::printf(" %16.1f", case_flops(c) / (med * 1e-3) / 1e12);
+      std::fflush(stdout);
+    }
+    std::printf("\n");
+  }
+  // A timing is worth nothing if that shape is wrong: check it too (B=1, 2 heads), every schedule.
+  int fails = 0;
+  for (g_sched = 0; g_sched < kNumSched; ++g_sched)
+    if (!run_case({DType::kBFloat16, 1, 2, 1, 2048, 2048, 128, true}, true)) ++fails;
   return fails ? 1 : 0;
 }
 

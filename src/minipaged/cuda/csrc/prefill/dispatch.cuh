@@ -12,6 +12,7 @@
 #if defined(MINIPAGED_ENABLE_SM90A) && !defined(MINIPAGED_DISABLE_WGMMA)
 #define MINIPAGED_DISPATCH_WGMMA 1
 #include "prefill/mainloop_wgmma.cuh"
+#include "prefill/mainloop_ws.cuh"
 #else
 #define MINIPAGED_DISPATCH_WGMMA 0
 #endif
@@ -26,7 +27,7 @@ namespace fast {
 //           memory -- every K/V fragment feeds two m-tiles, which halves
 //           ldmatrix traffic per MMA (shared-memory bandwidth bounds the 16-row
 //           warp); BLOCK_N 32 keeps it within the register file without spills
-// On sm_90 (sm_90a build) the wgmma kernels below replace both.
+// On sm_90 (sm_90a build) the wgmma and warp-specialised kernels below replace both.
 template <typename T, int D>
 using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
@@ -48,6 +49,12 @@ template <typename T, int D>
 using CfgWgmmaLarge = WgmmaCfg<T, D, 2, 1, true, 128>;
 template <typename T, int D>
 using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
+// Dense and varlen K/V: the warp-specialised TMA kernel (BLOCK_M 128, BLOCK_N
+// 128, 2 stages, ping-pong + intra-warpgroup overlap) once the grid fills the
+// GPU; below that the one-warpgroup wgmma kernel's smaller blocks win.
+template <typename T, int D>
+using CfgWs = WsCfg<T, D, 128, 2, true, true, true>;
+constexpr int kWsMinWaves = 1;
 #endif
 
 template <typename T, int D, bool kCausal, bool kPaged>
@@ -62,6 +69,10 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
                               ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    if constexpr (!kPaged) {
+      if (wg_blocks >= kWsMinWaves * int64_t(sms) && ws_supported(p))
+        return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
+    }
     if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
     return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, kPaged>(p, stream);
   }

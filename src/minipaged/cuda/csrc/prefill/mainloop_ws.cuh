@@ -1,15 +1,14 @@
-// sm_90a warp-specialised prefill (issue #16, step "TMA ring + warp
-// specialisation + setmaxnreg"). NOT wired into dispatch.cuh / the binding:
-// only scripts/ws_selftest.cu includes it until it has passed on a GPU.
+// sm_90a warp-specialised prefill (issue #16): TMA ring, warp specialisation
+// with setmaxnreg, ping-pong scheduling of the two consumer warpgroups and
+// intra-warpgroup overlap of the two GEMMs with the softmax.
 //
 // CTA = 3 warpgroups, BLOCK_M = 128 query rows, BLOCK_N keys per tile:
 //   warpgroup 0 (producer): gives its registers away (setmaxnreg.dec); one
 //     thread issues every TMA load: Q once, then K_t and V_t of each tile into
 //     a kStages-deep ring. The other 127 threads exit.
 //   warpgroups 1, 2 (consumers): take the registers (setmaxnreg.inc); each owns
-//     64 query rows and runs the wgmma / online-softmax tile step of
-//     prefill/mainloop_wgmma.cuh on them (S = Q K^T from shared memory, P kept
-//     in registers as the A operand of O += P V).
+//     64 query rows and runs wgmma + online softmax on them (S = Q K^T from
+//     shared memory, P kept in registers as the A operand of O += P V).
 //
 // Synchronisation, per ring slot s (all mbarriers in shared memory):
 //   k_full[s], v_full[s]   1 arrival (the producer's expect_tx) + the tile's
@@ -19,9 +18,18 @@
 //                          before it overwrites the slot.
 //   q_full                 Q of the block, waited once.
 // K and V of a tile have separate barriers so S = Q K^T can start before V
-// lands and K's slot is handed back before P V runs: the two halves of a tile
-// are what ping-pong and intra-warpgroup overlap will move relative to each
-// other next (the sched_* hooks below mark where).
+// lands and K's slot is handed back before P V runs.
+//
+// Consumer schedules (WsCfg flags, each one step of the ablation):
+//   serial      per tile: QK^T, wait, softmax, PV, wait.
+//   pipelined   one "GEMM phase" per tile issues QK^T(t) and PV(t-1) together;
+//               the O rescale of tile t waits until PV(t-1) has retired.
+//     + kOverlap   wait only for QK^T(t) (wgmma.wait_group 1): the softmax of
+//                  tile t runs while PV(t-1) is still on the tensor cores.
+//     + kPingPong  named barriers 3 and 4 hand the GEMM phase back and forth
+//                  between the two consumer warpgroups, so one warpgroup's
+//                  softmax runs under the other's GEMMs instead of both
+//                  competing for the tensor cores at the same moment.
 //
 // Tiles run from the last key tile to the first, as in the cp.async kernel:
 // the diagonal / tail tiles that need masking come first, then unmasked ones.
@@ -46,12 +54,16 @@
 namespace minipaged {
 namespace fast {
 
-template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2>
+template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
+          bool kPipelined_ = true>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kPipelined = kPipelined_ || kPingPong_ || kOverlap_;
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -70,7 +82,7 @@ struct WsCfg {
   static constexpr int kNumBars = 1 + 4 * kStages;
   static constexpr int kSmemBytes = kBarOff + 8 * kNumBars + 1024;  // +1024: base realignment
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
-  // 3, 4: reserved for the ping-pong scheduler (one per consumer warpgroup).
+  // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
   static constexpr int kBarEpilogue = 1;
   static constexpr int kBarSched = 3;
   static_assert(kD == 64 || kD == 128, "head dim");
@@ -215,11 +227,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  // Ping-pong hooks (no-ops in this step): a warpgroup will wait for its turn
-  // before issuing a tile's GEMMs and hand the tensor cores to the other
-  // warpgroup after issuing them (named barriers Cfg::kBarSched + cw).
-  auto sched_wait = [&] {};
-  auto sched_signal = [&] {};
+  // Ping-pong: a warpgroup waits for its turn before a GEMM phase and hands
+  // the turn to the other after issuing it. Every consumer warpgroup runs
+  // n_tiles + 1 phases; warpgroup 1 pre-arrives on warpgroup 0's barrier (so
+  // warpgroup 0 goes first) and skips its last hand-over, which leaves both
+  // barriers with as many arrivals as waits.
+  auto sched_wait = [&] {
+    if constexpr (Cfg::kPingPong) named_bar_sync(Cfg::kBarSched + cw, 256);
+  };
+  auto sched_signal = [&](bool last_phase) {
+    if constexpr (Cfg::kPingPong) {
+      if (!(last_phase && cw == 1)) named_bar_arrive(Cfg::kBarSched + (1 - cw), 256);
+    }
+  };
+  if constexpr (Cfg::kPingPong) {
+    if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
+  }
 
   float acc_o[kCB][8][4];
 #pragma unroll
@@ -240,72 +263,147 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   const int g = lane >> 2;
   const int tq = (lane & 3) * 2;
 
-  mbar_wait(q_full(), 0);
+  float acc_s[kNT / 8][8][4];
+  auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
+  uint32_t p_frag[kBlockN / 16][4];
+  auto slot = [&](int t) { return t % kStages; };
+  auto phase = [&](int t) { return uint32_t((t / kStages) & 1); };
 
-  auto tile_step = [&](int t, auto mask_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
-    const int s = t % kStages;
-    const uint32_t parity = (t / kStages) & 1;
-    const int n0 = tile_n0(t);
-
-    // ---- S = Q K^T ----
-    float acc_s[kNT / 8][8][4];
-    auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
+  // S = Q K^T of tile t into acc_s (issued, not waited for).
+  auto issue_qk = [&](int t) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s_frag(0, nt, e) = 0.f;
-    mbar_wait(k_full(s), parity);
-    sched_wait();
     fence_operand(acc_s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
 #pragma unroll
       for (int nb = 0; nb < kNT / 8; ++nb)
-        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(s) + nb * 64 * 128, kk));
+        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(slot(t)) + nb * 64 * 128, kk));
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_operand(acc_s);
-    release(k_empty(s));
-
-    // ---- mask, online softmax ----
-    if constexpr (kMask)
-      mask_tile<1, kNT, kCausal>(s_frag, m_start + warp_row0, n0, seqlen_k, diag, g, tq, [](int r) { return r; });
-    float tile_max[1][2];
-    sm.template tile_max<kNT>(s_frag, tile_max);
-    if (sm.need_rescale(tile_max, scale_log2)) sm.template rescale<kCB * 8>(tile_max, scale_log2, o_frag);
-    sm.template exp_and_sum<kNT>(s_frag, scale_log2);
-    uint32_t p_frag[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
-
-    // ---- O += P V ----
-    mbar_wait(v_full(s), parity);
+  };
+  // O += P V of tile t, P from p_frag (issued, not waited for).
+  auto issue_pv = [&](int t) {
     fence_operand(p_frag);
     fence_o();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
-      for (int cb = 0; cb < kCB; ++cb) wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(s), cb, kk));
+      for (int cb = 0; cb < kCB; ++cb)
+        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(slot(t)), cb, kk));
     wgmma_commit();
-    sched_signal();
-    wgmma_wait<0>();
-    fence_o();
-    release(v_empty(s));
+  };
+  // Mask and online softmax of acc_s (tile t). Touches neither O nor p_frag,
+  // so it may run while a PV wgmma still reads them; the O factor is kept in
+  // alpha until finish_tile applies it.
+  float alpha[2] = {1.f, 1.f};
+  bool rescale_pending = false;
+  auto softmax_tile = [&](int t, auto mask_tag) {
+    if constexpr (decltype(mask_tag)::value)
+      mask_tile<1, kNT, kCausal>(s_frag, m_start + warp_row0, tile_n0(t), seqlen_k, diag, g, tq,
+                                 [](int r) { return r; });
+    float tile_max[1][2];
+    sm.template tile_max<kNT>(s_frag, tile_max);
+    rescale_pending = sm.need_rescale(tile_max, scale_log2);
+    if (rescale_pending) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) alpha[h] = sm.move_max(0, h, tile_max[0][h], scale_log2);
+    }
+    sm.template exp_and_sum<kNT>(s_frag, scale_log2);
+  };
+  // After the previous PV retired: O takes the tile's factor, P is packed.
+  auto finish_tile = [&] {
+    if (rescale_pending) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) FragSoftmax<1>::scale_o_row<kCB * 8>(o_frag, 0, h, alpha[h]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
   };
 
-  // Every consumer warpgroup walks all n_tiles (the producer fills each slot
-  // once per tile for both); only where masking stops differs per warpgroup.
-  int t = 0;
-  for (; t < n_tiles; ++t) {
-    const int n0 = tile_n0(t);
+  // Leading tiles (from the last key tile down) that need the mask for this
+  // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
+  int n_masked = 0;
+  while (n_masked < n_tiles) {
+    const int n0 = tile_n0(n_masked);
     const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
     if (full) break;
-    tile_step(t, MaskOn{});
+    ++n_masked;
   }
-  for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
+  auto softmax_any = [&](int t) {
+    if (t < n_masked) softmax_tile(t, MaskOn{});
+    else softmax_tile(t, MaskOff{});
+  };
+
+  mbar_wait(q_full(), 0);
+
+  if constexpr (!Cfg::kPipelined) {
+    // Step 1 of the ablation: each tile's two GEMMs back to back.
+    for (int t = 0; t < n_tiles; ++t) {
+      mbar_wait(k_full(slot(t)), phase(t));
+      issue_qk(t);
+      wgmma_wait<0>();
+      fence_operand(acc_s);
+      release(k_empty(slot(t)));
+      softmax_any(t);
+      finish_tile();
+      mbar_wait(v_full(slot(t)), phase(t));
+      issue_pv(t);
+      wgmma_wait<0>();
+      fence_o();
+      release(v_empty(slot(t)));
+    }
+  } else {
+    // Phase 0: QK^T of the first tile alone.
+    mbar_wait(k_full(slot(0)), phase(0));
+    sched_wait();
+    issue_qk(0);
+    sched_signal(false);
+    wgmma_wait<0>();
+    fence_operand(acc_s);
+    release(k_empty(slot(0)));
+    softmax_any(0);
+    finish_tile();
+    // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
+    for (int t = 1; t < n_tiles; ++t) {
+      mbar_wait(k_full(slot(t)), phase(t));
+      mbar_wait(v_full(slot(t - 1)), phase(t - 1));
+      sched_wait();
+      issue_qk(t);
+      issue_pv(t - 1);
+      sched_signal(false);
+      if constexpr (Cfg::kOverlap) {
+        wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
+        fence_operand(acc_s);
+        release(k_empty(slot(t)));
+        softmax_any(t);
+        wgmma_wait<0>();
+        fence_o();
+        fence_operand(p_frag);
+        release(v_empty(slot(t - 1)));
+      } else {
+        wgmma_wait<0>();
+        fence_operand(acc_s);
+        fence_o();
+        fence_operand(p_frag);
+        release(k_empty(slot(t)));
+        release(v_empty(slot(t - 1)));
+        softmax_any(t);
+      }
+      finish_tile();
+    }
+    // Phase n_tiles: PV of the last tile alone.
+    mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
+    sched_wait();
+    issue_pv(n_tiles - 1);
+    sched_signal(true);
+    wgmma_wait<0>();
+    fence_o();
+    release(v_empty(slot(n_tiles - 1)));
+  }
 
   // ---- epilogue ----
   // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
@@ -354,6 +452,10 @@ using TensorMapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint
 inline CUresult make_ws_tensor_map(TensorMapEncodeFn encode, CUtensorMap* map, const void* base, DType dtype,
                                    int head_dim, int64_t rows, int64_t heads, int64_t batch, int64_t row_stride,
                                    int64_t head_stride, int64_t batch_stride, int box_rows) {
+  // A dimension of extent 1 is never stepped over, but TMA still wants its
+  // stride to be a multiple of 16 bytes below 2^40: give it the packed value.
+  if (heads == 1) head_stride = rows * row_stride;
+  if (batch == 1) batch_stride = heads * head_stride;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
   // Byte strides of dims 1..3 (dim 0 is contiguous); TMA wants multiples of 16.
   const cuuint64_t strides[3] = {cuuint64_t(row_stride * 2), cuuint64_t(head_stride * 2),
@@ -366,18 +468,62 @@ inline CUresult make_ws_tensor_map(TensorMapEncodeFn encode, CUtensorMap* map, c
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
-// wp.tm_q must have box rows Cfg::kBlockM, wp.tm_k / wp.tm_v Cfg::kBlockN.
+// cuTensorMapEncodeTiled from the driver, looked up once (nullptr if absent).
+inline TensorMapEncodeFn tensor_map_encoder() {
+  static const TensorMapEncodeFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
+#endif
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<TensorMapEncodeFn>(ptr)
+                                                                      : nullptr;
+  }();
+  return fn;
+}
+
+// Whether the warp-specialised kernel can take p: TMA needs rows to exist
+// (an empty K/V tensor has no map) and 16-byte strides, which the fast
+// launcher has checked already.
+inline bool ws_supported(const PrefillParams& p) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t rows_q = varlen ? p.total_q : p.max_seqlen_q;
+  const int64_t rows_k = varlen ? p.total_k : p.max_seqlen_k;
+  return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
+}
+
+// The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
-cudaError_t launch_prefill_ws_cfg(const WsParams& wp, cudaStream_t stream) {
-  const PrefillParams& p = wp.p;
-  const int m_blocks = (p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
-  if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
+  const int m_blocks = (pp.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  if (m_blocks == 0 || pp.batch == 0 || pp.num_q_heads == 0) return cudaSuccess;
+  if (m_blocks > 65535 || pp.batch > 65535) return cudaErrorInvalidConfiguration;
+  const TensorMapEncodeFn enc = tensor_map_encoder();
+  if (enc == nullptr) return cudaErrorNotSupported;
+  const bool varlen = pp.cu_seqlens_q != nullptr;
+  const int64_t rows_q = varlen ? pp.total_q : pp.max_seqlen_q;
+  const int64_t rows_k = varlen ? pp.total_k : pp.max_seqlen_k;
+  const int64_t batch = varlen ? 1 : pp.batch;
+  if (rows_q <= 0 || rows_k <= 0) return cudaErrorInvalidValue;
+  WsParams wp{};
+  wp.p = pp;
+  CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, rows_q, pp.num_q_heads, batch,
+                                  pp.q_row_stride, pp.q_head_stride, pp.q_batch_stride, Cfg::kBlockM);
+  if (r == CUDA_SUCCESS)
+    r = make_ws_tensor_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, rows_k, pp.num_kv_heads, batch, pp.k_row_stride,
+                           pp.k_head_stride, pp.k_batch_stride, Cfg::kBlockN);
+  if (r == CUDA_SUCCESS)
+    r = make_ws_tensor_map(enc, &wp.tm_v, pp.v, pp.dtype, Cfg::kD, rows_k, pp.num_kv_heads, batch, pp.v_row_stride,
+                           pp.v_head_stride, pp.v_batch_stride, Cfg::kBlockN);
+  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
   auto kernel = prefill_ws_kernel<Cfg, kCausal>;
   constexpr int kSmem = Cfg::kSmemBytes;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_q_heads, p.batch, m_blocks);
+  const dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
 }
