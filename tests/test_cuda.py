@@ -886,10 +886,3 @@ def test_decode_return_lse(ops, variant, num_splits, heads):
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
     _, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, False, 0.0883)
     _check_lse(lse, lse64, f"decode lse variant={variant} splits={num_splits}")
-
-
-def test_return_lse_must_be_bool(ops):
-    q, kc, vc, bt, cl = _paged_problem(2, 4, 2, 128, 16, [5, 9], torch.bfloat16)
-    # the op schema rejects an old positional num_splits (torch raises TypeError or RuntimeError)
-    with pytest.raises((TypeError, RuntimeError), match="return_lse"):
-        ops.decode(q, kc, vc, bt, cl, 0.1, 3)
