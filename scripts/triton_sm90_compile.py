@@ -98,7 +98,7 @@ def variants():
                                     dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=False), w, s))
                     # warp specialisation wants num_warps=4 (one warpgroup, which the pass turns
                     # into a producer and two consumers: 12 warps)
-                    for bn, w, s in ((64, 4, 3), (128, 4, 2), (128, 4, 3)):
+                    for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)):
                         out.append((f"tma_ws_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
                                     dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=True), w, s))
     # lse on, once per kernel

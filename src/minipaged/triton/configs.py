@@ -136,11 +136,12 @@ SM90_PREFILL_VARIANT = "pointer"
 _PREFILL_SM90_HOPPER = {
     ("tma", 64): PrefillConfig(128, 128, 8, 2),      # 81 KB
     ("tma", 128): PrefillConfig(128, 64, 8, 3),      # 129 KB, the pointer kernel's tile
-    ("tma", 256): PrefillConfig(128, 64, 8, 2),
     ("tma_ws", 64): PrefillConfig(128, 128, 4, 3),   # 129 KB
     ("tma_ws", 128): PrefillConfig(128, 128, 4, 2),  # 193 KB; 3 stages would need 257 KB
-    ("tma_ws", 256): PrefillConfig(128, 64, 4, 2),
 }
+# head dims the default selection sends to a Hopper variant (the others were never compiled
+# for it); a forced variant runs any head dim
+HOPPER_PREFILL_HEAD_DIMS = (64, 128)
 
 
 def prefill_variant(dtype: torch.dtype, device: torch.device) -> str:

@@ -246,7 +246,7 @@ def _resolve(variant, q, k, v) -> tuple[str | None, bool]:
         variant = configs.prefill_variant(q.dtype, q.device)
     if variant not in configs.PREFILL_VARIANTS:
         raise ValueError(f"variant must be one of {configs.PREFILL_VARIANTS}, got {variant!r}")
-    if variant == "pointer":
+    if variant == "pointer" or (not explicit and q.shape[-1] not in configs.HOPPER_PREFILL_HEAD_DIMS):
         return None, explicit
     ok = usable(q, k, v) or (explicit and q.dtype == torch.float32 and all(_aligned(t) for t in (q, k, v)))
     if not ok:
