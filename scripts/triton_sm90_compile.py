@@ -77,9 +77,29 @@ def summarize(k) -> dict:
         "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
         "ttg.warp_specialize": ttgir.count("ttg.warp_specialize"),
         "mbarrier_wait": len(re.findall(r"mbarrier\.try_wait", ptx)),
-        "n_regs": getattr(k, "n_regs", None),
-        "n_spills": getattr(k, "n_spills", None),
     }
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spills from triton's bundled ptxas (sm_90a), or {} when it is missing."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    if not os.access(ptxas, os.X_OK):
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(map(int, spills))}
 
 
 def variants():
@@ -113,6 +133,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dump", help="write <name>.ttgir/.ptx here")
     ap.add_argument("--only", help="substring of the variant names to compile")
+    ap.add_argument("--ptxas", action="store_true", help="also registers and spills from ptxas -v")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target sm_90")
     failures = 0
@@ -129,6 +150,8 @@ def main(argv=None) -> int:
                 traceback.print_exc()
             continue
         info = summarize(k)
+        if args.ptxas:
+            info.update(ptxas_usage(k.asm["ptx"]))
         status = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
         print(f"{status} {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
         if args.dump:

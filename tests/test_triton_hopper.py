@@ -49,22 +49,24 @@ def _attention(q, k, v, causal: bool, scale: float, work: torch.dtype):
     lse = torch.full((h, nq), -math.inf, dtype=torch.float64)
     if nq == 0 or nk == 0:
         return o, lse
+    dev = q.device  # fp64 on the GPU when there is one: the CPU would take minutes at N=2048
     group = h // hkv
-    kk = k.cpu().to(work).repeat_interleave(group, 0)
-    vv = v.cpu().to(work).repeat_interleave(group, 0)
-    s = (q.cpu().to(work) @ kk.transpose(1, 2)).double() * scale
-    rows = torch.arange(nq).view(-1, 1)
-    cols = torch.arange(nk).view(1, -1)
-    seen = (cols <= rows + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool)
+    kk = k.to(work).repeat_interleave(group, 0)
+    vv = v.to(work).repeat_interleave(group, 0)
+    s = (q.to(work) @ kk.transpose(1, 2)).double() * scale
+    rows = torch.arange(nq, device=dev).view(-1, 1)
+    cols = torch.arange(nk, device=dev).view(1, -1)
+    seen = (cols <= rows + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=dev)
     s = s.masked_fill(~seen, -math.inf)
     any_seen = seen.any(1)  # [Nq]
-    m = torch.where(any_seen.view(1, -1, 1), s.amax(-1, keepdim=True), torch.zeros(1, 1, 1, dtype=torch.float64))
+    m = torch.where(any_seen.view(1, -1, 1), s.amax(-1, keepdim=True), torch.zeros((), dtype=torch.float64, device=dev))
     w = torch.exp(s - m)
     z = w.sum(-1, keepdim=True)
     p = w / torch.where(z > 0, z, torch.ones_like(z))
     o = (p.to(work) @ vv).double()
-    lse = torch.where(any_seen.view(1, -1), (m + torch.log(z)).squeeze(-1), torch.tensor(-math.inf, dtype=torch.float64))
-    return o, lse
+    lse = torch.where(any_seen.view(1, -1), (m + torch.log(z)).squeeze(-1),
+                      torch.full((), -math.inf, dtype=torch.float64, device=dev))
+    return o.cpu(), lse.cpu()
 
 
 def _dense_oracle(q, k, v, causal, scale, work):

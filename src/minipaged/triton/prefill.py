@@ -16,6 +16,9 @@ strides and fixed lengths, varlen passes cu_seqlens and a zero batch stride.
 
 RETURN_LSE (constexpr, so the default launch carries none of it) also stores
 the natural-log softmax denominator per row, -inf for a row that saw no key.
+
+This is the "pointer" variant; prefill_tma.py holds the Hopper ones (TMA descriptors,
+warp specialisation), chosen by configs.prefill_variant.
 """
 
 from __future__ import annotations
