@@ -46,16 +46,16 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "decode")
     def _decode_fake(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=0, variant=0,
-                     return_lse=False):
+                     return_lse=False, k_scale=None, v_scale=None):
         return _out_lse(q, return_lse)
 
     @torch.library.register_fake(lib + "paged")
     def _paged_fake(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
-                    return_lse=False, num_splits=0, variant=0):
+                    return_lse=False, num_splits=0, variant=0, k_scale=None, v_scale=None):
         return _out_lse(q, return_lse)
 
     @torch.library.register_fake(lib + "write_kv_cache")
-    def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping):
+    def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         return None
 
 
@@ -110,33 +110,40 @@ def prefill_varlen_wmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return _result(out, return_lse)
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, *, num_splits=0, variant=0):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, k_scale=None, v_scale=None, *,
+           num_splits=0, variant=0):
     """Paged decode shared by `cuda` and `cuda-wmma`. q [B,Hq,D]; caches [num_blocks,block_size,Hkv,D].
 
-    -> o, or (o, lse [B,Hq]). num_splits (0: heuristic) and variant (0: tuned
-    tiling) exist for benchmarking.
+    -> o, or (o, lse [B,Hq]). float8_e4m3fn caches take k_scale/v_scale, float32
+    [Hkv] (real value = stored x scale), dequantised inside the kernels.
+    num_splits (0: heuristic) and variant (0: tuned tiling) exist for benchmarking.
     """
     out = _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(num_splits), int(variant),
-                        return_lse)
+                        return_lse, k_scale, v_scale)
     return _result(out, return_lse)
 
 
 def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
-          return_lse=False, *, num_splits=0, variant=0):
+          return_lse=False, k_scale=None, v_scale=None, *, num_splits=0, variant=0):
     """Paged attention for any query length. q [Tq,Hq,D] packed by cu_seqlens_q int32 [S+1];
     caches [num_blocks,block_size,Hkv,D]; context_lens int32 [S] include the new tokens.
 
     -> o [Tq,Hq,D], or (o, lse [Tq,Hq]). With max_seqlen_q == 1 and one row per
     sequence it runs the decode kernels (num_splits/variant apply there only).
+    float8_e4m3fn caches take k_scale/v_scale as in decode.
     """
     out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),
-                       bool(causal), float(scale), return_lse, int(num_splits), int(variant))
+                       bool(causal), float(scale), return_lse, int(num_splits), int(variant), k_scale, v_scale)
     return _result(out, return_lse)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Scatter k/v [T,Hkv,D] into the paged caches at slot_mapping (negative = skip). Returns None."""
-    _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Scatter k/v [T,Hkv,D] into the paged caches at slot_mapping (negative = skip). Returns None.
+
+    float8_e4m3fn caches store e4m3(k / k_scale[h]) (v likewise): an IEEE division, rounded to
+    nearest even, saturated at +-448; k_scale/v_scale float32 [Hkv].
+    """
+    _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 # The two registry backends (minipaged.registry loads these): `cuda` runs the

@@ -244,20 +244,53 @@ OutLse prefill_varlen_wmma(const at::Tensor& q, const at::Tensor& k, const at::T
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse);
 }
 
+using OptTensor = std::optional<at::Tensor>;
+
+// FP8 caches: the per-KV-head scales the kernels read (k_scale[h], v_scale[h]
+// for every h < Hkv): float32, 1-D, contiguous, num_kv_heads elements, on
+// `like`'s device. 16-bit caches take none. Returns whether the caches are FP8.
+bool check_kv_scales(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptTensor& k_scale,
+                     const OptTensor& v_scale, int64_t num_kv_heads, const at::Tensor& like) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  MP_CHECK_TYPE(v_cache.scalar_type() == k_cache.scalar_type(),
+                "minipaged cuda: k_cache and v_cache must share one dtype, got ", k_cache.scalar_type(), " and ",
+                v_cache.scalar_type());
+  if (!fp8) {
+    MP_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
+                   "minipaged cuda: k_scale/v_scale apply to float8_e4m3fn caches only, the caches are ",
+                   k_cache.scalar_type());
+    return false;
+  }
+  MP_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(),
+                 "minipaged cuda: float8_e4m3fn caches need k_scale and v_scale (float32 [Hkv])");
+  for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+    const char* name = s == &*k_scale ? "k_scale" : "v_scale";
+    check_cuda_tensor(*s, name, like);
+    MP_CHECK_TYPE(s->scalar_type() == at::kFloat, "minipaged cuda: ", name, " must be float32, got ",
+                  s->scalar_type());
+    MP_CHECK_VALUE(s->dim() == 1 && s->size(0) == num_kv_heads && s->is_contiguous(), "minipaged cuda: ", name,
+                   " must be a contiguous float32 [Hkv] = [", num_kv_heads, "] tensor");
+  }
+  return true;
+}
+
 // Memory-safety checks shared by decode and paged: q [rows, Hq, D] against
-// caches [num_blocks, block_size, Hkv, D] and an int32 block table and
-// context_lens with `seqs` rows.
-void check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// caches [num_blocks, block_size, Hkv, D] (q's dtype, or float8_e4m3fn with
+// k_scale/v_scale) and an int32 block table and context_lens with `seqs` rows.
+// Returns whether the caches are FP8.
+bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t seqs,
-                        const char* op) {
+                        const char* op, const OptTensor& k_scale, const OptTensor& v_scale) {
   check_cuda_tensor(q, "q", q);
   check_cuda_tensor(k_cache, "k_cache", q);
   check_cuda_tensor(v_cache, "v_cache", q);
   check_cuda_tensor(block_tables, "block_tables", q);
   check_cuda_tensor(context_lens, "context_lens", q);
   dtype_of(q, "q");
-  MP_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-                "minipaged cuda: q and the caches must share one dtype");
+  MP_CHECK_VALUE(k_cache.dim() == 4, "minipaged cuda: ", op, " wants caches [num_blocks,block_size,Hkv,D]");
+  const bool fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_cache.size(2), q);
+  MP_CHECK_TYPE(fp8 || (k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type()),
+                "minipaged cuda: the caches must have q's dtype or be float8_e4m3fn");
   MP_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "minipaged cuda: ", op,
                  " wants q [T,Hq,D] and caches [num_blocks,block_size,Hkv,D]");
   MP_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -270,6 +303,7 @@ void check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
   MP_CHECK_VALUE(block_tables.size(0) == seqs && context_lens.size(0) == seqs, "minipaged cuda: ", op,
                  ": block_tables/context_lens have ", block_tables.size(0), "/", context_lens.size(0),
                  " rows, expected ", seqs);
+  return fp8;
 }
 
 // The kernels stream cache rows in 16-byte pieces; a cache view that is not
@@ -282,7 +316,7 @@ at::Tensor unit_stride_table(const at::Tensor& bt) {
 // Decode proper (checks done): one query row per sequence.
 OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
-                  int64_t variant, bool return_lse) {
+                  int64_t variant, bool return_lse, bool fp8, const OptTensor& k_scale, const OptTensor& v_scale) {
   const DType dtype = dtype_of(q, "q");
   at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
@@ -320,6 +354,9 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
     p.num_sms = num_sms(q.get_device());
     p.cc_major = cc_major(q.get_device());
     p.variant = static_cast<int>(variant);
+    p.kv_fp8 = fp8;
+    p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+    p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
     if (o.numel() > 0) {
       const minipaged::DecodePlan plan = minipaged::decode_plan(p, static_cast<int>(num_splits));
       at::Tensor workspace;
@@ -338,9 +375,11 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
 
 OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
-              int64_t variant, bool return_lse) {
-  check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, q.size(0), "decode");
-  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, variant, return_lse);
+              int64_t variant, bool return_lse, const OptTensor& k_scale, const OptTensor& v_scale) {
+  const bool fp8 =
+      check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, q.size(0), "decode", k_scale, v_scale);
+  return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, variant, return_lse, fp8,
+                    k_scale, v_scale);
 }
 
 // Paged attention for any query length. A pure decode batch (every q_len 1:
@@ -350,13 +389,14 @@ OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
              int64_t max_seqlen_q, bool causal, double scale, bool return_lse, int64_t num_splits,
-             int64_t variant) {
+             int64_t variant, const OptTensor& k_scale, const OptTensor& v_scale) {
   check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", q);
   MP_CHECK_TYPE(cu_seqlens_q.scalar_type() == at::kInt, "minipaged cuda: cu_seqlens_q must be int32");
   MP_CHECK_VALUE(cu_seqlens_q.dim() == 1 && cu_seqlens_q.is_contiguous() && cu_seqlens_q.numel() >= 1,
                  "minipaged cuda: cu_seqlens_q must be a contiguous 1-D tensor of S+1 >= 1 entries");
   const int64_t seqs = cu_seqlens_q.numel() - 1;
-  check_paged_inputs(q, k_cache_in, v_cache_in, block_tables, context_lens, seqs, "paged");
+  const bool fp8 =
+      check_paged_inputs(q, k_cache_in, v_cache_in, block_tables, context_lens, seqs, "paged", k_scale, v_scale);
   // An upper bound of every q_len; only the grid depends on it (rows past a
   // sequence's own q_len are skipped), so any value that survives the cast to
   // int (and the grid arithmetic) is safe.
@@ -364,7 +404,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor
                  "minipaged cuda: max_seqlen_q must be in [0, 2^24], got ", max_seqlen_q);
   if (max_seqlen_q == 1 && q.size(0) == seqs)
     return run_decode(q, k_cache_in, v_cache_in, block_tables, context_lens, scale, num_splits, variant,
-                      return_lse);
+                      return_lse, fp8, k_scale, v_scale);
   const DType dtype = dtype_of(q, "q");
   at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
@@ -403,6 +443,9 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
     p.variant = static_cast<int>(variant);
+    p.kv_fp8 = fp8;
+    p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+    p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
     if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0)
       err = minipaged::launch_prefill_paged(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   }
@@ -411,7 +454,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor
 }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& slot_mapping) {
+                    const at::Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
   check_cuda_tensor(k, "k", k);
   check_cuda_tensor(v, "v", k);
   check_cuda_tensor(k_cache, "k_cache", k);
@@ -419,9 +462,13 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   check_cuda_tensor(slot_mapping, "slot_mapping", k);
   MP_CHECK_VALUE(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "minipaged cuda: write_kv_cache wants k/v [T,Hkv,D] and caches [num_blocks,block_size,Hkv,D]");
-  MP_CHECK_TYPE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
-                  k.scalar_type() == v.scalar_type(),
-              "minipaged cuda: k, v and the caches must share one dtype");
+  MP_CHECK_VALUE(k_cache.dim() == 4, "minipaged cuda: write_kv_cache wants caches [num_blocks,block_size,Hkv,D]");
+  const bool fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_cache.size(2), k);
+  const bool src_ok = k.scalar_type() == at::kHalf || k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat;
+  MP_CHECK_TYPE(k.scalar_type() == v.scalar_type() && (fp8 ? src_ok : k.scalar_type() == k_cache.scalar_type()),
+                "minipaged cuda: k and v must share one dtype, the caches' (or float16/bfloat16/float32 with "
+                "float8_e4m3fn caches), got ", k.scalar_type(), " and ", v.scalar_type(), " for ",
+                k_cache.scalar_type(), " caches");
   MP_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
               "minipaged cuda: slot_mapping must be int32 or int64");
   MP_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
@@ -447,6 +494,10 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   p.block_size = static_cast<int>(k_cache.size(1));
   p.num_slots = k_cache.size(0) * k_cache.size(1);
   p.elem_bytes = static_cast<int>(k.element_size());
+  p.cache_fp8 = fp8;
+  p.src_dtype = k.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
+  p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+  p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(k.device());
@@ -472,13 +523,15 @@ TORCH_LIBRARY(minipaged_cuda, m) {
       "int max_seqlen_q, int max_seqlen_k, bool causal, float scale, bool return_lse=False) -> (Tensor, Tensor)");
   m.def(
       "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "float scale, int num_splits=0, int variant=0, bool return_lse=False) -> (Tensor, Tensor)");
+      "float scale, int num_splits=0, int variant=0, bool return_lse=False, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def(
       "paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
       "Tensor context_lens, int max_seqlen_q, bool causal, float scale, bool return_lse=False, "
-      "int num_splits=0, int variant=0) -> (Tensor, Tensor)");
+      "int num_splits=0, int variant=0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def(
-      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minipaged_cuda, CUDA, m) {

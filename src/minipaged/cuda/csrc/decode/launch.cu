@@ -67,9 +67,10 @@ DecodePlan info_mma() {
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
 // row over D/16 threads (one piece each) and covers twice the tokens per load
 // of the 16-bit tiling with the same bytes in flight. From 3 query heads per
-// KV head up (both head dims) the tensor-core kernel runs; its 3-stage ring of
-// byte tiles takes half the shared memory of the 16-bit one, so twice the CTAs
-// fit per SM. The 16-bit benchmarking tilings do not apply, except: 10/11
+// KV head up (both head dims) the tensor-core kernel runs; a stage of byte
+// tiles takes half the shared memory of a 16-bit one, so its ring is 4 stages
+// deep and 3 CTAs fit per SM (registers bound them; the 16-bit kernel fits 2).
+// The 16-bit benchmarking tilings do not apply, except: 10/11
 // force the tensor-core kernel, 12 the scalar one (2 heads per CTA: a larger
 // group is covered by several CTAs per KV head, each re-reading its pages).
 template <typename T, int D>
@@ -77,7 +78,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   constexpr int TPT = D / 16;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
-  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma<T, D, 3, true>();
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma<T, D, 4, true>();
   if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true>();
   return info<T, D, 2, TPT, 2, true, 0, true>();
 }

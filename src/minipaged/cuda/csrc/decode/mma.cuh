@@ -15,23 +15,8 @@
 //
 // FP8 caches (FP8): the ring holds the e4m3 bytes as loaded (half the bytes of
 // a 16-bit tile) and the MMA operands are widened in registers, exactly, to
-// q's 16-bit type; k_scale is folded into the score scale and v_scale into the
-// output. ldmatrix moves 16-bit elements, so the fragments are read with plain
-// shared loads instead, in layouts chosen so that each thread's bytes are
-// contiguous:
-//   K: a dot product may sum the head dim in any order, as long as Q and K use
-//      the same one. Within each 64-dim block, thread t of a quad reads 16
-//      contiguous bytes, dims 16t..16t+15, and k step j of the block takes its
-//      dims 16t+4j..16t+4j+3 as the k indices {2t, 2t+1, 2t+8, 2t+9} of the
-//      m16n8k16 fragment (one 32-bit word: low half b0, high half b1). Q's A
-//      fragment is read from shared memory in the same permuted order.
-//   V: thread (g, t) supplies B column g of every n tile, and n tile dt column
-//      n is taken to be dim n * (D/8) + dt, so the thread reads D/8 contiguous
-//      bytes (dims g*D/8 ..) of each of its four token rows {2t, 2t+1, 2t+8,
-//      2t+9}; a byte transpose (prmt) pairs the rows per dim. O then holds dims
-//      in that permuted order, which the final merge undoes (FragDimOf).
-// Both tiles are XOR-swizzled in 16-byte chunks so these reads hit distinct
-// banks (a 2-way conflict remains for V at D = 64).
+// q's 16-bit type (layouts: ptx/fp8.cuh); k_scale is folded into the score
+// scale and v_scale into the output.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -73,27 +58,10 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>((row * D + ((chunk ^ (row & 7)) << 3)) * 2);
 }
 
-// FP8 tiles: byte offset of (row, 16-byte chunk) in a [rows][D] e4m3 tile.
-// K is read as 16-byte chunks t (+4 per 64-dim block) of rows g and g + 8: at
-// D = 128 odd rows flip the 64-byte half, so a quarter warp's two rows cover all
-// banks (64-byte rows at D = 64 already do). V is read as chunk g (D = 128) or
-// half chunk (D = 64) of rows 2t + const: bits 1-2 of the row pick the XOR.
-template <int D>
-__device__ __forceinline__ uint32_t swz8_k(int row, int chunk) {
-  const int c = D == 128 ? chunk ^ ((row & 1) << 2) : chunk;
-  return static_cast<uint32_t>(row * D + (c << 4));
-}
-template <int D>
-__device__ __forceinline__ uint32_t swz8_v(int row, int chunk) {
-  const int c = D == 128 ? chunk ^ (((row >> 1) & 3) << 1) : chunk ^ ((row >> 1) & 3);
-  return static_cast<uint32_t>(row * D + (c << 4));
-}
-
-// Column c of an FP8 O fragment row (n tile c / 8, column c % 8) holds dim
-// (c % 8) * (D / 8) + c / 8 (see the V layout above).
+// Column c of an FP8 O fragment row (n tile c / 8, column c % 8) holds dim fp8_o_dim.
 template <int D>
 struct FragDimOf {
-  __device__ __forceinline__ int operator()(int c) const { return (c & 7) * (D / 8) + (c >> 3); }
+  __device__ __forceinline__ int operator()(int c) const { return fp8_o_dim<D>(c >> 3, c & 7); }
 };
 
 template <typename T, int D, int STAGES, bool FP8 = false>
@@ -150,8 +118,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
         vp += page * p.v_block_stride + in_page * p.v_token_stride;
       }
       if constexpr (FP8) {
-        cp_async_16(kdst + swz8_k<D>(row, c), kp, valid);
-        cp_async_16(vdst + swz8_v<D>(row, c), vp, valid);
+        cp_async_16(kdst + fp8_tile_k_off<D>(row, c), kp, valid);
+        cp_async_16(vdst + fp8_tile_v_off<D>(row, c), vp, valid);
       } else {
         cp_async_16(kdst + swz<D>(row, c), kp, valid);
         cp_async_16(vdst + swz<D>(row, c), vp, valid);
@@ -184,22 +152,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
   cp_async_wait<STAGES - 1>();  // the Q group has landed
   __syncthreads();
   if constexpr (FP8) {
-    // k step 4 * blk + j: dims 64 blk + 16 t + 4 j .. + 3 (the K layout above),
-    // i.e. half of the 16-bit chunk 8 blk + 2 t + j / 2.
+    const auto q_off = [](int row, int chunk) { return swz<D>(row, chunk); };
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int chunk = (kk >> 2) * 8 + tq + ((kk & 3) >> 1);
-      const uint32_t half = (kk & 1) * 8;
-      uint32_t lo[2], hi[2];
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo[0]), "=r"(lo[1]) : "r"(s_q + swz<D>(g, chunk) + half));
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                   : "=r"(hi[0]), "=r"(hi[1])
-                   : "r"(s_q + swz<D>(g + 8, chunk) + half));
-      q_frag[kk][0] = lo[0];
-      q_frag[kk][1] = hi[0];
-      q_frag[kk][2] = lo[1];
-      q_frag[kk][3] = hi[1];
-    }
+    for (int kk = 0; kk < D / 16; ++kk) fp8_q_frag(s_q, g, kk, lane & 3, q_off, q_frag[kk]);
   } else {
     const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
@@ -234,18 +189,16 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
       const uint32_t kt = ring + stage * S::kStageBytes;
 #pragma unroll
       for (int blk = 0; blk < D / 64; ++blk) {
-        uint4 kw[2];  // tokens g and g + 8 of this warp, dims 64 blk + 16 t ..
+        uint4 kw[2];  // keys g and g + 8 of this warp
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(kw[nt].x), "=r"(kw[nt].y), "=r"(kw[nt].z), "=r"(kw[nt].w)
-                       : "r"(kt + swz8_k<D>(warp * 16 + nt * 8 + g, blk * 4 + (lane & 3))));
+        for (int nt = 0; nt < 2; ++nt) kw[nt] = lds128(kt + fp8_tile_k_off<D>(warp * 16 + nt * 8 + g, blk * 4 + (lane & 3)));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t w = j == 0 ? kw[nt].x : j == 1 ? kw[nt].y : j == 2 ? kw[nt].z : kw[nt].w;
-            mma_16816<T>(s[nt], q_frag[blk * 4 + j], fp8x2_to_16x2<T>(w & 0xffffu), fp8x2_to_16x2<T>(w >> 16));
+            uint32_t b0, b1;
+            fp8_k_frag<T>(kw[nt], j, b0, b1);
+            mma_16816<T>(s[nt], q_frag[blk * 4 + j], b0, b1);
           }
         }
       }
@@ -300,35 +253,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     a[2] = pack2<T>(s[1][0], s[1][1]);
     a[3] = pack2<T>(s[1][2], s[1][3]);
     if constexpr (FP8) {
-      // Token rows 2t, 2t+1, 2t+8, 2t+9 of this warp, D/8 bytes each (dims g*D/8 ..).
-      constexpr int kW = D / 32;  // 32-bit words per row piece
-      const uint32_t vt = ring + stage * S::kStageBytes + S::kTileBytes;
-      uint32_t vw[4][kW];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = warp * 16 + tq + (r & 1) + (r >> 1) * 8;
-        if constexpr (D == 128) {
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(vw[r][0]), "=r"(vw[r][1]), "=r"(vw[r][2]), "=r"(vw[r][3])
-                       : "r"(vt + swz8_v<D>(row, g)));
-        } else {
-          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                       : "=r"(vw[r][0]), "=r"(vw[r][1])
-                       : "r"(vt + swz8_v<D>(row, g >> 1) + (g & 1) * 8));
-        }
-      }
-#pragma unroll
-      for (int w = 0; w < kW; ++w) {
-        // Bytes i of rows (2t, 2t+1) and of rows (2t+8, 2t+9), paired: dim 4w + i.
-        const uint32_t ab_lo = __byte_perm(vw[0][w], vw[1][w], 0x5140);
-        const uint32_t ab_hi = __byte_perm(vw[0][w], vw[1][w], 0x7362);
-        const uint32_t cd_lo = __byte_perm(vw[2][w], vw[3][w], 0x5140);
-        const uint32_t cd_hi = __byte_perm(vw[2][w], vw[3][w], 0x7362);
-        mma_16816<T>(acc_o[4 * w + 0], a, fp8x2_to_16x2<T>(ab_lo & 0xffffu), fp8x2_to_16x2<T>(cd_lo & 0xffffu));
-        mma_16816<T>(acc_o[4 * w + 1], a, fp8x2_to_16x2<T>(ab_lo >> 16), fp8x2_to_16x2<T>(cd_lo >> 16));
-        mma_16816<T>(acc_o[4 * w + 2], a, fp8x2_to_16x2<T>(ab_hi & 0xffffu), fp8x2_to_16x2<T>(cd_hi & 0xffffu));
-        mma_16816<T>(acc_o[4 * w + 3], a, fp8x2_to_16x2<T>(ab_hi >> 16), fp8x2_to_16x2<T>(cd_hi >> 16));
-      }
+      uint32_t vw[4][D / 32];
+      fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * 16, g, lane & 3, vw);
+      fp8_pv<T, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<T>(acc_o[dt], a, b0, b1); });
     } else {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {

@@ -22,6 +22,15 @@
 // and its rows are the (query row, head) pairs of that head's GQA group,
 // packed row = query_row * group + head_in_group, so the group's K/V pages are
 // streamed once for all of its heads (the decode kernels' trick, for q_len > 1).
+//
+// FP8 K/V (Cfg = Fp8KV<...>, paged only): the K/V tiles are e4m3 bytes as
+// loaded from the cache (half the shared memory and bytes of a 16-bit tile);
+// the MMA operands are widened to 16 bits in registers after plain shared loads,
+// in the permuted layouts of ptx/fp8.cuh (Q's fragments are read in K's order;
+// O holds dims permuted until the epilogue puts them back). The KV head's
+// k_scale is folded into the score scale and its v_scale into 1/l. Causal is a
+// runtime flag there (p.causal), which halves the instantiations: a
+// non-causal call runs the causal kernel with a diagonal past every key.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -31,6 +40,7 @@
 #include "prefill/common.cuh"
 #include "prefill/softmax.cuh"
 #include "ptx/cp_async.cuh"
+#include "ptx/fp8.cuh"
 #include "ptx/ldmatrix.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/mma.cuh"
@@ -51,6 +61,7 @@ struct PrefillCfg {
   static constexpr bool kSwizzle = kSwizzle_;
   static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ occupancy hint
   static constexpr bool kLazyRescale = kLazyRescale_;
+  static constexpr bool kKV8 = false;  // FP8 K/V tiles: Fp8KV<> below
 
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kWarpRows = 16 * kMTiles;
@@ -74,6 +85,80 @@ struct PrefillCfg {
   static_assert(kStages >= 1 && kStages <= 4, "stages");
   static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must split evenly");
   static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must split evenly");
+};
+
+// The configuration `Base` with FP8 (e4m3) K/V tiles: kStages stages of a K
+// and a V byte tile, then the 16-bit Q tile (never aliased with a stage).
+// Q must live in registers: its fragments are read once, in K's permuted order.
+template <class Base>
+struct Fp8KV : Base {
+  static constexpr bool kKV8 = true;
+  static constexpr int kTileBytes8 = Base::kBlockN * Base::kD;
+  static constexpr int kStageBytes8 = 2 * kTileBytes8;
+  static constexpr bool kQAliased = false;
+  static constexpr int kSmemBytes = Base::kStages * kStageBytes8 + Base::kQElems * 2 + 256;
+  static_assert(Base::kQInRegs && Base::kStages >= 2, "FP8 K/V: Q in registers, a pipelined ring");
+  static_assert(Base::kD == 64 || Base::kD == 128, "FP8 K/V: head dim 64 or 128");
+  static_assert(Base::kBlockN * (Base::kD / 16) % Base::kThreads == 0, "FP8 tile copy must split evenly");
+};
+
+// Bytes of one pipeline stage (a K and a V tile).
+template <class Cfg>
+__host__ __device__ constexpr uint32_t kv_stage_bytes() {
+  if constexpr (Cfg::kKV8) {
+    return Cfg::kStageBytes8;
+  } else {
+    return Cfg::kStageElems * 2;
+  }
+}
+
+// Paged FP8 K/V tile gatherer: PagedKVLoader's page lookup (one tile ahead)
+// with 16-byte chunks of e4m3 rows (kD / 16 per row) and the FP8 tile swizzles.
+template <class Cfg, int kRows>
+struct PagedKV8Loader {
+  static constexpr int kChunks = Cfg::kD / 16;
+  static constexpr int kIters = kRows * kChunks / Cfg::kThreads;
+  static constexpr int kRowStep = Cfg::kThreads / kChunks;
+  static_assert(Cfg::kThreads % kChunks == 0 && kIters >= 1, "copy layout");
+  int page[kIters];
+
+  __device__ __forceinline__ void fetch(const PrefillParams& p, const int32_t* table, int row0, int num_rows,
+                                        int tid) {
+    const int log2_bs = __ffs(p.block_size) - 1;
+    if (p.block_size >= kRows) {
+      const int pg = row0 < num_rows ? __ldg(table + (row0 >> log2_bs)) : 0;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) page[it] = pg;
+    } else {
+      const int r = tid / kChunks;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int j = row0 + r + it * kRowStep;
+        page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const uint8_t* k_head,
+                                        const uint8_t* v_head, const PrefillParams& p, int row0, int num_rows,
+                                        int tid) const {
+    const int r = tid / kChunks;
+    const int c = tid % kChunks;
+    const int bs_mask = p.block_size - 1;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int row = r + it * kRowStep;
+      const int j = row0 + row;
+      const bool valid = j < num_rows;
+      const int64_t in_page = j & bs_mask;
+      const uint8_t* kp =
+          valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 16 : k_head;
+      const uint8_t* vp =
+          valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 16 : v_head;
+      cp_async_16(k_tile + fp8_tile_k_off<Cfg::kD>(row, c), kp, valid);
+      cp_async_16(v_tile + fp8_tile_v_off<Cfg::kD>(row, c), vp, valid);
+    }
+  }
 };
 
 // Element offset of (row, 16-byte chunk) in a [rows][kD] shared tile.
@@ -151,11 +236,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr int kMT = Cfg::kMTiles;
   constexpr int kNT = kBlockN / 8;  // n-tiles of S per warp
   constexpr int kDT = kD / 8;       // n-tiles of O per warp
+  constexpr bool kKV8 = Cfg::kKV8;
+  static_assert(!kKV8 || (kPaged && kCausal), "FP8 K/V: paged only, causal as a runtime flag");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t raw_u32 = smem_u32(smem_raw);
   T* smem = reinterpret_cast<T*>(smem_raw + (((raw_u32 + 255u) & ~255u) - raw_u32));
-  T* s_q = Cfg::kQAliased ? smem + Cfg::kStageElems : smem + Cfg::kStages * Cfg::kStageElems;
+  T* s_q;
+  if constexpr (kKV8) {
+    s_q = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(smem) + Cfg::kStages * Cfg::kStageBytes8);
+  } else {
+    s_q = Cfg::kQAliased ? smem + Cfg::kStageElems : smem + Cfg::kStages * Cfg::kStageElems;
+  }
 
   int head = blockIdx.x;
   const int batch = blockIdx.y;
@@ -199,7 +291,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int m_rows = min(kBlockM, total_rows - m_start);
 
   // Row i sees key j iff j <= i + diag (bottom-right aligned causal mask).
-  const int diag = seqlen_k - seqlen_q;
+  // FP8 kernels are compiled causal only; not causal, every key of a row is
+  // visible, which a diagonal past the last key gives.
+  const int diag = (kKV8 && !p.causal) ? (1 << 30) : seqlen_k - seqlen_q;
   int n_end = seqlen_k;
   if (kCausal) n_end = min(n_end, qrow(m_start + m_rows - 1) + 1 + diag);
   if (n_end <= 0) {
@@ -221,16 +315,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
 
   constexpr uint32_t kRowBytes = kD * 2;
-  constexpr uint32_t kStageBytes = Cfg::kStageElems * 2;
+  constexpr uint32_t kStageBytes = kv_stage_bytes<Cfg>();
   const uint32_t smem_base = smem_u32(smem);
   const uint32_t s_q_u32 = smem_u32(s_q);
-  std::conditional_t<kPaged, PagedKVLoader<Cfg, kBlockN>, NoLoader> pager;
+  std::conditional_t<kPaged, std::conditional_t<kKV8, PagedKV8Loader<Cfg, kBlockN>, PagedKVLoader<Cfg, kBlockN>>,
+                     NoLoader>
+      pager;
   const int32_t* table = kPaged ? p.block_tables + batch * p.block_table_stride : nullptr;
   if constexpr (kPaged) pager.fetch(p, table, (n_tiles - 1) * kBlockN, seqlen_k, tid);
   auto load_kv = [&](int t, int stage) {
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * kStageBytes;
-    if constexpr (kPaged) {
+    if constexpr (kKV8) {
+      pager.issue(k_dst, k_dst + Cfg::kTileBytes8, static_cast<const uint8_t*>(p.k) + kv_head * p.k_head_stride,
+                  static_cast<const uint8_t*>(p.v) + kv_head * p.v_head_stride, p, n0, seqlen_k, tid);
+      if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
+    } else if constexpr (kPaged) {
       pager.issue(k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, n0, seqlen_k, tid,
                   [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); });
       if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
@@ -273,11 +373,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   if constexpr (Cfg::kQInRegs) {
     cp_async_wait<(Cfg::kStages > 1 ? Cfg::kStages - 1 : 1)>();  // Q only
     __syncthreads();
+    if constexpr (kKV8) {
+      const auto q_tile_off = [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); };
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        ldmatrix_x4(q_frag[mt][kk], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
+        for (int kk = 0; kk < kD / 16; ++kk)
+          fp8_q_frag(s_q_u32, warp_row0 + mt * 16 + (lane >> 2), kk, lane & 3, q_tile_off, q_frag[mt][kk]);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk)
+          ldmatrix_x4(q_frag[mt][kk], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
+    }
     // Stage 1 (where Q may live) is refilled only after the first loop barrier.
   }
 
@@ -291,7 +400,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // Scores are kept raw; the running max is tracked in raw units and scaled
   // once per row (the launchers admit only a positive scale).
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  float scale_log2 = p.scale * 1.4426950408889634f;
+  if constexpr (kKV8) scale_log2 *= p.k_scale[kv_head];
   FragSoftmax<kMT> sm;
   sm.init();
   auto o_frag = [&](int mt, int dt, int e) -> float& { return acc_o[mt][dt][e]; };
@@ -327,26 +437,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+    if constexpr (kKV8) {
+      const uint32_t kt = smem_base + stage * kStageBytes;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[kMT][4];
+      for (int blk = 0; blk < kD / 64; ++blk) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        if constexpr (Cfg::kQInRegs) {
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          uint4 kw[2];  // keys 16 np + g and 16 np + 8 + g
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
-        } else {
-          ldmatrix_x4(a[mt], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
+          for (int h = 0; h < 2; ++h) kw[h] = lds128(kt + fp8_tile_k_off<kD>(np * 16 + h * 8 + g, blk * 4 + (lane & 3)));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              uint32_t b0, b1;
+              fp8_k_frag<T>(kw[h], j, b0, b1);
+#pragma unroll
+              for (int mt = 0; mt < kMT; ++mt) mma_16816<T>(acc_s[mt][2 * np + h], q_frag[mt][blk * 4 + j], b0, b1);
+            }
+          }
         }
       }
+    } else {
 #pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, chunk_pair_step<Cfg>(k_stage + np * 16 * kRowBytes, kk));
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+          } else {
+            ldmatrix_x4(a[mt], chunk_pair_step<Cfg>(q_lm + mt * 16 * kRowBytes, kk));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, chunk_pair_step<Cfg>(k_stage + np * 16 * kRowBytes, kk));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+            mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }
@@ -371,6 +504,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) pack_p<T>(s_frag, mt, kk, a[mt]);
+      if constexpr (kKV8) {
+        uint32_t vw[4][kD / 32];
+        fp8_load_v_rows<kD>(smem_base + stage * kStageBytes + Cfg::kTileBytes8, kk * 16, g, lane & 3, vw);
+        fp8_pv<T, kD>(vw, [&](int dt, uint32_t b0, uint32_t b1) {
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) mma_16816<T>(acc_o[mt][dt], a[mt], b0, b1);
+        });
+        continue;
+      }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
@@ -420,9 +562,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         p.lse[batch * p.lse_batch_stride + (kPack ? head + pr % group : head) * p.lse_head_stride +
               int64_t(q_begin + qrow(pr)) * p.lse_row_stride] = row_lse(ref, l);
       }
-      pack_o_row<T, kDT>(o_frag, mt, h, inv, [&](int dt, uint32_t pair) {
-        *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) = pair;
-      });
+      if constexpr (kKV8) {
+        // O's columns are dims in the permuted order of fp8_o_dim; V was used as stored.
+        pack_o_row<T, kDT>(o_frag, mt, h, inv * p.v_scale[kv_head], [&](int dt, uint32_t pair) {
+          const int d0 = fp8_o_dim<kD>(dt, tq), d1 = fp8_o_dim<kD>(dt, tq + 1);
+          reinterpret_cast<uint16_t*>(s_q + smem_off<Cfg>(r, d0 >> 3))[d0 & 7] = uint16_t(pair & 0xffffu);
+          reinterpret_cast<uint16_t*>(s_q + smem_off<Cfg>(r, d1 >> 3))[d1 & 7] = uint16_t(pair >> 16);
+        });
+      } else {
+        pack_o_row<T, kDT>(o_frag, mt, h, inv, [&](int dt, uint32_t pair) {
+          *reinterpret_cast<uint32_t*>(s_q + smem_off<Cfg>(r, dt) + tq) = pair;
+        });
+      }
     }
   __syncwarp();
 #pragma unroll

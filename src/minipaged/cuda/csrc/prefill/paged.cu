@@ -7,12 +7,41 @@
 // exact zeros and lse -inf for a row that sees no key.
 // Pure decode batches (every q_len 1) are routed to launch_decode by the
 // binding, which owns the split-KV workspace.
+// FP8 caches (p.kv_fp8) run the mma.sync kernels with FP8 K/V tiles
+// (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch, wgmma builds included:
+// the GQA-packed block for short queries, the small block otherwise.
 #include <cmath>
 #include <cstdint>
 
 #include "prefill/dispatch.cuh"
 
 namespace minipaged {
+namespace {
+
+template <typename T, int D>
+cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
+  using namespace fast;
+  // Causal is a runtime flag of the FP8 kernels (kCausal = true, p.causal).
+  const bool pack = p.variant == 2 || (p.variant == 0 && p.max_seqlen_q <= kPackMaxSeqlenQ &&
+                                       p.num_q_heads >= 2 * p.num_kv_heads);
+  if (pack) return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(p, stream);
+  return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(p, stream);
+}
+
+cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
+  if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
+  const bool d128 = p.head_dim == 128;
+  if (!d128 && p.head_dim != 64) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kFloat16: return d128 ? dispatch_fp8_shape<__half, 128>(p, stream) : dispatch_fp8_shape<__half, 64>(p, stream);
+    case DType::kBFloat16:
+      return d128 ? dispatch_fp8_shape<__nv_bfloat16, 128>(p, stream)
+                  : dispatch_fp8_shape<__nv_bfloat16, 64>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
 
 cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t stream) {
   using namespace fast;
@@ -30,14 +59,19 @@ cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t strea
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
   p.lse_batch_stride = 0;
   p.max_seqlen_k = p.max_blocks * p.block_size;
-  // 16-byte cp.async / vector stores: every stride in elements is a multiple of 8.
-  const int64_t strides[] = {p.q_head_stride,  p.q_row_stride,   p.k_head_stride,  p.k_row_stride,
-                             p.k_block_stride, p.v_head_stride,  p.v_row_stride,   p.v_block_stride,
-                             p.o_head_stride,  p.o_row_stride};
+  // 16-byte cp.async / vector stores: every stride in elements is a multiple
+  // of 8 (of 16 for the byte strides of FP8 caches).
+  const int64_t kv_align = p.kv_fp8 ? 16 : 8;
+  const int64_t strides[] = {p.q_head_stride, p.q_row_stride, p.o_head_stride, p.o_row_stride};
+  const int64_t kv_strides[] = {p.k_head_stride,  p.k_row_stride,  p.k_block_stride,
+                                p.v_head_stride,  p.v_row_stride,  p.v_block_stride};
   for (const int64_t s : strides)
     if (s % 8 != 0) return cudaErrorMisalignedAddress;
+  for (const int64_t s : kv_strides)
+    if (s % kv_align != 0) return cudaErrorMisalignedAddress;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
     return cudaErrorMisalignedAddress;
+  if (p.kv_fp8) return dispatch_fp8(p, stream);
   return dispatch_dtype<true>(p, stream);
 }
 

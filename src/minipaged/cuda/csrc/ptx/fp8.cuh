@@ -149,4 +149,120 @@ __device__ __forceinline__ void fp8x16_to_float(const uint4& u, float (&f)[16]) 
 
 #endif  // __CUDACC__
 
+// ---- e4m3 tiles as m16n8k16 operands (decode/mma.cuh, prefill/mainloop_mma.cuh) ----
+// ldmatrix moves 16-bit elements, so byte tiles are read with plain shared
+// loads, in layouts chosen so that each thread's bytes are contiguous; the
+// widening to 16 bits (exact) happens in registers. Thread (g = lane / 4,
+// t = lane % 4) of a warp:
+//   K (B operand of Q K^T, keys as columns): a dot product may sum the head dim
+//     in any order, as long as Q and K use the same one. Within each 64-dim
+//     block the thread reads dims 16t .. 16t+15 (one 16-byte chunk) of key row
+//     g (and g + 8), and k step j of the block takes dims 16t+4j .. 16t+4j+3 as
+//     its fragment's k indices {2t, 2t+1, 2t+8, 2t+9}: one 32-bit word, low
+//     half b0, high half b1. Q's A fragment must be read in the same order
+//     (fp8_q_chunk: the 16-bit chunk and byte offset of a k step).
+//   V (B operand of P V, keys as rows): n tile dt column n is taken to be dim
+//     n * (D/8) + dt, so the thread reads D/8 contiguous bytes (dims g*D/8 ..)
+//     of each of its key rows {2t, 2t+1, 2t+8, 2t+9}, and a byte transpose
+//     (prmt) pairs the rows per dim. O's C fragments then hold dims in that
+//     permuted order (fp8_o_dim).
+// Tiles are [rows][D] bytes, XOR-swizzled in 16-byte chunks so these reads hit
+// distinct banks (K: a quarter warp reads rows 2i, 2i+1, so at D = 128 odd rows
+// flip the 64-byte half; V: a quarter warp reads rows c + 2t, so bits 1-2 of the
+// row pick the XOR; a 2-way conflict remains for V at D = 64).
+template <int D>
+MP_FP8_HD uint32_t fp8_tile_k_off(int row, int chunk) {
+  const int c = D == 128 ? chunk ^ ((row & 1) << 2) : chunk;
+  return static_cast<uint32_t>(row * D + (c << 4));
+}
+template <int D>
+MP_FP8_HD uint32_t fp8_tile_v_off(int row, int chunk) {
+  const int c = D == 128 ? chunk ^ (((row >> 1) & 3) << 1) : chunk ^ ((row >> 1) & 3);
+  return static_cast<uint32_t>(row * D + (c << 4));
+}
+// The output dim that column n of O's n tile dt holds.
+template <int D>
+MP_FP8_HD int fp8_o_dim(int dt, int n) {
+  return n * (D / 8) + dt;
+}
+// k step kk of the permuted K order: Q's elements for the thread's word lie in
+// 16-bit chunk `chunk` (8 elements) of the row, at byte `byte` (0 or 8).
+MP_FP8_HD void fp8_q_chunk(int kk, int t, int& chunk, int& byte) {
+  chunk = (kk >> 2) * 8 + 2 * t + ((kk & 3) >> 1);
+  byte = (kk & 1) * 8;
+}
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(addr));
+  return r;
+}
+
+// Q's A fragment of k step kk (permuted K order) for rows r and r + 8 of a
+// 16-bit tile whose 16-byte chunk (row, c) lies at off(row, c) bytes from base.
+template <class Off>
+__device__ __forceinline__ void fp8_q_frag(uint32_t base, int r, int kk, int t, Off off, uint32_t (&a)[4]) {
+  int chunk, byte;
+  fp8_q_chunk(kk, t, chunk, byte);
+  const uint2 lo = lds64(base + off(r, chunk) + byte);
+  const uint2 hi = lds64(base + off(r + 8, chunk) + byte);
+  a[0] = lo.x;  // row r, k 2t, 2t+1
+  a[1] = hi.x;  // row r+8
+  a[2] = lo.y;  // row r, k 2t+8, 2t+9
+  a[3] = hi.y;
+}
+
+// K chunk word j (k step 4 * block + j) -> the B fragment (b0, b1) of one key.
+template <typename T>
+__device__ __forceinline__ void fp8_k_frag(const uint4& chunk, int j, uint32_t& b0, uint32_t& b1) {
+  const uint32_t w = j == 0 ? chunk.x : j == 1 ? chunk.y : j == 2 ? chunk.z : chunk.w;
+  b0 = fp8x2_to_16x2<T>(w & 0xffffu);
+  b1 = fp8x2_to_16x2<T>(w >> 16);
+}
+
+// The thread's four V rows row0 + 2t + {0, 1, 8, 9} (D/8 bytes each, dims
+// g*D/8 ..) of a V tile at `tile`.
+template <int D>
+__device__ __forceinline__ void fp8_load_v_rows(uint32_t tile, int row0, int g, int t, uint32_t (&vw)[4][D / 32]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = row0 + 2 * t + (r & 1) + (r >> 1) * 8;
+    if constexpr (D == 128) {
+      const uint4 x = lds128(tile + fp8_tile_v_off<D>(row, g));
+      vw[r][0] = x.x, vw[r][1] = x.y, vw[r][2] = x.z, vw[r][3] = x.w;
+    } else {
+      static_assert(D == 64, "FP8 tiles: head dim 64 or 128");
+      const uint2 x = lds64(tile + fp8_tile_v_off<D>(row, g >> 1) + (g & 1) * 8);
+      vw[r][0] = x.x, vw[r][1] = x.y;
+    }
+  }
+}
+
+// O += P V over 16 keys from the rows fp8_load_v_rows read: mma(dt, b0, b1)
+// for every n tile dt (0 .. D/8 - 1), dt in the permuted order of fp8_o_dim.
+template <typename T, int D, class Mma>
+__device__ __forceinline__ void fp8_pv(const uint32_t (&vw)[4][D / 32], Mma mma) {
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) {
+    // [row 2t byte i, row 2t+1 byte i] pairs for bytes 0, 1 (lo) and 2, 3 (hi); rows 2t+8, 2t+9 likewise.
+    const uint32_t ab_lo = __byte_perm(vw[0][w], vw[1][w], 0x5140);
+    const uint32_t ab_hi = __byte_perm(vw[0][w], vw[1][w], 0x7362);
+    const uint32_t cd_lo = __byte_perm(vw[2][w], vw[3][w], 0x5140);
+    const uint32_t cd_hi = __byte_perm(vw[2][w], vw[3][w], 0x7362);
+    mma(4 * w + 0, fp8x2_to_16x2<T>(ab_lo & 0xffffu), fp8x2_to_16x2<T>(cd_lo & 0xffffu));
+    mma(4 * w + 1, fp8x2_to_16x2<T>(ab_lo >> 16), fp8x2_to_16x2<T>(cd_lo >> 16));
+    mma(4 * w + 2, fp8x2_to_16x2<T>(ab_hi & 0xffffu), fp8x2_to_16x2<T>(cd_hi & 0xffffu));
+    mma(4 * w + 3, fp8x2_to_16x2<T>(ab_hi >> 16), fp8x2_to_16x2<T>(cd_hi >> 16));
+  }
+}
+
+#endif  // __CUDACC__
+
 }  // namespace minipaged

@@ -1,0 +1,615 @@
+"""FP8 (float8_e4m3fn) KV caches in the hand-written CUDA kernels (minipaged.cuda.ops):
+write_kv_cache quantisation, the scalar and tensor-core decode kernels and the paged
+(prefill mainloop) kernels, called directly with float32 [Hkv] scales.
+
+Quantisation is compared byte for byte with torch's own cast of the clamped quotient,
+torch.clamp(x.float() / s, -448, 448).to(torch.float8_e4m3fn).
+
+Attention is compared with an fp64 oracle written here on the SAME fp8 cache,
+dequantised exactly (k = k_cache.double() * k_scale[h]), so quantisation error is never
+blamed on a kernel. Bound: within twice the error of the same attention in plain
+PyTorch at q's precision (K/V rounded to q's dtype, matmuls in it, fp32 softmax), plus
+a small floor. Unused cache slots hold fp8 NaN bytes (0x7F / 0xFF, random sign) and
+block-table entries past a sequence's pages are -1.
+
+CPU (CI): the quantiser's software path (ptx/fp8.cuh, the sm_80 build) compiled for the
+host and compared with torch on rounding edges and random bit patterns, and the FP8
+tile layouts (permutations, bank conflicts) checked from the same header.
+GPU: `pytest -m gpu tests/test_cuda_fp8.py` (builds the extension once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from minipaged.cuda import build
+
+FP8 = torch.float8_e4m3fn
+NEG_INF = float("-inf")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ----------------------------------------------------------------- quantisation truth
+
+
+def _torch_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D], scale float32 [Hkv] -> fp8 by torch's own cast."""
+    return torch.clamp(x.float() / scale[None, :, None].to(x.device), -448.0, 448.0).to(FP8)
+
+
+def _e4m3_finite_values() -> torch.Tensor:
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    return torch.unique(vals[torch.isfinite(vals)])
+
+
+def _special_values() -> torch.Tensor:
+    """fp32 values at every rounding edge of e4m3 (scale 1): the values, the ties, their
+    neighbours, quarter steps through the subnormals, the saturation edge, inf, NaN."""
+    v = _e4m3_finite_values()
+    pos = v[v >= 0]
+    mids = (pos[1:] + pos[:-1]) / 2
+    up = torch.nextafter(mids, torch.tensor(float("inf")))
+    down = torch.nextafter(mids, torch.tensor(0.0))
+    step = 2.0 ** -9
+    sub = torch.arange(0, 2 ** -6 + step, step / 4)
+    tiny = torch.tensor([1e-30, 1e-40, 2.0 ** -149, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -11,
+                         2.0 ** -10 + 2.0 ** -30, 2.0 ** -6 - 2.0 ** -30])
+    big = torch.tensor([448.0, 448.0001, 455.0, 463.99, 464.0, 464.01, 470.0, 479.99, 480.0, 500.0,
+                        511.99, 512.0, 1e4, 3e38, float("inf")])
+    mag = torch.cat([v.abs(), pos, mids, up, down, sub, tiny, big, torch.nextafter(big, torch.tensor(0.0))])
+    return torch.cat([mag, -mag, torch.tensor([0.0, -0.0, float("nan"), -float("nan")])])
+
+
+def _assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str, src=None):
+    """uint8 tensors; the two NaN codes (sign) are accepted for each other."""
+    got, want = got.cpu(), want.cpu()
+    nan_want = (want & 0x7F) == 0x7F
+    assert torch.equal((got & 0x7F) == 0x7F, nan_want), f"{what}: NaN pattern differs"
+    diff = (got != want) & ~nan_want
+    if diff.any():
+        i = tuple(diff.nonzero()[0].tolist())
+        x = "" if src is None else f" x={src.cpu()[i].item()!r}"
+        raise AssertionError(f"{what}: {int(diff.sum())} bytes differ, first at {i}:{x} "
+                             f"got 0x{int(got[i]):02x} want 0x{int(want[i]):02x}")
+
+
+# ----------------------------------------------------------------- CPU: the header on the host
+
+_HOST_SRC = r"""
+#include "ptx/fp8.cuh"
+using namespace minipaged;
+extern "C" void quant(const float* x, const float* s, unsigned char* out, long n) {
+  for (long i = 0; i < n; ++i) out[i] = fp8_e4m3_from_float_soft(x[i] / s[i]);
+}
+extern "C" unsigned k_off(int d, int row, int chunk) { return d == 128 ? fp8_tile_k_off<128>(row, chunk) : fp8_tile_k_off<64>(row, chunk); }
+extern "C" unsigned v_off(int d, int row, int chunk) { return d == 128 ? fp8_tile_v_off<128>(row, chunk) : fp8_tile_v_off<64>(row, chunk); }
+extern "C" int o_dim(int d, int dt, int n) { return d == 128 ? fp8_o_dim<128>(dt, n) : fp8_o_dim<64>(dt, n); }
+extern "C" int q_chunk(int kk, int t) { int c, b; fp8_q_chunk(kk, t, c, b); return c * 16 + b; }
+"""
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    d = tmp_path_factory.mktemp("fp8host")
+    (d / "fp8host.cpp").write_text(_HOST_SRC)
+    so = d / "fp8host.so"
+    proc = subprocess.run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", f"-I{build.CSRC}", str(d / "fp8host.cpp"),
+                           "-o", str(so)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lib = ctypes.CDLL(str(so))
+    for f in (lib.k_off, lib.v_off):
+        f.restype = ctypes.c_uint
+    return lib
+
+
+def _host_quant(lib, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    x, s = x.float().contiguous(), s.float().expand_as(x).contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    lib.quant(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+              ctypes.c_long(x.numel()))
+    return out
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 2.0 ** 20, 3.0, 0.3])
+def test_soft_quantiser_matches_torch_on_edges(host_lib, scale):
+    x = _special_values() * scale
+    s = torch.tensor(scale, dtype=torch.float32)
+    want = torch.clamp(x / s, -448, 448).to(FP8).view(torch.uint8)
+    _assert_same_bytes(_host_quant(host_lib, x, s), want, f"edges x{scale}", x)
+
+
+def test_soft_quantiser_matches_torch_on_random_bits(host_lib):
+    """Random fp32 bit patterns (every exponent, NaN and inf included) and random scales."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    for s in (torch.ones(()), torch.rand(x.shape, generator=g) * 5 + 1e-3):
+        want = torch.clamp(x / s, -448, 448).to(FP8).view(torch.uint8)
+        _assert_same_bytes(_host_quant(host_lib, x, s), want, "random bits", x)
+
+
+def test_soft_quantiser_check_can_fail(host_lib):
+    x = torch.tensor([1.0625, 3.0])  # 1.0625 is the tie between 1.0 and 1.125: even -> 1.0
+    wrong = torch.clamp(x * 1.0001, -448, 448).to(FP8).view(torch.uint8)
+    with pytest.raises(AssertionError):
+        _assert_same_bytes(_host_quant(host_lib, x, torch.ones(())), wrong, "control")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_fp8_tile_layouts(host_lib, D):
+    """The layouts the FP8 MMA paths rely on (ptx/fp8.cuh): the tile swizzles are
+    bijections onto the tile; the K reads of a quarter warp (rows g, g+8 of two key
+    groups, chunk t of a 64-dim block, 16 bytes) and the V reads (rows 2t + c, D/8 bytes
+    at g*D/8) hit distinct banks (V at D = 64: at most 2-way); Q's permuted chunks
+    address the same dims as K's words; O's dim permutation is a bijection."""
+    rows, chunks = 64, D // 16
+    for off in (host_lib.k_off, host_lib.v_off):
+        offs = {off(D, r, c) for r in range(rows) for c in range(chunks)}
+        assert offs == {16 * i for i in range(rows * chunks)}, "swizzle is not a bijection"
+
+    def conflicts(addrs, width):
+        # shared memory serves 128 bytes per wavefront: accesses of `width` bytes
+        # from 128 // width lanes go together; count the worst bank multiplicity
+        per = 128 // width
+        worst = 1
+        for i in range(0, 32, per):
+            words = {}
+            for a in addrs[i:i + per]:
+                for b in range(a // 4, (a + width) // 4):
+                    words.setdefault(b % 32, set()).add(b)
+            worst = max(worst, max(len(v) for v in words.values()))
+        return worst
+
+    for blk in range(D // 64):
+        for key0 in range(0, 64, 8):
+            addrs = [host_lib.k_off(D, key0 + lane // 4, blk * 4 + lane % 4) for lane in range(32)]
+            assert conflicts(addrs, 16) == 1, f"K reads conflict (D={D}, block {blk}, keys {key0})"
+    for row0 in (0, 16, 32, 48):
+        for r in range(4):
+            addrs = []
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                row = row0 + 2 * t + (r & 1) + (r >> 1) * 8
+                if D == 128:
+                    addrs.append(host_lib.v_off(D, row, g))
+                else:
+                    addrs.append(host_lib.v_off(D, row, g >> 1) + (g & 1) * 8)
+            assert conflicts(addrs, D // 8) <= (1 if D == 128 else 2), f"V reads conflict (D={D}, slot {r})"
+    # the k order: dims of K word j of chunk (4 blk + t) == dims of Q's permuted chunk
+    seen = []
+    for kk in range(D // 16):
+        blk, j = kk // 4, kk % 4
+        for t in range(4):
+            k_dims = [64 * blk + 16 * t + 4 * j + e for e in range(4)]
+            cb = host_lib.q_chunk(kk, t)
+            q_dims = [(cb // 16) * 8 + (cb % 16) // 2 + e for e in range(4)]
+            assert k_dims == q_dims, (kk, t, k_dims, q_dims)
+            seen += k_dims
+    assert sorted(seen) == list(range(D))
+    assert sorted(host_lib.o_dim(D, dt, n) for dt in range(D // 8) for n in range(8)) == list(range(D))
+
+
+# ----------------------------------------------------------------- GPU problems
+
+
+def _ops():
+    from minipaged.cuda import ops
+
+    return ops
+
+
+def _poison(shape, g):
+    b = torch.where(torch.rand(shape, generator=g) < 0.5, 0x7F, 0xFF).to(torch.uint8)
+    return b.view(FP8)
+
+
+def _scales(Hkv, mode, amp, g):
+    if mode == "scalar":  # one value for every head (what a float scale becomes)
+        return torch.full((Hkv,), float(amp.max()) * 4 / 448, dtype=torch.float32)
+    return (amp * 4 / 448 * (0.5 + torch.rand(Hkv, generator=g))).float()
+
+
+def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head", writer="torch"):
+    """K/V with a different magnitude per KV head, quantised into a NaN-byte fp8 cache
+    through shuffled block tables (entries past each sequence's pages -1). Returns q,
+    caches, tables, cu_q, ctx, scales (cuda) and the exactly dequantised per-sequence
+    K/V (fp64, cuda) read back from the cache."""
+    g = torch.Generator().manual_seed(seed)
+    k_amp = 0.5 + 3 * torch.rand(Hkv, generator=g)
+    v_amp = 0.1 + 5 * torch.rand(Hkv, generator=g)
+    k_scale, v_scale = _scales(Hkv, scales, k_amp, g), _scales(Hkv, scales, v_amp, g)
+    dense_k = [(torch.randn(c, Hkv, D, generator=g) * k_amp[None, :, None]).to(dtype) for c in ctxs]
+    dense_v = [(torch.randn(c, Hkv, D, generator=g) * v_amp[None, :, None]).to(dtype) for c in ctxs]
+    need = [-(-c // page) for c in ctxs]
+    max_blocks = max(need + [1]) + 1
+    num_blocks = sum(need) + 3
+    kc = _poison((num_blocks, page, Hkv, D), g)
+    vc = _poison((num_blocks, page, Hkv, D), g)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(ctxs), max_blocks), -1, dtype=torch.int32)
+    slot_lists, nxt = [], 0
+    for s, c in enumerate(ctxs):
+        tables[s, : need[s]] = perm[nxt: nxt + need[s]].to(torch.int32)
+        nxt += need[s]
+        tok = torch.arange(c)
+        slot_lists.append(tables[s].long()[tok // page] * page + tok % page)
+    kc, vc = kc.cuda(), vc.cuda()
+    ks, vs = k_scale.cuda(), v_scale.cuda()
+    slots = torch.cat(slot_lists + [torch.zeros(0, dtype=torch.long)])
+    kk = torch.cat(dense_k + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
+    vv = torch.cat(dense_v + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
+    if writer == "torch":
+        kc.view(-1, Hkv, D)[slots.cuda()] = _torch_quant(kk, ks)
+        vc.view(-1, Hkv, D)[slots.cuda()] = _torch_quant(vv, vs)
+    else:
+        _ops().write_kv_cache(kk, vv, kc, vc, slots.to(torch.int32).cuda(), ks, vs)
+        _assert_same_bytes(kc.view(-1, Hkv, D)[slots.cuda()].view(torch.uint8),
+                           _torch_quant(kk, ks).view(torch.uint8), "writer K")
+        _assert_same_bytes(vc.view(-1, Hkv, D)[slots.cuda()].view(torch.uint8),
+                           _torch_quant(vv, vs).view(torch.uint8), "writer V")
+    flat_k, flat_v = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
+    deq_k = [flat_k[sl.cuda()].double() * ks.double()[None, :, None] for sl in slot_lists]
+    deq_v = [flat_v[sl.cuda()].double() * vs.double()[None, :, None] for sl in slot_lists]
+    q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype).cuda()
+    cu = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32).cuda()
+    ctx = torch.tensor(ctxs, dtype=torch.int32).cuda()
+    return q, kc, vc, tables.cuda(), cu, ctx, ks, vs, deq_k, deq_v
+
+
+def _attend(q, k, v, diag, causal, scale, low_dtype=None):
+    """One sequence: q [n, Hq, D], k/v [L, Hkv, D] fp64. Row i sees key j iff j < L (and
+    j <= i + diag when causal). low_dtype None: fp64; else K/V and q rounded to it,
+    matmuls in it, fp32 softmax. GQA heads stacked as rows of their KV head."""
+    n, Hq, D = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    if L == 0:
+        return (torch.zeros(n, Hq, D, dtype=torch.float64, device=q.device),
+                torch.full((n, Hq), NEG_INF, dtype=torch.float64, device=q.device))
+    group = Hq // Hkv
+    qq = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(Hkv, n * group, D)
+    kk, vv = k.permute(1, 0, 2), v.permute(1, 0, 2)
+    if low_dtype is None:
+        s = torch.matmul(qq.double(), kk.transpose(1, 2)) * scale
+    else:
+        qq, kk, vv = qq.to(low_dtype), kk.to(low_dtype), vv.to(low_dtype)
+        s = torch.matmul(qq, kk.transpose(1, 2)).float() * scale
+    if causal:
+        rows = (torch.arange(n * group, device=q.device) // group)[:, None]
+        cols = torch.arange(L, device=q.device)[None, :]
+        s = s.masked_fill(cols > rows + diag, NEG_INF)
+    lse = torch.logsumexp(s.double(), -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    o = torch.matmul(p, vv) if low_dtype is None else torch.matmul(p.to(low_dtype), vv)
+    o = o.double().view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
+    return o, lse.view(Hkv, n, group).permute(1, 0, 2).reshape(n, Hq)
+
+
+def _reference(q, deq_k, deq_v, cu_q, causal, scale, low_dtype=None):
+    Tq, Hq, D = q.shape
+    o = torch.zeros(Tq, Hq, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((Tq, Hq), NEG_INF, dtype=torch.float64, device=q.device)
+    cu = cu_q.tolist()
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        if b > a:
+            k, v = deq_k[s], deq_v[s]
+            o[a:b], lse[a:b] = _attend(q[a:b], k, v, k.shape[0] - (b - a), causal, scale, low_dtype)
+    return o, lse
+
+
+def _check(out, lse, q, deq_k, deq_v, cu_q, causal, scale, what):
+    truth, truth_lse = _reference(q, deq_k, deq_v, cu_q, causal, scale)
+    base, _ = _reference(q, deq_k, deq_v, cu_q, causal, scale, low_dtype=q.dtype)
+    assert out.dtype == q.dtype and out.shape == truth.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    if out.numel():
+        err = (out.double() - truth).abs().max().item()
+        ref_err = (base - truth).abs().max().item()
+        floor = 2e-3 * max(1.0, truth.abs().max().item())
+        assert err <= 2 * ref_err + floor, f"{what}: max err {err:.3e} vs low-precision {ref_err:.3e}"
+    empty = torch.isneginf(truth_lse)
+    assert (out[empty] == 0).all(), f"{what}: a row with no key is not zero"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == truth_lse.shape, what
+        assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern differs"
+        assert not torch.isnan(lse).any(), what
+        if (~empty).any():
+            d = (lse.double() - truth_lse)[~empty].abs()
+            assert (d <= 2e-3 * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
+
+
+CTXS = [0, 1, 17, 97, 1023, 4097]
+HEADS = [(8, 8), (8, 4), (8, 2), (16, 2)]  # GQA 1, 2, 4, 8
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _run_decode(ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head", writer="torch", **kw):
+    q, kc, vc, tables, cu, ctx, ks, vs, dk, dv = _fp8_problem([1] * len(ctxs), ctxs, Hq, Hkv, D, page, dtype,
+                                                              seed, scales, writer)
+    scale = 1.0 / math.sqrt(D)
+    ops = _ops()
+    out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs, **kw)
+    plain = ops.decode(q, kc, vc, tables, ctx, scale, False, ks, vs, **kw)
+    assert torch.equal(plain, out), "o depends on return_lse"
+    _check(out, lse, q, dk, dv, cu, False, scale,
+           f"fp8 decode ctx{ctxs} H{Hq}/{Hkv} D{D} p{page} {dtype} {scales} {writer} {kw}")
+    return out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, dk, dv)
+
+
+def _run_paged(q_lens, ctxs, Hq, Hkv, D, page, dtype, causal=True, seed=0, scales="per-head", **kw):
+    q, kc, vc, tables, cu, ctx, ks, vs, dk, dv = _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed, scales)
+    scale = 1.0 / math.sqrt(D)
+    ops = _ops()
+    out, lse = ops.paged(q, kc, vc, tables, cu, ctx, max(q_lens + [0]), causal, scale, True, ks, vs, **kw)
+    plain = ops.paged(q, kc, vc, tables, cu, ctx, max(q_lens + [0]), causal, scale, False, ks, vs, **kw)
+    assert torch.equal(plain, out), "o depends on return_lse"
+    _check(out, lse, q, dk, dv, cu, causal, scale,
+           f"fp8 paged q{q_lens} ctx{ctxs} H{Hq}/{Hkv} D{D} p{page} {dtype} causal={causal} {scales} {kw}")
+    return out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, dk, dv)
+
+
+# ----------------------------------------------------------------- GPU: write_kv_cache
+
+
+def _write_and_compare(x, k_scale, v_scale, page, what, slot_dtype=torch.int32):
+    """x [T, H, D] as K and -x/3 as V into NaN-byte caches at shuffled slots (some -1)."""
+    T, H, D = x.shape
+    g = torch.Generator().manual_seed(T)
+    num_blocks = -(-(T + 5) // page) + 1
+    kc = torch.full((num_blocks, page, H, D), 0x7F, dtype=torch.uint8).view(FP8).cuda()
+    vc = kc.clone()
+    slots = torch.randperm(num_blocks * page, generator=g)[:T]
+    pad = torch.rand(T, generator=g) < 0.1
+    slots[pad] = -1
+    v = (-x / 3).to(x.dtype)
+    x, v = x.cuda(), v.cuda()
+    ks, vs = k_scale.cuda(), v_scale.cuda()
+    _ops().write_kv_cache(x, v, kc, vc, slots.to(slot_dtype).cuda(), ks, vs)
+    keep = (~pad).cuda()
+    used = slots[~pad].cuda()
+    for cache, src, s, name in ((kc, x, ks, "K"), (vc, v, vs, "V")):
+        flat = cache.view(-1, H, D).view(torch.uint8)
+        _assert_same_bytes(flat[used], _torch_quant(src[keep], s).view(torch.uint8), f"{what} {name}", src[keep])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
+        untouched[used] = False
+        assert (flat[untouched] == 0x7F).all(), f"{what} {name}: a slot no token maps to was written"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("scale", [1.0, 0.25, 2.0 ** 20])
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_write_kv_rounding_edges(scale, page):
+    """Power-of-two scales keep x / s exact: every tie, subnormal step and the clamp
+    edge reach the rounding as written (fp32 inputs), int32 and int64 slots."""
+    vals = _special_values() * scale
+    H, D = 4, 64
+    per = H * D
+    x = torch.zeros(-(-vals.numel() // per) * per)
+    x[: vals.numel()] = vals
+    x = x.view(-1, H, D)
+    s = torch.full((H,), scale, dtype=torch.float32)
+    _write_and_compare(x, s, s * 2, page, f"edges scale {scale} page {page}")
+    _write_and_compare(x, s, s * 2, page, f"edges scale {scale} page {page} int64", slot_dtype=torch.int64)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_write_kv_random_per_head_scales(dtype, D):
+    """Magnitudes 2**-24 .. 2**12 (subnormal to saturated) with distinct non-power-of-two
+    scales per KV head; also through a misaligned view (the one-element path)."""
+    g = torch.Generator().manual_seed(7)
+    H, T = 8, 2048
+    expo = torch.randint(-24, 13, (T, H, D), generator=g).float()
+    mant = 1 + torch.rand(T, H, D, generator=g)
+    sign = torch.where(torch.rand(T, H, D, generator=g) < 0.5, -1.0, 1.0)
+    x = (sign * mant * 2.0 ** expo).to(dtype)
+    s = (torch.rand(H, generator=g) * 3 + 0.01).float()
+    s[0] = 1.0
+    _write_and_compare(x, s, s.flip(0), 16, f"random {dtype} D{D}")
+    # rows that are not 16-byte aligned: a view one element into a wider buffer
+    wide = torch.zeros(T, H, D + 1, dtype=dtype)
+    wide[:, :, 1:] = x
+    _write_and_compare(wide[:, :, 1:], s, s, 16, f"misaligned {dtype} D{D}")
+
+
+@gpu
+@needs_cuda
+def test_write_kv_ties_with_odd_scale():
+    """x chosen so that the fp32 quotient x / s lands exactly on an e4m3 tie under a
+    non-power-of-two scale: a kernel that multiplies by 1/s instead of dividing fails."""
+    s = torch.tensor([3.0, 0.3, 7.1, 1 / 3], dtype=torch.float32)
+    pos = _e4m3_finite_values()
+    pos = pos[pos > 0]
+    mids = (pos[1:] + pos[:-1]) / 2
+    cols = []
+    for h in range(4):
+        x = (mids * s[h]).float()
+        cols.append(x[(x / s[h]) == mids])
+    n = min(c.numel() for c in cols)
+    assert n > 20
+    x = torch.stack([c[:n] for c in cols], 1)
+    x = torch.cat([x, -x])[:, :, None].expand(-1, -1, 16).contiguous()
+    _write_and_compare(x, s, s, 1, "ties odd scale")
+
+
+# ----------------------------------------------------------------- GPU: decode
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [1, 16, 256])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode(dtype, D, heads, page):
+    """The default kernel (scalar for GQA 1-2, tensor cores from 3), then the other one
+    forced (variant 10: tensor cores; 12: scalar), each with its split heuristic and with
+    forced split counts; scalar scales on one of them."""
+    Hq, Hkv = heads
+    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D)
+    other = 12 if Hq // Hkv >= 3 else 10
+    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=other, scales="scalar")
+    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 2, num_splits=3)
+    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 3, num_splits=16, variant=other)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_long_contexts_and_writer(dtype):
+    """32k contexts (many splits), the cache written by the CUDA quantiser, Qwen3 heads."""
+    ctxs = [32768, 1, 0, 4097, 16384, 100, 31999, 17]
+    _run_decode(ctxs, 16, 8, 128, 16, dtype, writer="cuda")
+    _run_decode(ctxs, 32, 8, 128, 16, dtype, writer="cuda", seed=1)
+    _run_decode([8191, 3], 8, 8, 64, 1, dtype, num_splits=1, seed=2)
+
+
+@gpu
+@needs_cuda
+def test_fp8_decode_scales_matter():
+    """The checks can fail: an oracle with one head's k_scale or v_scale off by 5% rejects
+    the output, and so does the oracle for a kernel given swapped scales."""
+    for variant in (0, 10):  # scalar (GQA 2) and tensor cores
+        out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, dk, dv) = _run_decode(
+            [40, 300], 4, 2, 128, 16, torch.float16, seed=4, variant=variant)
+        scale = 1 / math.sqrt(128)
+        off = torch.tensor([1.05, 1.0], dtype=torch.float64, device="cuda")[None, :, None]
+        with pytest.raises(AssertionError):
+            _check(out, lse, q, [k * off for k in dk], dv, cu, False, scale, "k_scale[0] off")
+        with pytest.raises(AssertionError):
+            _check(out, lse, q, dk, [v * off.flip(1) for v in dv], cu, False, scale, "v_scale[1] off")
+        out2, lse2 = _ops().decode(q, kc, vc, tables, ctx, scale, True, ks.flip(0), vs.flip(0), variant=variant)
+        with pytest.raises(AssertionError):
+            _check(out2, lse2, q, dk, dv, cu, False, scale, "scales swapped")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [0, 10, 12])
+def test_fp8_decode_deterministic(variant):
+    _, _, (q, kc, vc, tables, cu, ctx, ks, vs, _, _) = _run_decode(
+        [4097, 1023, 17], 16, 2, 128, 16, torch.bfloat16, seed=5, variant=variant)
+    ops = _ops()
+    outs = [ops.decode(q, kc, vc, tables, ctx, 0.0883, True, ks, vs, variant=variant) for _ in range(4)]
+    for o, l in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(l, outs[0][1])
+
+
+@gpu
+@needs_cuda
+def test_fp8_decode_cuda_graph():
+    """Decode with FP8 caches captured in a CUDA graph and replayed on new queries."""
+    _, _, (q, kc, vc, tables, cu, ctx, ks, vs, dk, dv) = _run_decode(
+        [4097, 17, 0], 16, 2, 128, 16, torch.bfloat16, seed=6)
+    ops = _ops()
+    static_q = q.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.decode(static_q, kc, vc, tables, ctx, 0.0883, False, ks, vs)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.decode(static_q, kc, vc, tables, ctx, 0.0883, False, ks, vs)
+    new_q = torch.randn_like(q)
+    static_q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, ops.decode(new_q, kc, vc, tables, ctx, 0.0883, False, ks, vs))
+
+
+# ----------------------------------------------------------------- GPU: paged
+
+
+PAGED_QLENS = [1, 2, 3, 4, 5, 6, 7, 8, 0, 97, 300, 5]
+PAGED_CTXS = [17, 2, 3, 1023, 97, 4097, 8, 64, 5, 1023, 300, 3]  # last: q_len > context
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [1, 16, 256])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-{h[1]}")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged(dtype, D, heads, page):
+    """q_len 1..8, long chunks, empty and q_len > context runs in one batch: the tuned
+    choice (GQA-packed for short queries), then never packed and always packed,
+    not causal, scalar scales."""
+    Hq, Hkv = heads
+    _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, seed=page + D)
+    _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=1, scales="scalar")
+    _run_paged(PAGED_QLENS[:9], PAGED_CTXS[:9], Hq, Hkv, D, page, dtype, seed=page + D + 2, variant=2)
+    _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, causal=False, seed=page + D + 3)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged_every_tile_residue(dtype):
+    """(context - q_len) through every residue of the key tiles (32 and 64)."""
+    q_lens = [1 + (i % 9) for i in range(64)]
+    ctxs = [q + 64 + i for i, q in enumerate(q_lens)]
+    for variant in (1, 2):
+        _run_paged(q_lens, ctxs, 16, 2, 128, 16, dtype, seed=10 + variant, variant=variant)
+
+
+@gpu
+@needs_cuda
+def test_fp8_paged_decode_batch_equals_decode_and_is_deterministic():
+    """A pure decode batch through paged runs the decode kernels: identical bytes; and
+    repeated paged calls are bitwise identical."""
+    out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, _, _) = _run_paged(
+        [1, 1, 1], [4097, 0, 97], 16, 2, 128, 16, torch.float16, seed=12)
+    d_out, d_lse = _ops().decode(q, kc, vc, tables, ctx, 1 / math.sqrt(128), True, ks, vs)
+    assert torch.equal(out, d_out) and torch.equal(lse, d_lse)
+    out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, _, _) = _run_paged(
+        PAGED_QLENS, PAGED_CTXS, 16, 2, 128, 16, torch.bfloat16, seed=13, variant=1)
+    for _ in range(3):
+        o2, l2 = _ops().paged(q, kc, vc, tables, cu, ctx, 300, True, 1 / math.sqrt(128), True, ks, vs, variant=1)
+        assert torch.equal(o2, out) and torch.equal(l2, lse)
+
+
+@gpu
+@needs_cuda
+def test_fp8_paged_scales_matter():
+    out, lse, (q, kc, vc, tables, cu, ctx, ks, vs, dk, dv) = _run_paged(
+        [1, 4, 97], [40, 30, 200], 4, 2, 128, 16, torch.float16, seed=14, variant=1)
+    scale = 1 / math.sqrt(128)
+    off = torch.tensor([1.05, 1.0], dtype=torch.float64, device="cuda")[None, :, None]
+    with pytest.raises(AssertionError):
+        _check(out, lse, q, [k * off for k in dk], dv, cu, True, scale, "k_scale[0] off")
+    with pytest.raises(AssertionError):
+        _check(out, lse, q, dk, [v * off.flip(1) for v in dv], cu, True, scale, "v_scale[1] off")
+
+
+@gpu
+@needs_cuda
+def test_fp8_binding_rejects_bad_scales():
+    """Memory-safety checks of the binding: FP8 caches need float32 [Hkv] scales on the
+    device; 16-bit caches take none."""
+    q, kc, vc, tables, cu, ctx, ks, vs, _, _ = _fp8_problem([1, 1], [20, 3], 4, 2, 64, 16, torch.float16)
+    ops = _ops()
+    with pytest.raises(ValueError, match="k_scale"):
+        ops.decode(q, kc, vc, tables, ctx, 0.125, False, ks[:1], vs)
+    with pytest.raises(ValueError):
+        ops.decode(q, kc, vc, tables, ctx, 0.125, False, None, None)
+    with pytest.raises(TypeError):
+        ops.decode(q, kc, vc, tables, ctx, 0.125, False, ks.double(), vs)
+    k16 = torch.zeros(kc.shape, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError):
+        ops.decode(q, k16, k16, tables, ctx, 0.125, False, ks, vs)
+    with pytest.raises(ValueError):
+        ops.write_kv_cache(q[:, :2], q[:, :2], kc, vc, torch.zeros(2, dtype=torch.int32, device="cuda"), ks.cpu(), vs)
