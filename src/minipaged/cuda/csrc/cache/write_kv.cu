@@ -59,7 +59,7 @@ __device__ __forceinline__ float src_to_float(float x) { return x; }
 template <typename Src, int EPT>
 __device__ __forceinline__ void quantise_piece(const Src* src, uint8_t* dst, float scale) {
   if constexpr (EPT == 8) {
-    Src x[8];
+    alignas(16) Src x[8];
 #pragma unroll
     for (int i = 0; i < static_cast<int>(8 * sizeof(Src) / 16); ++i)
       reinterpret_cast<uint4*>(x)[i] = reinterpret_cast<const uint4*>(src)[i];

@@ -511,16 +511,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt) mma_16816<T>(acc_o[mt][dt], a[mt], b0, b1);
         });
-        continue;
-      }
+      } else {
 #pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, chunk_pair_step<Cfg>(v_stage + kk * 16 * kRowBytes, dp));
+        for (int dp = 0; dp < kD / 16; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, chunk_pair_step<Cfg>(v_stage + kk * 16 * kRowBytes, dp));
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<T>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<T>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+            mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }

@@ -120,10 +120,22 @@ __device__ __forceinline__ uint32_t fp8x2_to_16x2<__half>(uint32_t w16) {
 }
 template <>
 __device__ __forceinline__ uint32_t fp8x2_to_16x2<__nv_bfloat16>(uint32_t w16) {
+#if MINIPAGED_FP8_CVT
   __half2 h;
   const uint32_t f = fp8x2_to_f16x2(w16);
   memcpy(&h, &f, sizeof(h));
   const float2 v = __half22float2(h);
+#else
+  // Each byte as an fp32 with the e4m3 exponent and mantissa in the low bits
+  // of the fp32 fields: the value times 2^-120 (subnormals included, no ftz in
+  // these builds), restored by an exact multiply; 0x7F / 0xFF are NaN.
+  float2 v;
+  const uint32_t b0 = w16 & 0xffu, b1 = (w16 >> 8) & 0xffu;
+  v.x = __uint_as_float(((b0 & 0x80u) << 24) | ((b0 & 0x7fu) << 20)) * 0x1p120f;
+  v.y = __uint_as_float(((b1 & 0x80u) << 24) | ((b1 & 0x7fu) << 20)) * 0x1p120f;
+  if ((b0 & 0x7fu) == 0x7fu) v.x = __uint_as_float(0x7fffffffu);
+  if ((b1 & 0x7fu) == 0x7fu) v.y = __uint_as_float(0x7fffffffu);
+#endif
   const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
   uint32_t r;
   memcpy(&r, &b, sizeof(r));
