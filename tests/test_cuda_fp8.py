@@ -248,18 +248,18 @@ def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head
     slots = torch.cat(slot_lists + [torch.zeros(0, dtype=torch.long)])
     kk = torch.cat(dense_k + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
     vv = torch.cat(dense_v + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
+    # indexing through uint8 views: fp8 index_put / gather need not exist on every torch
+    flat_k, flat_v = kc.view(torch.uint8).view(-1, Hkv, D), vc.view(torch.uint8).view(-1, Hkv, D)
+    slots_d = slots.cuda()
     if writer == "torch":
-        kc.view(-1, Hkv, D)[slots.cuda()] = _torch_quant(kk, ks)
-        vc.view(-1, Hkv, D)[slots.cuda()] = _torch_quant(vv, vs)
+        flat_k[slots_d] = _torch_quant(kk, ks).view(torch.uint8)
+        flat_v[slots_d] = _torch_quant(vv, vs).view(torch.uint8)
     else:
         _ops().write_kv_cache(kk, vv, kc, vc, slots.to(torch.int32).cuda(), ks, vs)
-        _assert_same_bytes(kc.view(-1, Hkv, D)[slots.cuda()].view(torch.uint8),
-                           _torch_quant(kk, ks).view(torch.uint8), "writer K")
-        _assert_same_bytes(vc.view(-1, Hkv, D)[slots.cuda()].view(torch.uint8),
-                           _torch_quant(vv, vs).view(torch.uint8), "writer V")
-    flat_k, flat_v = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
-    deq_k = [flat_k[sl.cuda()].double() * ks.double()[None, :, None] for sl in slot_lists]
-    deq_v = [flat_v[sl.cuda()].double() * vs.double()[None, :, None] for sl in slot_lists]
+        _assert_same_bytes(flat_k[slots_d], _torch_quant(kk, ks).view(torch.uint8), "writer K")
+        _assert_same_bytes(flat_v[slots_d], _torch_quant(vv, vs).view(torch.uint8), "writer V")
+    deq_k = [flat_k[sl.cuda()].view(FP8).double() * ks.double()[None, :, None] for sl in slot_lists]
+    deq_v = [flat_v[sl.cuda()].view(FP8).double() * vs.double()[None, :, None] for sl in slot_lists]
     q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype).cuda()
     cu = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32).cuda()
     ctx = torch.tensor(ctxs, dtype=torch.int32).cuda()
@@ -420,8 +420,9 @@ def test_write_kv_random_per_head_scales(dtype, D):
     s[0] = 1.0
     _write_and_compare(x, s, s.flip(0), 16, f"random {dtype} D{D}")
     # rows that are not 16-byte aligned: a view one element into a wider buffer
-    wide = torch.zeros(T, H, D + 1, dtype=dtype)
-    wide[:, :, 1:] = x
+    # (on the GPU already: .cuda() of a view with gaps would make it contiguous)
+    wide = torch.zeros(T, H, D + 1, dtype=dtype, device="cuda")
+    wide[:, :, 1:] = x.cuda()
     _write_and_compare(wide[:, :, 1:], s, s, 16, f"misaligned {dtype} D{D}")
 
 
