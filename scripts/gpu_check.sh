@@ -82,6 +82,7 @@ for s in $stages; do
       STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20
       STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check
       (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
+    triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \

@@ -14,7 +14,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..registry import BackendOps
-from . import configs
+from . import configs, prefill_tma
 from .cache import _write_kv_kernel
 from .configs import (
     PagedConfig,
@@ -101,6 +101,9 @@ def _result(out: torch.Tensor, lse: torch.Tensor | None):
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             return_lse: bool = False):
+    res = prefill_tma.try_prefill(q, k, v, causal, scale, return_lse)  # None: the pointer kernel runs
+    if res is not None:
+        return res
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
@@ -131,6 +134,10 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                    max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
                    return_lse: bool = False):
+    res = prefill_tma.try_prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         scale, return_lse)
+    if res is not None:
+        return res
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1

@@ -50,11 +50,11 @@ using CfgWgmmaLarge = WgmmaCfg<T, D, 2, 1, true, 128>;
 template <typename T, int D>
 using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // Dense and varlen K/V: the warp-specialised TMA kernel (BLOCK_M 128, BLOCK_N
-// 128, 2 stages, ping-pong + intra-warpgroup overlap) once the grid fills the
-// GPU; below that the one-warpgroup wgmma kernel's smaller blocks win.
+// 128, 2 stages, ping-pong + intra-warpgroup overlap) once the grid holds at
+// least half a wave of its CTAs (it already wins at B=1 N=1k, 128 CTAs on 132
+// SMs); below that the one-warpgroup wgmma kernel's smaller blocks.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true>;
-constexpr int kWsMinWaves = 1;
 #endif
 
 template <typename T, int D, bool kCausal, bool kPaged>
@@ -70,7 +70,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
                               ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
     if constexpr (!kPaged) {
-      if (wg_blocks >= kWsMinWaves * int64_t(sms) && ws_supported(p))
+      if (2 * wg_blocks >= int64_t(sms) && ws_supported(p))
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
     }
     if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
