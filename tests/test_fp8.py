@@ -217,12 +217,14 @@ def test_scale_with_a_16bit_cache_and_dtype_rules():
 
 
 def test_auto_skips_backends_without_fp8_kernels(monkeypatch):
-    """On CUDA tensors auto would pick cuda first; with an fp8 cache it must pick the next one with
-    FP8 kernels, and cuda asked for by name must be refused with the reason."""
+    """On CUDA tensors auto would pick cuda first; with an fp8 cache and a cuda backend without FP8
+    kernels (patched: the real one has them) it must pick the next one that has them, and that
+    backend asked for by name must be refused with the reason."""
     import dataclasses
 
     registry.reset_caches()
-    fake = {n: dataclasses.replace(b, availability=lambda d: (True, "patched")) for n, b in registry._BACKENDS.items()}
+    fake = {n: dataclasses.replace(b, availability=lambda d: (True, "patched"), fp8_kv=b.fp8_kv and n != "cuda")
+            for n, b in registry._BACKENDS.items()}
     monkeypatch.setattr(registry, "_BACKENDS", fake)
     monkeypatch.delenv("MINIPAGED_BACKEND", raising=False)
     monkeypatch.delenv("MINIPAGED_DECODE_BACKEND", raising=False)

@@ -255,13 +255,15 @@ _BACKENDS: dict[str, Backend] = {
             load=_load_cuda,
             devices=("cuda",),
             availability=_cuda_ext_availability,
-            description="hand-written CUDA: mma.sync/wgmma prefill, paged attention and decode",
+            fp8_kv=True,
+            description="hand-written CUDA: warp-specialised TMA / wgmma / mma.sync prefill, paged attention, decode",
         ),
         Backend(
             name="cuda-wmma",
             load=_load_cuda_wmma,
             devices=("cuda",),
             availability=_cuda_ext_availability,
+            fp8_kv=True,
             description="the article's WMMA teaching prefill kernel (paged ops shared with cuda)",
         ),
     )
