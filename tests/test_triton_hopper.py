@@ -245,12 +245,23 @@ def test_override_rejects_unknown_variant(no_overrides):
 # ----------------------------------------------------------------- GPU (H200)
 
 
+# On the H200 with triton 3.6 the warp-specialised variant's output left the oracle bound in
+# every causal case and every D=64 case of scripts/triton_hopper_ab.py (non-causal D=128 passed;
+# bench/results/nvidia-h200/triton_hopper_ab_28830db/). It is not selected by default; these
+# cases stay in the suite so a fix (ours or the compiler's) shows up as XPASS.
+GPU_VARIANTS = [
+    "tma",
+    pytest.param("tma_ws", marks=pytest.mark.xfail(
+        reason="tma_ws wrong on sm_90 with triton 3.6 (causal and D=64; A/B run 2026-12-01)", strict=False)),
+]
+
+
 def _gpu_block_n(variant, D, dtype):
     return configs.prefill_hopper_config(variant, D, dtype, torch.device("cuda")).block_n
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_every_residue(variant, D, causal, no_overrides):
@@ -263,7 +274,7 @@ def test_gpu_every_residue(variant, D, causal, no_overrides):
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", [
@@ -280,7 +291,7 @@ def test_gpu_dense(variant, dtype, causal, shape, no_overrides):
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen(variant, D, causal, no_overrides):
