@@ -293,6 +293,21 @@ def test_write_kv_cache_empty_and_all_skipped(ops):
     assert (kc == 0).all() and (vc == 0).all()
 
 
+def test_binding_refuses_caches_and_tables_the_kernels_cannot_walk(ops):
+    """api.py makes caches and tables kernel-ready; a direct ops call with a cache view whose
+    rows are not 16-byte aligned, or a table with a column stride, is refused, not copied."""
+    q, kc, vc, bt, cl = _paged_problem(2, 4, 2, 128, 16, [5, 9], torch.bfloat16)
+    wide = torch.randn(*kc.shape[:-1], kc.shape[-1] + 1, device="cuda").to(kc.dtype)
+    with pytest.raises((ValueError, RuntimeError), match="16-byte aligned rows"):
+        ops.decode(q, wide[..., 1:], vc, bt, cl, 0.1)
+    strided_bt = torch.stack([bt, bt], dim=-1)[..., 0]
+    assert strided_bt.stride(1) == 2
+    with pytest.raises((ValueError, RuntimeError), match="unit stride"):
+        ops.decode(q, kc, vc, strided_bt, cl, 0.1)
+    o = ops.decode(q, kc, vc, bt.contiguous(), cl, 0.1)  # the context is still usable
+    assert torch.isfinite(o).all()
+
+
 # --------------------------------------------------------------------------- prefill
 
 PREFILL_KINDS = ["fast", "wmma"]

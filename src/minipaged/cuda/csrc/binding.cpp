@@ -303,18 +303,19 @@ bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
   MP_CHECK_VALUE(block_tables.size(0) == seqs && context_lens.size(0) == seqs, "minipaged cuda: ", op,
                  ": block_tables/context_lens have ", block_tables.size(0), "/", context_lens.size(0),
                  " rows, expected ", seqs);
+  // The kernels stream cache rows in 16-byte pieces and walk a table row with
+  // unit stride; mp.* hands them contiguous caches and tables (api.py is the one
+  // place that makes tensors kernel-ready), a direct torch.ops call must too.
+  MP_CHECK_VALUE(rows_aligned16(k_cache) && rows_aligned16(v_cache) && k_cache.stride(-1) == 1 &&
+                     v_cache.stride(-1) == 1,
+                 "minipaged cuda: ", op, " wants caches with unit-stride, 16-byte aligned rows (contiguous)");
+  MP_CHECK_VALUE(block_tables.size(1) <= 1 || block_tables.stride(1) == 1, "minipaged cuda: ", op,
+                 " wants block_tables rows with unit stride");
   return fp8;
 }
 
-// The kernels stream cache rows in 16-byte pieces; a cache view that is not
-// 16-byte aligned (never the case for PagedKVCache) is copied once.
-at::Tensor aligned_cache(const at::Tensor& c) { return rows_aligned16(c) ? c : c.contiguous(); }
-at::Tensor unit_stride_table(const at::Tensor& bt) {
-  return bt.size(1) > 1 && bt.stride(1) != 1 ? bt.contiguous() : bt;
-}
-
 // Decode proper (checks done): one query row per sequence.
-OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
                   int64_t variant, bool return_lse, bool fp8, const OptTensor& k_scale, const OptTensor& v_scale) {
   const DType dtype = dtype_of(q, "q");
@@ -322,9 +323,7 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache_in, const at::T
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(q.device());
-    const at::Tensor k_cache = aligned_cache(k_cache_in);
-    const at::Tensor v_cache = aligned_cache(v_cache_in);
-    const at::Tensor bt = unit_stride_table(block_tables);
+    const at::Tensor& bt = block_tables;
     o = q.new_empty(q.sizes());
     lse = new_lse(q, return_lse);
     minipaged::DecodeParams p{};
@@ -386,7 +385,7 @@ OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 // max_seqlen_q == 1 and one query row per sequence) runs the decode kernels, so
 // that paged == decode exactly there; everything else runs the prefill kernels
 // with the paged K/V loader.
-OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
              int64_t max_seqlen_q, bool causal, double scale, bool return_lse, int64_t num_splits,
              int64_t variant, const OptTensor& k_scale, const OptTensor& v_scale) {
@@ -396,23 +395,21 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache_in, const at::Tensor
                  "minipaged cuda: cu_seqlens_q must be a contiguous 1-D tensor of S+1 >= 1 entries");
   const int64_t seqs = cu_seqlens_q.numel() - 1;
   const bool fp8 =
-      check_paged_inputs(q, k_cache_in, v_cache_in, block_tables, context_lens, seqs, "paged", k_scale, v_scale);
+      check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, seqs, "paged", k_scale, v_scale);
   // An upper bound of every q_len; only the grid depends on it (rows past a
   // sequence's own q_len are skipped), so any value that survives the cast to
   // int (and the grid arithmetic) is safe.
   MP_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_q <= (int64_t{1} << 24),
                  "minipaged cuda: max_seqlen_q must be in [0, 2^24], got ", max_seqlen_q);
   if (max_seqlen_q == 1 && q.size(0) == seqs)
-    return run_decode(q, k_cache_in, v_cache_in, block_tables, context_lens, scale, num_splits, variant,
+    return run_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, variant,
                       return_lse, fp8, k_scale, v_scale);
   const DType dtype = dtype_of(q, "q");
   at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(q.device());
-    const at::Tensor k_cache = aligned_cache(k_cache_in);
-    const at::Tensor v_cache = aligned_cache(v_cache_in);
-    const at::Tensor bt = unit_stride_table(block_tables);
+    const at::Tensor& bt = block_tables;
     o = q.new_empty(q.sizes());
     lse = new_lse(q, return_lse);
     minipaged::PrefillParams p{};
