@@ -96,9 +96,9 @@ def interference(cfg, state, backend, dev, dtype, q):
         gaps = []
         for times in st.token_seconds[:n_dec]:
             gaps += [b - a for a, b in zip(times, times[1:]) if a <= last_long_first]
-        from minipaged.engine.engine import _percentile
+        from minipaged.engine.engine import percentile
 
-        p50, p99 = _percentile(gaps, 50), _percentile(gaps, 99)
+        p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
         res[label] = dict(budget=budget, itl_p50_s=p50, itl_p99_s=p99, p99_over_p50=p99 / p50 if p50 else None,
                           gaps=len(gaps), long_ttft_s=[st.ttft_seconds[i] for i in range(n_dec, n_dec + n_long)],
                           total_s=st.total_seconds, steps=st.steps, mixed_steps=st.mixed_steps)

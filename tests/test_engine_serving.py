@@ -269,3 +269,13 @@ def test_requests_sharing_a_prefix_in_one_batch_compute_it_once(ckpt):
     off = _engine(folder, enable_prefix_caching=False)
     _, st_off = off.generate(prompts, max_new_tokens=4, return_stats=True)
     assert st_off.prefill_tokens == sum(map(len, prompts))
+
+
+def test_stats_percentile_interpolates_like_the_benchmarks():
+    from minipaged.benchmark import timing
+    from minipaged.engine.engine import percentile
+
+    xs = [0.004, 0.001, 0.003, 0.010]
+    for q in (0, 20, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(timing.percentile(sorted(xs), q))
+    assert percentile([], 99) == 0.0

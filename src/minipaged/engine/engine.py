@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
+import numpy as np
 import torch
 
 from ..paged_cache import check_device
@@ -119,12 +120,10 @@ def _eos_from_generation_config(folder: str, eos: list[int]) -> list[int]:
     return list(dict.fromkeys([*eos, *(int(e) for e in extra)]))
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    ys = sorted(xs)
-    i = min(len(ys) - 1, max(0, int(round(q / 100 * (len(ys) - 1)))))
-    return ys[i]
+def percentile(xs: Seq[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100, numpy's default, as the benchmarks use); 0.0 for
+    no samples, so a stats line never fails on a run that produced none."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else 0.0
 
 
 @dataclass
@@ -172,10 +171,10 @@ class GenerateStats:
 
     def itl_percentile(self, q: float) -> float:
         """Inter-token latency percentile (q in 0..100), seconds."""
-        return _percentile(self.itl_seconds, q)
+        return percentile(self.itl_seconds, q)
 
     def ttft_percentile(self, q: float) -> float:
-        return _percentile(self.ttft_seconds, q)
+        return percentile(self.ttft_seconds, q)
 
     def summary(self) -> dict:
         return dict(
