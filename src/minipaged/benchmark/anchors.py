@@ -21,9 +21,13 @@ import torch.nn.functional as F
 
 FI_RAGGED, FI_PAGED = "flashinfer-ragged", "flashinfer-paged"
 FI_DECODE, FI_DECODE_TC = "flashinfer-decode", "flashinfer-decode-tc"
-FLASHINFER_ANCHORS = (FI_RAGGED, FI_PAGED, FI_DECODE, FI_DECODE_TC)
+# BatchDecodeWithPagedKVCacheWrapper on a float8_e4m3fn cache (scalar k_scale/v_scale): timed
+# only with --kv-cache-dtype fp8, next to the fp8 rows
+FI_DECODE_FP8 = "flashinfer-decode-fp8"
+FP8_ANCHORS = (FI_DECODE_FP8,)
+FLASHINFER_ANCHORS = (FI_RAGGED, FI_PAGED, FI_DECODE, FI_DECODE_TC, FI_DECODE_FP8)
 PREFILL_ANCHORS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", FI_RAGGED, FI_PAGED)
-DECODE_ANCHORS = ("sdpa-flash", "sdpa-cudnn", FI_DECODE, FI_DECODE_TC)
+DECODE_ANCHORS = ("sdpa-flash", "sdpa-cudnn", FI_DECODE, FI_DECODE_TC, FI_DECODE_FP8)
 # the paged rows' own references: the same backend's dense varlen kernel on the K/V made
 # contiguous, its decode kernel, and the split of a mixed batch into separate launches
 SAME_BACKEND = "same-backend"
@@ -415,16 +419,24 @@ def prepare_flashinfer_paged_prefill(q, k, v, *, causal: bool, scale: float, blo
 
 
 def prepare_flashinfer_decode(q, k_cache, v_cache, block_tables, context_lens, *, scale: float,
-                              tensor_cores: bool, cuda_graph: bool = True) -> Prepared:
+                              tensor_cores: bool, cuda_graph: bool = True,
+                              k_scale: float | None = None, v_scale: float | None = None) -> Prepared:
     """BatchDecodeWithPagedKVCacheWrapper on the same pages: the CUDA-core kernel
     (use_tensor_cores=False) or the tensor-core one; CUDA-graph mode so the harness
-    can capture it like our decode rows."""
+    can capture it like our decode rows. A float8_e4m3fn cache is planned with
+    kv_data_type=float8_e4m3fn and run with k_scale/v_scale (FlashInfer takes one float
+    each, no per-head scales)."""
     fi = _flashinfer(q.device)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     indptr, indices, last = flashinfer_page_layout(block_tables, context_lens, block_size)
     ws = _fi_workspace(q.device)
     out = torch.empty_like(q)
+    scales = {}
+    if k_scale is not None or v_scale is not None:
+        scales = dict(k_scale=float(1.0 if k_scale is None else k_scale),
+                      v_scale=float(1.0 if v_scale is None else v_scale))
+        k_scale, v_scale = scales["k_scale"], scales["v_scale"]
 
     def build(extra):
         def make():
@@ -435,11 +447,13 @@ def prepare_flashinfer_decode(q, k_cache, v_cache, block_tables, context_lens, *
             w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kwargs)
             w.plan(indptr, indices, last, num_q_heads, num_kv_heads, head_dim, block_size,
                    pos_encoding_mode="NONE", sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-            fn = lambda: w.run(q, (k_cache, v_cache), out=out)  # noqa: E731
+            fn = lambda: w.run(q, (k_cache, v_cache), out=out, **scales)  # noqa: E731
             fn()
             return Prepared(fn, note=f"FlashInfer {_fi_version(fi)} BatchDecodeWithPagedKVCacheWrapper "
                                      f"use_tensor_cores={tensor_cores}"
-                                     + (f" backend={extra['backend']}" if extra else "") + ", the same pages")
+                                     + (f" backend={extra['backend']}" if extra else "") + ", the same pages"
+                                     + (f", fp8 KV, scalar k_scale={k_scale:.4g} v_scale={v_scale:.4g}"
+                                        if scales else ""))
         return make
 
     # backend="fa2" keeps the wrapper on the kernels the tensor-core flag selects (no other

@@ -133,3 +133,52 @@ def paged_from_dense(k, v, block_size: int = 16):
                   spare_columns=0, poison=False, keys=[x.transpose(0, 1) for x in k],
                   vals=[x.transpose(0, 1) for x in v])
     return kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens
+
+
+# ----------------------------------------------------------------------------- FP8 caches
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# blocks quantised per step: bounds the fp32 temporary of a large cache (4096 x 16 x 8 x 128 x 4 B = 256 MiB)
+_QUANT_CHUNK_BLOCKS = 4096
+
+
+def kv_amax_scales(cache: torch.Tensor) -> torch.Tensor:
+    """float32 [Hkv]: per KV head, the scale that maps the cache's largest finite |value|
+    to 448 (NaN-poisoned slots are ignored). cache [num_blocks, block_size, Hkv, D]."""
+    amax = torch.zeros(cache.shape[2], dtype=torch.float32, device=cache.device)
+    for i in range(0, cache.shape[0], _QUANT_CHUNK_BLOCKS):
+        part = cache[i:i + _QUANT_CHUNK_BLOCKS].float().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        amax = torch.maximum(amax, part.amax(dim=(0, 1, 3)))
+    return (amax / FP8_MAX).clamp_min(1e-8)
+
+
+def quantize_fp8(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8(clamp(cache / scale[h], -448, 448)) per KV head h, rounded to nearest even: the
+    rule write_kv_cache follows (DESIGN "FP8 KV cache"), applied to a whole cache at once
+    (NaN stays NaN, so poisoned slots stay poisoned)."""
+    out = torch.empty(cache.shape, dtype=FP8, device=cache.device)
+    s = scale.to(device=cache.device, dtype=torch.float32).view(1, 1, -1, 1)
+    for i in range(0, cache.shape[0], _QUANT_CHUNK_BLOCKS):
+        part = cache[i:i + _QUANT_CHUNK_BLOCKS].float() / s
+        out[i:i + _QUANT_CHUNK_BLOCKS] = part.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return out
+
+
+def fp8_caches(k_cache, v_cache, *, spread: bool = False):
+    """(k_cache8, v_cache8, k_scale [Hkv], v_scale [Hkv]) from 16-bit caches, per-KV-head
+    scales from each head's amax. spread=True multiplies head h's scales by 1 + 3h/(Hkv-1)
+    (fewer fp8 levels for the later heads), so a kernel that applies one head's scale to
+    another's K/V is off by up to 4x instead of by the few % random heads differ by."""
+    ks, vs = kv_amax_scales(k_cache), kv_amax_scales(v_cache)
+    hkv = k_cache.shape[2]
+    if spread and hkv > 1:
+        f = 1.0 + 3.0 * torch.arange(hkv, dtype=torch.float32, device=ks.device) / (hkv - 1)
+        ks, vs = ks * f, vs * f.flip(0)
+    return quantize_fp8(k_cache, ks), quantize_fp8(v_cache, vs), ks, vs
+
+
+def dequantize_fp8(cache8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The values an fp8 cache stands for, in float32: stored x scale[h], as the torch oracle
+    dequantises them (one fp32 rounding of the product)."""
+    return cache8.float() * scale.to(device=cache8.device, dtype=torch.float32).view(1, 1, -1, 1)

@@ -20,11 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> N
                         help="comma-separated anchors or 'none' (default: all that exist here). On a GPU: "
                              "sdpa-flash, sdpa-cudnn, sdpa-efficient, flex (prefill), copy (decode), "
                              "flashinfer-ragged, flashinfer-paged (prefill, paged), flashinfer-decode, "
-                             "flashinfer-decode-tc (decode) when flashinfer imports; on CPU: sdpa-cpu "
+                             "flashinfer-decode-tc (decode), flashinfer-decode-fp8 (decode, with --kv-cache-dtype fp8) when "
+                             "flashinfer imports; on CPU: sdpa-cpu "
                              "(torch's CPU kernel); both: same-backend (paged: the backend's dense varlen / "
                              "decode / split launches). A named anchor that cannot run here is an error")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="input dtype (default: bfloat16 on a GPU, float32 in the CPU quick mode)")
+    parser.add_argument("--kv-cache-dtype", default="auto", dest="kv_cache_dtype", metavar="{auto,fp8}",
+                        help="auto (default): caches in the input dtype. fp8: the decode and paged grids also "
+                             "run every backend with float8_e4m3fn KV kernels on an fp8 copy of each case's "
+                             "cache (per-KV-head scales; TB/s at 1 byte per cached element), next to its "
+                             "16-bit rows (a speed-up column), with an fp8 cross-check against the torch "
+                             "oracle on the same fp8 cache and FlashInfer's fp8 decode (flashinfer-decode-fp8) "
+                             "when it imports. Needs --dtype bfloat16/float16 (CPU default: float16)")
     parser.add_argument("--out", default=None,
                         help="results folder (default: ./minipaged-bench-results/<device>[-quick], "
                              "printed at the end)")
@@ -72,6 +80,7 @@ def _config(args: argparse.Namespace, op: str | None):
         plots=not args.no_plots,
         progress=not args.no_progress,
         seed=args.seed,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
 
 

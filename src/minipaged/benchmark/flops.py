@@ -10,6 +10,9 @@ sequence really has (its context length), plus q read and o written.
 Paged attention (any q_len per sequence over a paged cache) is counted the same
 way per sequence: exact causal FLOPs of its (q_len, context_len) pair, and the
 bytes of its context's K and V plus its q rows read and o rows written.
+An FP8 (float8_e4m3fn) cache is counted at what is really read: 1 byte per cached
+K/V element (kv_elem_bytes=1), q and o at their own 16-bit size; the per-KV-head
+float32 scales (8 bytes per KV head per call) are left out.
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ def prefill_flops(batch: int, num_q_heads: int, num_queries: int, num_keys: int,
 
 
 def decode_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 context_lens: Iterable[int], elem_bytes: int) -> int:
+                 context_lens: Iterable[int], elem_bytes: int, kv_elem_bytes: int | None = None) -> int:
     """Bytes a paged decode step must move: K and V of every cached token each
-    sequence really has, q read once and o written once (block tables ignored)."""
+    sequence really has, q read once and o written once (block tables ignored).
+    elem_bytes: q/o element size; kv_elem_bytes: cache element size (None: elem_bytes)."""
     lens = [int(x) for x in context_lens]
     batch = len(lens)
-    kv = 2 * num_kv_heads * head_dim * elem_bytes * sum(lens)
+    kv_es = elem_bytes if kv_elem_bytes is None else kv_elem_bytes
+    kv = 2 * num_kv_heads * head_dim * kv_es * sum(lens)
     q_and_o = 2 * batch * num_q_heads * head_dim * elem_bytes
     return kv + q_and_o
 
@@ -71,13 +76,15 @@ def paged_flops(num_q_heads: int, head_dim: int, q_lens: Iterable[int],
 
 
 def paged_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, q_lens: Iterable[int],
-                context_lens: Iterable[int], elem_bytes: int) -> int:
+                context_lens: Iterable[int], elem_bytes: int, kv_elem_bytes: int | None = None) -> int:
     """Bytes one paged_attention call must move: K and V of every context token once,
-    each query row read once and each output row written once (tables ignored)."""
+    each query row read once and each output row written once (tables ignored).
+    kv_elem_bytes: cache element size (None: elem_bytes, the q/o size)."""
     q_lens, context_lens = [int(x) for x in q_lens], [int(x) for x in context_lens]
     if len(q_lens) != len(context_lens):
         raise ValueError(f"{len(q_lens)} q_lens but {len(context_lens)} context_lens")
-    kv = 2 * num_kv_heads * head_dim * elem_bytes * sum(context_lens)
+    kv_es = elem_bytes if kv_elem_bytes is None else kv_elem_bytes
+    kv = 2 * num_kv_heads * head_dim * kv_es * sum(context_lens)
     q_and_o = 2 * num_q_heads * head_dim * elem_bytes * sum(q_lens)
     return kv + q_and_o
 

@@ -31,6 +31,48 @@ PAGED_TARGETS = {
 }
 
 
+# FP8 KV cache (issue #15): on these decode cases an fp8 row's time must be at most this
+# fraction of the same backend's time on the 16-bit cache, i.e. speed_vs_16bit >= 1 / bound
+FP8_NAME = "float8_e4m3fn"
+FP8_TARGET_CASES = ("B=64 L=8192", "B=1 L=32768")
+FP8_TIME_BOUND = 0.55
+
+
+def is_fp8(r: dict) -> bool:
+    return r.get("kv_dtype") == FP8_NAME
+
+
+def fp8_verdict(r: dict) -> bool | None:
+    """Whether an fp8 backend row meets the fp8 time target; None where it does not apply."""
+    v = r.get("speed_vs_16bit")
+    if (not is_fp8(r) or v is None or r.get("op") != "decode" or r.get("kind") != "backend"
+            or r.get("case") not in FP8_TARGET_CASES):
+        return None
+    return 1.0 / v <= FP8_TIME_BOUND
+
+
+def _fp8_cell(r) -> str:
+    v = r.get("speed_vs_16bit")
+    if v is None:
+        return "-"
+    verdict = fp8_verdict(r)
+    return f"{v:.2f}x" + ("" if verdict is None else (" ok" if verdict else " MISS"))
+
+
+def fp8_targets_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        verdict = fp8_verdict(r)
+        if verdict is not None:
+            lines.append(f"{r['backend']} {r['case']}: fp8 / 16-bit time = {1.0 / r['speed_vs_16bit']:.2f} "
+                         f"(target <= {FP8_TIME_BOUND}: {'met' if verdict else 'MISSED'})")
+    return lines
+
+
+FP8_LEGEND = (f"speed-up vs 16-bit = the same kernel's median on the 16-bit cache / its median on the fp8 "
+              f"cache (target on decode {', '.join(FP8_TARGET_CASES)}: fp8 time <= {FP8_TIME_BOUND}x)")
+
+
 def meets_target(key: str, value, kind: str | None = None) -> bool | None:
     """Whether a ratio meets its target; None when not measured, or measured on a case kind
     the target is not about (e.g. speed vs dense on a mixed batch: shown, not judged)."""
@@ -101,7 +143,15 @@ def paged_legend() -> list[str]:
             for kind, rel, bound, title, what in PAGED_TARGETS.values()]
 
 
-def _columns(op: str, with_copy: bool = True):
+def _columns(op: str, with_copy: bool = True, with_fp8: bool = False):
+    cols = _columns16(op, with_copy)
+    if with_fp8:  # before "vs best anchor"
+        at = next(i for i, (name, _) in enumerate(cols) if name == "vs best anchor")
+        cols.insert(at, ("speed-up vs 16-bit", _fp8_cell))
+    return cols
+
+
+def _columns16(op: str, with_copy: bool = True):
     if op == "paged":
         return _paged_columns()
     cols = [("case", lambda r: r["case"]),
@@ -138,7 +188,7 @@ def shapes_line(rows: list[dict], op: str) -> str:
 
 
 def _table_cells(rows, op, with_copy=True):
-    cols = _columns(op, with_copy)
+    cols = _columns(op, with_copy, with_fp8=any(is_fp8(r) for r in rows if r["op"] == op))
     body = [[fn(r) for _, fn in cols] for r in rows if r["op"] == op]
     return [name for name, _ in cols], body
 
@@ -167,6 +217,10 @@ def text_table(rows: list[dict], op: str, copy_tbps: float | None = None, max_no
         lines.append("(no rows)")
     if op == "paged" and paged_targets_lines(rows):
         lines += ["", "targets:"] + ["  " + x for x in paged_targets_lines(rows)]
+    fp8_rows = [r for r in rows if r["op"] == op and is_fp8(r)]
+    if fp8_rows:
+        lines += ["", FP8_LEGEND]
+        lines += (["fp8 targets:"] + ["  " + x for x in fp8_targets_lines(fp8_rows)]) if fp8_targets_lines(fp8_rows) else []
     return "\n".join(lines)
 
 
@@ -190,7 +244,8 @@ def crosscheck_table(rows: list[dict], dtype=None, markdown: bool = False) -> st
             result = f"ERROR: {r['error']}"
         else:
             result = "ok" if r["ok"] else "FAIL" + (f" ({r['note']})" if r.get("note") else "")
-        body.append([r["op"], r["case"], r["backend"] + ("*" if r.get("kind") == "anchor" else ""), _f(r.get("max_abs_err"), "{:.3e}", none="nan"),
+        body.append([r["op"] + (" fp8" if is_fp8(r) else ""), r["case"],
+                     r["backend"] + ("*" if r.get("kind") == "anchor" else ""), _f(r.get("max_abs_err"), "{:.3e}", none="nan"),
                      _f(r.get("tol"), "{:.3e}"), result])
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -292,9 +347,16 @@ def markdown_report(result: dict) -> str:
                           "launches). Decode-like cases (q <= 16) are timed as CUDA-graph replays on a GPU.", "",
                           "Target ratios (`ok` / `MISS`):", ""]
                 lines += [f"- {x}" for x in paged_legend()] + [""]
+            fp8_rows = [r for r in result["rows"] if r["op"] == op and is_fp8(r)]
+            if fp8_rows:
+                lines += ["FP8 KV cache rows (`<backend> fp8`, float8_e4m3fn pages with per-KV-head scales, "
+                          "1 byte per cached element in TB/s) sit next to the 16-bit rows of the same run; "
+                          f"{FP8_LEGEND}.", ""]
             lines += [markdown_table(result["rows"], op, with_copy=bool(result.get("copy_bandwidth_tbps"))), ""]
             if op == "paged" and paged_targets_lines(result["rows"]):
                 lines += ["Targets measured:", ""] + [f"- {x}" for x in paged_targets_lines(result["rows"])] + [""]
+            if fp8_targets_lines(fp8_rows):
+                lines += ["FP8 targets measured:", ""] + [f"- {x}" for x in fp8_targets_lines(fp8_rows)] + [""]
     for note in result.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

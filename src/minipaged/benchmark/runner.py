@@ -24,7 +24,7 @@ import torch
 
 from . import anchors as anc
 from . import cases as cs
-from . import outputs, report, timing
+from . import flops, outputs, report, timing
 
 SCHEMA = "minipaged.bench/1"
 BACKEND_ORDER = ("torch", "triton", "cuda", "cuda-wmma")
@@ -35,6 +35,10 @@ OPS_ALL = ("prefill", "decode", "paged")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # max |o - o_fp32| allowed beyond twice the error of the torch oracle run in the same dtype
 _ATOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+# --kv-cache-dtype: "auto" = the cache has the input dtype; "fp8" adds float8_e4m3fn rows
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_NAME = report.FP8_NAME
+FP8_OPS = ("decode", "paged")
 
 
 @dataclass
@@ -52,6 +56,7 @@ class BenchConfig:
     plots: bool = True
     progress: bool = True
     seed: int = 0
+    kv_cache_dtype: str = "auto"          # "fp8": decode/paged also on float8_e4m3fn caches
     log: Callable[[str], None] = field(default=print, repr=False)
 
 
@@ -130,6 +135,33 @@ def _skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device
     return None
 
 
+def fp8_key(op: str) -> str:
+    """The failures-dict key of `op` on an fp8 cache (a backend's fp8 kernels fail or pass
+    the cross-check apart from its 16-bit ones)."""
+    return f"{op}:fp8"
+
+
+def fp8_skip_reason(backend: str, op: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `backend` runs no `op` on a float8_e4m3fn cache here (None: it does)."""
+    from minipaged import registry
+
+    if op not in FP8_OPS:
+        return f"no fp8 cache in {op}"
+    reason = _skip_reason(backend, op, dtype, device)
+    if reason:
+        return reason
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"an fp8 cache needs float16/bfloat16 q, got {str(dtype).replace('torch.', '')}"
+    if not registry.all_backends()[backend].fp8_kv:
+        return f"{backend} has no float8_e4m3fn KV-cache kernels (registry fp8_kv is False)"
+    return None
+
+
+def fp8_backends(backends, ops, dtype, device) -> list[str]:
+    """The backends of `backends` that run at least one of `ops` on an fp8 cache here."""
+    return [b for b in backends if any(not fp8_skip_reason(b, op, dtype, device) for op in ops if op in FP8_OPS)]
+
+
 # ----------------------------------------------------------------------------- cross-check
 
 
@@ -184,8 +216,9 @@ def _failure_keys(name: str, op: str, e: BaseException) -> list[tuple[str, str]]
     if not any(w in text for w in _BUILD_WORDS):
         return [(name, op)]
     group = _BUILD_GROUP.get(name, name)
-    return [(b.name, o) for b in registry.all_backends().values() if _BUILD_GROUP.get(b.name, b.name) == group
-            for o in registry.OPS if o in b.provides]
+    same = [b for b in registry.all_backends().values() if _BUILD_GROUP.get(b.name, b.name) == group]
+    return ([(b.name, o) for b in same for o in registry.OPS if o in b.provides]
+            + [(b.name, fp8_key(o)) for b in same for o in FP8_OPS if o in b.provides])
 
 
 def _max_abs_err(out, ref) -> float:
@@ -300,6 +333,96 @@ def _crosscheck_anchors(anchor_names, case, q, k, v, ref, tol) -> list[dict]:
     return rows
 
 
+def crosscheck_plan_fp8(backends, device, dtype, ops):
+    """crosscheck_plan for the fp8 cross-check: ops are labelled "decode fp8" / "paged fp8"."""
+    from minipaged import registry
+
+    avail = registry.available_backends(device.type)
+    compared, skipped = [], []
+    for name in backends:
+        if not avail.get(name, (False, ""))[0]:
+            continue  # crosscheck_plan already lists the whole backend as skipped
+        for op in (o for o in FP8_OPS if o in ops):
+            reason = fp8_skip_reason(name, op, dtype, device)
+            (skipped.append((name, f"{op} fp8", reason)) if reason else compared.append((name, f"{op} fp8")))
+    return compared, skipped
+
+
+def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=None) -> list[dict]:
+    """Every fp8-capable backend's decode / paged output on a float8_e4m3fn cache against the
+    torch oracle on the SAME fp8 cache, so the quantisation error is nobody's fault.
+
+    The cache is the cross-check case's 16-bit cache quantised with per-KV-head scales that
+    differ by up to 4x between heads (cases.fp8_caches(spread=True)); unused slots stay NaN.
+    The oracle is the torch backend in fp32 on that cache's exact dequantisation
+    (stored x scale, fp32) with q upcast; torch on the fp8 cache itself, in `dtype`, shows
+    what the output rounding costs. A backend passes when its error <= 2 * that + atol(dtype),
+    the rule of crosscheck(). Raises go into `failures` under (backend, fp8_key(op))."""
+    import minipaged as mp
+
+    failures = {} if failures is None else failures
+    rows = []
+    for op, case_list in (("decode", cs.crosscheck_decode_cases(quick)), ("paged", cs.crosscheck_paged_cases(quick))):
+        if op not in ops:
+            continue
+        for case in case_list:
+            torch.manual_seed(4321)
+            if op == "decode":
+                q, kc, vc, bt, cl = cs.make_decode_inputs(case, dtype, device, seed=None, poison=True)
+            else:
+                q, kc, vc, bt, cu, cl = cs.make_paged_inputs(case, dtype, device, seed=None, poison=True)
+            kc8, vc8, ks, vs = cs.fp8_caches(kc, vc, spread=True)
+            del kc, vc
+
+            def call(name, exact=False):
+                if exact:
+                    a = (q.float(), cs.dequantize_fp8(kc8, ks), cs.dequantize_fp8(vc8, vs))
+                    sc = {}
+                else:
+                    a, sc = (q, kc8, vc8), dict(k_scale=ks, v_scale=vs)
+                if op == "decode":
+                    return mp.decode_attention(a[0], a[1], a[2], bt, cl, backend=name, **sc)
+                return mp.paged_attention(a[0], a[1], a[2], bt, cu, cl, causal=case.causal, backend=name, **sc)
+
+            base = dict(op=op, case=case.label, shape=case.shape(), kv_dtype=FP8_NAME)
+            try:
+                ref = call("torch", exact=True)
+                ref_err = _max_abs_err(call("torch"), ref)
+            except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                log(f"fp8 cross-check {op} {case.label}: the torch oracle failed: {type(e).__name__}: {e}")
+                rows.append(dict(base, backend="torch", ok=False, error=f"{type(e).__name__}: {_first_line(e)}",
+                                 max_abs_err=None, tol=None, note=""))
+                continue
+            tol = 2 * ref_err + _ATOL[dtype]
+            rows.append(dict(base, backend="torch", max_abs_err=ref_err, tol=None, ok=not math.isnan(ref_err),
+                             error=None, note="torch on the fp8 cache vs torch on its exact fp32 dequantisation "
+                                              "(output rounding)"))
+            for name in backends:
+                if name == "torch" or fp8_skip_reason(name, op, dtype, device):
+                    continue
+                key = (name, fp8_key(op))
+                row = dict(base, backend=name, tol=tol, max_abs_err=None, ok=False, error=None, note="")
+                if key in failures:
+                    row["error"] = f"not run: raised earlier: {failures[key]}"
+                    rows.append(row)
+                    continue
+                try:
+                    out = call(name)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    err = _max_abs_err(out, ref)
+                    row.update(max_abs_err=err, ok=(not math.isnan(err)) and err <= tol)
+                    if math.isnan(err):
+                        row["note"] = "NaN in the output"
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    row["error"] = f"{type(e).__name__}: {_first_line(e)}"
+                    for k in _failure_keys(name, fp8_key(op), e):
+                        failures.setdefault(k, row["error"])
+                rows.append(row)
+            del kc8, vc8
+    return rows
+
+
 # ----------------------------------------------------------------------------- timing rows
 
 
@@ -313,7 +436,10 @@ def _base_row(op, case, backend, kind) -> dict:
                 vs_best_anchor=None, pct_copy_bw=None,
                 # paged rows: what an anchor row is to its backend row, and the target ratios
                 role=None, of_backend=None, speed_vs_dense=None, speed_vs_flashinfer=None,
-                time_vs_decode=None, time_vs_split=None)
+                time_vs_decode=None, time_vs_split=None,
+                # fp8 rows: the cache dtype (None: the input dtype), the row of the same kernel on the
+                # 16-bit cache (its backend label) and that row's median / this row's median
+                kv_dtype=None, of_16bit=None, speed_vs_16bit=None)
 
 
 class _Runner:
@@ -335,6 +461,7 @@ class _Runner:
         self.warmup = 1 if device.type == "cpu" else 3
         self.dead: str | None = None
         self.flex_compile_s = 0.0
+        self.fp8 = cfg.kv_cache_dtype == "fp8"
 
     # torch.compile is the one cost the rep count cannot bound: stop compiling new
     # FlexAttention shapes once this much time went into it
@@ -409,11 +536,12 @@ class _Reference:
     On a GPU a compiled backend is preferred (the torch oracle on a 32k-context case is slow
     and large); on CPU the oracle (exact, and the interpreted Triton takes seconds)."""
 
-    def __init__(self, op, backends, failures, dtype, device, args):
+    def __init__(self, op, backends, failures, dtype, device, args, fp8: bool = False):
         self.op, self.args, self.out, self.name = op, args, None, None
         pref = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch", "triton", "cuda")
         order = [b for b in pref if b in backends] + [b for b in backends if b not in pref]
-        self.candidates = [b for b in order if (b, op) not in failures and not _skip_reason(b, op, dtype, device)]
+        skip, key = (fp8_skip_reason, fp8_key(op)) if fp8 else (_skip_reason, op)
+        self.candidates = [b for b in order if (b, key) not in failures and not skip(b, op, dtype, device)]
 
     def get(self):
         while self.out is None and self.candidates:
@@ -474,6 +602,23 @@ def _backend_rows(r: _Runner, op, case, backends, failures, emit, args, timed_kw
         yield r.timed(row, _op_factory(name, op, args), **timed_kwargs(name))
 
 
+def _fp8_backend_rows(r: _Runner, op, case, backends, failures, emit, args, timed_kwargs):
+    """_backend_rows on a float8_e4m3fn cache: rows labelled "<backend> fp8", each pointing
+    at the same backend's 16-bit row of the case (of_16bit) for the speed-up ratio."""
+    for name in backends:
+        label = f"{name} fp8"
+        emit(f"{case.label} {label}")
+        row = dict(_base_row(op, case, label, "backend"), kv_dtype=FP8_NAME, of_16bit=name)
+        skip = fp8_skip_reason(name, op, r.dtype, r.device)
+        if skip:
+            yield dict(row, status="skipped", error=skip)
+            continue
+        if (name, fp8_key(op)) in failures:
+            yield dict(row, status="error", error=f"failed the fp8 cross-check: {failures[(name, fp8_key(op))]}")
+            continue
+        yield r.timed(row, _op_factory(name, op, args), **timed_kwargs(name))
+
+
 def _bench_prefill_case(r: _Runner, case, backends, anchor_names, failures, emit):
     torch.manual_seed(r.cfg.seed)
     q, k, v = cs.make_prefill_inputs(case, r.dtype, r.device, seed=None)
@@ -524,7 +669,7 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
                              lambda name: dict(work_flops=case.flops, work_bytes=nbytes,
                                                cuda_graph=name != "torch"))
     ref = _Reference("decode", backends, failures, r.dtype, r.device, args)
-    for name in [a for a in anchor_names if a in anc.FLASHINFER_ANCHORS]:
+    for name in [a for a in anchor_names if a in anc.FLASHINFER_ANCHORS and a not in anc.FP8_ANCHORS]:
         emit(f"{case.label} {name}")
         row = _base_row("decode", case, name, "anchor")
         row["role"] = "flashinfer"
@@ -532,6 +677,8 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
                           q, kc, vc, bt, cl, scale=scale, tensor_cores=tc),
                       work_flops=case.flops, work_bytes=nbytes, cuda_graph=True, check=ref.check)
     ref = None
+    if r.fp8:
+        yield from _bench_decode_fp8(r, case, backends, anchor_names, failures, emit, q, kc, vc, bt, cl, scale)
     anchor_names = [a for a in anchor_names if a not in anc.FLASHINFER_ANCHORS]
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
@@ -541,6 +688,32 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
             row = _base_row("decode", case, name, "anchor")
             yield r.timed(row, lambda n=name: anc.prepare_sdpa_decode(n, q, k4, v4, scale=scale),
                           work_flops=case.flops, work_bytes=nbytes, cuda_graph=True)
+
+
+def _bench_decode_fp8(r: _Runner, case, backends, anchor_names, failures, emit, q, kc, vc, bt, cl, scale):
+    """The decode rows on a float8_e4m3fn copy of the case's cache (per-KV-head amax scales),
+    bytes counted at 1 per cached element; FlashInfer's fp8 decode on the same fp8 pages with
+    scalar scales (it takes no per-head ones), judged against one of our backends run with the
+    same scalar broadcast to every head."""
+    kc8, vc8, ks, vs = cs.fp8_caches(kc, vc)
+    nbytes = flops.decode_bytes(case.num_q_heads, case.num_kv_heads, case.head_dim, case.lens,
+                                q.element_size(), kv_elem_bytes=1)
+    args = (q, kc8, vc8, bt, cl, scale, False, ks, vs)
+    yield from _fp8_backend_rows(r, "decode", case, backends, failures, emit, args,
+                                 lambda name: dict(work_flops=case.flops, work_bytes=nbytes,
+                                                   cuda_graph=name != "torch"))
+    if anc.FI_DECODE_FP8 in anchor_names:
+        emit(f"{case.label} {anc.FI_DECODE_FP8}")
+        k1, v1 = float(ks.max()), float(vs.max())
+        ref = _Reference("decode", backends, failures, r.dtype, r.device,
+                         (q, kc8, vc8, bt, cl, scale, False, torch.full_like(ks, k1), torch.full_like(vs, v1)),
+                         fp8=True)
+        row = dict(_base_row("decode", case, anc.FI_DECODE_FP8, "anchor"), role="flashinfer", kv_dtype=FP8_NAME,
+                   of_16bit=anc.FI_DECODE)
+        yield r.timed(row, lambda: anc.prepare_flashinfer_decode(q, kc8, vc8, bt, cl, scale=scale, tensor_cores=False,
+                                                                 k_scale=k1, v_scale=v1),
+                      work_flops=case.flops, work_bytes=nbytes, cuda_graph=True, check=ref.check)
+    del kc8, vc8
 
 
 def _bench_paged_case(r: _Runner, case, backends, anchor_names, failures, emit):
@@ -562,6 +735,15 @@ def _bench_paged_case(r: _Runner, case, backends, anchor_names, failures, emit):
     yield from _backend_rows(r, "paged", case, backends, failures, emit, args,
                              lambda name: dict(work_flops=case.flops, work_bytes=case.bytes(es),
                                                cuda_graph=graph and name != "torch"))
+    if r.fp8:
+        kc8, vc8, ks, vs = cs.fp8_caches(kc, vc)
+        nbytes8 = flops.paged_bytes(case.num_q_heads, case.num_kv_heads, case.head_dim, case.q_lens,
+                                    case.context_lens, es, kv_elem_bytes=1)
+        yield from _fp8_backend_rows(r, "paged", case, backends, failures, emit,
+                                     (q, kc8, vc8, bt, cu, cl, max_q, case.causal, scale, False, ks, vs),
+                                     lambda name: dict(work_flops=case.flops, work_bytes=nbytes8,
+                                                       cuda_graph=graph and name != "torch"))
+        del kc8, vc8
     runnable = [b for b in backends if not _skip_reason(b, "paged", dtype, device) and (b, "paged") not in failures]
     ref = _Reference("paged", backends, failures, dtype, device, args)
 
@@ -694,18 +876,39 @@ def finalize_rows(rows: list[dict], copy_tbps: float | None) -> None:
     """vs_best_anchor = (fastest anchor's median) / (this row's median): > 1 is
     faster than every anchor. pct_copy_bw = this row's TB/s / device copy TB/s."""
     best: dict[tuple, float] = {}
+    # fp8 rows are judged against the fp8 anchors, 16-bit rows against the 16-bit ones
     for r in rows:
         if r["kind"] == "anchor" and r["status"] == "ok" and r["op"] in ("prefill", "decode"):
-            key = (r["op"], r["case"])
+            key = (r["op"], r["case"], _is_fp8(r))
             best[key] = min(best.get(key, math.inf), r["median_ms"])
     for r in rows:
         if r["status"] != "ok" or r["op"] not in ("prefill", "decode"):
             continue
-        b = best.get((r["op"], r["case"]))
+        b = best.get((r["op"], r["case"], _is_fp8(r)))
         r["vs_best_anchor"] = (b / r["median_ms"]) if b and r["median_ms"] else None
         if r["op"] == "decode" and copy_tbps and r["tbps"]:
             r["pct_copy_bw"] = 100.0 * r["tbps"] / copy_tbps
     _paged_ratios(rows)
+    _fp8_ratios(rows)
+
+
+_is_fp8 = report.is_fp8
+
+
+def _fp8_ratios(rows: list[dict]) -> None:
+    """speed_vs_16bit = (median of the same kernel on the 16-bit cache of the same case, the
+    row named by of_16bit) / (this fp8 row's median): > 1 means the fp8 cache is faster."""
+    base = {(r["op"], r["case"], r["backend"]): r["median_ms"] for r in rows
+            if not _is_fp8(r) and r.get("status") == "ok" and r.get("median_ms")}
+    for r in rows:
+        if not _is_fp8(r):
+            continue
+        r["speed_vs_16bit"] = None
+        if r["status"] != "ok" or not r["median_ms"]:
+            continue
+        b = base.get((r["op"], r["case"], r.get("of_16bit")))
+        if b:
+            r["speed_vs_16bit"] = b / r["median_ms"]
 
 
 def _paged_ratios(rows: list[dict]) -> None:
@@ -727,6 +930,8 @@ def _paged_ratios(rows: list[dict]) -> None:
             continue
         for key in ("vs_best_anchor", "speed_vs_dense", "speed_vs_flashinfer", "time_vs_decode", "time_vs_split"):
             r[key] = None
+        if _is_fp8(r):  # its anchors are 16-bit kernels: its one ratio is speed_vs_16bit
+            continue
         if r["status"] != "ok" or not r["median_ms"]:
             continue
         ms, case, name = r["median_ms"], r["case"], r["backend"]
@@ -752,6 +957,8 @@ def _anchor_names(cfg: BenchConfig, op: str, device, quick: bool = False) -> lis
     FlashInfer's are dropped when it does not import, and by default in the quick grid
     (flashinfer_note says so)."""
     names = [a for a in anc.anchors_for(op, device) if a != anc.COPY_ANCHOR]
+    if cfg.kv_cache_dtype != "fp8":
+        names = [a for a in names if a not in anc.FP8_ANCHORS]
     if cfg.anchors is not None:
         names = [a for a in names if a in cfg.anchors]
     elif quick:
@@ -766,7 +973,8 @@ def flashinfer_note(cfg: BenchConfig, ops, device, quick: bool = False) -> str |
     were asked for run). FlashInfer is never a dependency: without it the run goes on."""
     gpu = torch.device("cuda")  # the ops' FlashInfer anchors as a GPU run lists them
     wanted = [a for a in anc.FLASHINFER_ANCHORS
-              if (cfg.anchors is None or a in cfg.anchors) and any(a in anc.anchors_for(o, gpu) for o in ops)]
+              if (cfg.anchors is None or a in cfg.anchors) and any(a in anc.anchors_for(o, gpu) for o in ops)
+              and (a not in anc.FP8_ANCHORS or cfg.kv_cache_dtype == "fp8")]
     if not wanted:
         return None
     ok, why = anc.flashinfer_available(device)
@@ -779,6 +987,23 @@ def flashinfer_note(cfg: BenchConfig, ops, device, quick: bool = False) -> str |
     return (f"FlashInfer anchors not timed ({', '.join(wanted)}): {why}"
             + ("; on the GPU machine `source .anchors/flashinfer/env.sh .anchors/flashinfer/fi_bundle.tar.xz` "
                "makes it importable" if device.type == "cuda" else ""))
+
+
+def fp8_note(dtype, cfg: BenchConfig, device) -> str:
+    """What the fp8 rows are, for the notes of a --kv-cache-dtype fp8 run."""
+    dt = str(dtype).replace("torch.", "")
+    text = ("fp8 rows (`<backend> fp8`): the same random cache quantised to float8_e4m3fn with per-KV-head "
+            f"scales (amax / 448), q and o in {dt}; TB/s counts 1 byte per cached K/V element (q and o at their "
+            "own size, the [Hkv] scales not counted); `speed-up vs 16-bit` = the same kernel's median on the "
+            f"{dt} cache of the case / its fp8 median, both from this run; the fp8 cross-check compares each "
+            "backend with the torch oracle on the same fp8 cache (exactly dequantised, fp32)")
+    if cfg.anchors is None or anc.FI_DECODE_FP8 in cfg.anchors:
+        text += (f"; {anc.FI_DECODE_FP8}: FlashInfer's CUDA-core decode on the same fp8 pages with scalar "
+                 "k_scale/v_scale (it takes no per-head scales; the largest head scale, checked against our "
+                 "backend given that scalar for every head)")
+        if device.type == "cuda":
+            text += "; its fp8 kernel is JIT-compiled on first use unless prebuilt (minutes)"
+    return text
 
 
 def _wants_copy(cfg: BenchConfig, ops, device) -> bool:
@@ -820,6 +1045,7 @@ class Plan:
     backends: list[str]
     backend_info: dict
     out_dir: Path
+    fp8: bool = False                     # --kv-cache-dtype fp8: decode/paged also on fp8 caches
 
 
 def _check_number(flag, value, *, minimum=None, integer=False):
@@ -849,10 +1075,20 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     _check_number("--seed", cfg.seed, minimum=0, integer=True)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {cfg.kv_cache_dtype!r}")
+    fp8 = cfg.kv_cache_dtype == "fp8"
+    if fp8 and cfg.op == "prefill":
+        raise ValueError("--kv-cache-dtype fp8: the fp8 rows are decode and paged rows; --op prefill has none "
+                         "(use --op decode, paged or all)")
+    if fp8 and cfg.dtype == "float32":
+        raise ValueError("--kv-cache-dtype fp8 needs --dtype bfloat16 or float16 (q, k, v and o stay 16-bit with "
+                         "an fp8 cache), got --dtype float32")
     device, quick = pick_device(cfg.quick, log)
     interp_ok = enable_triton_interpreter(log) if device.type == "cpu" else True
     if cfg.dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        # the CPU quick grid runs fp32, but an fp8 cache needs 16-bit q (and the interpreter's bf16 is wrong)
+        dtype = (torch.float16 if fp8 else torch.float32) if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPES[cfg.dtype]
     ops = list(OPS_ALL) if cfg.op == "all" else [cfg.op]
@@ -874,6 +1110,8 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                 raise ValueError(f"--anchors flex: {anc.flex_available(device)[1]}")
             if name in anc.FLASHINFER_ANCHORS and not anc.flashinfer_available(device)[0]:
                 raise ValueError(f"--anchors {name}: {anc.flashinfer_available(device)[1]}")
+            if name in anc.FP8_ANCHORS and not fp8:
+                raise ValueError(f"--anchors {name}: it is timed on an fp8 cache, only with --kv-cache-dtype fp8")
 
     backends, backend_info = select_backends(cfg, device)
     if device.type == "cpu" and not interp_ok:
@@ -889,6 +1127,17 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                 raise ValueError(f"--backends {name}: nothing to time with --op {cfg.op} in "
                                  f"{str(dtype).replace('torch.', '')} on {device.type}: {'; '.join(dict.fromkeys(reasons))}")
 
+    if fp8:
+        fp8_ops = [o for o in ops if o in FP8_OPS]
+        if not fp8_backends(backends, fp8_ops, dtype, device):
+            from minipaged import registry as _reg
+
+            why = "; ".join(dict.fromkeys(fp8_skip_reason(b, o, dtype, device) for b in backends for o in fp8_ops))
+            have = [n for n, b in _reg.all_backends().items() if b.fp8_kv]
+            raise ValueError(f"--kv-cache-dtype fp8: none of the backends {backends} runs {'/'.join(fp8_ops)} on a "
+                             f"float8_e4m3fn cache here ({why or 'no backends'}); backends with fp8 KV-cache "
+                             f"kernels: {have}")
+
     out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -898,7 +1147,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     except OSError as e:
         raise OSError(f"--out {str(out_dir)!r}: cannot write results there: "
                       f"{e.strerror or type(e).__name__}") from None
-    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir)
+    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir, fp8)
 
 
 def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
@@ -915,19 +1164,21 @@ def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        return _run(cfg, device, quick, dtype, plan.ops, plan.backends, plan.backend_info, plan.out_dir, log)
+        return _run(cfg, device, quick, dtype, plan.ops, plan.backends, plan.backend_info, plan.out_dir, log,
+                    fp8=plan.fp8)
     finally:
         torch.set_num_threads(saved_threads)
 
 
-def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -> dict:
+def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, fp8: bool = False) -> dict:
     env = timing.environment(device)
     env["torch_threads"] = torch.get_num_threads()
     result = dict(
         schema=SCHEMA, env=env,
         config=dict(op=cfg.op, dtype=str(dtype).replace("torch.", ""), quick=quick,
                     backends=backends, anchors=cfg.anchors, reps=cfg.reps,
-                    max_time_s=cfg.max_time_s, time_budget_s=cfg.time_budget_s, seed=cfg.seed),
+                    max_time_s=cfg.max_time_s, time_budget_s=cfg.time_budget_s, seed=cfg.seed,
+                    kv_cache_dtype=cfg.kv_cache_dtype),
         backends=backend_info, crosscheck=[], rows=[], copy_bandwidth_tbps=None, notes=[],
         complete=False,
     )
@@ -935,7 +1186,10 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
         + (f" ({env['sm_count']} SMs)" if env["sm_count"] else "")
         + f", torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit {env['git_commit'][:12]}")
     log(f"dtype {result['config']['dtype']}, {'quick grid' if quick else 'standard grid'}, "
-        f"backends: {', '.join(backends) or '(none)'}")
+        f"backends: {', '.join(backends) or '(none)'}"
+        + (f"; fp8 KV-cache rows for {', '.join(fp8_backends(backends, ops, dtype, device))}" if fp8 else ""))
+    if fp8:
+        result["notes"].append(fp8_note(dtype, cfg, device))
     for b, info in backend_info.items():
         if not info["available"]:
             log(f"  {b}: unavailable ({info['reason']})")
@@ -955,8 +1209,19 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log) -
                 msg = f"cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                 rows = [dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None)]
                 result["notes"].append(msg)
+            if fp8:
+                try:
+                    rows += crosscheck_fp8(backends, device, dtype, quick, log, ops, failures)
+                except Exception as e:  # noqa: BLE001 - the timing can still say something
+                    msg = f"fp8 cross-check aborted: {type(e).__name__}: {_first_line(e)}"
+                    rows.append(dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None,
+                                     kv_dtype=FP8_NAME))
+                    result["notes"].append(msg)
             result["crosscheck"] = rows
             compared, skipped = crosscheck_plan(list(backend_info), device, dtype, ops)
+            if fp8:
+                c8, s8 = crosscheck_plan_fp8(list(backend_info), device, dtype, ops)
+                compared, skipped = compared + c8, skipped + s8
             compared = [c for c in compared if c[0] in backends]
             skipped = [x for x in skipped if x[0] in backends or x[1] is None]
             result["crosscheck_skipped"] = [dict(backend=b, op=o, reason=why) for b, o, why in skipped]
