@@ -77,7 +77,7 @@ def problem(B, L, num_q_heads=16, with_ref=True):
     case = cs.DecodeCase(batch=B, context_len=L, num_q_heads=num_q_heads, num_kv_heads=8, head_dim=128)
     torch.manual_seed(0)
     inputs = cs.make_decode_inputs(case, torch.bfloat16, "cuda", seed=None, poison=False, spare_columns=0)
-    ref = cuda_ops.decode(*inputs, SCALE, 0, 0).float() if with_ref else None
+    ref = cuda_ops.decode(*inputs, SCALE, False, num_splits=0, variant=0).float() if with_ref else None
     return inputs, case.bytes(2), ref
 
 
