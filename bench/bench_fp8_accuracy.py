@@ -177,11 +177,13 @@ def compare(got: list[torch.Tensor], ref: list[torch.Tensor], rows: slice) -> di
 
 
 def default_backends(device: torch.device) -> list[str]:
-    """Every backend with fp8 KV kernels available on `device`; on a GPU the torch oracle is left
-    out unless named (it is the reference of the kernels, not a GPU backend)."""
+    """Every backend with fp8 KV kernels that runs bf16 on `device` (not triton on CPU: the
+    interpreter's bf16 is wrong); on a GPU the torch oracle is left out unless named (it is the
+    reference of the kernels, not a GPU backend)."""
     from minipaged import registry
 
-    names = [n for n, b in registry.all_backends().items() if b.fp8_kv and b.is_available(device.type)[0]]
+    names = [n for n, b in registry.all_backends().items() if b.fp8_kv and b.is_available(device.type)[0]
+             and "bfloat16" in b.supported_dtypes(device.type)[0]]
     if device.type == "cuda":
         names = [n for n in names if n != "torch"]
     return names
@@ -238,6 +240,9 @@ def main(argv=None) -> int:
             ok, why = known[b].is_available(dev.type)
             if not ok:
                 raise ValueError(f"--backends {b}: unavailable on {dev.type}: {why}")
+            dtypes, why = known[b].supported_dtypes(dev.type)
+            if "bfloat16" not in dtypes:
+                raise ValueError(f"--backends {b}: the model runs in bfloat16, which {b} refuses on {dev.type}: {why}")
         if not backends:
             raise ValueError(f"no backend with fp8 KV kernels is available on {dev.type}")
     except ValueError as e:
