@@ -435,6 +435,9 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.block_size = static_cast<int>(k_cache.size(1));
     p.max_blocks = static_cast<int>(bt.size(1));
     p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+    // Extents of the sm_90 TMA maps (q rows, cache blocks).
+    p.total_q = q.size(0);
+    p.num_blocks = k_cache.size(0);
     p.scale = static_cast<float>(scale);
     p.causal = causal;
     p.dtype = dtype;

@@ -68,6 +68,14 @@ struct PrefillParams {
   bool kv_fp8;
   const float* k_scale;
   const float* v_scale;
+  // Paged only, set by launch_prefill_paged when it splits a mixed batch into
+  // two launches: 0 every sequence; N > 0 only sequences with q_len <= N;
+  // N < 0 only sequences with q_len > -N. The kernels' CTAs of the other
+  // sequences exit before any work (the q_lens live on the device only).
+  int qlen_filter;
+  // Paged only: blocks of the caches (k/v shape [0]); the extent of the sm_90
+  // TMA maps of the caches. 0 (unknown): the TMA kernel is not used.
+  int64_t num_blocks;
 };
 
 // All return cudaSuccess or the launch error; they never synchronize.

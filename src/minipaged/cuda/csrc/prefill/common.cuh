@@ -83,6 +83,9 @@ __device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
     // api.py guarantees 0 <= context_len <= capacity; the clamp keeps a bad
     // value from walking off the block table.
     s.seqlen_k = min(max(p.context_lens[batch], 0), p.max_blocks * p.block_size);
+    // A split mixed batch (launch_prefill_paged): the other launch owns this
+    // sequence; q_len 0 makes every CTA of it return before any work.
+    if (p.qlen_filter != 0 && (s.seqlen_q <= abs(p.qlen_filter)) != (p.qlen_filter > 0)) s.seqlen_q = 0;
   } else if (p.cu_seqlens_k != nullptr) {
     s.k_begin = p.cu_seqlens_k[batch];
     s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_begin;

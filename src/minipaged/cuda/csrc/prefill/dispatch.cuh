@@ -55,15 +55,69 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // SMs); below that the one-warpgroup wgmma kernel's smaller blocks.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true>;
+// Paged long chunks (16-bit caches, pages of >= 8 tokens): the same kernel
+// with K/V pages loaded by TMA boxes through the block table.
+template <typename T, int D>
+using CfgWsPaged = WsCfg<T, D, 128, 2, true, true, true, true>;
 #endif
+
+// Paged, a batch with q_lens on both sides of kPackMaxSeqlenQ (max_seqlen_q
+// says there may be long ones; the host does not know the q_lens): two
+// launches on the stream, `packed` for the sequences with q_len <=
+// kPackMaxSeqlenQ (grid sized for that many rows) and `tiled` for the longer
+// ones; each kernel's CTAs return at once for the other's sequences
+// (PrefillParams::qlen_filter). Rows are written by exactly one launch.
+template <class Packed, class Tiled>
+cudaError_t launch_paged_split(const PrefillParams& p, Packed packed, Tiled tiled) {
+  PrefillParams ps = p;
+  ps.qlen_filter = kPackMaxSeqlenQ;
+  ps.max_seqlen_q = kPackMaxSeqlenQ;
+  const cudaError_t err = packed(ps);
+  if (err != cudaSuccess) return err;
+  PrefillParams pl = p;
+  pl.qlen_filter = -kPackMaxSeqlenQ;
+  return tiled(pl);
+}
+
+// Paged, the tiled (one query head per CTA) kernels.
+template <typename T, int D, bool kCausal>
+cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
+#if MINIPAGED_DISPATCH_WGMMA
+  const int sms = p.num_sms > 0 ? p.num_sms : 132;
+  // The warp-specialised TMA kernel from half a wave of its CTAs (its grid is
+  // the work list of the owned sequences), as for dense/varlen.
+  if (ws_paged_supported<CfgWsPaged<T, D>>(p) &&
+      2 * ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads >= int64_t(sms))
+    return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
+  const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
+                            ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
+  if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, true>(p, stream);
+  return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, true>(p, stream);
+#else
+  // The small block only: the large one sits at the register limit already
+  // and the paged loader's page ids push it into spills.
+  return launch_prefill_cfg<CfgSmall<T, D>, kCausal, true>(p, stream);
+#endif
+}
+
+template <typename T, int D, bool kCausal>
+cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
+  // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence.
+  const bool pack_ok = p.variant == 0 && p.num_q_heads >= 2 * p.num_kv_heads;
+  auto packed = [&](const PrefillParams& q) {
+    return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
+  };
+  auto tiled = [&](const PrefillParams& q) { return dispatch_paged_tiled<T, D, kCausal>(q, stream); };
+  if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
+  if (!pack_ok) return tiled(p);
+  return launch_paged_split(p, packed, tiled);
+}
 
 template <typename T, int D, bool kCausal, bool kPaged>
 cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
   if constexpr (kPaged) {
-    const bool pack = p.variant == 2 || (p.variant == 0 && p.max_seqlen_q <= kPackMaxSeqlenQ &&
-                                         p.num_q_heads >= 2 * p.num_kv_heads);
-    if (pack) return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(p, stream);
-  }
+    return dispatch_paged<T, D, kCausal>(p, stream);
+  } else {
 #if MINIPAGED_DISPATCH_WGMMA
   {
     const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
@@ -85,10 +139,8 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     // through the causal tail; below that, halve the block and double the grid.
     if (large_blocks >= 2 * int64_t(num_sms)) return launch_prefill_cfg<CfgLarge<T, D>, kCausal, kPaged>(p, stream);
   }
-  // Paged K/V: the small block only. The large one sits at the register limit
-  // already and the paged loader's page ids push it into spills on sm_90
-  // (where wgmma runs instead anyway).
   return launch_prefill_cfg<CfgSmall<T, D>, kCausal, kPaged>(p, stream);
+  }
 }
 
 template <typename T, int D, bool kPaged>

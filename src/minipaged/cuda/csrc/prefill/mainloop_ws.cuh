@@ -40,8 +40,30 @@
 // tensor's end are zero-filled by TMA. Varlen uses batch extent 1 and rows =
 // total tokens; a tile's rows past its own sequence then read the next
 // sequence's (finite) K/V, which the mask turns into P = 0.
+//
+// Paged K/V (WsCfg kPaged; launch_prefill_ws_paged): the caches
+// [num_blocks, block_size, Hkv, D] are 4-D maps (D, block_size, Hkv,
+// num_blocks) with box (64, min(block_size, BLOCK_N), 1, 1), and warp 0 of the
+// producer warpgroup loads a key tile as one box per page (lane i: page i of
+// the tile, read from the block table one tile ahead). Block sizes >= 8 only:
+// the 128-byte swizzle pattern is defined for a destination on a 1024-byte
+// boundary (PTX ISA, "Swizzling Modes": base offset (dstMem / 128) % 8
+// otherwise), and a box of >= 8 rows at a row offset that is a multiple of 8
+// starts on such a boundary, so the boxes of a tile lay it out exactly as one
+// box of BLOCK_N rows would (block_size >= BLOCK_N: one box, the row
+// coordinate is the tile's offset inside its page). Table entries past
+// ceil(context_len / block_size) are never read and their boxes not issued
+// (expect_tx counts the boxes issued). Only key tile 0 (the first one walked)
+// can reach past context_len: its V rows from there on (stale page slots, or
+// never written) are zeroed by the producer warp after the TMA lands, because
+// P = 0 times a NaN there would still be NaN; K rows there are masked.
+// The grid is a flat work list (blockIdx.y): the (sequence, m-block) pairs of
+// the sequences the launch owns (PrefillParams::qlen_filter), found by a warp
+// scan of cu_seqlens_q, so the decode rows of a mixed batch cost no CTAs here.
 #pragma once
 #include <cuda.h>  // CUtensorMap and the encode enums (types only: no -lcuda)
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "params.h"
@@ -55,7 +77,7 @@ namespace minipaged {
 namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
-          bool kPipelined_ = true>
+          bool kPipelined_ = true, bool kPaged_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -64,6 +86,7 @@ struct WsCfg {
   static constexpr bool kPipelined = kPipelined_ || kPingPong_ || kOverlap_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kPaged = kPaged_;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -79,7 +102,8 @@ struct WsCfg {
   static constexpr int kKOff = kQBytes;
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
   static constexpr int kBarOff = kVOff + kStages * kTileBytes;
-  static constexpr int kNumBars = 1 + 4 * kStages;
+  // Paged: one more, v_tail (the V TMA of key tile 0 when it needs zeroing).
+  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged ? 1 : 0);
   static constexpr int kSmemBytes = kBarOff + 8 * kNumBars + 1024;  // +1024: base realignment
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
   // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
@@ -95,6 +119,45 @@ struct WsParams {
   PrefillParams p;
   CUtensorMap tm_q, tm_k, tm_v;
 };
+
+// Whether sequence `ql` rows long belongs to this launch (qlen_filter).
+__device__ __forceinline__ bool ws_owned(const PrefillParams& p, int ql) {
+  return ql > 0 && (p.qlen_filter == 0 || ((ql <= abs(p.qlen_filter)) == (p.qlen_filter > 0)));
+}
+
+// Work item w of a paged launch (warp-collective, every lane active): the
+// owned sequences' m-blocks in sequence order, each sequence's last (under
+// causal the heaviest) block first. false: w is past the list.
+template <int kBlockM>
+__device__ __forceinline__ bool ws_paged_work_item(const PrefillParams& p, int w, int& batch, int& m_block) {
+  const int lane = threadIdx.x & 31;
+  int base = 0;  // blocks of the sequences before this group of 32
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
+    const int b = b0 + lane;
+    int blocks = 0;
+    if (b < p.batch) {
+      const int ql = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+      blocks = ws_owned(p, ql) ? (ql + kBlockM - 1) / kBlockM : 0;
+    }
+    int incl = blocks;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    if (w < base + total) {
+      const int src = __ffs(__ballot_sync(0xffffffffu, w < base + incl)) - 1;
+      const int first = base + __shfl_sync(0xffffffffu, incl - blocks, src);
+      const int n = __shfl_sync(0xffffffffu, blocks, src);
+      batch = b0 + src;
+      m_block = n - 1 - (w - first);
+      return true;
+    }
+    base += total;
+  }
+  return false;
+}
 
 template <class Cfg, bool kCausal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __grid_constant__ WsParams wp) {
@@ -119,15 +182,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto v_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+  auto v_tail = [&] { return bars + 8u * (1 + 4 * kStages); };  // paged only
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
 
   const int head = blockIdx.x;
-  const int batch = blockIdx.y;
-  const int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+  int batch = blockIdx.y;
+  int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+  if constexpr (Cfg::kPaged) {
+    if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, batch, m_block)) return;
+  }
   const int m_start = m_block * kBlockM;
 
-  const SeqInfo seq = seq_info<false>(p, batch);
+  const SeqInfo seq = seq_info<Cfg::kPaged>(p, batch);
   const int q_begin = seq.q_begin, k_begin = seq.k_begin;
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   if (m_start >= seqlen_q) return;
@@ -163,6 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       mbar_init(k_empty(s), Cfg::kConsumerWarps);
       mbar_init(v_empty(s), Cfg::kConsumerWarps);
     }
+    if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
     mbar_fence_init();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles diverge below
@@ -171,7 +239,76 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   if (warp_group == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (warp == 0 && lane == 0) {
+    if constexpr (Cfg::kPaged) {
+      if (warp == 0) {
+        if (lane == 0) {
+          tma_prefetch_desc(&wp.tm_q);
+          tma_prefetch_desc(&wp.tm_k);
+          tma_prefetch_desc(&wp.tm_v);
+          mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
+#pragma unroll
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, 0);
+        }
+        const int32_t* table = p.block_tables + int64_t(batch) * p.block_table_stride;
+        const int bs = p.block_size;
+        const int log2_bs = __ffs(bs) - 1;
+        const int box_rows = min(bs, kBlockN);
+        const int boxes = kBlockN / box_rows;  // pages per key tile
+        const int used_pages = (seqlen_k + bs - 1) >> log2_bs;
+        const uint32_t lane_off = uint32_t(lane * box_rows) * 128u;
+        const uint32_t box_bytes = uint32_t(box_rows) * 128u * kCB;
+        // This lane's page of tile t, -1: no box (past the used table entries).
+        auto page_of = [&](int t) {
+          const int pi = (tile_n0(t) >> log2_bs) + lane;
+          const int pg = (lane < boxes && pi < used_pages) ? __ldg(table + pi) : -1;
+          return pg;
+        };
+        // Rows of key tile 0 at or past seqlen_k (> 0: its V rows there get zeroed).
+        const int tail_rows = tile_n0(0) + kBlockN - seqlen_k;
+        const int fix_at = min(1, n_tiles - 1);  // after tile 1's copies are in flight
+        int pg = page_of(0);
+        for (int t = 0; t < n_tiles; ++t) {
+          const int s = t % kStages;
+          const uint32_t parity = ((t / kStages) & 1) ^ 1;  // as in the dense producer below
+          const int pg_next = t + 1 < n_tiles ? page_of(t + 1) : -1;
+          // A negative entry inside the used range is bad input: no box (never a TMA coordinate).
+          const bool issue = pg >= 0;
+          const uint32_t bytes = uint32_t(__popc(__ballot_sync(0xffffffffu, issue))) * box_bytes;
+          const int row = tile_n0(t) & (bs - 1);  // 0 unless a page holds several tiles
+          mbar_wait(k_empty(s), parity);
+          if (lane == 0) mbar_arrive_expect_tx(k_full(s), bytes);
+          __syncwarp();
+          if (issue) {
+#pragma unroll
+            for (int cb = 0; cb < kCB; ++cb)
+              tma_load_4d(k_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_k, k_full(s), cb * 64, row, kv_head,
+                          pg);
+          }
+          const uint32_t v_bar = (t == 0 && tail_rows > 0) ? v_tail() : v_full(s);
+          mbar_wait(v_empty(s), parity);
+          if (lane == 0) mbar_arrive_expect_tx(v_bar, bytes);
+          __syncwarp();
+          if (issue) {
+#pragma unroll
+            for (int cb = 0; cb < kCB; ++cb)
+              tma_load_4d(v_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_v, v_bar, cb * 64, row, kv_head, pg);
+          }
+          if (tail_rows > 0 && t == fix_at) {
+            // Whole 128-byte rows: the swizzle only permutes chunks inside a row.
+            mbar_wait(v_tail(), 0);
+#pragma unroll
+            for (int cb = 0; cb < kCB; ++cb)
+              for (int i = (kBlockN - tail_rows) * 8 + lane; i < kBlockN * 8; i += 32)
+                st_shared_zero16(v_slot(0) + cb * (kBlockN * 128) + i * 16);
+            fence_proxy_async_smem();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(v_full(0));
+          }
+          pg = pg_next;
+        }
+      }
+    } else if (warp == 0 && lane == 0) {
       tma_prefetch_desc(&wp.tm_q);
       tma_prefetch_desc(&wp.tm_k);
       tma_prefetch_desc(&wp.tm_v);
@@ -524,6 +661,61 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
+  return cudaGetLastError();
+}
+
+// Paged launches: an upper bound of the work items (owned (sequence, m-block)
+// pairs) from what the host knows. An owned sequence of ql rows has
+// ceil(ql / kBlockM) <= (ql + kBlockM - 1) / kBlockM blocks, the owned q_lens
+// sum to at most total_q, and a launch that owns only q_len > N has at most
+// total_q / (N + 1) sequences.
+inline int64_t ws_paged_work_bound(const PrefillParams& p, int block_m) {
+  if (p.batch <= 0 || p.total_q <= 0 || p.max_seqlen_q <= 0) return 0;
+  int64_t seqs = std::min<int64_t>(p.batch, p.total_q);
+  if (p.qlen_filter < 0) seqs = std::min<int64_t>(seqs, p.total_q / (1 - int64_t(p.qlen_filter)));
+  const int64_t per_seq = (p.max_seqlen_q + block_m - 1) / block_m;
+  return std::min<int64_t>((p.total_q + int64_t(block_m - 1) * seqs) / block_m, seqs * per_seq);
+}
+
+// Whether the paged TMA kernel can take p (16-bit caches, pages of >= 8
+// tokens, the extents of the maps known, a work list within grid.y).
+template <class Cfg>
+inline bool ws_paged_supported(const PrefillParams& p) {
+  return p.block_tables != nullptr && p.cu_seqlens_q != nullptr && !p.kv_fp8 && p.block_size >= 8 &&
+         p.block_size <= 256 && p.total_q > 0 && p.num_blocks > 0 && p.num_blocks <= INT32_MAX &&
+         ws_paged_work_bound(p, Cfg::kBlockM) <= 65535 && tensor_map_encoder() != nullptr;
+}
+
+// The paged kernel (Cfg::kPaged) on launch_prefill_paged's PrefillParams:
+// q packed varlen (total_q rows), caches through block tables.
+template <class Cfg, bool kCausal>
+cudaError_t launch_prefill_ws_paged(const PrefillParams& pp, cudaStream_t stream) {
+  static_assert(Cfg::kPaged, "paged config");
+  if (pp.num_q_heads == 0) return cudaSuccess;
+  const int64_t works = ws_paged_work_bound(pp, Cfg::kBlockM);
+  if (works == 0) return cudaSuccess;
+  if (works > 65535) return cudaErrorInvalidConfiguration;
+  if (pp.block_size < 8 || pp.num_blocks <= 0) return cudaErrorInvalidValue;
+  const TensorMapEncodeFn enc = tensor_map_encoder();
+  if (enc == nullptr) return cudaErrorNotSupported;
+  WsParams wp{};
+  wp.p = pp;
+  const int box = std::min(pp.block_size, Cfg::kBlockN);
+  CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, pp.total_q, pp.num_q_heads, 1,
+                                  pp.q_row_stride, pp.q_head_stride, 0, Cfg::kBlockM);
+  if (r == CUDA_SUCCESS)
+    r = make_ws_tensor_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                           pp.k_row_stride, pp.k_head_stride, pp.k_block_stride, box);
+  if (r == CUDA_SUCCESS)
+    r = make_ws_tensor_map(enc, &wp.tm_v, pp.v, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                           pp.v_row_stride, pp.v_head_stride, pp.v_block_stride, box);
+  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  auto kernel = prefill_ws_kernel<Cfg, kCausal>;
+  constexpr int kSmem = Cfg::kSmemBytes;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(pp.num_q_heads, unsigned(works), 1);
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
 }

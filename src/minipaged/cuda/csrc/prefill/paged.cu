@@ -10,6 +10,11 @@
 // FP8 caches (p.kv_fp8) run the mma.sync kernels with FP8 K/V tiles
 // (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch, wgmma builds included:
 // the GQA-packed block for short queries, the small block otherwise.
+// A batch that may mix short (q_len <= kPackMaxSeqlenQ) and long sequences
+// runs two launches, the packed kernel for the short ones and the tiled one
+// for the rest (launch_paged_split, prefill/dispatch.cuh); on an sm_90a build
+// the tiled kernel of 16-bit caches with pages of >= 8 tokens is the
+// warp-specialised TMA kernel (prefill/mainloop_ws.cuh).
 #include <cmath>
 #include <cstdint>
 
@@ -22,10 +27,14 @@ template <typename T, int D>
 cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
   using namespace fast;
   // Causal is a runtime flag of the FP8 kernels (kCausal = true, p.causal).
-  const bool pack = p.variant == 2 || (p.variant == 0 && p.max_seqlen_q <= kPackMaxSeqlenQ &&
-                                       p.num_q_heads >= 2 * p.num_kv_heads);
-  if (pack) return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(p, stream);
-  return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(p, stream);
+  const bool pack_ok = p.variant == 0 && p.num_q_heads >= 2 * p.num_kv_heads;
+  auto packed = [&](const PrefillParams& q) {
+    return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
+  };
+  auto tiled = [&](const PrefillParams& q) { return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream); };
+  if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
+  if (!pack_ok) return tiled(p);
+  return launch_paged_split(p, packed, tiled);
 }
 
 cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
@@ -56,6 +65,7 @@ cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t strea
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return cudaErrorInvalidValue;
   // Sequences are located through cu_seqlens_q / the block table only.
   p.cu_seqlens_k = nullptr;
+  p.qlen_filter = 0;  // set per launch by launch_paged_split
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
   p.lse_batch_stride = 0;
   p.max_seqlen_k = p.max_blocks * p.block_size;

@@ -76,6 +76,13 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tmap,
       : "memory");
 }
 
+// ---- generic-proxy shared-memory writes read later by TMA/wgmma ----
+// 16 zero bytes at a shared address (16-byte aligned).
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u) : "memory");
+}
+// (fence_proxy_async_smem, ptx/wgmma.cuh, then hands such writes to wgmma.)
+
 // ---- register reallocation (warpgroup-collective; counts multiple of 8, 24..256) ----
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {

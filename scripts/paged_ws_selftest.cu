@@ -1,0 +1,636 @@
+// Torch-free self test and timing of paged attention through the sm_90a
+// warp-specialised TMA kernel (prefill/mainloop_ws.cuh, WsCfg kPaged: K/V pages
+// loaded as TMA boxes through the block table) and of the mixed-batch split
+// (launch_paged_split, prefill/dispatch.cuh: the GQA-packed kernel for
+// q_len <= kPackMaxSeqlenQ, the tiled kernel for longer rows, one stream).
+//
+//   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
+//        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/paged_ws_selftest.cu \
+//        src/minipaged/cuda/csrc/prefill/paged.cu src/minipaged/cuda/csrc/decode/launch.cu \
+//        -o /tmp/paged_ws_selftest -lgomp
+//   ./paged_ws_selftest check [variant filter]   every case, every variant, vs fp64
+//   ./paged_ws_selftest small                    tiny cases (for compute-sanitizer)
+//   ./paged_ws_selftest time [reps]              TFLOP/s of the chunked-prefill shapes and the
+//                                                mixed batch (one call vs chunk + decodes alone)
+//
+// Variants: dispatch (launch_prefill_paged, what the extension runs), ws (the
+// paged TMA kernel forced for every sequence, decode rows included: pages of
+// >= 8 tokens, 16-bit caches), split_ws (the two-launch split forced with the
+// TMA kernel as the tiled half). FP8 caches run through dispatch only (the
+// mma.sync FP8 kernels, split the same way).
+// Every case builds shuffled pages, poisons every unused cache slot with NaN
+// (also the slots of a sequence's last page past its context) and every table
+// entry past the used ones with -1, poisons the output (padded head rows
+// must stay NaN) and the lse, and compares with a double-precision host
+// reference on the same 16-bit / fp8 inputs: the output elementwise
+// (|err| <= atol + rtol |ref|), lse to 2e-3 (+1e-4 relative); rows that see
+// no key must be exact zeros with lse -inf. The dispatch variant also runs
+// twice and must be bitwise identical. Exit status 0 only if all passed.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "params.h"
+#include "selftest_common.h"
+#include "prefill/dispatch.cuh"
+
+using minipaged::DType;
+using minipaged::PrefillParams;
+namespace mf = minipaged::fast;
+using LaunchFn = cudaError_t (*)(const PrefillParams&, cudaStream_t);
+
+// ---------------------------------------------------------------- forced kernels
+template <typename T, int D, bool kCausal>
+static cudaError_t ws_typed(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_ws_paged<mf::CfgWsPaged<T, D>, kCausal>(p, s);
+}
+template <typename T, int D>
+static cudaError_t ws_dim(const PrefillParams& p, cudaStream_t s) {
+  return p.causal ? ws_typed<T, D, true>(p, s) : ws_typed<T, D, false>(p, s);
+}
+static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) {
+  if (p.dtype == DType::kBFloat16)
+    return p.head_dim == 128 ? ws_dim<__nv_bfloat16, 128>(p, s) : ws_dim<__nv_bfloat16, 64>(p, s);
+  return p.head_dim == 128 ? ws_dim<__half, 128>(p, s) : ws_dim<__half, 64>(p, s);
+}
+template <typename T, int D, bool kCausal>
+static cudaError_t pack_typed(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_cfg<mf::CfgPack<T, D>, kCausal, true, true>(p, s);
+}
+static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) {
+  const bool c = p.causal;
+  if (p.dtype == DType::kBFloat16) {
+    if (p.head_dim == 128) return c ? pack_typed<__nv_bfloat16, 128, true>(p, s) : pack_typed<__nv_bfloat16, 128, false>(p, s);
+    return c ? pack_typed<__nv_bfloat16, 64, true>(p, s) : pack_typed<__nv_bfloat16, 64, false>(p, s);
+  }
+  if (p.head_dim == 128) return c ? pack_typed<__half, 128, true>(p, s) : pack_typed<__half, 128, false>(p, s);
+  return c ? pack_typed<__half, 64, true>(p, s) : pack_typed<__half, 64, false>(p, s);
+}
+static cudaError_t split_ws(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_paged_split(p, [&](const PrefillParams& q) { return pack_paged(q, s); },
+                                [&](const PrefillParams& q) { return ws_paged(q, s); });
+}
+// The one-warpgroup-pair cp.async wgmma kernel: what the paged dispatch ran for long chunks before.
+template <typename T, int D>
+static cudaError_t wgmma_old(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_wgmma_cfg<mf::CfgWgmmaLarge<T, D>, true, true>(p, s);
+}
+// Dense varlen warp-specialised kernel on contiguous K/V (the timing anchor).
+template <typename T, int D>
+static cudaError_t ws_dense(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_ws<mf::CfgWs<T, D>, true>(p, s);
+}
+
+struct Variant {
+  const char* name;
+  LaunchFn fn;
+  bool needs_tma;  // 16-bit caches with pages of >= 8 tokens
+};
+static const Variant kVariants[] = {
+    {"dispatch", minipaged::launch_prefill_paged, false},
+    {"ws", ws_paged, true},
+    {"split_ws", split_ws, true},
+};
+
+// ---------------------------------------------------------------- host data
+// e4m3fn byte -> float (exact): sign, 4-bit exponent (bias 7), 3-bit mantissa.
+static float e4m3_to_float(uint8_t b) {
+  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? std::ldexp(float(m) / 8.f, -6) : std::ldexp(1.f + float(m) / 8.f, e - 7);
+  return s ? -mag : mag;
+}
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int hq, hkv, d, block_size;
+  bool causal;
+  std::vector<int> q_lens, ctx_lens;
+  bool fp8 = false;
+};
+
+static std::string dname(DType d) { return d == DType::kBFloat16 ? "bf16" : "fp16"; }
+
+// Device buffers and the fp64 reference of one case.
+struct Built {
+  Case c;
+  int S = 0, Tq = 0, max_q = 0, max_blocks = 1, num_blocks = 0;
+  std::vector<int> cq;
+  std::vector<int32_t> table;
+  size_t tok_elems = 0, cache_elems = 0, q_elems = 0, o_elems = 0, lse_elems = 0;
+  int64_t o_head = 0, o_row = 0;
+  std::vector<double> ref, ref_lse;
+  std::vector<int> visible;
+  void *dk = nullptr, *dv = nullptr;
+  uint16_t *dq = nullptr, *dout = nullptr;
+  float *dlse = nullptr, *dks = nullptr, *dvs = nullptr;
+  int32_t *dcq = nullptr, *dtable = nullptr, *dctx = nullptr;
+  PrefillParams p{};
+  static constexpr int kOPad = 8;  // elements after each (token, head) output row; must stay NaN
+
+  // with_ref false: inputs only (timing).
+  void build(const Case& cs, bool with_ref, unsigned seed) {
+    c = cs;
+    const DType dt = c.dtype;
+    const int D = c.d, bs = c.block_size;
+    S = int(c.q_lens.size());
+    cq.assign(S + 1, 0);
+    for (int s = 0; s < S; ++s) cq[s + 1] = cq[s] + c.q_lens[s];
+    Tq = cq[S];
+    max_q = S ? *std::max_element(c.q_lens.begin(), c.q_lens.end()) : 0;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    // Pages from a shuffled pool with spare blocks; table rows padded with -1
+    // past what each sequence uses (plus one more column of -1 for everybody).
+    std::vector<int> nblk(S);
+    int used = 0;
+    for (int s = 0; s < S; ++s) {
+      nblk[s] = (c.ctx_lens[s] + bs - 1) / bs;
+      used += nblk[s];
+      max_blocks = std::max(max_blocks, nblk[s] + 1);
+    }
+    num_blocks = used + 3;
+    std::vector<int> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    table.assign(size_t(S) * max_blocks, -1);
+    int nxt = 0;
+    for (int s = 0; s < S; ++s)
+      for (int b = 0; b < nblk[s]; ++b) table[size_t(s) * max_blocks + b] = perm[nxt++];
+    tok_elems = size_t(c.hkv) * D;
+    cache_elems = size_t(num_blocks) * bs * tok_elems;
+    auto slot = [&](int s, int j) {
+      return (size_t(table[size_t(s) * max_blocks + j / bs]) * bs + j % bs) * tok_elems;
+    };
+    // Widened values for the reference; caches hold NaN wherever unused.
+    std::vector<float> kf, vf;
+    std::vector<uint16_t> hk16, hv16;
+    std::vector<uint8_t> hk8, hv8;
+    std::vector<float> ks(c.hkv, 1.f), vs(c.hkv, 1.f);
+    if (c.fp8) {
+      hk8.assign(cache_elems, 0x7F), hv8.assign(cache_elems, 0x7F);  // 0x7F: e4m3fn NaN
+      for (int h = 0; h < c.hkv; ++h) ks[h] = 0.25f + 0.125f * h, vs[h] = 0.5f + 0.0625f * h;
+    } else {
+      hk16.assign(cache_elems, 0xFFFF), hv16.assign(cache_elems, 0xFFFF);
+    }
+    // fp8: exponents 3..8 only (|x| in [2^-4, 2^1 * 1.875]): finite, roughly unit scale.
+    auto rand_e4m3 = [&]() -> uint8_t {
+      const uint32_t r = rng();
+      return uint8_t(((r & 1) << 7) | ((3 + (r >> 1) % 6) << 3) | ((r >> 8) & 7));
+    };
+    for (int s = 0; s < S; ++s)
+      for (int j = 0; j < c.ctx_lens[s]; ++j)
+        for (size_t e = 0; e < tok_elems; ++e) {
+          if (c.fp8) {
+            hk8[slot(s, j) + e] = rand_e4m3();
+            hv8[slot(s, j) + e] = rand_e4m3();
+          } else {
+            hk16[slot(s, j) + e] = to_bits(nd(rng), dt);
+            hv16[slot(s, j) + e] = to_bits(nd(rng), dt);
+          }
+        }
+    q_elems = size_t(Tq) * c.hq * D;
+    std::vector<uint16_t> hq(q_elems);
+    for (auto& x : hq) x = to_bits(nd(rng), dt);
+    o_head = D + kOPad, o_row = int64_t(c.hq) * o_head;
+    o_elems = size_t(Tq) * o_row;
+    lse_elems = size_t(Tq) * c.hq;
+    const float scale = 1.f / std::sqrt(float(D));
+    if (with_ref) {
+      kf.resize(cache_elems), vf.resize(cache_elems);
+#pragma omp parallel for
+      for (long long i = 0; i < (long long)cache_elems; ++i) {
+        const int h = int((i / D) % c.hkv);
+        kf[i] = c.fp8 ? e4m3_to_float(hk8[i]) * ks[h] : from_bits(hk16[i], dt);
+        vf[i] = c.fp8 ? e4m3_to_float(hv8[i]) * vs[h] : from_bits(hv16[i], dt);
+      }
+      std::vector<float> qf(q_elems);
+      for (size_t i = 0; i < q_elems; ++i) qf[i] = from_bits(hq[i], dt);
+      const int group = c.hq / c.hkv;
+      ref.assign(q_elems, 0.0), ref_lse.assign(lse_elems, 0.0), visible.assign(lse_elems, 0);
+#pragma omp parallel for collapse(2) schedule(dynamic)
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < c.hq; ++h) {
+          const int ctx = c.ctx_lens[s], ql = c.q_lens[s];
+          std::vector<double> sc(std::max(ctx, 1)), acc(D);
+          for (int i = 0; i < ql; ++i) {
+            const int t = cq[s] + i;
+            int vis = ctx;
+            if (c.causal) vis = std::min(ctx, std::max(0, ctx - ql + i + 1));
+            visible[size_t(t) * c.hq + h] = vis;
+            double mx = -INFINITY;
+            for (int j = 0; j < vis; ++j) {
+              const size_t ko = slot(s, j) + size_t(h / group) * D;
+              double dot = 0;
+              for (int d = 0; d < D; ++d) dot += double(qf[(size_t(t) * c.hq + h) * D + d]) * kf[ko + d];
+              sc[j] = dot * scale;
+              mx = std::max(mx, sc[j]);
+            }
+            double l = 0;
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int j = 0; j < vis; ++j) {
+              const double pj = std::exp(sc[j] - mx);
+              l += pj;
+              const size_t vo = slot(s, j) + size_t(h / group) * D;
+              for (int d = 0; d < D; ++d) acc[d] += pj * vf[vo + d];
+            }
+            for (int d = 0; d < D; ++d) ref[(size_t(t) * c.hq + h) * D + d] = vis ? acc[d] / l : 0.0;
+            ref_lse[size_t(t) * c.hq + h] = vis ? mx + std::log(l) : -INFINITY;
+          }
+        }
+    }
+    const size_t kv_bytes = cache_elems * (c.fp8 ? 1 : 2);
+    CHECK_CUDA(cudaMalloc(&dq, std::max<size_t>(q_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dk, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&dv, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&dout, std::max<size_t>(o_elems, 8) * 2));
+    CHECK_CUDA(cudaMalloc(&dlse, std::max<size_t>(lse_elems, 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dcq, (S + 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dtable, std::max<size_t>(table.size(), 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dctx, std::max(S, 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dks, c.hkv * 4));
+    CHECK_CUDA(cudaMalloc(&dvs, c.hkv * 4));
+    CHECK_CUDA(cudaMemcpy(dq, hq.data(), q_elems * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dk, c.fp8 ? (void*)hk8.data() : (void*)hk16.data(), kv_bytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dv, c.fp8 ? (void*)hv8.data() : (void*)hv16.data(), kv_bytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dcq, cq.data(), (S + 1) * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dctx, c.ctx_lens.data(), S * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dks, ks.data(), c.hkv * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dvs, vs.data(), c.hkv * 4, cudaMemcpyHostToDevice));
+    int dev = 0, sms = 0;
+    CHECK_CUDA(cudaGetDevice(&dev));
+    CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    p = PrefillParams{};
+    p.q = dq, p.k = dk, p.v = dv, p.o = dout, p.lse = dlse;
+    p.q_row_stride = int64_t(c.hq) * D, p.q_head_stride = D;
+    // fp8: the cache strides count bytes, which for 1-byte elements are elements too.
+    p.k_block_stride = p.v_block_stride = int64_t(bs) * tok_elems;
+    p.k_row_stride = p.v_row_stride = tok_elems;
+    p.k_head_stride = p.v_head_stride = D;
+    p.o_row_stride = o_row, p.o_head_stride = o_head;
+    p.lse_row_stride = c.hq, p.lse_head_stride = 1, p.lse_batch_stride = 0;
+    p.cu_seqlens_q = dcq, p.block_tables = dtable, p.context_lens = dctx;
+    p.block_table_stride = max_blocks, p.block_size = bs, p.max_blocks = max_blocks;
+    p.batch = S, p.num_q_heads = c.hq, p.num_kv_heads = c.hkv, p.head_dim = D;
+    p.max_seqlen_q = max_q, p.max_seqlen_k = max_blocks * bs;
+    p.total_q = Tq, p.num_blocks = num_blocks;
+    p.scale = scale, p.causal = c.causal, p.dtype = dt, p.num_sms = sms;
+    p.kv_fp8 = c.fp8;
+    p.k_scale = c.fp8 ? dks : nullptr, p.v_scale = c.fp8 ? dvs : nullptr;
+  }
+  void poison() {
+    CHECK_CUDA(cudaMemset(dout, 0xFF, std::max<size_t>(o_elems, 8) * 2));
+    CHECK_CUDA(cudaMemset(dlse, 0xFF, std::max<size_t>(lse_elems, 1) * 4));
+  }
+  ~Built() {
+    for (void* ptr : {(void*)dq, dk, dv, (void*)dout, (void*)dlse, (void*)dcq, (void*)dtable, (void*)dctx,
+                      (void*)dks, (void*)dvs})
+      if (ptr) cudaFree(ptr);
+  }
+};
+
+// Compares the device output of b with its reference; prints one line.
+static bool compare(const Built& b, const char* variant, bool bitwise_ok) {
+  const Case& c = b.c;
+  const DType dt = c.dtype;
+  const int D = c.d;
+  std::vector<uint16_t> hout(b.o_elems);
+  std::vector<float> hlse(b.lse_elems);
+  CHECK_CUDA(cudaMemcpy(hout.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hlse.data(), b.dlse, b.lse_elems * 4, cudaMemcpyDeviceToHost));
+  const double atol = dt == DType::kBFloat16 ? 1e-2 : 1.5e-3;
+  const double rtol = dt == DType::kBFloat16 ? 2e-2 : 4e-3;
+  double max_err = 0, max_lse_err = 0;
+  long long bad = 0, bad_zero = 0, nan_count = 0, bad_lse = 0, bad_pad = 0;
+  for (int t = 0; t < b.Tq; ++t)
+    for (int h = 0; h < c.hq; ++h) {
+      const int vis = b.visible[size_t(t) * c.hq + h];
+      const size_t oo = size_t(t) * b.o_row + size_t(h) * b.o_head;
+      for (int d = 0; d < D; ++d) {
+        const float got = from_bits(hout[oo + d], dt);
+        if (std::isnan(got)) { ++nan_count; continue; }
+        if (vis == 0) { bad_zero += got != 0.f || std::signbit(got); continue; }
+        const double r = b.ref[(size_t(t) * c.hq + h) * D + d];
+        const double err = std::fabs(double(got) - r);
+        max_err = std::max(max_err, err);
+        bad += !(err <= atol + rtol * std::fabs(r));
+      }
+      for (int d = D; d < D + Built::kOPad; ++d) bad_pad += hout[oo + d] != 0xFFFF;
+      const float gl = hlse[size_t(t) * c.hq + h];
+      const double rl = b.ref_lse[size_t(t) * c.hq + h];
+      if (vis == 0) {
+        bad_lse += !(std::isinf(gl) && gl < 0);
+      } else {
+        const double e = std::fabs(double(gl) - rl);
+        if (!(e <= 2e-3 + 1e-4 * std::fabs(rl))) ++bad_lse;
+        if (std::isfinite(e)) max_lse_err = std::max(max_lse_err, e);
+      }
+    }
+  const bool ok = !bad && !bad_zero && !nan_count && !bad_lse && !bad_pad && bitwise_ok;
+  std::printf("%-4s %-9s %-64s err=%.2e lse_err=%.2e bad=%lld zero=%lld nan=%lld lse=%lld pad=%lld%s\n",
+              ok ? "PASS" : "FAIL", variant, c.name.c_str(), max_err, max_lse_err, bad, bad_zero, nan_count, bad_lse,
+              bad_pad, bitwise_ok ? "" : " NOT-DETERMINISTIC");
+  std::fflush(stdout);
+  return ok;
+}
+
+static int run_case(const Case& c, const std::string& filter) {
+  Built b;
+  b.build(c, true, 977u + c.d * 3 + c.hq * 7 + c.block_size + unsigned(c.q_lens.size()) * 13);
+  int failures = 0;
+  for (const Variant& var : kVariants) {
+    if (var.needs_tma && (c.fp8 || c.block_size < 8)) continue;
+    if (!filter.empty() && std::string(var.name).find(filter) == std::string::npos) continue;
+    b.poison();
+    CHECK_CUDA(var.fn(b.p, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    bool same = true;
+    if (std::string(var.name) == "dispatch") {
+      std::vector<uint16_t> first(b.o_elems), second(b.o_elems);
+      CHECK_CUDA(cudaMemcpy(first.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(var.fn(b.p, 0));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaMemcpy(second.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+      same = first == second;
+    }
+    failures += !compare(b, var.name, same);
+  }
+  return failures;
+}
+
+// ---------------------------------------------------------------- cases
+static std::vector<Case> check_cases() {
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  std::vector<Case> cs;
+  // q_len 1..2048 over contexts 0/1/17/97/1023/4097: decode rows, speculative
+  // runs, chunks, q_len > context (rows with no key), empty sequences.
+  const std::vector<int> mix_q = {1, 1, 17, 97, 1023, 2048, 4, 130, 0, 200, 16, 17, 1, 33};
+  const std::vector<int> mix_c = {0, 1, 17, 1023, 1023, 4097, 97, 97, 17, 0, 4097, 4097, 4097, 1};
+  const int gqa[][2] = {{16, 8}, {8, 1}, {4, 4}};  // GQA 2, 8, 1
+  int k = 0;
+  for (int bs : {8, 16, 64, 128, 256, 1, 4})
+    for (DType dt : {bf, fp})
+      for (bool causal : {true, false}) {
+        const int D = (k & 1) ? 64 : 128;
+        const int* g = gqa[k % 3];
+        ++k;
+        cs.push_back({"mix " + dname(dt) + " D" + std::to_string(D) + " bs" + std::to_string(bs) +
+                          (causal ? " causal" : " noncausal") + " Hq" + std::to_string(g[0]) + "/" + std::to_string(g[1]),
+                      dt, g[0], g[1], D, bs, causal, mix_q, mix_c});
+      }
+  // Every residue of (context_len - q_len) mod 128 (BLOCK_N), for q_lens that
+  // span one and two tiles (and a short one, which dispatch packs and ws tiles).
+  int r0 = 0;
+  for (int ql : {5, 70, 129}) {
+    std::vector<int> q, c;
+    for (int r = 0; r < 128; ++r) {
+      q.push_back(ql);
+      c.push_back(ql + r + (r % 3) * 128);
+    }
+    for (int bs : {8, 16, 128, 256}) {
+      const DType dt = (r0 & 1) ? fp : bf;
+      const int D = (r0 & 2) ? 64 : 128;
+      ++r0;
+      cs.push_back({"residues q" + std::to_string(ql) + " " + dname(dt) + " D" + std::to_string(D) + " bs" +
+                        std::to_string(bs) + " gqa2",
+                    dt, 4, 2, D, bs, true, q, c});
+    }
+  }
+  // The bench's mixed batch: one 2k chunk + 63 decodes at 4k context, and a
+  // mix with speculative rows on both sides of kPackMaxSeqlenQ.
+  {
+    std::vector<int> q(64, 1), c(64, 4096);
+    q[0] = 2048;
+    cs.push_back({"mixed 2k chunk + 63 decodes bf16 D128 bs16 Hq16/8", bf, 16, 8, 128, 16, true, q, c});
+    std::vector<int> q2 = {1, 300, 16, 17, 4, 1, 1, 2, 9}, c2 = {500, 1000, 700, 17, 4, 1, 4097, 2, 3000};
+    cs.push_back({"mixed spec/chunk fp16 D64 bs32 Hq8/2", fp, 8, 2, 64, 32, true, q2, c2});
+    cs.push_back({"mixed spec/chunk bf16 D128 bs64 Hq8/1 noncausal", bf, 8, 1, 128, 64, false, q2, c2});
+  }
+  // FP8 caches (dispatch: the mma.sync FP8 kernels, split the same way).
+  {
+    std::vector<int> q = {300, 1, 1, 4, 0, 17, 1, 129}, c = {1000, 4097, 1, 20, 5, 17, 0, 1023};
+    Case f8{"fp8 mixed bf16 D128 bs16 Hq16/8", bf, 16, 8, 128, 16, true, q, c};
+    f8.fp8 = true;
+    cs.push_back(f8);
+    Case f8b{"fp8 mixed fp16 D64 bs1 Hq8/2 noncausal", fp, 8, 2, 64, 1, false, q, c};
+    f8b.fp8 = true;
+    cs.push_back(f8b);
+  }
+  return cs;
+}
+
+static std::vector<Case> small_cases() {
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  std::vector<Case> cs = {
+      {"small bf16 D128 bs8 causal", bf, 4, 2, 128, 8, true, {0, 1, 70, 150}, {5, 1, 67, 300}},
+      {"small fp16 D64 bs256 noncausal", fp, 2, 1, 64, 256, false, {130, 3}, {400, 70}},
+      {"small bf16 D64 bs16 mixed", bf, 4, 2, 64, 16, true, {1, 40, 1, 4, 17}, {33, 97, 0, 9, 17}},
+      {"small fp16 D128 bs128 q>ctx", fp, 2, 2, 128, 128, true, {200, 1}, {130, 129}},
+  };
+  Case f8{"small fp8 bf16 D64 bs16 mixed", bf, 4, 2, 64, 16, true, {1, 40, 3}, {70, 97, 5}};
+  f8.fp8 = true;
+  cs.push_back(f8);
+  return cs;
+}
+
+// ---------------------------------------------------------------- timing
+static void* g_flush = nullptr;
+static const size_t kFlushBytes = size_t(256) << 20;
+
+// Median of `reps` calls, each after a 256 MB write (cold L2).
+template <class F>
+static double median_ms(F&& launch, int reps) {
+  if (g_flush == nullptr) CHECK_CUDA(cudaMalloc(&g_flush, kFlushBytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  for (int w = 0; w < 3; ++w) CHECK_CUDA(launch());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(g_flush, i & 0xFF, kFlushBytes, 0));
+    CHECK_CUDA(cudaEventRecord(e0, 0));
+    CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(e1, 0));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float t = 0.f;
+    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  return ms[ms.size() / 2];
+}
+
+static double case_flops(const Case& c) {
+  double pairs = 0;
+  for (size_t s = 0; s < c.q_lens.size(); ++s)
+    for (int i = 0; i < c.q_lens[s]; ++i)
+      pairs += c.causal ? std::min(c.ctx_lens[s], std::max(0, c.ctx_lens[s] - c.q_lens[s] + i + 1)) : c.ctx_lens[s];
+  return 4.0 * c.hq * c.d * pairs;
+}
+
+// The same K/V made contiguous ([Tk, Hkv, D], cu_seqlens_k) for the dense ws kernel.
+struct Contig {
+  void *dk = nullptr, *dv = nullptr;
+  int32_t* dck = nullptr;
+  PrefillParams p{};
+  void build(const Built& b) {
+    const Case& c = b.c;
+    std::vector<int> ck(b.S + 1, 0);
+    for (int s = 0; s < b.S; ++s) ck[s + 1] = ck[s] + c.ctx_lens[s];
+    const size_t row_bytes = b.tok_elems * 2;
+    CHECK_CUDA(cudaMalloc(&dk, std::max<size_t>(ck[b.S], 1) * row_bytes));
+    CHECK_CUDA(cudaMalloc(&dv, std::max<size_t>(ck[b.S], 1) * row_bytes));
+    for (int s = 0; s < b.S; ++s)
+      for (int j = 0; j < c.ctx_lens[s]; j += c.block_size) {
+        const int n = std::min(c.block_size, c.ctx_lens[s] - j);
+        const size_t src = size_t(b.table[size_t(s) * b.max_blocks + j / c.block_size]) * c.block_size * row_bytes;
+        CHECK_CUDA(cudaMemcpy(static_cast<char*>(dk) + (ck[s] + j) * row_bytes, static_cast<char*>(b.dk) + src,
+                              n * row_bytes, cudaMemcpyDeviceToDevice));
+        CHECK_CUDA(cudaMemcpy(static_cast<char*>(dv) + (ck[s] + j) * row_bytes, static_cast<char*>(b.dv) + src,
+                              n * row_bytes, cudaMemcpyDeviceToDevice));
+      }
+    CHECK_CUDA(cudaMalloc(&dck, (b.S + 1) * 4));
+    CHECK_CUDA(cudaMemcpy(dck, ck.data(), (b.S + 1) * 4, cudaMemcpyHostToDevice));
+    p = b.p;
+    p.block_tables = nullptr, p.context_lens = nullptr;
+    p.k = dk, p.v = dv, p.cu_seqlens_k = dck;
+    p.k_row_stride = p.v_row_stride = b.tok_elems;
+    p.k_batch_stride = p.v_batch_stride = 0;
+    p.max_seqlen_k = *std::max_element(c.ctx_lens.begin(), c.ctx_lens.end());
+    p.total_k = ck[b.S];
+    p.lse = nullptr;
+  }
+  ~Contig() {
+    if (dk) cudaFree(dk);
+    if (dv) cudaFree(dv);
+    if (dck) cudaFree(dck);
+  }
+};
+
+// Decode kernels on the decode rows of b (every q_len 1): the "decodes alone" anchor.
+static double time_decode(const Built& b, int reps) {
+  minipaged::DecodeParams q{};
+  const Case& c = b.c;
+  q.q = b.dq, q.k_cache = b.dk, q.v_cache = b.dv, q.o = b.dout, q.block_tables = b.dtable, q.context_lens = b.dctx;
+  q.q_batch_stride = int64_t(c.hq) * c.d, q.q_head_stride = c.d, q.o_batch_stride = b.o_row, q.o_head_stride = b.o_head;
+  q.k_block_stride = q.v_block_stride = int64_t(c.block_size) * b.tok_elems;
+  q.k_token_stride = q.v_token_stride = b.tok_elems, q.k_head_stride = q.v_head_stride = c.d;
+  q.block_table_stride = b.max_blocks, q.batch = b.S, q.num_q_heads = c.hq, q.num_kv_heads = c.hkv,
+  q.head_dim = c.d;
+  q.block_size = c.block_size, q.max_blocks = b.max_blocks, q.scale = b.p.scale, q.dtype = c.dtype;
+  q.num_sms = b.p.num_sms, q.cc_major = 9;
+  // Split count 1: the plan then needs no workspace (partial buffers, counters)
+  // whatever the decode launcher's split machinery is; the packed paged
+  // kernel's figure stands next to it.
+  const minipaged::DecodePlan plan = minipaged::decode_plan(q, 1);
+  if (q.num_splits != 1) return -1.0;
+  return median_ms([&] { return minipaged::launch_decode(q, plan, 0); }, reps);
+}
+
+static int cmd_time(int reps) {
+  const DType bf = DType::kBFloat16;
+  int fails = 0;
+  std::printf("chunked prefill over pages (bf16, Hq/Hkv/D 16/8/128, page 16, shuffled pages, causal, median of %d, "
+              "cold L2), TFLOP/s\n", reps);
+  std::printf("%-28s %10s %10s %12s %14s %10s %10s\n", "shape", "dispatch", "ws_paged", "wgmma_old", "dense_ws(ctg)",
+              "disp/dense", "ws/dense");
+  struct Shape { int b, q, L; };
+  for (const Shape sh : {Shape{8, 512, 4608}, Shape{1, 2048, 32768}}) {
+    Case c{"", bf, 16, 8, 128, 16, true, std::vector<int>(sh.b, sh.q), std::vector<int>(sh.b, sh.L)};
+    Built b;
+    b.build(c, false, 42u);
+    b.p.lse = nullptr;
+    Contig ctg;
+    ctg.build(b);
+    const double fl = case_flops(c);
+    const double t_disp = median_ms([&] { return minipaged::launch_prefill_paged(b.p, 0); }, reps);
+    const double t_ws = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+    const double t_old = median_ms([&] { return wgmma_old<__nv_bfloat16, 128>(b.p, 0); }, reps);
+    const double t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+    auto tf = [&](double ms) { return fl / (ms * 1e-3) / 1e12; };
+    char name[64];
+    std::snprintf(name, sizeof name, "B=%d q=%d L=%d", sh.b, sh.q, sh.L);
+    std::printf("%-28s %10.1f %10.1f %12.1f %14.1f %10.2f %10.2f\n", name, tf(t_disp), tf(t_ws), tf(t_old),
+                tf(t_dense), t_dense / t_disp, t_dense / t_ws);
+    std::fflush(stdout);
+  }
+  // Mixed batch: one call vs the chunk alone + the decodes alone.
+  {
+    std::vector<int> q(64, 1), cl(64, 4096);
+    q[0] = 2048;
+    Case mixed{"", bf, 16, 8, 128, 16, true, q, cl};
+    Case chunk{"", bf, 16, 8, 128, 16, true, {2048}, {4096}};
+    Case dec{"", bf, 16, 8, 128, 16, true, std::vector<int>(63, 1), std::vector<int>(63, 4096)};
+    Built bm, bc, bd;
+    bm.build(mixed, false, 7u);
+    bc.build(chunk, false, 8u);
+    bd.build(dec, false, 9u);
+    bm.p.lse = bc.p.lse = bd.p.lse = nullptr;
+    const double t_mixed = median_ms([&] { return minipaged::launch_prefill_paged(bm.p, 0); }, reps);
+    const double t_chunk = median_ms([&] { return minipaged::launch_prefill_paged(bc.p, 0); }, reps);
+    const double t_dec_paged = median_ms([&] { return minipaged::launch_prefill_paged(bd.p, 0); }, reps);
+    std::printf("mixed 2k chunk + 63 decodes at 4k: one call %.3f ms; chunk alone %.3f ms + decodes alone "
+                "(packed paged kernel) %.3f ms -> ratio %.2f (target <= 1.10)\n",
+                t_mixed, t_chunk, t_dec_paged, t_mixed / (t_chunk + t_dec_paged));
+    std::fflush(stdout);
+    const double t_dec = time_decode(bd, reps);
+    if (t_dec > 0) {
+      const double best_dec = std::min(t_dec, t_dec_paged);
+      std::printf("  decode kernel (1 split) on the 63 decodes %.3f ms -> ratio vs best separate %.2f\n", t_dec,
+                  t_mixed / (t_chunk + best_dec));
+    }
+  }
+  // A timing is worth nothing if that shape is wrong: check a reduced copy of each (fewer heads).
+  {
+    Case c1{"time-check B=2 q=512 L=4608 bs16 Hq2/1", bf, 2, 1, 128, 16, true, {512, 512}, {4608, 4608}};
+    std::vector<int> q(16, 1), cl(16, 4096);
+    q[0] = 2048;
+    Case c2{"time-check mixed 2k + 15 decodes bs16 Hq4/2", bf, 4, 2, 128, 16, true, q, cl};
+    fails += run_case(c1, "");
+    fails += run_case(c2, "");
+  }
+  return fails;
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::fprintf(stderr, "needs an sm_90 device\n");
+    return 2;
+  }
+  int failures = 0, cases = 0;
+  if (mode == "check") {
+    const std::string filter = argc > 2 ? argv[2] : "";
+    for (const Case& c : check_cases()) failures += run_case(c, filter), ++cases;
+  } else if (mode == "small") {
+    for (const Case& c : small_cases()) failures += run_case(c, ""), ++cases;
+  } else if (mode == "time") {
+    failures = cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
+    cases = 2;
+  } else {
+    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps]\n", argv[0]);
+    return 2;
+  }
+  std::printf("%s (%d failures over %d cases)\n", failures == 0 ? "ALL PASS" : "SOME FAILED", failures, cases);
+  return failures == 0 ? 0 : 1;
+}
