@@ -73,7 +73,10 @@ _PREFILL_SM90 = {
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
 # "prefill": (BM, BN, WARPS, STAGES), "decode": (BN, WARPS, STAGES), "decode_splits": int,
-# "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS.
+# "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
+# paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
+# "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
+# "paged_prefetch": 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -83,14 +86,18 @@ def set_override(name: str, value) -> None:
     """Force (value) or release (None) one config for tuning runs; see OVERRIDES.
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
-    if name not in ("prefill", "decode", "decode_splits", "paged", "prefill_variant"):
+    if name not in ("prefill", "decode", "decode_splits", "paged", "prefill_variant", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
+    named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
+             "paged_mixed": PAGED_MIXED_MODES}
     if value is None:
         OVERRIDES.pop(name, None)
-    elif name == "prefill_variant":
-        if value not in PREFILL_VARIANTS:
-            raise ValueError(f"prefill_variant must be one of {PREFILL_VARIANTS}, got {value!r}")
+    elif name in named:
+        if value not in named[name]:
+            raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
+    elif name == "paged_prefetch":
+        OVERRIDES[name] = bool(int(value))
     else:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
     overrides_version += 1
@@ -230,6 +237,7 @@ class PagedConfig:
 # Up to this many (position, head) rows a sequence's whole query run is one
 # decode-like tile; beyond, prefill-like tiles of 128 rows.
 _PACKED_MAX_ROWS = 64
+_INTERPRET_PACKED_MAX_ROWS = 32
 
 
 def _next_pow2(n: int) -> int:
@@ -242,7 +250,11 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     rows = max(int(max_seqlen_q), 1) * group
     min_m = max(16, _next_pow2(group))  # tl.dot needs M >= 16; one position must fit all heads
     if interpreting() or device.type != "cuda":
-        return PagedConfig(max(min_m, min(32, _next_pow2(rows))), 16, 4, 1)
+        # small tiles, and the GPU's choice between a packed and a prefill-like tile
+        # (at a lower row count) so the CPU tests run both kinds of launch
+        if rows <= _INTERPRET_PACKED_MAX_ROWS:
+            return PagedConfig(max(min_m, _next_pow2(rows)), 16, 4, 1)
+        return PagedConfig(max(min_m, 32), 16, 4, 1, False)
     if "paged" in OVERRIDES:
         bm, bn, w, s = OVERRIDES["paged"]
         return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS)
@@ -270,3 +282,62 @@ def paged_num_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_kv_head
     want = round(per_sm * sm_count(device) / programs)
     key_tiles = -(-kv_capacity // cfg.block_n)
     return max(1, min(want, key_tiles, MAX_SPLITS))
+
+
+# ----------------------------------------------------------------- paged: long chunks and mixed batches
+
+# How a paged call whose max_seqlen_q * group exceeds _PACKED_MAX_ROWS (a long chunk
+# somewhere in the batch) is launched (ops.paged):
+#   long kernel "v1": paged._paged_kernel with the prefill-like tile (a grid of
+#     num_seqs * ceil(max_seqlen_q / BLOCK_Q) programs per KV head); "v2":
+#     paged._paged_long_kernel (page offsets built once per program, a compile-time page
+#     stride, block ids read a tile ahead, a compact tile space for ragged batches).
+#   mixed "one": that kernel runs every sequence, so a decode in a batch that also
+#     holds a long chunk gets a whole 128-row tile; "split": sequences of at most
+#     block_q(group) tokens of the short tile (paged_short_config) run in a second,
+#     GQA-packed launch, and the long launch skips them (both decide on the device, from
+#     cu_seqlens_q; the host skips the short launch when the shapes rule short
+#     sequences out: total_q > short_q + (num_seqs - 1) * max_seqlen_q).
+# v2 + split are chosen by reading the sm_90 compile (the v2 unmasked loop is 351
+# instructions against v1's 426 and the dense prefill's 331, bf16 D 128 page 16, same
+# shared memory and stages as the dense kernel). Not yet measured on the H200:
+# scripts/triton_paged_ab.py compares every combination; set these from its result.
+PAGED_LONG_KERNELS = ("v1", "v2")
+PAGED_LONG_KERNEL = "v2"
+PAGED_MIXED_MODES = ("one", "split")
+PAGED_MIXED = "split"
+# v2 reads the next tile's block ids one iteration ahead (see paged._long_inner);
+# without it the sm_90 pipeliner keeps K/V only one tile ahead
+PAGED_PREFETCH = True
+# packed (position, head) rows of the short launch of a mixed batch: 16 covers a decode
+# at any group <= 16 and a speculative run of 16 // group tokens
+_PAGED_SHORT_ROWS = 16
+_PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch")
+# v2 finds a program's sequence in two vector loads of SEARCH slot starts: S <= SEARCH^2
+PAGED_SEARCH = 128
+
+
+def paged_long_kernel() -> str:
+    return OVERRIDES.get("paged_long_kernel", PAGED_LONG_KERNEL)
+
+
+def paged_mixed_mode() -> str:
+    return OVERRIDES.get("paged_mixed", PAGED_MIXED)
+
+
+def paged_prefetch() -> bool:
+    return OVERRIDES.get("paged_prefetch", PAGED_PREFETCH)
+
+
+def paged_short_config(head_dim: int, dtype: torch.dtype, group: int, device: torch.device) -> PagedConfig:
+    """The packed tile of a mixed batch's short launch; it serves sequences of at most
+    block_q(group) tokens."""
+    min_m = max(16, _next_pow2(group))
+    if "paged_short" in OVERRIDES:
+        rows, bn, w, s = OVERRIDES["paged_short"]
+    elif interpreting() or device.type != "cuda":
+        rows, bn, w, s = _PAGED_SHORT_ROWS, 16, 4, 1
+    else:
+        dec = decode_config(head_dim, dtype, device)
+        rows, bn, w, s = _PAGED_SHORT_ROWS, dec.block_n, dec.num_warps, dec.num_stages
+    return PagedConfig(max(min_m, _next_pow2(rows)), bn, w, s, True)

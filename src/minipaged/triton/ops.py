@@ -8,6 +8,7 @@ decode and write_kv_cache can be captured in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,7 +28,7 @@ from .configs import (
 )
 from .decode import _decode_kernel, _decode_reduce
 from .merge import _merge_kernel
-from .paged import _paged_kernel
+from .paged import _paged_kernel, _paged_long_kernel, _short_reduce
 from .prefill import _attn_fwd
 
 _LOG2E = 1.4426950408889634
@@ -323,6 +324,42 @@ def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
 _paged_plans: dict = {}
 
 
+@dataclass(frozen=True)
+class _PagedLaunch:
+    """One kernel launch of a paged call (see configs: paged long chunks and mixed batches)."""
+
+    kernel: str          # "v1" (paged._paged_kernel) or "v2" (paged._paged_long_kernel)
+    cfg: PagedConfig
+    min_q: int = 0       # sequences of at most min_q tokens are another launch's (0: none)
+    max_q: int = 0       # sequences of more than max_q tokens are another launch's (0: none)
+
+
+def _v2_usable(q, k_cache, v_cache, block_tables, num_seqs: int) -> bool:
+    # v2 bakes the contiguous cache layout in (STRIDE_TOK = Hkv * D, head stride D, K and V
+    # alike) and finds sequences among at most PAGED_SEARCH^2
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    want = (k_cache.shape[1] * hkv * d, hkv * d, d, 1)
+    return (k_cache.stride() == want and v_cache.stride() == want
+            and num_seqs <= configs.PAGED_SEARCH ** 2)
+
+
+def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: int, num_seqs: int,
+                    max_seqlen_q: int, group: int, device: torch.device, v2_ok: bool,
+                    config: PagedConfig | None) -> tuple[_PagedLaunch, ...]:
+    cfg = config or paged_config(head_dim, dtype, causal, max_seqlen_q, group, device)
+    if cfg.packed:
+        # every query run fits one packed tile (decode, speculative verification)
+        return (_PagedLaunch("v1", cfg),)
+    kernel = configs.paged_long_kernel() if v2_ok else "v1"
+    if configs.paged_mixed_mode() == "split":
+        short = configs.paged_short_config(head_dim, dtype, group, device)
+        short_q = short.block_q(group)
+        # a sequence of <= short_q tokens leaves at most (num_seqs - 1) * max_seqlen_q for the rest
+        if 0 < short_q < max_seqlen_q and total_q <= short_q + (num_seqs - 1) * max_seqlen_q:
+            return (_PagedLaunch(kernel, cfg, min_q=short_q), _PagedLaunch("v1", short, max_q=short_q))
+    return (_PagedLaunch(kernel, cfg),)
+
+
 def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, causal: bool,
           scale: float, return_lse: bool = False, k_scale: torch.Tensor | None = None,
@@ -330,8 +367,11 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
           config: PagedConfig | None = None):
     """Paged attention for packed new tokens of any lengths (see paged.py).
 
-    num_splits / config (keyword only, for tests and tuning) force the split
-    count and the tile; by default both come from shapes, so nothing syncs.
+    Batches of short query runs are one packed launch; a batch with a long chunk runs the
+    long-chunk kernel, plus a packed launch for its short sequences (configs: paged long
+    chunks and mixed batches). num_splits / config (keyword only, for tests and tuning)
+    force the split count and the tile (a packed config: one v1 launch for everything);
+    by default both come from shapes, so nothing syncs.
     """
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -344,34 +384,88 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         if lse is not None:
             lse.fill_(float("-inf"))
         return _result(out.zero_(), lse)
-    # Config and split count depend on shapes only; cached so that a step of short
-    # queries pays a dict lookup, not the heuristics (decode-sized kernels are host-bound).
+    # Launches depend on shapes only; cached so that a step of short queries pays a dict
+    # lookup, not the heuristics (decode-sized kernels are host-bound).
+    v2_ok = _v2_usable(q, k_cache, v_cache, block_tables, num_seqs)
     plan_key = (q.device, q.dtype, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
-                max_seqlen_q, block_tables.shape[1], bool(causal), configs.overrides_version)
+                max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, configs.overrides_version,
+                configs.interpreting())
     plan = None if config is not None else _paged_plans.get(plan_key)
     if plan is None:
-        plan = config or paged_config(head_dim, q.dtype, bool(causal), max_seqlen_q, group, q.device)
+        plan = _paged_launches(head_dim, q.dtype, bool(causal), total_q, num_seqs, max_seqlen_q, group,
+                               q.device, v2_ok, config)
         if config is None:
             _paged_plans[plan_key] = plan
-    fb_key = (plan, head_dim, q.dtype, k_cache.dtype, bool(causal), page_size, lse is not None)
-    cfg = _paged_fallback.get(fb_key, plan)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
-        while True:
-            splits = num_splits or paged_num_splits(
-                num_seqs, total_q, max_seqlen_q, num_kv_heads, block_tables.shape[1] * page_size,
-                cfg, group, q.device)
-            split = splits > 1
-            if split:
-                rows = total_q * num_q_heads * splits
-                work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-                o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
+        # the long launch first: a split long launch reduces over every row, and the short
+        # launch then overwrites its sequences' rows
+        for launch in plan:
+            _paged_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                          lse, lse_arg, lse_strides, k_s, v_s, fp8, max_seqlen_q, bool(causal), scale,
+                          num_splits, len(plan) > 1)
+    return _result(out, lse)
+
+
+def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                  out, lse, lse_arg, lse_strides, k_s, v_s, fp8: bool, max_seqlen_q: int, causal: bool,
+                  scale: float, num_splits: int | None, shared: bool) -> None:
+    total_q, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    fb_key = (launch, head_dim, q.dtype, k_cache.dtype, causal, page_size, lse is not None)
+    cfg = _paged_fallback.get(fb_key, launch.cfg)
+    # the longest run this launch serves: it sizes the grid and the split count
+    run_q = min(max_seqlen_q, launch.max_q) if launch.max_q else max_seqlen_q
+    while True:
+        block_q = cfg.block_q(group)
+        splits = num_splits or paged_num_splits(
+            num_seqs, min(total_q, num_seqs * run_q), run_q, num_kv_heads, block_tables.shape[1] * page_size,
+            cfg, group, q.device)
+        split = splits > 1
+        if split:
+            rows = total_q * num_q_heads * splits
+            work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+            o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
+        else:
+            o_partial = lse_partial = out  # unused
+        try:
+            if launch.kernel == "v2":
+                direct_tiles = num_seqs * triton.cdiv(run_q, block_q)
+                compact_tiles = total_q // block_q + num_seqs
+                direct = direct_tiles <= compact_tiles
+                grid = (direct_tiles if direct else compact_tiles, num_kv_heads, splits)
+                _paged_long_kernel[grid](
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                    out, lse_arg, o_partial, lse_partial, k_s, v_s,
+                    q.stride(0), q.stride(1),
+                    block_tables.stride(0),
+                    out.stride(0), out.stride(1),
+                    *lse_strides,
+                    num_seqs, num_q_heads, group, splits,
+                    float(scale) * _LOG2E,
+                    HEAD_DIM=head_dim,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_Q=block_q,
+                    BLOCK_N=cfg.block_n,
+                    PAGE=page_size,
+                    STRIDE_TOK=num_kv_heads * head_dim,
+                    IS_CAUSAL=causal,
+                    SPLIT=split,
+                    RETURN_LSE=lse is not None,
+                    DOT_PRECISION=_dot_precision(q.dtype),
+                    KV_FP8=fp8,
+                    DIRECT=direct,
+                    SEARCH=configs.PAGED_SEARCH,
+                    MIN_Q=launch.min_q,
+                    PREFETCH=configs.paged_prefetch(),
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )
             else:
-                o_partial = lse_partial = out  # unused
-            block_q = cfg.block_q(group)
-            grid = (num_seqs * triton.cdiv(max_seqlen_q, block_q), num_kv_heads, splits)
-            try:
+                grid = (num_seqs * triton.cdiv(run_q, block_q), num_kv_heads, splits)
                 _paged_kernel[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
@@ -388,25 +482,42 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
                     BLOCK_Q=block_q,
                     BLOCK_N=cfg.block_n,
                     PAGE=page_size,
-                    IS_CAUSAL=bool(causal),
+                    IS_CAUSAL=causal,
                     SPLIT=split,
                     RETURN_LSE=lse is not None,
                     GATHER=PAGED_GATHER if PAGED_GATHER is not None else (1 if cfg.packed else 2),
                     DOT_PRECISION=_dot_precision(q.dtype),
                     KV_FP8=fp8,
+                    MIN_Q=launch.min_q,
+                    MAX_Q=launch.max_q,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                 )
-                break
-            except OutOfResources:
-                smaller = _smaller_paged(cfg, group)
-                if smaller is None:
-                    raise
-                _paged_fallback[fb_key] = cfg = smaller
-        if split:
-            _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, total_q, num_q_heads,
-                           splits, head_dim, lse is not None)
-    return _result(out, lse)
+            break
+        except OutOfResources:
+            smaller = _smaller_paged(cfg, group)
+            if smaller is None:
+                raise
+            _paged_fallback[fb_key] = cfg = smaller
+    if not split:
+        return
+    if launch.max_q:
+        # only this launch's (short) sequences: the long launch owns the other rows
+        _short_reduce[(num_seqs, num_q_heads)](
+            o_partial, lse_partial, out, lse_arg, cu_seqlens_q,
+            out.stride(0), out.stride(1),
+            *lse_strides,
+            num_q_heads, splits,
+            HEAD_DIM=head_dim,
+            SPLITS_POW2=triton.next_power_of_2(splits),
+            MAX_Q=launch.max_q,
+            RETURN_LSE=lse is not None,
+            num_warps=4,
+        )
+    else:
+        # every row (a following short launch rewrites its own)
+        _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, total_q, num_q_heads,
+                       splits, head_dim, lse is not None)
 
 
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

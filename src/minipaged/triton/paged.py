@@ -130,6 +130,8 @@ def _paged_kernel(
     GATHER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MIN_Q: tl.constexpr = 0,
+    MAX_Q: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     seq = pid % num_seqs
@@ -140,7 +142,13 @@ def _paged_kernel(
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     m_start = q_tile * BLOCK_Q
-    if m_start < q_len:
+    run = m_start < q_len
+    # a two-launch batch: sequences outside (MIN_Q, MAX_Q] belong to the other launch
+    if MIN_Q > 0:
+        run = run & (q_len > MIN_Q)
+    if MAX_Q > 0:
+        run = run & (q_len <= MAX_Q)
+    if run:
         ctx = tl.load(context_lens + seq)
         offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -205,3 +213,257 @@ def _paged_kernel(
             if RETURN_LSE:
                 lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
                 tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------ long chunks (v2)
+#
+# The kernel above spends about a third more instructions per KV tile than the dense
+# prefill kernel (sm_90 SASS of the unmasked loop, bf16 D 128, page 16: 426 against
+# 331): every tile recomputes each key's page offset with a signed remainder and
+# multiplies block ids by the runtime strides in full 64-bit arithmetic. The long-chunk
+# kernel below does per tile only what the gather needs: one table entry per key
+# (a scalar when one page holds the tile), one multiply by a compile-time page stride
+# (a single 32x32->64 multiply-add), added to K/V tile pointers built once before the
+# loop. The caches must be contiguous (the backend contract): the token stride is the
+# constexpr STRIDE_TOK = Hkv * D, the head stride HEAD_DIM, and K and V share them.
+#
+# Work split: program t of axis 0 (reversed, so later tiles start first) owns query
+# positions [j * BLOCK_Q, (j + 1) * BLOCK_Q) of one sequence. DIRECT: t = tile * S + seq,
+# the layout of the kernel above, for batches where nearly every sequence has
+# max_seqlen_q tokens. Otherwise a compact tile space without a host sync: sequence s
+# owns slots [cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1) (at least
+# ceil(q_len / BLOCK_Q) of them, since floor((a + n) / B) - floor(a / B) >= floor(n / B)),
+# Tq // BLOCK_Q + S slots in all, and a program finds its sequence by counting slot
+# starts <= t in two vector loads of cu_seqlens (a coarse pass over every
+# ceil(S / SEARCH)-th start, then SEARCH starts from there; S <= SEARCH^2).
+# MIN_Q > 0: sequences of at most MIN_Q tokens are left to a packed launch (mixed batches).
+
+
+@triton.jit
+def _long_index(start_n, key_page, last_page, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CLAMP: tl.constexpr):
+    """Table index of each key of the tile at start_n ([BLOCK_N]), or of the whole tile
+    (a scalar) when one page holds it. CLAMP: the tile may reach past the context, whose
+    table entries past the used ones may be -1."""
+    if PAGE >= BLOCK_N:
+        idx = start_n // PAGE
+    else:
+        idx = start_n // PAGE + key_page
+    if CLAMP:
+        idx = tl.minimum(idx, last_page)
+    return idx
+
+
+@triton.jit
+def _long_inner(acc, l_i, m_i, q, pos, k_tile, v_tile, table_row, key_page,
+                n_lo, n_hi, ctx, diag, last_page, qk_scale_log2,
+                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE_TOK: tl.constexpr,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                PREFETCH: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # block ids of the next tile are read one iteration ahead and carried, so the
+        # K/V loads depend on no load of their own iteration: the software pipeliner
+        # then keeps them num_stages - 1 tiles ahead (with the table read in the same
+        # iteration it spends a stage on it and waits on every tile)
+        # masked: an empty range of an empty context reads nothing (its table row may
+        # have no entry)
+        idx0 = _long_index(n_lo, key_page, last_page, PAGE, BLOCK_N, True)
+        blk = tl.load(table_row + idx0, mask=(idx0 * 0 + n_lo) < n_hi, other=0)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        if PREFETCH:
+            cur = blk
+            blk = tl.load(table_row + _long_index(start_n + BLOCK_N, key_page, last_page, PAGE, BLOCK_N, True))
+        else:
+            # start_n < n_hi <= ctx: only keys of the masked loop can be past the context
+            cur = tl.load(table_row + _long_index(start_n, key_page, last_page, PAGE, BLOCK_N, MASKED))
+        if PAGE >= BLOCK_N:
+            off = cur.to(tl.int64) * (PAGE * STRIDE_TOK) + (start_n % PAGE) * STRIDE_TOK
+            k_ptrs = k_tile + off
+            v_ptrs = v_tile + off
+        else:
+            off = cur.to(tl.int64) * (PAGE * STRIDE_TOK)
+            k_ptrs = k_tile + off[:, None]
+            v_ptrs = v_tile + off[:, None]
+        if MASKED:
+            cols = start_n + offs_n
+            tok_ok = cols < ctx
+            # masked loads give 0 for keys past the context, so NaN in unused slots never
+            # reaches the dots; .to(q.dtype) widens fp8 tiles (exact), a no-op otherwise
+            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+            visible = tok_ok[None, :]
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= pos[:, None] + diag)
+            acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION,
+                                                 True)
+        else:
+            k = tl.load(k_ptrs).to(q.dtype)
+            v = tl.load(v_ptrs).to(q.dtype)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _slot_seq(cu_seqlens_q, num_seqs, slot, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    """The sequence whose slots of the compact tile space hold `slot`: the last s with
+    cu[s] // BLOCK_Q + s <= slot (slot starts grow strictly with s)."""
+    k = tl.arange(0, SEARCH)
+    step = tl.cdiv(num_seqs, SEARCH)
+    s1 = k * step
+    ok1 = s1 < num_seqs
+    start1 = tl.load(cu_seqlens_q + s1, mask=ok1, other=0) // BLOCK_Q + s1
+    coarse = tl.sum((ok1 & (start1 <= slot)).to(tl.int32), 0) - 1
+    s2 = coarse * step + k
+    ok2 = (k < step) & (s2 < num_seqs)
+    start2 = tl.load(cu_seqlens_q + s2, mask=ok2, other=0) // BLOCK_Q + s2
+    return coarse * step + tl.sum((ok2 & (start2 <= slot)).to(tl.int32), 0) - 1
+
+
+@triton.jit
+def _paged_long_kernel(
+    Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
+    O, LSE, O_partial, LSE_partial, K_scale, V_scale,
+    stride_qt, stride_qh,
+    stride_table,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_seqs, num_q_heads, kv_group, num_splits,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    STRIDE_TOK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SEARCH: tl.constexpr,
+    MIN_Q: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DIRECT:
+        seq = slot % num_seqs
+        q_start = tl.load(cu_seqlens_q + seq)
+        q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+        m_start = slot // num_seqs * BLOCK_Q
+    else:
+        seq = _slot_seq(cu_seqlens_q, num_seqs, slot, BLOCK_Q, SEARCH)
+        q_start = tl.load(cu_seqlens_q + seq)
+        q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+        m_start = (slot - q_start // BLOCK_Q - seq) * BLOCK_Q
+    run = m_start < q_len
+    if MIN_Q > 0:
+        run = run & (q_len > MIN_Q)
+    if run:
+        ctx = tl.load(context_lens + seq)
+        offs_r = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        pos = m_start + offs_r // kv_group
+        heads = kv_head * kv_group + offs_r % kv_group
+        row_ok = (offs_r < BLOCK_Q * kv_group) & (pos < q_len)
+        tok = q_start.to(tl.int64) + pos
+        q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+        if IS_CAUSAL:
+            diag = ctx - q_len
+            full_end = tl.minimum(m_start + diag + 1, ctx)
+            end = tl.minimum(tl.minimum(m_start + BLOCK_Q, q_len) + diag, ctx)
+        else:
+            diag = 0
+            full_end = ctx
+            end = ctx
+        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(end, 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
+        n_begin = split * tiles_per_split * BLOCK_N
+        n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
+        n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+
+        # built once: each key's offset inside its page (tiles start on page boundaries
+        # when a tile spans pages, so it does not change from tile to tile) plus the head
+        table_row = block_tables + seq.to(tl.int64) * stride_table
+        if PAGE >= BLOCK_N:
+            inner = offs_n[:, None] * STRIDE_TOK + offs_d[None, :]
+        else:
+            inner = (offs_n % PAGE)[:, None] * STRIDE_TOK + offs_d[None, :]
+        k_tile = K_cache + kv_head * HEAD_DIM + inner
+        v_tile = V_cache + kv_head * HEAD_DIM + inner
+        key_page = offs_n // PAGE
+        last_page = tl.maximum(tl.cdiv(ctx, PAGE) - 1, 0)
+
+        if KV_FP8:
+            qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc, l_i, m_i = _long_inner(acc, l_i, m_i, q, pos, k_tile, v_tile, table_row, key_page,
+                                    n_begin, n_mid, ctx, diag, last_page, qk_scale_log2,
+                                    PAGE, BLOCK_N, STRIDE_TOK, False, IS_CAUSAL, DOT_PRECISION, PREFETCH)
+        acc, l_i, m_i = _long_inner(acc, l_i, m_i, q, pos, k_tile, v_tile, table_row, key_page,
+                                    n_mid, n_end, ctx, diag, last_page, qk_scale_log2,
+                                    PAGE, BLOCK_N, STRIDE_TOK, True, IS_CAUSAL, DOT_PRECISION, PREFETCH)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * tl.load(V_scale + kv_head)
+        if SPLIT:
+            row = (tok * num_q_heads + heads) * num_splits + split
+            tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
+            lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            tl.store(LSE_partial + row, lse2, mask=row_ok)
+        else:
+            tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+                     + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+            if RETURN_LSE:
+                lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+                tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _short_reduce(
+    O_partial, LSE_partial, O, LSE, cu_seqlens_q,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_q_heads, num_splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    MAX_Q: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Merges the split-KV partials of the short launch of a mixed batch (sequences of
+    1..MAX_Q tokens) into O and LSE; rows of longer sequences belong to the long launch
+    and are left alone. Partials are indexed by token as in _paged_kernel."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_len <= MAX_Q:
+        offs_s = tl.arange(0, SPLITS_POW2)
+        offs_d = tl.arange(0, HEAD_DIM)
+        split_ok = offs_s < num_splits
+        for i in range(0, q_len):
+            tok = q_start.to(tl.int64) + i
+            row0 = (tok * num_q_heads + head) * num_splits
+            lse = tl.load(LSE_partial + row0 + offs_s, mask=split_ok, other=float("-inf"))
+            m = tl.max(lse, 0)
+            m_sub = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.math.exp2(lse - m_sub)
+            parts = tl.load(O_partial + (row0 + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                            mask=split_ok[:, None], other=0.0)
+            total = tl.sum(w, 0)
+            out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+            tl.store(O + tok * stride_ot + head.to(tl.int64) * stride_oh + offs_d, out.to(O.dtype.element_ty))
+            if RETURN_LSE:
+                lse_row = tl.where(total == 0.0, float("-inf"),
+                                   (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
+                tl.store(LSE + tok * stride_lt + head.to(tl.int64) * stride_lh, lse_row)
