@@ -6,8 +6,9 @@
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/paged_ws_selftest.cu \
-//        src/minipaged/cuda/csrc/prefill/paged.cu src/minipaged/cuda/csrc/decode/launch.cu \
-//        -o /tmp/paged_ws_selftest -lgomp
+//        src/minipaged/cuda/csrc/prefill/paged.cu -o /tmp/paged_ws_selftest -lgomp
+//   (add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu for the decode-kernel
+//   anchor of the mixed-batch timing; without it "decodes alone" is the packed paged kernel)
 //   ./paged_ws_selftest check [variant filter]   every case, every variant, vs fp64
 //   ./paged_ws_selftest small                    tiny cases (for compute-sanitizer)
 //   ./paged_ws_selftest time [reps]              TFLOP/s of the chunked-prefill shapes and the
@@ -526,6 +527,10 @@ struct Contig {
 
 // Decode kernels on the decode rows of b (every q_len 1): the "decodes alone" anchor.
 static double time_decode(const Built& b, int reps) {
+#if !defined(PAGED_WS_WITH_DECODE)
+  (void)b, (void)reps;
+  return -1.0;
+#else
   minipaged::DecodeParams q{};
   const Case& c = b.c;
   q.q = b.dq, q.k_cache = b.dk, q.v_cache = b.dv, q.o = b.dout, q.block_tables = b.dtable, q.context_lens = b.dctx;
@@ -542,6 +547,7 @@ static double time_decode(const Built& b, int reps) {
   const minipaged::DecodePlan plan = minipaged::decode_plan(q, 1);
   if (q.num_splits != 1) return -1.0;
   return median_ms([&] { return minipaged::launch_decode(q, plan, 0); }, reps);
+#endif
 }
 
 static int cmd_time(int reps) {

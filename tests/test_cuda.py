@@ -901,3 +901,124 @@ def test_decode_return_lse(ops, variant, num_splits, heads):
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
     _, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, False, 0.0883)
     _check_lse(lse, lse64, f"decode lse variant={variant} splits={num_splits}")
+
+
+# =========================================================================== paged TMA kernel, mixed-batch split
+#
+# (issues #13/#16) On sm_90a, long paged chunks over 16-bit caches with pages of >= 8 tokens run the
+# warp-specialised kernel with its K/V pages loaded as TMA boxes (prefill/mainloop_ws.cuh, kPaged);
+# a batch that mixes q_len <= 16 and longer rows runs two launches, the GQA-packed kernel for the
+# short ones and the tiled kernel for the rest (prefill/dispatch.cuh, launch_paged_split). Checked
+# against this file's fp64 oracle (_paged_oracle / _check_paged) with NaN-poisoned unused slots and
+# -1 past the used table entries (_paged_case). scripts/paged_ws_selftest.cu is the torch-free twin.
+
+WS_MIX_Q = [1, 1, 17, 97, 1023, 2048, 4, 130, 0, 200, 16, 17, 1, 33]
+WS_MIX_CTX = [0, 1, 17, 1023, 1023, 4097, 97, 97, 17, 0, 4097, 4097, 4097, 1]  # q > ctx: rows with no key
+WS_LAYOUTS = {8: ((16, 8), 128), 16: ((8, 1), 64), 64: ((4, 4), 128), 128: ((16, 8), 64), 256: ((8, 1), 128),
+              4: ((16, 8), 128)}  # page size -> (Hq, Hkv), D; 4 runs the cp.async fallback
+
+
+@pytest.mark.parametrize("block_size", list(WS_LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_paged_ws_page_sizes(ops, block_size, dtype, causal):
+    heads, D = WS_LAYOUTS[block_size]
+    q, kc, vc, bt, cu, cl = _paged_case(WS_MIX_Q, WS_MIX_CTX, *heads, D, block_size, dtype, seed=block_size + D)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                 f"ws mix {dtype} {heads} D{D} bs{block_size} causal={causal}")
+
+
+@pytest.mark.parametrize("q_len", [70, 129])
+@pytest.mark.parametrize("block_size", [8, 256])
+def test_paged_ws_every_tile_residue(ops, q_len, block_size):
+    # every (context_len - q_len) mod 128 (BLOCK_N of the TMA kernel): the tail tile's zeroed V rows
+    ctx = [q_len + r + (r % 3) * 128 for r in range(128)]
+    q, kc, vc, bt, cu, cl = _paged_case([q_len] * 128, ctx, 4, 2, 128, block_size, torch.float16, seed=q_len)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws residues q_len={q_len} bs{block_size}")
+
+
+def test_paged_mixed_batch_split_rows(ops):
+    # the bench's mixed row (one 2k chunk + 63 decodes at 4k context, page 16): against the oracle,
+    # and every row bit for bit what a call holding only its own kind of sequence gives (each row is
+    # written by exactly one of the two launches, by the same kernel as when alone)
+    S_q, S_ctx = [2048] + [1] * 63, [4096] * 64
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=11)
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, "mixed 2k chunk + 63 decodes")
+    cu1 = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
+    o1, l1 = ops.paged(q[:2048].contiguous(), kc, vc, bt[:1].contiguous(), cu1, cl[:1].contiguous(), 2048, True,
+                       0.0883, True)
+    assert torch.equal(o1, o[:2048]) and torch.equal(l1, lse[:2048])
+    # max_seqlen_q 2 keeps the decode rows on the prefill (packed) kernel instead of the decode kernels
+    cud = torch.arange(64, dtype=torch.int32, device="cuda")
+    od, ld = ops.paged(q[2048:].contiguous(), kc, vc, bt[1:].contiguous(), cud, cl[1:].contiguous(), 2, True,
+                       0.0883, True)
+    assert torch.equal(od, o[2048:]) and torch.equal(ld, lse[2048:])
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (8, 8)], ids=["G2", "G8", "G1"])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_paged_mixed_split_spec_and_chunks(ops, heads, block_size):
+    # q_lens on both sides of 16 (the packed kernel's limit), contexts below and above q_len
+    S_q = [1, 300, 16, 17, 4, 1, 1, 2, 9, 0, 129]
+    S_ctx = [500, 1000, 700, 17, 4, 1, 4097, 2, 3000, 10, 100]
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, 128, block_size, torch.bfloat16, seed=block_size)
+    for causal in (True, False):
+        _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 0.0883, f"split {heads} bs{block_size} causal={causal}")
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True)[0])
+
+
+def test_paged_ws_long_context(ops):
+    # the chunked-prefill shapes of the bench at reduced head count: 2k new over 30k cached, 8 x 512 over 4k
+    for S_q, S_ctx in (([2048], [32768]), ([512] * 8, [4608] * 8)):
+        q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 4, 2, 128, 16, torch.bfloat16, seed=len(S_q))
+        _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws long {S_q[0]}x{len(S_q)} over {S_ctx[0]}")
+
+
+_SANITIZE_PAGED_WS = textwrap.dedent(
+    """
+    import torch
+    from minipaged.cuda import ops
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    for Hq, Hkv, D, bs, q_lens, ctx in [(4, 2, 128, 8, [0, 1, 70, 150], [5, 1, 67, 300]),
+                                        (2, 1, 64, 256, [130, 3], [400, 70]),
+                                        (4, 2, 64, 16, [1, 40, 1, 4, 17], [33, 97, 0, 9, 17]),
+                                        (2, 2, 128, 128, [200, 1], [130, 129])]:
+        nblk = [(c + bs - 1) // bs for c in ctx]
+        nb = sum(nblk) + 1
+        kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
+        perm = torch.randperm(nb).tolist()
+        bt = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32)
+        for i, n in enumerate(nblk):
+            bt[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+            perm = perm[n:]
+        cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+        q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
+        cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+        for causal in (True, False):
+            ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True)
+    torch.cuda.synchronize()
+    print("sanitize script done")
+    """
+)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+            cand = home and os.path.join(home, "bin", "compute-sanitizer")
+            if cand and os.path.exists(cand):
+                sanitizer = cand
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer not found")
+    script = tmp_path / "sanitize_paged_ws.py"
+    script.write_text(_SANITIZE_PAGED_WS)
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sanitizer, "--tool", tool, sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert "sanitize script done" in log, log[-4000:]
+    clean = "ERROR SUMMARY: 0 errors" in log or "0 hazards displayed (0 errors, 0 warnings)" in log
+    assert clean and proc.returncode == 0, log[-4000:]
