@@ -4,6 +4,7 @@ CPU quick mode end to end (tables, JSON schema, error rows)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -515,9 +516,14 @@ class _FakeFlashInfer:
                      pos_encoding_mode="NONE", sm_scale=None, q_data_type=None, kv_data_type=None):
                 self.p = (indptr.cpu(), indices.cpu(), last_page_len.cpu(), page_size, sm_scale)
 
-            def run(self, q, paged_kv_cache, out=None):
+            def run(self, q, paged_kv_cache, out=None, k_scale=None, v_scale=None):
                 indptr, indices, last, ps, scale = self.p
                 kc, vc = paged_kv_cache
+                if kc.dtype == torch.float8_e4m3fn:  # FlashInfer's fp8 decode: one float scale per cache
+                    assert isinstance(k_scale, float) and isinstance(v_scale, float)
+                    kc, vc = kc.double() * k_scale * fake.scale_error, vc.double() * v_scale
+                else:
+                    assert k_scale is None and v_scale is None
                 o = torch.cat([_fi_attend(q[s:s + 1], pages_to_kv(kc, indptr, indices, last, s, ps),
                                           pages_to_kv(vc, indptr, indices, last, s, ps), False, scale)
                                for s in range(q.shape[0])])
@@ -525,6 +531,7 @@ class _FakeFlashInfer:
                 return out
 
         self.skew = skew
+        self.scale_error = 1.0  # != 1: the fp8 decode misapplies k_scale
         self.decode_tensor_cores = []
         self.BatchPrefillWithPagedKVCacheWrapper = Paged
         self.BatchPrefillWithRaggedKVCacheWrapper = Ragged
@@ -583,7 +590,10 @@ def test_flashinfer_not_importable_is_skipped_and_named(monkeypatch):
     cfg = _cfg()
     ops = list(runner.OPS_ALL)
     note = runner.flashinfer_note(cfg, ops, gpu)
-    assert all(n in note for n in anc.FLASHINFER_ANCHORS) and "env.sh" in note
+    assert all(n in note for n in anc.FLASHINFER_ANCHORS if n not in anc.FP8_ANCHORS) and "env.sh" in note
+    # the fp8 decode anchor belongs to --kv-cache-dtype fp8 runs only
+    assert anc.FI_DECODE_FP8 not in note
+    assert anc.FI_DECODE_FP8 in runner.flashinfer_note(_cfg(kv_cache_dtype="fp8"), ["decode"], gpu)
     assert runner._anchor_names(cfg, "paged", gpu) == [anc.SAME_BACKEND, "sdpa-flash", "sdpa-cudnn"]
     assert anc.FI_RAGGED not in runner._anchor_names(cfg, "prefill", gpu)
     assert runner.flashinfer_note(_cfg(anchors=["sdpa-flash"]), ops, gpu) is None  # none asked for
@@ -903,3 +913,281 @@ def test_run_goes_on_when_the_crosscheck_itself_breaks(tmp_path, monkeypatch):
     assert "cross-check aborted: RuntimeError: oracle import failed" in result["notes"]
     assert [r["status"] for r in result["rows"]] == ["ok"] * len(cs.quick_prefill_cases())
     assert any("ERROR: cross-check aborted" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- FP8 KV caches (--kv-cache-dtype fp8)
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_bytes_count_one_byte_per_cached_element():
+    hq, hkv, d = 16, 8, 128
+    # the standard grid's B=64 L=8192: 1 GiB of fp8 K+V, q and o in bf16
+    case = cs.DecodeCase(64, 8192, hq, hkv, d)
+    got = flops.decode_bytes(hq, hkv, d, case.lens, 2, kv_elem_bytes=1)
+    assert got == 2 * 8 * 128 * 64 * 8192 + 2 * 64 * 16 * 128 * 2 == 1074266112
+    # against the 16-bit count: the K/V part halves, q and o stay
+    assert case.bytes(2) - got == 2 * 8 * 128 * 64 * 8192  # K and V: one byte saved per element
+    assert flops.decode_bytes(hq, hkv, d, case.lens, 2, kv_elem_bytes=None) == case.bytes(2)
+    q_lens, ctx = (5, 1, 0, 20), (40, 17, 3, 20)
+    assert flops.paged_bytes(hq, hkv, d, q_lens, ctx, 2, kv_elem_bytes=1) == \
+        2 * hkv * d * 1 * sum(ctx) + 2 * hq * d * 2 * sum(q_lens)
+
+
+def test_fp8_cache_quantisation_follows_the_write_rule(monkeypatch):
+    """cases.quantize_fp8 stores exactly what the oracle's write_kv_cache stores (per-head
+    division, clamp at 448, round to nearest even), chunked or not; amax scales ignore NaN."""
+    g = torch.Generator().manual_seed(0)
+    mag = torch.tensor([0.01, 1.0, 300.0]).view(1, 1, 3, 1)  # three KV heads, far apart in size
+    cache = (torch.randn(5, 4, 3, 8, generator=g) * mag).to(torch.bfloat16)
+    cache[1, 2] = float("nan")  # a poisoned slot
+    ks = cs.kv_amax_scales(cache)
+    finite = cache.float().nan_to_num(0.0).abs()
+    assert torch.equal(ks, finite.amax(dim=(0, 1, 3)) / 448.0) and ks.dtype == torch.float32
+    q8 = cs.quantize_fp8(cache, ks)
+    assert q8.dtype == FP8 and q8.shape == cache.shape
+    want = reference.quantize_fp8(cache.reshape(-1, 3, 8), ks).reshape(cache.shape)
+    assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8))
+    assert torch.isnan(q8[1, 2].float()).all() and not torch.isnan(q8[0].float()).any()
+    # each head's largest |value| lands on 448; the rest within half an fp8 step (2^-4 relative)
+    deq = cs.dequantize_fp8(q8, ks)
+    assert torch.equal(q8.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)), torch.full((3,), 448.0))
+    ok = ~torch.isnan(cache.float()) & (cache.float().abs() > 2.0 ** -6 * 448 * ks.view(1, 1, 3, 1))
+    rel = ((deq - cache.float()).abs() / cache.float().abs())[ok]
+    assert rel.max() <= 2.0 ** -4 + 1e-6
+    monkeypatch.setattr(cs, "_QUANT_CHUNK_BLOCKS", 2)  # the chunked path writes the same bytes
+    assert torch.equal(cs.quantize_fp8(cache, ks).view(torch.uint8), q8.view(torch.uint8))
+    # spread=True: head scales 1x .. 4x apart on top of the amax (the cross-check's caches)
+    k8, v8, ks2, vs2 = cs.fp8_caches(cache, cache, spread=True)
+    assert torch.allclose(ks2 / ks, torch.tensor([1.0, 2.5, 4.0])) and torch.allclose(vs2 / ks, torch.tensor([4.0, 2.5, 1.0]))
+
+
+def _fake_backend(name, wrong_head_scale: bool):
+    """A registry Backend on CPU running the torch oracle, optionally applying KV head 0's scales
+    to every head (the bug a per-head cross-check must catch)."""
+    from minipaged.registry import Backend, BackendOps
+
+    def fix(s):
+        return s[:1].expand_as(s).contiguous() if (wrong_head_scale and s is not None) else s
+
+    def decode(q, kc, vc, bt, cl, scale, rl=False, k_scale=None, v_scale=None):
+        return reference.decode(q, kc, vc, bt, cl, scale, rl, fix(k_scale), fix(v_scale))
+
+    def paged(q, kc, vc, bt, cu, cl, mq, causal, scale, rl=False, k_scale=None, v_scale=None):
+        return reference.paged(q, kc, vc, bt, cu, cl, mq, causal, scale, rl, fix(k_scale), fix(v_scale))
+
+    ops = BackendOps(prefill=reference.prefill, prefill_varlen=reference.prefill_varlen, decode=decode, paged=paged,
+                     write_kv_cache=reference.write_kv_cache)
+    return Backend(name=name, load=lambda: ops, devices=("cpu",), availability=lambda d: (True, "test"),
+                   dtypes=("float16", "bfloat16", "float32"), head_dims=(64, 128, 256), fp8_kv=True)
+
+
+def test_fp8_crosscheck_compares_on_the_same_fp8_cache_and_can_fail(monkeypatch):
+    from minipaged import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "good8", _fake_backend("good8", False))
+    monkeypatch.setitem(registry._BACKENDS, "bad8", _fake_backend("bad8", True))
+    registry.reset_caches()
+    try:
+        failures = {}
+        rows = runner.crosscheck_fp8(["torch", "good8", "bad8"], torch.device("cpu"), torch.float16, True,
+                                     lambda s: None, ("decode", "paged"), failures)
+    finally:
+        registry.reset_caches()
+    by = {(r["op"], r["backend"]): r for r in rows}
+    assert set(by) == {(op, b) for op in ("decode", "paged") for b in ("torch", "good8", "bad8")}
+    assert all(r["kv_dtype"] == report.FP8_NAME for r in rows)
+    for op in ("decode", "paged"):
+        assert by[(op, "torch")]["ok"] and by[(op, "torch")]["max_abs_err"] < 1e-2
+        assert by[(op, "good8")]["ok"], by[(op, "good8")]
+        # the wrong head scale is off by far more than fp8 rounding (which is nobody's fault here)
+        bad = by[(op, "bad8")]
+        assert not bad["ok"] and bad["max_abs_err"] > 10 * bad["tol"], bad
+    assert failures == {}
+    text = report.crosscheck_table(rows)
+    assert "decode fp8" in text and "paged fp8" in text and "2 failing" in text
+
+
+def test_fp8_ratios_vs_best_anchor_and_targets():
+    """speed-up vs 16-bit pairs each fp8 row with its own 16-bit row; fp8 rows are judged against
+    fp8 anchors and 16-bit rows against 16-bit ones; the fp8 time target applies on its cases."""
+    big, small = cs.DecodeCase(64, 8192, 16, 8, 128), cs.DecodeCase(8, 4096, 16, 8, 128)
+    rows = []
+
+    def add(case, backend, kind, ms, fp8_of=None, op="decode"):
+        row = runner._base_row(op, case, backend, kind)
+        row.update(median_ms=ms)
+        if fp8_of:
+            row.update(kv_dtype=report.FP8_NAME, of_16bit=fp8_of)
+        rows.append(row)
+        return row
+
+    cuda16, cuda8 = add(big, "cuda", "backend", 1.0), add(big, "cuda fp8", "backend", 0.5, "cuda")
+    tri16, tri8 = add(big, "triton", "backend", 1.0), add(big, "triton fp8", "backend", 0.6, "triton")
+    fi16 = add(big, anc.FI_DECODE, "anchor", 1.25)
+    fi8 = add(big, anc.FI_DECODE_FP8, "anchor", 0.625, anc.FI_DECODE)
+    other = add(small, "cuda fp8", "backend", 0.1, "cuda")  # its 16-bit row is missing
+    paged = cs.PagedCase("spec", (4,) * 2, (64,) * 2, 4, 2, 64)
+    p16, p8 = add(paged, "triton", "backend", 2.0, op="paged"), add(paged, "triton fp8", "backend", 1.6, "triton", "paged")
+    add(paged, "triton decode", "anchor", 1.0, op="paged")["of_backend"] = "triton"
+    rows[-1]["role"] = "decode"
+    runner.finalize_rows(rows, None)
+    assert cuda8["speed_vs_16bit"] == pytest.approx(2.0) and tri8["speed_vs_16bit"] == pytest.approx(1 / 0.6)
+    assert fi8["speed_vs_16bit"] == pytest.approx(2.0) and other["speed_vs_16bit"] is None
+    assert cuda16["speed_vs_16bit"] is None
+    assert cuda8["vs_best_anchor"] == pytest.approx(0.625 / 0.5)  # the fp8 anchor, not the 16-bit one
+    assert cuda16["vs_best_anchor"] == pytest.approx(1.25) and tri16["vs_best_anchor"] == pytest.approx(1.25)
+    assert p8["speed_vs_16bit"] == pytest.approx(1.25) and p8["time_vs_decode"] is None
+    assert p16["time_vs_decode"] == pytest.approx(2.0)
+    assert report.fp8_verdict(cuda8) is True and report.fp8_verdict(tri8) is False
+    assert report.fp8_verdict(fi8) is None and report.fp8_verdict(other) is None  # anchor; not a target case
+    table = report.text_table(rows, "decode")
+    assert "speed-up vs 16-bit" in table and "2.00x ok" in table and "1.67x MISS" in table
+    assert "cuda fp8 B=64 L=8192: fp8 / 16-bit time = 0.50 (target <= 0.55: met)" in table
+    assert "triton fp8 B=64 L=8192: fp8 / 16-bit time = 0.60 (target <= 0.55: MISSED)" in table
+    assert "speed-up vs 16-bit" in report.text_table(rows, "paged")
+    assert "speed-up vs 16-bit" not in report.text_table([cuda16, tri16, fi16], "decode")
+
+
+def test_flashinfer_fp8_decode_anchor_on_our_fp8_pages(fake_flashinfer):
+    cfg = _cfg(quick=True, kv_cache_dtype="fp8")
+    r = runner._Runner(cfg, torch.device("cpu"), torch.float16, True)
+    case = cs.DecodeCase(3, 50, 4, 2, 64, 16, context_lens=(1, 17, 50))
+    assert anc.FI_DECODE_FP8 in runner._anchor_names(cfg, "decode", torch.device("cuda"))
+    assert anc.FI_DECODE_FP8 not in runner._anchor_names(_cfg(), "decode", torch.device("cuda"))
+    rows = list(runner._bench_decode_case(r, case, ["torch"], [anc.FI_DECODE, anc.FI_DECODE_FP8], {}, lambda s: None))
+    got = {x["backend"]: x for x in rows}
+    assert set(got) == {"torch", "torch fp8", anc.FI_DECODE, anc.FI_DECODE_FP8}
+    fi8 = got[anc.FI_DECODE_FP8]
+    assert fi8["status"] == "ok" and "agrees with torch" in fi8["note"] and "scalar k_scale" in fi8["note"], fi8
+    assert fi8["kv_dtype"] == report.FP8_NAME and fi8["of_16bit"] == anc.FI_DECODE
+    assert fi8["bytes"] == got["torch fp8"]["bytes"] == flops.decode_bytes(4, 2, 64, (1, 17, 50), 2, kv_elem_bytes=1)
+    assert got["torch"]["bytes"] == case.bytes(2)
+    fake_flashinfer.scale_error = 1.5  # a misapplied k_scale must not pass as an anchor
+    rows = list(runner._bench_decode_case(r, case, ["torch"], [anc.FI_DECODE_FP8], {}, lambda s: None))
+    bad = next(x for x in rows if x["backend"] == anc.FI_DECODE_FP8)
+    assert bad["status"] == "error" and "differs from torch" in bad["error"], bad
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the quick grid and its dtype default")
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-cache-dtype", "fp16"], ["--kv-cache-dtype", "'fp16'", "auto", "fp8"]),
+    (["--kv-cache-dtype", ""], ["--kv-cache-dtype", "''"]),
+    (["--kv-cache-dtype", "fp8", "--op", "prefill"], ["--kv-cache-dtype fp8", "--op prefill"]),
+    (["--kv-cache-dtype", "fp8", "--dtype", "float32"], ["--kv-cache-dtype fp8", "float32", "bfloat16"]),
+    (["--anchors", "flashinfer-decode-fp8", "--op", "decode"], ["flashinfer-decode-fp8"]),
+])
+def test_bench_rejects_bad_kv_cache_dtype(argv, words, capsys, tmp_path, monkeypatch):
+    from minipaged import cli
+
+    def not_run(*a, **k):
+        raise AssertionError("the benchmark ran before the arguments were checked")
+
+    monkeypatch.setattr(runner, "_run", not_run)
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    rc = cli.main(["bench", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: only torch and triton exist there")
+def test_bench_fp8_with_no_fp8_backend_is_an_error(capsys, tmp_path, monkeypatch):
+    from minipaged import cli, registry
+
+    monkeypatch.setitem(registry._BACKENDS, "torch", dataclasses.replace(registry._BACKENDS["torch"], fp8_kv=False))
+    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("ran before the check"))
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    rc = cli.main(["bench", "--out", str(tmp_path), "--backends", "torch", "--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and err.startswith("error: --kv-cache-dtype fp8"), err
+    assert "torch has no float8_e4m3fn KV-cache kernels" in err and "triton" in err
+
+
+def test_op_paged_with_fp8_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    cfg = runner.BenchConfig(op="paged", backends=["torch"], anchors=[], quick=True, out=str(tmp_path), reps=1,
+                             max_time_s=0, plots=False, progress=False, log=lambda s: None, kv_cache_dtype="fp8")
+    result = runner.run_bench(cfg)
+    assert result["config"]["kv_cache_dtype"] == "fp8" and result["config"]["dtype"] == "float16"
+    rows = result["rows"]
+    fp8 = [r for r in rows if r["kv_dtype"] == report.FP8_NAME]
+    assert [r["case"] for r in fp8] == [c.label for c in cs.quick_paged_cases()]
+    for r, case in zip(fp8, cs.quick_paged_cases()):
+        assert r["backend"] == "torch fp8" and r["status"] == "ok" and r["of_16bit"] == "torch", r
+        assert r["bytes"] == flops.paged_bytes(4, 2, 64, case.q_lens, case.context_lens, 2, kv_elem_bytes=1)
+        base = next(x for x in rows if x["backend"] == "torch" and x["case"] == r["case"])
+        assert r["speed_vs_16bit"] == pytest.approx(base["median_ms"] / r["median_ms"])
+    xc = [r for r in result["crosscheck"] if r.get("kv_dtype") == report.FP8_NAME]
+    assert [r["op"] for r in xc] == ["paged"] and xc[0]["ok"]
+    md = (tmp_path / "results.md").read_text()
+    assert "torch fp8" in md and "speed-up vs 16-bit" in md and "| paged fp8 |" in md
+
+
+@pytest.fixture(scope="module")
+def quick_fp8_run(tmp_path_factory):
+    """`minipaged bench --quick --op decode --kv-cache-dtype fp8` in a fresh process (torch and the
+    Triton interpreter, float16 by default)."""
+    out = tmp_path_factory.mktemp("bench_fp8")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "minipaged.benchmark.cli", "--quick", "--op", "decode",
+                           "--kv-cache-dtype", "fp8", "--out", str(out), "--no-progress", "--no-plots",
+                           "--reps", "1", "--max-time", "0"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
+    return proc, out
+
+
+def test_quick_fp8_decode_rows_in_json_and_markdown(quick_fp8_run):
+    proc, out = quick_fp8_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["kv_cache_dtype"] == "fp8" and data["config"]["dtype"] == "float16"
+    rows = data["rows"]
+    names = ["torch"] + (["triton"] if data["backends"]["triton"]["available"] else [])
+    for case in cs.quick_decode_cases():
+        for name in names:
+            r8 = next(r for r in rows if r["case"] == case.label and r["backend"] == f"{name} fp8")
+            r16 = next(r for r in rows if r["case"] == case.label and r["backend"] == name)
+            assert r8["status"] == "ok" and r8["kv_dtype"] == "float8_e4m3fn" and r8["of_16bit"] == name, r8
+            assert r16["kv_dtype"] is None
+            assert r8["bytes"] == flops.decode_bytes(4, 2, 64, case.lens, 2, kv_elem_bytes=1)
+            assert r16["bytes"] == case.bytes(2) and r8["tbps"] > 0
+            assert r8["speed_vs_16bit"] == pytest.approx(r16["median_ms"] / r8["median_ms"])
+    xc = [r for r in data["crosscheck"] if r.get("kv_dtype") == "float8_e4m3fn"]
+    assert {r["backend"] for r in xc} == set(names) and all(r["ok"] for r in xc), xc
+    assert any(n.startswith("fp8 rows") for n in data["notes"])
+    md = (out / "results.md").read_text()
+    assert "| decode fp8 |" in md and "| torch fp8 |" in md and "speed-up vs 16-bit" in md
+    assert "== Decode" in proc.stdout and "torch fp8" in proc.stdout
+
+
+def test_fp8_accuracy_script_on_cpu(tmp_path):
+    """bench/bench_fp8_accuracy.py on a tiny Qwen3 with the torch backend: teacher-forced decode
+    logits line up with transformers' (an off-by-one position would give O(1) errors), the fp8
+    cache really is read at decode positions and not at the prefill's."""
+    out = tmp_path / "acc.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_fp8_accuracy.py"), "--device", "cpu",
+                           "--backend", "torch", "--tiny", "--init-std", "0.1", "--prompt-lens", "9,33",
+                           "--decode-steps", "3", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and data["prompt_lens"] == [9, 33] and data["decode_steps"] == 3
+    t = data["backends"]["torch"]
+    assert t["fp8_engine"]["kv_cache_dtype"] == "float8_e4m3fn" and t["bf16_engine"]["kv_cache_dtype"] == "bfloat16"
+    assert t["fp8_engine"]["k_scale_min_max"][0] > 0
+    dec = {k: t[k]["decode"] for k in ("bf16_vs_fp32", "fp8_vs_fp32", "fp8_vs_bf16")}
+    assert all(d["rows"] == 2 * 3 for d in dec.values())
+    floor = data["hf_bf16_vs_fp32"]["decode"]["rel_l2"]
+    assert 0 < dec["bf16_vs_fp32"]["rel_l2"] < 3 * floor + 0.01 and dec["bf16_vs_fp32"]["top1"] >= 0.8
+    assert dec["bf16_vs_fp32"]["rel_l2"] < dec["fp8_vs_fp32"]["rel_l2"] < 0.25
+    assert dec["fp8_vs_bf16"]["rel_l2"] > 1e-3  # the fp8 pages were read
+    assert t["fp8_vs_bf16"]["prefill_last"]["rel_l2"] == 0.0  # prefill attends over the fresh 16-bit K/V
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_fp8_accuracy.py"), "--device", "cpu",
+                          "--backend", "nope", "--tiny"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --backends: unknown backend 'nope'")
