@@ -82,6 +82,33 @@ for s in $stages; do
       STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20
       STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check
       (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
+    paged_ws)
+      # Paged attention through the warp-specialised TMA kernel and the mixed-batch split
+      # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
+      # A second binary with the decode-kernel anchor of the mixed timing (needs decode/launch.cu)
+      # is built alongside and is optional: without it "decodes alone" is the packed paged kernel.
+      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
+      flags="-std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xptxas -v -Xcompiler -fopenmp -I $csrc"
+      mkdir -p "$bin"
+      dec_pid=
+      if [ ! -x "$bin/paged_ws_selftest_dec" ]; then
+        timeout 400 nvcc $flags -DPAGED_WS_WITH_DECODE scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu \
+          $csrc/decode/launch.cu -o "$bin/paged_ws_selftest_dec" -lgomp > "$WORK/logs/paged_ws_build_dec.log" 2>&1 &
+        dec_pid=$!
+      fi
+      [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
+        scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp
+      export OMP_NUM_THREADS=16
+      STAGE_TIMEOUT_paged_ws_small=90 run paged_ws_small "$bin/paged_ws_selftest" small
+      STAGE_TIMEOUT_paged_ws_check=420 run paged_ws_check "$bin/paged_ws_selftest" check
+      export STAGE_TIMEOUT_paged_ws_memcheck=180 STAGE_TIMEOUT_paged_ws_racecheck=240 STAGE_TIMEOUT_paged_ws_synccheck=180
+      for tool in memcheck racecheck synccheck; do
+        run paged_ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/paged_ws_selftest" small
+      done
+      [ -n "$dec_pid" ] && wait "$dec_pid"
+      tbin="$bin/paged_ws_selftest"
+      [ -x "$bin/paged_ws_selftest_dec" ] && tbin="$bin/paged_ws_selftest_dec"
+      STAGE_TIMEOUT_paged_ws_time=240 run paged_ws_time "$tbin" time 20;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
