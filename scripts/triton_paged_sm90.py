@@ -1,0 +1,196 @@
+"""Compile the Triton paged-attention kernels for sm_90 ahead of time, without a GPU, and
+report per variant: shared memory, registers and spills (ptxas -v), wgmma / cp.async
+counts, and the SASS length of each loop (the unmasked and masked KV loops; needs the
+nvdisasm that ships with triton). The dense prefill kernel (prefill._attn_fwd, its sm_90
+tile) is compiled alongside as the yardstick of the long-chunk loop.
+
+    PYTHONPATH=src python scripts/triton_paged_sm90.py [--only SUBSTR] [--dump DIR]
+
+Registers need ptxas that reads triton's PTX: triton 3.6 (the GPU machine's) brings one;
+run with an unpacked 3.6 wheel first on PYTHONPATH. Under a triton whose PTX is newer than
+every ptxas at hand the register columns stay empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from minipaged.triton.paged import _paged_kernel, _paged_long_kernel  # noqa: E402
+from minipaged.triton.prefill import _attn_fwd  # noqa: E402
+
+SM90_MAX_SHARED = 232448
+_ELEM = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv", "fp32": "fp32"}
+_DATA = ("Q", "O", "K", "V")
+_CACHE = ("K_cache", "V_cache")
+_I32 = ("block_tables", "cu_seqlens_q", "context_lens", "cu_seqlens_k")
+_F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
+
+
+def _signature(fn, q_dt: str, kv_dt: str, cx: dict) -> dict:
+    sig = {}
+    for n in fn.arg_names:
+        if n in cx:
+            sig[n] = "constexpr"
+        elif n in _DATA:
+            sig[n] = f"*{_ELEM[q_dt]}"
+        elif n in _CACHE:
+            sig[n] = f"*{_ELEM[kv_dt]}"
+        elif n in _I32:
+            sig[n] = "*i32"
+        elif n in _F32:
+            sig[n] = "*fp32"
+        elif n == "qk_scale_log2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return sig
+
+
+def _attrs(fn, cx: dict) -> dict:
+    # what the launcher sees for the benchmark's tensors: 16-byte aligned pointers, strides
+    # divisible by 16 except the block-table row (max_blocks is any number)
+    div = {n for n in fn.arg_names if n in _DATA + _CACHE + _I32 + _F32
+           or (n.startswith("stride_") and n != "stride_table")}
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in div and n not in cx}
+
+
+def _tool(name: str) -> str | None:
+    import triton.backends.nvidia as nv
+
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def sass_loops(cubin: bytes) -> list[int]:
+    """Instruction counts of the backward-branch loops in the SASS, in program order."""
+    nvdisasm = _tool("nvdisasm")
+    if nvdisasm is None:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    labels, ins, loops = {}, [], []
+    for line in res.stdout.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    for j, text in enumerate(ins):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), j + 1) < j:
+            loops.append(j + 1 - labels[m.group(1)])
+    return loops
+
+
+def ptxas_usage(ptx: str) -> dict:
+    ptxas = _tool("ptxas")
+    if ptxas is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(map(int, spills)) if regs else None}
+
+
+def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages):
+    src = ASTSource(fn, _signature(fn, q_dt, kv_dt, cx), constexprs=cx, attrs=_attrs(fn, cx))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+
+
+def variants():
+    """(name, fn, q dtype, cache dtype, constexprs, warps, stages): what ops.paged launches
+    for the benchmark's heads (Hq/Hkv/D 16/8/128) and the A/B script's alternatives."""
+    out = [("dense_varlen_causal", _attn_fwd, "bf16", "bf16",
+            dict(IS_VARLEN=True, IS_CAUSAL=True, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
+                 RETURN_LSE=False), 8, 3)]
+    v1 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, IS_CAUSAL=True, SPLIT=False, RETURN_LSE=False,
+              GATHER=2, DOT_PRECISION="tf32", KV_FP8=False, MIN_Q=0, MAX_Q=0)
+    v2 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, STRIDE_TOK=8 * 128, IS_CAUSAL=True, SPLIT=False,
+              RETURN_LSE=False, DOT_PRECISION="tf32", KV_FP8=False, DIRECT=True, SEARCH=128, MIN_Q=0, PREFETCH=True)
+    for page in (1, 16, 128):
+        out.append((f"v1_long_p{page}", _paged_kernel, "bf16", "bf16", dict(v1, PAGE=page), 8, 3))
+        out.append((f"v2_long_p{page}", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=page), 8, 3))
+        out.append((f"v2_long_p{page}_noprefetch", _paged_long_kernel, "bf16", "bf16",
+                    dict(v2, PAGE=page, PREFETCH=False), 8, 3))
+    # what a mixed batch runs: the long launch over the compact tile space skipping short
+    # sequences, and the packed short launch skipping long ones
+    out.append(("v2_mixed_long_p16", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, DIRECT=False, MIN_Q=8),
+                8, 3))
+    out.append(("v1_mixed_short_p16", _paged_kernel, "bf16", "bf16",
+                dict(v1, PAGE=16, BLOCK_M=16, BLOCK_Q=8, GATHER=1, MAX_Q=8), 4, 2))
+    out.append(("v1_spec_p16", _paged_kernel, "bf16", "bf16", dict(v1, PAGE=16, BLOCK_M=16, BLOCK_Q=8, GATHER=1,
+                                                                   SPLIT=True), 4, 2))
+    # the A/B script's alternative long tiles, split-KV with lse, non-causal, fp16, fp8 caches
+    out.append(("v2_long_p16_bn128_s2", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, BLOCK_N=128), 8, 2))
+    out.append(("v2_long_p16_bn32_s4", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, BLOCK_N=32), 8, 4))
+    out.append(("v2_long_p16_w4_bm64", _paged_long_kernel, "bf16", "bf16",
+                dict(v2, PAGE=16, BLOCK_M=64, BLOCK_Q=32), 4, 3))
+    out.append(("v2_long_p16_split_lse", _paged_long_kernel, "bf16", "bf16",
+                dict(v2, PAGE=16, SPLIT=True, RETURN_LSE=True), 8, 3))
+    out.append(("v2_long_p16_full", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, IS_CAUSAL=False), 8, 3))
+    out.append(("v2_long_p16_fp16", _paged_long_kernel, "fp16", "fp16", dict(v2, PAGE=16), 8, 3))
+    out.append(("v2_long_p16_fp8", _paged_long_kernel, "bf16", "fp8", dict(v2, PAGE=16, KV_FP8=True), 8, 3))
+    out.append(("v2_long_p64_d64", _paged_long_kernel, "bf16", "bf16",
+                dict(v2, PAGE=64, HEAD_DIM=64, STRIDE_TOK=8 * 64), 8, 3))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="substring of the variant names")
+    ap.add_argument("--dump", help="write <name>.ttgir/.ptx here")
+    args = ap.parse_args(argv)
+    print(f"triton {triton.__version__}, target sm_90")
+    failures = 0
+    for name, fn, q_dt, kv_dt, cx, w, s in variants():
+        if args.only and args.only not in name:
+            continue
+        try:
+            k = compile_one(fn, q_dt, kv_dt, cx, w, s)
+        except Exception as e:  # a variant that does not compile is a result
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            continue
+        ptx = k.asm["ptx"]
+        info = {"shared": k.metadata.shared, "warps": w, "stages": s,
+                "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))}
+        info.update(ptxas_usage(ptx))
+        info["sass_loops"] = sass_loops(k.asm["cubin"]) if "cubin" in k.asm else []
+        ok = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
+        print(f"{ok} {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(k.asm[ext])
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
