@@ -230,6 +230,8 @@ static int run_case(const Case& c, const std::string& filter) {
   p.block_table_stride = max_blocks; p.block_size = bs; p.max_blocks = max_blocks;
   p.batch = S; p.num_q_heads = c.hq; p.num_kv_heads = c.hkv; p.head_dim = D;
   p.max_seqlen_q = max_q; p.max_seqlen_k = max_blocks * bs;
+  // Extents of the sm_90 TMA maps, as the binding sets them: the dispatch may take the paged TMA kernel.
+  p.total_q = Tq; p.num_blocks = num_blocks;
   p.scale = scale; p.causal = c.causal; p.dtype = dt; p.num_sms = num_sms;
 
   const double atol = dt == DType::kBFloat16 ? 1e-2 : 1.5e-3;
