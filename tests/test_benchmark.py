@@ -1063,6 +1063,13 @@ def test_flashinfer_fp8_decode_anchor_on_our_fp8_pages(fake_flashinfer):
     assert fi8["kv_dtype"] == report.FP8_NAME and fi8["of_16bit"] == anc.FI_DECODE
     assert fi8["bytes"] == got["torch fp8"]["bytes"] == flops.decode_bytes(4, 2, 64, (1, 17, 50), 2, kv_elem_bytes=1)
     assert got["torch"]["bytes"] == case.bytes(2)
+    # the run times it in a pass after every other decode row, on the same inputs rebuilt from the seed
+    later = list(runner._bench_decode_fi_fp8(r, case, ["torch"], [], {}, lambda s: None))
+    assert len(later) == 1 and later[0]["status"] == "ok" and later[0]["bytes"] == fi8["bytes"], later
+    assert later[0]["note"] == fi8["note"]  # same scalar scales: same quantised cache
+    mixed = [dict(op="decode", case="a", n=0), dict(op="decode", case="b", n=1), dict(op="paged", case="a", n=2),
+             dict(op="decode", case="a", n=3)]
+    assert [x["n"] for x in runner.grouped_rows(mixed)] == [0, 3, 1, 2]
     fake_flashinfer.scale_error = 1.5  # a misapplied k_scale must not pass as an anchor
     rows = list(runner._bench_decode_case(r, case, ["torch"], [anc.FI_DECODE_FP8], {}, lambda s: None))
     bad = next(x for x in rows if x["backend"] == anc.FI_DECODE_FP8)
@@ -1191,3 +1198,36 @@ def test_fp8_accuracy_script_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_fp8_accuracy.py"), "--device", "cpu",
                           "--backend", "nope", "--tiny"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --backends: unknown backend 'nope'")
+
+
+def test_run_times_flashinfer_fp8_last_and_groups_it_with_its_case(fake_flashinfer, tmp_path, monkeypatch):
+    """The whole run with the fp8 FlashInfer anchor (as a GPU run lists it; faked on CPU): its rows
+    come after every other decode row is timed, and land in their case's group in the tables."""
+    real = anc.anchors_for
+    monkeypatch.setattr(anc, "anchors_for", lambda op, device: real(op, device) + ((anc.FI_DECODE_FP8,)
+                                                                                    if op == "decode" else ()))
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    order = []
+    timed = runner._Runner.timed
+
+    def spy(self, row, *a, **k):
+        order.append((row["case"], row["backend"]))
+        return timed(self, row, *a, **k)
+
+    monkeypatch.setattr(runner._Runner, "timed", spy)
+    cfg = runner.BenchConfig(op="decode", backends=["torch"], anchors=[anc.FI_DECODE_FP8], quick=True,
+                             out=str(tmp_path), reps=1, max_time_s=0, plots=False, progress=False,
+                             log=lambda s: None, kv_cache_dtype="fp8")
+    result = runner.run_bench(cfg)
+    labels = [c.label for c in cs.quick_decode_cases()]
+    fi_at = [i for i, (_, b) in enumerate(order) if b == anc.FI_DECODE_FP8]
+    assert len(fi_at) == len(labels) and min(fi_at) > max(i for i, (_, b) in enumerate(order) if b == "torch fp8")
+    rows = result["rows"]
+    assert [r["case"] for r in rows] == [lab for lab in labels for _ in range(3)]  # torch, torch fp8, FI fp8
+    fi = [r for r in rows if r["backend"] == anc.FI_DECODE_FP8]
+    assert all(r["status"] == "ok" and "agrees with torch" in r["note"] for r in fi), fi
+    # the fp8 rows' vs best anchor is against FlashInfer's fp8 decode, measured in the same run
+    for r in rows:
+        if r["backend"] == "torch fp8":
+            f = next(x for x in fi if x["case"] == r["case"])
+            assert r["vs_best_anchor"] == pytest.approx(f["median_ms"] / r["median_ms"])
