@@ -282,6 +282,9 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, allow_nan=True)
 
+    if dev.type == "cuda":  # the fp32 reference must be fp32, not TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     t0 = time.perf_counter()
     hf16 = hf_model(cfg, dtype, dev, args.seed, args.init_std)
     state = {k: v.detach().clone() for k, v in hf16.state_dict().items()}

@@ -1020,7 +1020,8 @@ def fp8_note(dtype, cfg: BenchConfig, device) -> str:
                  "k_scale/v_scale (it takes no per-head scales; the largest head scale, checked against our "
                  "backend given that scalar for every head)")
         if device.type == "cuda":
-            text += "; its fp8 kernel is JIT-compiled on first use unless prebuilt (minutes)"
+            text += ("; its fp8 kernel is JIT-compiled on first use unless prebuilt (minutes), so it is timed "
+                     "in a pass after every other decode row")
     return text
 
 
