@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
-#                        [ws] [sanitize] [diag] [ncu]
+#                        [ws] [ws_ncu] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -82,6 +82,17 @@ for s in $stages; do
       STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20
       STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check
       (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
+    ws_ncu)
+      # Full ncu sections for the pp+overlap and the serial schedule at B=1 N=8k causal:
+      # tensor-pipe activity, stall reasons at the barriers, shared-memory traffic.
+      bin=${WS_BIN:-.gpubin}
+      [ -x "$bin/ws_selftest" ] || nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
+        -DMINIPAGED_ENABLE_SM90A -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      export STAGE_TIMEOUT_ws_ncu_4=300 STAGE_TIMEOUT_ws_ncu_0=300
+      for s in 4 0; do
+        run ws_ncu_$s ncu --clock-control none --set full -k regex:prefill_ws_kernel \
+          --launch-skip 1 --launch-count 1 "$bin/ws_selftest" profile $s
+      done;;
     paged_ws)
       # Paged attention through the warp-specialised TMA kernel and the mixed-batch split
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.

@@ -9,6 +9,7 @@
 //                              rows that see no key; vs an fp64 CPU reference
 //   ./ws_selftest small        two tiny cases (for compute-sanitizer)
 //   ./ws_selftest time [reps]  the standard prefill grid for every consumer schedule, TFLOP/s
+//   ./ws_selftest profile [s]  two launches of schedule s at B=1 N=8k causal (for ncu)
 //
 // The TMA descriptors are encoded with cuTensorMapEncodeTiled fetched from the
 // driver at run time (cudaGetDriverEntryPointByVersion), so no -lcuda.
@@ -329,6 +330,20 @@ static int cmd_time(int reps) {
   return fails ? 1 : 0;
 }
 
+// Two launches of B=1 N=8k causal D=128 bf16 with one schedule, for
+// `ncu --launch-skip 1 --launch-count 1` (the first one warms up).
+static int cmd_profile(int sched) {
+  if (sched < 0 || sched >= kNumSched) return 2;
+  g_sched = sched;
+  const Case c{DType::kBFloat16, 1, 16, 8, 8192, 8192, 128, true};
+  DeviceCase dc;
+  dc.setup(c, 42u);
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(launch_ws(dc.p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::printf("profiled schedule %s on %s\n", kSchedNames[sched], case_name(c).c_str());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "check";
   int dev = 0;
@@ -342,6 +357,7 @@ int main(int argc, char** argv) {
   if (cmd == "check") return cmd_check();
   if (cmd == "small") return cmd_small();
   if (cmd == "time") return cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
-  std::fprintf(stderr, "usage: %s check | small | time [reps]\n", argv[0]);
+  if (cmd == "profile") return cmd_profile(argc > 2 ? std::atoi(argv[2]) : kPingPongOverlap);
+  std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule]\n", argv[0]);
   return 2;
 }
