@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -314,6 +316,75 @@ bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
   return fp8;
 }
 
+// Arrival counters of the one-launch split reduction (decode variant bit
+// 0x400): int32 that must be zero when a fused decode starts; its last CTA per
+// group puts its counter back to zero, so they are zeroed once, when
+// allocated. One buffer per (device, stream): decode calls on one stream run
+// one after another, calls on two streams could interleave their arrivals. A
+// CUDA graph keeps the pointer it was captured with (and is replayed, like
+// anything captured on that stream, in stream order with other work using
+// it), so a buffer is never freed or reused for something else: a larger
+// request allocates a new one and keeps the old alive. Allocation goes around
+// the caching allocator (plain cudaMalloc, permitted during a capture by a
+// relaxed capture mode) and the zero fill never joins a capture: on a
+// capturing stream it runs on a private stream and is waited for.
+cudaError_t decode_split_counters(int device, cudaStream_t stream, int64_t count, int32_t** out) {
+  struct Entry {
+    int device;
+    cudaStream_t stream;
+    int32_t* ptr;
+    int64_t count;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> entries;
+  std::lock_guard<std::mutex> lock(mu);
+  for (Entry& e : entries) {
+    if (e.device == device && e.stream == stream && e.count >= count) {
+      *out = e.ptr;
+      return cudaSuccess;
+    }
+  }
+  Entry* slot = nullptr;
+  for (Entry& e : entries)
+    if (e.device == device && e.stream == stream) slot = &e;
+  const int64_t n = std::max<int64_t>({count, int64_t{4096}, slot ? 2 * slot->count : 0});
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return err;
+  int32_t* ptr = nullptr;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  err = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err != cudaSuccess) return err;
+  err = cudaMalloc(&ptr, n * sizeof(int32_t));
+  if (err == cudaSuccess) {
+    if (capture == cudaStreamCaptureStatusNone) {
+      err = cudaMemsetAsync(ptr, 0, n * sizeof(int32_t), stream);
+    } else {
+      cudaStream_t side = nullptr;
+      err = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+      if (err == cudaSuccess) {
+        err = cudaMemsetAsync(ptr, 0, n * sizeof(int32_t), side);
+        const cudaError_t sync = cudaStreamSynchronize(side);
+        if (err == cudaSuccess) err = sync;
+        cudaStreamDestroy(side);
+      }
+    }
+    if (err != cudaSuccess) cudaFree(ptr);
+  }
+  cudaStreamCaptureMode restore = mode;
+  cudaThreadExchangeStreamCaptureMode(&restore);
+  if (err != cudaSuccess) return err;
+  if (slot != nullptr) {
+    // The old buffer stays allocated (a captured graph may hold it); new calls use the larger one.
+    slot->ptr = ptr;
+    slot->count = n;
+  } else {
+    entries.push_back({device, stream, ptr, n});
+  }
+  *out = ptr;
+  return cudaSuccess;
+}
+
 // Decode proper (checks done): one query row per sequence.
 OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t num_splits,
@@ -365,7 +436,10 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         p.partial_o = workspace.data_ptr<float>();
         p.partial_lse = p.partial_o + rows * p.head_dim;
       }
-      err = minipaged::launch_decode(p, plan, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+      const int64_t counters = minipaged::decode_split_counter_count(p, plan);
+      if (counters > 0) err = decode_split_counters(q.get_device(), stream, counters, &p.split_counters);
+      if (err == cudaSuccess) err = minipaged::launch_decode(p, plan, stream);
     }
   }
   check_launch(err, "launch_decode");

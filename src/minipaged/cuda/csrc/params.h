@@ -128,6 +128,11 @@ struct DecodeParams {
   bool kv_fp8;
   const float* k_scale;
   const float* v_scale;
+  // One-launch split reduction (DecodePlan::fused with num_splits > 1): int32
+  // arrival counters, decode_split_counter_count() of them, zero before the
+  // call and zero again after it (the last CTA of each group resets its own).
+  // nullptr otherwise.
+  int32_t* split_counters;
 };
 
 // The kernels one decode call runs and how, chosen once by decode_plan.
@@ -137,6 +142,9 @@ struct DecodePlan {
   int group_tile = 1;        // query heads per CTA
   int tokens_per_iter = 32;  // tokens a CTA covers per loop iteration (split sizes are multiples)
   int smem_bytes = 0;        // dynamic shared memory
+  // The kernel merges the splits itself (its last CTA per group, through
+  // p.split_counters) and `reduce` is not launched.
+  bool fused = false;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and
@@ -145,6 +153,10 @@ struct DecodePlan {
 // raises the chosen kernel's dynamic shared-memory limit on the current device.
 // `requested_splits` > 0 forces a split count (benchmarking).
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
+
+// Arrival counters a fused plan needs (one per sequence, KV head and head
+// chunk); 0 when the plan is not fused or does not split.
+int64_t decode_split_counter_count(const DecodeParams& p, const DecodePlan& plan);
 
 // Launches the planned decode (plus the split-KV reduction when
 // num_splits > 1) for the p that decode_plan filled. Never syncs.

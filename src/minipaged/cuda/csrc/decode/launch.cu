@@ -39,29 +39,53 @@ using DecodeKernel = void (*)(const DecodeParams);
 // reduction without programmatic dependent launch, to measure what PDL saves
 // (bench/results/nvidia-h200/cuda_kernel_notes.md).
 constexpr int kVariantNoPDL = 0x200;
+// Bit 0x400: the one-launch split reduction (the decode kernel's last CTA per
+// (sequence, KV head, head chunk) merges the splits; DecodePlan::fused). Built
+// for the default kernel of every (dtype, head dim, group) and for tilings
+// 10 and 13-16; with another tiling the bit is ignored (plan.fused stays false).
+// Off by default until measured.
+constexpr int kVariantFused = 0x400;
 
-template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false>
+// Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
+// minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
+          bool FUSED = false, int AHEAD = 0, int MINB = 0>
 DecodePlan info() {
   static_assert(!FP8 || STAGES == 0, "FP8: registers only");
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (8 * TPT)) * 2 * kWarps * 32 * 16 : 0;
+  k.fused = FUSED;
   return k;
 }
 
+// info<> with the fused reduction when `fused` (the tilings that have one).
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
+          int AHEAD = 0, int MINB = 0>
+DecodePlan info_f(bool fused) {
+  return fused ? info<T, D, G, TPT, U, PIPE, STAGES, FP8, true, AHEAD, MINB>()
+               : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB>();
+}
+
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
-template <typename T, int D, int STAGES, bool FP8 = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED>;
   k.reduce = decode_reduce_kernel<T, D>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kTileTokens;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8>::kBytes;
+  k.fused = FUSED;
   return k;
+}
+
+template <typename T, int D, int STAGES, bool FP8 = false>
+DecodePlan info_mma_f(bool fused) {
+  return fused ? info_mma<T, D, STAGES, FP8, true>() : info_mma<T, D, STAGES, FP8, false>();
 }
 
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
@@ -78,9 +102,10 @@ DecodePlan select_fp8(const DecodeParams& p) {
   constexpr int TPT = D / 16;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
-  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma<T, D, 4, true>();
-  if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true>();
-  return info<T, D, 2, TPT, 2, true, 0, true>();
+  const bool fused = p.variant & kVariantFused;
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma_f<T, D, 4, true>(fused);
+  if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
+  return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
@@ -90,20 +115,21 @@ template <typename T, int D>
 DecodePlan select_for_dim(const DecodeParams& p) {
   const int g = group_tile(p.num_q_heads / p.num_kv_heads);
   const int requested = p.variant & 0xff;
+  const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
-  if (tiling == 10) return info_mma<T, D, 3>();  // tensor cores, any group size
+  if (tiling == 10) return info_mma_f<T, D, 3>(fused);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
   // tensor-core kernel wins; at G=2 the scalar kernel stays ahead with few
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
-  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma<T, D, 3>();
+  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma_f<T, D, 3>(fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return info<T, D, 1, 8, 2>();
+        return info_f<T, D, 1, 8, 2>(fused);
       case 2:
         // Default: a row over 16 threads (one 16-byte piece each) with the next
         // iteration's rows double-buffered in registers: the fastest tiling of
@@ -118,24 +144,34 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 7: return info<T, D, 2, 16, 2, false, 4>();
           case 8: return info<T, D, 2, 16, 4, false, 3>();
           case 9: return info<T, D, 2, 16, 4, true>();
-          default: return info<T, D, 2, 16, 2, true>();
+          // More K/V bytes requested ahead of use, for few sequences (one
+          // wave of long splits): register rings without PIPE's buffer-swap
+          // copy. Per thread ahead of compute / registers (sm_90a) / CTAs
+          // per SM: 13: 64 B / 96 / 5 (PIPE's depth); 14: 128 B / 123 / 4;
+          // 15: 96 B / 96 / 5 (one token group per warp, 3 iterations
+          // ahead); 16: 224 B / 128 / 4 (7 iterations ahead).
+          case 13: return info_f<T, D, 2, 16, 2, false, 0, false, 1>(fused);
+          case 14: return info_f<T, D, 2, 16, 2, false, 0, false, 2>(fused);
+          case 15: return info_f<T, D, 2, 16, 1, false, 0, false, 3>(fused);
+          case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
+          default: return info_f<T, D, 2, 16, 2, true>(fused);
         }
       case 4:
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
         if (tiling == 9) return info<T, D, 4, 16, 2, true>();
-        return info<T, D, 4, 16, 2>();
+        return info_f<T, D, 4, 16, 2>(fused);
       default:
         // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
         // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
         if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>();
-        return info<T, D, 8, 16, 2>();
+        return info_f<T, D, 8, 16, 2>(fused);
     }
   } else {
     switch (g) {
-      case 1: return info<T, D, 1, 8, 4>();
-      case 2: return info<T, D, 2, 8, 4>();
-      case 4: return info<T, D, 4, 8, 2>();
-      default: return info<T, D, 8, 8, 2>();
+      case 1: return info_f<T, D, 1, 8, 4>(fused);
+      case 2: return info_f<T, D, 2, 8, 4>(fused);
+      case 4: return info_f<T, D, 4, 8, 2>(fused);
+      default: return info_f<T, D, 8, 8, 2>(fused);
     }
   }
 }
@@ -226,19 +262,27 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
   return k;
 }
 
+int64_t decode_split_counter_count(const DecodeParams& p, const DecodePlan& k) {
+  if (!k.fused || p.num_splits <= 1 || p.num_kv_heads <= 0 || k.group_tile <= 0) return 0;
+  const int64_t gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
+  return static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
+}
+
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
   if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
+  // A fused split kernel counts arrivals: without counters it cannot merge.
+  if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
   if (p.batch > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
   const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
   const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || k.fused) return err;
   // Programmatic dependent launch (sm_90+): the reduction's CTAs are set up
   // while the split kernel drains instead of after it; griddepcontrol.wait in
   // the reduction keeps the ordering. Captured into CUDA graphs as a

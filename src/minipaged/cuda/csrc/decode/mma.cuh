@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "decode/common.cuh"
+#include "decode/reduce.cuh"
 #include "params.h"
 #include "ptx/cp_async.cuh"
 #include "ptx/fp8.cuh"
@@ -64,8 +65,22 @@ struct FragDimOf {
   __device__ __forceinline__ int operator()(int c) const { return fp8_o_dim<D>(c >> 3, c & 7); }
 };
 
-template <typename T, int D, int STAGES, bool FP8 = false>
-__global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const DecodeParams p) {
+// Minimum CTAs per SM of the FUSED kernels (0: none, the unfused kernels). An
+// explicit minimum lifts ptxas' rounding down to an occupancy step, which made
+// the D=64 tail spill on sm_80; shared memory bounds the 16-bit kernels'
+// residency anyway. The FP8 ring fits 3 CTAs per SM: on sm_90 ask for the 168
+// registers that keep 3 (unasked, the tail took 195); on sm_80 that spills.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kFusedMinBlocksFp8 = 1;
+#else
+constexpr int kFusedMinBlocksFp8 = 3;
+#endif
+
+// FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
+// (fused_split_reduce) instead of a second kernel.
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false>
+__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 1) : 0)
+    paged_decode_mma_kernel(const DecodeParams p) {
   using S = Smem<D, STAGES, FP8>;
   using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
   constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
@@ -295,6 +310,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const Decode
     merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
   } else {
     merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
+  }
+  if constexpr (FUSED) {
+    // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.
+    static_assert(kWarps * D >= kMaxSplits, "sm_o holds kRows rows of split weights");
+    if (p.num_splits > 1) fused_split_reduce<T, D, kThreads>(p, slice, sm_o, sm_m, sm_l);
   }
 }
 

@@ -95,5 +95,163 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   }
 }
 
+// Split rows one chain of decode_reduce_kernel covers: thread (r, col) of
+// that kernel accumulates splits r, r + ROWS, ... of its four dims.
+template <int D>
+constexpr int reduce_rows() {
+  return kReduceThreads / (D / 4);
+}
+
+// One-launch split reduction (variant bit kVariantFused of decode/launch.cu):
+// called by every CTA of a decode kernel after it stored its partials. Each CTA
+// arrives on the counter of its (sequence, KV head, head chunk); the CTA that
+// arrives last merges the splits of its ng query heads and writes o (and lse),
+// then puts the counter back to 0, so every call, and every replay of a CUDA
+// graph, finds the counters zero. Every CTA of the grid arrives (no kernel
+// returns early), so a completed call never leaves a counter non-zero.
+//
+// The merge reproduces decode_reduce_kernel's arithmetic operation for
+// operation, in split order (not arrival order), so that the two paths agree
+// bitwise: the row max; weights ex2(lse_s - max); their sum as 8 warp
+// butterflies over splits [32i, 32i + 32) added in warp order; per output dim,
+// ROWS fma chains over splits r, r + ROWS, ... added in chain order; then
+// o * (1 / sum). Only the thread layout differs (this CTA's threads, not 256).
+//
+// sm_w: [ng][kMaxSplits] floats, sm_mref/sm_total: [ng]; the caller's shared
+// memory, free once the partials are stored.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const DecodeSlice& slice, float* sm_w,
+                                                   float* sm_mref, float* sm_total) {
+  constexpr int ROWS = reduce_rows<D>();
+  // Chains per register batch: 4 float2 loads in flight per thread keeps the
+  // tail within the registers of the main loop (8 raised some kernels to the
+  // next occupancy step).
+  constexpr int CB = ROWS < 4 ? ROWS : 4;
+  constexpr int HALF = D / 2;              // float2 items per head row
+  constexpr int kWarpsHere = kThreads / 32;
+  static_assert(ROWS % CB == 0, "chain batches");
+  __shared__ int sm_last;
+  const int tid = threadIdx.x;
+  const int S = p.num_splits;
+  __syncthreads();  // every partial of this CTA is stored
+  if (tid == 0) {
+    int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.y + blockIdx.y;
+    __threadfence();  // release: the CTA's partials (ordered by the barrier) before its arrival
+    const int arrived = atomicAdd(counter, 1);
+    const int last = arrived == static_cast<int>(gridDim.x) - 1;
+    if (last) {
+      atomicExch(counter, 0);  // every split has arrived: ready for the next call
+      __threadfence();         // acquire: the other CTAs' partials, before the barrier below
+    }
+    sm_last = last;
+  }
+  __syncthreads();
+  if (!sm_last) return;
+
+  const int ng = slice.ng;
+  const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * S;
+  // Partials were written by other CTAs of this grid: read them at L2 (.cg),
+  // never from a line this SM's L1 may hold from an earlier call.
+  const float2* po = reinterpret_cast<const float2*>(p.partial_o);
+
+  // The first register batch of this thread's first item is requested before
+  // the weights are computed: both round trips to L2 overlap.
+  const int first = tid;
+  float2 pre[CB];
+  if (first < ng * HALF) {
+    const int row = first / HALF, c2 = first - row * HALF;
+#pragma unroll
+    for (int c = 0; c < CB; ++c)
+      pre[c] = c < S ? __ldcg(po + ((row_base + static_cast<int64_t>(row) * S + c) * HALF + c2))
+                     : make_float2(0.f, 0.f);
+  }
+
+  // Weights, one warp per head row: lane j holds splits j, 32 + j, ...
+  const int lane = tid & 31, warp = tid >> 5;
+  constexpr int kChunks = kMaxSplits / 32;
+  for (int row = warp; row < ng; row += kWarpsHere) {
+    const float* lse = p.partial_lse + row_base + static_cast<int64_t>(row) * S;
+    float x[kChunks];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int s = i * 32 + lane;
+      x[i] = s < S ? __ldcg(lse + s) : -INFINITY;
+      mx = fmaxf(mx, x[i]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float mref = mx == -INFINITY ? 0.f : mx;
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      if (i * 32 < S) {  // a chunk past S adds +0: skipping it is exact
+        const float w = fast_exp2(x[i] - mref);
+        if (i * 32 + lane < S) sm_w[row * kMaxSplits + i * 32 + lane] = w;
+        float L = w;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        total += L;
+      }
+    }
+    if (lane == 0) {
+      sm_mref[row] = mref;
+      sm_total[row] = total;
+    }
+  }
+  __syncthreads();
+
+  for (int item = first; item < ng * HALF; item += kThreads) {
+    const int row = item / HALF, c2 = item - row * HALF;
+    const float2* src = po + (row_base + static_cast<int64_t>(row) * S) * HALF + c2;
+    const float* w = sm_w + row * kMaxSplits;
+    float2 o = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int cb = 0; cb < ROWS; cb += CB) {
+      float2 acc[CB];
+#pragma unroll
+      for (int c = 0; c < CB; ++c) acc[c] = make_float2(0.f, 0.f);
+      for (int s0 = cb; s0 < S; s0 += ROWS) {
+        float2 v[CB];
+        if (cb == 0 && s0 == 0 && item == first) {
+#pragma unroll
+          for (int c = 0; c < CB; ++c) v[c] = pre[c];
+        } else {
+#pragma unroll
+          for (int c = 0; c < CB; ++c)
+            v[c] = s0 + c < S ? __ldcg(src + static_cast<int64_t>(s0 + c) * HALF) : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+        for (int c = 0; c < CB; ++c) {
+          if (s0 + c < S) {
+            const float ws = w[s0 + c];
+            acc[c].x = fmaf(ws, v[c].x, acc[c].x);
+            acc[c].y = fmaf(ws, v[c].y, acc[c].y);
+          }
+        }
+      }
+      // decode_reduce_kernel: o = chain 0, then += chains 1 .. ROWS-1 (a chain
+      // without splits adds +0, exactly as there).
+#pragma unroll
+      for (int c = 0; c < CB; ++c) {
+        if (cb + c == 0) {
+          o = acc[0];
+        } else {
+          o.x += acc[c].x;
+          o.y += acc[c].y;
+        }
+      }
+    }
+    const float total = sm_total[row];
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const int h = slice.h0 + row;
+    if (p.lse != nullptr && c2 == 0)
+      p.lse[slice.b * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
+    T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride + c2 * 2;
+    op[0] = Convert<T>::from_float(o.x * inv);
+    op[1] = Convert<T>::from_float(o.y * inv);
+  }
+}
+
 }  // namespace
 }  // namespace minipaged

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "decode/common.cuh"
+#include "decode/reduce.cuh"
 #include "ptx/cp_async.cuh"
 #include "ptx/misc.cuh"
 
@@ -38,13 +39,23 @@ constexpr int kWarps = 4;
 // iterations ahead. Each thread only ever reads back the bytes it copied
 // itself, so the pipeline needs cp.async.wait_group but no block barrier, and
 // the in-flight data costs shared memory instead of registers.
-template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false>
-__global__ void __launch_bounds__(kWarps * 32)
+// AHEAD >= 1 (with PIPE false, STAGES 0): a ring of AHEAD + 1 register buffers,
+// the loop unrolled over the ring so that buffers are named statically: the
+// rows of iteration i + AHEAD are requested before iteration i is computed, and
+// no register copy waits on a load in flight (PIPE's buffer swap is a copy).
+// MINB: minimum resident CTAs per SM asked of ptxas (caps the registers; 0:
+// none, which is not the same as 1: ptxas then rounds to an occupancy step).
+// FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
+// (fused_split_reduce) instead of a second kernel.
+template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
+          int AHEAD = 0, int MINB = 0>
+__global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
   constexpr int EPP = Piece<T, FP8>::kElems;      // cache elements per 16-byte piece
   constexpr int VEC = D / (EPP * TPT);  // 16-byte pieces per thread per token row
   static_assert(VEC >= 1 && VEC * EPP * TPT == D, "TPT must divide D / (elements per 16 bytes)");
+  static_assert(AHEAD == 0 || (!PIPE && STAGES == 0), "the register ring replaces PIPE / STAGES");
   constexpr int DPT = EPP * VEC;       // elements of a row held by one thread
   constexpr int SLOTS = 32 / TPT;      // tokens a warp covers per load
   constexpr int TOK_WARP = SLOTS * U;  // tokens per warp per iteration
@@ -154,6 +165,74 @@ paged_decode_kernel(const DecodeParams p) {
     }
   };
 
+  // One iteration's online-softmax update with the K/V rows of the U token
+  // groups at `base`, for the register ring (AHEAD >= 1). The same statements
+  // as the body of the PIPE / STAGES loop below, which keeps its own inline
+  // copy so that the default kernels compile exactly as before the ring.
+  auto consume = [&](int base, const uint4 (&kr)[U][VEC], const uint4 (&vr)[U][VEC]) {
+    float s[G][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g][u] = 0.f;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float kf[EPP];
+        Piece<T, FP8>::to_float(kr[u][v], kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < EPP; ++e) s[g][u] = fmaf(q[g][v * EPP + e], kf[e], s[g][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = TPT / 2; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], off);
+      }
+    }
+
+    float pr[G][U];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (base + u * SLOTS + slot >= end) s[g][u] = -INFINITY;
+        mx = fmaxf(mx, s[g][u]);
+      }
+      // While nothing was seen mx is -inf; 0 as the reference keeps ex2 away from inf-inf.
+      const float mref = mx == -INFINITY ? 0.f : mx;
+      const float alpha = fast_exp2(m[g] - mref);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        pr[g][u] = fast_exp2(s[g][u] - mref);
+        sum += pr[g][u];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) acc[g][d] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float vf[EPP];
+        Piece<T, FP8>::to_float(vr[u][v], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < EPP; ++e) acc[g][v * EPP + e] = fmaf(pr[g][u], vf[e], acc[g][v * EPP + e]);
+        }
+      }
+    }
+  };
+
   int tok_base = start + warp * TOK_WARP;
   int page[U];  // pages of the next token groups to be loaded
   uint4 kr[U][VEC], vr[U][VEC];
@@ -173,7 +252,27 @@ paged_decode_kernel(const DecodeParams p) {
     fetch_pages(tok_base + TOK_CTA, page);
   }
 
-  for (; tok_base < end; tok_base += TOK_CTA) {
+  if constexpr (AHEAD >= 1) {
+    uint4 rk[AHEAD + 1][U][VEC], rv[AHEAD + 1][U][VEC];
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a) {
+      issue(tok_base + a * TOK_CTA, page, rk[a], rv[a]);
+      fetch_pages(tok_base + (a + 1) * TOK_CTA, page);
+    }
+    while (tok_base < end) {
+#pragma unroll
+      for (int r = 0; r <= AHEAD; ++r) {
+        if (tok_base < end) {
+          issue(tok_base + AHEAD * TOK_CTA, page, rk[(r + AHEAD) % (AHEAD + 1)], rv[(r + AHEAD) % (AHEAD + 1)]);
+          fetch_pages(tok_base + (AHEAD + 1) * TOK_CTA, page);
+          consume(tok_base, rk[r], rv[r]);
+          tok_base += TOK_CTA;
+        }
+      }
+    }
+  }
+  // The PIPE / STAGES loop (compiled out under the ring, which has consumed every token).
+  for (; AHEAD == 0 && tok_base < end; tok_base += TOK_CTA) {
     uint4 nk[U][VEC], nv[U][VEC];
     if constexpr (STAGES >= 2) {
       int st_next = stage + STAGES - 1;
@@ -318,6 +417,11 @@ paged_decode_kernel(const DecodeParams p) {
                                                   p.v_scale[kvh]);
   } else {
     merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
+  }
+  if constexpr (FUSED) {
+    // The merge buffers are free once the partials are stored: weights in sm_acc, max / sum in sm_m / sm_l.
+    static_assert(kWarps * D >= kMaxSplits, "sm_acc holds G rows of split weights");
+    if (p.num_splits > 1) fused_split_reduce<T, D, kWarps * 32>(p, slice, &sm_acc[0][0][0], &sm_m[0][0], &sm_l[0][0]);
   }
 }
 
