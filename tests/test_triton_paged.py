@@ -14,6 +14,7 @@ in the input dtype (matmuls in fp16/bf16, softmax in fp32), plus a small floor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -84,6 +85,18 @@ def _run(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, scale=No
     return out, lse
 
 
+@contextlib.contextmanager
+def _overrides(**kw):
+    """configs.set_override for the duration of a block (released even on failure)."""
+    for k, v in kw.items():
+        configs.set_override(k, v)
+    try:
+        yield
+    finally:
+        for k in kw:
+            configs.set_override(k, None)
+
+
 # ----------------------------------------------------------------- paged: CPU
 
 CPU_PAGED = [
@@ -145,12 +158,13 @@ def test_paged_other_tiles_interpreter(cfg):
 @cpu_only
 @pytest.mark.parametrize("gather", [0, 1, 2])
 def test_paged_gather_variants_interpreter(gather, monkeypatch):
-    """Every way of reading block ids (ops.PAGED_GATHER), pages smaller and larger
-    than the KV tile, with and without splits."""
+    """Every way of reading block ids (ops.PAGED_GATHER, the v1 kernel's), pages smaller
+    and larger than the KV tile, with and without splits."""
     monkeypatch.setattr(ops, "PAGED_GATHER", gather)
-    for page in (1, 4, 32):
-        _run([1, 5, 21], [40, 37, 60], 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
-    _run([2, 9], [70, 9], 4, 2, 64, 4, True, torch.float16, "cpu", num_splits=3)
+    with _overrides(paged_long_kernel="v1", paged_mixed="one"):
+        for page in (1, 4, 32):
+            _run([1, 5, 21], [40, 37, 60], 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
+        _run([2, 9], [70, 9], 4, 2, 64, 4, True, torch.float16, "cpu", num_splits=3)
 
 
 @cpu_only
@@ -457,3 +471,293 @@ def test_return_lse_gpu(dtype):
     assert torch.equal(out, ops.prefill(q, k, v, True, 0.088))
     _check_dense(out, lse, q, k, v, True, 0.088, "prefill gpu")
     _split_decode_identity([4000, 31, 0, 2048], lambda c: c // 3, 16, 8, 128, 16, dtype, "cuda")
+
+
+# ======================================================= long chunks (v2) and mixed batches
+#
+# Own oracle, independent of minipaged.testing's: each sequence's K/V read back from the
+# cache through its table row by hand, dequantised for fp8 (stored value * scale of the
+# KV head), attention in fp64 with the bottom-right causal mask. The low-precision twin
+# (matmuls in the input dtype, softmax in fp32, P rounded to the input dtype) sets the
+# error bound: the kernel may err at most twice as much, plus a floor for one rounding.
+
+_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+def _read_back(cache, row, n, page, scale=None):
+    idx = torch.arange(n, device=cache.device)
+    blocks = row.to(cache.device).long()[idx // page]
+    x = cache[blocks, idx % page].float()
+    return x * scale.view(1, -1, 1) if scale is not None else x
+
+
+def _attn(q, k, v, causal, scale, work):
+    """One sequence: q [n, Hq, D], k/v [L, Hkv, D] (float) -> (o [n, Hq, D], lse [n, Hq])."""
+    n, hq, d = q.shape
+    L, hkv = k.shape[0], k.shape[1]
+    o = torch.zeros(n, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((n, hq), float("-inf"), dtype=torch.float64, device=q.device)
+    if n == 0 or L == 0:
+        return o, lse
+    rep = hq // hkv
+    kk = k.repeat_interleave(rep, 1).transpose(0, 1).to(work)   # [Hq, L, D]
+    vv = v.repeat_interleave(rep, 1).transpose(0, 1).to(work)
+    soft = torch.float64 if work == torch.float64 else torch.float32
+    s = torch.matmul(q.transpose(0, 1).to(work), kk.transpose(1, 2)).to(soft) * scale   # [Hq, n, L]
+    i = torch.arange(n, device=q.device).view(n, 1)
+    j = torch.arange(L, device=q.device).view(1, L)
+    seen = (j <= i + (L - n)) if causal else torch.ones(n, L, dtype=torch.bool, device=q.device)
+    s = s.masked_fill(~seen, float("-inf"))
+    has = seen.any(1).view(1, n, 1)
+    m = torch.where(has, s.amax(-1, keepdim=True), torch.zeros_like(s[..., :1]))
+    w = torch.exp(s - m)
+    z = w.sum(-1, keepdim=True)
+    p = w / torch.where(z > 0, z, torch.ones_like(z))
+    o[:] = torch.matmul(p.to(work), vv).transpose(0, 1).double()
+    lse[:] = torch.where(has, m + torch.log(torch.where(z > 0, z, torch.ones_like(z))),
+                         torch.full_like(m, float("-inf"))).squeeze(-1).transpose(0, 1).double()
+    return o, lse
+
+
+def _oracle(q, kc, vc, tables, q_lens, ctxs, causal, scale, k_scale=None, v_scale=None, lowp=False):
+    page = kc.shape[1]
+    work = q.dtype if lowp else torch.float64
+    outs, lses, at = [], [], 0
+    for s, (n, L) in enumerate(zip(q_lens, ctxs)):
+        k = _read_back(kc, tables[s], L, page, k_scale)
+        v = _read_back(vc, tables[s], L, page, v_scale)
+        o, lse = _attn(q[at:at + n].float(), k, v, causal, scale, work)
+        outs.append(o)
+        lses.append(lse)
+        at += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _verify(out, lse, q, kc, vc, tables, q_lens, ctxs, causal, scale, what, k_scale=None, v_scale=None):
+    truth, truth_lse = _oracle(q, kc, vc, tables, q_lens, ctxs, causal, scale, k_scale, v_scale)
+    base, _ = _oracle(q, kc, vc, tables, q_lens, ctxs, causal, scale, k_scale, v_scale, lowp=True)
+    assert out.dtype == q.dtype and out.shape == q.shape, what
+    o = out.double()
+    assert torch.isfinite(o).all(), f"{what}: non-finite output"
+    err = (o - truth).abs().max().item() if o.numel() else 0.0
+    bound = 2.0 * (base - truth).abs().max().item() + _FLOOR[q.dtype] if o.numel() else 0.0
+    assert err <= bound, f"{what}: max err {err:.3e} > {bound:.3e}"
+    empty = torch.isneginf(truth_lse)
+    assert (o[empty] == 0).all(), f"{what}: a row that sees no key is not exact zeros"
+    assert lse.dtype == torch.float32 and torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern"
+    if (~empty).any():
+        d = (lse.double() - truth_lse)[~empty].abs()
+        assert (d <= 2e-3 * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
+
+
+def _fp8_cache(kv, device, seed):
+    """The 16-bit cache of a paged_kv as fp8 with a distinct scale per KV head; NaN
+    slots stay NaN."""
+    hkv = kv.k_cache.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    ks = (0.02 + torch.rand(hkv, generator=g) * 0.05).to(device)
+    vs = (0.02 + torch.rand(hkv, generator=g) * 0.05).to(device)
+
+    def q8(c, sc):
+        return torch.clamp(c.float() / sc.view(1, 1, -1, 1), -448, 448).to(torch.float8_e4m3fn)
+
+    return q8(kv.k_cache, ks), q8(kv.v_cache, vs), ks, vs
+
+
+def _mixed(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, fp8=False, **kw):
+    g = torch.Generator().manual_seed(seed)
+    kv = paged_kv(ctxs, Hkv, D, page, dtype, device, gen=g, spare_blocks=3)   # NaN slots, -1 tails
+    q = randn((sum(q_lens), Hq, D), dtype, device, g)
+    kc, vc, ks, vs = (*_fp8_cache(kv, device, seed),) if fp8 else (kv.k_cache, kv.v_cache, None, None)
+    scale = 1.0 / math.sqrt(D)
+    cu = _cu(q_lens, device)
+    out, lse = ops.paged(q, kc, vc, kv.block_tables, cu, kv.context_lens, max(q_lens + [0]), causal, scale,
+                         True, ks, vs, **kw)
+    what = (f"q{q_lens[:8]} ctx{ctxs[:8]} H{Hq}/{Hkv} D{D} page{page} causal{causal} {dtype} fp8={fp8} {kw} "
+            f"{dict(configs.OVERRIDES)}")
+    _verify(out, lse, q, kc, vc, kv.block_tables, q_lens, ctxs, causal, scale, what, ks, vs)
+    return out, lse
+
+
+def _plan(q_lens, Hq=4, Hkv=2, D=64, page=16, device="cpu", width=8, contiguous=True):
+    """The launches ops.paged makes for these query lengths (host only)."""
+    kc = torch.zeros(4, page, Hkv, D, dtype=torch.float16, device=device)
+    if not contiguous:
+        kc = torch.zeros(4, page, Hkv, 2 * D, dtype=torch.float16, device=device)[..., :D]
+    q = torch.zeros(sum(q_lens), Hq, D, dtype=torch.float16, device=device)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32, device=device)
+    ok = ops._v2_usable(q, kc, kc, tables, len(q_lens))
+    return ops._paged_launches(D, q.dtype, True, q.shape[0], len(q_lens), max(q_lens), Hq // Hkv,
+                               torch.device(device), ok, None)
+
+
+@cpu_only
+def test_paged_launch_plans():
+    """Which launches each batch gets (interpreter tiles: packed up to 32 rows, short
+    launch up to 16 rows = 8 positions at group 2)."""
+    kinds = lambda p: [(x.kernel, x.min_q, x.max_q, x.cfg.packed) for x in p]  # noqa: E731
+    assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]                      # spec: one packed launch
+    assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks
+    assert kinds(_plan([40, 1, 0, 4])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
+    # 40 + 40 + 39 tokens: no sequence can have <= 8, so no short launch
+    assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]
+    assert kinds(_plan([40, 40, 8])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
+    with _overrides(paged_mixed="one"):
+        assert kinds(_plan([40, 1])) == [("v2", 0, 0, False)]
+    with _overrides(paged_long_kernel="v1"):
+        assert kinds(_plan([40, 1])) == [("v1", 8, 0, False), ("v1", 0, 8, True)]
+    with _overrides(paged_short=(32, 16, 4, 1)):
+        assert kinds(_plan([40, 1])) == [("v2", 16, 0, False), ("v1", 0, 16, True)]
+    # v2 needs the contiguous layout it bakes in, and at most PAGED_SEARCH^2 sequences
+    assert kinds(_plan([40, 1], contiguous=False))[0][0] == "v1"
+    assert kinds(_plan([40] + [1] * (configs.PAGED_SEARCH ** 2)))[0][0] == "v1"
+    with pytest.raises(ValueError, match="paged_mixed"):
+        configs.set_override("paged_mixed", "three")
+
+
+MIXED = [
+    # decode rows, empty runs, a speculative run, long chunks (one with q_len > ctx:
+    # its first rows see no key), an empty context, contexts across page/tile edges
+    ([1, 0, 4, 45, 1, 2, 33, 0, 1], [17, 5, 64, 97, 1, 8, 20, 0, 0]),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_paged_mixed_pages_interpreter(page):
+    """q_len 0/1/4/long in one call: the long launch (compact tile space) and the packed
+    short launch, each skipping the other's sequences."""
+    for q_lens, ctxs in MIXED:
+        assert len(_plan(q_lens, page=page)) == 2
+        _mixed(q_lens, ctxs, 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", [
+    dict(paged_long_kernel="v1"),                     # v1 long launch skipping short sequences
+    dict(paged_mixed="one"),                          # v2 over every sequence
+    dict(paged_prefetch=0),                           # block ids read in the same iteration
+    dict(paged_short=(32, 16, 4, 1)),                 # a wider short tile (16 positions)
+], ids=["v1-split", "v2-one", "no-prefetch", "short32"])
+def test_paged_mixed_variants_interpreter(variant):
+    with _overrides(**variant):
+        _mixed(*MIXED[0], 4, 2, 64, 16, True, torch.float16, "cpu", seed=1)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_mixed_not_causal_interpreter(dtype):
+    _mixed(*MIXED[0], 8, 2, 64, 16, False, dtype, "cpu", seed=2)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [2, 5])
+def test_paged_mixed_forced_splits_interpreter(splits):
+    """Both launches split: the long launch's reduce runs over every row, then the short
+    launch (and its own reduce) rewrites its sequences' rows."""
+    _mixed(*MIXED[0], 4, 2, 64, 16, True, torch.float16, "cpu", seed=3, num_splits=splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("ragged", [False, True], ids=["direct", "compact"])
+def test_paged_long_every_residue_interpreter(ragged):
+    """Every residue of (context_len - q_len) mod BLOCK_N (16 on the interpreter) on the
+    long-chunk kernel: equal q_lens take the direct tile layout, ragged ones the compact
+    tile space."""
+    bn = configs.paged_config(64, torch.float16, True, 20, 2, torch.device("cpu")).block_n
+    q_lens = [17 + (r % 5) if ragged else 20 for r in range(bn)]
+    ctxs = [q + r + bn * (r % 3) for r, q in enumerate(q_lens)]
+    assert sorted((c - q) % bn for c, q in zip(ctxs, q_lens)) == list(range(bn))
+    assert [x.kernel for x in _plan(q_lens)][0] == "v2"
+    _mixed(q_lens, ctxs, 4, 2, 64, 8, True, torch.float16, "cpu", seed=4)
+
+
+@cpu_only
+def test_paged_long_coarse_search_interpreter(monkeypatch):
+    """A program finds its sequence in two passes when S > SEARCH (coarse steps of
+    ceil(S / SEARCH) slot starts): 11 sequences with SEARCH 4."""
+    monkeypatch.setattr(configs, "PAGED_SEARCH", 4)
+    q_lens = [19, 0, 1, 40, 3, 17, 0, 33, 1, 2, 25]
+    ctxs = [40, 3, 9, 40, 30, 17, 0, 60, 1, 2, 90]
+    _mixed(q_lens, ctxs, 4, 2, 64, 16, True, torch.float16, "cpu", seed=5)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_mixed_fp8_interpreter(splits):
+    """fp8 caches (per-head scales) through both launches of a mixed batch."""
+    kw = {} if splits is None else {"num_splits": splits}
+    _mixed(*MIXED[0], 4, 2, 64, 16, True, torch.float16, "cpu", seed=6, fp8=True, **kw)
+
+
+# ----------------------------------------------------------------- long chunks and mixed batches: GPU
+
+GPU_MIXED = [
+    # the bench's mixed batch, with empty and speculative runs added
+    ([2048] + [1] * 60 + [0, 4, 1], [4096] * 64),
+    ([512] * 8, [4608] * 8),                                  # bench chunked (uniform: direct layout)
+    ([700, 1, 4, 0, 129, 3000], [4000, 1, 4100, 9, 129, 2999]),   # q_len > ctx in the last one
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [1, 16, 64, 128])
+@pytest.mark.parametrize("case", GPU_MIXED, ids=["mixed", "chunked", "ragged"])
+def test_paged_gpu_long_and_mixed(case, page):
+    _mixed(*case, 16, 8, 128, page, True, torch.bfloat16, "cuda", seed=page)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [
+    dict(paged_long_kernel="v1", paged_mixed="one"), dict(paged_long_kernel="v1"), dict(paged_mixed="one"),
+    dict(paged_prefetch=0), dict(paged=(64, 64, 4, 3)), dict(paged=(128, 32, 8, 4)),
+    dict(paged_short=(32, 64, 4, 2)),
+], ids=["old", "v1-split", "v2-one", "no-prefetch", "bm64", "bn32", "short32"])
+def test_paged_gpu_variants(variant):
+    """Every configuration the A/B script times, on the sm_90 tiles."""
+    with _overrides(**variant):
+        _mixed(*GPU_MIXED[0], 16, 8, 128, 16, True, torch.bfloat16, "cuda", seed=7)
+        _mixed(*GPU_MIXED[2], 16, 8, 128, 16, False, torch.float16, "cuda", seed=8)
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_long_every_residue():
+    """Every residue of (context_len - q_len) mod the sm_90 BLOCK_N, direct and compact."""
+    bn = configs.paged_config(128, torch.bfloat16, True, 512, 2, torch.device("cuda")).block_n
+    for ragged in (False, True):
+        q_lens = [100 + (r % 7) * 13 if ragged else 160 for r in range(bn)]
+        ctxs = [q + r + bn * (r % 4) for r, q in enumerate(q_lens)]
+        _mixed(q_lens, ctxs, 16, 8, 128, 16, True, torch.bfloat16, "cuda", seed=9)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("splits", [None, 4])
+def test_paged_gpu_mixed_fp8(splits):
+    kw = {} if splits is None else {"num_splits": splits}
+    _mixed(*GPU_MIXED[2], 16, 8, 128, 16, True, torch.bfloat16, "cuda", seed=10, fp8=True, **kw)
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_mixed_graph_and_determinism():
+    """The two-launch mixed batch captures into a CUDA graph and is bitwise repeatable."""
+    q_lens, ctxs = GPU_MIXED[0]
+    q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
+    eager = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+    for _ in range(2):
+        assert torch.equal(eager, ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
