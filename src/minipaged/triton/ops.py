@@ -386,7 +386,9 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         return _result(out.zero_(), lse)
     # Launches depend on shapes only; cached so that a step of short queries pays a dict
     # lookup, not the heuristics (decode-sized kernels are host-bound).
-    v2_ok = _v2_usable(q, k_cache, v_cache, block_tables, num_seqs)
+    # up to 32 (position, head) rows a batch always gets a packed tile (v1): skip the layout check
+    v2_ok = (config is not None or max_seqlen_q * group > 32) and _v2_usable(q, k_cache, v_cache,
+                                                                          block_tables, num_seqs)
     plan_key = (q.device, q.dtype, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
                 max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, configs.overrides_version,
                 configs.interpreting())
