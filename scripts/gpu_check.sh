@@ -141,6 +141,31 @@ for s in $stages; do
     fp8_accuracy)
       STAGE_TIMEOUT_fp8_accuracy=${STAGE_TIMEOUT_fp8_accuracy:-150} \
         run fp8_accuracy python3 bench/bench_fp8_accuracy.py ${FP8_ACCURACY_ARGS:-} --json "$WORK/bench/fp8_accuracy.json";;
+    decode_selftest)
+      # Paged decode, torch-free (scripts/decode_selftest.cu): the two-launch and the fused
+      # (variant bit 0x400) split reduction and the register-ring tilings 13-16 against fp64,
+      # fused vs two-launch bitwise, counter reset, graph replays; small under the three
+      # sanitizers; then the standard decode grid for every tiling, both reductions. A binary
+      # prebuilt on the dev box (same nvcc) may be carried in .gpubin/; DECODE_SELFTEST_REBUILD=1
+      # rebuilds it here. The caps add up to one 10-minute call with the build.
+      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
+      mkdir -p "$bin"
+      if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then
+        STAGE_TIMEOUT_decode_selftest_build=${STAGE_TIMEOUT_decode_selftest_build:-150} run decode_selftest_build \
+          nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xptxas -v \
+          -Xcompiler -fopenmp -I $csrc scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
+      fi
+      export OMP_NUM_THREADS=16
+      STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
+        run decode_selftest_check "$bin/decode_selftest" check
+      export STAGE_TIMEOUT_decode_selftest_memcheck=${STAGE_TIMEOUT_decode_selftest_memcheck:-60}
+      export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-90}
+      export STAGE_TIMEOUT_decode_selftest_synccheck=${STAGE_TIMEOUT_decode_selftest_synccheck:-60}
+      for tool in memcheck racecheck synccheck; do
+        run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" small
+      done
+      STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
+        run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100};;
     *) echo "unknown stage $s"; status=1;;
   esac
 done

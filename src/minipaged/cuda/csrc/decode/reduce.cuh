@@ -98,9 +98,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
 // Split rows one chain of decode_reduce_kernel covers: thread (r, col) of
 // that kernel accumulates splits r, r + ROWS, ... of its four dims.
 template <int D>
-constexpr int reduce_rows() {
-  return kReduceThreads / (D / 4);
-}
+constexpr int kReduceRows = kReduceThreads / (D / 4);
 
 // One-launch split reduction (variant bit kVariantFused of decode/launch.cu):
 // called by every CTA of a decode kernel after it stored its partials. Each CTA
@@ -122,7 +120,7 @@ constexpr int reduce_rows() {
 template <typename T, int D, int kThreads>
 __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const DecodeSlice& slice, float* sm_w,
                                                    float* sm_mref, float* sm_total) {
-  constexpr int ROWS = reduce_rows<D>();
+  constexpr int ROWS = kReduceRows<D>;
   // Chains per register batch: 4 float2 loads in flight per thread keeps the
   // tail within the registers of the main loop (8 raised some kernels to the
   // next occupancy step).

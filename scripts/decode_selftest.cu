@@ -1,0 +1,712 @@
+// Torch-free self test and timing of the paged decode (decode/launch.cu): the
+// two-launch split reduction, the one-launch fused reduction (variant bit
+// 0x400) and the register-ring tilings 13-16.
+//
+//   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
+//        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
+//        src/minipaged/cuda/csrc/decode/launch.cu -o decode_selftest -lgomp
+//   ./decode_selftest check          every case (exit status 0 only if all pass)
+//   ./decode_selftest small          a few tiny cases, for compute-sanitizer
+//   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
+//
+// check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
+// slots of real tokens, pages in shuffled order, table entries past a
+// sequence's pages -1, outputs poisoned with NaN (the 16 padding elements after
+// each output head row must stay NaN), and an fp64 host reference on the values
+// as stored (FP8: exactly dequantised). Every (tiling, forced split count) runs
+// with the two-launch and the fused reduction: both against the reference, and
+// fused against two-launch bitwise (o and lse), with every arrival counter back
+// at zero after the call. Then repeated calls on one stream (split counts
+// changing between calls, no host sync), and one CUDA graph of the fused call
+// (and one of the two-launch call) captured once and replayed 100 times (small:
+// 10), each replay's output checked bitwise.
+//
+// time: B=1 L=4k, B=1 L=32k, B=8 L=4k, B=32 L=4k, B=64 L=8k, B=256 L=1k;
+// Hq/Hkv/D 16/8/128, bf16, page 16, pages scattered over the cache. Each
+// configuration is one CUDA graph holding the decode call(s); between replays
+// a 256 MB read-only flush kernel runs OUTSIDE the graph, between the event
+// pairs (so the L2 holds no decode data and no dirty lines, as `minipaged
+// bench` does); median / p20 / p80 of `reps` (>= 50) replays, in µs and in
+// TB/s of K+V read + q read + o written. The graph of one tiny kernel is timed
+// the same way (the floor of every row).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "params.h"
+#include "ptx/fp8.cuh"
+#include "selftest_common.h"
+
+using minipaged::DType;
+
+namespace {
+
+constexpr int kFused = 0x400;
+constexpr int kNoPDL = 0x200;
+constexpr int kOPad = 16;  // NaN elements after each output head row
+constexpr int kMaxCounters = 1 << 20;
+
+double e4m3_to_double(uint8_t b) {
+  const int sign = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  if ((b & 0x7f) == 0x7f) return NAN;
+  const double mag = e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return sign ? -mag : mag;
+}
+
+// Cheap unit-variance noise (uniform on [-sqrt 3, sqrt 3]): the caches of the
+// check mode hold up to ~80 M values per problem.
+struct Noise {
+  uint64_t x;
+  explicit Noise(uint64_t seed) : x(seed * 0x9e3779b97f4a7c15ull + 1) {}
+  float operator()() {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return (int32_t(x >> 32) * (1.f / 2147483648.f)) * 1.7320508f;
+  }
+};
+
+struct Prob {
+  std::string name;
+  DType dt;
+  bool fp8;
+  int hq, hkv, d, bs;
+  std::vector<int> ctx;
+};
+
+// Device state of one problem plus its host mirror and fp64 reference.
+struct Setup {
+  Prob pr;
+  int B = 0, max_blocks = 1, num_blocks = 0;
+  int64_t row = 0;  // elements (16-bit) or bytes (fp8) per token row of a cache
+  std::vector<int32_t> table;
+  std::vector<uint16_t> kc16, vc16, q;  // host mirrors
+  std::vector<uint8_t> kc8, vc8;
+  std::vector<float> ks, vs;
+  std::vector<double> ref, ref_lse;
+  double ref_max = 1.0;
+  void *dk = nullptr, *dv = nullptr;
+  uint16_t *dq = nullptr, *dout = nullptr;
+  float *dlse = nullptr, *dpart = nullptr, *dks = nullptr, *dvs = nullptr;
+  int32_t *dtable = nullptr, *dctx = nullptr;
+  int64_t o_head = 0, o_row = 0, o_elems = 0, lse_elems = 0;
+};
+
+int g_num_sms = 0, g_cc = 0;
+int g_replays = 100;  // graph replays per check (small mode: fewer, for the sanitizers)
+int32_t* g_counters = nullptr;  // zeroed once; every fused call must leave it zero
+
+Setup make_setup(const Prob& pr, uint32_t seed) {
+  Setup s;
+  s.pr = pr;
+  s.B = int(pr.ctx.size());
+  const int bs = pr.bs, H = pr.hkv, D = pr.d;
+  std::mt19937 rng(seed);
+  Noise nd(seed);
+  std::uniform_real_distribution<float> ud(0.5f, 2.f);
+  std::vector<int> nblk(s.B);
+  int used = 0;
+  for (int b = 0; b < s.B; ++b) {
+    nblk[b] = (pr.ctx[b] + bs - 1) / bs;
+    used += nblk[b];
+    s.max_blocks = std::max(s.max_blocks, nblk[b] + 1);  // at least one -1 past the longest
+  }
+  s.num_blocks = used + 3;
+  std::vector<int> perm(s.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  s.table.assign(size_t(s.B) * s.max_blocks, -1);
+  int nxt = 0;
+  for (int b = 0; b < s.B; ++b)
+    for (int j = 0; j < nblk[b]; ++j) s.table[size_t(b) * s.max_blocks + j] = perm[nxt++];
+  s.row = int64_t(H) * D;
+  const size_t slots = size_t(s.num_blocks) * bs;
+  auto slot_of = [&](int b, int j) { return size_t(s.table[size_t(b) * s.max_blocks + j / bs]) * bs + j % bs; };
+  // Keys with a per-head spread, so that softmax rows are far from uniform.
+  std::vector<float> amp(H);
+  for (int h = 0; h < H; ++h) amp[h] = 1.5f * ud(rng);
+  if (pr.fp8) {
+    s.kc8.assign(slots * s.row, 0x7f);
+    s.vc8.assign(slots * s.row, 0x7f);
+    s.ks.resize(H), s.vs.resize(H);
+    for (int h = 0; h < H; ++h) s.ks[h] = amp[h] * 4 / 448 * ud(rng), s.vs[h] = 4.f / 448 * ud(rng);
+  } else {
+    s.kc16.assign(slots * s.row, 0x7fff);
+    s.vc16.assign(slots * s.row, 0x7fff);
+  }
+  for (int b = 0; b < s.B; ++b)
+    for (int j = 0; j < pr.ctx[b]; ++j) {
+      const size_t base = slot_of(b, j) * s.row;
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          const float kv = nd() * amp[h], vv = nd();
+          if (pr.fp8) {
+            s.kc8[base + h * D + d] = minipaged::fp8_e4m3_from_float_soft(kv / s.ks[h]);
+            s.vc8[base + h * D + d] = minipaged::fp8_e4m3_from_float_soft(vv / s.vs[h]);
+          } else {
+            s.kc16[base + h * D + d] = to_bits(kv, pr.dt);
+            s.vc16[base + h * D + d] = to_bits(vv, pr.dt);
+          }
+        }
+    }
+  s.q.resize(std::max<size_t>(size_t(s.B) * pr.hq * D, 8));
+  for (auto& x : s.q) x = to_bits(nd(), pr.dt);
+
+  // fp64 reference
+  const double scale = 1.0 / std::sqrt(double(D));
+  const int group = pr.hq / H;
+  s.ref.assign(size_t(s.B) * pr.hq * D, 0.0);
+  s.ref_lse.assign(size_t(s.B) * pr.hq, -INFINITY);
+  auto kval = [&](size_t i, int h) {
+    return pr.fp8 ? e4m3_to_double(s.kc8[i]) * s.ks[h] : double(from_bits(s.kc16[i], pr.dt));
+  };
+  auto vval = [&](size_t i, int h) {
+    return pr.fp8 ? e4m3_to_double(s.vc8[i]) * s.vs[h] : double(from_bits(s.vc16[i], pr.dt));
+  };
+  double ref_max = 1.0;
+#pragma omp parallel for collapse(2) schedule(dynamic) reduction(max : ref_max)
+  for (int b = 0; b < s.B; ++b)
+    for (int hh = 0; hh < pr.hq; ++hh) {
+      const int ctx = pr.ctx[b], kvh = hh / group;
+      if (ctx == 0) continue;
+      std::vector<double> sc(ctx), acc(D, 0.0), qd(D);
+      for (int d = 0; d < D; ++d) qd[d] = from_bits(s.q[(size_t(b) * pr.hq + hh) * D + d], pr.dt);
+      double mx = -INFINITY;
+      for (int j = 0; j < ctx; ++j) {
+        const size_t ko = slot_of(b, j) * s.row + size_t(kvh) * D;
+        double dot = 0;
+        for (int d = 0; d < D; ++d) dot += qd[d] * kval(ko + d, kvh);
+        sc[j] = dot * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      double l = 0;
+      for (int j = 0; j < ctx; ++j) {
+        const double pj = std::exp(sc[j] - mx);
+        l += pj;
+        const size_t vo = slot_of(b, j) * s.row + size_t(kvh) * D;
+        for (int d = 0; d < D; ++d) acc[d] += pj * vval(vo + d, kvh);
+      }
+      for (int d = 0; d < D; ++d) {
+        const double r = acc[d] / l;
+        s.ref[(size_t(b) * pr.hq + hh) * D + d] = r;
+        ref_max = std::max(ref_max, std::fabs(r));
+      }
+      s.ref_lse[size_t(b) * pr.hq + hh] = mx + std::log(l);
+    }
+  s.ref_max = ref_max;
+
+  const size_t cache_bytes = slots * s.row * (pr.fp8 ? 1 : 2);
+  CHECK_CUDA(cudaMalloc(&s.dk, std::max<size_t>(cache_bytes, 16)));
+  CHECK_CUDA(cudaMalloc(&s.dv, std::max<size_t>(cache_bytes, 16)));
+  CHECK_CUDA(cudaMemcpy(s.dk, pr.fp8 ? (void*)s.kc8.data() : (void*)s.kc16.data(), cache_bytes, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(s.dv, pr.fp8 ? (void*)s.vc8.data() : (void*)s.vc16.data(), cache_bytes, cudaMemcpyHostToDevice));
+  if (pr.fp8) {
+    CHECK_CUDA(cudaMalloc(&s.dks, H * 4));
+    CHECK_CUDA(cudaMalloc(&s.dvs, H * 4));
+    CHECK_CUDA(cudaMemcpy(s.dks, s.ks.data(), H * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(s.dvs, s.vs.data(), H * 4, cudaMemcpyHostToDevice));
+  }
+  s.o_head = D + kOPad;
+  s.o_row = int64_t(pr.hq) * s.o_head;
+  s.o_elems = std::max<int64_t>(s.B * s.o_row, 8);
+  s.lse_elems = std::max<int64_t>(int64_t(s.B) * pr.hq, 1);
+  CHECK_CUDA(cudaMalloc(&s.dq, s.q.size() * 2));
+  CHECK_CUDA(cudaMemcpy(s.dq, s.q.data(), s.q.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&s.dout, s.o_elems * 2));
+  CHECK_CUDA(cudaMalloc(&s.dlse, s.lse_elems * 4));
+  // Partials for the most splits any plan makes (256).
+  CHECK_CUDA(cudaMalloc(&s.dpart, std::max<size_t>(size_t(s.B) * pr.hq * 256 * (D + 1), 1) * 4));
+  CHECK_CUDA(cudaMalloc(&s.dtable, s.table.size() * 4));
+  CHECK_CUDA(cudaMemcpy(s.dtable, s.table.data(), s.table.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&s.dctx, std::max(s.B, 1) * 4));
+  CHECK_CUDA(cudaMemcpy(s.dctx, pr.ctx.data(), s.B * 4, cudaMemcpyHostToDevice));
+  return s;
+}
+
+void free_setup(Setup& s) {
+  for (void* p : {s.dk, s.dv, (void*)s.dq, (void*)s.dout, (void*)s.dlse, (void*)s.dpart, (void*)s.dks, (void*)s.dvs,
+                  (void*)s.dtable, (void*)s.dctx})
+    if (p) CHECK_CUDA(cudaFree(p));
+}
+
+minipaged::DecodeParams params_of(const Setup& s, bool with_lse) {
+  const Prob& pr = s.pr;
+  minipaged::DecodeParams p{};
+  p.q = s.dq, p.k_cache = s.dk, p.v_cache = s.dv, p.o = s.dout;
+  p.block_tables = s.dtable, p.context_lens = s.dctx;
+  p.lse = with_lse ? s.dlse : nullptr, p.lse_batch_stride = pr.hq;
+  p.q_batch_stride = int64_t(pr.hq) * pr.d, p.q_head_stride = pr.d;
+  p.o_batch_stride = s.o_row, p.o_head_stride = s.o_head;
+  p.k_block_stride = p.v_block_stride = int64_t(pr.bs) * s.row;
+  p.k_token_stride = p.v_token_stride = s.row;
+  p.k_head_stride = p.v_head_stride = pr.d;
+  p.block_table_stride = s.max_blocks;
+  p.batch = s.B, p.num_q_heads = pr.hq, p.num_kv_heads = pr.hkv, p.head_dim = pr.d;
+  p.block_size = pr.bs, p.max_blocks = s.max_blocks;
+  p.scale = 1.f / std::sqrt(float(pr.d));
+  p.dtype = pr.dt, p.num_sms = g_num_sms, p.cc_major = g_cc;
+  p.kv_fp8 = pr.fp8, p.k_scale = s.dks, p.v_scale = s.dvs;
+  return p;
+}
+
+// Plans and points the params at the workspace; false if the kernel is missing.
+bool plan_call(const Setup& s, minipaged::DecodeParams& p, int variant, int splits, minipaged::DecodePlan& plan) {
+  p.variant = variant;
+  plan = minipaged::decode_plan(p, splits);
+  if (plan.kernel == nullptr) return false;
+  const int64_t rows = int64_t(s.B) * s.pr.hq * p.num_splits;
+  p.partial_o = s.dpart, p.partial_lse = s.dpart + rows * s.pr.d;
+  const int64_t n = minipaged::decode_split_counter_count(p, plan);
+  if (n > kMaxCounters) {
+    std::fprintf(stderr, "need %lld counters\n", (long long)n);
+    std::exit(2);
+  }
+  p.split_counters = n > 0 ? g_counters : nullptr;
+  return true;
+}
+
+struct Result {
+  std::vector<uint16_t> o;
+  std::vector<float> lse;
+  int splits = 0;
+  bool fused = false;
+};
+
+void poison(const Setup& s, cudaStream_t st) {
+  CHECK_CUDA(cudaMemsetAsync(s.dout, 0xFF, s.o_elems * 2, st));
+  CHECK_CUDA(cudaMemsetAsync(s.dlse, 0xFF, s.lse_elems * 4, st));
+}
+
+void fetch(const Setup& s, Result& r, cudaStream_t st) {
+  r.o.resize(s.o_elems);
+  r.lse.resize(s.lse_elems);
+  CHECK_CUDA(cudaMemcpyAsync(r.o.data(), s.dout, s.o_elems * 2, cudaMemcpyDeviceToHost, st));
+  CHECK_CUDA(cudaMemcpyAsync(r.lse.data(), s.dlse, s.lse_elems * 4, cudaMemcpyDeviceToHost, st));
+  CHECK_CUDA(cudaStreamSynchronize(st));
+}
+
+bool run(const Setup& s, int variant, int splits, bool with_lse, cudaStream_t st, Result& r) {
+  minipaged::DecodeParams p = params_of(s, with_lse);
+  minipaged::DecodePlan plan;
+  if (!plan_call(s, p, variant, splits, plan)) return false;
+  poison(s, st);
+  CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+  CHECK_CUDA(cudaGetLastError());
+  fetch(s, r, st);
+  r.splits = p.num_splits;
+  r.fused = plan.fused && p.num_splits > 1;
+  return true;
+}
+
+int counters_nonzero(int64_t n) {
+  std::vector<int32_t> h(std::max<int64_t>(n, 1));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpy(h.data(), g_counters, n * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += h[i] != 0;
+  return bad;
+}
+
+// Against the fp64 reference: |err| <= atol + rtol |ref|, padding NaN, lse.
+long compare_ref(const Setup& s, const Result& r, bool with_lse, double* max_err) {
+  const Prob& pr = s.pr;
+  const bool bf = pr.dt == DType::kBFloat16;
+  // bf16 / fp16 rounding of o and of P in the tensor-core kernel, with margin.
+  const double atol = (bf ? 1.5e-2 : 3e-3) * s.ref_max, rtol = bf ? 2e-2 : 5e-3;
+  long bad = 0;
+  *max_err = 0;
+  for (int b = 0; b < s.B; ++b)
+    for (int h = 0; h < pr.hq; ++h) {
+      for (int d = 0; d < s.o_head; ++d) {
+        const float got = from_bits(r.o[b * s.o_row + h * s.o_head + d], pr.dt);
+        if (d >= pr.d) {
+          bad += !std::isnan(got);
+          continue;
+        }
+        const double ref = s.ref[(size_t(b) * pr.hq + h) * pr.d + d];
+        const double err = std::fabs(double(got) - ref);
+        if (!(err <= atol + rtol * std::fabs(ref))) ++bad;
+        if (std::isfinite(err)) *max_err = std::max(*max_err, err);
+      }
+      if (!with_lse) continue;
+      const double rl = s.ref_lse[size_t(b) * pr.hq + h], gl = r.lse[size_t(b) * pr.hq + h];
+      if (std::isinf(rl)) {
+        bad += !(std::isinf(gl) && gl < 0);
+      } else {
+        bad += !(std::fabs(gl - rl) <= 2e-3 * (1 + std::fabs(rl)));
+      }
+    }
+  return bad;
+}
+
+bool same_bits(const Result& a, const Result& b, bool with_lse) {
+  return a.o == b.o && (!with_lse || std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4) == 0);
+}
+
+int g_failures = 0;
+void report(bool ok, const std::string& what) {
+  if (!ok) ++g_failures;
+  std::printf("%s  %s\n", ok ? "PASS" : "FAIL", what.c_str());
+}
+
+// Tilings worth running for a problem: the default, the tensor-core and the
+// scalar kernel, and the register rings where they exist (G=2, D=128, 16-bit).
+std::vector<int> tilings_for(const Prob& pr) {
+  std::vector<int> v = {0, 10, 12};
+  if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16});
+  return v;
+}
+
+void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep, uint32_t seed) {
+  Setup s = make_setup(pr, seed);
+  std::printf("-- %s  %s H%d/%d D%d page %d, %d sequences\n", pr.name.c_str(),
+              pr.fp8 ? "fp8" : (pr.dt == DType::kBFloat16 ? "bf16" : "fp16"), pr.hq, pr.hkv, pr.d, pr.bs, s.B);
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int t : tilings_for(pr)) {
+    long bad_ref = 0, bad_bits = 0, bad_counters = 0, runs = 0, fused_runs = 0;
+    double worst = 0;
+    std::string splits_seen;
+    for (int sp : split_list) {
+      Result two, one;
+      if (!run(s, t, sp, true, st, two)) {
+        report(false, "no kernel for tiling " + std::to_string(t));
+        break;
+      }
+      double e;
+      bad_ref += compare_ref(s, two, true, &e) != 0;
+      worst = std::max(worst, e);
+      run(s, t | kFused, sp, true, st, one);
+      bad_ref += compare_ref(s, one, true, &e) != 0;
+      worst = std::max(worst, e);
+      runs += 2;
+      if (one.fused) {
+        ++fused_runs;
+        bad_bits += !same_bits(two, one, true);
+        minipaged::DecodeParams p = params_of(s, true);
+        minipaged::DecodePlan plan;
+        plan_call(s, p, t | kFused, sp, plan);
+        bad_counters += counters_nonzero(minipaged::decode_split_counter_count(p, plan)) != 0;
+      }
+      if (splits_seen.size() < 60) splits_seen += std::to_string(two.splits) + " ";
+    }
+    char buf[320];
+    std::snprintf(buf, sizeof buf,
+                  "%-26s tiling %2d: %ld runs vs fp64 (max err %.2e, ref max %.2f): %ld bad; fused vs two-launch "
+                  "bitwise in %ld runs: %ld differ; counters left non-zero: %ld  [splits %s]",
+                  pr.name.c_str(), t, runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
+                  splits_seen.c_str());
+    report(bad_ref == 0 && bad_bits == 0 && bad_counters == 0, buf);
+    // o without lse must be the same bits as o with it.
+    {
+      Result a, b;
+      run(s, t | kFused, 5, true, st, a);
+      run(s, t | kFused, 5, false, st, b);
+      report(a.o == b.o, pr.name + " tiling " + std::to_string(t) + " fused: o without lse == o with lse (5 splits)");
+    }
+  }
+  if (deep) {
+    // Repeated fused calls on one stream, no host sync, split count changing.
+    const int t = 0;
+    Result ref5;
+    run(s, t, 5, true, st, ref5);
+    const int seq[] = {3, 64, 7, 1, 16, 5};
+    for (int rep = 0; rep < 2; ++rep)
+      for (int sp : seq) {
+        minipaged::DecodeParams p = params_of(s, true);
+        minipaged::DecodePlan plan;
+        plan_call(s, p, t | kFused, sp, plan);
+        poison(s, st);
+        CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+      }
+    Result last;
+    fetch(s, last, st);
+    report(same_bits(ref5, last, true) && counters_nonzero(kMaxCounters) == 0,
+           pr.name + ": 12 back-to-back fused calls (splits 3/64/7/1/16/5 x2): last == two-launch bits, counters zero");
+
+    // One graph, captured once, replayed 100 times.
+    for (int variant : {t | kFused, t}) {
+      minipaged::DecodeParams p = params_of(s, true);
+      minipaged::DecodePlan plan;
+      plan_call(s, p, variant, 7, plan);
+      Result eager;
+      run(s, variant, 7, true, st, eager);
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+      CHECK_CUDA(cudaStreamEndCapture(st, &g));
+      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      int bad = 0;
+      for (int i = 0; i < g_replays; ++i) {
+        poison(s, st);
+        CHECK_CUDA(cudaGraphLaunch(ge, st));
+        Result r;
+        fetch(s, r, st);
+        bad += !same_bits(eager, r, true);
+      }
+      const int left = counters_nonzero(kMaxCounters);
+      double e;
+      report(bad == 0 && left == 0 && compare_ref(s, eager, true, &e) == 0,
+             pr.name + (variant & kFused ? ": fused" : ": two-launch") + " graph, " + std::to_string(g_replays) +
+                 " replays: " +
+                 std::to_string(bad) + " differ from the eager call, " + std::to_string(left) +
+                 " counters non-zero");
+      CHECK_CUDA(cudaGraphExecDestroy(ge));
+      CHECK_CUDA(cudaGraphDestroy(g));
+    }
+  }
+  CHECK_CUDA(cudaStreamDestroy(st));
+  free_setup(s);
+}
+
+// ------------------------------------------------------------------ timing
+
+__global__ void flush_kernel(const uint4* __restrict__ buf, size_t n, unsigned* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcg(buf + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads; never true for the zero buffer
+}
+
+__global__ void empty_kernel(int* x) {
+  if (threadIdx.x == 1024) *x = 0;
+}
+
+__global__ void fill_kernel(uint16_t* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed;
+    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
+    const float f = (int(h & 0xffff) - 32768) * (2.f / 32768.f);
+    const __nv_bfloat16 b = __float2bfloat16(f);
+    x[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+struct Timing {
+  double med, p20, p80;
+};
+
+Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fbuf, size_t fn, unsigned* sink) {
+  std::vector<cudaEvent_t> a(reps), b(reps);
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventCreate(&a[i]));
+    CHECK_CUDA(cudaEventCreate(&b[i]));
+  }
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(ge, st));
+  for (int i = 0; i < reps; ++i) {
+    flush_kernel<<<g_num_sms * 8, 512, 0, st>>>(fbuf, fn, sink);
+    CHECK_CUDA(cudaEventRecord(a[i], st));
+    CHECK_CUDA(cudaGraphLaunch(ge, st));
+    CHECK_CUDA(cudaEventRecord(b[i], st));
+  }
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  std::vector<double> t(reps);
+  for (int i = 0; i < reps; ++i) {
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a[i], b[i]));
+    t[i] = ms * 1e3;
+    CHECK_CUDA(cudaEventDestroy(a[i]));
+    CHECK_CUDA(cudaEventDestroy(b[i]));
+  }
+  std::sort(t.begin(), t.end());
+  auto q = [&](double f) { return t[std::min<size_t>(t.size() - 1, size_t(f * (t.size() - 1) + 0.5))]; };
+  return {q(0.5), q(0.2), q(0.8)};
+}
+
+int time_mode(int reps) {
+  reps = std::max(reps, 50);
+  const int hq = 16, hkv = 8, D = 128, bs = 16;
+  struct Shape {
+    int B, L;
+  };
+  const Shape shapes[] = {{1, 4096}, {1, 32768}, {8, 4096}, {32, 4096}, {64, 8192}, {256, 1024}};
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const size_t fbytes = 256u << 20;
+  uint4* fbuf;
+  unsigned* sink;
+  CHECK_CUDA(cudaMalloc(&fbuf, fbytes));
+  CHECK_CUDA(cudaMemset(fbuf, 0, fbytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  {
+    int* dummy;
+    CHECK_CUDA(cudaMalloc(&dummy, 4));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    empty_kernel<<<1, 32, 0, st>>>(dummy);
+    CHECK_CUDA(cudaStreamEndCapture(st, &g));
+    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+    const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+    std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
+    CHECK_CUDA(cudaGraphExecDestroy(ge));
+    CHECK_CUDA(cudaGraphDestroy(g));
+    CHECK_CUDA(cudaFree(dummy));
+  }
+  std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
+  std::printf("%-12s %-22s %6s %6s %9s %9s %9s %8s  %s\n", "case", "config", "splits", "CTAs", "med us", "p20 us",
+              "p80 us", "TB/s", "check");
+  std::vector<int> variants;
+  for (int t = 0; t <= 16; ++t) variants.push_back(t);
+  for (const Shape& sh : shapes) {
+    const int B = sh.B, L = sh.L, per_seq = L / bs;
+    const int num_blocks = B * per_seq;
+    const int64_t row = int64_t(hkv) * D;
+    const size_t cache_elems = size_t(num_blocks) * bs * row;
+    uint16_t *dk, *dv, *dq, *dout;
+    float *dlse, *dpart;
+    int32_t *dtable, *dctx;
+    CHECK_CUDA(cudaMalloc(&dk, cache_elems * 2));
+    CHECK_CUDA(cudaMalloc(&dv, cache_elems * 2));
+    CHECK_CUDA(cudaMalloc(&dq, size_t(B) * hq * D * 2));
+    CHECK_CUDA(cudaMalloc(&dout, size_t(B) * hq * D * 2));
+    CHECK_CUDA(cudaMalloc(&dlse, size_t(B) * hq * 4));
+    CHECK_CUDA(cudaMalloc(&dpart, size_t(B) * hq * 256 * (D + 1) * 4));
+    fill_kernel<<<1024, 256>>>(dk, cache_elems, 1);
+    fill_kernel<<<1024, 256>>>(dv, cache_elems, 2);
+    fill_kernel<<<64, 256>>>(dq, size_t(B) * hq * D, 3);
+    std::vector<int32_t> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937 rng(7);
+    std::shuffle(perm.begin(), perm.end(), rng);  // scattered pages
+    std::vector<int32_t> ctx(B, L);
+    CHECK_CUDA(cudaMalloc(&dtable, perm.size() * 4));
+    CHECK_CUDA(cudaMalloc(&dctx, B * 4));
+    CHECK_CUDA(cudaMemcpy(dtable, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const double bytes = 2.0 * B * double(L) * row * 2 + 2.0 * B * hq * D * 2;
+    std::vector<uint16_t> base_o, o(size_t(B) * hq * D);
+    std::vector<std::pair<int, std::vector<uint16_t>>> two_launch_o;
+    char cname[32];
+    std::snprintf(cname, sizeof cname, "B=%d L=%dk", B, L / 1024);
+    std::vector<int> configs;
+    for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
+    configs.push_back(kNoPDL);
+    for (int v : configs) {
+      minipaged::DecodeParams p{};
+      p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
+      p.lse = nullptr, p.lse_batch_stride = hq;
+      p.q_batch_stride = int64_t(hq) * D, p.q_head_stride = D, p.o_batch_stride = int64_t(hq) * D, p.o_head_stride = D;
+      p.k_block_stride = p.v_block_stride = int64_t(bs) * row, p.k_token_stride = p.v_token_stride = row;
+      p.k_head_stride = p.v_head_stride = D, p.block_table_stride = per_seq;
+      p.batch = B, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D, p.block_size = bs;
+      p.max_blocks = per_seq, p.scale = 1.f / std::sqrt(float(D)), p.dtype = DType::kBFloat16;
+      p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
+      minipaged::DecodePlan plan = minipaged::decode_plan(p, 0);
+      if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
+      const int64_t rows = int64_t(B) * hq * p.num_splits;
+      p.partial_o = dpart, p.partial_lse = dpart + rows * D;
+      const int64_t nc = minipaged::decode_split_counter_count(p, plan);
+      p.split_counters = nc > 0 ? g_counters : nullptr;
+      CHECK_CUDA(cudaMemsetAsync(dout, 0xFF, o.size() * 2, st));
+      CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+      CHECK_CUDA(cudaMemcpyAsync(o.data(), dout, o.size() * 2, cudaMemcpyDeviceToHost, st));
+      CHECK_CUDA(cudaStreamSynchronize(st));
+      // Check: every config near tiling 0 (two-launch); fused bitwise its two-launch twin.
+      std::string check = "ok";
+      if (base_o.empty()) base_o = o;
+      double worst = 0;
+      bool nan = false;
+      for (size_t i = 0; i < o.size(); ++i) {
+        const float a = from_bits(o[i], DType::kBFloat16), b = from_bits(base_o[i], DType::kBFloat16);
+        nan |= std::isnan(a);
+        worst = std::max(worst, double(std::fabs(a - b)));
+      }
+      if (nan || worst > 2e-2) check = "MISMATCH vs tiling 0", ++g_failures;
+      if (v & kFused) {
+        for (auto& e : two_launch_o)
+          if (e.first == (v & ~kFused) && e.second != o) check = "fused != two-launch bits", ++g_failures;
+      } else {
+        two_launch_o.emplace_back(v, o);
+      }
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+      CHECK_CUDA(cudaStreamEndCapture(st, &g));
+      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+      CHECK_CUDA(cudaGraphExecDestroy(ge));
+      CHECK_CUDA(cudaGraphDestroy(g));
+      if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
+      const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
+      char cfg[48];
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "");
+      std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
+                  p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
+      std::fflush(stdout);
+    }
+    for (void* ptr : {(void*)dk, (void*)dv, (void*)dq, (void*)dout, (void*)dlse, (void*)dpart, (void*)dtable,
+                      (void*)dctx})
+      CHECK_CUDA(cudaFree(ptr));
+  }
+  CHECK_CUDA(cudaFree(fbuf));
+  CHECK_CUDA(cudaFree(sink));
+  CHECK_CUDA(cudaStreamDestroy(st));
+  std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  int dev = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&g_num_sms, cudaDevAttrMultiProcessorCount, dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&g_cc, cudaDevAttrComputeCapabilityMajor, dev));
+  CHECK_CUDA(cudaMalloc(&g_counters, kMaxCounters * 4));
+  CHECK_CUDA(cudaMemset(g_counters, 0, kMaxCounters * 4));
+  if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
+  const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
+  if (mode == "small") {
+    g_replays = 10;
+    check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
+    check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
+    check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
+  } else if (mode == "check") {
+    const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};
+    const std::vector<int> splits = {0, 1, 2, 3, 7, 16, 64};
+    uint32_t seed = 10;
+    // Every forced split count 1..64 on one mixed batch (fused vs two-launch bitwise in each).
+    {
+      std::vector<int> all;
+      for (int i = 1; i <= 64; ++i) all.push_back(i);
+      check_problem({"splits 1..64 G2 D128 p16", b16, false, 16, 8, 128, 16, {0, 1, 17, 97, 1023, 4097}}, all,
+                    true, seed++);
+    }
+    // Every context empty: each split writes lse -inf, the merge writes zeros.
+    check_problem({"all empty G2 D128 p16", b16, false, 16, 8, 128, 16, {0, 0, 0}}, {0, 1, 5}, false, seed++);
+    for (DType dt : {f16, b16})
+      for (int D : {64, 128})
+        for (auto hh : {std::pair<int, int>{8, 8}, {16, 8}, {16, 4}, {16, 2}})
+          for (int bs : {1, 16, 256}) {
+            const std::string nm = std::string(dt == b16 ? "bf16" : "fp16") + " G" + std::to_string(hh.first / hh.second);
+            check_problem({nm, dt, false, hh.first, hh.second, D, bs, odd}, splits, bs == 16 && D == 128, seed++);
+          }
+    // FP8 caches: the fused reduction on their kernels too.
+    for (int D : {64, 128})
+      for (auto hh : {std::pair<int, int>{8, 8}, {16, 8}, {16, 2}})
+        check_problem({"fp8 G" + std::to_string(hh.first / hh.second), b16, true, hh.first, hh.second, D, 16,
+                       {0, 1, 17, 97, 1023, 4097}},
+                      splits, D == 128 && hh.first == 16 && hh.second == 8, seed++);
+  } else {
+    std::fprintf(stderr, "usage: %s check|small|time [reps]\n", argv[0]);
+    return 2;
+  }
+  std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}
