@@ -246,13 +246,13 @@ template <class Cfg>
 cudaError_t ws_variant(const PrefillParams& p, cudaStream_t s) {
   return p.causal ? mf::launch_prefill_ws<Cfg, true>(p, s) : mf::launch_prefill_ws<Cfg, false>(p, s);
 }
-template <bool kPP, bool kOv>
+template <bool kPP, bool kOv, bool kPersist = false>
 cudaError_t ws_all(const PrefillParams& p, cudaStream_t s) {
   if (p.dtype == DType::kBFloat16)
-    return p.head_dim == 128 ? ws_variant<mf::WsCfg<bf16, 128, 128, 2, kPP, kOv>>(p, s)
-                             : ws_variant<mf::WsCfg<bf16, 64, 128, 2, kPP, kOv>>(p, s);
-  return p.head_dim == 128 ? ws_variant<mf::WsCfg<__half, 128, 128, 2, kPP, kOv>>(p, s)
-                           : ws_variant<mf::WsCfg<__half, 64, 128, 2, kPP, kOv>>(p, s);
+    return p.head_dim == 128 ? ws_variant<mf::WsCfg<bf16, 128, 128, 2, kPP, kOv, true, false, kPersist>>(p, s)
+                             : ws_variant<mf::WsCfg<bf16, 64, 128, 2, kPP, kOv, true, false, kPersist>>(p, s);
+  return p.head_dim == 128 ? ws_variant<mf::WsCfg<__half, 128, 128, 2, kPP, kOv, true, false, kPersist>>(p, s)
+                           : ws_variant<mf::WsCfg<__half, 64, 128, 2, kPP, kOv, true, false, kPersist>>(p, s);
 }
 #endif
 // PrefillCfg<T, D, BLOCK_N, warps, m-tiles per warp, Q in registers, stages, swizzle,
@@ -285,6 +285,8 @@ static const Variant kVariants[] = {
     {"ws_overlap", ws_variant<mf::WsCfg<bf16, 128, 128, 2, false, true, true>>},
     {"ws_pp_overlap", ws_variant<mf::WsCfg<bf16, 128, 128, 2, true, true, true>>},
     {"ws_pp_overlap_s3", ws_variant<mf::WsCfg<bf16, 128, 128, 3, true, true, true>>},
+    {"ws_persist_pp_overlap", ws_variant<mf::WsCfg<bf16, 128, 128, 2, true, true, true, false, true>>},
+    {"ws_persist_pingpong", ws_variant<mf::WsCfg<bf16, 128, 128, 2, true, false, true, false, true>>},
 #endif
 };
 
@@ -409,6 +411,7 @@ int main(int argc, char** argv) {
     for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 128>, "wg2p_n128_all");
     for (const Case& c : check_cases()) failures += !run_case(c, ws_all<true, true>, "ws_ppov_all");
     for (const Case& c : check_cases()) failures += !run_case(c, ws_all<false, false>, "ws_pipe_all");
+    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<true, true, true>, "ws_persist_ppov_all");
 #endif
     // Every timed variant must also be correct (bf16, D=128, causal and not).
     const Case big = {"dense bf16 d128 causal 1023x1023 gqa2 b2", DType::kBFloat16, 4, 2, 128, true, false, {1023}, {1023}, 2, false, 0.f};
@@ -439,6 +442,9 @@ int main(int argc, char** argv) {
     failures += !run_case(a, ws_all<true, true>, "ws_ppov_all");
     failures += !run_case(b, ws_all<true, true>, "ws_ppov_all");
     failures += !run_case(c, ws_all<true, true>, "ws_ppov_all");
+    failures += !run_case(a, ws_all<true, true, true>, "ws_persist_ppov_all");
+    failures += !run_case(b, ws_all<true, true, true>, "ws_persist_ppov_all");
+    failures += !run_case(c, ws_all<true, true, true>, "ws_persist_ppov_all");
 #endif
   } else if (mode == "time") {
     time_mode(argc > 2 ? std::atoi(argv[2]) : 20, argc > 3 ? argv[3] : "");

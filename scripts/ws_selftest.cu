@@ -54,9 +54,13 @@ static std::string case_name(const Case& c) {
 }
 
 // Consumer schedules of the ablation (WsCfg<T, D, BLOCK_N, stages, ping-pong, overlap, pipelined>).
-enum Sched { kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3, kNumSched };
+enum Sched {
+  kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
+  kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kNumSched
+};
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
-                                                   "pp+overlap 3-stage"};
+                                                   "pp+overlap 3-stage", "persistent pp+overlap",
+                                                   "persistent pingpong", "persistent overlap"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 
 template <typename T, int D, bool kCausal>
@@ -69,6 +73,12 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kPingPong: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, false, true>, kCausal>(p, stream);
     case kPingPongOverlap: return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true>, kCausal>(p, stream);
     case kPingPongOverlap3: return mf::launch_prefill_ws<WsCfg<T, D, 128, 3, true, true, true>, kCausal>(p, stream);
+    case kPersistentPPOverlap:
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, true>, kCausal>(p, stream);
+    case kPersistentPingPong:
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, false, true, false, true>, kCausal>(p, stream);
+    case kPersistentOverlap:
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, false, true, true, false, true>, kCausal>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

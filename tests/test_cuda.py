@@ -676,10 +676,10 @@ def _check_lse(lse, lse64, what):
         assert err <= 2e-3, f"{what}: lse max err {err:.3e}"
 
 
-def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None):
+def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None, variant=0):
     max_q = max_q if max_q is not None else int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     _poison_allocator(q.numel())
-    o, lse = ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, True)
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, True, variant=variant)
     o64, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale)
     o_lp, _ = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale, low_precision=True)
     assert o.dtype == q.dtype and o.shape == q.shape
@@ -688,7 +688,8 @@ def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None):
     empty = torch.isneginf(lse64)
     assert (o[empty] == 0).all(), f"{what}: rows that see no key must be exact zeros"
     # without lse: the same output, bit for bit
-    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale), o), f"{what}: o depends on return_lse"
+    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, variant=variant), o), \
+        f"{what}: o depends on return_lse"
     return o, lse
 
 
@@ -911,6 +912,9 @@ def test_decode_return_lse(ops, variant, num_splits, heads):
 # short ones and the tiled kernel for the rest (prefill/dispatch.cuh, launch_paged_split). Checked
 # against this file's fp64 oracle (_paged_oracle / _check_paged) with NaN-poisoned unused slots and
 # -1 past the used table entries (_paged_case). scripts/paged_ws_selftest.cu is the torch-free twin.
+# Both paths are off by default until they have run on a GPU (dispatch.cuh kPagedNewPathsByDefault);
+# PrefillParams variant 3 turns them on, so every call below passes it.
+NEW_PATHS = 3
 
 WS_MIX_Q = [1, 1, 17, 97, 1023, 2048, 4, 130, 0, 200, 16, 17, 1, 33]
 WS_MIX_CTX = [0, 1, 17, 1023, 1023, 4097, 97, 97, 17, 0, 4097, 4097, 4097, 1]  # q > ctx: rows with no key
@@ -925,7 +929,7 @@ def test_paged_ws_page_sizes(ops, block_size, dtype, causal):
     heads, D = WS_LAYOUTS[block_size]
     q, kc, vc, bt, cu, cl = _paged_case(WS_MIX_Q, WS_MIX_CTX, *heads, D, block_size, dtype, seed=block_size + D)
     _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
-                 f"ws mix {dtype} {heads} D{D} bs{block_size} causal={causal}")
+                 f"ws mix {dtype} {heads} D{D} bs{block_size} causal={causal}", variant=NEW_PATHS)
 
 
 @pytest.mark.parametrize("q_len", [70, 129])
@@ -934,7 +938,8 @@ def test_paged_ws_every_tile_residue(ops, q_len, block_size):
     # every (context_len - q_len) mod 128 (BLOCK_N of the TMA kernel): the tail tile's zeroed V rows
     ctx = [q_len + r + (r % 3) * 128 for r in range(128)]
     q, kc, vc, bt, cu, cl = _paged_case([q_len] * 128, ctx, 4, 2, 128, block_size, torch.float16, seed=q_len)
-    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws residues q_len={q_len} bs{block_size}")
+    _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws residues q_len={q_len} bs{block_size}",
+                 variant=NEW_PATHS)
 
 
 def test_paged_mixed_batch_split_rows(ops):
@@ -943,15 +948,15 @@ def test_paged_mixed_batch_split_rows(ops):
     # written by exactly one of the two launches, by the same kernel as when alone)
     S_q, S_ctx = [2048] + [1] * 63, [4096] * 64
     q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=11)
-    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, "mixed 2k chunk + 63 decodes")
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, "mixed 2k chunk + 63 decodes", variant=NEW_PATHS)
     cu1 = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
     o1, l1 = ops.paged(q[:2048].contiguous(), kc, vc, bt[:1].contiguous(), cu1, cl[:1].contiguous(), 2048, True,
-                       0.0883, True)
+                       0.0883, True, variant=NEW_PATHS)
     assert torch.equal(o1, o[:2048]) and torch.equal(l1, lse[:2048])
     # max_seqlen_q 2 keeps the decode rows on the prefill (packed) kernel instead of the decode kernels
     cud = torch.arange(64, dtype=torch.int32, device="cuda")
     od, ld = ops.paged(q[2048:].contiguous(), kc, vc, bt[1:].contiguous(), cud, cl[1:].contiguous(), 2, True,
-                       0.0883, True)
+                       0.0883, True, variant=NEW_PATHS)
     assert torch.equal(od, o[2048:]) and torch.equal(ld, lse[2048:])
 
 
@@ -963,15 +968,17 @@ def test_paged_mixed_split_spec_and_chunks(ops, heads, block_size):
     S_ctx = [500, 1000, 700, 17, 4, 1, 4097, 2, 3000, 10, 100]
     q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, 128, block_size, torch.bfloat16, seed=block_size)
     for causal in (True, False):
-        _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 0.0883, f"split {heads} bs{block_size} causal={causal}")
-    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True)[0])
+        _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 0.0883, f"split {heads} bs{block_size} causal={causal}",
+                     variant=NEW_PATHS)
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, variant=NEW_PATHS)[0])
 
 
 def test_paged_ws_long_context(ops):
     # the chunked-prefill shapes of the bench at reduced head count: 2k new over 30k cached, 8 x 512 over 4k
     for S_q, S_ctx in (([2048], [32768]), ([512] * 8, [4608] * 8)):
         q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 4, 2, 128, 16, torch.bfloat16, seed=len(S_q))
-        _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws long {S_q[0]}x{len(S_q)} over {S_ctx[0]}")
+        _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"ws long {S_q[0]}x{len(S_q)} over {S_ctx[0]}",
+                     variant=NEW_PATHS)
 
 
 _SANITIZE_PAGED_WS = textwrap.dedent(
@@ -996,7 +1003,7 @@ _SANITIZE_PAGED_WS = textwrap.dedent(
         q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
         cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
         for causal in (True, False):
-            ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True)
+            ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True, variant=3)
     torch.cuda.synchronize()
     print("sanitize script done")
     """

@@ -46,7 +46,8 @@ struct PrefillParams {
   int64_t k_block_stride, v_block_stride;
   int block_size;  // power of two, 1..256
   int max_blocks;
-  int variant;     // paged, benchmarking only: 0 tuned choice, 1 never pack GQA groups, 2 always
+  int variant;     // paged, benchmarking only: 0 tuned choice, 1 never pack GQA groups, 2 always,
+                   // 3 tuned choice with the paths not yet GPU-checked (prefill/dispatch.cuh)
   int batch;
   int num_q_heads;
   int num_kv_heads;

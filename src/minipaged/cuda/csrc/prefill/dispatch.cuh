@@ -82,6 +82,15 @@ cudaError_t launch_paged_split(const PrefillParams& p, Packed packed, Tiled tile
   return tiled(pl);
 }
 
+// The paged paths written after the last GPU run (the mixed-batch split and
+// the TMA paged kernel), compiled and selftest-ready but not yet run on a GPU:
+// off by default until the H200 checks and measures them (PrefillParams
+// variant 3 turns them on: tests, selftests, benchmarks).
+constexpr bool kPagedNewPathsByDefault = false;
+inline bool paged_new_paths(const PrefillParams& p) {
+  return p.variant == 3 || (p.variant == 0 && kPagedNewPathsByDefault);
+}
+
 // Paged, the tiled (one query head per CTA) kernels.
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
@@ -89,7 +98,7 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
   const int sms = p.num_sms > 0 ? p.num_sms : 132;
   // The warp-specialised TMA kernel from half a wave of its CTAs (its grid is
   // the work list of the owned sequences), as for dense/varlen.
-  if (ws_paged_supported<CfgWsPaged<T, D>>(p) &&
+  if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p) &&
       2 * ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads >= int64_t(sms))
     return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
   const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
@@ -105,14 +114,15 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
 
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
-  // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence.
-  const bool pack_ok = p.variant == 0 && p.num_q_heads >= 2 * p.num_kv_heads;
+  // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence,
+  // 3 the default choice with the new paths on.
+  const bool pack_ok = (p.variant == 0 || p.variant == 3) && p.num_q_heads >= 2 * p.num_kv_heads;
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) { return dispatch_paged_tiled<T, D, kCausal>(q, stream); };
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
-  if (!pack_ok) return tiled(p);
+  if (!pack_ok || !paged_new_paths(p)) return tiled(p);
   return launch_paged_split(p, packed, tiled);
 }
 

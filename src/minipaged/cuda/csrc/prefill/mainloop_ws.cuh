@@ -77,7 +77,7 @@ namespace minipaged {
 namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
-          bool kPipelined_ = true, bool kPaged_ = false>
+          bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -87,6 +87,13 @@ struct WsCfg {
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPaged = kPaged_;
+  // Persistent: one CTA per SM walks work items (head, batch, m-block), the
+  // heaviest causal m-blocks first; Q is handed back to the producer as soon as
+  // an item's last QK^T retired, so the next item's Q and K/V loads run under
+  // the current item's last softmax, PV and epilogue (O goes straight from
+  // registers to global memory).
+  static constexpr bool kPersistent = kPersistent_;
+  static_assert(!(kPaged && kPersistent), "the paged work list is not persistent");
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -103,7 +110,8 @@ struct WsCfg {
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
   static constexpr int kBarOff = kVOff + kStages * kTileBytes;
   // Paged: one more, v_tail (the V TMA of key tile 0 when it needs zeroing).
-  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged ? 1 : 0);
+  // Persistent: one more, q_empty (both consumer warpgroups are done with Q).
+  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0);
   static constexpr int kSmemBytes = kBarOff + 8 * kNumBars + 1024;  // +1024: base realignment
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
   // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
@@ -182,44 +190,70 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto v_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
   auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
   auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
-  auto v_tail = [&] { return bars + 8u * (1 + 4 * kStages); };  // paged only
+  auto v_tail = [&] { return bars + 8u * (1 + 4 * kStages); };   // paged only
+  auto q_empty = [&] { return bars + 8u * (1 + 4 * kStages); };  // persistent only (never both)
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
-
-  const int head = blockIdx.x;
-  int batch = blockIdx.y;
-  int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
-  if constexpr (Cfg::kPaged) {
-    if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, batch, m_block)) return;
-  }
-  const int m_start = m_block * kBlockM;
-
-  const SeqInfo seq = seq_info<Cfg::kPaged>(p, batch);
-  const int q_begin = seq.q_begin, k_begin = seq.k_begin;
-  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-  if (m_start >= seqlen_q) return;
-  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
-  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
-             head * p.o_head_stride;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int m_rows = min(kBlockM, seqlen_q - m_start);
-  const int diag = seqlen_k - seqlen_q;
-  int n_end = seqlen_k;
-  if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
-  if (n_end <= 0) {
-    // No row of the block sees a key: zeros (and -inf lse), no pipeline at all.
-    for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
+
+  // The work item's geometry: set once from blockIdx, or per item by a
+  // persistent CTA (the lambdas below read these by reference).
+  int head = 0, batch = 0, m_start = 0, q_begin = 0, k_begin = 0, seqlen_q = 0, seqlen_k = 0;
+  int kv_head = 0, m_rows = 0, diag = 0, n_end = 0, n_tiles = 0;
+  T* o_ptr = nullptr;
+  // false: the m-block starts past its sequence's last query row (nothing to do).
+  auto set_item = [&](int h, int b, int m_block) -> bool {
+    head = h;
+    batch = b;
+    m_start = m_block * kBlockM;
+    const SeqInfo seq = seq_info<Cfg::kPaged>(p, batch);
+    q_begin = seq.q_begin, k_begin = seq.k_begin;
+    seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if (m_start >= seqlen_q) return false;
+    kv_head = head / (p.num_q_heads / p.num_kv_heads);
+    o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
+            head * p.o_head_stride;
+    m_rows = min(kBlockM, seqlen_q - m_start);
+    diag = seqlen_k - seqlen_q;
+    n_end = seqlen_k;
+    if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
+    n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+    return true;
+  };
+  // No row of the item sees a key: zeros (and -inf lse), no pipeline at all.
+  auto write_empty_item = [&](int t0, int threads) {
+    for (int idx = t0; idx < m_rows * Cfg::kChunks; idx += threads) {
       const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
       *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) = make_uint4(0, 0, 0, 0);
     }
-    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, tid, Cfg::kThreads);
-    return;
-  }
-  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
+    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, t0, threads);
+  };
   auto tile_n0 = [&](int t) { return (n_tiles - 1 - t) * kBlockN; };
+  // Persistent work list: item w = (m-block rank, then batch, then head), rank
+  // 0 the last m-block (under causal the heaviest) of every sequence.
+  const int m_blocks_max = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_items = m_blocks_max * p.batch * p.num_q_heads;
+  auto set_item_w = [&](int w) -> bool {
+    const int hb = p.batch * p.num_q_heads;
+    const int rank = w / hb, rest = w - rank * hb;
+    return set_item(rest % p.num_q_heads, rest / p.num_q_heads, m_blocks_max - 1 - rank);
+  };
+
+  if constexpr (!Cfg::kPersistent) {
+    int b = blockIdx.y;
+    int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+    if constexpr (Cfg::kPaged) {
+      if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
+    }
+    if (!set_item(blockIdx.x, b, m_block)) return;
+    if (n_end <= 0) {
+      write_empty_item(tid, Cfg::kThreads);
+      return;
+    }
+  }
 
   if (tid == 0) {
     mbar_init(q_full(), 1);
@@ -231,6 +265,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       mbar_init(v_empty(s), Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
+    if constexpr (Cfg::kPersistent) mbar_init(q_empty(), Cfg::kConsumerWarps);
     mbar_fence_init();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles diverge below
@@ -312,18 +347,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       tma_prefetch_desc(&wp.tm_q);
       tma_prefetch_desc(&wp.tm_k);
       tma_prefetch_desc(&wp.tm_v);
+      // Ring tiles and items this CTA has loaded before: slot and phase
+      // parities continue across a persistent CTA's items.
+      int tc0 = 0, item_no = 0;
+      auto produce_item = [&] {
       // Dense: (row, batch) coordinates; varlen: rows of the packed tensor, batch extent 1.
       const int q_b = p.cu_seqlens_q != nullptr ? 0 : batch;
       const int k_b = p.cu_seqlens_k != nullptr ? 0 : batch;
+      // Q of the previous item must be done with (completion item_no - 1 of q_empty).
+      if constexpr (Cfg::kPersistent) {
+        if (item_no > 0) mbar_wait(q_empty(), uint32_t((item_no - 1) & 1));
+      }
       mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
 #pragma unroll
       for (int cb = 0; cb < kCB; ++cb)
         tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
       for (int t = 0; t < n_tiles; ++t) {
-        const int s = t % kStages;
+        const int tg = tc0 + t;
+        const int s = tg % kStages;
         // Round r of slot s waits for the consumers' release of round r - 1,
         // i.e. phase parity (r - 1) & 1; round 0 passes on the fresh barrier.
-        const uint32_t parity = ((t / kStages) & 1) ^ 1;
+        const uint32_t parity = ((tg / kStages) & 1) ^ 1;
         const int row = k_begin + tile_n0(t);
         mbar_wait(k_empty(s), parity);
         mbar_arrive_expect_tx(k_full(s), Cfg::kTileBytes);
@@ -336,6 +380,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         for (int cb = 0; cb < kCB; ++cb)
           tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
       }
+      };
+      if constexpr (Cfg::kPersistent) {
+        // The consumers walk the same items and skip the same ones.
+        for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
+          if (!set_item_w(w) || n_end <= 0) continue;
+          produce_item();
+          tc0 += n_tiles;
+          ++item_no;
+        }
+      } else {
+        produce_item();
+      }
     }
     // Nothing waits for the producer: the CTA (and its shared memory) lives
     // until the consumers finish, and they wait for every byte they read.
@@ -346,7 +402,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int cw = warp_group - 1;          // consumer warpgroup 0 or 1
   const int warp_row0 = (warp - 4) * 16;  // the warp's 16 rows of the block
-  const int wg_row0 = m_start + cw * 64;
+  int wg_row0 = 0;                        // the warpgroup's first row (per item)
 
   const uint32_t q_wg = s_q + cw * 64 * 128;
   auto q_desc = [&](int kk) {
@@ -377,17 +433,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       if (!(last_phase && cw == 1)) named_bar_arrive(Cfg::kBarSched + (1 - cw), 256);
     }
   };
-  if constexpr (Cfg::kPingPong) {
-    if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
-  }
 
   float acc_o[kCB][8][4];
-#pragma unroll
-  for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
   auto o_frag = [&](int, int dt, int e) -> float& { return acc_o[dt >> 3][dt & 7][e]; };
   auto fence_o = [&] {
 #pragma unroll
@@ -396,15 +443,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 
   const float scale_log2 = p.scale * 1.4426950408889634f;  // positive: the launchers check
   FragSoftmax<1> sm;
-  sm.init();
   const int g = lane >> 2;
   const int tq = (lane & 3) * 2;
 
   float acc_s[kNT / 8][8][4];
   auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
   uint32_t p_frag[kBlockN / 16][4];
-  auto slot = [&](int t) { return t % kStages; };
-  auto phase = [&](int t) { return uint32_t((t / kStages) & 1); };
+  // Ring tiles and items this CTA consumed before (as in the producer).
+  int tc0 = 0, item_no = 0;
+  auto slot = [&](int t) { return (tc0 + t) % kStages; };
+  auto phase = [&](int t) { return uint32_t(((tc0 + t) / kStages) & 1); };
 
   // S = Q K^T of tile t into acc_s (issued, not waited for).
   auto issue_qk = [&](int t) {
@@ -461,21 +509,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
   };
 
+  int n_masked = 0;
+  auto softmax_any = [&](int t) {
+    if (t < n_masked) softmax_tile(t, MaskOn{});
+    else softmax_tile(t, MaskOff{});
+  };
+  // Persistent: after the item's last QK^T retired, Q goes back to the producer.
+  auto q_done = [&](int t) {
+    if constexpr (Cfg::kPersistent) {
+      if (t == n_tiles - 1) release(q_empty());
+    }
+  };
+
+  auto consume_item = [&] {
+  wg_row0 = m_start + cw * 64;
+#pragma unroll
+  for (int cb = 0; cb < kCB; ++cb)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
+  sm.init();
+  rescale_pending = false;
   // Leading tiles (from the last key tile down) that need the mask for this
   // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
-  int n_masked = 0;
+  n_masked = 0;
   while (n_masked < n_tiles) {
     const int n0 = tile_n0(n_masked);
     const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
     if (full) break;
     ++n_masked;
   }
-  auto softmax_any = [&](int t) {
-    if (t < n_masked) softmax_tile(t, MaskOn{});
-    else softmax_tile(t, MaskOff{});
-  };
+  if constexpr (Cfg::kPingPong) {
+    if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
+  }
 
-  mbar_wait(q_full(), 0);
+  mbar_wait(q_full(), uint32_t(item_no & 1));
 
   if constexpr (!Cfg::kPipelined) {
     // Step 1 of the ablation: each tile's two GEMMs back to back.
@@ -485,6 +554,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       wgmma_wait<0>();
       fence_operand(acc_s);
       release(k_empty(slot(t)));
+      q_done(t);
       softmax_any(t);
       finish_tile();
       mbar_wait(v_full(slot(t)), phase(t));
@@ -502,6 +572,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     wgmma_wait<0>();
     fence_operand(acc_s);
     release(k_empty(slot(0)));
+    q_done(0);
     softmax_any(0);
     finish_tile();
     // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
@@ -516,6 +587,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
         fence_operand(acc_s);
         release(k_empty(slot(t)));
+        q_done(t);
         softmax_any(t);
         wgmma_wait<0>();
         fence_o();
@@ -528,6 +600,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         fence_operand(p_frag);
         release(k_empty(slot(t)));
         release(v_empty(slot(t - 1)));
+        q_done(t);
         softmax_any(t);
       }
       finish_tile();
@@ -543,6 +616,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   }
 
   // ---- epilogue ----
+  if constexpr (Cfg::kPersistent) {
+    // Straight from the C fragments (4-byte stores, two rows per thread): Q's
+    // shared memory already holds the next item's Q.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = sm.row_total(0, h);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = warp_row0 + g + h * 8;
+      if (r < m_rows) {
+        if (p.lse != nullptr && (lane & 3) == 0) {
+          const float ref = sm.row_ref(0, h, scale_log2);
+          p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+                int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+        }
+        T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
+        pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
+          *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
+        });
+      }
+    }
+  } else {
   // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
   // thread's 4-byte writes of 8 rows land in 8 different 16-byte chunks); the
   // barrier keeps it behind the warpgroup's last wgmma read of Q.
@@ -572,6 +666,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(smem_ptr + sw128_off<kBlockM>(row, c));
     }
+  }
+  }
+  };  // consume_item
+
+  if constexpr (Cfg::kPersistent) {
+    for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
+      if (!set_item_w(w)) continue;
+      if (n_end <= 0) {
+        write_empty_item(tid - 128, Cfg::kConsumerWGs * 128);
+        continue;
+      }
+      consume_item();
+      tc0 += n_tiles;
+      ++item_no;
+    }
+  } else {
+    consume_item();
   }
 #else
   __trap();  // built without sm_90a: never launched
@@ -660,7 +771,14 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   constexpr int kSmem = Cfg::kSmemBytes;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
+  dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
+  if constexpr (Cfg::kPersistent) {
+    // One resident CTA per SM (the shared memory and registers allow one).
+    const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
+    if (items > INT_MAX) return cudaErrorInvalidConfiguration;
+    const int sms = pp.num_sms > 0 ? pp.num_sms : 132;
+    grid = dim3(unsigned(std::min<int64_t>(items, sms)), 1, 1);
+  }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
 }
