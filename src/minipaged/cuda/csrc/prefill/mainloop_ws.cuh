@@ -351,35 +351,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       // parities continue across a persistent CTA's items.
       int tc0 = 0, item_no = 0;
       auto produce_item = [&] {
-      // Dense: (row, batch) coordinates; varlen: rows of the packed tensor, batch extent 1.
-      const int q_b = p.cu_seqlens_q != nullptr ? 0 : batch;
-      const int k_b = p.cu_seqlens_k != nullptr ? 0 : batch;
-      // Q of the previous item must be done with (completion item_no - 1 of q_empty).
-      if constexpr (Cfg::kPersistent) {
-        if (item_no > 0) mbar_wait(q_empty(), uint32_t((item_no - 1) & 1));
-      }
-      mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
-#pragma unroll
-      for (int cb = 0; cb < kCB; ++cb)
-        tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
-      for (int t = 0; t < n_tiles; ++t) {
-        const int tg = tc0 + t;
-        const int s = tg % kStages;
-        // Round r of slot s waits for the consumers' release of round r - 1,
-        // i.e. phase parity (r - 1) & 1; round 0 passes on the fresh barrier.
-        const uint32_t parity = ((tg / kStages) & 1) ^ 1;
-        const int row = k_begin + tile_n0(t);
-        mbar_wait(k_empty(s), parity);
-        mbar_arrive_expect_tx(k_full(s), Cfg::kTileBytes);
+        // Dense: (row, batch) coordinates; varlen: rows of the packed tensor, batch extent 1.
+        const int q_b = p.cu_seqlens_q != nullptr ? 0 : batch;
+        const int k_b = p.cu_seqlens_k != nullptr ? 0 : batch;
+        // Q of the previous item must be done with (completion item_no - 1 of q_empty).
+        if constexpr (Cfg::kPersistent) {
+          if (item_no > 0) mbar_wait(q_empty(), uint32_t((item_no - 1) & 1));
+        }
+        mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
 #pragma unroll
         for (int cb = 0; cb < kCB; ++cb)
-          tma_load_4d(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b);
-        mbar_wait(v_empty(s), parity);
-        mbar_arrive_expect_tx(v_full(s), Cfg::kTileBytes);
+          tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
+        for (int t = 0; t < n_tiles; ++t) {
+          const int tg = tc0 + t;
+          const int s = tg % kStages;
+          // Round r of slot s waits for the consumers' release of round r - 1,
+          // i.e. phase parity (r - 1) & 1; round 0 passes on the fresh barrier.
+          const uint32_t parity = ((tg / kStages) & 1) ^ 1;
+          const int row = k_begin + tile_n0(t);
+          mbar_wait(k_empty(s), parity);
+          mbar_arrive_expect_tx(k_full(s), Cfg::kTileBytes);
 #pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
-          tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
-      }
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b);
+          mbar_wait(v_empty(s), parity);
+          mbar_arrive_expect_tx(v_full(s), Cfg::kTileBytes);
+#pragma unroll
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
+        }
       };
       if constexpr (Cfg::kPersistent) {
         // The consumers walk the same items and skip the same ones.
@@ -522,152 +522,152 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   };
 
   auto consume_item = [&] {
-  wg_row0 = m_start + cw * 64;
+    wg_row0 = m_start + cw * 64;
 #pragma unroll
-  for (int cb = 0; cb < kCB; ++cb)
+    for (int cb = 0; cb < kCB; ++cb)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
-  sm.init();
-  rescale_pending = false;
-  // Leading tiles (from the last key tile down) that need the mask for this
-  // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
-  n_masked = 0;
-  while (n_masked < n_tiles) {
-    const int n0 = tile_n0(n_masked);
-    const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
-    if (full) break;
-    ++n_masked;
-  }
-  if constexpr (Cfg::kPingPong) {
-    if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
-  }
+        for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
+    sm.init();
+    rescale_pending = false;
+    // Leading tiles (from the last key tile down) that need the mask for this
+    // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
+    n_masked = 0;
+    while (n_masked < n_tiles) {
+      const int n0 = tile_n0(n_masked);
+      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
+      if (full) break;
+      ++n_masked;
+    }
+    if constexpr (Cfg::kPingPong) {
+      if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
+    }
 
-  mbar_wait(q_full(), uint32_t(item_no & 1));
+    mbar_wait(q_full(), uint32_t(item_no & 1));
 
-  if constexpr (!Cfg::kPipelined) {
-    // Step 1 of the ablation: each tile's two GEMMs back to back.
-    for (int t = 0; t < n_tiles; ++t) {
-      mbar_wait(k_full(slot(t)), phase(t));
-      issue_qk(t);
+    if constexpr (!Cfg::kPipelined) {
+      // Step 1 of the ablation: each tile's two GEMMs back to back.
+      for (int t = 0; t < n_tiles; ++t) {
+        mbar_wait(k_full(slot(t)), phase(t));
+        issue_qk(t);
+        wgmma_wait<0>();
+        fence_operand(acc_s);
+        release(k_empty(slot(t)));
+        q_done(t);
+        softmax_any(t);
+        finish_tile();
+        mbar_wait(v_full(slot(t)), phase(t));
+        issue_pv(t);
+        wgmma_wait<0>();
+        fence_o();
+        release(v_empty(slot(t)));
+      }
+    } else {
+      // Phase 0: QK^T of the first tile alone.
+      mbar_wait(k_full(slot(0)), phase(0));
+      sched_wait();
+      issue_qk(0);
+      sched_signal(false);
       wgmma_wait<0>();
       fence_operand(acc_s);
-      release(k_empty(slot(t)));
-      q_done(t);
-      softmax_any(t);
+      release(k_empty(slot(0)));
+      q_done(0);
+      softmax_any(0);
       finish_tile();
-      mbar_wait(v_full(slot(t)), phase(t));
-      issue_pv(t);
+      // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
+      for (int t = 1; t < n_tiles; ++t) {
+        mbar_wait(k_full(slot(t)), phase(t));
+        mbar_wait(v_full(slot(t - 1)), phase(t - 1));
+        sched_wait();
+        issue_qk(t);
+        issue_pv(t - 1);
+        sched_signal(false);
+        if constexpr (Cfg::kOverlap) {
+          wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
+          fence_operand(acc_s);
+          release(k_empty(slot(t)));
+          q_done(t);
+          softmax_any(t);
+          wgmma_wait<0>();
+          fence_o();
+          fence_operand(p_frag);
+          release(v_empty(slot(t - 1)));
+        } else {
+          wgmma_wait<0>();
+          fence_operand(acc_s);
+          fence_o();
+          fence_operand(p_frag);
+          release(k_empty(slot(t)));
+          release(v_empty(slot(t - 1)));
+          q_done(t);
+          softmax_any(t);
+        }
+        finish_tile();
+      }
+      // Phase n_tiles: PV of the last tile alone.
+      mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
+      sched_wait();
+      issue_pv(n_tiles - 1);
+      sched_signal(true);
       wgmma_wait<0>();
       fence_o();
-      release(v_empty(slot(t)));
+      release(v_empty(slot(n_tiles - 1)));
     }
-  } else {
-    // Phase 0: QK^T of the first tile alone.
-    mbar_wait(k_full(slot(0)), phase(0));
-    sched_wait();
-    issue_qk(0);
-    sched_signal(false);
-    wgmma_wait<0>();
-    fence_operand(acc_s);
-    release(k_empty(slot(0)));
-    q_done(0);
-    softmax_any(0);
-    finish_tile();
-    // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
-    for (int t = 1; t < n_tiles; ++t) {
-      mbar_wait(k_full(slot(t)), phase(t));
-      mbar_wait(v_full(slot(t - 1)), phase(t - 1));
-      sched_wait();
-      issue_qk(t);
-      issue_pv(t - 1);
-      sched_signal(false);
-      if constexpr (Cfg::kOverlap) {
-        wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
-        fence_operand(acc_s);
-        release(k_empty(slot(t)));
-        q_done(t);
-        softmax_any(t);
-        wgmma_wait<0>();
-        fence_o();
-        fence_operand(p_frag);
-        release(v_empty(slot(t - 1)));
-      } else {
-        wgmma_wait<0>();
-        fence_operand(acc_s);
-        fence_o();
-        fence_operand(p_frag);
-        release(k_empty(slot(t)));
-        release(v_empty(slot(t - 1)));
-        q_done(t);
-        softmax_any(t);
-      }
-      finish_tile();
-    }
-    // Phase n_tiles: PV of the last tile alone.
-    mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
-    sched_wait();
-    issue_pv(n_tiles - 1);
-    sched_signal(true);
-    wgmma_wait<0>();
-    fence_o();
-    release(v_empty(slot(n_tiles - 1)));
-  }
 
-  // ---- epilogue ----
-  if constexpr (Cfg::kPersistent) {
-    // Straight from the C fragments (4-byte stores, two rows per thread): Q's
-    // shared memory already holds the next item's Q.
+    // ---- epilogue ----
+    if constexpr (Cfg::kPersistent) {
+      // Straight from the C fragments (4-byte stores, two rows per thread): Q's
+      // shared memory already holds the next item's Q.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = sm.row_total(0, h);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int r = warp_row0 + g + h * 8;
-      if (r < m_rows) {
-        if (p.lse != nullptr && (lane & 3) == 0) {
+      for (int h = 0; h < 2; ++h) {
+        const float l = sm.row_total(0, h);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int r = warp_row0 + g + h * 8;
+        if (r < m_rows) {
+          if (p.lse != nullptr && (lane & 3) == 0) {
+            const float ref = sm.row_ref(0, h, scale_log2);
+            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+                  int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+          }
+          T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
+          pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
+            *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
+          });
+        }
+      }
+    } else {
+      // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
+      // thread's 4-byte writes of 8 rows land in 8 different 16-byte chunks); the
+      // barrier keeps it behind the warpgroup's last wgmma read of Q.
+      named_bar_sync(Cfg::kBarEpilogue + cw, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = sm.row_total(0, h);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int r = warp_row0 + g + h * 8;
+        if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
           const float ref = sm.row_ref(0, h, scale_log2);
           p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
                 int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
         }
-        T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
         pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-          *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
+          const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
+          *reinterpret_cast<uint32_t*>(smem_ptr + off) = pair;
         });
       }
-    }
-  } else {
-  // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
-  // thread's 4-byte writes of 8 rows land in 8 different 16-byte chunks); the
-  // barrier keeps it behind the warpgroup's last wgmma read of Q.
-  named_bar_sync(Cfg::kBarEpilogue + cw, 128);
+      __syncwarp();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = sm.row_total(0, h);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = warp_row0 + g + h * 8;
-    if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-      const float ref = sm.row_ref(0, h, scale_log2);
-      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-            int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+      for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
+        const int idx = lane + it * 32;
+        const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+        const int row = warp_row0 + r;
+        if (row < m_rows) {
+          *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+              *reinterpret_cast<const uint4*>(smem_ptr + sw128_off<kBlockM>(row, c));
+        }
+      }
     }
-    pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-      const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
-      *reinterpret_cast<uint32_t*>(smem_ptr + off) = pair;
-    });
-  }
-  __syncwarp();
-#pragma unroll
-  for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
-    const int idx = lane + it * 32;
-    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-    const int row = warp_row0 + r;
-    if (row < m_rows) {
-      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(smem_ptr + sw128_off<kBlockM>(row, c));
-    }
-  }
-  }
   };  // consume_item
 
   if constexpr (Cfg::kPersistent) {
