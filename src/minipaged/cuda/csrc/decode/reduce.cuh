@@ -120,14 +120,11 @@ constexpr int kReduceRows = kReduceThreads / (D / 4);
 template <typename T, int D, int kThreads>
 __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const DecodeSlice& slice, float* sm_w,
                                                    float* sm_mref, float* sm_total) {
-  constexpr int ROWS = kReduceRows<D>;
-  // Chains per register batch: 4 float2 loads in flight per thread keeps the
-  // tail within the registers of the main loop (8 raised some kernels to the
-  // next occupancy step).
-  constexpr int CB = ROWS < 4 ? ROWS : 4;
-  constexpr int HALF = D / 2;              // float2 items per head row
+  constexpr int ROWS = kReduceRows<D>;  // chains per output float4, as in decode_reduce_kernel
+  constexpr int LANES = D / 4;          // float4 columns per head row
+  constexpr int IPW = 32 / ROWS;        // float4 items per warp per pass
   constexpr int kWarpsHere = kThreads / 32;
-  static_assert(ROWS % CB == 0, "chain batches");
+  static_assert(32 % ROWS == 0, "the chains of an item share a warp");
   __shared__ int sm_last;
   const int tid = threadIdx.x;
   const int S = p.num_splits;
@@ -148,24 +145,11 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
 
   const int ng = slice.ng;
   const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * S;
-  // Partials were written by other CTAs of this grid: read them at L2 (.cg),
-  // never from a line this SM's L1 may hold from an earlier call.
-  const float2* po = reinterpret_cast<const float2*>(p.partial_o);
-
-  // The first register batch of this thread's first item is requested before
-  // the weights are computed: both round trips to L2 overlap.
-  const int first = tid;
-  float2 pre[CB];
-  if (first < ng * HALF) {
-    const int row = first / HALF, c2 = first - row * HALF;
-#pragma unroll
-    for (int c = 0; c < CB; ++c)
-      pre[c] = c < S ? __ldcg(po + ((row_base + static_cast<int64_t>(row) * S + c) * HALF + c2))
-                     : make_float2(0.f, 0.f);
-  }
+  const int lane = tid & 31, warp = tid >> 5;
 
   // Weights, one warp per head row: lane j holds splits j, 32 + j, ...
-  const int lane = tid & 31, warp = tid >> 5;
+  // Partials were written by other CTAs of this grid: they are read at L2
+  // (.cg), never from a line this SM's L1 may hold from an earlier call.
   constexpr int kChunks = kMaxSplits / 32;
   for (int row = warp; row < ng; row += kWarpsHere) {
     const float* lse = p.partial_lse + row_base + static_cast<int64_t>(row) * S;
@@ -199,55 +183,57 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   }
   __syncthreads();
 
-  for (int item = first; item < ng * HALF; item += kThreads) {
-    const int row = item / HALF, c2 = item - row * HALF;
-    const float2* src = po + (row_base + static_cast<int64_t>(row) * S) * HALF + c2;
-    const float* w = sm_w + row * kMaxSplits;
-    float2 o = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int cb = 0; cb < ROWS; cb += CB) {
-      float2 acc[CB];
-#pragma unroll
-      for (int c = 0; c < CB; ++c) acc[c] = make_float2(0.f, 0.f);
-      for (int s0 = cb; s0 < S; s0 += ROWS) {
-        float2 v[CB];
-        if (cb == 0 && s0 == 0 && item == first) {
-#pragma unroll
-          for (int c = 0; c < CB; ++c) v[c] = pre[c];
-        } else {
-#pragma unroll
-          for (int c = 0; c < CB; ++c)
-            v[c] = s0 + c < S ? __ldcg(src + static_cast<int64_t>(s0 + c) * HALF) : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-        for (int c = 0; c < CB; ++c) {
-          if (s0 + c < S) {
-            const float ws = w[s0 + c];
-            acc[c].x = fmaf(ws, v[c].x, acc[c].x);
-            acc[c].y = fmaf(ws, v[c].y, acc[c].y);
-          }
-        }
-      }
-      // decode_reduce_kernel: o = chain 0, then += chains 1 .. ROWS-1 (a chain
-      // without splits adds +0, exactly as there).
-#pragma unroll
-      for (int c = 0; c < CB; ++c) {
-        if (cb + c == 0) {
-          o = acc[0];
-        } else {
-          o.x += acc[c].x;
-          o.y += acc[c].y;
-        }
+  // Outputs: ROWS consecutive lanes own the ROWS chains of one float4 item
+  // (head row, 4 dims), so every lane streams its chain's splits with several
+  // loads in flight, and the chain-0 lane adds the others' sums in chain order
+  // through shuffles. The loop is warp-uniform (full-mask shuffles).
+  const int r = lane % ROWS;
+  const int first_lane = lane - r;
+  const int items = ng * LANES;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o);
+  for (int base = warp * IPW; base < items; base += kWarpsHere * IPW) {
+    const int item = base + lane / ROWS;
+    const bool valid = item < items;
+    const int row = valid ? item / LANES : 0;
+    const int col = item - row * LANES;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (valid) {
+      const float4* src = po + (row_base + static_cast<int64_t>(row) * S) * LANES + col;
+      const float* w = sm_w + row * kMaxSplits;
+#pragma unroll 8
+      for (int s = r; s < S; s += ROWS) {
+        const float ws = w[s];
+        const float4 v = __ldcg(src + static_cast<int64_t>(s) * LANES);
+        acc.x = fmaf(ws, v.x, acc.x);
+        acc.y = fmaf(ws, v.y, acc.y);
+        acc.z = fmaf(ws, v.z, acc.z);
+        acc.w = fmaf(ws, v.w, acc.w);
       }
     }
-    const float total = sm_total[row];
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const int h = slice.h0 + row;
-    if (p.lse != nullptr && c2 == 0)
-      p.lse[slice.b * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
-    T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride + c2 * 2;
-    op[0] = Convert<T>::from_float(o.x * inv);
-    op[1] = Convert<T>::from_float(o.y * inv);
+    // decode_reduce_kernel: o = chain 0, then += chains 1 .. ROWS-1 in order
+    // (a chain without splits adds +0 there too).
+    float4 o = acc;
+#pragma unroll
+    for (int j = 1; j < ROWS; ++j) {
+      const int src_lane = first_lane + j;
+      const float ox = __shfl_sync(0xffffffffu, acc.x, src_lane);
+      const float oy = __shfl_sync(0xffffffffu, acc.y, src_lane);
+      const float oz = __shfl_sync(0xffffffffu, acc.z, src_lane);
+      const float ow = __shfl_sync(0xffffffffu, acc.w, src_lane);
+      o.x += ox, o.y += oy, o.z += oz, o.w += ow;
+    }
+    if (valid && r == 0) {
+      const float total = sm_total[row];
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int h = slice.h0 + row;
+      if (p.lse != nullptr && col == 0)
+        p.lse[slice.b * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
+      T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride + col * 4;
+      op[0] = Convert<T>::from_float(o.x * inv);
+      op[1] = Convert<T>::from_float(o.y * inv);
+      op[2] = Convert<T>::from_float(o.z * inv);
+      op[3] = Convert<T>::from_float(o.w * inv);
+    }
   }
 }
 
