@@ -143,7 +143,10 @@ def test_fused_matches_oracle_and_two_launch_bitwise(ops, dtype, heads, D, page)
             one = ops.decode(q, kc, vc, bt, cl, scale, True, num_splits=splits, variant=t | FUSED)
             _check(*one, ref, ref_lse, lp, what + " fused")
             _check(*two, ref, ref_lse, lp, what + " two-launch")
-            assert _same(one, two), f"{what}: fused and two-launch differ"
+            # The split heuristic (0) follows the kernel's occupancy, which the fused tail may
+            # change (tiling 13): bits are comparable at a forced split count.
+            if splits:
+                assert _same(one, two), f"{what}: fused and two-launch differ"
             assert (one[0][cl == 0] == 0).all()
 
 
@@ -240,7 +243,8 @@ def test_fp8_fused(ops, D, heads):
             two = ops.decode(q, kc, vc, bt, cl, scale, True, ks, vs, num_splits=splits, variant=t)
             one = ops.decode(q, kc, vc, bt, cl, scale, True, ks, vs, num_splits=splits, variant=t | FUSED)
             _check(*one, ref, ref_lse, lp, f"fp8 H{Hq}/{Hkv} D{D} tiling {t} splits {splits}")
-            assert _same(one, two), f"fp8 tiling {t} splits {splits}: fused and two-launch differ"
+            if splits:  # the heuristic follows each kernel's occupancy
+                assert _same(one, two), f"fp8 tiling {t} splits {splits}: fused and two-launch differ"
 
 
 def test_paged_entry_point_takes_the_fused_bit(ops):
