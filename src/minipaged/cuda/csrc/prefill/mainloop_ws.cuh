@@ -16,9 +16,17 @@
 //   k_empty[s], v_empty[s] one arrival per consumer warp, after its wgmma that
 //                          read the slot retired; the producer waits on them
 //                          before it overwrites the slot.
-//   q_full                 Q of the block, waited once.
+//   q_full                 Q of the block, waited once per work item.
+//   q_empty                (persistent only) one arrival per consumer warp once
+//                          the item's last QK^T retired: Q may be reloaded.
 // K and V of a tile have separate barriers so S = Q K^T can start before V
 // lands and K's slot is handed back before P V runs.
+//
+// Persistent (WsCfg kPersistent): a grid of one CTA per SM walks the work
+// items (head, batch, m-block) with a stride of gridDim.x, heaviest m-blocks
+// first; producer and consumers compute the same item sequence, skip the same
+// empty ones, and keep counting ring tiles and items across them, so every
+// barrier parity continues where the last item left it.
 //
 // Consumer schedules (WsCfg flags, each one step of the ablation):
 //   serial      per tile: QK^T, wait, softmax, PV, wait.
