@@ -51,17 +51,19 @@ CASES = {
 }
 PAGES = [16, 1, 128]
 # name -> (which cases: "all" | "long" (chunked + mixed) | "mixed", overrides)
+_NEW = {"paged_long_kernel": "v2", "paged_mixed": "split"}  # the candidate default (configs.py)
 VARIANTS = {
     "old": ("all", {"paged_long_kernel": "v1", "paged_mixed": "one"}),
     "default": ("all", {}),
+    "v2+split": ("all", dict(_NEW)),
     "v1+split": ("mixed", {"paged_long_kernel": "v1", "paged_mixed": "split"}),
     "v2+one": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "one"}),
-    "v2 no-prefetch": ("long", {"paged_prefetch": 0}),
-    "v2 tile 128,64,8,2": ("long", {"paged": (128, 64, 8, 2)}),
-    "v2 tile 64,64,4,3": ("long", {"paged": (64, 64, 4, 3)}),
-    "v2 tile 128,32,8,4": ("long", {"paged": (128, 32, 8, 4)}),
-    "short 32,64,4,2": ("mixed", {"paged_short": (32, 64, 4, 2)}),
-    "short 16,32,4,2": ("mixed", {"paged_short": (16, 32, 4, 2)}),
+    "v2 no-prefetch": ("long", {**_NEW, "paged_prefetch": 0}),
+    "v2 tile 128,64,8,2": ("long", {**_NEW, "paged": (128, 64, 8, 2)}),
+    "v2 tile 64,64,4,3": ("long", {**_NEW, "paged": (64, 64, 4, 3)}),
+    "v2 tile 128,32,8,4": ("long", {**_NEW, "paged": (128, 32, 8, 4)}),
+    "short 32,64,4,2": ("mixed", {**_NEW, "paged_short": (32, 64, 4, 2)}),
+    "short 16,32,4,2": ("mixed", {**_NEW, "paged_short": (16, 32, 4, 2)}),
 }
 REPS = 30
 
@@ -297,7 +299,7 @@ def _anchors(case: str, page: int, inputs, dense, truth, lowp) -> dict:
         cu_c = cu_seqlens([q_lens[s] for s in chunks], DEVICE)
         btc, clc = bt[sel].contiguous(), cl[sel].contiguous()
         mq = max(q_lens[s] for s in chunks)
-        for name, ov in (("chunk alone (default)", {}), ("chunk alone (old)", VARIANTS["old"][1])):
+        for name, ov in (("chunk alone (v2)", dict(_NEW)), ("chunk alone (old)", VARIANTS["old"][1])):
             timed(name, _paged_fn((qc, kc, vc, btc, cu_c, clc, mq), ov), False, rows_c)
         dsel = torch.tensor(decs, device=q.device)
         rows_d = torch.tensor([starts[s] for s in decs], device=q.device)
@@ -395,7 +397,7 @@ def _summary(rows) -> list[str]:
             elif kind == "spec" and an.get("decode", {}).get("status") == "ok":
                 note = f"paged/decode = {t / an['decode']['median_us']:.3f} (target <= 1.3)"
             elif kind == "mixed":
-                best = [an[n]["median_us"] for n in ("chunk alone (default)", "chunk alone (old)")
+                best = [an[n]["median_us"] for n in ("chunk alone (v2)", "chunk alone (old)")
                         if an.get(n, {}).get("status") == "ok"]
                 dec = an.get("decodes alone", {})
                 if best and dec.get("status") == "ok":

@@ -87,14 +87,26 @@ def _run(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, scale=No
 
 @contextlib.contextmanager
 def _overrides(**kw):
-    """configs.set_override for the duration of a block (released even on failure)."""
+    """configs.set_override for the duration of a block (None releases one); the previous
+    overrides come back on exit, even on failure."""
+    saved = {k: configs.OVERRIDES.get(k) for k in kw}
     for k, v in kw.items():
         configs.set_override(k, v)
     try:
         yield
     finally:
-        for k in kw:
-            configs.set_override(k, None)
+        for k, v in saved.items():
+            configs.set_override(k, v)  # through set_override: it also bumps overrides_version
+
+
+@pytest.fixture(autouse=True)
+def _new_paged_paths():
+    """The tests of this file exercise the long-chunk kernel (v2) and the two-launch mixed
+    batches, which are not the defaults until they have been measured on the H200
+    (configs.PAGED_LONG_KERNEL / PAGED_MIXED); the default path is what test_paged.py,
+    test_crosscheck.py and the engine tests run."""
+    with _overrides(paged_long_kernel="v2", paged_mixed="split"):
+        yield
 
 
 # ----------------------------------------------------------------- paged: CPU
@@ -596,21 +608,26 @@ def test_paged_launch_plans():
     """Which launches each batch gets (interpreter tiles: packed up to 32 rows, short
     launch up to 16 rows = 8 positions at group 2)."""
     kinds = lambda p: [(x.kernel, x.min_q, x.max_q, x.cfg.packed) for x in p]  # noqa: E731
+    # the defaults: the measured v1 / one-launch path until the H200 A/B has run
+    assert (configs.PAGED_LONG_KERNEL, configs.PAGED_MIXED) == ("v1", "one")
+    with _overrides(paged_long_kernel=None, paged_mixed=None):
+        assert kinds(_plan([40, 1])) == [("v1", 0, 0, False)]
     assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]                      # spec: one packed launch
-    assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks
-    assert kinds(_plan([40, 1, 0, 4])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
-    # 40 + 40 + 39 tokens: no sequence can have <= 8, so no short launch
-    assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]
-    assert kinds(_plan([40, 40, 8])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
-    with _overrides(paged_mixed="one"):
+    with _overrides(paged_long_kernel="v2", paged_mixed="split"):
+        assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks
+        assert kinds(_plan([40, 1, 0, 4])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
+        # 40 + 40 + 39 tokens: no sequence can have <= 8, so no short launch
+        assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]
+        assert kinds(_plan([40, 40, 8])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
+        # v2 needs the contiguous layout it bakes in, and at most PAGED_SEARCH^2 sequences
+        assert kinds(_plan([40, 1], contiguous=False))[0][0] == "v1"
+        assert kinds(_plan([40] + [1] * (configs.PAGED_SEARCH ** 2)))[0][0] == "v1"
+    with _overrides(paged_long_kernel="v2", paged_mixed="one"):
         assert kinds(_plan([40, 1])) == [("v2", 0, 0, False)]
-    with _overrides(paged_long_kernel="v1"):
+    with _overrides(paged_long_kernel="v1", paged_mixed="split"):
         assert kinds(_plan([40, 1])) == [("v1", 8, 0, False), ("v1", 0, 8, True)]
-    with _overrides(paged_short=(32, 16, 4, 1)):
+    with _overrides(paged_long_kernel="v2", paged_mixed="split", paged_short=(32, 16, 4, 1)):
         assert kinds(_plan([40, 1])) == [("v2", 16, 0, False), ("v1", 0, 16, True)]
-    # v2 needs the contiguous layout it bakes in, and at most PAGED_SEARCH^2 sequences
-    assert kinds(_plan([40, 1], contiguous=False))[0][0] == "v1"
-    assert kinds(_plan([40] + [1] * (configs.PAGED_SEARCH ** 2)))[0][0] == "v1"
     with pytest.raises(ValueError, match="paged_mixed"):
         configs.set_override("paged_mixed", "three")
 
