@@ -322,3 +322,25 @@ def test_info_lists_paged_and_the_interpreter_dtypes(interpret):
     assert "float16, float32" in dtypes and "bfloat16" not in dtypes, triton_cpu
     if interpret == "1":
         assert "bfloat16" in triton_cpu.split("64,128")[1], "the reason for the missing bf16 is printed"
+
+
+def test_kernel_ready_copies_misaligned_contiguous_views():
+    """A contiguous view that starts 2 bytes off a 16-byte boundary: `.contiguous()` would hand the
+    GPU kernels the same misaligned pointer; the API gives them an aligned copy with equal values,
+    and leaves aligned tensors (and the torch backend's inputs) alone."""
+    from types import SimpleNamespace
+
+    from minipaged import api
+
+    gpu, oracle = SimpleNamespace(name="cuda"), SimpleNamespace(name="torch")
+    base = torch.randn(8 * 64 + 1, dtype=torch.float16)
+    view = base[1:].view(2, 4, 64)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    for fix in (api._kernel_ready, api._cache_ready):
+        out = fix(gpu, view)
+        assert out.data_ptr() % 16 == 0 and out.is_contiguous() and torch.equal(out, view)
+        aligned = base[:-1].view(2, 4, 64)
+        assert fix(gpu, aligned).data_ptr() == aligned.data_ptr()
+    assert api._kernel_ready(oracle, view).data_ptr() == view.data_ptr()
+    # the metadata fast path must not skip the copy either
+    assert not api._layout_ok(view, ()) and not api._layout_ok(base[:-1].view(2, 4, 64), (view,))

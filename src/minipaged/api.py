@@ -100,7 +100,9 @@ def _max_len(name: str, m) -> None:
 
 def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
     """Last dim stride 1 for every backend; for the GPU kernels also 16-byte
-    aligned rows (they move rows with 16-byte vector loads), else a contiguous copy."""
+    aligned rows (they move rows with 16-byte vector loads), else a fresh
+    contiguous copy (`clone`: `.contiguous()` of a contiguous view that starts
+    off a 16-byte boundary would return the same misaligned view)."""
     if x.numel() == 0:
         return x
     if x.stride(-1) != 1:
@@ -109,7 +111,18 @@ def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
         return x
     step = 16 // x.element_size()
     aligned = x.data_ptr() % 16 == 0 and all(st % step == 0 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
-    return x if aligned else x.contiguous()
+    return x if aligned else x.clone(memory_format=torch.contiguous_format)
+
+
+def _cache_ready(b: Backend, c: torch.Tensor) -> torch.Tensor:
+    """A cache the attention kernels read: contiguous, and for the GPU kernels with a
+    16-byte aligned base (a view that is not, never a PagedKVCache's, is copied once
+    for the call; the binding refuses anything else)."""
+    if b.name == "torch" or c.numel() == 0:
+        return c.contiguous()
+    if c.is_contiguous() and c.data_ptr() % 16 == 0:
+        return c
+    return c.clone(memory_format=torch.contiguous_format)
 
 
 _picked: dict[tuple, Backend] = {}
@@ -399,10 +412,9 @@ def _fast_key(op: str, tensors: tuple, scalars: tuple, backend) -> tuple | None:
 
 
 def _layout_ok(q: torch.Tensor, others: tuple) -> bool:
-    if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
-        return False
-    for t in others:
-        if not t.is_contiguous():
+    # what the slow path would hand the kernels as they are: contiguous, 16-byte aligned
+    for t in (q, *others):
+        if not (t.is_contiguous() and t.data_ptr() % 16 == 0):
             return False
     return True
 
@@ -492,8 +504,8 @@ def decode_attention(
     fn = b.op("decode")
     _remember(key, fn, scale, scales)
     q = _kernel_ready(b, q)
-    return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), context_lens.contiguous(),
-              scale, return_lse, *scales)
+    return fn(q, _cache_ready(b, k_cache), _cache_ready(b, v_cache), block_tables.contiguous(),
+              context_lens.contiguous(), scale, return_lse, *scales)
 
 
 def paged_attention(
@@ -582,7 +594,7 @@ def paged_attention(
     fn = b.op("paged")
     _remember(key, fn, scale, scales)
     q = _kernel_ready(b, q)
-    return fn(q, k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(), cu_q.contiguous(),
+    return fn(q, _cache_ready(b, k_cache), _cache_ready(b, v_cache), block_tables.contiguous(), cu_q.contiguous(),
               context_lens.contiguous(), max_seqlen_q, causal, scale, return_lse, *scales)
 
 
