@@ -3,7 +3,8 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
-#                        [ws] [ws_ncu] [sanitize] [diag] [ncu]
+#                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab]
+#                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -50,7 +51,10 @@ for s in $stages; do
         run probe_nowgmma python3 scripts/probe_cuda_prefill.py
       fi;;
     build) run build python3 -c "import time; t=time.time(); from minipaged.cuda import build; build.load(); print(f'build {time.time()-t:.1f} s')";;
-    tests) run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
+    tests)
+      # TESTS_LOG names the log (and the stage); STAGE_TIMEOUT_tests caps it under any name.
+      [ -n "${TESTS_LOG:-}" ] && [ -n "${STAGE_TIMEOUT_tests:-}" ] && export "STAGE_TIMEOUT_${TESTS_LOG}=${STAGE_TIMEOUT_tests}"
+      run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
     bench) run bench python3 -m minipaged.cli bench ${BENCH_ARGS:-} --out "$WORK/bench";;
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
@@ -121,6 +125,7 @@ for s in $stages; do
       [ -x "$bin/paged_ws_selftest_dec" ] && tbin="$bin/paged_ws_selftest_dec"
       STAGE_TIMEOUT_paged_ws_time=240 run paged_ws_time "$tbin" time 20;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
+    triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py --json "$WORK/bench/triton_paged_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
