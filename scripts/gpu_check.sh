@@ -18,6 +18,11 @@ OUT=${OUT:-/tmp/minipaged_out}
 WORK=${WORK:-/tmp/minipaged_work}
 mkdir -p "$OUT" "$WORK/logs" "$WORK/bench"
 stages=${*:-build probe bench tests e2e}
+# The torch-free selftests (scripts/*_selftest.cu): one set of flags; binaries prebuilt on the
+# dev box (same nvcc) may be carried in .gpubin/, else they are built here.
+csrc=src/minipaged/cuda/csrc
+bin=${WS_BIN:-.gpubin}
+selftest_flags="-std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xcompiler -fopenmp -I $csrc"
 status=0
 run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
   local name=$1; shift
@@ -61,20 +66,17 @@ for s in $stages; do
     overhead) run overhead python3 bench/bench_overhead.py --json "$WORK/bench/overhead.json";;
     engine_step) run engine_step python3 scripts/engine_decode_step.py --json "$WORK/bench/engine_step.json";;
     paged_selftest)
-      csrc=src/minipaged/cuda/csrc
-      run paged_selftest_build nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
-        -DMINIPAGED_ENABLE_SM90A -I $csrc scripts/paged_selftest.cu $csrc/prefill/paged.cu -o /tmp/paged_selftest -lgomp
+      run paged_selftest_build nvcc $selftest_flags scripts/paged_selftest.cu $csrc/prefill/paged.cu \
+        -o /tmp/paged_selftest -lgomp
       run paged_memcheck compute-sanitizer --tool memcheck /tmp/paged_selftest small
       OMP_NUM_THREADS=16 run paged_selftest /tmp/paged_selftest check;;
     ws)
       # Warp-specialised TMA prefill (issue #16) and the current wgmma kernel for the
-      # previous-step figure. Binaries prebuilt on the dev box may be carried in
-      # .gpubin/ (same nvcc); otherwise build here.
-      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
-      flags="-std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xcompiler -fopenmp -I $csrc"
+      # previous-step figure.
       mkdir -p "$bin"
-      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
-      [ -x "$bin/fast_selftest" ] || run fast_build nvcc $flags scripts/fast_selftest.cu $csrc/prefill/fast.cu -o "$bin/fast_selftest" -lgomp
+      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      [ -x "$bin/fast_selftest" ] || run fast_build nvcc $selftest_flags scripts/fast_selftest.cu $csrc/prefill/fast.cu \
+        -o "$bin/fast_selftest" -lgomp
       export OMP_NUM_THREADS=16
       STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
       STAGE_TIMEOUT_ws_check=240 run ws_check "$bin/ws_selftest" check
@@ -89,9 +91,8 @@ for s in $stages; do
     ws_ncu)
       # Full ncu sections for the pp+overlap and the serial schedule at B=1 N=8k causal:
       # tensor-pipe activity, stall reasons at the barriers, shared-memory traffic.
-      bin=${WS_BIN:-.gpubin}
-      [ -x "$bin/ws_selftest" ] || nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-        -DMINIPAGED_ENABLE_SM90A -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      mkdir -p "$bin"
+      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
       export STAGE_TIMEOUT_ws_ncu_4=300 STAGE_TIMEOUT_ws_ncu_0=300
       for s in 4 0; do
         run ws_ncu_$s ncu --clock-control none --set full -k regex:prefill_ws_kernel \
@@ -102,8 +103,7 @@ for s in $stages; do
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
       # A second binary with the decode-kernel anchor of the mixed timing (needs decode/launch.cu)
       # is built alongside and is optional: without it "decodes alone" is the packed paged kernel.
-      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
-      flags="-std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xptxas -v -Xcompiler -fopenmp -I $csrc"
+      flags="$selftest_flags -Xptxas -v"
       mkdir -p "$bin"
       dec_pid=
       if [ ! -x "$bin/paged_ws_selftest_dec" ]; then
@@ -153,12 +153,10 @@ for s in $stages; do
       # sanitizers; then the standard decode grid for every tiling, both reductions. A binary
       # prebuilt on the dev box (same nvcc) may be carried in .gpubin/; DECODE_SELFTEST_REBUILD=1
       # rebuilds it here. The caps add up to one 10-minute call with the build.
-      csrc=src/minipaged/cuda/csrc bin=${WS_BIN:-.gpubin}
       mkdir -p "$bin"
       if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then
         STAGE_TIMEOUT_decode_selftest_build=${STAGE_TIMEOUT_decode_selftest_build:-150} run decode_selftest_build \
-          nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A -Xptxas -v \
-          -Xcompiler -fopenmp -I $csrc scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
+          nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
       fi
       export OMP_NUM_THREADS=16
       STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
