@@ -401,26 +401,31 @@ int main(int argc, char** argv) {
         failures += !ok;
       }
     }
-    for (const Case& c : check_cases())
-      failures += !run_case(c, minipaged::launch_prefill_fast, "dispatch");
+    // A filter (argv[2]) limits every list below to the variants whose name contains it.
+    const std::string filter = argc > 2 ? argv[2] : "";
+    const auto selected = [&](const char* name) { return filter.empty() || std::string(name).find(filter) != std::string::npos; };
+    const auto check_all = [&](auto fn, const char* name) {
+      if (!selected(name)) return;
+      for (const Case& c : check_cases()) failures += !run_case(c, fn, name);
+    };
+    check_all(minipaged::launch_prefill_fast, "dispatch");
 #if defined(MINIPAGED_ENABLE_SM90A)
-    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<1, false, 64>, "wg1_n64_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, false, 64>, "wg2_n64_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<1, true, 64>, "wg1p_n64_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 64>, "wg2p_n64_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, wg_all<2, true, 128>, "wg2p_n128_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<true, true>, "ws_ppov_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<false, false>, "ws_pipe_all");
-    for (const Case& c : check_cases()) failures += !run_case(c, ws_all<true, true, true>, "ws_persist_ppov_all");
+    check_all(wg_all<1, false, 64>, "wg1_n64_all");
+    check_all(wg_all<2, false, 64>, "wg2_n64_all");
+    check_all(wg_all<1, true, 64>, "wg1p_n64_all");
+    check_all(wg_all<2, true, 64>, "wg2p_n64_all");
+    check_all(wg_all<2, true, 128>, "wg2p_n128_all");
+    check_all(ws_all<true, true>, "ws_ppov_all");
+    check_all(ws_all<false, false>, "ws_pipe_all");
+    check_all(ws_all<true, true, true>, "ws_persist_ppov_all");
 #endif
     // Every timed variant must also be correct (bf16, D=128, causal and not).
     const Case big = {"dense bf16 d128 causal 1023x1023 gqa2 b2", DType::kBFloat16, 4, 2, 128, true, false, {1023}, {1023}, 2, false, 0.f};
     const Case chunk = {"dense bf16 d128 causal 200x777 gqa8", DType::kBFloat16, 8, 1, 128, true, false, {200}, {777}, 1, true, 0.f};
     const Case vl = {"varlen bf16 d128 causal", DType::kBFloat16, 4, 2, 128, true, true, {17, 0, 300, 129}, {17, 5, 400, 129}, 0, false, 0.f};
     const Case nc = {"dense bf16 d128 noncausal 97x300", DType::kBFloat16, 4, 2, 128, false, false, {97}, {300}, 1, false, 0.f};
-    const std::string filter = argc > 2 ? argv[2] : "";
     for (const Variant& v : kVariants) {
-      if (!filter.empty() && std::string(v.name).find(filter) == std::string::npos) continue;
+      if (!selected(v.name)) continue;
       failures += !run_case(big, v.fn, v.name);
       failures += !run_case(chunk, v.fn, v.name);
       failures += !run_case(vl, v.fn, v.name);
