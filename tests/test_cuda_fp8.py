@@ -28,20 +28,15 @@ import subprocess
 import pytest
 import torch
 
+from fp8_problem import FP8, fp8_problem, torch_quant
 from minipaged.cuda import build
 
-FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 # ----------------------------------------------------------------- quantisation truth
-
-
-def _torch_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D], scale float32 [Hkv] -> fp8 by torch's own cast."""
-    return torch.clamp(x.float() / scale[None, :, None].to(x.device), -448.0, 448.0).to(FP8)
 
 
 def _e4m3_finite_values() -> torch.Tensor:
@@ -208,62 +203,13 @@ def _ops():
     return ops
 
 
-def _poison(shape, g):
-    b = torch.where(torch.rand(shape, generator=g) < 0.5, 0x7F, 0xFF).to(torch.uint8)
-    return b.view(FP8)
-
-
-def _scales(Hkv, mode, amp, g):
-    if mode == "scalar":  # one value for every head (what a float scale becomes)
-        return torch.full((Hkv,), float(amp.max()) * 4 / 448, dtype=torch.float32)
-    return (amp * 4 / 448 * (0.5 + torch.rand(Hkv, generator=g))).float()
-
-
 def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head", writer="torch"):
-    """K/V with a different magnitude per KV head, quantised into a NaN-byte fp8 cache
-    through shuffled block tables (entries past each sequence's pages -1). Returns q,
-    caches, tables, cu_q, ctx, scales (cuda) and the exactly dequantised per-sequence
-    K/V (fp64, cuda) read back from the cache."""
-    g = torch.Generator().manual_seed(seed)
-    k_amp = 0.5 + 3 * torch.rand(Hkv, generator=g)
-    v_amp = 0.1 + 5 * torch.rand(Hkv, generator=g)
-    k_scale, v_scale = _scales(Hkv, scales, k_amp, g), _scales(Hkv, scales, v_amp, g)
-    dense_k = [(torch.randn(c, Hkv, D, generator=g) * k_amp[None, :, None]).to(dtype) for c in ctxs]
-    dense_v = [(torch.randn(c, Hkv, D, generator=g) * v_amp[None, :, None]).to(dtype) for c in ctxs]
-    need = [-(-c // page) for c in ctxs]
-    max_blocks = max(need + [1]) + 1
-    num_blocks = sum(need) + 3
-    kc = _poison((num_blocks, page, Hkv, D), g)
-    vc = _poison((num_blocks, page, Hkv, D), g)
-    perm = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(ctxs), max_blocks), -1, dtype=torch.int32)
-    slot_lists, nxt = [], 0
-    for s, c in enumerate(ctxs):
-        tables[s, : need[s]] = perm[nxt: nxt + need[s]].to(torch.int32)
-        nxt += need[s]
-        tok = torch.arange(c)
-        slot_lists.append(tables[s].long()[tok // page] * page + tok % page)
-    kc, vc = kc.cuda(), vc.cuda()
-    ks, vs = k_scale.cuda(), v_scale.cuda()
-    slots = torch.cat(slot_lists + [torch.zeros(0, dtype=torch.long)])
-    kk = torch.cat(dense_k + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
-    vv = torch.cat(dense_v + [torch.zeros(0, Hkv, D, dtype=dtype)]).cuda()
-    # indexing through uint8 views: fp8 index_put / gather need not exist on every torch
-    flat_k, flat_v = kc.view(torch.uint8).view(-1, Hkv, D), vc.view(torch.uint8).view(-1, Hkv, D)
-    slots_d = slots.cuda()
-    if writer == "torch":
-        flat_k[slots_d] = _torch_quant(kk, ks).view(torch.uint8)
-        flat_v[slots_d] = _torch_quant(vv, vs).view(torch.uint8)
-    else:
-        _ops().write_kv_cache(kk, vv, kc, vc, slots.to(torch.int32).cuda(), ks, vs)
-        _assert_same_bytes(flat_k[slots_d], _torch_quant(kk, ks).view(torch.uint8), "writer K")
-        _assert_same_bytes(flat_v[slots_d], _torch_quant(vv, vs).view(torch.uint8), "writer V")
-    deq_k = [flat_k[sl.cuda()].view(FP8).double() * ks.double()[None, :, None] for sl in slot_lists]
-    deq_v = [flat_v[sl.cuda()].view(FP8).double() * vs.double()[None, :, None] for sl in slot_lists]
-    q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype).cuda()
-    cu = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32).cuda()
-    ctx = torch.tensor(ctxs, dtype=torch.int32).cuda()
-    return q, kc, vc, tables.cuda(), cu, ctx, ks, vs, deq_k, deq_v
+    """fp8_problem on the GPU; writer "cuda": the cache is written by the CUDA quantiser
+    (and checked byte for byte against torch's cast)."""
+    if writer not in ("torch", "cuda"):
+        raise ValueError(f"writer={writer!r}: must be 'torch' or 'cuda'")
+    return fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed, scales, device="cuda",
+                       write_kv=_ops().write_kv_cache if writer == "cuda" else None)
 
 
 def _attend(q, k, v, diag, causal, scale, low_dtype=None):
@@ -379,7 +325,7 @@ def _write_and_compare(x, k_scale, v_scale, page, what, slot_dtype=torch.int32):
     used = slots[~pad].cuda()
     for cache, src, s, name in ((kc, x, ks, "K"), (vc, v, vs, "V")):
         flat = cache.view(-1, H, D).view(torch.uint8)
-        _assert_same_bytes(flat[used], _torch_quant(src[keep], s).view(torch.uint8), f"{what} {name}", src[keep])
+        _assert_same_bytes(flat[used], torch_quant(src[keep], s).view(torch.uint8), f"{what} {name}", src[keep])
         untouched = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
         untouched[used] = False
         assert (flat[untouched] == 0x7F).all(), f"{what} {name}: a slot no token maps to was written"
@@ -462,7 +408,7 @@ def test_fp8_decode(dtype, D, heads, page):
     Hq, Hkv = heads
     _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D)
     other = 12 if Hq // Hkv >= 3 else 10
-    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=other, scales="scalar")
+    _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=other, scales="equal")
     _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 2, num_splits=3)
     _run_decode(CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 3, num_splits=16, variant=other)
 
@@ -551,7 +497,7 @@ def test_fp8_paged(dtype, D, heads, page):
     not causal, scalar scales."""
     Hq, Hkv = heads
     _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, seed=page + D)
-    _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=1, scales="scalar")
+    _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, seed=page + D + 1, variant=1, scales="equal")
     _run_paged(PAGED_QLENS[:9], PAGED_CTXS[:9], Hq, Hkv, D, page, dtype, seed=page + D + 2, variant=2)
     _run_paged(PAGED_QLENS, PAGED_CTXS, Hq, Hkv, D, page, dtype, causal=False, seed=page + D + 3)
 

@@ -32,9 +32,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from fp8_problem import FP8, fp8_problem, torch_quant  # noqa: E402
 from minipaged.triton import configs, ops  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
 gpu = pytest.mark.gpu
@@ -45,11 +45,6 @@ DEV = "cpu" if INTERPRET else "cuda"
 
 
 # ----------------------------------------------------------------- quantisation truth
-
-
-def _torch_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D], scale float32 [Hkv] -> fp8 by torch's own cast."""
-    return torch.clamp(x.float() / scale[None, :, None], -448.0, 448.0).to(FP8)
 
 
 def _e4m3_finite_values() -> torch.Tensor:
@@ -103,7 +98,7 @@ def _write_and_compare(x: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Te
     for cache, src, s, name in ((kc, x, k_scale, "K"), (vc, v, v_scale, "V")):
         flat = cache.view(-1, H, D).view(torch.uint8)
         got = flat[slots[~pad].long()]
-        want = _torch_quant(src[~pad], s).view(torch.uint8)
+        want = torch_quant(src[~pad], s).view(torch.uint8)
         # NaN has two encodings (sign); every other value must match bit for bit
         nan_want = (want & 0x7F) == 0x7F
         assert torch.equal((got & 0x7F) == 0x7F, nan_want), f"{what} {name}: NaN pattern"
@@ -170,69 +165,13 @@ def test_quantise_ties_with_odd_scale():
 # ----------------------------------------------------------------- attention problems
 
 
-def _poison(shape, g):
-    """fp8 NaN bytes with random sign."""
-    b = torch.where(torch.rand(shape, generator=g) < 0.5, 0x7F, 0xFF).to(torch.uint8)
-    return b.view(FP8)
-
-
-def _scales(Hkv, mode, amp, g):
-    if mode == "equal":
-        return torch.full((Hkv,), float(amp.max()) * 4 / 448, dtype=torch.float32)
-    # per head: near each head's own range, times a distinct factor
-    return (amp * 4 / 448 * (0.5 + torch.rand(Hkv, generator=g))).float()
-
-
-def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="distinct", writer="torch"):
-    """Real-valued K/V with a different magnitude per KV head, quantised into a
-    NaN-byte fp8 cache through shuffled block tables (entries past each sequence's
-    pages are -1). Returns q, caches, tables, cu_q, ctx, k_scale, v_scale and the
-    exactly dequantised per-sequence K/V (fp64) read back from the cache."""
-    g = torch.Generator().manual_seed(seed)
-    k_amp = 0.5 + 3 * torch.rand(Hkv, generator=g)
-    v_amp = 0.1 + 5 * torch.rand(Hkv, generator=g)
-    k_scale, v_scale = _scales(Hkv, scales, k_amp, g), _scales(Hkv, scales, v_amp, g)
-    dense_k = [(torch.randn(c, Hkv, D, generator=g) * k_amp[None, :, None]).to(dtype) for c in ctxs]
-    dense_v = [(torch.randn(c, Hkv, D, generator=g) * v_amp[None, :, None]).to(dtype) for c in ctxs]
-    need = [-(-c // page) for c in ctxs]
-    max_blocks = max(need + [1]) + 1
-    num_blocks = sum(need) + 3
-    kc = _poison((num_blocks, page, Hkv, D), g)
-    vc = _poison((num_blocks, page, Hkv, D), g)
-    perm = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(ctxs), max_blocks), -1, dtype=torch.int32)
-    slot_lists, nxt = [], 0
-    for s, c in enumerate(ctxs):
-        tables[s, : need[s]] = perm[nxt: nxt + need[s]].to(torch.int32)
-        nxt += need[s]
-        tok = torch.arange(c)
-        slot_lists.append(tables[s].long()[tok // page] * page + tok % page)
-    if writer == "torch":
-        for s in range(len(ctxs)):
-            blk, off = slot_lists[s] // page, slot_lists[s] % page
-            kc[blk, off] = _torch_quant(dense_k[s], k_scale)
-            vc[blk, off] = _torch_quant(dense_v[s], v_scale)
-        kc, vc = kc.to(DEV), vc.to(DEV)
-    else:
-        kc, vc = kc.to(DEV), vc.to(DEV)
-        slots = torch.cat(slot_lists + [torch.zeros(0, dtype=torch.long)]).to(torch.int32)
-        kk = torch.cat(dense_k + [torch.zeros(0, Hkv, D, dtype=dtype)])
-        vv = torch.cat(dense_v + [torch.zeros(0, Hkv, D, dtype=dtype)])
-        ops.write_kv_cache(kk.to(DEV), vv.to(DEV), kc, vc, slots.to(DEV), k_scale.to(DEV), v_scale.to(DEV))
-        # the kernel's bytes are torch's
-        got_k = kc.cpu().view(-1, Hkv, D)[slots.long()].view(torch.uint8)
-        got_v = vc.cpu().view(-1, Hkv, D)[slots.long()].view(torch.uint8)
-        assert torch.equal(got_k, _torch_quant(kk, k_scale).view(torch.uint8))
-        assert torch.equal(got_v, _torch_quant(vv, v_scale).view(torch.uint8))
-    flat_k, flat_v = kc.cpu().view(-1, Hkv, D), vc.cpu().view(-1, Hkv, D)
-    # the oracle's K/V: the cache's bytes, exactly dequantised (on the test device)
-    deq_k = [(flat_k[sl].double() * k_scale.double()[None, :, None]).to(DEV) for sl in slot_lists]
-    deq_v = [(flat_v[sl].double() * v_scale.double()[None, :, None]).to(DEV) for sl in slot_lists]
-    q = torch.randn(sum(q_lens), Hq, D, generator=g).to(dtype)
-    cu = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens) + 1)], dtype=torch.int32)
-    ctx = torch.tensor(ctxs, dtype=torch.int32)
-    return (q.to(DEV), kc, vc, tables.to(DEV), cu.to(DEV), ctx.to(DEV), k_scale.to(DEV), v_scale.to(DEV),
-            deq_k, deq_v, k_scale, v_scale)
+def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head", writer="torch"):
+    """fp8_problem on the test device; writer "triton": the cache is written by the
+    Triton quantiser (and checked byte for byte against torch's cast)."""
+    if writer not in ("torch", "triton"):
+        raise ValueError(f"writer={writer!r}: must be 'torch' or 'triton'")
+    return fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed, scales, device=DEV,
+                       write_kv=ops.write_kv_cache if writer == "triton" else None)
 
 
 # ----------------------------------------------------------------- oracle
@@ -308,8 +247,8 @@ def _check(out, lse, q, deq_k, deq_v, cu_q, causal, scale, what):
 
 
 def _run_paged(q_lens, ctxs, Hq, Hkv, D, page, causal=True, dtype=torch.float16, seed=0,
-               scales="distinct", writer="torch", **kw):
-    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv, _, _) = _fp8_problem(
+               scales="per-head", writer="torch", **kw):
+    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
         q_lens, ctxs, Hq, Hkv, D, page, dtype, seed, scales, writer)
     scale = 1.0 / math.sqrt(D)
     out, lse = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens + [0]), causal, scale, True, ks, vs, **kw)
@@ -318,9 +257,9 @@ def _run_paged(q_lens, ctxs, Hq, Hkv, D, page, causal=True, dtype=torch.float16,
     return out, lse, (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv)
 
 
-def _run_decode(ctxs, Hq, Hkv, D, page, dtype=torch.float16, seed=0, scales="distinct", writer="torch",
+def _run_decode(ctxs, Hq, Hkv, D, page, dtype=torch.float16, seed=0, scales="per-head", writer="torch",
                 splits=None):
-    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv, _, _) = _fp8_problem(
+    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
         [1] * len(ctxs), ctxs, Hq, Hkv, D, page, dtype, seed, scales, writer)
     scale = 1.0 / math.sqrt(D)
     configs.set_override("decode_splits", splits)
@@ -408,7 +347,7 @@ def test_fp8_decode_pages_and_groups_interpreter():
 @cpu_only
 def test_fp8_paged_equals_decode_interpreter():
     ctxs = [17, 0, 70, 1]
-    (q, kc, vc, tables, _, ctx, ks, vs, dk, dv, _, _) = _fp8_problem(
+    (q, kc, vc, tables, _, ctx, ks, vs, dk, dv) = _fp8_problem(
         [1] * 4, ctxs, 4, 2, 64, 16, torch.float16, seed=9)
     cu = torch.arange(5, dtype=torch.int32)
     po, pl = ops.paged(q, kc, vc, tables, cu, ctx, 1, True, 0.125, True, ks, vs)
@@ -449,7 +388,7 @@ def test_fp8_decode_gpu(dtype):
 @cpu_only
 def test_fp8_expanded_scalar_scales_interpreter():
     """A scalar scale expanded to [Hkv] (stride 0) reads like a dense one."""
-    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv, _, _) = _fp8_problem(
+    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
         [1, 3], [21, 40], 4, 2, 64, 16, torch.float16, seed=10, scales="equal")
     ke, ve = ks[:1].expand(2), vs[:1].expand(2)
     assert ke.stride(0) == 0
