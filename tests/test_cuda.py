@@ -916,8 +916,8 @@ def test_decode_return_lse(ops, variant, num_splits, heads):
 # short ones and the tiled kernel for the rest (prefill/dispatch.cuh, launch_paged_split). Checked
 # against this file's fp64 oracle (_paged_oracle / _check_paged) with NaN-poisoned unused slots and
 # -1 past the used table entries (_paged_case). scripts/paged_ws_selftest.cu is the torch-free twin.
-# Both paths are off by default until they have run on a GPU (dispatch.cuh kPagedNewPathsByDefault);
-# PrefillParams variant 3 turns them on, so every call below passes it.
+# Both paths are the default (dispatch.cuh kPagedNewPathsByDefault); PrefillParams variant 3 forces
+# them on whatever that default, so every call below passes it.
 NEW_PATHS = 3
 
 WS_MIX_Q = [1, 1, 17, 97, 1023, 2048, 4, 130, 0, 200, 16, 17, 1, 33]
