@@ -127,7 +127,7 @@ for s in $stages; do
       [ -x "$bin/paged_ws_selftest_dec" ] && tbin="$bin/paged_ws_selftest_dec"
       STAGE_TIMEOUT_paged_ws_time=240 run paged_ws_time "$tbin" time 20;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
-    triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py --json "$WORK/bench/triton_paged_ab.json";;
+    triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
@@ -161,15 +161,19 @@ for s in $stages; do
           nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
       fi
       export OMP_NUM_THREADS=16
-      STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
+      # DECODE_SELFTEST_STEPS: any of check sanitize time (default all three)
+      steps=" ${DECODE_SELFTEST_STEPS:-check sanitize time} "
+      [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
         run decode_selftest_check "$bin/decode_selftest" check
       export STAGE_TIMEOUT_decode_selftest_memcheck=${STAGE_TIMEOUT_decode_selftest_memcheck:-60}
       export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-90}
       export STAGE_TIMEOUT_decode_selftest_synccheck=${STAGE_TIMEOUT_decode_selftest_synccheck:-60}
-      for tool in memcheck racecheck synccheck; do
-        run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" small
-      done
-      STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
+      if [[ $steps == *" sanitize "* ]]; then
+        for tool in memcheck racecheck synccheck; do
+          run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" small
+        done
+      fi
+      [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
         run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100};;
     *) echo "unknown stage $s"; status=1;;
   esac
