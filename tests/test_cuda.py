@@ -129,7 +129,7 @@ def test_decode_forced_splits(ops, dtype, num_splits, variant):
                   variant=variant)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, SCALAR, NO_PDL])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 17, SCALAR, NO_PDL])
 @pytest.mark.parametrize("B,L", [(1, 4097), (9, 333)])
 def test_decode_variants(ops, variant, B, L):
     lens = [L - 7 * b for b in range(B)]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 FUSED = 0x400  # decode/launch.cu kVariantFused
 MMA = 10  # tensor-core kernel, any group size
 SCALAR = 12  # scalar kernel's default tiling, any group size
-RINGS = (13, 14, 15, 16)  # register rings of the G=2, D=128 scalar kernel
+RINGS = (13, 14, 15, 16, 17)  # G=2, D=128 scalar tilings with a fused build: register rings, 17 the PIPE one
 ODD = [0, 1, 17, 97, 1023, 4097]
 
 

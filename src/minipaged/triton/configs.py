@@ -298,15 +298,12 @@ def paged_num_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_kv_head
 #     GQA-packed launch, and the long launch skips them (both decide on the device, from
 #     cu_seqlens_q; the host skips the short launch when the shapes rule short
 #     sequences out: total_q > short_q + (num_seqs - 1) * max_seqlen_q).
-# v2 + split look better in the sm_90 compile (the v2 unmasked loop is 351 instructions
-# against v1's 426 and the dense prefill's 331, bf16 D 128 page 16, same shared memory and
-# stages as the dense kernel) and pass the interpreter tests, but have not run on a GPU:
-# a Triton kernel can be right under the interpreter and wrong on sm_90 (the warp-
-# specialised prefill variant was), so the defaults stay on the measured v1 / one-launch
-# path until scripts/triton_paged_ab.py (oracle check first, then timing) has run on the
-# H200; set these from its result.
+# v2 is the default: on the H200 (scripts/triton_paged_ab.py, oracle check first, then
+# timing; bench/results/nvidia-h200/triton_paged_ab_b170871/) it is 12-16% faster than v1 on
+# the chunked-prefill rows and on the mixed batch; with v2, "one" and "split" time within 1%
+# of each other on the mixed batch, so the mixed batch stays one launch.
 PAGED_LONG_KERNELS = ("v1", "v2")
-PAGED_LONG_KERNEL = "v1"
+PAGED_LONG_KERNEL = "v2"
 PAGED_MIXED_MODES = ("one", "split")
 PAGED_MIXED = "one"
 # v2 reads the next tile's block ids one iteration ahead (see paged._long_inner);

@@ -42,8 +42,9 @@ constexpr int kVariantNoPDL = 0x200;
 // Bit 0x400: the one-launch split reduction (the decode kernel's last CTA per
 // (sequence, KV head, head chunk) merges the splits; DecodePlan::fused). Built
 // for the default kernel of every (dtype, head dim, group) and for tilings
-// 10 and 13-16; with another tiling the bit is ignored (plan.fused stays false).
-// Off by default until measured.
+// 10 and 13-17; with another tiling the bit is ignored (plan.fused stays false).
+// Not the default: measured slower than the two-launch reduction on most of
+// the decode grid (bench/results/nvidia-h200/decode_tilings.md).
 constexpr int kVariantFused = 0x400;
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
@@ -131,16 +132,17 @@ DecodePlan select_for_dim(const DecodeParams& p) {
       case 1:
         return info_f<T, D, 1, 8, 2>(fused);
       case 2:
-        // Default: a row over 16 threads (one 16-byte piece each) with the next
-        // iteration's rows double-buffered in registers: the fastest tiling of
-        // the scripts/decode_diag.py sweep (cuda_kernel_notes.md).
+        // Default: a row over 8 threads (two 16-byte pieces each) with a
+        // 3-stage cp.async ring in shared memory (tiling 6): the fastest
+        // tiling on every row of the decode_selftest grid on the H200
+        // (bench/results/nvidia-h200/decode_tilings.md); 17 is the previous
+        // default (a row over 16 threads, rows double-buffered in registers).
         switch (tiling) {
           case 1: return info<T, D, 2, 8, 4>();
           case 2: return info<T, D, 2, 16, 2>();
           case 3: return info<T, D, 2, 16, 4>();
           case 4: return info<T, D, 2, 8, 2>();
           case 5: return info<T, D, 2, 8, 2, true>();
-          case 6: return info<T, D, 2, 8, 2, false, 3>();
           case 7: return info<T, D, 2, 16, 2, false, 4>();
           case 8: return info<T, D, 2, 16, 4, false, 3>();
           case 9: return info<T, D, 2, 16, 4, true>();
@@ -154,7 +156,8 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 14: return info_f<T, D, 2, 16, 2, false, 0, false, 2>(fused);
           case 15: return info_f<T, D, 2, 16, 1, false, 0, false, 3>(fused);
           case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
-          default: return info_f<T, D, 2, 16, 2, true>(fused);
+          case 17: return info_f<T, D, 2, 16, 2, true>(fused);
+          default: return info_f<T, D, 2, 8, 2, false, 3>(fused);
         }
       case 4:
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
