@@ -627,6 +627,21 @@ def test_paged_launch_plans():
         assert kinds(_plan([40, 1])) == [("v1", 8, 0, False), ("v1", 0, 8, True)]
     with _overrides(paged_long_kernel="v2", paged_mixed="split", paged_short=(32, 16, 4, 1)):
         assert kinds(_plan([40, 1])) == [("v2", 16, 0, False), ("v1", 0, 16, True)]
+    # q_len 1 rows through the decode kernel (tile: BLOCK_H rows, the decode BLOCK_N), the
+    # rest of a batch with a long chunk through the long launch; short runs stay with it
+    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+        assert kinds(_plan([40, 1, 0, 4])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
+        assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]
+        assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]   # no room for a decode
+        assert kinds(_plan([40, 40, 1])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
+        assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]       # no long chunk: one packed launch
+        dec = _plan([40, 1], Hq=16, Hkv=2)[1].cfg                      # group 8
+        assert (dec.block_m, dec.block_n) == (16, configs.decode_config(64, torch.float16,
+                                                                        torch.device("cpu")).block_n)
+        assert _plan([40, 1], Hq=32, Hkv=1)[1].cfg.block_m == 32       # BLOCK_H covers the group
+    with _overrides(paged_long_kernel="v1", paged_mixed="decode"):
+        assert kinds(_plan([40, 1])) == [("v1", 1, 0, False), ("decode", 0, 1, True)]
+    assert configs.PAGED_MIXED_MODES == ("one", "split", "decode")
     with pytest.raises(ValueError, match="paged_mixed"):
         configs.set_override("paged_mixed", "three")
 
@@ -706,6 +721,100 @@ def test_paged_mixed_fp8_interpreter(splits):
     _mixed(*MIXED[0], 4, 2, 64, 16, True, torch.float16, "cpu", seed=6, fp8=True, **kw)
 
 
+# ----------------------------------------------------------------- mixed mode "decode" (CPU)
+#
+# The q_len 1 sequences of a batch with a long chunk go through the decode kernel in its
+# packed-query mode (decode.py PACKED_Q), the rest through the long launch with MIN_Q = 1.
+# Outputs and every scratch buffer ops allocates are NaN-poisoned (_nan_scratch), so a row
+# that neither launch writes, a partial that a skipped program was meant to write, or a
+# reduce that merges a sequence it should skip shows up as non-finite or wrong.
+
+
+class _NanTorch:
+    """torch, except that empty() hands out NaN-filled floating tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@contextlib.contextmanager
+def _nan_scratch():
+    saved = ops.torch
+    ops.torch = _NanTorch()
+    try:
+        yield
+    finally:
+        ops.torch = saved
+
+
+def _decode_mode(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, seed=0, **kw):
+    """_mixed under mixed mode "decode", after checking that the call gets the two launches."""
+    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+        kinds = [(x.kernel, x.min_q, x.max_q) for x in _plan(q_lens, Hq=Hq, Hkv=Hkv, D=D, page=page)]
+        assert kinds == [("v2", 1, 0), ("decode", 0, 1)], kinds
+        with _nan_scratch():
+            return _mixed(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, "cpu", seed=seed, **kw)
+
+
+DECODE_MIXED = [
+    # q_lens, context_lens, Hq, Hkv, D, page: decodes (context 0, 1, on and off page and
+    # tile edges), empty runs, runs of 2..16 and > 16 tokens (one with q_len > ctx)
+    ([1, 0, 2, 45, 1, 16, 1, 0, 5, 1, 17], [17, 5, 64, 97, 1, 40, 0, 3, 9, 33, 12], 4, 2, 64, 16),
+    ([1, 3, 8, 1, 0, 1], [1, 3, 50, 0, 2, 20], 16, 2, 64, 1),            # group 8, a page per key
+    ([1, 40, 1, 2, 1], [129, 70, 256, 2, 16], 2, 2, 128, 128),           # group 1, D 128, page > tile
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("case", DECODE_MIXED, ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p128"])
+def test_paged_decode_mode_interpreter(case):
+    _decode_mode(*case, True, torch.float16, seed=11)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_decode_mode_not_causal_interpreter(dtype):
+    _decode_mode(*DECODE_MIXED[0], False, dtype, seed=12)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [2, 5])
+def test_paged_decode_mode_forced_splits_interpreter(splits):
+    """Both launches split: the long launch's reduce writes every row (NaN for the decode
+    rows, from poisoned partials), then the decode launch and its reduce rewrite exactly
+    the decode rows; splits past a short context stay empty."""
+    _decode_mode(*DECODE_MIXED[0], True, torch.float16, seed=13, num_splits=splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_decode_mode_fp8_interpreter(splits):
+    """fp8 caches: the decode kernel's fp8 path (per-head scales) on the packed rows."""
+    kw = {} if splits is None else {"num_splits": splits}
+    _decode_mode(*DECODE_MIXED[1], True, torch.float16, seed=14, fp8=True, **kw)
+
+
+@cpu_only
+def test_paged_decode_mode_v1_and_fallbacks_interpreter():
+    """With the v1 long kernel (what a non-contiguous cache gets) the long launch skips the
+    decodes too; shapes that rule a q_len 1 sequence out, or a batch of short runs, keep
+    one launch."""
+    with _overrides(paged_long_kernel="v1", paged_mixed="decode"):
+        assert [(x.kernel, x.min_q, x.max_q) for x in _plan([40, 1])] == [("v1", 1, 0), ("decode", 0, 1)]
+        with _nan_scratch():
+            _mixed([1, 33, 0, 1, 2], [40, 35, 0, 0, 2], 4, 2, 64, 16, True, torch.float16, "cpu", seed=15)
+    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+        assert [x.kernel for x in _plan([40, 1], contiguous=False)] == ["v1", "decode"]
+        # 40 + 40 + 2 tokens in 3 sequences: none can be a decode
+        assert [x.kernel for x in _plan([40, 40, 2])] == ["v2"]
+        assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]               # packed: one launch
+
+
 # ----------------------------------------------------------------- long chunks and mixed batches: GPU
 
 GPU_MIXED = [
@@ -730,12 +839,71 @@ def test_paged_gpu_long_and_mixed(case, page):
     dict(paged_long_kernel="v1", paged_mixed="one"), dict(paged_long_kernel="v1"), dict(paged_mixed="one"),
     dict(paged_prefetch=0), dict(paged=(64, 64, 4, 3)), dict(paged=(128, 32, 8, 4)),
     dict(paged_short=(32, 64, 4, 2)),
-], ids=["old", "v1-split", "v2-one", "no-prefetch", "bm64", "bn32", "short32"])
+    dict(paged_mixed="decode"), dict(paged_long_kernel="v1", paged_mixed="decode"),
+], ids=["old", "v1-split", "v2-one", "no-prefetch", "bm64", "bn32", "short32", "v2-decode", "v1-decode"])
 def test_paged_gpu_variants(variant):
     """Every configuration the A/B script times, on the sm_90 tiles."""
     with _overrides(**variant):
         _mixed(*GPU_MIXED[0], 16, 8, 128, 16, True, torch.bfloat16, "cuda", seed=7)
         _mixed(*GPU_MIXED[2], 16, 8, 128, 16, False, torch.float16, "cuda", seed=8)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("case", GPU_MIXED, ids=["mixed", "chunked", "ragged"])
+def test_paged_gpu_decode_mode(case, page):
+    """Mixed mode "decode" on the sm_90 tiles, outputs and scratch NaN-poisoned."""
+    with _overrides(paged_mixed="decode"), _nan_scratch():
+        _mixed(*case, 16, 8, 128, page, True, torch.bfloat16, "cuda", seed=20 + page)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [
+    dict(dtype=torch.float16, causal=False), dict(num_splits=4), dict(num_splits=64), dict(fp8=True),
+    dict(fp8=True, num_splits=3), dict(heads=(16, 2, 64)), dict(heads=(8, 8, 128)), dict(heads=(32, 8, 128)),
+], ids=["fp16-full", "splits4", "splits64", "fp8", "fp8-splits3", "g8-D64", "g1", "g4"])
+def test_paged_gpu_decode_mode_variants(variant):
+    """Mixed mode "decode": both launches split (forced), fp8 caches, other GQA groups and
+    head dims (the decode kernel's BLOCK_H per group)."""
+    kw = dict(variant)
+    dtype, causal = kw.pop("dtype", torch.bfloat16), kw.pop("causal", True)
+    hq, hkv, d = kw.pop("heads", (16, 8, 128))
+    q_lens, ctxs = [1, 700, 0, 1, 4, 1, 129, 1, 16], [1, 4000, 9, 0, 4100, 5000, 129, 32768, 17]
+    with _overrides(paged_mixed="decode"), _nan_scratch():
+        _mixed(q_lens, ctxs, hq, hkv, d, 16, causal, dtype, "cuda", seed=30, **kw)
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_decode_mode_graph_and_determinism():
+    """Mixed mode "decode" (two launches, decided on the device) captures into a CUDA graph
+    and is bitwise repeatable; its decode rows equal decode_attention on the same rows."""
+    q_lens, ctxs = GPU_MIXED[0]
+    q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
+    with _overrides(paged_mixed="decode"):
+        eager = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+        for _ in range(2):
+            assert torch.equal(eager, ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    decs = [s for s, n in enumerate(q_lens) if n == 1]
+    rows = cu_q[torch.tensor(decs, device="cuda")].long()
+    sel = torch.tensor(decs, device="cuda")
+    alone = ops.decode(q[rows].contiguous(), kc, vc, tables[sel].contiguous(), ctx[sel].contiguous(), 0.088)
+    # the same kernel on the same rows, with the split count of a 64-sequence batch
+    # against that of the decodes alone: equal up to the split merge's rounding
+    assert (eager[rows].float() - alone.float()).abs().max() <= 2e-2
 
 
 @gpu

@@ -27,6 +27,15 @@ value is an fp16 and a bf16 value), so the dots see the stored values
 unrounded; k_scale is folded into the softmax scale of the program's KV head
 and v_scale multiplies the normalised output, the only roundings the scales
 add. With KV_FP8 off the kernel is the 16/32-bit one, unchanged.
+
+PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, mixed mode
+"decode"). Program b serves sequence b of the paged call only if its q_len
+cu_seqlens_q[b+1] - cu_seqlens_q[b] is 1, and then its query, output and lse row is the
+packed token cu_seqlens_q[b] ([Tq, Hq, D] and [Tq, Hq]); a program of any other sequence
+returns before it reads or writes anything, and so does its reduce program. Split partials
+stay indexed by b. Decided on the device, so the launch needs no host sync. Off, the
+argument cu_seqlens_q is None (a compile-time constant), so the plain decode kernel keeps
+its parameter list and its code.
 """
 
 from __future__ import annotations
@@ -72,10 +81,17 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    cu_seqlens_q=None,
+    PACKED_Q: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PACKED_Q:
+        q_row = tl.load(cu_seqlens_q + seq)
+        # a sequence of 0 or several tokens belongs to the paged launch of the same call
+        if tl.load(cu_seqlens_q + seq + 1) - q_row != 1:
+            return
     if KV_FP8:
         qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
 
@@ -94,7 +110,12 @@ def _decode_kernel(
     head_ok = offs_h < kv_group
 
     seq64 = seq.to(tl.int64)
-    q = tl.load(Q + seq64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+    # the q/o/lse row: the sequence, or (PACKED_Q) its token in the packed layout
+    if PACKED_Q:
+        row64 = q_row.to(tl.int64)
+    else:
+        row64 = seq64
+    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)
     table_row = block_tables + seq64 * stride_table
     k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
@@ -146,11 +167,11 @@ def _decode_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LSE_partial + row, lse, mask=head_ok)
     else:
-        tl.store(O + seq64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
+        tl.store(O + row64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=head_ok[:, None])
         if RETURN_LSE:
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-            tl.store(LSE + seq64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
+            tl.store(LSE + row64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 
 @triton.jit
@@ -162,9 +183,16 @@ def _decode_reduce(
     HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    cu_seqlens_q=None,
+    PACKED_Q: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if PACKED_Q:
+        # partials are indexed by sequence, the output by its packed token (see the kernel)
+        q_row = tl.load(cu_seqlens_q + seq)
+        if tl.load(cu_seqlens_q + seq + 1) - q_row != 1:
+            return
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     split_ok = offs_s < num_splits
@@ -177,9 +205,13 @@ def _decode_reduce(
                     mask=split_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d,
+    if PACKED_Q:
+        row64 = q_row.to(tl.int64)
+    else:
+        row64 = seq.to(tl.int64)
+    tl.store(O + row64 * stride_ob + head.to(tl.int64) * stride_oh + offs_d,
              out.to(O.dtype.element_ty))
     if RETURN_LSE:
         lse_row = tl.where(total == 0.0, float("-inf"),
                            (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
-        tl.store(LSE + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse_row)
+        tl.store(LSE + row64 * stride_lb + head.to(tl.int64) * stride_lh, lse_row)

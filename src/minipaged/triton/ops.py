@@ -328,8 +328,8 @@ _paged_plans: dict = {}
 class _PagedLaunch:
     """One kernel launch of a paged call (see configs: paged long chunks and mixed batches)."""
 
-    kernel: str          # "v1" (paged._paged_kernel) or "v2" (paged._paged_long_kernel)
-    cfg: PagedConfig
+    kernel: str          # "v1" (paged._paged_kernel), "v2" (paged._paged_long_kernel) or "decode"
+    cfg: PagedConfig     # "decode": block_m is the kernel's BLOCK_H, the rest its DecodeConfig
     min_q: int = 0       # sequences of at most min_q tokens are another launch's (0: none)
     max_q: int = 0       # sequences of more than max_q tokens are another launch's (0: none)
 
@@ -357,6 +357,14 @@ def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: in
         # a sequence of <= short_q tokens leaves at most (num_seqs - 1) * max_seqlen_q for the rest
         if 0 < short_q < max_seqlen_q and total_q <= short_q + (num_seqs - 1) * max_seqlen_q:
             return (_PagedLaunch(kernel, cfg, min_q=short_q), _PagedLaunch("v1", short, max_q=short_q))
+    if configs.paged_mixed_mode() == "decode":
+        # q_len 1 rows through the decode kernel (packed-query mode), the rest through the long
+        # launch; a q_len 1 sequence leaves at most (num_seqs - 1) * max_seqlen_q for the rest
+        if 1 < max_seqlen_q and total_q <= 1 + (num_seqs - 1) * max_seqlen_q:
+            dec = decode_config(head_dim, dtype, device)
+            block_h = max(16, triton.next_power_of_2(group))
+            dcfg = PagedConfig(block_h, dec.block_n, dec.num_warps, dec.num_stages, True)
+            return (_PagedLaunch(kernel, cfg, min_q=1), _PagedLaunch("decode", dcfg, max_q=1))
     return (_PagedLaunch(kernel, cfg),)
 
 
@@ -368,10 +376,11 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     """Paged attention for packed new tokens of any lengths (see paged.py).
 
     Batches of short query runs are one packed launch; a batch with a long chunk runs the
-    long-chunk kernel, plus a packed launch for its short sequences (configs: paged long
-    chunks and mixed batches). num_splits / config (keyword only, for tests and tuning)
-    force the split count and the tile (a packed config: one v1 launch for everything);
-    by default both come from shapes, so nothing syncs.
+    long-chunk kernel, plus (mixed mode "split") a packed launch for its short sequences or
+    ("decode") a decode-kernel launch for its q_len 1 sequences (configs: paged long chunks
+    and mixed batches). num_splits / config (keyword only, for tests and tuning) force the
+    split count of every launch and the tile (a packed config: one v1 launch for
+    everything); by default both come from shapes, so nothing syncs.
     """
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -402,7 +411,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
         # the long launch first: a split long launch reduces over every row, and the short
-        # launch then overwrites its sequences' rows
+        # (or decode) launch then overwrites its sequences' rows
         for launch in plan:
             _paged_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                           lse, lse_arg, lse_strides, k_s, v_s, fp8, max_seqlen_q, bool(causal), scale,
@@ -413,6 +422,10 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
 def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                   out, lse, lse_arg, lse_strides, k_s, v_s, fp8: bool, max_seqlen_q: int, causal: bool,
                   scale: float, num_splits: int | None, shared: bool) -> None:
+    if launch.kernel == "decode":
+        _paged_decode_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                             lse_arg, lse_strides, lse is not None, k_s, v_s, fp8, scale, num_splits)
+        return
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -520,6 +533,66 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
         # every row (a following short launch rewrites its own)
         _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, total_q, num_q_heads,
                        splits, head_dim, lse is not None)
+
+
+def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                         out, lse_arg, lse_strides, return_lse: bool, k_s, v_s, fp8: bool, scale: float,
+                         num_splits: int | None) -> None:
+    """The q_len 1 sequences of a paged call through the decode kernel (mixed mode "decode"):
+    one program column per sequence of the call; those of other lengths return at once (the
+    kernel's PACKED_Q). Runs after the long launch, whose split reduce writes every row."""
+    total_q, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    cfg = launch.cfg
+    # from shapes: every sequence counts as a decode (an upper bound of the decodes)
+    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size,
+                                             cfg.block_n, q.device)
+    split = splits > 1
+    if split:
+        # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs
+        rows = num_seqs * num_q_heads * splits
+        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
+    else:
+        o_partial = lse_partial = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, lse_arg, o_partial, lse_partial, k_s, v_s,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *lse_strides,
+        num_q_heads // num_kv_heads, splits,
+        float(scale) * _LOG2E,
+        HEAD_DIM=head_dim,
+        BLOCK_H=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGE=page_size,
+        SPLIT=split,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        RETURN_LSE=return_lse,
+        KV_FP8=fp8,
+        cu_seqlens_q=cu_seqlens_q,
+        PACKED_Q=True,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        _decode_reduce[(num_seqs, num_q_heads)](
+            o_partial, lse_partial, out, lse_arg,
+            out.stride(0), out.stride(1),
+            *lse_strides,
+            num_q_heads, splits,
+            HEAD_DIM=head_dim,
+            SPLITS_POW2=triton.next_power_of_2(splits),
+            RETURN_LSE=return_lse,
+            cu_seqlens_q=cu_seqlens_q,
+            PACKED_Q=True,
+            num_warps=4,
+        )
 
 
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
