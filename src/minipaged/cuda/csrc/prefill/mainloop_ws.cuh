@@ -26,7 +26,11 @@
 // items (head, batch, m-block) with a stride of gridDim.x, heaviest m-blocks
 // first; producer and consumers compute the same item sequence, skip the same
 // empty ones, and keep counting ring tiles and items across them, so every
-// barrier parity continues where the last item left it.
+// barrier parity continues where the last item left it. kDynamic: after the
+// first wave the producer takes item ids from a global counter and passes each
+// to the consumers through a 2-slot ring in shared memory (item_full /
+// item_empty mbarriers; -1 ends the walk). kStagedO: O goes through a buffer
+// of its own into coalesced 16-byte stores.
 //
 // Consumer schedules (WsCfg flags, each one step of the ablation):
 //   serial      per tile: QK^T, wait, softmax, PV, wait.
@@ -73,6 +77,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <mutex>
 
 #include "params.h"
 #include "prefill/common.cuh"
@@ -85,7 +90,8 @@ namespace minipaged {
 namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
-          bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false>
+          bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
+          bool kStagedO_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -102,6 +108,14 @@ struct WsCfg {
   // registers to global memory).
   static constexpr bool kPersistent = kPersistent_;
   static_assert(!(kPaged && kPersistent), "the paged work list is not persistent");
+  // Persistent refinements (ablation): kDynamic hands items out through a
+  // global counter (the producer takes the next one when it has issued the
+  // current item's loads; items still go heaviest first) instead of the
+  // static stride; kStagedO stages O in a buffer of its own, so the epilogue
+  // writes coalesced 16-byte rows although Q's buffer holds the next item.
+  static constexpr bool kDynamic = kDynamic_;
+  static constexpr bool kStagedO = kStagedO_;
+  static_assert(kPersistent || !(kDynamic || kStagedO), "persistent refinements");
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -113,14 +127,18 @@ struct WsCfg {
   static constexpr int kConsumerRegs = 240;
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or one V tile
   static constexpr int kQBytes = kBlockM * kD * 2;
-  // Layout from the 1024-aligned base: Q | K ring | V ring | mbarriers.
+  // Layout from the 1024-aligned base: Q | K ring | V ring | [O] | mbarriers | [item ids].
   static constexpr int kKOff = kQBytes;
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
-  static constexpr int kBarOff = kVOff + kStages * kTileBytes;
+  static constexpr int kOOff = kVOff + kStages * kTileBytes;
+  static constexpr int kBarOff = kOOff + (kStagedO ? kQBytes : 0);
   // Paged: one more, v_tail (the V TMA of key tile 0 when it needs zeroing).
   // Persistent: one more, q_empty (both consumer warpgroups are done with Q).
-  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0);
-  static constexpr int kSmemBytes = kBarOff + 8 * kNumBars + 1024;  // +1024: base realignment
+  // Dynamic: item_full / item_empty of a 2-slot ring of item ids.
+  static constexpr int kItemSlots = 2;
+  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0) + (kDynamic ? 2 * kItemSlots : 0);
+  static constexpr int kItemOff = kBarOff + 8 * kNumBars;
+  static constexpr int kSmemBytes = kItemOff + (kDynamic ? 4 * kItemSlots : 0) + 1024;  // +1024: base realignment
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
   // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
   static constexpr int kBarEpilogue = 1;
@@ -134,6 +152,9 @@ struct WsCfg {
 struct WsParams {
   PrefillParams p;
   CUtensorMap tm_q, tm_k, tm_v;
+  // Dynamic persistent configs: {next item past the first wave, CTAs done},
+  // both zero at launch; the last CTA to finish zeroes them again.
+  int* sched;
 };
 
 // Whether sequence `ql` rows long belongs to this launch (qlen_filter).
@@ -200,6 +221,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
   auto v_tail = [&] { return bars + 8u * (1 + 4 * kStages); };   // paged only
   auto q_empty = [&] { return bars + 8u * (1 + 4 * kStages); };  // persistent only (never both)
+  auto item_full = [&](int i) { return bars + 8u * (2 + 4 * kStages + i); };  // dynamic only
+  auto item_empty = [&](int i) { return bars + 8u * (2 + 4 * kStages + Cfg::kItemSlots + i); };
+  volatile int* item_ids = reinterpret_cast<volatile int*>(smem_ptr + Cfg::kItemOff);
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
 
@@ -274,6 +298,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
     if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
     if constexpr (Cfg::kPersistent) mbar_init(q_empty(), Cfg::kConsumerWarps);
+    if constexpr (Cfg::kDynamic) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kItemSlots; ++i) {
+        mbar_init(item_full(i), 1);
+        mbar_init(item_empty(i), Cfg::kConsumerWarps);
+      }
+    }
     mbar_fence_init();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles diverge below
@@ -389,7 +420,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
             tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
         }
       };
-      if constexpr (Cfg::kPersistent) {
+      if constexpr (Cfg::kDynamic) {
+        // Item k of this CTA: the first wave by blockIdx, then the counter. Its
+        // id goes to the consumers through slot k % 2 (the mbarrier arrive
+        // releases the store), -1 ends the walk.
+        for (int k = 0;; ++k) {
+          int w = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(wp.sched, 1);
+          if (w >= num_items) w = -1;
+          const int is = k % Cfg::kItemSlots;
+          mbar_wait(item_empty(is), uint32_t(((k / Cfg::kItemSlots) & 1) ^ 1));
+          item_ids[is] = w;
+          mbar_arrive(item_full(is));
+          if (w < 0) break;
+          if (!set_item_w(w) || n_end <= 0) continue;
+          produce_item();
+          tc0 += n_tiles;
+          ++item_no;
+        }
+        // Every CTA that stops taking items counts itself; the last one resets
+        // the counters for the next launch (no other CTA reads them any more).
+        if (atomicAdd(wp.sched + 1, 1) == int(gridDim.x) - 1) {
+          atomicExch(wp.sched, 0);
+          atomicExch(wp.sched + 1, 0);
+        }
+      } else if constexpr (Cfg::kPersistent) {
         // The consumers walk the same items and skip the same ones.
         for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
           if (!set_item_w(w) || n_end <= 0) continue;
@@ -624,7 +678,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
 
     // ---- epilogue ----
-    if constexpr (Cfg::kPersistent) {
+    if constexpr (Cfg::kStagedO) {
+      // The warp's own 16 rows of the O buffer (sw128, as Q's): written and read
+      // back by the same warp, so __syncwarp orders it, also against the
+      // previous item's reads.
+      unsigned char* o_smem = smem_ptr + Cfg::kOOff;
+      __syncwarp();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = sm.row_total(0, h);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int r = warp_row0 + g + h * 8;
+        if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
+          const float ref = sm.row_ref(0, h, scale_log2);
+          p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
+                int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
+        }
+        pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
+          const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
+          *reinterpret_cast<uint32_t*>(o_smem + off) = pair;
+        });
+      }
+      __syncwarp();
+#pragma unroll
+      for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
+        const int idx = lane + it * 32;
+        const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+        const int row = warp_row0 + r;
+        if (row < m_rows) {
+          *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+              *reinterpret_cast<const uint4*>(o_smem + sw128_off<kBlockM>(row, c));
+        }
+      }
+    } else if constexpr (Cfg::kPersistent) {
       // Straight from the C fragments (4-byte stores, two rows per thread): Q's
       // shared memory already holds the next item's Q.
 #pragma unroll
@@ -678,7 +764,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
   };  // consume_item
 
-  if constexpr (Cfg::kPersistent) {
+  if constexpr (Cfg::kDynamic) {
+    for (int k = 0;; ++k) {
+      const int is = k % Cfg::kItemSlots;
+      mbar_wait(item_full(is), uint32_t((k / Cfg::kItemSlots) & 1));
+      const int w = item_ids[is];
+      release(item_empty(is));
+      if (w < 0) break;
+      if (!set_item_w(w)) continue;
+      if (n_end <= 0) {
+        write_empty_item(tid - 128, Cfg::kConsumerWGs * 128);
+        continue;
+      }
+      consume_item();
+      tc0 += n_tiles;
+      ++item_no;
+    }
+  } else if constexpr (Cfg::kPersistent) {
     for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
       if (!set_item_w(w)) continue;
       if (n_end <= 0) {
@@ -751,6 +853,28 @@ inline bool ws_supported(const PrefillParams& p) {
   return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
 }
 
+// The two counters of the dynamic persistent configs on the current device:
+// allocated and zeroed on first use, then kept at zero by the kernels. One
+// pair per device, so two such launches must not run concurrently on one
+// device (an ablation config; the dispatch does not use it).
+inline int* ws_sched_counters() {
+  static std::mutex mu;
+  static int* counters[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (counters[dev] == nullptr) {
+    int* buf = nullptr;
+    if (cudaMalloc(&buf, 2 * sizeof(int)) != cudaSuccess) return nullptr;
+    if (cudaMemset(buf, 0, 2 * sizeof(int)) != cudaSuccess) {
+      cudaFree(buf);
+      return nullptr;
+    }
+    counters[dev] = buf;
+  }
+  return counters[dev];
+}
+
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -780,6 +904,10 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
+  if constexpr (Cfg::kDynamic) {
+    wp.sched = ws_sched_counters();
+    if (wp.sched == nullptr) return cudaErrorMemoryAllocation;
+  }
   if constexpr (Cfg::kPersistent) {
     // One resident CTA per SM (the shared memory and registers allow one).
     const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
