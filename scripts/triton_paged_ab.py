@@ -1,6 +1,7 @@
 """A/B of the Triton paged-attention launch paths on the H200 (issue #13): the old path
 (v1 kernel, one launch for a mixed batch) against the long-chunk kernel v2, the two-launch
-mixed batch, and alternative tiles, all through configs.set_override.
+mixed batches ("split": a packed short launch; "decode": the decode kernel for the q_len 1
+rows), and alternative tiles, all through configs.set_override.
 
     PYTHONPATH=src python scripts/triton_paged_ab.py --json bench/results/nvidia-h200/triton_paged_ab.json
 
@@ -58,6 +59,8 @@ VARIANTS = {
     "v2+split": ("all", dict(_NEW)),
     "v1+split": ("mixed", {"paged_long_kernel": "v1", "paged_mixed": "split"}),
     "v2+one": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "one"}),
+    # q_len 1 rows through the decode kernel (packed-query mode), the chunk through v2
+    "v2+decode": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "decode"}),
     "v2 no-prefetch": ("long", {**_NEW, "paged_prefetch": 0}),
     "v2 tile 128,64,8,2": ("long", {**_NEW, "paged": (128, 64, 8, 2)}),
     "v2 tile 64,64,4,3": ("long", {**_NEW, "paged": (64, 64, 4, 3)}),
