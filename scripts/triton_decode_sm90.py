@@ -1,0 +1,188 @@
+"""Compile the Triton decode kernels (decode._decode_kernel, decode._decode_reduce) for
+sm_90 ahead of time, without a GPU: the plain decode specialisations and the packed-query
+ones that ops.paged's mixed mode "decode" launches. Reports shared memory, registers and
+spills (ptxas -v, the ptxas bundled with triton), and with --same-as REV whether the plain
+specialisations compile to the same PTX and TTGIR as decode.py at git revision REV (line
+info off, so only the code counts).
+
+    PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR]
+
+Run it with the GPU machine's triton as well (an unpacked 3.6 wheel first on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+# the comparison is of code: source line numbers move with any edit of decode.py
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from minipaged.triton import decode  # noqa: E402
+
+_ELEM = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv", "fp32": "fp32"}
+_I32 = ("block_tables", "context_lens", "cu_seqlens_q")
+_F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
+
+
+def _signature(fn, q_dt: str, kv_dt: str, cx: dict) -> dict:
+    sig = {}
+    for n in fn.arg_names:
+        if n in cx:
+            sig[n] = "constexpr"
+        elif n in ("Q", "O"):
+            sig[n] = f"*{_ELEM[q_dt]}"
+        elif n in ("K_cache", "V_cache"):
+            sig[n] = f"*{_ELEM[kv_dt]}"
+        elif n in _I32:
+            sig[n] = "*i32"
+        elif n in _F32:
+            sig[n] = "*fp32"
+        elif n == "qk_scale_log2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return sig
+
+
+def _attrs(fn, cx: dict) -> dict:
+    # 16-byte aligned pointers and strides divisible by 16, except the block-table row
+    ptrs = ("Q", "O", "K_cache", "V_cache") + _I32 + _F32
+    div = [n for n in fn.arg_names if n not in cx and (n in ptrs or (n.startswith("stride_") and n != "stride_table"))]
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+
+
+def _compile(fn, q_dt, kv_dt, cx, warps, stages):
+    if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
+        # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
+        cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
+    src = ASTSource(fn, _signature(fn, q_dt, kv_dt, cx), constexprs=cx, attrs=_attrs(fn, cx))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def variants(plain_only: bool = False):
+    """(name, fn, q dtype, cache dtype, constexprs, warps, stages): the sm_90 decode tile
+    (configs.decode_config: BLOCK_N 64, 4 warps, 2 stages) at the benchmark's heads."""
+    k, r = decode._decode_kernel, decode._decode_reduce
+    base = dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, PAGE=16, SPLIT=False, DOT_PRECISION="tf32",
+                RETURN_LSE=False, KV_FP8=False)
+    out = [
+        ("plain", k, "bf16", "bf16", dict(base), 4, 2),
+        ("plain_split_lse", k, "bf16", "bf16", dict(base, SPLIT=True, RETURN_LSE=True), 4, 2),
+        ("plain_fp8", k, "bf16", "fp8", dict(base, KV_FP8=True), 4, 2),
+        ("plain_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1), 4, 2),
+        ("plain_d64_p128", k, "bf16", "bf16", dict(base, HEAD_DIM=64, PAGE=128), 4, 2),
+        ("reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True), 4, 1),
+    ]
+    if not plain_only:
+        out += [
+            ("packed", k, "bf16", "bf16", dict(base, PACKED_Q=True), 4, 2),
+            ("packed_lse", k, "bf16", "bf16", dict(base, RETURN_LSE=True, PACKED_Q=True), 4, 2),
+            ("packed_split_lse", k, "bf16", "bf16", dict(base, SPLIT=True, RETURN_LSE=True, PACKED_Q=True), 4, 2),
+            ("packed_fp8_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True), 4, 2),
+            ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
+            ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
+             4, 1),
+        ]
+    return out
+
+
+def _ptxas(ptx: str) -> dict:
+    import triton.backends.nvidia as nv
+
+    # triton's own ptxas, else the toolkit's; a PTX newer than both leaves the columns empty
+    tools = [os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas"), shutil.which("ptxas")]
+    for tool in (t for t in tools if t and os.access(t, os.X_OK)):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            res = subprocess.run([tool, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True)
+        text = res.stdout + res.stderr
+        regs = re.search(r"Used (\d+) registers", text)
+        if regs:
+            return {"regs": int(regs.group(1)), "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill", text)))}
+    return {"regs": "n/a (no ptxas reads this PTX version)"}
+
+
+def emit(out_dir: str, plain_only: bool) -> int:
+    os.makedirs(out_dir, exist_ok=True)
+    failures = 0
+    for name, fn, q_dt, kv_dt, cx, w, s in variants(plain_only):
+        try:
+            k = _compile(fn, q_dt, kv_dt, cx, w, s)
+        except Exception as e:  # a variant that does not compile is a result
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            continue
+        for ext in ("ptx", "ttgir"):
+            with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
+                f.write(k.asm[ext])
+        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
+        print(f"ok   {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
+    return failures
+
+
+def same_as(rev: str, here: str) -> int:
+    """Compile the plain variants from decode.py at `rev` (in a child process, over a copy
+    of the package) and compare them with those just emitted under `here`."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    old = subprocess.run(["git", "show", f"{rev}:src/minipaged/triton/decode.py"], capture_output=True, text=True,
+                         check=True, cwd=root).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(os.path.join(root, "src", "minipaged"), os.path.join(tmp, "src", "minipaged"))
+        with open(os.path.join(tmp, "src", "minipaged", "triton", "decode.py"), "w") as f:
+            f.write(old)
+        env = dict(os.environ)
+        # the same triton as this process, then the old package
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(triton.__file__)),
+                                             os.path.join(tmp, "src")])
+        there = os.path.join(tmp, "out")
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--emit", there, "--plain-only"], env=env,
+                             capture_output=True, text=True)
+        if res.returncode:
+            print(res.stdout + res.stderr)
+            return 1
+        diffs = 0
+        for name, *_ in variants(plain_only=True):
+            for ext in ("ptx", "ttgir"):
+                with open(os.path.join(here, f"{name}.{ext}")) as a, open(os.path.join(there, f"{name}.{ext}")) as b:
+                    same = a.read() == b.read()
+                diffs += not same
+                print(f"{'same' if same else 'DIFF'} {name}.{ext} as at {rev}")
+    return diffs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--same-as", help="git revision whose decode.py the plain variants must equal")
+    ap.add_argument("--dump", help="keep <name>.ptx/.ttgir here")
+    ap.add_argument("--emit", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.emit:
+        return 1 if emit(args.emit, args.plain_only) else 0
+    print(f"triton {triton.__version__}, target sm_90")
+    with tempfile.TemporaryDirectory() as tmp:
+        here = args.dump or tmp
+        failures = emit(here, False)
+        if args.same_as:
+            failures += same_as(args.same_as, here)
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
