@@ -7,8 +7,8 @@
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/paged_ws_selftest.cu \
 //        src/minipaged/cuda/csrc/prefill/paged.cu -o /tmp/paged_ws_selftest -lgomp
-//   (add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu for the decode-kernel
-//   anchor of the mixed-batch timing; without it "decodes alone" is the packed paged kernel)
+//   (or add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu: the decode kernels
+//   then come from that translation unit instead of being compiled into this one)
 //   ./paged_ws_selftest check [variant filter]   every case, every variant, vs fp64
 //   ./paged_ws_selftest small                    tiny cases (for compute-sanitizer)
 //   ./paged_ws_selftest time [reps]              TFLOP/s of the chunked-prefill shapes and the
@@ -17,7 +17,12 @@
 // Variants: dispatch (launch_prefill_paged, what the extension runs), ws (the
 // paged TMA kernel forced for every sequence, decode rows included: pages of
 // >= 8 tokens, 16-bit caches), split_ws (the two-launch split forced with the
-// TMA kernel as the tiled half). FP8 caches run through dispatch only (the
+// TMA kernel as the tiled half), routed / routed_s1 / routed_s3 (the decode
+// routing, PrefillParams variant 4: q_len == 1 rows through the decode kernels
+// with the split heuristic / one split / three splits, the rest through
+// launch_prefill_paged; every case, FP8 and page size 1 included), and
+// rt_vs_dec (the routed decode rows bitwise equal to a plain decode call on
+// those sequences). FP8 caches run through dispatch and routed only (the
 // mma.sync FP8 kernels, split the same way).
 // Every case builds shuffled pages, poisons every unused cache slot with NaN
 // (also the slots of a sequence's last page past its context) and every table
@@ -46,6 +51,12 @@
 #include "params.h"
 #include "selftest_common.h"
 #include "prefill/dispatch.cuh"
+// The decode kernels, which the routed variants need: compiled into this
+// translation unit unless the build links decode/launch.cu itself
+// (-DPAGED_WS_WITH_DECODE, gpu_check's paged_ws_selftest_dec).
+#if !defined(PAGED_WS_WITH_DECODE)
+#include "decode/launch.cu"
+#endif
 
 using minipaged::DType;
 using minipaged::PrefillParams;
@@ -101,6 +112,39 @@ static cudaError_t dispatch_new(const PrefillParams& p, cudaStream_t s) {
   return minipaged::launch_prefill_paged(q, s);
 }
 
+// The decode routing (PrefillParams variant 4, off by default): the q_len == 1
+// rows through the decode kernels (DecodeParams::cu_seqlens_q, split-K plan and
+// workspace as binding.cpp allocates them), the q_len >= 2 rows through
+// launch_prefill_paged, one stream, no sync. kSplits: the decode split count
+// (0: decode_plan's heuristic).
+static float* g_routed_ws = nullptr;
+static int64_t g_routed_ws_floats = 0;
+static int g_cc_major = 0;
+static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int splits) {
+  PrefillParams q = p;
+  q.variant = mf::kPagedVariantDecodeRouting;
+  if (!minipaged::paged_decode_routing(q)) return cudaErrorInvalidValue;  // every case here must route
+  minipaged::DecodeParams d = minipaged::paged_decode_params(q, g_cc_major);
+  const minipaged::DecodePlan plan = minipaged::decode_plan(d, splits);
+  const int64_t floats = minipaged::decode_workspace_floats(d);
+  if (floats > g_routed_ws_floats) {  // grows during the warm-up calls only (cudaFree syncs)
+    if (g_routed_ws) CHECK_CUDA(cudaFree(g_routed_ws));
+    CHECK_CUDA(cudaMalloc(&g_routed_ws, floats * sizeof(float)));
+    g_routed_ws_floats = floats;
+  }
+  if (floats > 0) {
+    d.partial_o = g_routed_ws;
+    d.partial_lse = g_routed_ws + int64_t(d.batch) * d.num_q_heads * d.num_splits * d.head_dim;
+  }
+  const cudaError_t err = minipaged::launch_decode(d, plan, s);
+  if (err != cudaSuccess) return err;
+  return minipaged::launch_prefill_paged(q, s);
+}
+template <int kSplits>
+static cudaError_t routed(const PrefillParams& p, cudaStream_t s) {
+  return routed_call(p, s, kSplits);
+}
+
 struct Variant {
   const char* name;
   LaunchFn fn;
@@ -111,6 +155,9 @@ static const Variant kVariants[] = {
     {"dispatch_new", dispatch_new, false},
     {"ws", ws_paged, true},
     {"split_ws", split_ws, true},
+    {"routed", routed<0>, false},     // decode split heuristic
+    {"routed_s1", routed<1>, false},  // one split: the decode kernel stores o itself
+    {"routed_s3", routed<3>, false},  // three splits, uneven over most contexts
 };
 
 // ---------------------------------------------------------------- host data
@@ -357,6 +404,81 @@ static bool compare(const Built& b, const char* variant, bool bitwise_ok) {
   return ok;
 }
 
+// The routed decode rows must be, bit for bit, what a plain decode call gives
+// on those sequences alone (same forced split count, same table capacity): the
+// packed-query instantiations (select_packed, decode/launch.cu) must stay the
+// tiling-0 kernels of plain decode. Outputs and lse of the q_len == 1 rows.
+static bool routed_matches_decode(Built& b) {
+  const Case& c = b.c;
+  std::vector<int> dec;
+  for (int s = 0; s < b.S; ++s)
+    if (c.q_lens[s] == 1) dec.push_back(s);
+  if (dec.empty()) return true;
+  constexpr int kSplits = 3;
+  b.poison();
+  CHECK_CUDA(routed<kSplits>(b.p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> hout(b.o_elems);
+  std::vector<float> hlse(b.lse_elems);
+  CHECK_CUDA(cudaMemcpy(hout.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hlse.data(), b.dlse, b.lse_elems * 4, cudaMemcpyDeviceToHost));
+  // The decode sequences alone: their q rows, table rows and contexts, compacted.
+  const int n = int(dec.size());
+  const size_t row_elems = size_t(c.hq) * c.d;
+  std::vector<int32_t> table(size_t(n) * b.max_blocks), ctx(n);
+  for (int i = 0; i < n; ++i) {
+    std::copy_n(b.table.begin() + size_t(dec[i]) * b.max_blocks, b.max_blocks, table.begin() + size_t(i) * b.max_blocks);
+    ctx[i] = c.ctx_lens[dec[i]];
+  }
+  uint16_t *dq = nullptr, *dout = nullptr;
+  int32_t *dtable = nullptr, *dctx = nullptr;
+  float *dlse = nullptr, *ws = nullptr;
+  CHECK_CUDA(cudaMalloc(&dq, n * row_elems * 2));
+  CHECK_CUDA(cudaMalloc(&dout, n * row_elems * 2));
+  CHECK_CUDA(cudaMalloc(&dlse, size_t(n) * c.hq * 4));
+  CHECK_CUDA(cudaMalloc(&dtable, table.size() * 4));
+  CHECK_CUDA(cudaMalloc(&dctx, n * 4));
+  for (int i = 0; i < n; ++i)
+    CHECK_CUDA(cudaMemcpy(dq + i * row_elems, b.dq + size_t(b.cq[dec[i]]) * row_elems, row_elems * 2,
+                          cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dctx, ctx.data(), n * 4, cudaMemcpyHostToDevice));
+  PrefillParams pp = b.p;
+  pp.q = dq, pp.o = dout, pp.lse = dlse, pp.block_tables = dtable, pp.context_lens = dctx, pp.batch = n;
+  pp.q_row_stride = pp.o_row_stride = int64_t(row_elems), pp.o_head_stride = c.d, pp.lse_row_stride = c.hq;
+  minipaged::DecodeParams d = minipaged::paged_decode_params(pp, g_cc_major);
+  d.cu_seqlens_q = nullptr;  // plain decode: row b is sequence b
+  const minipaged::DecodePlan plan = minipaged::decode_plan(d, kSplits);
+  const int64_t floats = minipaged::decode_workspace_floats(d);
+  if (floats > 0) {
+    CHECK_CUDA(cudaMalloc(&ws, floats * 4));
+    d.partial_o = ws;
+    d.partial_lse = ws + int64_t(d.batch) * d.num_q_heads * d.num_splits * d.head_dim;
+  }
+  CHECK_CUDA(minipaged::launch_decode(d, plan, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> pout(n * row_elems);
+  std::vector<float> plse(size_t(n) * c.hq);
+  CHECK_CUDA(cudaMemcpy(pout.data(), dout, pout.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(plse.data(), dlse, plse.size() * 4, cudaMemcpyDeviceToHost));
+  long long diff = 0;
+  for (int i = 0; i < n; ++i) {
+    const int t = b.cq[dec[i]];
+    for (int h = 0; h < c.hq; ++h) {
+      diff += std::memcmp(&hlse[size_t(t) * c.hq + h], &plse[size_t(i) * c.hq + h], 4) != 0;
+      for (int e = 0; e < c.d; ++e)
+        diff += hout[size_t(t) * b.o_row + size_t(h) * b.o_head + e] != pout[i * row_elems + size_t(h) * c.d + e];
+    }
+  }
+  for (void* ptr : {(void*)dq, (void*)dout, (void*)dlse, (void*)dtable, (void*)dctx, (void*)ws})
+    if (ptr) CHECK_CUDA(cudaFree(ptr));
+  const bool ok = diff == 0;
+  std::printf("%-4s %-9s %-64s %d decode rows, %d splits, %lld elements differ from a plain decode call\n",
+              ok ? "PASS" : "FAIL", "rt_vs_dec", c.name.c_str(), n, d.num_splits, diff);
+  std::fflush(stdout);
+  return ok;
+}
+
 static int run_case(const Case& c, const std::string& filter) {
   Built b;
   b.build(c, true, 977u + c.d * 3 + c.hq * 7 + c.block_size + unsigned(c.q_lens.size()) * 13);
@@ -368,7 +490,8 @@ static int run_case(const Case& c, const std::string& filter) {
     CHECK_CUDA(var.fn(b.p, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
     bool same = true;
-    if (std::string(var.name).rfind("dispatch", 0) == 0) {  // both dispatch rows: bitwise repeatable
+    const std::string vn = var.name;
+    if (vn.rfind("dispatch", 0) == 0 || vn.rfind("routed", 0) == 0) {  // bitwise repeatable
       std::vector<uint16_t> first(b.o_elems), second(b.o_elems);
       CHECK_CUDA(cudaMemcpy(first.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
       CHECK_CUDA(var.fn(b.p, 0));
@@ -378,6 +501,8 @@ static int run_case(const Case& c, const std::string& filter) {
     }
     failures += !compare(b, var.name, same);
   }
+  if (filter.empty() || std::string("routed_vs_decode").find(filter) != std::string::npos)
+    failures += !routed_matches_decode(b);
   return failures;
 }
 
@@ -429,6 +554,30 @@ static std::vector<Case> check_cases() {
     cs.push_back({"mixed spec/chunk fp16 D64 bs32 Hq8/2", fp, 8, 2, 64, 32, true, q2, c2});
     cs.push_back({"mixed spec/chunk bf16 D128 bs64 Hq8/1 noncausal", bf, 8, 1, 128, 64, false, q2, c2});
   }
+  // Decode routing (the routed variants run every case; these add the decode
+  // kernels the planner picks: scalar G1/G2/G4/G8 at D64, scalar G1/G2 and
+  // tensor cores at D128, FP8 below): decode rows among spec rows 2..16,
+  // chunks, q_len 0, contexts 0 / 1.
+  {
+    const std::vector<int> q = {1, 1, 2, 16, 1, 0, 17, 1, 3, 1, 1, 200};
+    const std::vector<int> c = {4097, 0, 2, 3000, 1, 5, 17, 300, 3, 129, 1023, 1000};
+    cs.push_back({"routed fp16 D128 bs16 Hq8/1", fp, 8, 1, 128, 16, true, q, c});
+    cs.push_back({"routed bf16 D128 bs1 Hq16/4", bf, 16, 4, 128, 1, true, q, c});
+    cs.push_back({"routed bf16 D128 bs8 Hq4/4 noncausal", bf, 4, 4, 128, 8, false, q, c});
+    cs.push_back({"routed fp16 D64 bs256 Hq16/2", fp, 16, 2, 64, 256, true, q, c});
+    cs.push_back({"routed bf16 D64 bs16 Hq12/3", bf, 12, 3, 64, 16, true, q, c});
+    cs.push_back({"routed bf16 D64 bs8 Hq8/4 noncausal", bf, 8, 4, 64, 8, false, q, c});
+    cs.push_back({"routed only decodes+empty fp16 D128 bs16 Hq16/8", fp, 16, 8, 128, 16, true, {1, 0, 1, 1}, {70, 9, 0, 1}});
+    Case f1{"routed fp8 bf16 D128 bs16 Hq16/2", bf, 16, 2, 128, 16, true, q, c};
+    f1.fp8 = true;
+    cs.push_back(f1);
+    Case f2{"routed fp8 fp16 D64 bs8 Hq4/4", fp, 4, 4, 64, 8, true, q, c};
+    f2.fp8 = true;
+    cs.push_back(f2);
+    Case f3{"routed fp8 bf16 D64 bs256 Hq8/4 noncausal", bf, 8, 4, 64, 256, false, q, c};
+    f3.fp8 = true;
+    cs.push_back(f3);
+  }
   // FP8 caches (dispatch: the mma.sync FP8 kernels, split the same way).
   {
     std::vector<int> q = {300, 1, 1, 4, 0, 17, 1, 129}, c = {1000, 4097, 1, 20, 5, 17, 0, 1023};
@@ -450,6 +599,7 @@ static std::vector<Case> small_cases() {
       {"small bf16 D64 bs16 mixed", bf, 4, 2, 64, 16, true, {1, 40, 1, 4, 17}, {33, 97, 0, 9, 17}},
       {"small fp16 D128 bs128 q>ctx", fp, 2, 2, 128, 128, true, {200, 1}, {130, 129}},
   };
+  cs.push_back({"small routed fp16 D128 bs16 Hq8/1", fp, 8, 1, 128, 16, true, {1, 3, 0, 1, 20}, {40, 3, 2, 0, 50}});
   Case f8{"small fp8 bf16 D64 bs16 mixed", bf, 4, 2, 64, 16, true, {1, 40, 3}, {70, 97, 5}};
   f8.fp8 = true;
   cs.push_back(f8);
@@ -534,11 +684,8 @@ struct Contig {
 };
 
 // Decode kernels on the decode rows of b (every q_len 1): the "decodes alone" anchor.
-static double time_decode(const Built& b, int reps) {
-#if !defined(PAGED_WS_WITH_DECODE)
-  (void)b, (void)reps;
-  return -1.0;
-#else
+// splits: as decode_plan takes it (0: the heuristic, with its workspace).
+static double time_decode(const Built& b, int reps, int splits = 1) {
   minipaged::DecodeParams q{};
   const Case& c = b.c;
   q.q = b.dq, q.k_cache = b.dk, q.v_cache = b.dv, q.o = b.dout, q.block_tables = b.dtable, q.context_lens = b.dctx;
@@ -549,13 +696,17 @@ static double time_decode(const Built& b, int reps) {
   q.head_dim = c.d;
   q.block_size = c.block_size, q.max_blocks = b.max_blocks, q.scale = b.p.scale, q.dtype = c.dtype;
   q.num_sms = b.p.num_sms, q.cc_major = 9;
-  // Split count 1: the plan then needs no workspace (partial buffers, counters)
-  // whatever the decode launcher's split machinery is; the packed paged
-  // kernel's figure stands next to it.
-  const minipaged::DecodePlan plan = minipaged::decode_plan(q, 1);
-  if (q.num_splits != 1) return -1.0;
-  return median_ms([&] { return minipaged::launch_decode(q, plan, 0); }, reps);
-#endif
+  const minipaged::DecodePlan plan = minipaged::decode_plan(q, splits);
+  float* ws = nullptr;
+  const int64_t floats = minipaged::decode_workspace_floats(q);
+  if (floats > 0) {
+    CHECK_CUDA(cudaMalloc(&ws, floats * 4));
+    q.partial_o = ws;
+    q.partial_lse = ws + int64_t(q.batch) * q.num_q_heads * q.num_splits * q.head_dim;
+  }
+  const double t = median_ms([&] { return minipaged::launch_decode(q, plan, 0); }, reps);
+  if (ws) CHECK_CUDA(cudaFree(ws));
+  return t;
 }
 
 static int cmd_time(int reps) {
@@ -607,11 +758,17 @@ static int cmd_time(int reps) {
                 t_mixed, t_chunk, t_dec_paged, t_mixed / (t_chunk + t_dec_paged));
     std::fflush(stdout);
     const double t_dec = time_decode(bd, reps);
-    if (t_dec > 0) {
-      const double best_dec = std::min(t_dec, t_dec_paged);
-      std::printf("  decode kernel (1 split) on the 63 decodes %.3f ms -> ratio vs best separate %.2f\n", t_dec,
-                  t_mixed / (t_chunk + best_dec));
-    }
+    const double t_dec_split = time_decode(bd, reps, 0);
+    const double best_dec = std::min({t_dec, t_dec_split, t_dec_paged});
+    std::printf("  decode kernel on the 63 decodes: 1 split %.3f ms, split heuristic %.3f ms -> one call vs best "
+                "separate %.2f\n", t_dec, t_dec_split, t_mixed / (t_chunk + best_dec));
+    // The decode routing (variant 4): the decodes through the decode kernel (split heuristic) and the
+    // chunk through the tiled kernel, two launches, one stream.
+    const double t_routed = median_ms([&] { return routed<0>(bm.p, 0); }, reps);
+    std::printf("mixed routed (decode routing, variant 4): one call %.3f ms -> ratio vs chunk alone + decodes alone "
+                "(split-K decode kernel) %.2f (target <= 1.10), vs best separate %.2f\n",
+                t_routed, t_routed / (t_chunk + t_dec_split), t_routed / (t_chunk + best_dec));
+    std::fflush(stdout);
   }
   // A timing is worth nothing if that shape is wrong: check a reduced copy of each (fewer heads).
   {
@@ -630,6 +787,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  g_cc_major = prop.major;
   if (prop.major != 9 || prop.minor != 0) {
     std::fprintf(stderr, "needs an sm_90 device\n");
     return 2;

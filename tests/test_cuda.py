@@ -1017,3 +1017,127 @@ _SANITIZE_PAGED_WS = textwrap.dedent(
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
     _run_under_sanitizer(tool, tmp_path / "sanitize_paged_ws.py", _SANITIZE_PAGED_WS)
+
+
+# =========================================================================== paged decode routing
+#
+# (issue #13) With the decode routing on (PrefillParams variant 4; off by default,
+# prefill/dispatch.cuh kPagedDecodeRoutingByDefault) the q_len == 1 rows of a paged batch run the
+# decode kernels (split-K, DecodeParams.cu_seqlens_q: a decode CTA of any other sequence returns at
+# once) and the q_len >= 2 rows the tiled kernel (TMA on sm_90a), two launches on one stream, which
+# sequence is which decided on the device. Same oracle, poisoning and cases as the block above.
+# scripts/paged_ws_selftest.cu (routed, routed_s1, routed_s3, rt_vs_dec) is the torch-free twin.
+ROUTED = 4
+ROUTED_LAYOUTS = dict(WS_LAYOUTS, **{1: ((16, 4), 128)})  # page 1: tensor-core decode (G4), cp.async prefill
+
+
+@pytest.mark.parametrize("block_size", list(ROUTED_LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_paged_routed_page_sizes(ops, block_size, dtype, causal):
+    heads, D = ROUTED_LAYOUTS[block_size]
+    q, kc, vc, bt, cu, cl = _paged_case(WS_MIX_Q, WS_MIX_CTX, *heads, D, block_size, dtype, seed=block_size + D + 1)
+    _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                 f"routed mix {dtype} {heads} D{D} bs{block_size} causal={causal}", variant=ROUTED)
+
+
+ROUTED_SPEC_Q = [1, 300, 16, 17, 4, 1, 1, 2, 9, 0, 129, 1, 1]
+ROUTED_SPEC_CTX = [500, 1000, 700, 17, 4, 1, 4097, 2, 3000, 10, 100, 0, 1]  # decode rows at context 0 and 1 too
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (16, 4), (32, 4), (8, 8)], ids=["G2", "G4", "G8", "G1"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_paged_routed_spec_and_chunks(ops, heads, D, block_size):
+    # every decode kernel the routed planner picks: scalar G1/G2/G4/G8 at D64, scalar G1/G2 and
+    # tensor cores (G >= 3) at D128; q_lens 0, 1, 2..16 and longer in one batch
+    q, kc, vc, bt, cu, cl = _paged_case(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, *heads, D, block_size, torch.bfloat16,
+                                        seed=block_size + D)
+    for causal in (True, False):
+        _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                     f"routed {heads} D{D} bs{block_size} causal={causal}", variant=ROUTED)
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, variant=ROUTED)[0])
+
+
+def _rows_of(cu, pick):
+    ql = (cu[1:] - cu[:-1]).tolist()
+    seqs = [s for s, n in enumerate(ql) if pick(n)]
+    rows = [int(cu[s]) + i for s in seqs for i in range(ql[s])]
+    return seqs, torch.tensor(rows, dtype=torch.long, device=cu.device)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_paged_routed_mixed_batch_rows(ops, splits):
+    # the bench's mixed row (one 2k chunk + 63 decodes at 4k context, page 16) against the oracle,
+    # and bit for bit: the decode rows what the decode op gives on them alone with the same split
+    # count (routed decode = the plain decode kernels), the chunk rows what a call holding only the
+    # chunk gives
+    S_q, S_ctx = [2048] + [1] * 63, [4096] * 64
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=12)
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"routed 2k chunk + 63 decodes s{splits}",
+                          variant=ROUTED)
+    if splits:
+        o2, l2 = ops.paged(q, kc, vc, bt, cu, cl, 2048, True, 0.0883, True, num_splits=splits, variant=ROUTED)
+        od, ld = ops.decode(q[2048:].contiguous(), kc, vc, bt[1:].contiguous(), cl[1:].contiguous(), 0.0883, True,
+                            num_splits=splits)
+        assert torch.equal(od, o2[2048:]) and torch.equal(ld, l2[2048:]), "routed decode rows != decode op"
+        assert torch.equal(o2[:2048], o[:2048]), "the decode split count changed the chunk rows"
+    cu1 = torch.tensor([0, 2048], dtype=torch.int32, device="cuda")
+    o1, l1 = ops.paged(q[:2048].contiguous(), kc, vc, bt[:1].contiguous(), cu1, cl[:1].contiguous(), 2048, True,
+                       0.0883, True, variant=ROUTED)
+    assert torch.equal(o1, o[:2048]) and torch.equal(l1, lse[:2048])
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (16, 2)], ids=["G2", "G8"])
+def test_paged_routed_decode_rows_match_decode_op(ops, heads):
+    # decode rows scattered between spec rows and chunks: each bitwise the decode op's on those
+    # sequences alone (forced split count, same table width)
+    q, kc, vc, bt, cu, cl = _paged_case(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, *heads, 128, 16, torch.float16, seed=3)
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, num_splits=3, variant=ROUTED)
+    seqs, rows = _rows_of(cu, lambda n: n == 1)
+    idx = torch.tensor(seqs, dtype=torch.long, device="cuda")
+    od, ld = ops.decode(q[rows].contiguous(), kc, vc, bt[idx].contiguous(), cl[idx].contiguous(), 0.0883, True,
+                        num_splits=3)
+    assert torch.equal(od, o[rows]) and torch.equal(ld, lse[rows])
+
+
+def test_paged_routed_cuda_graph_replay(ops):
+    # which sequences are decode rows is read on the device: a captured call replayed with other
+    # q_lens (same total, same max_seqlen_q bound) must match an eager call on them
+    S_ctx = [600, 4097, 33, 0, 1, 900, 2000, 70]
+    variants = ([1, 1, 40, 1, 1, 5, 1, 1], [40, 1, 1, 1, 5, 1, 1, 1], [2, 3, 1, 1, 1, 1, 42, 0])
+    q, kc, vc, bt, cu, cl = _paged_case(variants[0], S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=21)
+    static_q, static_cu = q.clone(), cu.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o, static_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+    for trial, S_q in enumerate(variants):
+        assert sum(S_q) == q.shape[0]
+        static_q.copy_(torch.randn_like(q.float()).to(q.dtype))
+        static_cu.copy_(torch.tensor([0] + list(torch.tensor(S_q).cumsum(0).tolist()), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+        assert torch.equal(static_o, eager_o) and torch.equal(static_lse, eager_lse), f"replay {trial}"
+        _check_paged(ops, static_q, kc, vc, bt, static_cu, cl, True, 0.0883, f"routed graph q_lens {S_q}",
+                     max_q=64, variant=ROUTED)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 2)], ids=["G1", "G2", "G8"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("page", [1, 16])
+def test_paged_routed_fp8(heads, D, page):
+    # FP8 caches: the FP8 decode kernels (scalar G1/G2, tensor cores from G3) on the decode rows,
+    # the FP8 tiled kernel on the rest; test_cuda_fp8's fp64 oracle on the dequantised cache bytes
+    from test_cuda_fp8 import _run_paged
+
+    Hq, Hkv = heads
+    for causal in (True, False):
+        _run_paged(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, Hq, Hkv, D, page, torch.bfloat16, causal=causal,
+                   seed=page + D + int(causal), variant=ROUTED)

@@ -458,7 +458,9 @@ OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 // Paged attention for any query length. A pure decode batch (every q_len 1:
 // max_seqlen_q == 1 and one query row per sequence) runs the decode kernels, so
 // that paged == decode exactly there; everything else runs the prefill kernels
-// with the paged K/V loader.
+// with the paged K/V loader, except, with the decode routing on (variant 4;
+// off by default, prefill/dispatch.cuh), the q_len == 1 rows of a mixed
+// batch, which run the decode kernels (a second launch on the stream).
 OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
              int64_t max_seqlen_q, bool causal, double scale, bool return_lse, int64_t num_splits,
@@ -481,6 +483,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const DType dtype = dtype_of(q, "q");
   at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
+  const char* launcher = "launch_prefill_paged";  // named in the error of a failed launch
   {
     c10::cuda::CUDAGuard guard(q.device());
     const at::Tensor& bt = block_tables;
@@ -520,10 +523,30 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.kv_fp8 = fp8;
     p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
-    if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0)
-      err = minipaged::launch_prefill_paged(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+    if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0) {
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+      // Decode routing (off by default; paged variant 4): the q_len == 1 rows
+      // run the decode kernels with their split-K plan and workspace, as the
+      // decode op would, on the same stream; launch_prefill_paged then keeps
+      // the q_len >= 2 rows. Which sequence is which is decided on the device.
+      if (minipaged::paged_decode_routing(p)) {
+        minipaged::DecodeParams d = minipaged::paged_decode_params(p, cc_major(q.get_device()));
+        const minipaged::DecodePlan plan = minipaged::decode_plan(d, static_cast<int>(num_splits));
+        at::Tensor workspace;
+        const int64_t ws_floats = minipaged::decode_workspace_floats(d);
+        if (ws_floats > 0) {
+          const int64_t rows = static_cast<int64_t>(d.batch) * d.num_q_heads * d.num_splits;
+          workspace = q.new_empty({ws_floats}, q.options().dtype(at::kFloat));
+          d.partial_o = workspace.data_ptr<float>();
+          d.partial_lse = d.partial_o + rows * d.head_dim;
+        }
+        err = minipaged::launch_decode(d, plan, stream);
+        if (err != cudaSuccess) launcher = "launch_decode (paged decode routing)";
+      }
+      if (err == cudaSuccess) err = minipaged::launch_prefill_paged(p, stream);
+    }
   }
-  check_launch(err, "launch_prefill_paged");
+  check_launch(err, launcher);
   return {o, lse};
 }
 

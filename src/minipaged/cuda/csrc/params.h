@@ -47,7 +47,8 @@ struct PrefillParams {
   int block_size;  // power of two, 1..256
   int max_blocks;
   int variant;     // paged, benchmarking only: 0 tuned choice, 1 never pack GQA groups, 2 always,
-                   // 3 tuned choice with the paths not yet GPU-checked (prefill/dispatch.cuh)
+                   // 3 tuned choice with the paths not yet GPU-checked (prefill/dispatch.cuh),
+                   // 4 as 3 plus the decode routing (paged_decode_routing below)
   int batch;
   int num_q_heads;
   int num_kv_heads;
@@ -134,6 +135,17 @@ struct DecodeParams {
   // call and zero again after it (the last CTA of each group resets its own).
   // nullptr otherwise.
   int32_t* split_counters;
+  // Packed queries (the q_len == 1 rows of a paged batch, paged_decode_params):
+  // int32 [batch + 1]. Sequence b is then handled only if
+  // cu_seqlens_q[b+1] - cu_seqlens_q[b] == 1, and its q, o and lse row is
+  // cu_seqlens_q[b] (q/o/lse_batch_stride are the row strides of the packed
+  // [total_q, Hq, D] / [total_q, Hq] tensors); the CTAs of every other sequence,
+  // split reduction included, return without writing. Block tables,
+  // context_lens and the split workspace stay indexed by sequence. decode_plan
+  // then picks the tiling-0 kernels with the two-launch reduction whatever
+  // `variant` says (the only instantiations that read this field).
+  // nullptr: plain decode, row b is sequence b.
+  const int32_t* cu_seqlens_q;
 };
 
 // The kernels one decode call runs and how, chosen once by decode_plan.
@@ -162,6 +174,60 @@ int64_t decode_split_counter_count(const DecodeParams& p, const DecodePlan& plan
 // Launches the planned decode (plus the split-KV reduction when
 // num_splits > 1) for the p that decode_plan filled. Never syncs.
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStream_t stream);
+
+// Paged decode routing (issue #13; prefill/dispatch.cuh has the switch,
+// kPagedDecodeRoutingByDefault, and PrefillParams variant 4 forces it on):
+// whether launch_prefill_paged(p) leaves every q_len == 1 sequence of p to the
+// decode kernels, decided from what the host knows (the q_lens live on the
+// device: each kernel's CTAs find their own sequences). When true the caller
+// runs, on the same stream, launch_decode with d = paged_decode_params(p, ...)
+// and decode_plan(d, ...) (plus the split workspace that plan needs) and
+// launch_prefill_paged(p), in either order: they write disjoint rows (the
+// prefill kernels keep only q_len >= 2). Defined in prefill/paged.cu.
+bool paged_decode_routing(const PrefillParams& p);
+
+// The decode parameters of the q_len == 1 rows of paged p (see
+// DecodeParams::cu_seqlens_q); workspace, counters and the plan are the
+// caller's. Decode semantics equal paged ones for such a row, causal or not:
+// its one query is the last of the context and sees all context_lens[b] keys.
+inline DecodeParams paged_decode_params(const PrefillParams& p, int cc_major) {
+  DecodeParams d{};
+  d.q = p.q;
+  d.k_cache = p.k;
+  d.v_cache = p.v;
+  d.o = p.o;
+  d.block_tables = p.block_tables;
+  d.context_lens = p.context_lens;
+  d.cu_seqlens_q = p.cu_seqlens_q;
+  d.lse = p.lse;
+  d.lse_batch_stride = p.lse_row_stride;  // head stride 1 (paged_decode_routing requires it)
+  d.q_batch_stride = p.q_row_stride, d.q_head_stride = p.q_head_stride;
+  d.o_batch_stride = p.o_row_stride, d.o_head_stride = p.o_head_stride;
+  d.k_block_stride = p.k_block_stride, d.k_token_stride = p.k_row_stride, d.k_head_stride = p.k_head_stride;
+  d.v_block_stride = p.v_block_stride, d.v_token_stride = p.v_row_stride, d.v_head_stride = p.v_head_stride;
+  d.block_table_stride = p.block_table_stride;
+  d.batch = p.batch;
+  d.num_q_heads = p.num_q_heads;
+  d.num_kv_heads = p.num_kv_heads;
+  d.head_dim = p.head_dim;
+  d.block_size = p.block_size;
+  d.max_blocks = p.max_blocks;
+  d.scale = p.scale;
+  d.dtype = p.dtype;
+  d.num_sms = p.num_sms;
+  d.cc_major = cc_major;
+  d.variant = 0;
+  d.kv_fp8 = p.kv_fp8;
+  d.k_scale = p.k_scale;
+  d.v_scale = p.v_scale;
+  return d;
+}
+
+// Floats of split workspace (partial_o then partial_lse) a planned decode needs; 0 without splits.
+inline int64_t decode_workspace_floats(const DecodeParams& d) {
+  if (d.num_splits <= 1) return 0;
+  return static_cast<int64_t>(d.batch) * d.num_q_heads * d.num_splits * (d.head_dim + 1);
+}
 
 // Scatter new K/V rows into the paged caches: row t goes to slot
 // slot_mapping[t] = block * block_size + offset; a negative slot is skipped.

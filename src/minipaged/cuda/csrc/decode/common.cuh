@@ -71,12 +71,18 @@ struct Piece {
 // What one decode CTA owns, from the launch grid (split, KV head x head chunk,
 // sequence): tokens [start, end) of sequence b's context and query heads
 // [h0, h0 + ng) of KV head kvh's group. Shared by both decode kernels.
+// row: the q / o / lse row of the sequence (b, or cu_seqlens_q[b] with packed
+// queries; -1 there for a sequence that is not a decode row: the CTA returns).
 struct DecodeSlice {
   int split, kvh, b, h0, ng;
   int start, end;  // token range; empty when the split starts past the context
   int capacity;    // max_blocks * block_size: what the block table can address
+  int row;
 };
 
+// PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
+// paged decode routing runs; false compiles to the plain decode as before.
+template <bool PQ = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
   DecodeSlice s;
   s.split = blockIdx.x;
@@ -93,7 +99,19 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   const int ctx = min(p.context_lens[s.b], s.capacity);
   s.start = s.split * p.tokens_per_split;
   s.end = min(ctx, s.start + p.tokens_per_split);
+  s.row = s.b;
+  if constexpr (PQ) {
+    const int q0 = p.cu_seqlens_q[s.b];
+    s.row = p.cu_seqlens_q[s.b + 1] - q0 == 1 ? q0 : -1;
+  }
   return s;
+}
+
+// Whether a packed-query CTA of this slice has nothing to do (not a decode row).
+template <bool PQ>
+__device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
+  if constexpr (PQ) return s.row < 0;
+  return false;
 }
 
 // Last step of both decode kernels: combine the online-softmax states that the
@@ -135,10 +153,10 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     if constexpr (kScaleOut) out *= out_scale;
     const int h = slice.h0 + row;
     if (p.num_splits == 1) {
-      T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride;
+      T* op = static_cast<T*>(p.o) + slice.row * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
       if (p.lse != nullptr && d == 0)
-        p.lse[slice.b * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
+        p.lse[slice.row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
       const int64_t prow = (static_cast<int64_t>(slice.b) * p.num_q_heads + h) * p.num_splits + slice.split;
       p.partial_o[prow * D + d] = out;

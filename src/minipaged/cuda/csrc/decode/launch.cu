@@ -49,13 +49,14 @@ constexpr int kVariantFused = 0x400;
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
+// PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
 DecodePlan info() {
   static_assert(!FP8 || STAGES == 0, "FP8: registers only");
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB>;
-  k.reduce = decode_reduce_kernel<T, D>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
+  k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (8 * TPT)) * 2 * kWarps * 32 * 16 : 0;
@@ -72,11 +73,11 @@ DecodePlan info_f(bool fused) {
 }
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED>;
-  k.reduce = decode_reduce_kernel<T, D>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ>;
+  k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kTileTokens;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8>::kBytes;
@@ -179,9 +180,47 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   }
 }
 
+// Packed queries (the paged decode routing): the kernels select_fp8 /
+// select_for_dim pick with tiling 0 and the two-launch reduction, for every
+// group size, in their packed-query instantiations. Only these exist with
+// PQ, so `variant` is not read here: a change of those defaults must be
+// made here too (the paged_ws selftest and tests/test_cuda.py compare routed
+// rows with a plain decode call bit for bit, which catches a drift).
+template <typename T, int D>
+DecodePlan select_packed(const DecodeParams& p) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (p.kv_fp8) {
+    constexpr int TPT = D / 16;
+    if (group >= 3) return info_mma<T, D, 4, true, false, true>();
+    if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true, false, 0, 0, true>();
+    return info<T, D, 2, TPT, 2, true, 0, true, false, 0, 0, true>();
+  }
+  if constexpr (D == 128) {
+    if (group >= 3) return info_mma<T, D, 3, false, false, true>();
+    if (group == 1) return info<T, D, 1, 8, 2, false, 0, false, false, 0, 0, true>();
+    return info<T, D, 2, 8, 2, false, 3, false, false, 0, 0, true>();
+  } else {
+    switch (group_tile(group)) {
+      case 1: return info<T, D, 1, 8, 4, false, 0, false, false, 0, 0, true>();
+      case 2: return info<T, D, 2, 8, 4, false, 0, false, false, 0, 0, true>();
+      case 4: return info<T, D, 4, 8, 2, false, 0, false, false, 0, 0, true>();
+      default: return info<T, D, 8, 8, 2, false, 0, false, false, 0, 0, true>();
+    }
+  }
+}
+
 DecodePlan select_kernel(const DecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return {};
   const bool d128 = p.head_dim == 128;
+  if (p.cu_seqlens_q != nullptr) {
+    if (p.num_kv_heads <= 0 || (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) return {};
+    switch (p.dtype) {
+      case DType::kFloat16: return d128 ? select_packed<__half, 128>(p) : select_packed<__half, 64>(p);
+      case DType::kBFloat16:
+        return d128 ? select_packed<__nv_bfloat16, 128>(p) : select_packed<__nv_bfloat16, 64>(p);
+    }
+    return {};
+  }
   if (p.kv_fp8) {
     if (p.k_scale == nullptr || p.v_scale == nullptr) return {};
     switch (p.dtype) {

@@ -78,7 +78,9 @@ constexpr int kFusedMinBlocksFp8 = 3;
 
 // FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
 // (fused_split_reduce) instead of a second kernel.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false>
+// PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
+// a CTA of a sequence that is not a decode row returns before any load.
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
   using S = Smem<D, STAGES, FP8>;
@@ -101,7 +103,9 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   const int warp = tid >> 5;
   const int lane = tid & 31;
 
-  const DecodeSlice slice = decode_slice(p, kRows);
+  static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
+  const DecodeSlice slice = decode_slice<PQ>(p, kRows);
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
   const int n_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 
   // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
   {
-    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
+    const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
     for (int idx = tid; idx < kRows * (D / 8); idx += kThreads) {
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;

@@ -22,7 +22,9 @@ constexpr int kMaxSplits = 256;
 constexpr int kReduceThreads = 256;
 static_assert(kMaxSplits <= kReduceThreads, "one log-sum-exp per thread");
 
-template <typename T, int D>
+// PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
+// are merged, into their packed row; the other CTAs return at once.
+template <typename T, int D, bool PQ = false>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
@@ -30,11 +32,18 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __shared__ float sm_w[kReduceThreads];
   __shared__ float sm_warp[kRedWarps];
   __shared__ float4 sm_o[ROWS][LANES];
+  // cu_seqlens_q is an input of the call, not an output of the split kernel:
+  // it is read before the wait.
+  if constexpr (PQ) {
+    if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
+  }
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
   griddep_wait();
   const int h = blockIdx.x;
   const int b = blockIdx.y;
+  int out_row = b;
+  if constexpr (PQ) out_row = p.cu_seqlens_q[b];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -86,8 +95,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     if (p.lse != nullptr && col == 0)
-      p.lse[b * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
-    T* op = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + col * 4;
+      p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
+    T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
     op[0] = Convert<T>::from_float(o.x * inv);
     op[1] = Convert<T>::from_float(o.y * inv);
     op[2] = Convert<T>::from_float(o.z * inv);
@@ -227,8 +236,8 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int h = slice.h0 + row;
       if (p.lse != nullptr && col == 0)
-        p.lse[slice.b * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
-      T* op = static_cast<T*>(p.o) + slice.b * p.o_batch_stride + h * p.o_head_stride + col * 4;
+        p.lse[slice.row * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
+      T* op = static_cast<T*>(p.o) + slice.row * p.o_batch_stride + h * p.o_head_stride + col * 4;
       op[0] = Convert<T>::from_float(o.x * inv);
       op[1] = Convert<T>::from_float(o.y * inv);
       op[2] = Convert<T>::from_float(o.z * inv);

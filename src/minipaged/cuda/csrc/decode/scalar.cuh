@@ -47,8 +47,10 @@ constexpr int kWarps = 4;
 // none, which is not the same as 1: ptxas then rounds to an occupancy step).
 // FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
 // (fused_split_reduce) instead of a second kernel.
+// PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
+// a CTA of a sequence that is not a decode row returns before any load.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0>
+          int AHEAD = 0, int MINB = 0, bool PQ = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -71,7 +73,9 @@ paged_decode_kernel(const DecodeParams p) {
   const int slot = lane / TPT;
   const int lt = lane % TPT;
 
-  const DecodeSlice slice = decode_slice(p, G);
+  static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
+  const DecodeSlice slice = decode_slice<PQ>(p, G);
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end, capacity = slice.capacity;
   // Block-table reads are bounded by the table, not by ctx, so they need not
@@ -84,7 +88,7 @@ paged_decode_kernel(const DecodeParams p) {
 
   float q[G][DPT];
   {
-    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride;
+    const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
     float qscale = p.scale * kLog2e;
     if constexpr (FP8) qscale *= p.k_scale[kvh];
 #pragma unroll

@@ -87,8 +87,42 @@ cudaError_t launch_paged_split(const PrefillParams& p, Packed packed, Tiled tile
 // benchmarks can time the cp.async wgmma path against them (variant 3
 // forces them on whatever the default, variant 1/2 are the old choices).
 constexpr bool kPagedNewPathsByDefault = true;
+
+// Decode routing (issue #13): the q_len == 1 sequences of a paged batch run
+// the decode kernels (split-K, DecodeParams::cu_seqlens_q) instead of the
+// GQA-packed prefill kernel, every q_len >= 2 sequence the tiled kernel (TMA
+// where it applies; qlen_filter -1), each launch's CTAs finding their own
+// sequences from cu_seqlens_q on the device (graph-safe, no host sync). The
+// caller owns the decode launch and its split workspace
+// (paged_decode_routing / paged_decode_params in params.h; binding.cpp and
+// scripts/paged_ws_selftest.cu). Speculative rows (2..16) then take the tiled
+// kernel, not the packed one: the packed kernel's sequence filter
+// (prefill/common.cuh seq_info) has no lower bound. Off until it has run on the
+// H200; variant 4 forces it on (with the variant-3 paths).
+constexpr bool kPagedDecodeRoutingByDefault = false;
+constexpr int kPagedVariantDecodeRouting = 4;
+inline bool paged_decode_routing_on(const PrefillParams& p) {
+  return p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedDecodeRoutingByDefault);
+}
+// Everything the routing needs besides the switch, from host-known values:
+// the decode grid's z extent, and an lse layout the decode kernels write
+// ([rows, Hq] with unit head stride).
+inline bool paged_decode_routing_ok(const PrefillParams& p) {
+  return paged_decode_routing_on(p) && p.batch <= 65535 && (p.lse == nullptr || p.lse_head_stride == 1);
+}
+
 inline bool paged_new_paths(const PrefillParams& p) {
-  return p.variant == 3 || (p.variant == 0 && kPagedNewPathsByDefault);
+  return p.variant == 3 || p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedNewPathsByDefault);
+}
+
+// The prefill half of a routed batch: q_len >= 2 only (the decode kernels own
+// the q_len == 1 rows); nothing to launch when no sequence can be that long.
+template <class Tiled>
+cudaError_t launch_paged_routed_rest(const PrefillParams& p, Tiled tiled) {
+  if (p.max_seqlen_q <= 1) return cudaSuccess;
+  PrefillParams pr = p;
+  pr.qlen_filter = -1;
+  return tiled(pr);
 }
 
 // Paged, the tiled (one query head per CTA) kernels.
@@ -121,6 +155,7 @@ cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
     return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) { return dispatch_paged_tiled<T, D, kCausal>(q, stream); };
+  if (paged_decode_routing_ok(p)) return launch_paged_routed_rest(p, tiled);
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok || !paged_new_paths(p)) return tiled(p);
   return launch_paged_split(p, packed, tiled);

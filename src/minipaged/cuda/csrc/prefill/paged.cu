@@ -6,7 +6,10 @@
 // (row i of a q_len-row sequence sees key j iff j < context_len - q_len + i + 1),
 // exact zeros and lse -inf for a row that sees no key.
 // Pure decode batches (every q_len 1) are routed to launch_decode by the
-// binding, which owns the split-KV workspace.
+// binding, which owns the split-KV workspace. With the decode routing
+// (paged_decode_routing, off by default) the q_len == 1 rows of any batch go to
+// launch_decode too (the caller's second launch) and this launcher keeps the
+// q_len >= 2 rows, all on the tiled kernel.
 // FP8 caches (p.kv_fp8) run the mma.sync kernels with FP8 K/V tiles
 // (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch, wgmma builds included:
 // the GQA-packed block for short queries, the small block otherwise.
@@ -32,6 +35,7 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
     return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) { return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream); };
+  if (paged_decode_routing_ok(p)) return launch_paged_routed_rest(p, tiled);
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok) return tiled(p);
   return launch_paged_split(p, packed, tiled);
@@ -51,6 +55,8 @@ cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+bool paged_decode_routing(const PrefillParams& p) { return fast::paged_decode_routing_ok(p); }
 
 cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t stream) {
   using namespace fast;
