@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
-#                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab]
+#                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_fp8_ab]
 #                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -127,6 +127,7 @@ for s in $stages; do
       [ -x "$bin/paged_ws_selftest_dec" ] && tbin="$bin/paged_ws_selftest_dec"
       STAGE_TIMEOUT_paged_ws_time=240 run paged_ws_time "$tbin" time 20;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
+    triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;

@@ -1,0 +1,123 @@
+"""A/B of Triton's decode tile on FP8 KV caches (issue #15), on the H200.
+
+The fp8 decode rows of `minipaged bench --kv-cache-dtype fp8` run Triton's decode kernel with
+the 16-bit tile (configs.decode_config: BLOCK_N 64, 4 warps, 2 stages) and take as long as the
+bf16 rows, although they read half the bytes: a BLOCK_N-key tile of fp8 K/V is half the bytes
+in flight of a 16-bit one. This times every candidate tile (configs.set_override("decode", ...))
+on the standard decode grid, 16-bit (bf16) cache and fp8 cache, same run, and prints each fp8
+time over the 16-bit time of the default tile (the issue's target: <= 0.55 at B=64 L=8k and B=1 L=32k).
+
+    PYTHONPATH=src python scripts/triton_fp8_decode_ab.py --json bench/results/nvidia-h200/triton_fp8_decode_ab.json
+
+Every tile is first checked on a ragged batch (contexts 1, 17, 1000, 4097, NaN-poisoned unused
+cache slots) against the fp64 oracle of minipaged.testing on the same dequantised fp8 cache;
+a tile that fails is reported and not timed. Timing: minipaged.benchmark.timing.time_fn,
+CUDA-graph replays, cold L2 (read flush between replays), median of --reps.
+--smoke runs the plumbing on CPU under the interpreter (fp16, tiny shapes); it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+import minipaged as mp
+from minipaged import testing
+from minipaged.benchmark import cases as bench_cases
+from minipaged.benchmark.timing import time_fn
+from minipaged.triton import configs
+
+# (BLOCK_N, WARPS, STAGES); None = the default tile.
+TILES = [None, (128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3), (256, 8, 2)]
+
+
+def _fp8(k_cache, v_cache):
+    return bench_cases.fp8_caches(k_cache, v_cache)
+
+
+def _check(tile, dtype, device) -> str:
+    """'' if `tile` matches the oracle on a ragged fp8 batch, else why not."""
+    case = testing.DecodeCase.of([1, 17, 1000, 4097] if device.type == "cuda" else [1, 17, 40], 16 if
+                                 device.type == "cuda" else 4, 8 if device.type == "cuda" else 2,
+                                 128 if device.type == "cuda" else 64)
+    q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=3)
+    kc8, vc8, ks, vs = _fp8(kc, vc)
+    keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(kc8, ks), bench_cases.dequantize_fp8(vc8, vs), bt, cl)
+    truth, truth_lse = testing.decode_ref(q, keys, vals)
+    lowp, _ = testing.decode_ref(q, keys, vals, lowp=True)
+    configs.set_override("decode", tile)
+    try:
+        out, lse = mp.decode_attention(q, kc8, vc8, bt, cl, k_scale=ks, v_scale=vs, return_lse=True, backend="triton")
+        testing.assert_close(out, truth, lowp, f"tile {tile}", lse=lse, truth_lse=truth_lse)
+    except Exception as e:  # noqa: BLE001 - a tile that does not build or is wrong is reported
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        configs.set_override("decode", None)
+    return ""
+
+
+def _time(case, tile, fp8: bool, dtype, device, reps: int) -> float:
+    q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=0, poison=False)
+    kw = {}
+    if fp8:
+        kc, vc, ks, vs = _fp8(kc, vc)
+        kw = dict(k_scale=ks, v_scale=vs)
+    configs.set_override("decode", tile)
+    try:
+        fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
+        t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
+    finally:
+        configs.set_override("decode", None)
+    return t.median_ms * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float16 if args.smoke else torch.bfloat16
+    grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
+    tiles = TILES[:2] if args.smoke else TILES
+    t0 = time.time()
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "dtype": str(dtype), "rows": [], "failed": {}}
+    ok_tiles = []
+    for tile in tiles:
+        why = _check(tile, dtype, device)
+        print(f"check tile {tile or 'default'}: {'ok' if not why else why}", flush=True)
+        if why:
+            results["failed"][str(tile)] = why
+        else:
+            ok_tiles.append(tile)
+    for case in grid:
+        base = _time(case, None, False, dtype, device, args.reps)
+        row = {"case": case.label, "16bit_default_us": base, "16bit": {}, "fp8": {}}
+        for tile in ok_tiles:
+            row["16bit"][str(tile)] = base if tile is None else _time(case, tile, False, dtype, device, args.reps)
+            row["fp8"][str(tile)] = _time(case, tile, True, dtype, device, args.reps)
+        best = min(row["fp8"], key=row["fp8"].get)
+        print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
+              "  ".join(f"{k}: 16-bit {row['16bit'][k]:.1f} fp8 {v:.1f} ({v / base:.2f}x)" for k, v in row["fp8"].items()) +
+              f" | best fp8 {best} {row['fp8'][best] / base:.2f}x", flush=True)
+        results["rows"].append(row)
+    print(f"took {time.time() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if results["failed"] and not ok_tiles else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
