@@ -124,6 +124,9 @@ static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int split
   PrefillParams q = p;
   q.variant = mf::kPagedVariantDecodeRouting;
   if (!minipaged::paged_decode_routing(q)) return cudaErrorInvalidValue;  // every case here must route
+  // binding.cpp's order: the prefill half first (it validates strides and alignment), then the decodes.
+  const cudaError_t perr = minipaged::launch_prefill_paged(q, s);
+  if (perr != cudaSuccess) return perr;
   minipaged::DecodeParams d = minipaged::paged_decode_params(q, g_cc_major);
   const minipaged::DecodePlan plan = minipaged::decode_plan(d, splits);
   const int64_t floats = minipaged::decode_workspace_floats(d);
@@ -136,9 +139,7 @@ static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int split
     d.partial_o = g_routed_ws;
     d.partial_lse = g_routed_ws + int64_t(d.batch) * d.num_q_heads * d.num_splits * d.head_dim;
   }
-  const cudaError_t err = minipaged::launch_decode(d, plan, s);
-  if (err != cudaSuccess) return err;
-  return minipaged::launch_prefill_paged(q, s);
+  return minipaged::launch_decode(d, plan, s);
 }
 template <int kSplits>
 static cudaError_t routed(const PrefillParams& p, cudaStream_t s) {

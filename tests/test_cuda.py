@@ -1028,7 +1028,7 @@ def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
 # sequence is which decided on the device. Same oracle, poisoning and cases as the block above.
 # scripts/paged_ws_selftest.cu (routed, routed_s1, routed_s3, rt_vs_dec) is the torch-free twin.
 ROUTED = 4
-ROUTED_LAYOUTS = dict(WS_LAYOUTS, **{1: ((16, 4), 128)})  # page 1: tensor-core decode (G4), cp.async prefill
+ROUTED_LAYOUTS = {**WS_LAYOUTS, 1: ((16, 4), 128)}  # page 1: tensor-core decode (G4), cp.async prefill
 
 
 @pytest.mark.parametrize("block_size", list(ROUTED_LAYOUTS))
@@ -1132,7 +1132,7 @@ def test_paged_routed_cuda_graph_replay(ops):
 @pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 2)], ids=["G1", "G2", "G8"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("page", [1, 16])
-def test_paged_routed_fp8(heads, D, page):
+def test_paged_routed_fp8(ops, heads, D, page):  # ops: the fixture's skip without a GPU
     # FP8 caches: the FP8 decode kernels (scalar G1/G2, tensor cores from G3) on the decode rows,
     # the FP8 tiled kernel on the rest; test_cuda_fp8's fp64 oracle on the dequantised cache bytes
     from test_cuda_fp8 import _run_paged

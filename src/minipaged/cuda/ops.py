@@ -123,13 +123,22 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=Fa
     return _result(out, return_lse)
 
 
+# paged() variant: the q_len == 1 rows of a mixed batch through the decode kernels (split-K),
+# the rest through the tiled prefill kernel (csrc/prefill/dispatch.cuh, kPagedVariantDecodeRouting).
+PAGED_DECODE_ROUTING = 4
+
+
 def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal, scale,
           return_lse=False, k_scale=None, v_scale=None, *, num_splits=0, variant=0):
     """Paged attention for any query length. q [Tq,Hq,D] packed by cu_seqlens_q int32 [S+1];
     caches [num_blocks,block_size,Hkv,D]; context_lens int32 [S] include the new tokens.
 
     -> o [Tq,Hq,D], or (o, lse [Tq,Hq]). With max_seqlen_q == 1 and one row per
-    sequence it runs the decode kernels (num_splits/variant apply there only).
+    sequence it runs the decode kernels (num_splits/variant apply there as in decode).
+    Otherwise variant (benchmarking) picks the paged paths: 0 the tuned choice, 1 never
+    pack GQA groups, 2 always, 3 the newer paths forced on, PAGED_DECODE_ROUTING (4) also
+    routes the q_len == 1 rows to the decode kernels (num_splits then sets their split
+    count; off by default, not yet run on a GPU).
     float8_e4m3fn caches take k_scale/v_scale as in decode.
     """
     out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),

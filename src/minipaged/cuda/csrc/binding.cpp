@@ -525,11 +525,13 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
     if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0) {
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-      // Decode routing (off by default; paged variant 4): the q_len == 1 rows
-      // run the decode kernels with their split-K plan and workspace, as the
-      // decode op would, on the same stream; launch_prefill_paged then keeps
-      // the q_len >= 2 rows. Which sequence is which is decided on the device.
-      if (minipaged::paged_decode_routing(p)) {
+      // Decode routing (off by default; paged variant 4): launch_prefill_paged
+      // keeps the q_len >= 2 rows (and checks strides and alignment before
+      // anything runs), then the q_len == 1 rows run the decode kernels with
+      // their split-K plan and workspace, as the decode op would, on the same
+      // stream. Which sequence is which is decided on the device.
+      err = minipaged::launch_prefill_paged(p, stream);
+      if (err == cudaSuccess && minipaged::paged_decode_routing(p)) {
         minipaged::DecodeParams d = minipaged::paged_decode_params(p, cc_major(q.get_device()));
         const minipaged::DecodePlan plan = minipaged::decode_plan(d, static_cast<int>(num_splits));
         at::Tensor workspace;
@@ -543,7 +545,6 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         err = minipaged::launch_decode(d, plan, stream);
         if (err != cudaSuccess) launcher = "launch_decode (paged decode routing)";
       }
-      if (err == cudaSuccess) err = minipaged::launch_prefill_paged(p, stream);
     }
   }
   check_launch(err, launcher);

@@ -180,10 +180,12 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStr
 // whether launch_prefill_paged(p) leaves every q_len == 1 sequence of p to the
 // decode kernels, decided from what the host knows (the q_lens live on the
 // device: each kernel's CTAs find their own sequences). When true the caller
-// runs, on the same stream, launch_decode with d = paged_decode_params(p, ...)
-// and decode_plan(d, ...) (plus the split workspace that plan needs) and
-// launch_prefill_paged(p), in either order: they write disjoint rows (the
-// prefill kernels keep only q_len >= 2). Defined in prefill/paged.cu.
+// runs, on the same stream, launch_prefill_paged(p) and launch_decode with
+// d = paged_decode_params(p, ...) and decode_plan(d, ...) (plus the split
+// workspace that plan needs). They write disjoint rows (the prefill kernels
+// keep only q_len >= 2), so either order is correct; binding.cpp runs the
+// prefill launcher first because it also validates strides and alignment.
+// Defined in prefill/paged.cu.
 bool paged_decode_routing(const PrefillParams& p);
 
 // The decode parameters of the q_len == 1 rows of paged p (see

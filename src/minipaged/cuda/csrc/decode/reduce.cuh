@@ -42,8 +42,6 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   griddep_wait();
   const int h = blockIdx.x;
   const int b = blockIdx.y;
-  int out_row = b;
-  if constexpr (PQ) out_row = p.cu_seqlens_q[b];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -94,6 +92,10 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
       o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
+    // Packed queries: the row is looked up here, not kept live through the
+    // loop (one register more spills at sm_80's 32-register cap).
+    int out_row = b;
+    if constexpr (PQ) out_row = p.cu_seqlens_q[b];
     if (p.lse != nullptr && col == 0)
       p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
     T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
