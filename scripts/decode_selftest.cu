@@ -1,6 +1,6 @@
 // Torch-free self test and timing of the paged decode (decode/launch.cu): the
 // two-launch split reduction, the one-launch fused reduction (variant bit
-// 0x400) and the register-ring tilings 13-16.
+// 0x400), the register-ring tilings 13-16 and the fp8 cp.async tilings 6-8.
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
@@ -22,7 +22,9 @@
 // 10), each replay's output checked bitwise.
 //
 // time: B=1 L=4k, B=1 L=32k, B=8 L=4k, B=32 L=4k, B=64 L=8k, B=256 L=1k;
-// Hq/Hkv/D 16/8/128, bf16, page 16, pages scattered over the cache. Each
+// Hq/Hkv/D 16/8/128, bf16, page 16, pages scattered over the cache; then the
+// same grid on fp8 caches (finite e4m3 bytes, scales 0.25; TB/s at 1 byte per
+// cached element) for the fp8 default, its fused build and tilings 6-8. Each
 // configuration is one CUDA graph holding the decode call(s); between replays
 // a 256 MB read-only flush kernel runs OUTSIDE the graph, between the event
 // pairs (so the L2 holds no decode data and no dirty lines, as `minipaged
@@ -362,6 +364,7 @@ void report(bool ok, const std::string& what) {
 std::vector<int> tilings_for(const Prob& pr) {
   std::vector<int> v = {0, 10, 12};
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
+  if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   return v;
 }
 
@@ -495,6 +498,15 @@ __global__ void fill_kernel(uint16_t* x, size_t n, uint32_t seed) {
   }
 }
 
+// Finite e4m3 bytes of magnitude 0.25..3.75 (exponent field 5..8), random sign.
+__global__ void fill_fp8_kernel(uint8_t* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9e3779b1u ^ seed;
+    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12;
+    x[i] = uint8_t((h & 0x80u) | ((5u + ((h >> 8) & 3u)) << 3) | ((h >> 10) & 7u));
+  }
+}
+
 struct Timing {
   double med, p20, p80;
 };
@@ -561,22 +573,37 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
+  float* dscale;  // k_scale = v_scale = 0.25 for every KV head (fp8 rows)
+  {
+    const std::vector<float> sc(hkv, 0.25f);
+    CHECK_CUDA(cudaMalloc(&dscale, hkv * sizeof(float)));
+    CHECK_CUDA(cudaMemcpy(dscale, sc.data(), hkv * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  // 16-bit rows (every tiling, both reductions), then fp8 rows (default, fused, cp.async tilings 6-8).
+  for (const bool fp8 : {false, true})
   for (const Shape& sh : shapes) {
     const int B = sh.B, L = sh.L, per_seq = L / bs;
     const int num_blocks = B * per_seq;
     const int64_t row = int64_t(hkv) * D;
     const size_t cache_elems = size_t(num_blocks) * bs * row;
-    uint16_t *dk, *dv, *dq, *dout;
+    const int eb = fp8 ? 1 : 2;  // bytes per cached element
+    void *dk, *dv;
+    uint16_t *dq, *dout;
     float *dlse, *dpart;
     int32_t *dtable, *dctx;
-    CHECK_CUDA(cudaMalloc(&dk, cache_elems * 2));
-    CHECK_CUDA(cudaMalloc(&dv, cache_elems * 2));
+    CHECK_CUDA(cudaMalloc(&dk, cache_elems * eb));
+    CHECK_CUDA(cudaMalloc(&dv, cache_elems * eb));
     CHECK_CUDA(cudaMalloc(&dq, size_t(B) * hq * D * 2));
     CHECK_CUDA(cudaMalloc(&dout, size_t(B) * hq * D * 2));
     CHECK_CUDA(cudaMalloc(&dlse, size_t(B) * hq * 4));
     CHECK_CUDA(cudaMalloc(&dpart, size_t(B) * hq * 256 * (D + 1) * 4));
-    fill_kernel<<<1024, 256>>>(dk, cache_elems, 1);
-    fill_kernel<<<1024, 256>>>(dv, cache_elems, 2);
+    if (fp8) {
+      fill_fp8_kernel<<<1024, 256>>>(static_cast<uint8_t*>(dk), cache_elems, 1);
+      fill_fp8_kernel<<<1024, 256>>>(static_cast<uint8_t*>(dv), cache_elems, 2);
+    } else {
+      fill_kernel<<<1024, 256>>>(static_cast<uint16_t*>(dk), cache_elems, 1);
+      fill_kernel<<<1024, 256>>>(static_cast<uint16_t*>(dv), cache_elems, 2);
+    }
     fill_kernel<<<64, 256>>>(dq, size_t(B) * hq * D, 3);
     std::vector<int32_t> perm(num_blocks);
     std::iota(perm.begin(), perm.end(), 0);
@@ -588,7 +615,7 @@ int time_mode(int reps) {
     CHECK_CUDA(cudaMemcpy(dtable, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(dctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaDeviceSynchronize());
-    const double bytes = 2.0 * B * double(L) * row * 2 + 2.0 * B * hq * D * 2;
+    const double bytes = 2.0 * B * double(L) * row * eb + 2.0 * B * hq * D * 2;
     std::vector<uint16_t> base_o, o(size_t(B) * hq * D);
     struct Twin {
       int variant, splits;
@@ -596,10 +623,14 @@ int time_mode(int reps) {
     };
     std::vector<Twin> two_launch_o;
     char cname[32];
-    std::snprintf(cname, sizeof cname, "B=%d L=%dk", B, L / 1024);
+    std::snprintf(cname, sizeof cname, "B=%d L=%dk%s", B, L / 1024, fp8 ? " fp8" : "");
     std::vector<int> configs;
-    for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
-    configs.push_back(kNoPDL);
+    if (fp8) {
+      configs = {0, kFused, 6, 7, 8};
+    } else {
+      for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
+      configs.push_back(kNoPDL);
+    }
     for (int v : configs) {
       minipaged::DecodeParams p{};
       p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
@@ -609,6 +640,7 @@ int time_mode(int reps) {
       p.k_head_stride = p.v_head_stride = D, p.block_table_stride = per_seq;
       p.batch = B, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D, p.block_size = bs;
       p.max_blocks = per_seq, p.scale = 1.f / std::sqrt(float(D)), p.dtype = DType::kBFloat16;
+      p.kv_fp8 = fp8, p.k_scale = fp8 ? dscale : nullptr, p.v_scale = fp8 ? dscale : nullptr;
       p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
       minipaged::DecodePlan plan = minipaged::decode_plan(p, 0);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
@@ -662,6 +694,7 @@ int time_mode(int reps) {
   }
   CHECK_CUDA(cudaFree(fbuf));
   CHECK_CUDA(cudaFree(sink));
+  CHECK_CUDA(cudaFree(dscale));
   CHECK_CUDA(cudaStreamDestroy(st));
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
   return g_failures ? 1 : 0;

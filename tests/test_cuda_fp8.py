@@ -415,6 +415,20 @@ def test_fp8_decode(dtype, D, heads, page):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("tiling", [6, 7, 8])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_staged_tilings(dtype, D, page, tiling):
+    """The fp8 cp.async tilings of the GQA-2 scalar kernel (decode/launch.cu select_fp8:
+    rows staged through shared memory), with the split heuristic and forced splits."""
+    _run_decode(CTXS, 8, 4, D, page, dtype, seed=page + D + tiling, variant=tiling)
+    _run_decode(CTXS, 8, 4, D, page, dtype, seed=page + D + tiling + 1, num_splits=5, variant=tiling,
+                scales="equal")
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_long_contexts_and_writer(dtype):
     """32k contexts (many splits), the cache written by the CUDA quantiser, Qwen3 heads."""

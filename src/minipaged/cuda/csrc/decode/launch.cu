@@ -53,13 +53,13 @@ constexpr int kVariantFused = 0x400;
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
           bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
 DecodePlan info() {
-  static_assert(!FP8 || STAGES == 0, "FP8: registers only");
+  constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
-  k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (8 * TPT)) * 2 * kWarps * 32 * 16 : 0;
+  k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (kPieceElems * TPT)) * 2 * kWarps * 32 * 16 : 0;
   k.fused = FUSED;
   return k;
 }
@@ -99,6 +99,10 @@ DecodePlan info_mma_f(bool fused) {
 // The 16-bit benchmarking tilings do not apply, except: 10/11
 // force the tensor-core kernel, 12 the scalar one (2 heads per CTA: a larger
 // group is covered by several CTAs per KV head, each re-reading its pages).
+// FP8 tilings for the G = 2 scalar kernel, benchmarking only: the rows staged
+// through shared memory with cp.async, as the 16-bit default does (more bytes
+// in flight per SM than the register double buffer): 6: 2 token groups per
+// warp, 3 stages; 7: 2 groups, 4 stages; 8: 4 groups, 3 stages.
 template <typename T, int D>
 DecodePlan select_fp8(const DecodeParams& p) {
   constexpr int TPT = D / 16;
@@ -107,6 +111,11 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma_f<T, D, 4, true>(fused);
   if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
+  if (group == 2 && !fused) {
+    if (tiling == 6) return info<T, D, 2, TPT, 2, false, 3, true>();
+    if (tiling == 7) return info<T, D, 2, TPT, 2, false, 4, true>();
+    if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();
+  }
   return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
