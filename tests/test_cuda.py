@@ -1024,8 +1024,9 @@ def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
 # (issue #13) With the decode routing on (PrefillParams variant 4; off by default,
 # prefill/dispatch.cuh kPagedDecodeRoutingByDefault) the q_len == 1 rows of a paged batch run the
 # decode kernels (split-K, DecodeParams.cu_seqlens_q: a decode CTA of any other sequence returns at
-# once) and the q_len >= 2 rows the tiled kernel (TMA on sm_90a), two launches on one stream, which
-# sequence is which decided on the device. Same oracle, poisoning and cases as the block above.
+# once), q_len 2..16 the GQA-packed kernel in a config that skips q_len 1 (where packing applies)
+# and longer rows the tiled kernel (TMA on sm_90a), launches on one stream, which sequence is which
+# decided on the device. Same oracle, poisoning and cases as the block above.
 # scripts/paged_ws_selftest.cu (routed, routed_s1, routed_s3, rt_vs_dec) is the torch-free twin.
 ROUTED = 4
 ROUTED_LAYOUTS = {**WS_LAYOUTS, 1: ((16, 4), 128)}  # page 1: tensor-core decode (G4), cp.async prefill

@@ -2,6 +2,7 @@
 // a sequence lives (dense, varlen, paged) and the paged K/V tile gatherer.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "params.h"
 #include "ptx/cp_async.cuh"
@@ -68,11 +69,27 @@ struct PagedKVLoader {
 };
 struct NoLoader {};
 
+// A kernel config whose paged launches skip the sequences of fewer than kMin
+// query rows (another launch owns them: the decode routing's q_len == 1 rows).
+template <class Base, int kMin>
+struct WithMinSeqlenQ : Base {
+  static constexpr int kMinSeqlenQ = kMin;
+};
+// Cfg::kMinSeqlenQ where the config has one, else 0 (no lower bound).
+template <class Cfg, class = void>
+struct MinSeqlenQ {
+  static constexpr int value = 0;
+};
+template <class Cfg>
+struct MinSeqlenQ<Cfg, std::void_t<decltype(Cfg::kMinSeqlenQ)>> {
+  static constexpr int value = Cfg::kMinSeqlenQ;
+};
+
 // Where sequence `batch` lives and how long it is, for the three layouts.
 struct SeqInfo {
   int q_begin, k_begin, seqlen_q, seqlen_k;
 };
-template <bool kPaged>
+template <bool kPaged, int kMinSeqlenQ = 0>
 __device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
   SeqInfo s{0, 0, p.max_seqlen_q, p.max_seqlen_k};
   if (p.cu_seqlens_q != nullptr) {
@@ -86,6 +103,9 @@ __device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
     // A split mixed batch (launch_prefill_paged): the other launch owns this
     // sequence; q_len 0 makes every CTA of it return before any work.
     if (p.qlen_filter != 0 && (s.seqlen_q <= abs(p.qlen_filter)) != (p.qlen_filter > 0)) s.seqlen_q = 0;
+    if constexpr (kMinSeqlenQ > 0) {
+      if (s.seqlen_q < kMinSeqlenQ) s.seqlen_q = 0;
+    }
   } else if (p.cu_seqlens_k != nullptr) {
     s.k_begin = p.cu_seqlens_k[batch];
     s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_begin;

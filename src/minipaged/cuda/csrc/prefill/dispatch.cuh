@@ -90,14 +90,14 @@ constexpr bool kPagedNewPathsByDefault = true;
 
 // Decode routing (issue #13): the q_len == 1 sequences of a paged batch run
 // the decode kernels (split-K, DecodeParams::cu_seqlens_q) instead of the
-// GQA-packed prefill kernel, every q_len >= 2 sequence the tiled kernel (TMA
-// where it applies; qlen_filter -1), each launch's CTAs finding their own
-// sequences from cu_seqlens_q on the device (graph-safe, no host sync). The
-// caller owns the decode launch and its split workspace
-// (paged_decode_routing / paged_decode_params in params.h; binding.cpp and
-// scripts/paged_ws_selftest.cu). Speculative rows (2..16) then take the tiled
-// kernel, not the packed one: the packed kernel's sequence filter
-// (prefill/common.cuh seq_info) has no lower bound. Off until it has run on the
+// GQA-packed prefill kernel; where GQA packing applies, q_len 2..16 rows
+// (speculative runs) the packed kernel in a config that skips q_len 1
+// (WithMinSeqlenQ<.., 2>), longer rows the tiled kernel (TMA where it
+// applies), else every q_len >= 2 row the tiled kernel (qlen_filter -1). Each
+// launch's CTAs find their own sequences from cu_seqlens_q on the device
+// (graph-safe, no host sync). The caller owns the decode launch and its split
+// workspace (paged_decode_routing / paged_decode_params in params.h;
+// binding.cpp and scripts/paged_ws_selftest.cu). Off until it has run on the
 // H200; variant 4 forces it on (with the variant-3 paths).
 constexpr bool kPagedDecodeRoutingByDefault = false;
 constexpr int kPagedVariantDecodeRouting = 4;
@@ -117,9 +117,21 @@ inline bool paged_new_paths(const PrefillParams& p) {
 
 // The prefill half of a routed batch: q_len >= 2 only (the decode kernels own
 // the q_len == 1 rows); nothing to launch when no sequence can be that long.
-template <class Tiled>
-cudaError_t launch_paged_routed_rest(const PrefillParams& p, Tiled tiled) {
+// pack_ok: rows of 2..kPackMaxSeqlenQ go to `packed_min2` (a packed config
+// that skips q_len 1), longer ones to `tiled`.
+template <class Packed, class Tiled>
+cudaError_t launch_paged_routed_rest(const PrefillParams& p, bool pack_ok, Packed packed_min2, Tiled tiled) {
   if (p.max_seqlen_q <= 1) return cudaSuccess;
+  if (pack_ok) {
+    PrefillParams ps = p;
+    ps.qlen_filter = kPackMaxSeqlenQ;
+    ps.max_seqlen_q = std::min(p.max_seqlen_q, kPackMaxSeqlenQ);
+    const cudaError_t err = packed_min2(ps);
+    if (err != cudaSuccess || p.max_seqlen_q <= kPackMaxSeqlenQ) return err;
+    PrefillParams pl = p;
+    pl.qlen_filter = -kPackMaxSeqlenQ;
+    return tiled(pl);
+  }
   PrefillParams pr = p;
   pr.qlen_filter = -1;
   return tiled(pr);
@@ -150,12 +162,18 @@ template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
   // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence,
   // 3 the default choice with the new paths on.
-  const bool pack_ok = (p.variant == 0 || p.variant == 3) && p.num_q_heads >= 2 * p.num_kv_heads;
+  const bool pack_ok = (p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting) &&
+                       p.num_q_heads >= 2 * p.num_kv_heads;
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) { return dispatch_paged_tiled<T, D, kCausal>(q, stream); };
-  if (paged_decode_routing_ok(p)) return launch_paged_routed_rest(p, tiled);
+  if (paged_decode_routing_ok(p)) {
+    auto packed_min2 = [&](const PrefillParams& q) {
+      return launch_prefill_cfg<WithMinSeqlenQ<CfgPack<T, D>, 2>, kCausal, true, true>(q, stream);
+    };
+    return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
+  }
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok || !paged_new_paths(p)) return tiled(p);
   return launch_paged_split(p, packed, tiled);

@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int m_block = gridDim.z - 1 - blockIdx.z;
   const int m_start = m_block * kBlockM;
 
-  const SeqInfo seq = seq_info<kPaged>(p, batch);
+  const SeqInfo seq = seq_info<kPaged, MinSeqlenQ<Cfg>::value>(p, batch);
   const int q_begin = seq.q_begin, k_begin = seq.k_begin;
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   const int group = p.num_q_heads / p.num_kv_heads;

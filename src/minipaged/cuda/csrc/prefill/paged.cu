@@ -9,7 +9,8 @@
 // binding, which owns the split-KV workspace. With the decode routing
 // (paged_decode_routing, off by default) the q_len == 1 rows of any batch go to
 // launch_decode too (the caller's second launch) and this launcher keeps the
-// q_len >= 2 rows, all on the tiled kernel.
+// q_len >= 2 rows: 2..16 on the packed kernel where GQA packing applies, the
+// rest on the tiled kernel.
 // FP8 caches (p.kv_fp8) run the mma.sync kernels with FP8 K/V tiles
 // (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch, wgmma builds included:
 // the GQA-packed block for short queries, the small block otherwise.
@@ -30,12 +31,18 @@ template <typename T, int D>
 cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
   using namespace fast;
   // Causal is a runtime flag of the FP8 kernels (kCausal = true, p.causal).
-  const bool pack_ok = p.variant == 0 && p.num_q_heads >= 2 * p.num_kv_heads;
+  const bool pack_ok = (p.variant == 0 || p.variant == kPagedVariantDecodeRouting) &&
+                       p.num_q_heads >= 2 * p.num_kv_heads;
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) { return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream); };
-  if (paged_decode_routing_ok(p)) return launch_paged_routed_rest(p, tiled);
+  if (paged_decode_routing_ok(p)) {
+    auto packed_min2 = [&](const PrefillParams& q) {
+      return launch_prefill_cfg<WithMinSeqlenQ<Fp8KV<CfgPack<T, D>>, 2>, true, true, true>(q, stream);
+    };
+    return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
+  }
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok) return tiled(p);
   return launch_paged_split(p, packed, tiled);
