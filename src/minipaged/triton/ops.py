@@ -199,6 +199,15 @@ def _kv_scales(k_cache: torch.Tensor, k_scale, v_scale, dummy: torch.Tensor):
     return False, dummy, dummy
 
 
+def _split_partials(rows: int, head_dim: int, out: torch.Tensor, split: bool):
+    """(o_partial [rows * head_dim], lse_partial [rows]) float32, one allocation, for a
+    split-KV launch; unsplit launches pass `out` for both (never read)."""
+    if not split:
+        return out, out
+    work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=out.device)
+    return work[: rows * head_dim], work[rows * head_dim:]
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
            return_lse: bool = False, k_scale: torch.Tensor | None = None,
@@ -212,14 +221,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return _result(out, lse)
     cfg, num_splits, block_h = _decode_plan(q, k_cache, block_tables)
     split = num_splits > 1
-    if split:
-        # one allocation for both partials: [B, Hq, S, D] outputs, then [B, Hq, S] LSEs
-        rows = batch * num_q_heads * num_splits
-        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-        o_partial = work[: rows * head_dim]
-        lse_partial = work[rows * head_dim:]
-    else:
-        o_partial = lse_partial = out  # unused
+    # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs
+    o_partial, lse_partial = _split_partials(batch * num_q_heads * num_splits, head_dim, out, split)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
@@ -440,12 +443,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
             num_seqs, min(total_q, num_seqs * run_q), run_q, num_kv_heads, block_tables.shape[1] * page_size,
             cfg, group, q.device)
         split = splits > 1
-        if split:
-            rows = total_q * num_q_heads * splits
-            work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-            o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
-        else:
-            o_partial = lse_partial = out  # unused
+        o_partial, lse_partial = _split_partials(total_q * num_q_heads * splits, head_dim, out, split)
         try:
             if launch.kernel == "v2":
                 direct_tiles = num_seqs * triton.cdiv(run_q, block_q)
@@ -549,13 +547,8 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size,
                                              cfg.block_n, q.device)
     split = splits > 1
-    if split:
-        # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs
-        rows = num_seqs * num_q_heads * splits
-        work = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-        o_partial, lse_partial = work[: rows * head_dim], work[rows * head_dim:]
-    else:
-        o_partial = lse_partial = out  # unused
+    # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs
+    o_partial, lse_partial = _split_partials(num_seqs * num_q_heads * splits, head_dim, out, split)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,

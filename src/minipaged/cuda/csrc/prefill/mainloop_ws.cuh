@@ -678,12 +678,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
 
     // ---- epilogue ----
-    if constexpr (Cfg::kStagedO) {
-      // The warp's own 16 rows of the O buffer (sw128, as Q's): written and read
-      // back by the same warp, so __syncwarp orders it, also against the
-      // previous item's reads.
-      unsigned char* o_smem = smem_ptr + Cfg::kOOff;
-      __syncwarp();
+    // O through shared memory (`buf`, sw128 like Q: each thread's 4-byte
+    // writes of 8 rows land in 8 different 16-byte chunks) into coalesced
+    // 16-byte rows; each warp writes and reads back only its own 16 rows.
+    auto store_o_staged = [&](unsigned char* buf) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = sm.row_total(0, h);
@@ -696,7 +694,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         }
         pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
           const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
-          *reinterpret_cast<uint32_t*>(o_smem + off) = pair;
+          *reinterpret_cast<uint32_t*>(buf + off) = pair;
         });
       }
       __syncwarp();
@@ -707,9 +705,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         const int row = warp_row0 + r;
         if (row < m_rows) {
           *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
-              *reinterpret_cast<const uint4*>(o_smem + sw128_off<kBlockM>(row, c));
+              *reinterpret_cast<const uint4*>(buf + sw128_off<kBlockM>(row, c));
         }
       }
+    };
+    if constexpr (Cfg::kStagedO) {
+      // A buffer of its own: __syncwarp orders this item's writes after the
+      // warp's reads of the previous item's O.
+      __syncwarp();
+      store_o_staged(smem_ptr + Cfg::kOOff);
     } else if constexpr (Cfg::kPersistent) {
       // Straight from the C fragments (4-byte stores, two rows per thread): Q's
       // shared memory already holds the next item's Q.
@@ -731,36 +735,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         }
       }
     } else {
-      // O is staged in the warpgroup's own Q rows (same sw128 layout, so each
-      // thread's 4-byte writes of 8 rows land in 8 different 16-byte chunks); the
-      // barrier keeps it behind the warpgroup's last wgmma read of Q.
+      // In the warpgroup's own Q rows: the barrier keeps the writes behind the
+      // warpgroup's last wgmma read of Q.
       named_bar_sync(Cfg::kBarEpilogue + cw, 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float l = sm.row_total(0, h);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int r = warp_row0 + g + h * 8;
-        if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-          const float ref = sm.row_ref(0, h, scale_log2);
-          p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-                int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
-        }
-        pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-          const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
-          *reinterpret_cast<uint32_t*>(smem_ptr + off) = pair;
-        });
-      }
-      __syncwarp();
-#pragma unroll
-      for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
-        const int idx = lane + it * 32;
-        const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-        const int row = warp_row0 + r;
-        if (row < m_rows) {
-          *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
-              *reinterpret_cast<const uint4*>(smem_ptr + sw128_off<kBlockM>(row, c));
-        }
-      }
+      store_o_staged(smem_ptr);
     }
   };  // consume_item
 
