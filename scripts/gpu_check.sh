@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [probe] [tests] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
+#   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [paged_selftest]
 #                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_fp8_ab]
 #                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
@@ -60,6 +60,20 @@ for s in $stages; do
       # TESTS_LOG names the log (and the stage); STAGE_TIMEOUT_tests caps it under any name.
       [ -n "${TESTS_LOG:-}" ] && [ -n "${STAGE_TIMEOUT_tests:-}" ] && export "STAGE_TIMEOUT_${TESTS_LOG}=${STAGE_TIMEOUT_tests}"
       run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
+    tests_par)
+      # The GPU test files (GPU_TESTS, default every tests/test_*.py) dealt round-robin to
+      # TEST_SHARDS (default 3) pytest processes that run at once (one GPU, 16 cores: the
+      # Triton JIT and the fp64 oracles are CPU-bound); logs tests_shard<i>.log.
+      read -r -a files <<< "${GPU_TESTS:-$(ls tests/test_*.py | tr '\n' ' ')}"
+      n=${TEST_SHARDS:-3}
+      for ((i = 0; i < n; i++)); do
+        shard=()
+        for j in "${!files[@]}"; do (( j % n == i )) && shard+=("${files[$j]}"); done
+        [ ${#shard[@]} -gt 0 ] || continue
+        TESTS_LOG=tests_shard$i GPU_TESTS="${shard[*]}" bash "$0" tests > "$WORK/logs/tests_shard$i.out" 2>&1 &
+      done
+      wait
+      grep -h "=== tests_shard\|passed\|failed" "$WORK"/logs/tests_shard*.out;;
     bench) run bench python3 -m minipaged.cli bench ${BENCH_ARGS:-} --out "$WORK/bench";;
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
