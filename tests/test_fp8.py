@@ -324,3 +324,31 @@ def test_fp8_paged_gpu(backend, dtype):
                            k_scale=p["k_scale"], v_scale=p["v_scale"], backend=backend)
     ref = _oracle(q, p["keys"], p["vals"], q_lens)
     assert (o.double().cpu() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_engine_fp8_gpu(backend):
+    """The engine on an fp8 cache on the GPU (CUDA-graph decode, chunked prompts that cross
+    blocks, prefix hits): scales calibrated on the first prompt step and then fixed, the
+    picks close to the same engine's on a bf16 cache, every block returned at the end."""
+    from minipaged.engine import Engine
+
+    if backend not in _fp8_backends("cuda"):
+        pytest.skip(f"{backend} has no FP8 kernels on CUDA here")
+    kw = dict(dtype=torch.bfloat16, device="cuda", backend=backend, num_blocks=256, block_size=16,
+              max_num_batched_tokens=64)
+    e8 = Engine(TINY, kv_cache_dtype="fp8", **kw)
+    e16 = Engine(TINY, **kw)
+    shared = list(range(1, 41))
+    prompts = [shared + [50, 51], shared + [60, 61, 62], [(7 * i) % 97 for i in range(97)]]
+    out8 = e8.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    scales = e8.cache.k_scales.clone()
+    assert not e8._calibrate_kv and (scales > 0).all() and torch.isfinite(scales).all()
+    out16 = e16.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    assert e8.stats.cuda_graph and e8.stats.prefix_hit_tokens > 0, e8.stats
+    agree = sum(a == b for x, y in zip(out8, out16) for a, b in zip(x, y)) / sum(len(x) for x in out8)
+    assert agree >= 0.6, (out8, out16)
+    e8.generate([[5, 6, 7]], max_new_tokens=2, ignore_eos=True)
+    assert torch.equal(e8.cache.k_scales, scales), "scales are fixed after the first prompt step"
+    assert e8.cache.num_free_blocks == e8.cache.num_blocks
