@@ -420,6 +420,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
             tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
         }
       };
+      // Persistent: work item w, unless its m-block is past its sequence or
+      // sees no key (the consumers skip the same ones).
+      auto produce_w = [&](int w) {
+        if (!set_item_w(w) || n_end <= 0) return;
+        produce_item();
+        tc0 += n_tiles;
+        ++item_no;
+      };
       if constexpr (Cfg::kDynamic) {
         // Item k of this CTA: the first wave by blockIdx, then the counter. Its
         // id goes to the consumers through slot k % 2 (the mbarrier arrive
@@ -432,10 +440,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           item_ids[is] = w;
           mbar_arrive(item_full(is));
           if (w < 0) break;
-          if (!set_item_w(w) || n_end <= 0) continue;
-          produce_item();
-          tc0 += n_tiles;
-          ++item_no;
+          produce_w(w);
         }
         // Every CTA that stops taking items counts itself; the last one resets
         // the counters for the next launch (no other CTA reads them any more).
@@ -444,13 +449,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           atomicExch(wp.sched + 1, 0);
         }
       } else if constexpr (Cfg::kPersistent) {
-        // The consumers walk the same items and skip the same ones.
-        for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
-          if (!set_item_w(w) || n_end <= 0) continue;
-          produce_item();
-          tc0 += n_tiles;
-          ++item_no;
-        }
+        // The consumers walk the same items.
+        for (int w = blockIdx.x; w < num_items; w += gridDim.x) produce_w(w);
       } else {
         produce_item();
       }
@@ -742,6 +742,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
   };  // consume_item
 
+  // Persistent: work item w (an item that sees no key gets zeros, no pipeline).
+  auto consume_w = [&](int w) {
+    if (!set_item_w(w)) return;
+    if (n_end <= 0) {
+      write_empty_item(tid - 128, Cfg::kConsumerWGs * 128);
+      return;
+    }
+    consume_item();
+    tc0 += n_tiles;
+    ++item_no;
+  };
   if constexpr (Cfg::kDynamic) {
     for (int k = 0;; ++k) {
       const int is = k % Cfg::kItemSlots;
@@ -749,26 +760,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       const int w = item_ids[is];
       release(item_empty(is));
       if (w < 0) break;
-      if (!set_item_w(w)) continue;
-      if (n_end <= 0) {
-        write_empty_item(tid - 128, Cfg::kConsumerWGs * 128);
-        continue;
-      }
-      consume_item();
-      tc0 += n_tiles;
-      ++item_no;
+      consume_w(w);
     }
   } else if constexpr (Cfg::kPersistent) {
-    for (int w = blockIdx.x; w < num_items; w += gridDim.x) {
-      if (!set_item_w(w)) continue;
-      if (n_end <= 0) {
-        write_empty_item(tid - 128, Cfg::kConsumerWGs * 128);
-        continue;
-      }
-      consume_item();
-      tc0 += n_tiles;
-      ++item_no;
-    }
+    for (int w = blockIdx.x; w < num_items; w += gridDim.x) consume_w(w);
   } else {
     consume_item();
   }
