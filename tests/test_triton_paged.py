@@ -875,6 +875,26 @@ def test_paged_gpu_decode_mode_variants(variant):
         _mixed(q_lens, ctxs, hq, hkv, d, 16, causal, dtype, "cuda", seed=30, **kw)
 
 
+def _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max_q):
+    """ops.paged under the current overrides: bitwise repeatable eagerly, and a CUDA graph
+    captured after a warm-up on a side stream replays to the same bits. -> the eager output."""
+    eager = ops.paged(q, kc, vc, tables, cu_q, ctx, max_q, True, 0.088)
+    for _ in range(2):
+        assert torch.equal(eager, ops.paged(q, kc, vc, tables, cu_q, ctx, max_q, True, 0.088))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.paged(q, kc, vc, tables, cu_q, ctx, max_q, True, 0.088)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.paged(q, kc, vc, tables, cu_q, ctx, max_q, True, 0.088)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    return eager
+
+
 @gpu
 @needs_cuda
 def test_paged_gpu_decode_mode_graph_and_determinism():
@@ -883,20 +903,7 @@ def test_paged_gpu_decode_mode_graph_and_determinism():
     q_lens, ctxs = GPU_MIXED[0]
     q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
     with _overrides(paged_mixed="decode"):
-        eager = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-        for _ in range(2):
-            assert torch.equal(eager, ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
+        eager = _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max(q_lens))
     decs = [s for s, n in enumerate(q_lens) if n == 1]
     rows = cu_q[torch.tensor(decs, device="cuda")].long()
     sel = torch.tensor(decs, device="cuda")
@@ -931,17 +938,4 @@ def test_paged_gpu_mixed_graph_and_determinism():
     """The two-launch mixed batch captures into a CUDA graph and is bitwise repeatable."""
     q_lens, ctxs = GPU_MIXED[0]
     q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
-    eager = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-    for _ in range(2):
-        assert torch.equal(eager, ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), True, 0.088)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max(q_lens))
