@@ -328,6 +328,18 @@ bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
 // the caching allocator (plain cudaMalloc, permitted during a capture by a
 // relaxed capture mode) and the zero fill never joins a capture: on a
 // capturing stream it runs on a private stream and is waited for.
+// The split-KV workspace of a planned decode (partial_o, then partial_lse):
+// allocated from torch's caching allocator for this call and pointed to by p;
+// an undefined tensor when the plan does not split.
+at::Tensor decode_split_workspace(const at::Tensor& q, minipaged::DecodeParams& p) {
+  const int64_t floats = minipaged::decode_workspace_floats(p);
+  if (floats == 0) return {};
+  at::Tensor workspace = q.new_empty({floats}, q.options().dtype(at::kFloat));
+  p.partial_o = workspace.data_ptr<float>();
+  p.partial_lse = p.partial_o + static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits * p.head_dim;
+  return workspace;
+}
+
 cudaError_t decode_split_counters(int device, cudaStream_t stream, int64_t count, int32_t** out) {
   struct Entry {
     int device;
@@ -429,13 +441,7 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
     if (o.numel() > 0) {
       const minipaged::DecodePlan plan = minipaged::decode_plan(p, static_cast<int>(num_splits));
-      at::Tensor workspace;
-      if (p.num_splits > 1) {
-        const int64_t rows = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits;
-        workspace = q.new_empty({rows * (p.head_dim + 1)}, q.options().dtype(at::kFloat));
-        p.partial_o = workspace.data_ptr<float>();
-        p.partial_lse = p.partial_o + rows * p.head_dim;
-      }
+      const at::Tensor workspace = decode_split_workspace(q, p);
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
       const int64_t counters = minipaged::decode_split_counter_count(p, plan);
       if (counters > 0) err = decode_split_counters(q.get_device(), stream, counters, &p.split_counters);
@@ -534,14 +540,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       if (err == cudaSuccess && minipaged::paged_decode_routing(p)) {
         minipaged::DecodeParams d = minipaged::paged_decode_params(p, cc_major(q.get_device()));
         const minipaged::DecodePlan plan = minipaged::decode_plan(d, static_cast<int>(num_splits));
-        at::Tensor workspace;
-        const int64_t ws_floats = minipaged::decode_workspace_floats(d);
-        if (ws_floats > 0) {
-          const int64_t rows = static_cast<int64_t>(d.batch) * d.num_q_heads * d.num_splits;
-          workspace = q.new_empty({ws_floats}, q.options().dtype(at::kFloat));
-          d.partial_o = workspace.data_ptr<float>();
-          d.partial_lse = d.partial_o + rows * d.head_dim;
-        }
+        const at::Tensor workspace = decode_split_workspace(q, d);
         err = minipaged::launch_decode(d, plan, stream);
         if (err != cudaSuccess) launcher = "launch_decode (paged decode routing)";
       }
