@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,49 +24,23 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton_aot import ELEM, compile_sm90, divisible16, ptxas_usage, signature  # noqa: E402
 
 from minipaged.triton import decode  # noqa: E402
 
-_ELEM = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv", "fp32": "fp32"}
 _I32 = ("block_tables", "context_lens", "cu_seqlens_q")
 _F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
-
-
-def _signature(fn, q_dt: str, kv_dt: str, cx: dict) -> dict:
-    sig = {}
-    for n in fn.arg_names:
-        if n in cx:
-            sig[n] = "constexpr"
-        elif n in ("Q", "O"):
-            sig[n] = f"*{_ELEM[q_dt]}"
-        elif n in ("K_cache", "V_cache"):
-            sig[n] = f"*{_ELEM[kv_dt]}"
-        elif n in _I32:
-            sig[n] = "*i32"
-        elif n in _F32:
-            sig[n] = "*fp32"
-        elif n == "qk_scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    return sig
-
-
-def _attrs(fn, cx: dict) -> dict:
-    # 16-byte aligned pointers and strides divisible by 16, except the block-table row
-    ptrs = ("Q", "O", "K_cache", "V_cache") + _I32 + _F32
-    div = [n for n in fn.arg_names if n not in cx and (n in ptrs or (n.startswith("stride_") and n != "stride_table"))]
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
 
 
 def _compile(fn, q_dt, kv_dt, cx, warps, stages):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
-    src = ASTSource(fn, _signature(fn, q_dt, kv_dt, cx), constexprs=cx, attrs=_attrs(fn, cx))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
+             **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
+    # 16-byte aligned pointers and strides divisible by 16, except the block-table row
+    div = set(types) | {n for n in fn.arg_names if n.startswith("stride_") and n != "stride_table"}
+    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), warps, stages)
 
 
 def variants(plain_only: bool = False):
@@ -98,22 +71,9 @@ def variants(plain_only: bool = False):
 
 
 def _ptxas(ptx: str) -> dict:
-    import triton.backends.nvidia as nv
-
     # triton's own ptxas, else the toolkit's; a PTX newer than both leaves the columns empty
-    tools = [os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas"), shutil.which("ptxas")]
-    for tool in (t for t in tools if t and os.access(t, os.X_OK)):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            res = subprocess.run([tool, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                                 capture_output=True, text=True)
-        text = res.stdout + res.stderr
-        regs = re.search(r"Used (\d+) registers", text)
-        if regs:
-            return {"regs": int(regs.group(1)), "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill", text)))}
-    return {"regs": "n/a (no ptxas reads this PTX version)"}
+    usage = ptxas_usage(ptx, toolkit_fallback=True)
+    return usage if usage.get("regs") is not None else {"regs": "n/a (no ptxas reads this PTX version)"}
 
 
 def emit(out_dir: str, plain_only: bool) -> int:

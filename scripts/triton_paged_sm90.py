@@ -16,109 +16,29 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
-from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton_aot import ELEM, SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, sass_loops, signature  # noqa: E402
 
 from minipaged.triton.paged import _paged_kernel, _paged_long_kernel  # noqa: E402
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
 
-SM90_MAX_SHARED = 232448
-_ELEM = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv", "fp32": "fp32"}
 _DATA = ("Q", "O", "K", "V")
 _CACHE = ("K_cache", "V_cache")
 _I32 = ("block_tables", "cu_seqlens_q", "context_lens", "cu_seqlens_k")
 _F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
 
 
-def _signature(fn, q_dt: str, kv_dt: str, cx: dict) -> dict:
-    sig = {}
-    for n in fn.arg_names:
-        if n in cx:
-            sig[n] = "constexpr"
-        elif n in _DATA:
-            sig[n] = f"*{_ELEM[q_dt]}"
-        elif n in _CACHE:
-            sig[n] = f"*{_ELEM[kv_dt]}"
-        elif n in _I32:
-            sig[n] = "*i32"
-        elif n in _F32:
-            sig[n] = "*fp32"
-        elif n == "qk_scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    return sig
-
-
-def _attrs(fn, cx: dict) -> dict:
+def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages):
+    types = {**{n: ELEM[q_dt] for n in _DATA}, **{n: ELEM[kv_dt] for n in _CACHE},
+             **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # what the launcher sees for the benchmark's tensors: 16-byte aligned pointers, strides
     # divisible by 16 except the block-table row (max_blocks is any number)
-    div = {n for n in fn.arg_names if n in _DATA + _CACHE + _I32 + _F32
-           or (n.startswith("stride_") and n != "stride_table")}
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in div and n not in cx}
-
-
-def _tool(name: str) -> str | None:
-    import triton.backends.nvidia as nv
-
-    path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
-    return path if os.access(path, os.X_OK) else None
-
-
-def sass_loops(cubin: bytes) -> list[int]:
-    """Instruction counts of the backward-branch loops in the SASS, in program order."""
-    nvdisasm = _tool("nvdisasm")
-    if nvdisasm is None:
-        return []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        res = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
-    labels, ins, loops = {}, [], []
-    for line in res.stdout.splitlines():
-        m = re.match(r"\s*(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = len(ins)
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
-        if m:
-            ins.append(m.group(1))
-    for j, text in enumerate(ins):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), j + 1) < j:
-            loops.append(j + 1 - labels[m.group(1)])
-    return loops
-
-
-def ptxas_usage(ptx: str) -> dict:
-    ptxas = _tool("ptxas")
-    if ptxas is None:
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
-    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(map(int, spills)) if regs else None}
-
-
-def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages):
-    src = ASTSource(fn, _signature(fn, q_dt, kv_dt, cx), constexprs=cx, attrs=_attrs(fn, cx))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
+    div = set(types) | {n for n in fn.arg_names if n.startswith("stride_") and n != "stride_table"}
+    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), num_warps, num_stages)
 
 
 def variants():

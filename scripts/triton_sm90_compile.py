@@ -20,48 +20,23 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton_aot import SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, signature  # noqa: E402
 
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
 from minipaged.triton.prefill_tma import _attn_fwd_tma  # noqa: E402
 
 _PTRS = ("Q", "K", "V", "O", "LSE", "cu_seqlens_q", "cu_seqlens_k")
-# opt-in shared memory per block on sm_90 (H100/H200): a kernel above it fails at launch
-SM90_MAX_SHARED = 232448
 
 
-def _signature(fn, dtype: str, constexprs: dict) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O"):
-            sig[name] = f"*{dtype}"
-        elif name == "LSE":
-            sig[name] = "*fp32"
-        elif name.startswith("cu_seqlens"):
-            sig[name] = "*i32"
-        elif name == "qk_scale_log2":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
-
-
-def _attrs(fn, constexprs: dict) -> dict:
+def compile_one(fn, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
+    types = {**{n: dtype for n in ("Q", "K", "V", "O")}, "LSE": "fp32",
+             **{n: "i32" for n in fn.arg_names if n.startswith("cu_seqlens")}}
     # what the launcher's specialisation sees for contiguous 16-bit tensors: 16-byte aligned
     # pointers and strides divisible by 16 (a zero varlen batch stride is too); lengths and
     # head counts stay unspecialised
     div16 = set(_PTRS) | {n for n in fn.arg_names if n.startswith("stride_")}
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-            if n in div16 and n not in constexprs}
-
-
-def compile_one(fn, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
-    src = ASTSource(fn, _signature(fn, dtype, constexprs), constexprs=constexprs, attrs=_attrs(fn, constexprs))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return compile_sm90(fn, signature(fn, constexprs, types), constexprs, divisible16(fn, constexprs, div16),
+                        num_warps, num_stages)
 
 
 def summarize(k) -> dict:
@@ -78,28 +53,6 @@ def summarize(k) -> dict:
         "ttg.warp_specialize": ttgir.count("ttg.warp_specialize"),
         "mbarrier_wait": len(re.findall(r"mbarrier\.try_wait", ptx)),
     }
-
-
-def ptxas_usage(ptx: str) -> dict:
-    """Registers and spills from triton's bundled ptxas (sm_90a), or {} when it is missing."""
-    import subprocess
-    import tempfile
-
-    import triton.backends.nvidia as nv
-
-    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    if not os.access(ptxas, os.X_OK):
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
-    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": sum(map(int, spills))}
 
 
 def variants():

@@ -1,0 +1,108 @@
+"""Ahead-of-time sm_90 compilation of Triton kernels without a GPU, shared by the
+scripts/triton_*_sm90*.py reports: signatures from argument names, the divisibility the
+launchers' specialisation sees, the compile call, and ptxas / nvdisasm from the triton
+package (registers, spills, SASS loop lengths). Imports no minipaged module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+# opt-in shared memory per block on sm_90 (H100/H200): a kernel above it fails at launch
+SM90_MAX_SHARED = 232448
+ELEM = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv", "fp32": "fp32"}
+
+
+def signature(fn, constexprs: dict, pointer_types: dict) -> dict:
+    """Triton signature of `fn`: constexprs by name, pointers from `pointer_types`
+    (argument name -> element type, e.g. "bf16"), qk_scale_log2 fp32, every other int32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = f"*{pointer_types[name]}"
+        elif name == "qk_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def divisible16(fn, constexprs: dict, names) -> dict:
+    """The tt.divisibility=16 attributes of the (non-constexpr) arguments in `names`."""
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+            if n in names and n not in constexprs}
+
+
+def compile_sm90(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int):
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def tool(name: str) -> str | None:
+    """`name` (ptxas, nvdisasm) from the triton package, or None."""
+    import triton.backends.nvidia as nv
+
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def ptxas_usage(ptx: str, toolkit_fallback: bool = False) -> dict:
+    """{"regs", "spill_bytes"} from ptxas -v (sm_90a): triton's ptxas, then (toolkit_fallback)
+    the one on PATH; {} when none is there, regs None when none reads this PTX version."""
+    tools = [tool("ptxas")] + ([shutil.which("ptxas")] if toolkit_fallback else [])
+    tools = [t for t in tools if t]
+    if not tools:
+        return {}
+    for ptxas in tools:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True)
+        text = res.stdout + res.stderr
+        regs = re.search(r"Used (\d+) registers", text)
+        if regs:
+            spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
+            return {"regs": int(regs.group(1)), "spill_bytes": sum(map(int, spills))}
+    return {"regs": None, "spill_bytes": None}
+
+
+def sass_loops(cubin: bytes) -> list[int]:
+    """Instruction counts of the backward-branch loops in the SASS, in program order
+    ([] without triton's nvdisasm)."""
+    nvdisasm = tool("nvdisasm")
+    if nvdisasm is None:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    labels, ins, loops = {}, [], []
+    for line in res.stdout.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    for j, text in enumerate(ins):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), j + 1) < j:
+            loops.append(j + 1 - labels[m.group(1)])
+    return loops
