@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax import _softmax_step, _softmax_step_masked
+from .softmax import _merge_splits, _softmax_step, _softmax_step_masked, _split_lse
 
 
 
@@ -448,22 +448,12 @@ def _short_reduce(
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     if q_len <= MAX_Q:
-        offs_s = tl.arange(0, SPLITS_POW2)
         offs_d = tl.arange(0, HEAD_DIM)
-        split_ok = offs_s < num_splits
         for i in range(0, q_len):
             tok = q_start.to(tl.int64) + i
             row0 = (tok * num_q_heads + head) * num_splits
-            lse = tl.load(LSE_partial + row0 + offs_s, mask=split_ok, other=float("-inf"))
-            m = tl.max(lse, 0)
-            m_sub = tl.where(m == float("-inf"), 0.0, m)
-            w = tl.math.exp2(lse - m_sub)
-            parts = tl.load(O_partial + (row0 + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-                            mask=split_ok[:, None], other=0.0)
-            total = tl.sum(w, 0)
-            out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+            out, m_sub, total = _merge_splits(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM, SPLITS_POW2)
             tl.store(O + tok * stride_ot + head.to(tl.int64) * stride_oh + offs_d, out.to(O.dtype.element_ty))
             if RETURN_LSE:
-                lse_row = tl.where(total == 0.0, float("-inf"),
-                                   (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
+                lse_row = _split_lse(m_sub, total)
                 tl.store(LSE + tok * stride_lt + head.to(tl.int64) * stride_lh, lse_row)

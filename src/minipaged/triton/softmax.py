@@ -40,3 +40,29 @@ def _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRE
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _merge_splits(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM: tl.constexpr,
+                  SPLITS_POW2: tl.constexpr):
+    """Merges the num_splits split-KV partials of one (row, head), at rows row0.. of
+    O_partial [*, HEAD_DIM] and LSE_partial [*] (base-2 LSEs, -inf for a split that saw no
+    key). -> (out [HEAD_DIM] fp32, the weights' reference m_sub and sum total: _split_lse)."""
+    offs_s = tl.arange(0, SPLITS_POW2)
+    split_ok = offs_s < num_splits
+    lse = tl.load(LSE_partial + row0 + offs_s, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_sub)
+    parts = tl.load(O_partial + (row0 + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=split_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    return out, m_sub, total
+
+
+@triton.jit
+def _split_lse(m_sub, total):
+    """The natural-log lse of merged splits (_merge_splits): -inf when no split saw a key."""
+    return tl.where(total == 0.0, float("-inf"),
+                    (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
