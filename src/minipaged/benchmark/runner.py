@@ -221,6 +221,29 @@ def _failure_keys(name: str, op: str, e: BaseException) -> list[tuple[str, str]]
             + [(b.name, fp8_key(o)) for b in same for o in FP8_OPS if o in b.provides])
 
 
+def _check_row(row: dict, run, ref, tol: float, device: torch.device, failures: dict, name: str,
+               failure_op: str) -> dict:
+    """Fills a cross-check row (max_abs_err, ok, note, error) from run() against ref. One
+    raise per (backend, failure_op) is enough: it is kept in `failures` and later cases of
+    it are not run (a failed JIT build would otherwise be retried, minutes each)."""
+    if (name, failure_op) in failures:
+        row["error"] = f"not run: raised earlier: {failures[(name, failure_op)]}"
+        return row
+    try:
+        out = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        err = _max_abs_err(out, ref)
+        row.update(max_abs_err=err, ok=(not math.isnan(err)) and err <= tol)
+        if math.isnan(err):
+            row["note"] = "NaN in the output"
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        row["error"] = f"{type(e).__name__}: {_first_line(e)}"
+        for key in _failure_keys(name, failure_op, e):
+            failures.setdefault(key, row["error"])
+    return row
+
+
 def _max_abs_err(out, ref) -> float:
     diff = (out.float() - ref.float()).abs()
     if torch.isnan(diff).any():
@@ -287,25 +310,7 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
                     continue
                 row = dict(op=op, case=case.label, shape=case.shape(), backend=name, tol=tol,
                            max_abs_err=None, ok=False, error=None, note="")
-                if (name, op) in failures:
-                    # one raise per (backend, op) is enough: a failed JIT build would
-                    # otherwise be retried (minutes each) for every case
-                    row["error"] = f"not run: raised earlier: {failures[(name, op)]}"
-                    rows.append(row)
-                    continue
-                try:
-                    out = call(name)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    err = _max_abs_err(out, ref)
-                    row.update(max_abs_err=err, ok=(not math.isnan(err)) and err <= tol)
-                    if math.isnan(err):
-                        row["note"] = "NaN in the output"
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row["error"] = f"{type(e).__name__}: {_first_line(e)}"
-                    for key in _failure_keys(name, op, e):
-                        failures.setdefault(key, row["error"])
-                rows.append(row)
+                rows.append(_check_row(row, lambda: call(name), ref, tol, device, failures, name, op))
             if op == "prefill" and case.seqlen_q == case.seqlen_k:
                 rows += _crosscheck_anchors(anchor_names, case, q, k, v, ref, tol)
     return rows, failures
@@ -400,25 +405,8 @@ def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=No
             for name in backends:
                 if name == "torch" or fp8_skip_reason(name, op, dtype, device):
                     continue
-                key = (name, fp8_key(op))
                 row = dict(base, backend=name, tol=tol, max_abs_err=None, ok=False, error=None, note="")
-                if key in failures:
-                    row["error"] = f"not run: raised earlier: {failures[key]}"
-                    rows.append(row)
-                    continue
-                try:
-                    out = call(name)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    err = _max_abs_err(out, ref)
-                    row.update(max_abs_err=err, ok=(not math.isnan(err)) and err <= tol)
-                    if math.isnan(err):
-                        row["note"] = "NaN in the output"
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row["error"] = f"{type(e).__name__}: {_first_line(e)}"
-                    for k in _failure_keys(name, fp8_key(op), e):
-                        failures.setdefault(k, row["error"])
-                rows.append(row)
+                rows.append(_check_row(row, lambda: call(name), ref, tol, device, failures, name, fp8_key(op)))
             del kc8, vc8
     return rows
 
