@@ -8,6 +8,7 @@
 //   ./decode_selftest check          every case (exit status 0 only if all pass)
 //   ./decode_selftest small          a few tiny cases, for compute-sanitizer
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
+//                                    (DECODE_TIME_TILINGS="0,6" times only those tilings)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -573,6 +574,14 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
+  // DECODE_TIME_TILINGS (a comma list) keeps the rows of those tilings only: an A/B of two
+  // builds in one GPU call spends its seconds on the kernels that differ.
+  auto tiling_selected = [](int v) {
+    const char* env = std::getenv("DECODE_TIME_TILINGS");
+    if (env == nullptr || *env == '\0') return true;
+    const std::string list = std::string(",") + env + ",";
+    return list.find("," + std::to_string(v & 0xff) + ",") != std::string::npos;
+  };
   float* dscale;  // k_scale = v_scale = 0.25 for every KV head (fp8 rows)
   {
     const std::vector<float> sc(hkv, 0.25f);
@@ -632,6 +641,7 @@ int time_mode(int reps) {
       configs.push_back(kNoPDL);
     }
     for (int v : configs) {
+      if (!tiling_selected(v)) continue;
       minipaged::DecodeParams p{};
       p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
       p.lse = nullptr, p.lse_batch_stride = hq;

@@ -89,57 +89,62 @@ for s in $stages; do
       # previous-step figure.
       mkdir -p "$bin"
       [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
-      [ -x "$bin/fast_selftest" ] || run fast_build nvcc $selftest_flags scripts/fast_selftest.cu $csrc/prefill/fast.cu \
+      [ -x "$bin/fast_selftest" ] || [[ " ${WS_STEPS:-fast} " != *" fast"* ]] || run fast_build nvcc $selftest_flags scripts/fast_selftest.cu $csrc/prefill/fast.cu \
         -o "$bin/fast_selftest" -lgomp
       export OMP_NUM_THREADS=16
-      STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
-      STAGE_TIMEOUT_ws_check=240 run ws_check "$bin/ws_selftest" check
-      export STAGE_TIMEOUT_ws_memcheck=120 STAGE_TIMEOUT_ws_racecheck=120 STAGE_TIMEOUT_ws_synccheck=120
-      for tool in memcheck racecheck synccheck; do
-        run ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/ws_selftest" small
-      done
-      STAGE_TIMEOUT_ws_time=120 run ws_time "$bin/ws_selftest" time 20
-      # WS_SCHEDULES (read by ws_selftest) limits its schedules; FAST_TIME_FILTER the timed
-      # fast_selftest variants and FAST_CHECK_FILTER the checked ones; FAST_CHECK=0 skips its check.
-      STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20 ${FAST_TIME_FILTER:-}
-      [ "${FAST_CHECK:-1}" = 0 ] || STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check ${FAST_CHECK_FILTER:-}
+      # WS_STEPS: any of small check sanitize time fast_time fast_check (default all); WS_SCHEDULES
+      # (read by ws_selftest) limits its schedules; FAST_TIME_FILTER the timed fast_selftest
+      # variants and FAST_CHECK_FILTER the checked ones.
+      steps=" ${WS_STEPS:-small check sanitize time fast_time fast_check} "
+      [[ $steps == *" small "* ]] && STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
+      [[ $steps == *" check "* ]] && STAGE_TIMEOUT_ws_check=${STAGE_TIMEOUT_ws_check:-240} run ws_check "$bin/ws_selftest" check
+      if [[ $steps == *" sanitize "* ]]; then
+        export STAGE_TIMEOUT_ws_memcheck=${STAGE_TIMEOUT_ws_memcheck:-120} STAGE_TIMEOUT_ws_racecheck=${STAGE_TIMEOUT_ws_racecheck:-120} \
+          STAGE_TIMEOUT_ws_synccheck=${STAGE_TIMEOUT_ws_synccheck:-120}
+        for tool in memcheck racecheck synccheck; do
+          run ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/ws_selftest" small
+        done
+      fi
+      [[ $steps == *" time "* ]] && STAGE_TIMEOUT_ws_time=${STAGE_TIMEOUT_ws_time:-120} run ws_time "$bin/ws_selftest" time 20
+      [[ $steps == *" fast_time "* ]] && STAGE_TIMEOUT_fast_time=180 run fast_time "$bin/fast_selftest" time 20 ${FAST_TIME_FILTER:-}
+      [[ $steps == *" fast_check "* ]] && STAGE_TIMEOUT_fast_check=240 run fast_check "$bin/fast_selftest" check ${FAST_CHECK_FILTER:-}
       (cuobjdump -sass "$bin/ws_selftest" | grep -c USETMAXREG) > "$WORK/logs/ws_setmaxnreg.txt" 2>&1;;
     ws_ncu)
       # Full ncu sections for the pp+overlap and the serial schedule at B=1 N=8k causal:
       # tensor-pipe activity, stall reasons at the barriers, shared-memory traffic.
       mkdir -p "$bin"
       [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
-      export STAGE_TIMEOUT_ws_ncu_4=300 STAGE_TIMEOUT_ws_ncu_0=300
-      for s in 4 0; do
+      # WS_NCU_SCHEDULES: the ws_selftest schedules to profile (default 4 0).
+      for s in ${WS_NCU_SCHEDULES:-4 0}; do
+        export STAGE_TIMEOUT_ws_ncu_$s=${STAGE_TIMEOUT_ws_ncu:-300}
         run ws_ncu_$s ncu --clock-control none --set full -k regex:prefill_ws_kernel \
           --launch-skip 1 --launch-count 1 "$bin/ws_selftest" profile $s
       done;;
     paged_ws)
       # Paged attention through the warp-specialised TMA kernel and the mixed-batch split
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
-      # A second binary with the decode-kernel anchor of the mixed timing (needs decode/launch.cu)
-      # is built alongside and is optional: without it "decodes alone" is the packed paged kernel.
+      # The binary compiles the decode kernels in (the routed variants and the decode anchor of
+      # the mixed timing need them).
       flags="$selftest_flags -Xptxas -v"
       mkdir -p "$bin"
-      dec_pid=
-      if [ ! -x "$bin/paged_ws_selftest_dec" ]; then
-        timeout 400 nvcc $flags -DPAGED_WS_WITH_DECODE scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu \
-          $csrc/decode/launch.cu -o "$bin/paged_ws_selftest_dec" -lgomp > "$WORK/logs/paged_ws_build_dec.log" 2>&1 &
-        dec_pid=$!
-      fi
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
         scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp
       export OMP_NUM_THREADS=16
-      STAGE_TIMEOUT_paged_ws_small=90 run paged_ws_small "$bin/paged_ws_selftest" small
-      STAGE_TIMEOUT_paged_ws_check=420 run paged_ws_check "$bin/paged_ws_selftest" check
-      export STAGE_TIMEOUT_paged_ws_memcheck=180 STAGE_TIMEOUT_paged_ws_racecheck=240 STAGE_TIMEOUT_paged_ws_synccheck=180
-      for tool in memcheck racecheck synccheck; do
-        run paged_ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/paged_ws_selftest" small
-      done
-      [ -n "$dec_pid" ] && wait "$dec_pid"
-      tbin="$bin/paged_ws_selftest"
-      [ -x "$bin/paged_ws_selftest_dec" ] && tbin="$bin/paged_ws_selftest_dec"
-      STAGE_TIMEOUT_paged_ws_time=240 run paged_ws_time "$tbin" time 20;;
+      # PAGED_WS_STEPS: any of small check sanitize time (default all four).
+      steps=" ${PAGED_WS_STEPS:-small check sanitize time} "
+      [[ $steps == *" small "* ]] && STAGE_TIMEOUT_paged_ws_small=90 run paged_ws_small "$bin/paged_ws_selftest" small
+      [[ $steps == *" check "* ]] && STAGE_TIMEOUT_paged_ws_check=${STAGE_TIMEOUT_paged_ws_check:-420} \
+        run paged_ws_check "$bin/paged_ws_selftest" check
+      if [[ $steps == *" sanitize "* ]]; then
+        export STAGE_TIMEOUT_paged_ws_memcheck=${STAGE_TIMEOUT_paged_ws_memcheck:-180} \
+          STAGE_TIMEOUT_paged_ws_racecheck=${STAGE_TIMEOUT_paged_ws_racecheck:-240} \
+          STAGE_TIMEOUT_paged_ws_synccheck=${STAGE_TIMEOUT_paged_ws_synccheck:-180}
+        for tool in memcheck racecheck synccheck; do
+          run paged_ws_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/paged_ws_selftest" small
+        done
+      fi
+      [[ $steps == *" time "* ]] && STAGE_TIMEOUT_paged_ws_time=${STAGE_TIMEOUT_paged_ws_time:-240} \
+        run paged_ws_time "$bin/paged_ws_selftest" time 20;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;

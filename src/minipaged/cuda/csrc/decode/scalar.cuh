@@ -170,9 +170,8 @@ paged_decode_kernel(const DecodeParams p) {
   };
 
   // One iteration's online-softmax update with the K/V rows of the U token
-  // groups at `base`, for the register ring (AHEAD >= 1). The same statements
-  // as the body of the PIPE / STAGES loop below, which keeps its own inline
-  // copy so that the default kernels compile exactly as before the ring.
+  // groups at `base`: the body of both the register ring (AHEAD >= 1) and the
+  // PIPE / STAGES loop.
   auto consume = [&](int base, const uint4 (&kr)[U][VEC], const uint4 (&vr)[U][VEC]) {
     float s[G][U];
 #pragma unroll
@@ -302,68 +301,7 @@ paged_decode_kernel(const DecodeParams p) {
       // Next iteration's pages, while this iteration's rows are in flight.
       fetch_pages(tok_base + TOK_CTA, page);
     }
-
-    float s[G][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g][u] = 0.f;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        float kf[EPP];
-        Piece<T, FP8>::to_float(kr[u][v], kf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-          for (int e = 0; e < EPP; ++e) s[g][u] = fmaf(q[g][v * EPP + e], kf[e], s[g][u]);
-        }
-      }
-    }
-#pragma unroll
-    for (int off = TPT / 2; off > 0; off >>= 1) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) s[g][u] += __shfl_xor_sync(0xffffffffu, s[g][u], off);
-      }
-    }
-
-    float pr[G][U];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (tok_base + u * SLOTS + slot >= end) s[g][u] = -INFINITY;
-        mx = fmaxf(mx, s[g][u]);
-      }
-      // While nothing was seen mx is -inf; 0 as the reference keeps ex2 away from inf-inf.
-      const float mref = mx == -INFINITY ? 0.f : mx;
-      const float alpha = fast_exp2(m[g] - mref);
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        pr[g][u] = fast_exp2(s[g][u] - mref);
-        sum += pr[g][u];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-#pragma unroll
-      for (int d = 0; d < DPT; ++d) acc[g][d] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        float vf[EPP];
-        Piece<T, FP8>::to_float(vr[u][v], vf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-          for (int e = 0; e < EPP; ++e) acc[g][v * EPP + e] = fmaf(pr[g][u], vf[e], acc[g][v * EPP + e]);
-        }
-      }
-    }
+    consume(tok_base, kr, vr);
     if constexpr (PIPE && STAGES < 2) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
