@@ -1021,8 +1021,8 @@ def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
 
 # =========================================================================== paged decode routing
 #
-# (issue #13) With the decode routing on (PrefillParams variant 4; off by default,
-# prefill/dispatch.cuh kPagedDecodeRoutingByDefault) the q_len == 1 rows of a paged batch run the
+# (issue #13) With the decode routing on (the default, prefill/dispatch.cuh
+# kPagedDecodeRoutingByDefault; PrefillParams variant 4 forces it, 3 gives the unrouted paths) the q_len == 1 rows of a paged batch run the
 # decode kernels (split-K, DecodeParams.cu_seqlens_q: a decode CTA of any other sequence returns at
 # once), q_len 2..16 the GQA-packed kernel in a config that skips q_len 1 (where packing applies)
 # and longer rows the tiled kernel (TMA on sm_90a), launches on one stream, which sequence is which

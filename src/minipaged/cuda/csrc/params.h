@@ -175,7 +175,7 @@ int64_t decode_split_counter_count(const DecodeParams& p, const DecodePlan& plan
 // num_splits > 1) for the p that decode_plan filled. Never syncs.
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStream_t stream);
 
-// Paged decode routing (issue #13; prefill/dispatch.cuh has the switch,
+// Paged decode routing (issue #13, on by default; prefill/dispatch.cuh has the switch,
 // kPagedDecodeRoutingByDefault, and PrefillParams variant 4 forces it on):
 // whether launch_prefill_paged(p) leaves every q_len == 1 sequence of p to the
 // decode kernels, decided from what the host knows (the q_lens live on the

@@ -111,7 +111,8 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma_f<T, D, 4, true>(fused);
   if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
-  if (group == 2 && !fused) {
+  // These three have no fused build: the bit is ignored (plan.fused stays false).
+  if (group == 2) {
     if (tiling == 6) return info<T, D, 2, TPT, 2, false, 3, true>();
     if (tiling == 7) return info<T, D, 2, TPT, 2, false, 4, true>();
     if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();

@@ -97,9 +97,11 @@ constexpr bool kPagedNewPathsByDefault = true;
 // launch's CTAs find their own sequences from cu_seqlens_q on the device
 // (graph-safe, no host sync). The caller owns the decode launch and its split
 // workspace (paged_decode_routing / paged_decode_params in params.h;
-// binding.cpp and scripts/paged_ws_selftest.cu). Off until it has run on the
-// H200; variant 4 forces it on (with the variant-3 paths).
-constexpr bool kPagedDecodeRoutingByDefault = false;
+// binding.cpp and scripts/paged_ws_selftest.cu). On by default since its H200
+// selftest (bench/results/nvidia-h200/selftests_*: the mixed batch in 0.99x
+// of its parts, against 1.21x through the packed kernel); variant 4 forces it
+// on (with the variant-3 paths), variant 3 gives the unrouted default.
+constexpr bool kPagedDecodeRoutingByDefault = true;
 constexpr int kPagedVariantDecodeRouting = 4;
 inline bool paged_decode_routing_on(const PrefillParams& p) {
   return p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedDecodeRoutingByDefault);

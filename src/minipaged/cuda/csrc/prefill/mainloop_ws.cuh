@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 #pragma unroll
       for (int i = 0; i < Cfg::kItemSlots; ++i) {
         mbar_init(item_full(i), 1);
-        mbar_init(item_empty(i), Cfg::kConsumerWarps);
+        mbar_init(item_empty(i), Cfg::kConsumerWGs * 128);
       }
     }
     mbar_fence_init();
@@ -758,7 +758,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       const int is = k % Cfg::kItemSlots;
       mbar_wait(item_full(is), uint32_t((k / Cfg::kItemSlots) & 1));
       const int w = item_ids[is];
-      release(item_empty(is));
+      // Every consumer thread arrives after its own read (no __syncwarp hand-off):
+      // once per item, and compute-sanitizer's racecheck can follow it.
+      mbar_arrive(item_empty(is));
       if (w < 0) break;
       consume_w(w);
     }
