@@ -91,7 +91,7 @@ namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
-          bool kStagedO_ = false>
+          bool kStagedO_ = false, bool kWide_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -116,6 +116,11 @@ struct WsCfg {
   static constexpr bool kDynamic = kDynamic_;
   static constexpr bool kStagedO = kStagedO_;
   static_assert(kPersistent || !(kDynamic || kStagedO), "persistent refinements");
+  // kWide: N = 128 wgmma instructions where the tile allows (QK^T over 128
+  // keys, PV over D = 128) instead of pairs of N = 64 ones, so each reads its
+  // A operand (Q from shared memory, P from registers) once.
+  static constexpr bool kWideQK = kWide_ && kBlockN_ == 128;
+  static constexpr bool kWidePV = kWide_ && kD_ == 128;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -476,6 +481,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto v_desc = [&](uint32_t v_tile, int cb, int kk) {
     return wgmma_desc_sw128(v_tile + cb * (kBlockN * 128) + kk * 16 * 128, 1024, 1024);
   };
+  // Both 64-column blocks of V in one descriptor: LBO steps from one to the next.
+  auto v_desc_wide = [&](uint32_t v_tile, int kk) {
+    return wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockN * 128, 1024);
+  };
   // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
   // that read the slot has retired, so the producer may overwrite it.
   auto release = [&](uint32_t bar) {
@@ -524,11 +533,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       for (int e = 0; e < 4; ++e) s_frag(0, nt, e) = 0.f;
     fence_operand(acc_s);
     wgmma_fence();
+    if constexpr (Cfg::kWideQK) {
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
+      for (int kk = 0; kk < kD / 16; ++kk) wgmma_m64n128k16_ss<T>(acc_s, q_desc(kk), k_desc(k_slot(slot(t)), kk));
+    } else {
 #pragma unroll
-      for (int nb = 0; nb < kNT / 8; ++nb)
-        wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(slot(t)) + nb * 64 * 128, kk));
+      for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+        for (int nb = 0; nb < kNT / 8; ++nb)
+          wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(slot(t)) + nb * 64 * 128, kk));
+    }
     wgmma_commit();
   };
   // O += P V of tile t, P from p_frag (issued, not waited for).
@@ -536,11 +550,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     fence_operand(p_frag);
     fence_o();
     wgmma_fence();
+    if constexpr (Cfg::kWidePV) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma_m64n128k16_rs_tb<T>(acc_o, p_frag[kk], v_desc_wide(v_slot(slot(t)), kk));
+    } else {
 #pragma unroll
-      for (int cb = 0; cb < kCB; ++cb)
-        wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(slot(t)), cb, kk));
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+        for (int cb = 0; cb < kCB; ++cb)
+          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(slot(t)), cb, kk));
+    }
     wgmma_commit();
   };
   // Mask and online softmax of acc_s (tile t). Touches neither O nor p_frag,
