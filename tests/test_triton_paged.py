@@ -102,8 +102,9 @@ def _overrides(**kw):
 @pytest.fixture(autouse=True)
 def _new_paged_paths():
     """The tests of this file run the long-chunk kernel (v2, the default) with two-launch
-    mixed batches (not the default: configs.PAGED_MIXED is "one"), so the split stays covered;
-    the default path is what test_paged.py, test_crosscheck.py and the engine tests run."""
+    mixed batches through the short packed launch (not the default: configs.PAGED_MIXED is
+    "decode"), so the split stays covered; the decode mode has tests of its own here, and the
+    default path is what test_paged.py, test_crosscheck.py and the engine tests run."""
     with _overrides(paged_long_kernel="v2", paged_mixed="split"):
         yield
 
@@ -607,10 +608,11 @@ def test_paged_launch_plans():
     """Which launches each batch gets (interpreter tiles: packed up to 32 rows, short
     launch up to 16 rows = 8 positions at group 2)."""
     kinds = lambda p: [(x.kernel, x.min_q, x.max_q, x.cfg.packed) for x in p]  # noqa: E731
-    # the defaults, from the H200 A/B: the long-chunk kernel, mixed batches in one launch
-    assert (configs.PAGED_LONG_KERNEL, configs.PAGED_MIXED) == ("v2", "one")
+    # the defaults, from the H200 A/B: the long-chunk kernel, a mixed batch's decodes through
+    # the decode kernel
+    assert (configs.PAGED_LONG_KERNEL, configs.PAGED_MIXED) == ("v2", "decode")
     with _overrides(paged_long_kernel=None, paged_mixed=None):
-        assert kinds(_plan([40, 1])) == [("v2", 0, 0, False)]
+        assert kinds(_plan([40, 1])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
     assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]                      # spec: one packed launch
     with _overrides(paged_long_kernel="v2", paged_mixed="split"):
         assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks

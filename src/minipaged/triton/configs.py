@@ -303,16 +303,16 @@ def paged_num_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_kv_head
 #     decode_num_splits and its own reduce), the long launch skips them (MIN_Q = 1);
 #     sequences of 2..short tokens stay in the long launch. Same device-side rule and
 #     host skip as "split" (with 1 for short_q). Written for the mixed batch, where the
-#     decodes inside the paged launches cost more than the same decodes through decode;
-#     interpreter-tested only until it has run on the H200, so not the default.
+#     decodes inside the paged launches cost more than the same decodes through decode.
 # v2 is the default: on the H200 (scripts/triton_paged_ab.py, oracle check first, then
 # timing; bench/results/nvidia-h200/triton_paged_ab_b170871/) it is 12-16% faster than v1 on
 # the chunked-prefill rows and on the mixed batch; with v2, "one" and "split" time within 1%
-# of each other on the mixed batch, so the mixed batch stays one launch.
+# of each other on the mixed batch, and "decode" is 12% faster than both (1.03x the chunk
+# alone + the decodes alone, against 1.17x; triton_paged_ab_788832e/), so it is the default.
 PAGED_LONG_KERNELS = ("v1", "v2")
 PAGED_LONG_KERNEL = "v2"
 PAGED_MIXED_MODES = ("one", "split", "decode")
-PAGED_MIXED = "one"
+PAGED_MIXED = "decode"
 # v2 reads the next tile's block ids one iteration ahead (see paged._long_inner);
 # without it the sm_90 pipeliner keeps K/V only one tile ahead
 PAGED_PREFETCH = True

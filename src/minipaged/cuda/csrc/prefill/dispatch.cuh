@@ -53,15 +53,15 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // 128, 2 stages) once the grid holds at least half a wave of its CTAs (it
 // already wins at B=1 N=1k, 128 CTAs on 132 SMs); below that the
 // one-warpgroup wgmma kernel's smaller blocks. Consumer schedule, the best of
-// the ablation (bench/results/prefill_ablation.md, run 4): ping-pong +
-// intra-warpgroup overlap for causal D=128, ping-pong alone for non-causal
-// D=128, overlap alone at D=64.
-template <typename T, int D, bool kCausal>
-using CfgWs = WsCfg<T, D, 128, 2, D == 128, D == 64 || kCausal, true>;
+// the ablation (bench/results/prefill_ablation.md, run 6): ping-pong +
+// intra-warpgroup overlap with N = 128 wgmma instructions, for causal and
+// non-causal, D 64 and 128.
+template <typename T, int D>
+using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
 // Paged long chunks (16-bit caches, pages of >= 8 tokens): the same kernel
 // with K/V pages loaded by TMA boxes through the block table.
 template <typename T, int D>
-using CfgWsPaged = WsCfg<T, D, 128, 2, true, true, true, true>;
+using CfgWsPaged = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true>;
 #endif
 
 // Paged, a batch with q_lens on both sides of kPackMaxSeqlenQ (max_seqlen_q
@@ -193,7 +193,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
     if constexpr (!kPaged) {
       if (2 * wg_blocks >= int64_t(sms) && ws_supported(p))
-        return launch_prefill_ws<CfgWs<T, D, kCausal>, kCausal>(p, stream);
+        return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
     }
     if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
     return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, kPaged>(p, stream);

@@ -472,19 +472,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   int wg_row0 = 0;                        // the warpgroup's first row (per item)
 
   const uint32_t q_wg = s_q + cw * 64 * 128;
-  auto q_desc = [&](int kk) {
-    return wgmma_desc_sw128(q_wg + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32, 16, 1024);
-  };
-  auto k_desc = [&](uint32_t k_tile, int kk) {
-    return wgmma_desc_sw128(k_tile + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
-  };
-  auto v_desc = [&](uint32_t v_tile, int cb, int kk) {
-    return wgmma_desc_sw128(v_tile + cb * (kBlockN * 128) + kk * 16 * 128, 1024, 1024);
-  };
+  // Operand descriptors, built once: the descriptor of an address inside a
+  // tile is the tile's descriptor plus (offset >> 4) in its 14-bit start
+  // address field (shared memory ends below 256 KB, so the field never carries
+  // into the next). Each wgmma then costs one 64-bit add of a constant (plus
+  // the ring slot's offset) instead of masks and shifts on a new address.
+  auto desc_at = [](uint64_t desc, uint32_t offset) { return desc + uint64_t(offset >> 4); };
+  const uint64_t q_desc0 = wgmma_desc_sw128(q_wg, 16, 1024);
+  const uint64_t k_desc0 = wgmma_desc_sw128(k_slot(0), 16, 1024);
+  const uint64_t v_desc0 = wgmma_desc_sw128(v_slot(0), 1024, 1024);
   // Both 64-column blocks of V in one descriptor: LBO steps from one to the next.
-  auto v_desc_wide = [&](uint32_t v_tile, int kk) {
-    return wgmma_desc_sw128(v_tile + kk * 16 * 128, kBlockN * 128, 1024);
+  const uint64_t v_desc_wide0 = wgmma_desc_sw128(v_slot(0), kBlockN * 128, 1024);
+  auto q_desc = [&](int kk) { return desc_at(q_desc0, (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32); };
+  // Ring slot s, keys nb * 64 .. (64 or 128 of them), k step kk.
+  auto k_desc = [&](int s, int nb, int kk) {
+    return desc_at(k_desc0, s * Cfg::kTileBytes + nb * 64 * 128 + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32);
   };
+  auto v_desc = [&](int s, int cb, int kk) {
+    return desc_at(v_desc0, s * Cfg::kTileBytes + cb * (kBlockN * 128) + kk * 16 * 128);
+  };
+  auto v_desc_wide = [&](int s, int kk) { return desc_at(v_desc_wide0, s * Cfg::kTileBytes + kk * 16 * 128); };
   // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
   // that read the slot has retired, so the producer may overwrite it.
   auto release = [&](uint32_t bar) {
@@ -535,13 +542,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     wgmma_fence();
     if constexpr (Cfg::kWideQK) {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) wgmma_m64n128k16_ss<T>(acc_s, q_desc(kk), k_desc(k_slot(slot(t)), kk));
+      for (int kk = 0; kk < kD / 16; ++kk) wgmma_m64n128k16_ss<T>(acc_s, q_desc(kk), k_desc(slot(t), 0, kk));
     } else {
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
 #pragma unroll
         for (int nb = 0; nb < kNT / 8; ++nb)
-          wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(k_slot(slot(t)) + nb * 64 * 128, kk));
+          wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(slot(t), nb, kk));
     }
     wgmma_commit();
   };
@@ -553,13 +560,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     if constexpr (Cfg::kWidePV) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_m64n128k16_rs_tb<T>(acc_o, p_frag[kk], v_desc_wide(v_slot(slot(t)), kk));
+        wgmma_m64n128k16_rs_tb<T>(acc_o, p_frag[kk], v_desc_wide(slot(t), kk));
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
         for (int cb = 0; cb < kCB; ++cb)
-          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(v_slot(slot(t)), cb, kk));
+          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(slot(t), cb, kk));
     }
     wgmma_commit();
   };
