@@ -102,7 +102,7 @@ static cudaError_t wgmma_old(const PrefillParams& p, cudaStream_t s) {
 // Dense varlen warp-specialised kernel on contiguous K/V (the timing anchor).
 template <typename T, int D>
 static cudaError_t ws_dense(const PrefillParams& p, cudaStream_t s) {
-  return mf::launch_prefill_ws<mf::CfgWs<T, D, true>, true>(p, s);
+  return mf::launch_prefill_ws<mf::CfgWs<T, D>, true>(p, s);
 }
 
 // The dispatch with the paths that are off by default until checked here (variant 3).
