@@ -130,11 +130,12 @@ for s in $stages; do
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
         scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp
       export OMP_NUM_THREADS=16
-      # PAGED_WS_STEPS: any of small check sanitize time (default all four).
+      # PAGED_WS_STEPS: any of small check sanitize time (default all four); PAGED_WS_CHECK_FILTER
+      # limits the checked variants (a substring of their names).
       steps=" ${PAGED_WS_STEPS:-small check sanitize time} "
       [[ $steps == *" small "* ]] && STAGE_TIMEOUT_paged_ws_small=90 run paged_ws_small "$bin/paged_ws_selftest" small
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_paged_ws_check=${STAGE_TIMEOUT_paged_ws_check:-420} \
-        run paged_ws_check "$bin/paged_ws_selftest" check
+        run paged_ws_check "$bin/paged_ws_selftest" check ${PAGED_WS_CHECK_FILTER:-}
       if [[ $steps == *" sanitize "* ]]; then
         export STAGE_TIMEOUT_paged_ws_memcheck=${STAGE_TIMEOUT_paged_ws_memcheck:-180} \
           STAGE_TIMEOUT_paged_ws_racecheck=${STAGE_TIMEOUT_paged_ws_racecheck:-240} \
