@@ -318,20 +318,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   // Epilogue: the Q area is reused as a row-major (XOR-swizzled) staging tile;
   // the other warpgroup may still be reading its Q rows, hence the barrier.
   __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = sm.row_total(0, h);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = warp_row0 + g + h * 8;
-    if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-      const float ref = sm.row_ref(0, h, scale_log2);
-      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-            int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
-    }
-    pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-      *reinterpret_cast<uint32_t*>(s_q_ptr + r * kD + ((dt ^ (r & 7)) << 3) + tq) = pair;
-    });
-  }
+  epilogue_rows<T, kCB * 8, true>(sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows, lane,
+                                  [&](int r, int dt, uint32_t pair) {
+                                    *reinterpret_cast<uint32_t*>(s_q_ptr + r * kD + ((dt ^ (r & 7)) << 3) + tq) = pair;
+                                  });
   __syncwarp();
 #pragma unroll
   for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {

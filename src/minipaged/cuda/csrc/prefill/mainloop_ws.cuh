@@ -709,21 +709,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     // writes of 8 rows land in 8 different 16-byte chunks) into coalesced
     // 16-byte rows; each warp writes and reads back only its own 16 rows.
     auto store_o_staged = [&](unsigned char* buf) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float l = sm.row_total(0, h);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int r = warp_row0 + g + h * 8;
-        if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
-          const float ref = sm.row_ref(0, h, scale_log2);
-          p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-                int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
-        }
-        pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-          const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
-          *reinterpret_cast<uint32_t*>(buf + off) = pair;
-        });
-      }
+      epilogue_rows<T, kCB * 8, true>(sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows,
+                                      lane, [&](int r, int dt, uint32_t pair) {
+                                        const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
+                                        *reinterpret_cast<uint32_t*>(buf + off) = pair;
+                                      });
       __syncwarp();
 #pragma unroll
       for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
@@ -744,23 +734,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     } else if constexpr (Cfg::kPersistent) {
       // Straight from the C fragments (4-byte stores, two rows per thread): Q's
       // shared memory already holds the next item's Q.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float l = sm.row_total(0, h);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int r = warp_row0 + g + h * 8;
-        if (r < m_rows) {
-          if (p.lse != nullptr && (lane & 3) == 0) {
-            const float ref = sm.row_ref(0, h, scale_log2);
-            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride +
-                  int64_t(q_begin + m_start + r) * p.lse_row_stride] = row_lse(ref, l);
-          }
-          T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
-          pack_o_row<T, kCB * 8>(o_frag, 0, h, inv, [&](int dt, uint32_t pair) {
-            *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
-          });
-        }
-      }
+      epilogue_rows<T, kCB * 8, false>(sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows,
+                                       lane, [&](int r, int dt, uint32_t pair) {
+                                         T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
+                                         *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
+                                       });
     } else {
       // In the warpgroup's own Q rows: the barrier keeps the writes behind the
       // warpgroup's last wgmma read of Q.
