@@ -108,6 +108,74 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
 
 
 @triton.jit
+def _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group, stride_qt, stride_qh,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The BLOCK_M packed (position, head) rows of a tile: query positions m_start ..
+    m_start + BLOCK_Q - 1 of one sequence times the kv_group query heads of kv_head.
+    -> (offs_d, pos, heads, row_ok, tok, q [BLOCK_M, HEAD_DIM]); rows past the sequence
+    (or the tile's BLOCK_Q * kv_group) load zeros and have row_ok False."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = m_start + offs_r // kv_group
+    heads = kv_head * kv_group + offs_r % kv_group
+    row_ok = (offs_r < BLOCK_Q * kv_group) & (pos < q_len)
+    tok = q_start.to(tl.int64) + pos
+    q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    return offs_d, pos, heads, row_ok, tok, q
+
+
+@triton.jit
+def _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The keys a tile at query position m_start reads (bottom-right causal: position i
+    sees [0, i + ctx - q_len]), this split's slice of them: -> (diag, n_begin, n_mid,
+    n_end); [n_begin, n_mid) needs no mask, [n_mid, n_end) does; a split past the end gets
+    an empty range."""
+    if IS_CAUSAL:
+        diag = ctx - q_len
+        # the tile's first position sees keys [0, m_start + diag], its last valid one
+        # [0, min(m_start + BLOCK_Q, q_len) - 1 + diag]
+        full_end = tl.minimum(m_start + diag + 1, ctx)
+        end = tl.minimum(tl.minimum(m_start + BLOCK_Q, q_len) + diag, ctx)
+    else:
+        diag = 0
+        full_end = ctx
+        end = ctx
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    end = tl.maximum(end, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
+    n_begin = split * tiles_per_split * BLOCK_N
+    n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
+    n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+    return diag, n_begin, n_mid, n_end
+
+
+@triton.jit
+def _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, num_splits, kv_head,
+                O, LSE, O_partial, LSE_partial, V_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr, KV_FP8: tl.constexpr):
+    """acc / l to O (and the natural-log lse), or, SPLIT, the fp32 partials [Tq, Hq,
+    num_splits, D] and their base-2 lse [Tq, Hq, num_splits]. Rows that saw no key (l == 0,
+    acc == 0) store exact zeros and lse -inf."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_scale + kv_head)
+    if SPLIT:
+        row = (tok * num_q_heads + heads) * num_splits + split
+        tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
+        lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(LSE_partial + row, lse2, mask=row_ok)
+    else:
+        tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+                 + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if RETURN_LSE:
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
 def _paged_kernel(
     Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -150,33 +218,10 @@ def _paged_kernel(
         run = run & (q_len <= MAX_Q)
     if run:
         ctx = tl.load(context_lens + seq)
-        offs_r = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        pos = m_start + offs_r // kv_group
-        heads = kv_head * kv_group + offs_r % kv_group
-        row_ok = (offs_r < BLOCK_Q * kv_group) & (pos < q_len)
-        tok = q_start.to(tl.int64) + pos
-        q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh
-                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-        if IS_CAUSAL:
-            diag = ctx - q_len
-            # the tile's first position sees keys [0, m_start + diag], its last valid one
-            # [0, min(m_start + BLOCK_Q, q_len) - 1 + diag]
-            full_end = tl.minimum(m_start + diag + 1, ctx)
-            end = tl.minimum(tl.minimum(m_start + BLOCK_Q, q_len) + diag, ctx)
-        else:
-            diag = 0
-            full_end = ctx
-            end = ctx
-        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
-        end = tl.maximum(end, 0)
-
-        # this split's slice of [0, end); a split past the end gets an empty range
-        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
-        n_begin = split * tiles_per_split * BLOCK_N
-        n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
-        n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+        offs_d, pos, heads, row_ok, tok, q = _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group,
+                                                        stride_qt, stride_qh, HEAD_DIM, BLOCK_M, BLOCK_Q)
+        diag, n_begin, n_mid, n_end = _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL, BLOCK_Q,
+                                                 BLOCK_N)
 
         table_row = block_tables + seq.to(tl.int64) * stride_table
         k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
@@ -196,23 +241,9 @@ def _paged_kernel(
                                      stride_kblock, stride_ktok, stride_vblock, stride_vtok,
                                      qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, GATHER, DOT_PRECISION)
 
-        # rows that saw no key: l == 0 and acc == 0, so they store exact zeros
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        if KV_FP8:
-            out = out * tl.load(V_scale + kv_head)
-        if SPLIT:
-            # partials [Tq, Hq, num_splits, D] and [Tq, Hq, num_splits], fp32, log2 domain
-            row = (tok * num_q_heads + heads) * num_splits + split
-            tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
-            lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-            tl.store(LSE_partial + row, lse2, mask=row_ok)
-        else:
-            tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
-                     + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-            if RETURN_LSE:
-                lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-                tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, num_splits, kv_head,
+                    O, LSE, O_partial, LSE_partial, V_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                    HEAD_DIM, SPLIT, RETURN_LSE, KV_FP8)
 
 
 # ------------------------------------------------------------------ long chunks (v2)
@@ -363,30 +394,11 @@ def _paged_long_kernel(
         run = run & (q_len > MIN_Q)
     if run:
         ctx = tl.load(context_lens + seq)
-        offs_r = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
-        pos = m_start + offs_r // kv_group
-        heads = kv_head * kv_group + offs_r % kv_group
-        row_ok = (offs_r < BLOCK_Q * kv_group) & (pos < q_len)
-        tok = q_start.to(tl.int64) + pos
-        q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh
-                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-        if IS_CAUSAL:
-            diag = ctx - q_len
-            full_end = tl.minimum(m_start + diag + 1, ctx)
-            end = tl.minimum(tl.minimum(m_start + BLOCK_Q, q_len) + diag, ctx)
-        else:
-            diag = 0
-            full_end = ctx
-            end = ctx
-        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
-        end = tl.maximum(end, 0)
-        tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
-        n_begin = split * tiles_per_split * BLOCK_N
-        n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
-        n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+        offs_d, pos, heads, row_ok, tok, q = _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group,
+                                                        stride_qt, stride_qh, HEAD_DIM, BLOCK_M, BLOCK_Q)
+        diag, n_begin, n_mid, n_end = _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL, BLOCK_Q,
+                                                 BLOCK_N)
 
         # built once: each key's offset inside its page (tiles start on page boundaries
         # when a tile spans pages, so it does not change from tile to tile) plus the head
@@ -412,21 +424,9 @@ def _paged_long_kernel(
                                     n_mid, n_end, ctx, diag, last_page, qk_scale_log2,
                                     PAGE, BLOCK_N, STRIDE_TOK, True, IS_CAUSAL, DOT_PRECISION, PREFETCH)
 
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        if KV_FP8:
-            out = out * tl.load(V_scale + kv_head)
-        if SPLIT:
-            row = (tok * num_q_heads + heads) * num_splits + split
-            tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
-            lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-            tl.store(LSE_partial + row, lse2, mask=row_ok)
-        else:
-            tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
-                     + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-            if RETURN_LSE:
-                lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-                tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, num_splits, kv_head,
+                    O, LSE, O_partial, LSE_partial, V_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                    HEAD_DIM, SPLIT, RETURN_LSE, KV_FP8)
 
 
 @triton.jit
