@@ -30,6 +30,73 @@ from .softmax import _softmax_step, _softmax_step_masked
 
 
 @triton.jit
+def _program_rows(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group,
+                  IS_VARLEN: tl.constexpr):
+    """Which (sequence, head, query tile) a program of the prefill grid owns: axis 0 is
+    sequence x head, axis 1 the query tile, reversed so that the bottom tiles (the most
+    keys under a causal mask) start first. -> (seq, head, kv_head, pid_m, q_start, q_len,
+    k_start, k_len); starts are rows of the packed varlen tensors (0 when dense)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = pid_bh // num_q_heads
+    head = pid_bh % num_q_heads
+    kv_head = head // kv_group
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + seq).to(tl.int64)
+        q_len = (tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)).to(tl.int32)
+        k_start = tl.load(cu_seqlens_k + seq).to(tl.int64)
+        k_len = (tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+    return seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _head_bases(Q, K, V, O, seq64, head, kv_head, q_start, k_start,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om):
+    """Row 0 of this program's (sequence, head) in Q and O, of its KV head in K and V."""
+    q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(tl.int64) * stride_qh
+    k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(tl.int64) * stride_kh
+    v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
+    o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(tl.int64) * stride_oh
+    return q_base, k_base, v_base, o_base
+
+
+@triton.jit
+def _tile_key_range(q_len, k_len, m_start, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Bottom-right causal: query row i sees keys [0, i + k_len - q_len]. -> (diag,
+    full_end, end): every row of the tile sees keys [0, full_end) completely (a multiple of
+    BLOCK_N), some row sees keys up to end; the keys in between need the mask."""
+    if IS_CAUSAL:
+        diag = k_len - q_len
+        # the first row of the tile sees keys [0, m_start + diag]
+        full_end = tl.minimum(m_start + diag + 1, k_len)
+        # the last row of the tile sees keys [0, m_start + BLOCK_M - 1 + diag]
+        end = tl.minimum(m_start + BLOCK_M + diag, k_len)
+    else:
+        diag = 0
+        full_end = k_len
+        end = k_len
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    end = tl.maximum(end, 0)
+    return diag, full_end, end
+
+
+@triton.jit
+def _store_lse(LSE, l_i, m_i, l_safe, seq64, head, q_start, offs_m, q_len, stride_lb, stride_lh, stride_lm):
+    """The rows' natural-log lse (m is in the log2 domain of the scaled scores; ln 2 brings
+    it back), -inf for a row that saw no key."""
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
+             + offs_m * stride_lm, lse, mask=offs_m < q_len)
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, O, LSE,
     cu_seqlens_q, cu_seqlens_k,
@@ -49,25 +116,8 @@ def _attn_fwd(
     DOT_PRECISION: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    # Axis 1 is launched slowest; reversing it starts the bottom query tiles,
-    # which under a causal mask have the most keys, first (longest-first).
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = pid_bh // num_q_heads
-    head = pid_bh % num_q_heads
-    kv_head = head // kv_group
-
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q + seq).to(tl.int64)
-        q_len = (tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)).to(tl.int32)
-        k_start = tl.load(cu_seqlens_k + seq).to(tl.int64)
-        k_len = (tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)).to(tl.int32)
-    else:
-        q_start = 0
-        q_len = seqlen_q
-        k_start = 0
-        k_len = seqlen_k
-
+    seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
     m_start = pid_m * BLOCK_M
     if m_start < q_len:
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -75,10 +125,10 @@ def _attn_fwd(
         offs_d = tl.arange(0, HEAD_DIM)
 
         seq64 = seq.to(tl.int64)
-        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(tl.int64) * stride_qh
-        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(tl.int64) * stride_kh
-        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
-        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(tl.int64) * stride_oh
+        q_base, k_base, v_base, o_base = _head_bases(Q, K, V, O, seq64, head, kv_head, q_start, k_start,
+                                                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                                                     stride_kn, stride_vb, stride_vh, stride_vn, stride_ob,
+                                                     stride_oh, stride_om)
 
         row_ok = offs_m[:, None] < q_len
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
@@ -90,18 +140,7 @@ def _attn_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-        if IS_CAUSAL:
-            diag = k_len - q_len
-            # the first row of the tile sees keys [0, m_start + diag]
-            full_end = tl.minimum(m_start + diag + 1, k_len)
-            # the last row of the tile sees keys [0, m_start + BLOCK_M - 1 + diag]
-            end = tl.minimum(m_start + BLOCK_M + diag, k_len)
-        else:
-            diag = 0
-            full_end = k_len
-            end = k_len
-        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
-        end = tl.maximum(end, 0)
+        diag, full_end, end = _tile_key_range(q_len, k_len, m_start, IS_CAUSAL, BLOCK_M, BLOCK_N)
 
         # Tiles every row sees completely: no masks, no bounds checks.
         for start_n in range(0, full_end, BLOCK_N):
@@ -128,7 +167,4 @@ def _attn_fwd(
         tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok)
         if RETURN_LSE:
-            # m is in the log2 domain of the scaled scores; ln(2) brings it back to natural log
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-            tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
-                     + offs_m * stride_lm, lse, mask=offs_m < q_len)
+            _store_lse(LSE, l_i, m_i, l_safe, seq64, head, q_start, offs_m, q_len, stride_lb, stride_lh, stride_lm)

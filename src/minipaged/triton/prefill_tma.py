@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .prefill import _head_bases, _program_rows, _store_lse, _tile_key_range
 from .softmax import _softmax_step, _softmax_step_masked
 
 # Scratch for device-side descriptors, requested by Triton at launch time.
@@ -86,34 +87,18 @@ def _attn_fwd_tma(
     RETURN_LSE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    # longest-first under a causal mask, as in the pointer kernel
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = pid_bh // num_q_heads
-    head = pid_bh % num_q_heads
-    kv_head = head // kv_group
-
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q + seq).to(tl.int64)
-        q_len = (tl.load(cu_seqlens_q + seq + 1) - tl.load(cu_seqlens_q + seq)).to(tl.int32)
-        k_start = tl.load(cu_seqlens_k + seq).to(tl.int64)
-        k_len = (tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)).to(tl.int32)
-    else:
-        q_start = 0
-        q_len = seqlen_q
-        k_start = 0
-        k_len = seqlen_k
-
+    seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
     m_start = pid_m * BLOCK_M
     if m_start < q_len:
         offs_m = m_start + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
 
         seq64 = seq.to(tl.int64)
-        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(tl.int64) * stride_qh
-        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(tl.int64) * stride_kh
-        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(tl.int64) * stride_vh
-        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(tl.int64) * stride_oh
+        q_base, k_base, v_base, o_base = _head_bases(Q, K, V, O, seq64, head, kv_head, q_start, k_start,
+                                                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                                                     stride_kn, stride_vb, stride_vh, stride_vn, stride_ob,
+                                                     stride_oh, stride_om)
 
         # An empty key range gets a one-row shape (a zero extent is not a valid TMA box
         # bound); no tile of it is ever loaded, since the loops below run to k_len.
@@ -134,16 +119,7 @@ def _attn_fwd_tma(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-        if IS_CAUSAL:
-            diag = k_len - q_len
-            full_end = tl.minimum(m_start + diag + 1, k_len)
-            end = tl.minimum(m_start + BLOCK_M + diag, k_len)
-        else:
-            diag = 0
-            full_end = k_len
-            end = k_len
-        full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
-        end = tl.maximum(end, 0)
+        diag, full_end, end = _tile_key_range(q_len, k_len, m_start, IS_CAUSAL, BLOCK_M, BLOCK_N)
 
         if WARP_SPECIALIZE:
             # One loop over every key tile with the mask on every tile: the Hopper
@@ -183,9 +159,7 @@ def _attn_fwd_tma(
         out = acc / l_safe[:, None]
         o_desc.store([m_start, 0], out.to(O.dtype.element_ty))
         if RETURN_LSE:
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-            tl.store(LSE + seq64 * stride_lb + q_start * stride_lm + head.to(tl.int64) * stride_lh
-                     + offs_m * stride_lm, lse, mask=offs_m < q_len)
+            _store_lse(LSE, l_i, m_i, l_safe, seq64, head, q_start, offs_m, q_len, stride_lb, stride_lh, stride_lm)
 
 
 # ------------------------------------------------------------------------------ launchers
