@@ -65,6 +65,29 @@ def _tile_blocks(table_row, start_n, last_page,
 
 
 @triton.jit
+def _paged_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, cols, ctx, pos, diag, qk_scale_log2,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One KV tile of a paged kernel: keys `cols` at k_ptrs / v_ptrs [BLOCK_N, D]. MASKED:
+    the tile reaches past the context or into the causal band; masked loads give 0 for keys
+    past the context, so NaN in unused slots never reaches the dots (0 * NaN would poison
+    every row), and a row may see nothing here (or at all). .to(q.dtype) widens fp8 tiles
+    (exact), a no-op for 16/32-bit caches."""
+    if MASKED:
+        tok_ok = cols < ctx
+        k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+        visible = tok_ok[None, :]
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= pos[:, None] + diag)
+        acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION, True)
+    else:
+        k = tl.load(k_ptrs).to(q.dtype)
+        v = tl.load(v_ptrs).to(q.dtype)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
                  n_lo, n_hi, ctx, diag,
                  stride_kblock, stride_ktok, stride_vblock, stride_vtok,
@@ -86,24 +109,8 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
         in_page = ((start_n + offs_n) % PAGE).to(tl.int64)
         k_ptrs = k_head + (cur * stride_kblock + in_page * stride_ktok)[:, None]
         v_ptrs = v_head + (cur * stride_vblock + in_page * stride_vtok)[:, None]
-        if MASKED:
-            cols = start_n + offs_n
-            tok_ok = cols < ctx
-            # masked loads give 0 for keys past the context: NaN in unused slots never
-            # reaches the dots (0 * NaN would poison every row)
-            # .to(q.dtype): widens fp8 tiles (exact); a no-op for 16/32-bit caches
-            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-            visible = tok_ok[None, :]
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= pos[:, None] + diag)
-            # a row may see nothing here (or at all)
-            acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION,
-                                                 True)
-        else:
-            k = tl.load(k_ptrs).to(q.dtype)
-            v = tl.load(v_ptrs).to(q.dtype)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+        acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n + offs_n, ctx, pos, diag,
+                                    qk_scale_log2, MASKED, IS_CAUSAL, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -315,22 +322,8 @@ def _long_inner(acc, l_i, m_i, q, pos, k_tile, v_tile, table_row, key_page,
             off = cur.to(tl.int64) * (PAGE * STRIDE_TOK)
             k_ptrs = k_tile + off[:, None]
             v_ptrs = v_tile + off[:, None]
-        if MASKED:
-            cols = start_n + offs_n
-            tok_ok = cols < ctx
-            # masked loads give 0 for keys past the context, so NaN in unused slots never
-            # reaches the dots; .to(q.dtype) widens fp8 tiles (exact), a no-op otherwise
-            k = tl.load(k_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-            visible = tok_ok[None, :]
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= pos[:, None] + diag)
-            acc, l_i, m_i = _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION,
-                                                 True)
-        else:
-            k = tl.load(k_ptrs).to(q.dtype)
-            v = tl.load(v_ptrs).to(q.dtype)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+        acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n + offs_n, ctx, pos, diag,
+                                    qk_scale_log2, MASKED, IS_CAUSAL, DOT_PRECISION)
     return acc, l_i, m_i
 
 
