@@ -17,15 +17,16 @@ namespace fast {
 // The page ids of a tile are fetched one tile ahead (fetch() right after the
 // previous tile's copies were issued), so the table round trip overlaps a
 // whole tile of math instead of stalling the copy. Tiles must be issued in
-// order (fetch(t), issue(t), fetch(t+1), issue(t+1), ...), which both kernels do.
-// `dst_off(row, chunk)` is the byte offset of a 16-byte chunk in the shared
-// tile (the mma.sync and wgmma kernels swizzle differently).
-template <class Cfg, int kRows>
-struct PagedKVLoader {
-  static constexpr int kIters = kRows * Cfg::kChunks / Cfg::kThreads;
-  static constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
-  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && kIters >= 1, "copy layout");
-  using T = typename Cfg::T;
+// order (fetch(t), issue(t), fetch(t+1), issue(t+1), ...), which the kernels do.
+// A row is kChunks 16-byte chunks of Elem (16-bit or e4m3 caches);
+// `k_off(row, chunk)` / `v_off(row, chunk)` are the byte offsets of a chunk in
+// the shared K / V tile (each kernel swizzles its own way).
+template <int kThreads, int kChunks, int kRows, typename Elem>
+struct PagedTileLoader {
+  static constexpr int kIters = kRows * kChunks / kThreads;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kChunkElems = 16 / int(sizeof(Elem));
+  static_assert(kThreads % kChunks == 0 && kIters >= 1, "copy layout");
   int page[kIters];
 
   // row0 is a multiple of kRows, so with block_size >= kRows the tile lies in one page.
@@ -37,7 +38,7 @@ struct PagedKVLoader {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) page[it] = pg;
     } else {
-      const int r = tid / Cfg::kChunks;
+      const int r = tid / kChunks;
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int j = row0 + r + it * kRowStep;
@@ -46,12 +47,12 @@ struct PagedKVLoader {
     }
   }
 
-  template <class DstOff>
-  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const T* k_head, const T* v_head,
-                                        const PrefillParams& p, int row0, int num_rows, int tid,
-                                        DstOff dst_off) const {
-    const int r = tid / Cfg::kChunks;
-    const int c = tid % Cfg::kChunks;
+  template <class KOff, class VOff>
+  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const Elem* k_head, const Elem* v_head,
+                                        const PrefillParams& p, int row0, int num_rows, int tid, KOff k_off,
+                                        VOff v_off) const {
+    const int r = tid / kChunks;
+    const int c = tid % kChunks;
     const int bs_mask = p.block_size - 1;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -59,14 +60,18 @@ struct PagedKVLoader {
       const int j = row0 + row;
       const bool valid = j < num_rows;
       const int64_t in_page = j & bs_mask;
-      const T* kp = valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 8 : k_head;
-      const T* vp = valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 8 : v_head;
-      const uint32_t off = dst_off(row, c);
-      cp_async_16(k_tile + off, kp, valid);
-      cp_async_16(v_tile + off, vp, valid);
+      const Elem* kp =
+          valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * kChunkElems : k_head;
+      const Elem* vp =
+          valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * kChunkElems : v_head;
+      cp_async_16(k_tile + k_off(row, c), kp, valid);
+      cp_async_16(v_tile + v_off(row, c), vp, valid);
     }
   }
 };
+// The 16-bit caches' loader of a kernel config.
+template <class Cfg, int kRows>
+using PagedKVLoader = PagedTileLoader<Cfg::kThreads, Cfg::kChunks, kRows, typename Cfg::T>;
 struct NoLoader {};
 
 // A kernel config whose paged launches skip the sequences of fewer than kMin
@@ -111,6 +116,30 @@ __device__ __forceinline__ SeqInfo seq_info(const PrefillParams& p, int batch) {
     s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_begin;
   }
   return s;
+}
+
+// Row 0 of sequence `batch` in q and o (query head `head`) and in k and v (KV
+// head `kv_head`), for the dense and varlen layouts (q_begin / k_begin: the
+// sequence's first packed row; 0 when dense). Paged kernels reach K and V
+// through the block table instead and take q and o only.
+template <typename T>
+struct HeadPointers {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* o;
+};
+template <typename T>
+__device__ __forceinline__ HeadPointers<T> head_pointers(const PrefillParams& p, int batch, int head, int kv_head,
+                                                         int q_begin, int k_begin) {
+  return {static_cast<const T*>(p.q) + batch * p.q_batch_stride + int64_t(q_begin) * p.q_row_stride +
+              head * p.q_head_stride,
+          static_cast<const T*>(p.k) + batch * p.k_batch_stride + int64_t(k_begin) * p.k_row_stride +
+              kv_head * p.k_head_stride,
+          static_cast<const T*>(p.v) + batch * p.v_batch_stride + int64_t(k_begin) * p.v_row_stride +
+              kv_head * p.v_head_stride,
+          static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
+              head * p.o_head_stride};
 }
 
 }  // namespace fast

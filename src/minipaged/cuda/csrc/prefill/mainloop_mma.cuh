@@ -112,54 +112,9 @@ __host__ __device__ constexpr uint32_t kv_stage_bytes() {
   }
 }
 
-// Paged FP8 K/V tile gatherer: PagedKVLoader's page lookup (one tile ahead)
-// with 16-byte chunks of e4m3 rows (kD / 16 per row) and the FP8 tile swizzles.
+// Paged FP8 K/V tile gatherer: rows of kD / 16 chunks of e4m3 bytes.
 template <class Cfg, int kRows>
-struct PagedKV8Loader {
-  static constexpr int kChunks = Cfg::kD / 16;
-  static constexpr int kIters = kRows * kChunks / Cfg::kThreads;
-  static constexpr int kRowStep = Cfg::kThreads / kChunks;
-  static_assert(Cfg::kThreads % kChunks == 0 && kIters >= 1, "copy layout");
-  int page[kIters];
-
-  __device__ __forceinline__ void fetch(const PrefillParams& p, const int32_t* table, int row0, int num_rows,
-                                        int tid) {
-    const int log2_bs = __ffs(p.block_size) - 1;
-    if (p.block_size >= kRows) {
-      const int pg = row0 < num_rows ? __ldg(table + (row0 >> log2_bs)) : 0;
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) page[it] = pg;
-    } else {
-      const int r = tid / kChunks;
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int j = row0 + r + it * kRowStep;
-        page[it] = j < num_rows ? __ldg(table + (j >> log2_bs)) : 0;
-      }
-    }
-  }
-
-  __device__ __forceinline__ void issue(uint32_t k_tile, uint32_t v_tile, const uint8_t* k_head,
-                                        const uint8_t* v_head, const PrefillParams& p, int row0, int num_rows,
-                                        int tid) const {
-    const int r = tid / kChunks;
-    const int c = tid % kChunks;
-    const int bs_mask = p.block_size - 1;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int row = r + it * kRowStep;
-      const int j = row0 + row;
-      const bool valid = j < num_rows;
-      const int64_t in_page = j & bs_mask;
-      const uint8_t* kp =
-          valid ? k_head + int64_t(page[it]) * p.k_block_stride + in_page * p.k_row_stride + c * 16 : k_head;
-      const uint8_t* vp =
-          valid ? v_head + int64_t(page[it]) * p.v_block_stride + in_page * p.v_row_stride + c * 16 : v_head;
-      cp_async_16(k_tile + fp8_tile_k_off<Cfg::kD>(row, c), kp, valid);
-      cp_async_16(v_tile + fp8_tile_v_off<Cfg::kD>(row, c), vp, valid);
-    }
-  }
-};
+using PagedKV8Loader = PagedTileLoader<Cfg::kThreads, Cfg::kD / 16, kRows, uint8_t>;
 
 // Element offset of (row, 16-byte chunk) in a [rows][kD] shared tile.
 template <class Cfg>
@@ -275,14 +230,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   auto o_off = [&](int r) -> int64_t {
     return kPack ? int64_t(r / group) * p.o_row_stride + (r % group) * p.o_head_stride : int64_t(r) * p.o_row_stride;
   };
-  const T* q_ptr = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
-                   int64_t(q_begin) * p.q_row_stride + head * p.q_head_stride;
-  const T* k_ptr = static_cast<const T*>(p.k) + batch * p.k_batch_stride +
-                   int64_t(k_begin) * p.k_row_stride + kv_head * p.k_head_stride;
-  const T* v_ptr = static_cast<const T*>(p.v) + batch * p.v_batch_stride +
-                   int64_t(k_begin) * p.v_row_stride + kv_head * p.v_head_stride;
-  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
-             head * p.o_head_stride;
+  const HeadPointers<T> ptrs = head_pointers<T>(p, batch, head, kv_head, q_begin, k_begin);
+  const T* q_ptr = ptrs.q;
+  const T* k_ptr = ptrs.k;
+  const T* v_ptr = ptrs.v;
+  T* o_ptr = ptrs.o;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -328,11 +280,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const uint32_t k_dst = smem_base + stage * kStageBytes;
     if constexpr (kKV8) {
       pager.issue(k_dst, k_dst + Cfg::kTileBytes8, static_cast<const uint8_t*>(p.k) + kv_head * p.k_head_stride,
-                  static_cast<const uint8_t*>(p.v) + kv_head * p.v_head_stride, p, n0, seqlen_k, tid);
+                  static_cast<const uint8_t*>(p.v) + kv_head * p.v_head_stride, p, n0, seqlen_k, tid,
+                  [](int row, int chunk) { return fp8_tile_k_off<Cfg::kD>(row, chunk); },
+                  [](int row, int chunk) { return fp8_tile_v_off<Cfg::kD>(row, chunk); });
       if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
     } else if constexpr (kPaged) {
-      pager.issue(k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, n0, seqlen_k, tid,
-                  [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); });
+      auto off = [](int row, int chunk) { return uint32_t(smem_off<Cfg>(row, chunk) * 2); };
+      pager.issue(k_dst, k_dst + Cfg::kTileElems * 2, k_ptr, v_ptr, p, n0, seqlen_k, tid, off, off);
       if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
     } else {
       load_tile_async<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);

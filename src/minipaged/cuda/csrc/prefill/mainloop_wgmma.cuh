@@ -108,14 +108,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
   if (m_start >= seqlen_q) return;
 
   const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
-  const T* q_ptr = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
-                   int64_t(q_begin) * p.q_row_stride + head * p.q_head_stride;
-  const T* k_ptr = static_cast<const T*>(p.k) + batch * p.k_batch_stride +
-                   int64_t(k_begin) * p.k_row_stride + kv_head * p.k_head_stride;
-  const T* v_ptr = static_cast<const T*>(p.v) + batch * p.v_batch_stride +
-                   int64_t(k_begin) * p.v_row_stride + kv_head * p.v_head_stride;
-  T* o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
-             head * p.o_head_stride;
+  const HeadPointers<T> ptrs = head_pointers<T>(p, batch, head, kv_head, q_begin, k_begin);
+  const T* q_ptr = ptrs.q;
+  const T* k_ptr = ptrs.k;
+  const T* v_ptr = ptrs.v;
+  T* o_ptr = ptrs.o;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -146,8 +143,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
     const int n0 = (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * Cfg::kStageBytes;
     if constexpr (kPaged) {
-      pager.issue(k_dst, k_dst + Cfg::kTileBytes, k_ptr, v_ptr, p, n0, seqlen_k, tid,
-                  [](int row, int chunk) { return sw128_off<kBlockN>(row, chunk); });
+      auto off = [](int row, int chunk) { return sw128_off<kBlockN>(row, chunk); };
+      pager.issue(k_dst, k_dst + Cfg::kTileBytes, k_ptr, v_ptr, p, n0, seqlen_k, tid, off, off);
       if (t + 1 < n_tiles) pager.fetch(p, table, n0 - kBlockN, seqlen_k, tid);
     } else {
       load_tile_sw128<Cfg, kBlockN>(k_dst, k_ptr, p.k_row_stride, n0, seqlen_k, tid);
