@@ -29,7 +29,7 @@ from .configs import (
 from .decode import _decode_kernel, _decode_reduce
 from .merge import _merge_kernel
 from .paged import _paged_kernel, _paged_long_kernel, _short_reduce
-from .prefill import _attn_fwd
+from .prefill import _attn_fwd, dense_args, varlen_args
 
 _LOG2E = 1.4426950408889634
 # configs that failed to compile for lack of shared memory/registers -> the smaller one used instead
@@ -106,25 +106,12 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     if res is not None:
         return res
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
     lse = _lse_buffer((batch, num_q_heads, seqlen_q), q.device, return_lse)
     if out.numel() == 0:
         return _result(out, lse)
     cfg = prefill_config(head_dim, q.dtype, causal, batch * num_q_heads, seqlen_q, q.device)
-    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
-    args = (
-        q, k, v, out, lse_arg,
-        q, q,  # cu_seqlens unused in dense mode
-        seqlen_q, seqlen_k,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *lse_strides,
-        num_q_heads, num_q_heads // num_kv_heads,
-        float(scale) * _LOG2E,
-    )
+    args = dense_args(q, k, v, out, lse, scale)
     with _device_scope(q):
         _launch_attn(cfg, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim, q.dtype,
                      lse is not None)
@@ -140,7 +127,6 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if res is not None:
         return res
     total_q, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = _lse_buffer((total_q, num_q_heads), q.device, return_lse)
@@ -151,19 +137,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     cfg = prefill_config(head_dim, q.dtype, causal, num_seqs * num_q_heads, int(max_seqlen_q), q.device)
-    lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
-    args = (
-        q, k, v, out, lse_arg,
-        cu_q, cu_k,
-        int(max_seqlen_q), int(max_seqlen_k),
-        0, q.stride(1), q.stride(0),
-        0, k.stride(1), k.stride(0),
-        0, v.stride(1), v.stride(0),
-        0, out.stride(1), out.stride(0),
-        *lse_strides,
-        num_q_heads, num_q_heads // num_kv_heads,
-        float(scale) * _LOG2E,
-    )
+    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
     with _device_scope(q):
         _launch_attn(cfg, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
                      head_dim, q.dtype, lse is not None)

@@ -168,3 +168,45 @@ def _attn_fwd(
                  out.to(O.dtype.element_ty), mask=row_ok)
         if RETURN_LSE:
             _store_lse(LSE, l_i, m_i, l_safe, seq64, head, q_start, offs_m, q_len, stride_lb, stride_lh, stride_lm)
+
+
+# ------------------------------------------------------------------ launch arguments
+# _attn_fwd's runtime arguments (the prefill_tma variants take the same ones), built in one
+# place for the pointer launcher (ops.py) and the TMA launchers (prefill_tma.py).
+
+_LOG2E = 1.4426950408889634
+
+
+def dense_args(q, k, v, out, lse, scale: float) -> tuple:
+    """Dense q / out [B, Hq, Nq, D], k / v [B, Hkv, Nk, D], lse [B, Hq, Nq] float32 or None."""
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    return (
+        q, k, v, out, lse_arg,
+        q, q,  # cu_seqlens unused in dense mode
+        q.shape[2], k.shape[2],
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *lse_strides,
+        q.shape[1], q.shape[1] // k.shape[1],
+        float(scale) * _LOG2E,
+    )
+
+
+def varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> tuple:
+    """Packed q / out [Tq, Hq, D], k / v [Tk, Hkv, D], lse [Tq, Hq] float32 or None, int32
+    cu_q / cu_k [S + 1] on q's device."""
+    lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
+    return (
+        q, k, v, out, lse_arg,
+        cu_q, cu_k,
+        int(max_seqlen_q), int(max_seqlen_k),
+        0, q.stride(1), q.stride(0),
+        0, k.stride(1), k.stride(0),
+        0, v.stride(1), v.stride(0),
+        0, out.stride(1), out.stride(0),
+        *lse_strides,
+        q.shape[1], q.shape[1] // k.shape[1],
+        float(scale) * _LOG2E,
+    )

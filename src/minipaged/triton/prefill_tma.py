@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefill import _head_bases, _program_rows, _store_lse, _tile_key_range
+from .prefill import _head_bases, _program_rows, _store_lse, _tile_key_range, dense_args, varlen_args
 from .softmax import _softmax_step, _softmax_step_masked
 
 # Scratch for device-side descriptors, requested by Triton at launch time.
@@ -164,7 +164,6 @@ def _attn_fwd_tma(
 
 # ------------------------------------------------------------------------------ launchers
 
-_LOG2E = 1.4426950408889634
 # (variant, cfg, head_dim, dtype, causal, varlen, lse) that failed to launch for lack of shared
 # memory or registers: such calls take the pointer kernel from then on
 _unlaunchable: set = set()
@@ -241,24 +240,11 @@ def try_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if variant is None:
         return None
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_q_heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return None
     lse = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
-    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
-    args = (
-        q, k, v, out, lse_arg,
-        q, q,  # cu_seqlens unused in dense mode
-        seqlen_q, seqlen_k,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *lse_strides,
-        num_q_heads, num_q_heads // num_kv_heads,
-        float(scale) * _LOG2E,
-    )
+    args = dense_args(q, k, v, out, lse, scale)
     with _device_scope(q):
         if not _launch(variant, q, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim,
                        lse is not None, strict):
@@ -276,7 +262,6 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if variant is None:
         return None
     total_q, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q * num_q_heads * head_dim == 0 or num_seqs <= 0 or int(max_seqlen_q) <= 0:
         return None
@@ -284,19 +269,7 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-    lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
-    args = (
-        q, k, v, out, lse_arg,
-        cu_q, cu_k,
-        int(max_seqlen_q), int(max_seqlen_k),
-        0, q.stride(1), q.stride(0),
-        0, k.stride(1), k.stride(0),
-        0, v.stride(1), v.stride(0),
-        0, out.stride(1), out.stride(0),
-        *lse_strides,
-        num_q_heads, num_q_heads // num_kv_heads,
-        float(scale) * _LOG2E,
-    )
+    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
     with _device_scope(q):
         if not _launch(variant, q, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
                        head_dim, lse is not None, strict):
