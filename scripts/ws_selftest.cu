@@ -57,20 +57,22 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
                                                    "persistent pingpong", "persistent overlap",
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
-                                                   "wide pingpong"};
+                                                   "wide pingpong", "wide persistent dyn+stagedO"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
 // across items, the LPT order, ping-pong balance per item).
 static int g_sms_override = 0;
-static bool sched_persistent(int sched) { return sched >= kPersistentPPOverlap && sched <= kPersistentDynamicStagedO; }
+static bool sched_persistent(int sched) {
+  return (sched >= kPersistentPPOverlap && sched <= kPersistentDynamicStagedO) || sched == kWidePersistentDynamicStagedO;
+}
 
 // WS_SCHEDULES="4,6" limits check / small / time to those schedules (a GPU call spends its
 // minutes on the schedules in question); unset: all of them.
@@ -108,6 +110,9 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
           p, stream);
     case kWidePingPong:
       return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, false, true, false, false, false, false, true>, kCausal>(
+          p, stream);
+    case kWidePersistentDynamicStagedO:
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, true, true, true, true>, kCausal>(
           p, stream);
   }
   return cudaErrorInvalidValue;
