@@ -269,12 +269,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
       fence_o();
     } else {
       // O is still an operand of the running P V: its rescale waits below.
-      const bool rescale = sm.need_rescale(tile_max, scale_log2);
       float alpha[2] = {1.f, 1.f};
-      if (rescale) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) alpha[h] = sm.move_max(0, h, tile_max[0][h], scale_log2);
-      }
+      const bool rescale = move_max_lazy(sm, tile_max, scale_log2, alpha);
       sm.template exp_and_sum<kNT>(s_frag, scale_log2);
       // O and the previous P may be touched only after their wgmma retired. The
       // operand fence keeps the exponentials above the wait (ptxas would
@@ -283,12 +279,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) prefill_wgmma_
       wgmma_wait<0>();
       fence_operand(p_prev);
       fence_o();
-      if (rescale) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) FragSoftmax<1>::scale_o_row<kCB * 8>(o_frag, 0, h, alpha[h]);
-      }
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_prev[kk]);
+      rescale_o_pack_p<T, kCB * 8>(rescale, alpha, o_frag, s_frag, p_prev);
     }
   };
 

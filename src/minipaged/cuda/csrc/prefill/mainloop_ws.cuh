@@ -581,22 +581,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
                                  [](int r) { return r; });
     float tile_max[1][2];
     sm.template tile_max<kNT>(s_frag, tile_max);
-    rescale_pending = sm.need_rescale(tile_max, scale_log2);
-    if (rescale_pending) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) alpha[h] = sm.move_max(0, h, tile_max[0][h], scale_log2);
-    }
+    rescale_pending = move_max_lazy(sm, tile_max, scale_log2, alpha);
     sm.template exp_and_sum<kNT>(s_frag, scale_log2);
   };
   // After the previous PV retired: O takes the tile's factor, P is packed.
-  auto finish_tile = [&] {
-    if (rescale_pending) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) FragSoftmax<1>::scale_o_row<kCB * 8>(o_frag, 0, h, alpha[h]);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) pack_p<T>(s_frag, 0, kk, p_frag[kk]);
-  };
+  auto finish_tile = [&] { rescale_o_pack_p<T, kCB * 8>(rescale_pending, alpha, o_frag, s_frag, p_frag); };
 
   int n_masked = 0;
   auto softmax_any = [&](int t) {

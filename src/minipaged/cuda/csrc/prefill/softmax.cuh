@@ -195,6 +195,32 @@ __device__ __forceinline__ void pack_o_row(O o, int mt, int h, float inv, Put pu
   for (int dt = 0; dt < kDT; ++dt) put(dt, pack2<T>(o(mt, dt, 2 * h) * inv, o(mt, dt, 2 * h + 1) * inv));
 }
 
+// The pipelined wgmma kernels' tile step on FragSoftmax<1> (16 rows per warp),
+// split around the wait for the PV wgmma that still reads O and the previous P:
+// before it, the lazy max move (whether the warp moves its reference; if so
+// alpha takes each row's O factor) ...
+__device__ __forceinline__ bool move_max_lazy(FragSoftmax<1>& sm, const float (&tile_max)[1][2], float scale_log2,
+                                              float (&alpha)[2]) {
+  const bool rescale = sm.need_rescale(tile_max, scale_log2);
+  if (rescale) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) alpha[h] = sm.move_max(0, h, tile_max[0][h], scale_log2);
+  }
+  return rescale;
+}
+// ... after it, O takes the factors and the tile's P (kKSteps k steps of 16
+// keys) is packed into the A fragments of the next PV.
+template <typename T, int kDT, int kKSteps, class O, class S>
+__device__ __forceinline__ void rescale_o_pack_p(bool rescale, const float (&alpha)[2], O o, S s,
+                                                 uint32_t (&p)[kKSteps][4]) {
+  if (rescale) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) FragSoftmax<1>::scale_o_row<kDT>(o, 0, h, alpha[h]);
+  }
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) pack_p<T>(s, 0, kk, p[kk]);
+}
+
 // The epilogue of a thread's two rows of m tile 0 of FragSoftmax<1> (the
 // wgmma kernels' 16 rows per warp): row r = row0 + g + 8h. Its lse (natural
 // log, when p.lse) by one lane of the quad for rows < m_rows, at query row
