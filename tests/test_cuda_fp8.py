@@ -28,38 +28,14 @@ import subprocess
 import pytest
 import torch
 
-from fp8_problem import FP8, fp8_problem, torch_quant
+from fp8_problem import FP8, check as _check, e4m3_finite_values, fp8_problem, special_values, torch_quant
 from minipaged.cuda import build
 
-NEG_INF = float("-inf")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 # ----------------------------------------------------------------- quantisation truth
-
-
-def _e4m3_finite_values() -> torch.Tensor:
-    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-    return torch.unique(vals[torch.isfinite(vals)])
-
-
-def _special_values() -> torch.Tensor:
-    """fp32 values at every rounding edge of e4m3 (scale 1): the values, the ties, their
-    neighbours, quarter steps through the subnormals, the saturation edge, inf, NaN."""
-    v = _e4m3_finite_values()
-    pos = v[v >= 0]
-    mids = (pos[1:] + pos[:-1]) / 2
-    up = torch.nextafter(mids, torch.tensor(float("inf")))
-    down = torch.nextafter(mids, torch.tensor(0.0))
-    step = 2.0 ** -9
-    sub = torch.arange(0, 2 ** -6 + step, step / 4)
-    tiny = torch.tensor([1e-30, 1e-40, 2.0 ** -149, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -11,
-                         2.0 ** -10 + 2.0 ** -30, 2.0 ** -6 - 2.0 ** -30])
-    big = torch.tensor([448.0, 448.0001, 455.0, 463.99, 464.0, 464.01, 470.0, 479.99, 480.0, 500.0,
-                        511.99, 512.0, 1e4, 3e38, float("inf")])
-    mag = torch.cat([v.abs(), pos, mids, up, down, sub, tiny, big, torch.nextafter(big, torch.tensor(0.0))])
-    return torch.cat([mag, -mag, torch.tensor([0.0, -0.0, float("nan"), -float("nan")])])
 
 
 def _assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str, src=None):
@@ -117,7 +93,7 @@ def _host_quant(lib, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale", [1.0, 0.25, 2.0 ** 20, 3.0, 0.3])
 def test_soft_quantiser_matches_torch_on_edges(host_lib, scale):
-    x = _special_values() * scale
+    x = special_values() * scale
     s = torch.tensor(scale, dtype=torch.float32)
     want = torch.clamp(x / s, -448, 448).to(FP8).view(torch.uint8)
     _assert_same_bytes(_host_quant(host_lib, x, s), want, f"edges x{scale}", x)
@@ -212,68 +188,6 @@ def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head
                        write_kv=_ops().write_kv_cache if writer == "cuda" else None)
 
 
-def _attend(q, k, v, diag, causal, scale, low_dtype=None):
-    """One sequence: q [n, Hq, D], k/v [L, Hkv, D] fp64. Row i sees key j iff j < L (and
-    j <= i + diag when causal). low_dtype None: fp64; else K/V and q rounded to it,
-    matmuls in it, fp32 softmax. GQA heads stacked as rows of their KV head."""
-    n, Hq, D = q.shape
-    L, Hkv = k.shape[0], k.shape[1]
-    if L == 0:
-        return (torch.zeros(n, Hq, D, dtype=torch.float64, device=q.device),
-                torch.full((n, Hq), NEG_INF, dtype=torch.float64, device=q.device))
-    group = Hq // Hkv
-    qq = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(Hkv, n * group, D)
-    kk, vv = k.permute(1, 0, 2), v.permute(1, 0, 2)
-    if low_dtype is None:
-        s = torch.matmul(qq.double(), kk.transpose(1, 2)) * scale
-    else:
-        qq, kk, vv = qq.to(low_dtype), kk.to(low_dtype), vv.to(low_dtype)
-        s = torch.matmul(qq, kk.transpose(1, 2)).float() * scale
-    if causal:
-        rows = (torch.arange(n * group, device=q.device) // group)[:, None]
-        cols = torch.arange(L, device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + diag, NEG_INF)
-    lse = torch.logsumexp(s.double(), -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    o = torch.matmul(p, vv) if low_dtype is None else torch.matmul(p.to(low_dtype), vv)
-    o = o.double().view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
-    return o, lse.view(Hkv, n, group).permute(1, 0, 2).reshape(n, Hq)
-
-
-def _reference(q, deq_k, deq_v, cu_q, causal, scale, low_dtype=None):
-    Tq, Hq, D = q.shape
-    o = torch.zeros(Tq, Hq, D, dtype=torch.float64, device=q.device)
-    lse = torch.full((Tq, Hq), NEG_INF, dtype=torch.float64, device=q.device)
-    cu = cu_q.tolist()
-    for s in range(len(cu) - 1):
-        a, b = cu[s], cu[s + 1]
-        if b > a:
-            k, v = deq_k[s], deq_v[s]
-            o[a:b], lse[a:b] = _attend(q[a:b], k, v, k.shape[0] - (b - a), causal, scale, low_dtype)
-    return o, lse
-
-
-def _check(out, lse, q, deq_k, deq_v, cu_q, causal, scale, what):
-    truth, truth_lse = _reference(q, deq_k, deq_v, cu_q, causal, scale)
-    base, _ = _reference(q, deq_k, deq_v, cu_q, causal, scale, low_dtype=q.dtype)
-    assert out.dtype == q.dtype and out.shape == truth.shape, what
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    if out.numel():
-        err = (out.double() - truth).abs().max().item()
-        ref_err = (base - truth).abs().max().item()
-        floor = 2e-3 * max(1.0, truth.abs().max().item())
-        assert err <= 2 * ref_err + floor, f"{what}: max err {err:.3e} vs low-precision {ref_err:.3e}"
-    empty = torch.isneginf(truth_lse)
-    assert (out[empty] == 0).all(), f"{what}: a row with no key is not zero"
-    if lse is not None:
-        assert lse.dtype == torch.float32 and lse.shape == truth_lse.shape, what
-        assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern differs"
-        assert not torch.isnan(lse).any(), what
-        if (~empty).any():
-            d = (lse.double() - truth_lse)[~empty].abs()
-            assert (d <= 2e-3 * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
-
-
 CTXS = [0, 1, 17, 97, 1023, 4097]
 HEADS = [(8, 8), (8, 4), (8, 2), (16, 2)]  # GQA 1, 2, 4, 8
 DTYPES = [torch.float16, torch.bfloat16]
@@ -338,7 +252,7 @@ def _write_and_compare(x, k_scale, v_scale, page, what, slot_dtype=torch.int32):
 def test_write_kv_rounding_edges(scale, page):
     """Power-of-two scales keep x / s exact: every tie, subnormal step and the clamp
     edge reach the rounding as written (fp32 inputs), int32 and int64 slots."""
-    vals = _special_values() * scale
+    vals = special_values() * scale
     H, D = 4, 64
     per = H * D
     x = torch.zeros(-(-vals.numel() // per) * per)
@@ -378,7 +292,7 @@ def test_write_kv_ties_with_odd_scale():
     """x chosen so that the fp32 quotient x / s lands exactly on an e4m3 tie under a
     non-power-of-two scale: a kernel that multiplies by 1/s instead of dividing fails."""
     s = torch.tensor([3.0, 0.3, 7.1, 1 / 3], dtype=torch.float32)
-    pos = _e4m3_finite_values()
+    pos = e4m3_finite_values()
     pos = pos[pos > 0]
     mids = (pos[1:] + pos[:-1]) / 2
     cols = []

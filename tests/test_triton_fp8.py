@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
-from fp8_problem import FP8, fp8_problem, torch_quant  # noqa: E402
+from fp8_problem import FP8, check as _check, e4m3_finite_values, fp8_problem, special_values, torch_quant  # noqa: E402
 from minipaged.triton import configs, ops  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -40,35 +40,10 @@ cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTER
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                                 reason="needs a CUDA device and TRITON_INTERPRET unset")
-NEG_INF = float("-inf")
 DEV = "cpu" if INTERPRET else "cuda"
 
 
 # ----------------------------------------------------------------- quantisation truth
-
-
-def _e4m3_finite_values() -> torch.Tensor:
-    """All finite e4m3fn values in increasing order (no NaN codes, one zero)."""
-    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-    vals = vals[torch.isfinite(vals)]
-    return torch.unique(vals)  # sorted, +-0 merged
-
-
-def _special_values() -> torch.Tensor:
-    """fp32 values at every rounding edge of e4m3 (for a scale of 1)."""
-    v = _e4m3_finite_values()
-    pos = v[v >= 0]
-    mids = (pos[1:] + pos[:-1]) / 2  # exact in fp32: the ties
-    up = torch.nextafter(mids, torch.tensor(float("inf")))
-    down = torch.nextafter(mids, torch.tensor(0.0))
-    step = 2.0 ** -9
-    sub = torch.arange(0, 2 ** -6 + step, step / 4)  # quarter steps through the subnormals
-    tiny = torch.tensor([1e-30, 1e-40, 2.0 ** -149, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -11,
-                         2.0 ** -10 + 2.0 ** -30, 2.0 ** -6 - 2.0 ** -30])
-    big = torch.tensor([448.0, 448.0001, 455.0, 463.99, 464.0, 464.01, 470.0, 479.99, 480.0, 500.0,
-                        1e4, 3e38, float("inf")])
-    mag = torch.cat([v.abs(), pos, mids, up, down, sub, tiny, big, torch.nextafter(big, torch.tensor(0.0))])
-    return torch.cat([mag, -mag, torch.tensor([0.0, -0.0, float("nan"), -float("nan")])])
 
 
 def _as_tokens(vals: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -118,7 +93,7 @@ def _write_and_compare(x: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Te
 def test_quantise_rounding_edges(scale):
     """Power-of-two scales keep x / s exact, so every tie, subnormal step and the
     clamp edge reach the rounding exactly as written (fp32 inputs)."""
-    vals = _special_values() * scale
+    vals = special_values() * scale
     H, D = 4, 64
     x = _as_tokens(vals, H, D)
     s = torch.full((H,), scale, dtype=torch.float32)
@@ -146,7 +121,7 @@ def test_quantise_ties_with_odd_scale():
     """Ties under a non-power-of-two scale: x chosen so that x / s rounds (in fp32,
     correctly) onto an e4m3 midpoint; the kernel must divide, not multiply by 1/s."""
     s = torch.tensor([3.0, 0.3, 7.1, 1 / 3], dtype=torch.float32)
-    pos = _e4m3_finite_values()
+    pos = e4m3_finite_values()
     pos = pos[pos > 0]
     mids = (pos[1:] + pos[:-1]) / 2
     cols = []
@@ -172,78 +147,6 @@ def _fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed=0, scales="per-head
         raise ValueError(f"writer={writer!r}: must be 'torch' or 'triton'")
     return fp8_problem(q_lens, ctxs, Hq, Hkv, D, page, dtype, seed, scales, device=DEV,
                        write_kv=ops.write_kv_cache if writer == "triton" else None)
-
-
-# ----------------------------------------------------------------- oracle
-
-
-def _attend(q, k, v, diag, causal, scale, low_dtype=None):
-    """q [n, Hq, D] of one sequence, k/v [L, Hkv, D] fp64 (dequantised), same device.
-    Row i sees key j iff j < L (and j <= i + diag when causal). low_dtype None: fp64
-    (o, lse); else K/V rounded to low_dtype, matmuls in it, fp32 softmax. The GQA
-    group's query heads are stacked as rows of their KV head (no K/V copies per
-    query head: long GPU contexts stay small)."""
-    n, Hq, D = q.shape
-    L, Hkv = k.shape[0], k.shape[1]
-    dev = k.device
-    if L == 0:
-        return (torch.zeros(n, Hq, D, dtype=torch.float64, device=dev),
-                torch.full((n, Hq), NEG_INF, dtype=torch.float64, device=dev))
-    group = Hq // Hkv
-    # row r of KV head h: position r // group, query head h * group + r % group
-    qq = q.to(dev).view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(Hkv, n * group, D)
-    kk, vv = k.permute(1, 0, 2), v.permute(1, 0, 2)  # [Hkv, L, D]
-    if low_dtype is None:
-        s = torch.matmul(qq.double(), kk.transpose(1, 2)) * scale
-    else:
-        qq, kk, vv = qq.to(low_dtype), kk.to(low_dtype), vv.to(low_dtype)
-        s = torch.matmul(qq, kk.transpose(1, 2)).float() * scale
-    if causal:
-        rows = (torch.arange(n * group, device=dev) // group)[:, None]
-        cols = torch.arange(L, device=dev)[None, :]
-        s = s.masked_fill(cols > rows + diag, NEG_INF)
-    lse = torch.logsumexp(s.double(), -1)  # [Hkv, n * group]
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    o = torch.matmul(p, vv) if low_dtype is None else torch.matmul(p.to(low_dtype), vv)
-    o = o.double().view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
-    return o, lse.view(Hkv, n, group).permute(1, 0, 2).reshape(n, Hq)
-
-
-def _reference(q, deq_k, deq_v, cu_q, causal, scale, low_dtype=None):
-    Tq, Hq, D = q.shape
-    o = torch.zeros(Tq, Hq, D, dtype=torch.float64)
-    lse = torch.full((Tq, Hq), NEG_INF, dtype=torch.float64)
-    cu = cu_q.tolist()
-    for s in range(len(cu) - 1):
-        a, b = cu[s], cu[s + 1]
-        if b > a:
-            k, v = deq_k[s], deq_v[s]
-            so, sl = _attend(q[a:b], k, v, k.shape[0] - (b - a), causal, scale, low_dtype)
-            o[a:b], lse[a:b] = so.cpu(), sl.cpu()
-    return o, lse
-
-
-def _check(out, lse, q, deq_k, deq_v, cu_q, causal, scale, what):
-    truth, truth_lse = _reference(q, deq_k, deq_v, cu_q.cpu(), causal, scale)
-    base, _ = _reference(q, deq_k, deq_v, cu_q.cpu(), causal, scale, low_dtype=q.dtype)
-    out = out.cpu()
-    assert out.dtype == q.dtype and out.shape == truth.shape, what
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    if out.numel():
-        err = (out.double() - truth).abs().max().item()
-        ref_err = (base - truth).abs().max().item()
-        floor = 2e-3 * max(1.0, truth.abs().max().item())
-        assert err <= 2 * ref_err + floor, f"{what}: max err {err:.3e} vs low-precision {ref_err:.3e}"
-    empty = torch.isneginf(truth_lse)
-    assert (out[empty] == 0).all(), f"{what}: a row with no key is not zero"
-    if lse is not None:
-        lse = lse.cpu()
-        assert lse.dtype == torch.float32 and lse.shape == truth_lse.shape, what
-        assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse pattern differs"
-        assert not torch.isnan(lse).any(), what
-        if (~empty).any():
-            d = (lse.double() - truth_lse)[~empty].abs()
-            assert (d <= 2e-3 * (1 + truth_lse[~empty].abs())).all(), f"{what}: lse err {d.max().item():.3e}"
 
 
 def _run_paged(q_lens, ctxs, Hq, Hkv, D, page, causal=True, dtype=torch.float16, seed=0,
