@@ -498,7 +498,31 @@ def test_public_api_backends(ops):
 
 # --------------------------------------------------------------------------- compute-sanitizer
 
-_SANITIZE_SCRIPT = textwrap.dedent(
+# The paged part of the sanitizer scripts: each (Hq, Hkv, D, page, q_lens, ctx) on shuffled
+# pages (K and V the same cache, table entries past a sequence's pages -1), causal and not;
+# keyword arguments go to ops.paged.
+_SANITIZE_PAGED_CASES = textwrap.dedent(
+    """
+    def paged_cases(ops, dev, dt, cases, **kw):
+        import torch
+        for Hq, Hkv, D, bs, q_lens, ctx in cases:
+            nblk = [(c + bs - 1) // bs for c in ctx]
+            nb = sum(nblk) + 1
+            kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
+            perm = torch.randperm(nb).tolist()
+            bt = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32)
+            for i, n in enumerate(nblk):
+                bt[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+                perm = perm[n:]
+            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+            q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
+            cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+            for causal in (True, False):
+                ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True, **kw)
+    """
+)
+
+_SANITIZE_SCRIPT = _SANITIZE_PAGED_CASES + textwrap.dedent(
     """
     import torch
     from minipaged.cuda import ops
@@ -532,22 +556,9 @@ _SANITIZE_SCRIPT = textwrap.dedent(
             big = torch.randn(T, Hkv, D + 1, device=dev, dtype=dt)
             ops.write_kv_cache(big[..., 1:], big[..., :-1], kc, vc, slots.int())
     if "paged" in which:
-        for Hq, Hkv, D, bs, q_lens, ctx in [(4, 2, 128, 16, [0, 1, 4, 70], [5, 1, 67, 150]),
-                                            (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
-                                            (2, 2, 64, 256, [90, 2], [30, 300])]:
-            nblk = [(c + bs - 1) // bs for c in ctx]
-            nb = sum(nblk) + 1
-            kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
-            perm = torch.randperm(nb).tolist()
-            bt = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32)
-            for i, n in enumerate(nblk):
-                bt[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-                perm = perm[n:]
-            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
-            q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
-            cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
-            for causal in (True, False):
-                ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True)
+        paged_cases(ops, dev, dt, [(4, 2, 128, 16, [0, 1, 4, 70], [5, 1, 67, 150]),
+                                   (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
+                                   (2, 2, 64, 256, [90, 2], [30, 300])])
         q = torch.randn(3, 4, 128, device=dev, dtype=dt)  # pure decode batch through paged, with lse
         kc = torch.randn(8, 16, 2, 128, device=dev, dtype=dt)
         bt = torch.arange(8, dtype=torch.int32, device=dev).view(2, 4)[[0, 1, 0]].contiguous()
@@ -985,29 +996,16 @@ def test_paged_ws_long_context(ops):
                      variant=NEW_PATHS)
 
 
-_SANITIZE_PAGED_WS = textwrap.dedent(
+_SANITIZE_PAGED_WS = _SANITIZE_PAGED_CASES + textwrap.dedent(
     """
     import torch
     from minipaged.cuda import ops
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    for Hq, Hkv, D, bs, q_lens, ctx in [(4, 2, 128, 8, [0, 1, 70, 150], [5, 1, 67, 300]),
-                                        (2, 1, 64, 256, [130, 3], [400, 70]),
-                                        (4, 2, 64, 16, [1, 40, 1, 4, 17], [33, 97, 0, 9, 17]),
-                                        (2, 2, 128, 128, [200, 1], [130, 129])]:
-        nblk = [(c + bs - 1) // bs for c in ctx]
-        nb = sum(nblk) + 1
-        kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
-        perm = torch.randperm(nb).tolist()
-        bt = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32)
-        for i, n in enumerate(nblk):
-            bt[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-            perm = perm[n:]
-        cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
-        q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
-        cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        for causal in (True, False):
-            ops.paged(q, kc, kc, bt.to(dev), cu, cl, max(q_lens), causal, 0.1, True, variant=3)
+    paged_cases(ops, dev, dt, [(4, 2, 128, 8, [0, 1, 70, 150], [5, 1, 67, 300]),
+                               (2, 1, 64, 256, [130, 3], [400, 70]),
+                               (4, 2, 64, 16, [1, 40, 1, 4, 17], [33, 97, 0, 9, 17]),
+                               (2, 2, 128, 128, [200, 1], [130, 129])], variant=3)
     torch.cuda.synchronize()
     print("sanitize script done")
     """
