@@ -24,7 +24,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 import triton  # noqa: E402
-from triton_aot import ELEM, compile_sm90, divisible16, ptxas_usage, signature  # noqa: E402
+from triton_aot import ELEM, compile_sm90, divisible16, ptxas_usage, sass_loops, signature  # noqa: E402
 
 from minipaged.triton import decode  # noqa: E402
 
@@ -36,6 +36,8 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
+    if "FP8_F16" in fn.arg_names:
+        cx = {"FP8_F16": False, **cx}  # a constexpr default, which compile_sm90 does not fill in
     types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # 16-byte aligned pointers and strides divisible by 16, except the block-table row
@@ -63,6 +65,10 @@ def variants(plain_only: bool = False):
             ("packed_lse", k, "bf16", "bf16", dict(base, RETURN_LSE=True, PACKED_Q=True), 4, 2),
             ("packed_split_lse", k, "bf16", "bf16", dict(base, SPLIT=True, RETURN_LSE=True, PACKED_Q=True), 4, 2),
             ("packed_fp8_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True), 4, 2),
+            # configs.decode_fp8_f16: the fp8 rows' dots in fp16 (K/V widened e4m3 -> fp16 only)
+            ("plain_fp8_f16", k, "bf16", "fp8", dict(base, KV_FP8=True, FP8_F16=True), 4, 2),
+            ("packed_fp8_f16_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
+                                                           FP8_F16=True), 4, 2),
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),
@@ -89,7 +95,7 @@ def emit(out_dir: str, plain_only: bool) -> int:
         for ext in ("ptx", "ttgir"):
             with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
                 f.write(k.asm[ext])
-        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
+        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"]), "sass_loops": sass_loops(k.asm["cubin"])}
         print(f"ok   {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
     return failures
 

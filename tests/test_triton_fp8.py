@@ -259,6 +259,39 @@ def test_fp8_paged_equals_decode_interpreter():
     assert torch.equal(torch.isneginf(pl), torch.isneginf(dl))
 
 
+def _f16_dots(dtype, q_mult, seed, on_gpu=False):
+    """configs.decode_fp8_f16: decode and a mixed paged batch (mode "decode": its q_len 1
+    rows through the decode kernel) with q scaled by q_mult, against the oracle."""
+    ctxs = [1, 17, 97, 300, 0] if not on_gpu else [32768, 1, 4097, 16384, 0, 100]
+    q_lens = [1] * (len(ctxs) - 1) + [0]
+    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
+        [1] * len(ctxs), ctxs, 8, 2, 64 if not on_gpu else 128, 16, dtype, seed)
+    q = (q.float() * q_mult).to(dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    configs.set_override("decode_fp8_f16", 1)
+    configs.set_override("paged_mixed", "decode")
+    try:
+        out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs)
+        _check(out, lse, q, dk, dv, cu_q, False, scale, f"fp8 decode, fp16 dots, q x {q_mult} {dtype}")
+        # paged: a 9-token chunk in front (so the mixed batch splits) and one empty sequence
+        (pq, pkc, pvc, pt, pcu, pctx, pks, pvs, pdk, pdv) = _fp8_problem(
+            [9] + q_lens, [40] + ctxs, 8, 2, 64, 16, dtype, seed + 1)
+        pq = (pq.float() * q_mult).to(dtype)
+        po, pl = ops.paged(pq, pkc, pvc, pt, pcu, pctx, 9, True, 0.125, True, pks, pvs)
+        _check(po, pl, pq, pdk, pdv, pcu, True, 0.125, f"fp8 paged mode decode, fp16 dots, q x {q_mult}")
+    finally:
+        configs.set_override("decode_fp8_f16", None)
+        configs.set_override("paged_mixed", None)
+
+
+@cpu_only
+@pytest.mark.parametrize("q_mult", [1.0, 3e3, 1e-5])
+def test_fp8_decode_f16_dots_interpreter(q_mult):
+    """The fp16-dot path for fp8 caches at every q magnitude: q's power-of-two shift brings
+    large queries down into fp16's range and small ones up out of its subnormals."""
+    _f16_dots(torch.float16, q_mult, seed=11)
+
+
 # ----------------------------------------------------------------- GPU
 
 
@@ -286,6 +319,14 @@ def test_fp8_decode_gpu(dtype):
     _run_decode(ctxs, 32, 8, 128, 16, dtype=dtype)
     _run_decode(ctxs, 16, 2, 128, 256, dtype=dtype, splits=16, writer="triton", scales="equal")
     _run_decode([8191, 3], 8, 8, 64, 1, dtype=dtype, splits=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("q_mult", [1.0, 3e3, 1e-5, 1e6])
+def test_fp8_decode_f16_dots_gpu(q_mult):
+    """The fp16-dot path with bf16 queries, including magnitudes fp16 cannot hold (1e6)."""
+    _f16_dots(torch.bfloat16, q_mult, seed=12, on_gpu=True)
 
 
 @cpu_only

@@ -76,7 +76,7 @@ _PREFILL_SM90 = {
 # "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
-# "paged_prefetch": 0 or 1.
+# "paged_prefetch": 0 or 1; "decode_fp8_f16": 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -86,7 +86,8 @@ def set_override(name: str, value) -> None:
     """Force (value) or release (None) one config for tuning runs; see OVERRIDES.
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
-    if name not in ("prefill", "decode", "decode_splits", "paged", "prefill_variant", *_PAGED_OVERRIDES):
+    if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "paged", "prefill_variant",
+                    *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
              "paged_mixed": PAGED_MIXED_MODES}
@@ -96,7 +97,7 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name == "paged_prefetch":
+    elif name in ("paged_prefetch", "decode_fp8_f16"):
         OVERRIDES[name] = bool(int(value))
     else:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
@@ -334,6 +335,19 @@ def paged_mixed_mode() -> str:
 
 def paged_prefetch() -> bool:
     return OVERRIDES.get("paged_prefetch", PAGED_PREFETCH)
+
+
+# FP8 caches in the decode kernel: False widens the e4m3 tiles to q's dtype (for bf16 q that is
+# e4m3 -> fp16 two bytes per instruction, then fp16 -> bf16 one element per instruction: the
+# fp8 rows then take as long as the 16-bit ones, every tile of scripts/triton_fp8_decode_ab.py
+# alike). True runs the dots in fp16: q scaled by a power of two into fp16's range once per
+# program (exact; the softmax scale takes the power back), K/V widened to fp16 only. Off until
+# timed on the H200.
+DECODE_FP8_F16 = False
+
+
+def decode_fp8_f16() -> bool:
+    return OVERRIDES.get("decode_fp8_f16", DECODE_FP8_F16)
 
 
 def paged_short_config(head_dim: int, dtype: torch.dtype, group: int, device: torch.device) -> PagedConfig:

@@ -28,6 +28,12 @@ unrounded; k_scale is folded into the softmax scale of the program's KV head
 and v_scale multiplies the normalised output, the only roundings the scales
 add. With KV_FP8 off the kernel is the 16/32-bit one, unchanged.
 
+FP8_F16 (constexpr, with KV_FP8 and a 16-bit q): the dots run in fp16 whatever q's dtype. q
+is multiplied by 2^-shift, the power of two that brings its largest magnitude in the
+program's tile into (8192, 16384] (exact, barring fp16 subnormals for elements 2^-24 of that
+maximum or smaller), and qk_scale by 2^shift; K/V widen from e4m3 straight to fp16 (exact)
+and P is rounded to fp16 (finer than bf16 for values in [0, 1]). The accumulators stay fp32.
+
 PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, mixed mode
 "decode"). Program b serves sequence b of the paged call only if its q_len
 cu_seqlens_q[b+1] - cu_seqlens_q[b] is 1, and then its query, output and lse row is the
@@ -83,6 +89,7 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
+    FP8_F16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +124,12 @@ def _decode_kernel(
         row64 = seq64
     q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)
+    if FP8_F16:
+        qf = q.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30)
+        shift = tl.ceil(tl.math.log2(amax / 16384.0))
+        q = (qf * tl.math.exp2(-shift)).to(tl.float16)
+        qk_scale_log2 = qk_scale_log2 * tl.math.exp2(shift)
     table_row = block_tables + seq64 * stride_table
     k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
     v_head = V_cache + kv_head.to(tl.int64) * stride_vhead + offs_d[None, :]
@@ -185,6 +198,7 @@ def _decode_reduce(
     RETURN_LSE: tl.constexpr,
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
+    FP8_F16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)

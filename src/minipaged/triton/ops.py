@@ -219,6 +219,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             DOT_PRECISION=_dot_precision(q.dtype),
             RETURN_LSE=lse is not None,
             KV_FP8=fp8,
+            FP8_F16=_fp8_f16(fp8, q),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -226,6 +227,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, batch, num_q_heads,
                            num_splits, head_dim, lse is not None)
     return _result(out, lse)
+
+
+def _fp8_f16(fp8: bool, q: torch.Tensor) -> bool:
+    """The decode kernel's fp16 dots on fp8 caches (configs.decode_fp8_f16), for 16-bit q."""
+    return fp8 and q.dtype != torch.float32 and configs.decode_fp8_f16()
 
 
 def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int, num_q_heads: int,
@@ -542,6 +548,7 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
         DOT_PRECISION=_dot_precision(q.dtype),
         RETURN_LSE=return_lse,
         KV_FP8=fp8,
+        FP8_F16=_fp8_f16(fp8, q),
         cu_seqlens_q=cu_seqlens_q,
         PACKED_Q=True,
         num_warps=cfg.num_warps,
