@@ -30,11 +30,12 @@ import torch
 try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
     import xxhash
 
-    def _block_hash(prev: int, tokens: Sequence[int]) -> int:
-        return xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype=np.int64).tobytes(), seed=prev)
+    def _block_hash_bytes(prev: int, data: bytes) -> int:
+        """The chained hash of a block from its tokens' int64 bytes and the previous block's hash."""
+        return xxhash.xxh3_64_intdigest(data, seed=prev)
 except ImportError:  # pragma: no cover - xxhash is a dependency; kept for stripped environments
-    def _block_hash(prev: int, tokens: Sequence[int]) -> int:
-        h = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8, key=prev.to_bytes(8, "little"))
+    def _block_hash_bytes(prev: int, data: bytes) -> int:
+        h = hashlib.blake2b(data, digest_size=8, key=prev.to_bytes(8, "little"))
         return int.from_bytes(h.digest(), "little")
 
 
@@ -152,7 +153,8 @@ class PagedKVCache:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: list[int | None] = [None] * num_blocks
-        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        # a named block's tokens as int64 bytes (the hash input), to rule out hash collisions
+        self._tokens_of: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
         self._tables: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
@@ -268,8 +270,8 @@ class PagedKVCache:
         full = min(num_computed, len(token_ids), self._lens[seq_id]) // bs
         planned = self._planned[seq_id]
         for i in range(len(chain), full):
-            tokens = tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs])
-            h = planned[i] if i < len(planned) else _block_hash(chain[-1] if chain else 0, tokens)
+            tokens = np.asarray(token_ids[i * bs:(i + 1) * bs], dtype=np.int64).tobytes()
+            h = planned[i] if i < len(planned) else _block_hash_bytes(chain[-1] if chain else 0, tokens)
             chain.append(h)
             b = table[i]
             if h not in self._by_hash and self._hash_of[b] is None:
@@ -336,9 +338,13 @@ class PagedKVCache:
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
         """The chained hashes of every full block of `token_ids` (what commit() would name them)."""
         bs = self.block_size
+        n = len(token_ids) // bs
+        width = bs * 8
+        # the prompt's int64 bytes once; each block hashes its own slice of them
+        buf = np.asarray(token_ids[: n * bs], dtype=np.int64).tobytes()
         out, prev = [], 0
-        for i in range(len(token_ids) // bs):
-            prev = _block_hash(prev, [int(t) for t in token_ids[i * bs:(i + 1) * bs]])
+        for i in range(n):
+            prev = _block_hash_bytes(prev, buf[i * width:(i + 1) * width])
             out.append(prev)
         return out
 
@@ -353,10 +359,17 @@ class PagedKVCache:
         if hashes is None:
             hashes = self.block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs])
         blocks = []
-        for i in range(min(len(hashes), (len(token_ids) - 1) // bs)):
+        n = min(len(hashes), (len(token_ids) - 1) // bs)
+        width = bs * 8  # bytes of a block's int64 tokens
+        buf = None
+        for i in range(n):
             b = self._by_hash.get(hashes[i])
-            if b is None or self._tokens_of[b] != tuple(int(t) for t in token_ids[i * bs:(i + 1) * bs]):
-                break  # a miss, or a 64-bit hash collision
+            if b is None:
+                break
+            if buf is None:  # converted once, not per block
+                buf = np.asarray(token_ids[: n * bs], dtype=np.int64).tobytes()
+            if self._tokens_of[b] != buf[i * width:(i + 1) * width]:
+                break  # a 64-bit hash collision
             blocks.append(b)
         return blocks
 
