@@ -63,6 +63,15 @@ def _token_id(where: str, t: Any, vocab: int) -> int:
     return t
 
 
+def _token_ids(where: str, ids: Any, vocab: int) -> list[int]:
+    """A fresh list of the token ids in `ids`. The common case, a list of Python ints, is
+    checked at C speed (a long prompt costs microseconds, not a Python call per token);
+    anything else goes through _token_id one element at a time, which also names a bad one."""
+    if type(ids) is list and ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+        return list(ids)
+    return [_token_id(where, t, vocab) for t in ids]
+
+
 _KV_SCALE_NAMES = ("self_attn.{}_scale", "self_attn.attn.{}_scale", "self_attn.{}_proj.output_scale")
 
 
@@ -387,7 +396,7 @@ class Engine:
             raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
                             "e.g. [[151644, 872], [9707]]")
         vocab = self.config.vocab_size
-        prompts = [[_token_id(f"prompt {i}", t, vocab) for t in p] for i, p in enumerate(prompts)]
+        prompts = [_token_ids(f"prompt {i}", p, vocab) for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
@@ -504,7 +513,7 @@ class Engine:
     def prefill_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """Full-sequence logits [len_i, V] (fp32) of one packed prefill, through the paged cache
         (no prefix cache: every token is computed)."""
-        seqs = [Sequence([_token_id(f"prompt {i}", t, self.config.vocab_size) for t in p], 1, index=i)
+        seqs = [Sequence(_token_ids(f"prompt {i}", p, self.config.vocab_size), 1, index=i)
                 for i, p in enumerate(prompts)]
         bs = self.cache.block_size
         try:
