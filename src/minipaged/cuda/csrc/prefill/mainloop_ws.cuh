@@ -19,6 +19,8 @@
 //   q_full                 Q of the block, waited once per work item.
 //   q_empty                (persistent only) one arrival per consumer warp once
 //                          the item's last QK^T retired: Q may be reloaded.
+//   item_full / item_empty (dynamic persistent only) the item-id ring: the
+//                          producer's one arrival / every consumer thread's.
 // K and V of a tile have separate barriers so S = Q K^T can start before V
 // lands and K's slot is handed back before P V runs.
 //
@@ -42,6 +44,8 @@
 //                  between the two consumer warpgroups, so one warpgroup's
 //                  softmax runs under the other's GEMMs instead of both
 //                  competing for the tensor cores at the same moment.
+//   kWide       either schedule with N = 128 wgmma instructions (QK^T over the
+//               128-key tile, PV over D = 128) instead of pairs of N = 64 ones.
 //
 // Tiles run from the last key tile to the first, as in the cp.async kernel:
 // the diagonal / tail tiles that need masking come first, then unmasked ones.
