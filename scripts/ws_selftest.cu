@@ -124,8 +124,21 @@ static cudaError_t launch_dim(const PrefillParams& p, cudaStream_t s) {
   if (p.head_dim == 64) return p.causal ? launch_t<T, 64, true>(p, s) : launch_t<T, 64, false>(p, s);
   return cudaErrorInvalidValue;
 }
+// The dynamic persistent schedules' work-item counters (PrefillParams::sched_counters),
+// zeroed on the stream before every launch as the binding will do (the memset is in the
+// timed interval, as it would be there).
+static bool sched_dynamic(int sched) {
+  return sched == kPersistentDynamic || sched == kPersistentDynamicStagedO || sched == kWidePersistentDynamicStagedO;
+}
+static int* g_sched_counters = nullptr;
 static cudaError_t launch_ws(const PrefillParams& p, cudaStream_t s) {
-  return p.dtype == DType::kBFloat16 ? launch_dim<__nv_bfloat16>(p, s) : launch_dim<__half>(p, s);
+  PrefillParams q = p;
+  if (sched_dynamic(g_sched)) {
+    if (g_sched_counters == nullptr) CHECK_CUDA(cudaMalloc(&g_sched_counters, 2 * sizeof(int)));
+    CHECK_CUDA(cudaMemsetAsync(g_sched_counters, 0, 2 * sizeof(int), s));
+    q.sched_counters = g_sched_counters;
+  }
+  return q.dtype == DType::kBFloat16 ? launch_dim<__nv_bfloat16>(q, s) : launch_dim<__half>(q, s);
 }
 
 struct DeviceCase {

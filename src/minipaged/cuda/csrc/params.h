@@ -78,6 +78,11 @@ struct PrefillParams {
   // Paged only: blocks of the caches (k/v shape [0]); the extent of the sm_90
   // TMA maps of the caches. 0 (unknown): the TMA kernel is not used.
   int64_t num_blocks;
+  // Two int32 zeros on the device, owned by this launch (not shared with one
+  // that may run concurrently): the work-item counter of the dynamic
+  // persistent warp-specialised configs, which leave them zero again. nullptr
+  // for every other kernel (the dispatch picks none of those configs yet).
+  int* sched_counters;
 };
 
 // All return cudaSuccess or the launch error; they never synchronize.

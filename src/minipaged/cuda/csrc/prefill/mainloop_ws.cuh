@@ -81,7 +81,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <mutex>
 
 #include "params.h"
 #include "prefill/common.cuh"
@@ -826,28 +825,6 @@ inline bool ws_supported(const PrefillParams& p) {
   return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
 }
 
-// The two counters of the dynamic persistent configs on the current device:
-// allocated and zeroed on first use, then kept at zero by the kernels. One
-// pair per device, so two such launches must not run concurrently on one
-// device (an ablation config; the dispatch does not use it).
-inline int* ws_sched_counters() {
-  static std::mutex mu;
-  static int* counters[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
-  std::lock_guard<std::mutex> lock(mu);
-  if (counters[dev] == nullptr) {
-    int* buf = nullptr;
-    if (cudaMalloc(&buf, 2 * sizeof(int)) != cudaSuccess) return nullptr;
-    if (cudaMemset(buf, 0, 2 * sizeof(int)) != cudaSuccess) {
-      cudaFree(buf);
-      return nullptr;
-    }
-    counters[dev] = buf;
-  }
-  return counters[dev];
-}
-
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -878,8 +855,10 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
   if constexpr (Cfg::kDynamic) {
-    wp.sched = ws_sched_counters();
-    if (wp.sched == nullptr) return cudaErrorMemoryAllocation;
+    // the caller's zeroed counters (PrefillParams::sched_counters): a per-launch
+    // buffer, so concurrent launches on other streams never share one
+    wp.sched = pp.sched_counters;
+    if (wp.sched == nullptr) return cudaErrorInvalidValue;
   }
   if constexpr (Cfg::kPersistent) {
     // One resident CTA per SM (the shared memory and registers allow one).
