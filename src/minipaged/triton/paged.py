@@ -39,6 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .prefill import _causal_key_range
 from .softmax import _merge_splits, _softmax_step, _softmax_step_masked, _split_lse
 
 
@@ -139,18 +140,9 @@ def _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL: tl.constexpr, 
     sees [0, i + ctx - q_len]), this split's slice of them: -> (diag, n_begin, n_mid,
     n_end); [n_begin, n_mid) needs no mask, [n_mid, n_end) does; a split past the end gets
     an empty range."""
-    if IS_CAUSAL:
-        diag = ctx - q_len
-        # the tile's first position sees keys [0, m_start + diag], its last valid one
-        # [0, min(m_start + BLOCK_Q, q_len) - 1 + diag]
-        full_end = tl.minimum(m_start + diag + 1, ctx)
-        end = tl.minimum(tl.minimum(m_start + BLOCK_Q, q_len) + diag, ctx)
-    else:
-        diag = 0
-        full_end = ctx
-        end = ctx
-    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
-    end = tl.maximum(end, 0)
+    # the tile's positions [m_start, min(m_start + BLOCK_Q, q_len)) of the sequence
+    diag, full_end, end = _causal_key_range(q_len, ctx, m_start, tl.minimum(m_start + BLOCK_Q, q_len), IS_CAUSAL,
+                                            BLOCK_N)
     tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
     n_begin = split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)

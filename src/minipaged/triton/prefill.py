@@ -67,17 +67,17 @@ def _head_bases(Q, K, V, O, seq64, head, kv_head, q_start, k_start,
 
 
 @triton.jit
-def _tile_key_range(q_len, k_len, m_start, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """Bottom-right causal: query row i sees keys [0, i + k_len - q_len]. -> (diag,
-    full_end, end): every row of the tile sees keys [0, full_end) completely (a multiple of
-    BLOCK_N), some row sees keys up to end; the keys in between need the mask."""
+def _causal_key_range(q_len, k_len, m_start, rows_end, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bottom-right causal: query row i sees keys [0, i + k_len - q_len]. For a tile of rows
+    [m_start, rows_end) -> (diag, full_end, end): every row of the tile sees keys
+    [0, full_end) completely (a multiple of BLOCK_N), some row sees keys up to end; the keys
+    in between need the mask."""
     if IS_CAUSAL:
         diag = k_len - q_len
-        # the first row of the tile sees keys [0, m_start + diag]
+        # the first row of the tile sees keys [0, m_start + diag], its last one
+        # [0, rows_end - 1 + diag]
         full_end = tl.minimum(m_start + diag + 1, k_len)
-        # the last row of the tile sees keys [0, m_start + BLOCK_M - 1 + diag]
-        end = tl.minimum(m_start + BLOCK_M + diag, k_len)
+        end = tl.minimum(rows_end + diag, k_len)
     else:
         diag = 0
         full_end = k_len
@@ -85,6 +85,13 @@ def _tile_key_range(q_len, k_len, m_start, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.
     full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
     end = tl.maximum(end, 0)
     return diag, full_end, end
+
+
+@triton.jit
+def _tile_key_range(q_len, k_len, m_start, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """_causal_key_range for the BLOCK_M rows at m_start (rows past q_len are never stored)."""
+    return _causal_key_range(q_len, k_len, m_start, m_start + BLOCK_M, IS_CAUSAL, BLOCK_N)
 
 
 @triton.jit
