@@ -62,44 +62,28 @@ def _fp8_cache(ctx_lens, *, Hkv=2, D=64, block_size=4, seed=0, k_scale=None, v_s
                 k_scale=k_scale.to(**dev), v_scale=v_scale.to(**dev), keys=exact_k, vals=exact_v)
 
 
-def _flash_lowp(q, keys, vals, q_lens, dtype):
-    """The same attention in a flash kernel's precision (the error bound's baseline): K/V
-    rounded to dtype, fp32 scores and softmax, P rounded to dtype, fp32 PV, o rounded."""
-    q = q.cpu().float()
+def _oracle(q, keys, vals, q_lens, causal=True, flash_dtype=None):
+    """o [Tq, Hq, D] over the exact dequantised K/V; zeros for rows that see no key. fp64,
+    or with flash_dtype the same attention in a flash kernel's precision (the error bound's
+    baseline): K/V rounded to flash_dtype, fp32 scores and softmax, P rounded to it, fp32 PV,
+    o rounded to it."""
+    work = torch.float64 if flash_dtype is None else torch.float32
+    low = (lambda t: t) if flash_dtype is None else (lambda t: t.to(flash_dtype).to(work))  # noqa: E731
+    q = q.cpu().to(work)
     Tq, Hq, D = q.shape
-    o = torch.zeros(Tq, Hq, D)
+    o = torch.zeros(Tq, Hq, D, dtype=work)
     at = 0
     for k, v, nq in zip(keys, vals, q_lens):
         n = k.shape[0]
         group = Hq // k.shape[1]
-        kk = k.to(dtype).float().repeat_interleave(group, 1)
-        vv = v.to(dtype).float().repeat_interleave(group, 1)
-        for i in range(nq):
-            hi = n - nq + i + 1
-            if hi > 0:
-                w = torch.softmax(torch.einsum("hd,jhd->hj", q[at + i], kk[:hi]) / math.sqrt(D), -1)
-                o[at + i] = torch.einsum("hj,jhd->hd", w.to(dtype).float(), vv[:hi])
-        at += nq
-    return o.to(dtype)
-
-
-def _oracle(q, keys, vals, q_lens, causal=True):
-    """fp64 o [Tq, Hq, D] over the exact dequantised K/V; zeros for rows that see no key."""
-    q = q.double().cpu()
-    Tq, Hq, D = q.shape
-    o = torch.zeros(Tq, Hq, D, dtype=torch.float64)
-    at = 0
-    for k, v, nq in zip(keys, vals, q_lens):
-        n = k.shape[0]
-        group = Hq // k.shape[1]
-        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        kk, vv = low(k).to(work).repeat_interleave(group, 1), low(v).to(work).repeat_interleave(group, 1)
         for i in range(nq):
             hi = n - nq + i + 1 if causal else n
             if hi > 0:
                 w = torch.softmax(torch.einsum("hd,jhd->hj", q[at + i], kk[:hi]) / math.sqrt(D), -1)
-                o[at + i] = torch.einsum("hj,jhd->hd", w, vv[:hi])
+                o[at + i] = torch.einsum("hj,jhd->hd", low(w), vv[:hi])
         at += nq
-    return o
+    return o if flash_dtype is None else o.to(flash_dtype)
 
 
 # ------------------------------------------------------------------ quantisation
@@ -348,7 +332,7 @@ def test_fp8_paged_gpu(backend, dtype):
     ref = _oracle(q, p["keys"], p["vals"], q_lens)
     # The bound follows what a flash kernel's arithmetic gets in `dtype`, not a fixed number
     # (|o| reaches ~3 here, where one bf16 ulp is 0.016).
-    assert_close(o, ref, _flash_lowp(q, p["keys"], p["vals"], q_lens, dtype), f"fp8 paged {backend} {dtype}")
+    assert_close(o, ref, _oracle(q, p["keys"], p["vals"], q_lens, flash_dtype=dtype), f"fp8 paged {backend} {dtype}")
 
 
 @pytest.mark.gpu
