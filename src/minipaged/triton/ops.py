@@ -187,8 +187,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            return_lse: bool = False, k_scale: torch.Tensor | None = None,
            v_scale: torch.Tensor | None = None):
     batch, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = _lse_buffer((batch, num_q_heads), q.device, return_lse)
     if out.numel() == 0:
@@ -200,33 +198,48 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
-        _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, context_lens,
-            out, lse_arg, o_partial, lse_partial, k_s, v_s,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            *lse_strides,
-            group, num_splits,
-            float(scale) * _LOG2E,
-            HEAD_DIM=head_dim,
-            BLOCK_H=block_h,
-            BLOCK_N=cfg.block_n,
-            PAGE=page_size,
-            SPLIT=split,
-            DOT_PRECISION=_dot_precision(q.dtype),
-            RETURN_LSE=lse is not None,
-            KV_FP8=fp8,
-            FP8_F16=_fp8_f16(fp8, q),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        _launch_decode_kernel(batch, num_splits, block_h, cfg, q, k_cache, v_cache, block_tables, context_lens,
+                              out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale,
+                              lse is not None)
         if split:
             _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, batch, num_q_heads,
                            num_splits, head_dim, lse is not None)
     return _result(out, lse)
+
+
+def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, k_cache, v_cache, block_tables,
+                          context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8: bool,
+                          scale: float, return_lse: bool, cu_seqlens_q=None) -> None:
+    """_decode_kernel over num_rows sequences x KV heads x num_splits, BLOCK_H query heads
+    per program and cfg's key tile. cu_seqlens_q: the packed decode rows of a paged call
+    (PACKED_Q: q, out and lse are [Tq, ...] and programs of other q_lens return at once)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    packed = cu_seqlens_q is not None
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, lse_arg, o_partial, lse_partial, k_s, v_s,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *lse_strides,
+        num_q_heads // num_kv_heads, num_splits,
+        float(scale) * _LOG2E,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n,
+        PAGE=k_cache.shape[1],
+        SPLIT=num_splits > 1,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        RETURN_LSE=return_lse,
+        KV_FP8=fp8,
+        FP8_F16=_fp8_f16(fp8, q),
+        **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def _fp8_f16(fp8: bool, q: torch.Tensor) -> bool:
@@ -519,7 +532,7 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     """The q_len 1 sequences of a paged call through the decode kernel (mixed mode "decode"):
     one program column per sequence of the call; those of other lengths return at once (the
     kernel's PACKED_Q). Runs after the long launch, whose split reduce writes every row."""
-    total_q, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = launch.cfg
@@ -529,31 +542,9 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     split = splits > 1
     # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs
     o_partial, lse_partial = _split_partials(num_seqs * num_q_heads * splits, head_dim, out, split)
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
-        out, lse_arg, o_partial, lse_partial, k_s, v_s,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *lse_strides,
-        num_q_heads // num_kv_heads, splits,
-        float(scale) * _LOG2E,
-        HEAD_DIM=head_dim,
-        BLOCK_H=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PAGE=page_size,
-        SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        RETURN_LSE=return_lse,
-        KV_FP8=fp8,
-        FP8_F16=_fp8_f16(fp8, q),
-        cu_seqlens_q=cu_seqlens_q,
-        PACKED_Q=True,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _launch_decode_kernel(num_seqs, splits, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
+                          out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale, return_lse,
+                          cu_seqlens_q=cu_seqlens_q)
     if split:
         _decode_reduce[(num_seqs, num_q_heads)](
             o_partial, lse_partial, out, lse_arg,
