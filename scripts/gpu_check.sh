@@ -87,15 +87,16 @@ for s in $stages; do
     ws)
       # Warp-specialised TMA prefill (issue #16) and the current wgmma kernel for the
       # previous-step figure.
-      mkdir -p "$bin"
-      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
-      [ -x "$bin/fast_selftest" ] || [[ " ${WS_STEPS:-fast} " != *" fast"* ]] || run fast_build nvcc $selftest_flags scripts/fast_selftest.cu $csrc/prefill/fast.cu \
-        -o "$bin/fast_selftest" -lgomp
-      export OMP_NUM_THREADS=16
       # WS_STEPS: any of small check sanitize time fast_time fast_check (default all); WS_SCHEDULES
       # (read by ws_selftest) limits its schedules; FAST_TIME_FILTER the timed fast_selftest
       # variants and FAST_CHECK_FILTER the checked ones.
       steps=" ${WS_STEPS:-small check sanitize time fast_time fast_check} "
+      mkdir -p "$bin"
+      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      # fast_selftest only when a fast_* step needs it
+      [ -x "$bin/fast_selftest" ] || [[ $steps != *" fast_"* ]] || run fast_build nvcc $selftest_flags \
+        scripts/fast_selftest.cu $csrc/prefill/fast.cu -o "$bin/fast_selftest" -lgomp
+      export OMP_NUM_THREADS=16
       [[ $steps == *" small "* ]] && STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_ws_check=${STAGE_TIMEOUT_ws_check:-240} run ws_check "$bin/ws_selftest" check
       if [[ $steps == *" sanitize "* ]]; then
