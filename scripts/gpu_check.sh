@@ -61,16 +61,13 @@ for s in $stages; do
       [ -n "${TESTS_LOG:-}" ] && [ -n "${STAGE_TIMEOUT_tests:-}" ] && export "STAGE_TIMEOUT_${TESTS_LOG}=${STAGE_TIMEOUT_tests}"
       run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider ${GPU_TESTS:-tests/};;
     tests_par)
-      # The GPU test files (GPU_TESTS, default every tests/test_*.py) dealt round-robin to
-      # TEST_SHARDS (default 3) pytest processes that run at once (one GPU, 16 cores: the
-      # Triton JIT and the fp64 oracles are CPU-bound); logs tests_shard<i>.log.
-      read -r -a files <<< "${GPU_TESTS:-$(ls tests/test_*.py | tr '\n' ' ')}"
-      n=${TEST_SHARDS:-3}
+      # The GPU tests of GPU_TESTS (default tests/) dealt to TEST_SHARDS (default 4) pytest
+      # processes that run at once (one GPU, 16 cores: the Triton JIT and the fp64
+      # oracles are CPU-bound), by test (MINIPAGED_TEST_SHARD, tests/conftest.py), so one
+      # slow file no longer holds a shard; logs tests_shard<i>.log.
+      n=${TEST_SHARDS:-4}
       for ((i = 0; i < n; i++)); do
-        shard=()
-        for j in "${!files[@]}"; do (( j % n == i )) && shard+=("${files[$j]}"); done
-        [ ${#shard[@]} -gt 0 ] || continue
-        TESTS_LOG=tests_shard$i GPU_TESTS="${shard[*]}" bash "$0" tests > "$WORK/logs/tests_shard$i.out" 2>&1 &
+        MINIPAGED_TEST_SHARD="$i/$n" TESTS_LOG=tests_shard$i bash "$0" tests > "$WORK/logs/tests_shard$i.out" 2>&1 &
       done
       wait
       grep -h "=== tests_shard\|passed\|failed" "$WORK"/logs/tests_shard*.out;;

@@ -22,7 +22,25 @@ settings.register_profile("gpu-short", max_examples=20, derandomize=True, databa
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# MINIPAGED_TEST_SHARD="i/n": keep only shard i of n of the selected tests, so
+# several pytest processes can share one GPU machine (scripts/gpu_check.sh
+# tests_par). Tests are dealt in runs of _SHARD_RUN neighbours, which mostly
+# share their compiled Triton variants, so a shard rarely compiles what another
+# one compiles too.
+_SHARD_RUN = 4
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
+    spec = os.environ.get("MINIPAGED_TEST_SHARD")
+    if spec:
+        index, count = (int(x) for x in spec.split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"MINIPAGED_TEST_SHARD={spec!r}: want i/n with 0 <= i < n")
+        keep = [it for j, it in enumerate(items) if (j // _SHARD_RUN) % count == index]
+        drop = [it for j, it in enumerate(items) if (j // _SHARD_RUN) % count != index]
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     # A gpu test that silently skips would read as passed: fail loudly instead
     # when the user asked for them (-m gpu) on a machine without a GPU.
     if torch.cuda.is_available():
