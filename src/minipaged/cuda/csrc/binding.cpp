@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -313,6 +314,9 @@ bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
                  "minipaged cuda: ", op, " wants caches with unit-stride, 16-byte aligned rows (contiguous)");
   MP_CHECK_VALUE(block_tables.size(1) <= 1 || block_tables.stride(1) == 1, "minipaged cuda: ", op,
                  " wants block_tables rows with unit stride");
+  // The tensor-core decode kernel steps through pages with 32-bit block and token strides.
+  MP_CHECK_VALUE(std::max(k_cache.stride(0), v_cache.stride(0)) <= INT32_MAX, "minipaged cuda: ", op,
+                 " wants cache blocks of at most 2^31 - 1 elements");
   return fp8;
 }
 

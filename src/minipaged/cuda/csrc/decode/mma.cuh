@@ -14,9 +14,12 @@
 // size of 1 costs no more than 16: every row is addressed on its own.
 //
 // FP8 caches (FP8): the ring holds the e4m3 bytes as loaded (half the bytes of
-// a 16-bit tile) and the MMA operands are widened in registers, exactly, to
-// q's 16-bit type (layouts: ptx/fp8.cuh); k_scale is folded into the score
-// scale and v_scale into the output.
+// a 16-bit tile) and the MMA operands are widened in registers, exactly, to f16
+// whatever q's type (ptx/fp8.cuh: the widening to bf16 costs four times the
+// instructions, and the widening, not memory, bounded the kernel). A bf16 q is
+// moved to f16 once per CTA by a power of two per head, which the score scale
+// undoes; P is rounded to f16. k_scale is folded into the score scale and
+// v_scale into the output.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -80,11 +83,38 @@ constexpr int kFusedMinBlocksFp8 = 3;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
+// The A fragments of a bf16 tile (rows g: words 0, 2; rows g + 8: words 1, 3;
+// KS k steps) -> f16 fragments of the same rows, row r times 2^e_r with e_r
+// from the row's largest finite |q| (ptx/fp8.cuh; the quad of lanes holding a
+// row agrees on it). inv_scale[r] = 2^-e_r.
+template <int KS>
+__device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&inv_scale)[2]) {
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) amax[w & 1] = fmaxf(amax[w & 1], bf16x2_abs_max(a[kk][w]));
+  float scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    const int e = f16_exponent(amax[r]);
+    scale[r] = exp2i(e);
+    inv_scale[r] = exp2i(-e);
+  }
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) a[kk][w] = bf16x2_to_f16x2(a[kk][w], scale[w & 1]);
+}
+
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
   using S = Smem<D, STAGES, FP8>;
   using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
+  using MT = std::conditional_t<FP8, __half, T>;      // the MMA operand type
   constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
   constexpr int kChunks = D / kEPC;              // 16-byte chunks per row
   constexpr int kRowStep = kThreads / kChunks;   // rows one copy pass covers
@@ -115,6 +145,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   const int32_t* bt = p.block_tables + b * p.block_table_stride;
   const int c = tid % kChunks;
   const int r0 = tid / kChunks;
+  const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
+  const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
   const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + c * kEPC;
   const KV* vbase = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride + c * kEPC;
 
@@ -128,14 +160,13 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
       const int row = r0 + it * kRowStep;
       const int tok = start + t * kTileTokens + row;
       const bool valid = tok < end;
-      const KV* kp = kbase;
-      const KV* vp = vbase;
-      if (valid) {
-        const int64_t page = __ldg(bt + (tok >> log2_bs));
-        const int64_t in_page = tok & bs_mask;
-        kp += page * p.k_block_stride + in_page * p.k_token_stride;
-        vp += page * p.v_block_stride + in_page * p.v_token_stride;
-      }
+      // Branch-free: a row past `end` reads no table entry and points at page 0
+      // (never dereferenced: cp.async zero-fills it).
+      const int page = valid ? __ldg(bt + (tok >> log2_bs)) : 0;
+      const int in_page = tok & bs_mask;
+      // 32-bit strides (the binding checks they fit): one wide multiply per pointer.
+      const KV* kp = kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride);
+      const KV* vp = vbase + (mul_wide(page, v_block_stride) + in_page * v_token_stride);
       if constexpr (FP8) {
         cp_async_16(kdst + fp8_tile_k_off<D>(row, c), kp, valid);
         cp_async_16(vdst + fp8_tile_v_off<D>(row, c), vp, valid);
@@ -168,12 +199,14 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   const int g = lane >> 2;        // fragment rows g and g + 8
   const int tq = (lane & 3) * 2;  // fragment column pair
   uint32_t q_frag[D / 16][4];
+  float row_scale[2] = {1.f, 1.f};  // what undoes bf16_rows_to_f16 on rows g, g + 8
   cp_async_wait<STAGES - 1>();  // the Q group has landed
   __syncthreads();
   if constexpr (FP8) {
     const auto q_off = [](int row, int chunk) { return swz<D>(row, chunk); };
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) fp8_q_frag(s_q, g, kk, lane & 3, q_off, q_frag[kk]);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) bf16_rows_to_f16(q_frag, row_scale);
   } else {
     const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
@@ -186,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 
   float scale_log2 = p.scale * kLog2e;
   if constexpr (FP8) scale_log2 *= p.k_scale[kvh];
+  const float row_scale_log2[2] = {scale_log2 * row_scale[0], scale_log2 * row_scale[1]};
   float acc_o[kDT][4];
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt)
@@ -216,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             uint32_t b0, b1;
-            fp8_k_frag<T>(kw[nt], j, b0, b1);
-            mma_16816<T>(s[nt], q_frag[blk * 4 + j], b0, b1);
+            fp8_k_frag<MT>(kw[nt], j, b0, b1);
+            mma_16816<MT>(s[nt], q_frag[blk * 4 + j], b0, b1);
           }
         }
       }
@@ -231,6 +265,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
       }
     }
     const int tok0 = start + t * kTileTokens + warp * 16;
+    float alpha[2];
+    bool max_moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = m[h];
@@ -240,14 +276,15 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
         for (int e = 0; e < 2; ++e) {
           const int tok = tok0 + nt * 8 + tq + e;
           float& x = s[nt][2 * h + e];
-          x = tok < end ? x * scale_log2 : -INFINITY;
+          x = tok < end ? x * row_scale_log2[h] : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // A row that has seen only masked tokens keeps reference 0: ex2(-inf) = 0.
       const float mref = mx == -INFINITY ? 0.f : mx;
-      const float alpha = fast_exp2(m[h] - mref);
+      alpha[h] = fast_exp2(m[h] - mref);
+      max_moved |= mx != m[h];
       m[h] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -258,23 +295,30 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
           x = fast_exp2(x - mref);
           sum += x;
         }
-      l[h] = l[h] * alpha + sum;
+      l[h] = l[h] * alpha[h] + sum;
+    }
+    // After the first tiles a running max rarely moves, and where none of the
+    // warp's rows moved every alpha is 1: the O rescale (kDT * 4 multiplies
+    // per thread, for 16 rows however few heads are real) is skipped, warp-uniformly.
+    if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
-        acc_o[dt][2 * h] *= alpha;
-        acc_o[dt][2 * h + 1] *= alpha;
+        acc_o[dt][0] *= alpha[0];
+        acc_o[dt][1] *= alpha[0];
+        acc_o[dt][2] *= alpha[1];
+        acc_o[dt][3] *= alpha[1];
       }
     }
     // The m16n8 C fragments of the two 8-token halves form the m16n8k16 A fragment.
     uint32_t a[4];
-    a[0] = pack2<T>(s[0][0], s[0][1]);
-    a[1] = pack2<T>(s[0][2], s[0][3]);
-    a[2] = pack2<T>(s[1][0], s[1][1]);
-    a[3] = pack2<T>(s[1][2], s[1][3]);
+    a[0] = pack2<MT>(s[0][0], s[0][1]);
+    a[1] = pack2<MT>(s[0][2], s[0][3]);
+    a[2] = pack2<MT>(s[1][0], s[1][1]);
+    a[3] = pack2<MT>(s[1][2], s[1][3]);
     if constexpr (FP8) {
       uint32_t vw[4][D / 32];
       fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * 16, g, lane & 3, vw);
-      fp8_pv<T, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<T>(acc_o[dt], a, b0, b1); });
+      fp8_pv<MT, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
     } else {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {

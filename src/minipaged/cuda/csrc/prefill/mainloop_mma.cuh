@@ -25,10 +25,12 @@
 //
 // FP8 K/V (Cfg = Fp8KV<...>, paged only): the K/V tiles are e4m3 bytes as
 // loaded from the cache (half the shared memory and bytes of a 16-bit tile);
-// the MMA operands are widened to 16 bits in registers after plain shared loads,
+// the MMA operands are widened to f16 in registers after plain shared loads,
 // in the permuted layouts of ptx/fp8.cuh (Q's fragments are read in K's order;
-// O holds dims permuted until the epilogue puts them back). The KV head's
-// k_scale is folded into the score scale and its v_scale into 1/l. Causal is a
+// O holds dims permuted until the epilogue puts them back). A bf16 q moves to
+// f16 by one power of two per warp, P is rounded to f16. The KV head's
+// k_scale (and q's power of two) is folded into the score scale and its
+// v_scale into 1/l. Causal is a
 // runtime flag there (p.causal), which halves the instantiations: a
 // non-causal call runs the causal kernel with a diagonal past every key.
 #pragma once
@@ -192,6 +194,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr int kNT = kBlockN / 8;  // n-tiles of S per warp
   constexpr int kDT = kD / 8;       // n-tiles of O per warp
   constexpr bool kKV8 = Cfg::kKV8;
+  using MT = std::conditional_t<kKV8, __half, T>;  // MMA operands: f16 over FP8 tiles (ptx/fp8.cuh)
   static_assert(!kKV8 || (kPaged && kCausal), "FP8 K/V: paged only, causal as a runtime flag");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -324,6 +327,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       smem_base + Cfg::kTileElems * 2 + smem_off<Cfg>(lm_row8 + lm_bit3 * 8, lm_bit4) * 2;
 
   uint32_t q_frag[Cfg::kQInRegs ? kMT : 1][Cfg::kQInRegs ? kD / 16 : 1][4];
+  int q_exp = 0;  // FP8 with a bf16 q: the warp's Q fragments hold q * 2^q_exp, in f16
   if constexpr (Cfg::kQInRegs) {
     cp_async_wait<(Cfg::kStages > 1 ? Cfg::kStages - 1 : 1)>();  // Q only
     __syncthreads();
@@ -334,6 +338,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk)
           fp8_q_frag(s_q_u32, warp_row0 + mt * 16 + (lane >> 2), kk, lane & 3, q_tile_off, q_frag[mt][kk]);
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        // f16 MMAs over the e4m3 tiles (ptx/fp8.cuh): one power of two for the
+        // warp's rows, so that it folds into the score scale.
+        float amax = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) amax = fmaxf(amax, bf16x2_abs_max(q_frag[mt][kk][w]));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        q_exp = f16_exponent(amax);
+        const float q_scale = exp2i(q_exp);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) q_frag[mt][kk][w] = bf16x2_to_f16x2(q_frag[mt][kk][w], q_scale);
+      }
     } else {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -355,7 +380,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // Scores are kept raw; the running max is tracked in raw units and scaled
   // once per row (the launchers admit only a positive scale).
   float scale_log2 = p.scale * 1.4426950408889634f;
-  if constexpr (kKV8) scale_log2 *= p.k_scale[kv_head];
+  if constexpr (kKV8) scale_log2 *= p.k_scale[kv_head] * exp2i(-q_exp);
   FragSoftmax<kMT> sm;
   sm.init();
   auto o_frag = [&](int mt, int dt, int e) -> float& { return acc_o[mt][dt][e]; };
@@ -405,9 +430,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               uint32_t b0, b1;
-              fp8_k_frag<T>(kw[h], j, b0, b1);
+              fp8_k_frag<MT>(kw[h], j, b0, b1);
 #pragma unroll
-              for (int mt = 0; mt < kMT; ++mt) mma_16816<T>(acc_s[mt][2 * np + h], q_frag[mt][blk * 4 + j], b0, b1);
+              for (int mt = 0; mt < kMT; ++mt) mma_16816<MT>(acc_s[mt][2 * np + h], q_frag[mt][blk * 4 + j], b0, b1);
             }
           }
         }
@@ -457,13 +482,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) pack_p<T>(s_frag, mt, kk, a[mt]);
+      for (int mt = 0; mt < kMT; ++mt) pack_p<MT>(s_frag, mt, kk, a[mt]);
       if constexpr (kKV8) {
         uint32_t vw[4][kD / 32];
         fp8_load_v_rows<kD>(smem_base + stage * kStageBytes + Cfg::kTileBytes8, kk * 16, g, lane & 3, vw);
-        fp8_pv<T, kD>(vw, [&](int dt, uint32_t b0, uint32_t b1) {
+        fp8_pv<MT, kD>(vw, [&](int dt, uint32_t b0, uint32_t b1) {
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) mma_16816<T>(acc_o[mt][dt], a[mt], b0, b1);
+          for (int mt = 0; mt < kMT; ++mt) mma_16816<MT>(acc_o[mt][dt], a[mt], b0, b1);
         });
       } else {
 #pragma unroll

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -86,14 +87,23 @@ __device__ __forceinline__ uint16_t fp8x2_e4m3_from_float2(float lo, float hi) {
 #endif
 }
 
-// Two e4m3 bytes (the low 16 bits of w) -> f16x2, the low byte in the low half.
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w16) {
+// Two e4m3 bytes (bytes 2 HALF and 2 HALF + 1 of w) -> f16x2, the lower byte in
+// the low half.
+template <int HALF>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
+  static_assert(HALF == 0 || HALF == 1, "a 32-bit word has two halves");
 #if MINIPAGED_FP8_CVT
   uint32_t r;
-  const uint16_t h = static_cast<uint16_t>(w16);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
+  // w split into its 16-bit halves in PTX, so that ptxas reads the upper one in
+  // place (a .H1 operand) instead of shifting it down first.
+  if constexpr (HALF == 0) {
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, lo;\n\t}" : "=r"(r) : "r"(w));
+  } else {
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, hi;\n\t}" : "=r"(r) : "r"(w));
+  }
   return r;
 #else
+  const uint32_t w16 = HALF == 0 ? w & 0xffffu : w >> 16;
   // Each byte moved to the top of its f16 half: sign to bit 15, exponent and
   // mantissa to bits 13..7 (shifted right by one), i.e. the e4m3 value times
   // 2^-8 as an f16 (subnormals included); the multiply by 256 restores it.
@@ -111,34 +121,61 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w16) {
 #endif
 }
 
-// Two e4m3 bytes -> the 16-bit pair an mma.sync of dtype T takes (exact).
-template <typename T>
-__device__ __forceinline__ uint32_t fp8x2_to_16x2(uint32_t w16);
-template <>
-__device__ __forceinline__ uint32_t fp8x2_to_16x2<__half>(uint32_t w16) {
-  return fp8x2_to_f16x2(w16);
-}
-template <>
-__device__ __forceinline__ uint32_t fp8x2_to_16x2<__nv_bfloat16>(uint32_t w16) {
+// Two e4m3 bytes (half HALF of w) -> the 16-bit pair an mma.sync of dtype T takes (exact).
+template <typename T, int HALF>
+__device__ __forceinline__ uint32_t fp8x2_to_16x2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return fp8x2_to_f16x2<HALF>(w);
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "f16 or bf16 operands");
 #if MINIPAGED_FP8_CVT
-  __half2 h;
-  const uint32_t f = fp8x2_to_f16x2(w16);
-  memcpy(&h, &f, sizeof(h));
-  const float2 v = __half22float2(h);
+    __half2 h;
+    const uint32_t f = fp8x2_to_f16x2<HALF>(w);
+    memcpy(&h, &f, sizeof(h));
+    const float2 v = __half22float2(h);
 #else
-  // Each byte as an fp32 with the e4m3 exponent and mantissa in the low bits
-  // of the fp32 fields: the value times 2^-120 (subnormals included, no ftz in
-  // these builds), restored by an exact multiply; 0x7F / 0xFF are NaN.
-  float2 v;
-  const uint32_t b0 = w16 & 0xffu, b1 = (w16 >> 8) & 0xffu;
-  v.x = __uint_as_float(((b0 & 0x80u) << 24) | ((b0 & 0x7fu) << 20)) * 0x1p120f;
-  v.y = __uint_as_float(((b1 & 0x80u) << 24) | ((b1 & 0x7fu) << 20)) * 0x1p120f;
-  if ((b0 & 0x7fu) == 0x7fu) v.x = __uint_as_float(0x7fffffffu);
-  if ((b1 & 0x7fu) == 0x7fu) v.y = __uint_as_float(0x7fffffffu);
+    const uint32_t w16 = HALF == 0 ? w & 0xffffu : w >> 16;
+    // Each byte as an fp32 with the e4m3 exponent and mantissa in the low bits
+    // of the fp32 fields: the value times 2^-120 (subnormals included, no ftz in
+    // these builds), restored by an exact multiply; 0x7F / 0xFF are NaN.
+    float2 v;
+    const uint32_t b0 = w16 & 0xffu, b1 = (w16 >> 8) & 0xffu;
+    v.x = __uint_as_float(((b0 & 0x80u) << 24) | ((b0 & 0x7fu) << 20)) * 0x1p120f;
+    v.y = __uint_as_float(((b1 & 0x80u) << 24) | ((b1 & 0x7fu) << 20)) * 0x1p120f;
+    if ((b0 & 0x7fu) == 0x7fu) v.x = __uint_as_float(0x7fffffffu);
+    if ((b1 & 0x7fu) == 0x7fu) v.y = __uint_as_float(0x7fffffffu);
 #endif
-  const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+    uint32_t r;
+    memcpy(&r, &b, sizeof(r));
+    return r;
+  }
+}
+
+// ---- q for f16 MMAs over FP8 K/V (decode/mma.cuh, prefill/mainloop_mma.cuh) ----
+// e4m3 -> f16 is one instruction per pair, e4m3 -> bf16 four, so the mma.sync
+// kernels multiply FP8 K/V in f16 whatever q's type. A bf16 q is moved into
+// f16's range by a power of two 2^e chosen from its largest finite |q|: exact
+// except for elements more than 2^28 below that largest one (f16 subnormals);
+// the score scale takes 2^-e.
+
+// The larger finite magnitude of a bf16x2 word's halves (inf counts as 0, NaN is skipped).
+__device__ __forceinline__ float bf16x2_abs_max(uint32_t w) {
+  const float x = fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u)));
+  return x == INFINITY ? 0.f : x;
+}
+// e with amax * 2^e < 2^15 (in [2^14, 2^15) for a normal amax), within +-60; 0 for amax = 0.
+__device__ __forceinline__ int f16_exponent(float amax) {
+  const int biased = static_cast<int>(__float_as_uint(amax) >> 23);  // amax < 2^(biased - 126)
+  return amax > 0.f ? min(60, max(-60, 15 - (biased - 126))) : 0;
+}
+// 2^e for |e| <= 126.
+__device__ __forceinline__ float exp2i(int e) { return __uint_as_float(static_cast<uint32_t>(127 + e) << 23); }
+// A bf16x2 word times `scale` (a power of two) as f16x2, the low half staying low.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float scale) {
+  const __half2 h = __floats2half2_rn(__uint_as_float(w << 16) * scale, __uint_as_float(w & 0xffff0000u) * scale);
   uint32_t r;
-  memcpy(&r, &b, sizeof(r));
+  memcpy(&r, &h, sizeof(r));
   return r;
 }
 
@@ -149,7 +186,7 @@ __device__ __forceinline__ void fp8x16_to_float(const uint4& u, float (&f)[16]) 
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const uint32_t h = fp8x2_to_f16x2(j == 0 ? (w[i] & 0xffffu) : (w[i] >> 16));
+      const uint32_t h = j == 0 ? fp8x2_to_f16x2<0>(w[i]) : fp8x2_to_f16x2<1>(w[i]);
       __half2 h2;
       memcpy(&h2, &h, sizeof(h2));
       const float2 v = __half22float2(h2);
@@ -235,8 +272,8 @@ __device__ __forceinline__ void fp8_q_frag(uint32_t base, int r, int kk, int t, 
 template <typename T>
 __device__ __forceinline__ void fp8_k_frag(const uint4& chunk, int j, uint32_t& b0, uint32_t& b1) {
   const uint32_t w = j == 0 ? chunk.x : j == 1 ? chunk.y : j == 2 ? chunk.z : chunk.w;
-  b0 = fp8x2_to_16x2<T>(w & 0xffffu);
-  b1 = fp8x2_to_16x2<T>(w >> 16);
+  b0 = fp8x2_to_16x2<T, 0>(w);
+  b1 = fp8x2_to_16x2<T, 1>(w);
 }
 
 // The thread's four V rows row0 + 2t + {0, 1, 8, 9} (D/8 bytes each, dims
@@ -268,10 +305,10 @@ __device__ __forceinline__ void fp8_pv(const uint32_t (&vw)[4][D / 32], Mma mma)
     const uint32_t ab_hi = __byte_perm(vw[0][w], vw[1][w], 0x7362);
     const uint32_t cd_lo = __byte_perm(vw[2][w], vw[3][w], 0x5140);
     const uint32_t cd_hi = __byte_perm(vw[2][w], vw[3][w], 0x7362);
-    mma(4 * w + 0, fp8x2_to_16x2<T>(ab_lo & 0xffffu), fp8x2_to_16x2<T>(cd_lo & 0xffffu));
-    mma(4 * w + 1, fp8x2_to_16x2<T>(ab_lo >> 16), fp8x2_to_16x2<T>(cd_lo >> 16));
-    mma(4 * w + 2, fp8x2_to_16x2<T>(ab_hi & 0xffffu), fp8x2_to_16x2<T>(cd_hi & 0xffffu));
-    mma(4 * w + 3, fp8x2_to_16x2<T>(ab_hi >> 16), fp8x2_to_16x2<T>(cd_hi >> 16));
+    mma(4 * w + 0, fp8x2_to_16x2<T, 0>(ab_lo), fp8x2_to_16x2<T, 0>(cd_lo));
+    mma(4 * w + 1, fp8x2_to_16x2<T, 1>(ab_lo), fp8x2_to_16x2<T, 1>(cd_lo));
+    mma(4 * w + 2, fp8x2_to_16x2<T, 0>(ab_hi), fp8x2_to_16x2<T, 0>(cd_hi));
+    mma(4 * w + 3, fp8x2_to_16x2<T, 1>(ab_hi), fp8x2_to_16x2<T, 1>(cd_hi));
   }
 }
 

@@ -15,6 +15,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // 16-byte read of data that no thread of the kernel writes (.nc) and that is
 // used once (no L1 allocation): the KV cache stream of decode.
+// a * b as a 64-bit product of two 32-bit operands: one IMAD.WIDE. ptxas
+// lowers the equivalent mul.lo.s64 of two sign-extended ints as a full
+// 64 x 64-bit multiply (three IMADs).
+__device__ __forceinline__ int64_t mul_wide(int a, int b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
   uint4 r;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
