@@ -381,6 +381,61 @@ def test_prefill_varlen(ops, kind, dtype, causal, D):
     _bound(out, ref_lp, ref32, f"varlen {kind} {dtype} causal={causal} D{D}")
 
 
+# Many short sequences: on sm_90 the dispatch runs the dynamic persistent warp-specialised
+# kernel here (prefill/dispatch.cuh CfgWsDynamic: batch > 1, max_seqlen_q <= 2048, at least
+# four waves of 128-row items on the SMs), whose CTAs take work items from a counter that the
+# binding hands over zeroed and the kernel leaves zeroed. Against the fp64 oracle, then the
+# same call again, eagerly and replayed from a CUDA graph, bit for bit (a counter left
+# non-zero would skip items: rows of NaN poison or zeros).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", ["varlen", "dense"])
+def test_prefill_many_short_sequences(ops, dtype, D, causal, layout):
+    from minipaged.testing import assert_close, prefill_ref, varlen_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(D + causal)
+    Hq, Hkv, scale = 16, 8, 1 / math.sqrt(D)
+    if layout == "varlen":
+        seq_q = [1024, 1023, 977, 1, 2048, 129, 1024, 1000, 640, 17]
+        seq_k = [1024, 1100, 977, 1, 2048, 129, 2000, 1000, 640, 3]  # Nk > Nq, and Nq > Nk (empty rows)
+        cu_q = torch.tensor([0] + torch.tensor(seq_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0] + torch.tensor(seq_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(seq_q), Hq, D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        args = (cu_q, cu_k, max(seq_q), max(seq_k), causal, scale)
+        run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
+        truth, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+        lowp, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale, lowp=True)
+    else:
+        B, N = 8, 1023
+        q = torch.randn(B, Hq, N, D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dtype)
+        run = lambda: ops.prefill(q, k, v, causal, scale)  # noqa: E731
+        truth, _ = prefill_ref(q, k, v, causal=causal, scale=scale)
+        lowp, _ = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)
+    _poison_allocator(q.numel())
+    out = run()
+    assert_close(out, truth, lowp, f"many short {layout} {dtype} D{D} causal={causal}")
+    for _ in range(3):
+        assert torch.equal(run(), out), "a second call differs (scheduler counters not reset?)"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up on the capture stream: its counters are allocated outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            static_out = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out), "graph replay differs from the eager call"
+
+
 # --------------------------------------------------------------------------- determinism
 
 

@@ -126,6 +126,10 @@ bool rows_aligned16(const at::Tensor& t) {
 }
 
 using PrefillLauncher = cudaError_t (*)(const minipaged::PrefillParams&, cudaStream_t);
+
+// Zeroed int32 counters for a kernel that leaves them zero (defined below, with the rules).
+enum CounterPool { kDecodeSplitCounters = 0, kPrefillSchedCounters = 1 };
+cudaError_t zeroed_counters(CounterPool pool, int device, cudaStream_t stream, int64_t count, int32_t** out);
 using OutLse = std::tuple<at::Tensor, at::Tensor>;
 
 // The lse output of an op over q: float32 of q's shape without its last dim
@@ -214,7 +218,11 @@ OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::
     p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
     if (o.numel() > 0) {
       p.o = o.data_ptr();
-      err = launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+      // The sm_90 dispatch may pick the dynamic persistent kernel (prefill/dispatch.cuh).
+      if (launch == &minipaged::launch_prefill_fast && cc_major(q.get_device()) >= 9)
+        err = zeroed_counters(kPrefillSchedCounters, q.get_device(), stream, 2, &p.sched_counters);
+      if (err == cudaSuccess) err = launch(p, stream);
     }
   }
   check_launch(err, launcher_name);
@@ -320,11 +328,13 @@ bool check_paged_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at
   return fp8;
 }
 
-// Arrival counters of the one-launch split reduction (decode variant bit
-// 0x400): int32 that must be zero when a fused decode starts; its last CTA per
-// group puts its counter back to zero, so they are zeroed once, when
-// allocated. One buffer per (device, stream): decode calls on one stream run
-// one after another, calls on two streams could interleave their arrivals. A
+// Counters that kernels find zero and leave zero: the arrival counters of the
+// one-launch split reduction (decode variant bit 0x400; its last CTA per group
+// puts its counter back) and the work-item counter of the dynamic persistent
+// prefill (PrefillParams::sched_counters; its last CTA resets it). Zeroed once,
+// when allocated. One buffer per (pool, device, stream): calls on one stream
+// run one after another, calls on two streams could interleave their arrivals,
+// and a pool per kind of kernel keeps a decode from ever sharing a prefill's. A
 // CUDA graph keeps the pointer it was captured with (and is replayed, like
 // anything captured on that stream, in stream order with other work using
 // it), so a buffer is never freed or reused for something else: a larger
@@ -344,8 +354,9 @@ at::Tensor decode_split_workspace(const at::Tensor& q, minipaged::DecodeParams& 
   return workspace;
 }
 
-cudaError_t decode_split_counters(int device, cudaStream_t stream, int64_t count, int32_t** out) {
+cudaError_t zeroed_counters(CounterPool pool, int device, cudaStream_t stream, int64_t count, int32_t** out) {
   struct Entry {
+    CounterPool pool;
     int device;
     cudaStream_t stream;
     int32_t* ptr;
@@ -355,14 +366,14 @@ cudaError_t decode_split_counters(int device, cudaStream_t stream, int64_t count
   static std::vector<Entry> entries;
   std::lock_guard<std::mutex> lock(mu);
   for (Entry& e : entries) {
-    if (e.device == device && e.stream == stream && e.count >= count) {
+    if (e.pool == pool && e.device == device && e.stream == stream && e.count >= count) {
       *out = e.ptr;
       return cudaSuccess;
     }
   }
   Entry* slot = nullptr;
   for (Entry& e : entries)
-    if (e.device == device && e.stream == stream) slot = &e;
+    if (e.pool == pool && e.device == device && e.stream == stream) slot = &e;
   const int64_t n = std::max<int64_t>({count, int64_t{4096}, slot ? 2 * slot->count : 0});
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t err = cudaStreamIsCapturing(stream, &capture);
@@ -395,7 +406,7 @@ cudaError_t decode_split_counters(int device, cudaStream_t stream, int64_t count
     slot->ptr = ptr;
     slot->count = n;
   } else {
-    entries.push_back({device, stream, ptr, n});
+    entries.push_back({pool, device, stream, ptr, n});
   }
   *out = ptr;
   return cudaSuccess;
@@ -448,7 +459,7 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const at::Tensor workspace = decode_split_workspace(q, p);
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
       const int64_t counters = minipaged::decode_split_counter_count(p, plan);
-      if (counters > 0) err = decode_split_counters(q.get_device(), stream, counters, &p.split_counters);
+      if (counters > 0) err = zeroed_counters(kDecodeSplitCounters, q.get_device(), stream, counters, &p.split_counters);
       if (err == cudaSuccess) err = minipaged::launch_decode(p, plan, stream);
     }
   }

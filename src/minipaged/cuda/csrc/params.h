@@ -80,8 +80,9 @@ struct PrefillParams {
   int64_t num_blocks;
   // Two int32 zeros on the device, owned by this launch (not shared with one
   // that may run concurrently): the work-item counter of the dynamic
-  // persistent warp-specialised configs, which leave them zero again. nullptr
-  // for every other kernel (the dispatch picks none of those configs yet).
+  // persistent warp-specialised configs, which leave them zero again (the
+  // binding passes a per-stream pair to sm_90 prefill calls). nullptr: the
+  // dispatch never picks those configs.
   int* sched_counters;
 };
 

@@ -25,6 +25,14 @@ namespace minipaged {
 namespace {
 
 constexpr int kMinTokensPerSplit = 128;
+// The tensor-core kernel also serves G = 2 at D = 128 (16-bit and FP8 caches)
+// once each split holds at least this many tokens (decode_plan). Below, its
+// longer per-CTA prologue and merge lose to the scalar kernel: decode_selftest
+// on the H200, tiling 10 against the default (bench/results/nvidia-h200/
+// selftests_a95f9be/): B=1 L=4k (128 tokens per split) 14.2 against 13.5 us on
+// bf16, 13.7 against 12.9 on fp8; every row with 700+ tokens per split was
+// equal or faster, up to 0.79x the scalar time on fp8 (B=32 L=4k).
+constexpr int kMinTokensPerSplitTensorCores = 256;
 
 int group_tile(int group) {
   if (group <= 1) return 1;
@@ -137,6 +145,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // tensor-core kernel wins; at G=2 the scalar kernel stays ahead with few
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
+  // (G = 2 at D = 128 may still go to tensor cores: decode_plan, tensor_core_g2.)
   if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma_f<T, D, 3>(fused);
   if constexpr (D == 128) {
     switch (g) {
@@ -219,6 +228,30 @@ DecodePlan select_packed(const DecodeParams& p) {
   }
 }
 
+// The tensor-core alternative to the scalar kernel for G = 2 at D = 128 with the
+// default tiling (a packed-query call: always), both cache dtypes; {} elsewhere.
+// decode_plan takes it when its splits are long (kMinTokensPerSplitTensorCores).
+// The choice depends on the table width and the split count only, so routed
+// decode rows and a plain decode call with the same forced split count run the
+// same kernel.
+template <typename T>
+DecodePlan tensor_core_g2_for(const DecodeParams& p) {
+  const bool fused = p.variant & kVariantFused;
+  if (p.cu_seqlens_q != nullptr)
+    return p.kv_fp8 ? info_mma<T, 128, 4, true, false, true>() : info_mma<T, 128, 3, false, false, true>();
+  return p.kv_fp8 ? info_mma_f<T, 128, 4, true>(fused) : info_mma_f<T, 128, 3>(fused);
+}
+DecodePlan tensor_core_g2(const DecodeParams& p) {
+  if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
+  if (p.cu_seqlens_q == nullptr && (p.variant & 0xff) != 0) return {};
+  if (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr)) return {};
+  switch (p.dtype) {
+    case DType::kFloat16: return tensor_core_g2_for<__half>(p);
+    case DType::kBFloat16: return tensor_core_g2_for<__nv_bfloat16>(p);
+  }
+  return {};
+}
+
 DecodePlan select_kernel(const DecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return {};
   const bool d128 = p.head_dim == 128;
@@ -275,11 +308,10 @@ int blocks_per_sm(const DecodePlan& k) {
   return n;
 }
 
-}  // namespace
 
-DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
+// Sets p.num_splits / p.tokens_per_split for kernel k (requested_splits > 0: that many).
+void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   const int group = p.num_q_heads / std::max(p.num_kv_heads, 1);
-  const DecodePlan k = select_kernel(p);
   // Resident blocks per SM (cached), which also raises the shared-memory limit.
   const int resident = k.kernel != nullptr ? blocks_per_sm(k) : 1;
   const int g = std::max(k.group_tile, 1);
@@ -303,7 +335,7 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
-    return k;
+    return;
   }
   splits = std::min<int64_t>(splits, capacity);
   int64_t per_split = (capacity + splits - 1) / splits;
@@ -311,6 +343,22 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
   if (splits > 1) per_split = (per_split + iter - 1) / iter * iter;  // whole CTA iterations
   p.tokens_per_split = static_cast<int>(per_split);
   p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
+}
+}  // namespace
+
+DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
+  const DecodePlan tc = tensor_core_g2(p);
+  if (tc.kernel != nullptr) {
+    DecodeParams t = p;
+    plan_splits(t, tc, requested_splits);
+    if (t.tokens_per_split >= kMinTokensPerSplitTensorCores) {
+      p.num_splits = t.num_splits;
+      p.tokens_per_split = t.tokens_per_split;
+      return tc;
+    }
+  }
+  const DecodePlan k = select_kernel(p);
+  plan_splits(p, k, requested_splits);
   return k;
 }
 

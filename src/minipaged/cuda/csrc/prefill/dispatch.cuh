@@ -58,6 +58,18 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // non-causal, D 64 and 128.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
+// Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
+// queries, at least kWsDynamicMinWaves waves of items): the same schedule in
+// persistent CTAs that take their next item from a global counter (heaviest
+// first) and stage O through a buffer of their own. Measured (ws_selftest,
+// bench/results/nvidia-h200/selftests_a95f9be/ws_time.log): B=8 N=1k 400.1
+// against 370.6 TFLOP/s; B=1 N=1k..16k slower (185.8..657.5 against
+// 199.3..704.7), hence single long rows stay on CfgWs. Needs
+// PrefillParams::sched_counters (the binding passes them).
+template <typename T, int D>
+using CfgWsDynamic = WsCfg<T, D, 128, 2, true, true, true, false, true, true, true, true>;
+constexpr int kWsDynamicMaxSeqlenQ = 2048;
+constexpr int kWsDynamicMinWaves = 4;
 // Paged long chunks (16-bit caches, pages of >= 8 tokens): the same kernel
 // with K/V pages loaded by TMA boxes through the block table.
 template <typename T, int D>
@@ -192,8 +204,14 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
                               ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
     const int sms = p.num_sms > 0 ? p.num_sms : 132;
     if constexpr (!kPaged) {
-      if (2 * wg_blocks >= int64_t(sms) && ws_supported(p))
+      if (2 * wg_blocks >= int64_t(sms) && ws_supported(p)) {
+        const int64_t ws_items = int64_t(p.batch) * p.num_q_heads *
+                                 ((p.max_seqlen_q + CfgWs<T, D>::kBlockM - 1) / CfgWs<T, D>::kBlockM);
+        if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
+            ws_items >= int64_t(kWsDynamicMinWaves) * sms)
+          return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
+      }
     }
     if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
     return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, kPaged>(p, stream);
