@@ -143,8 +143,13 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
   const int32_t* bt = p.block_tables + b * p.block_table_stride;
+  // Thread tid copies chunk c of the kCopyIters consecutive rows from r0 of
+  // every tile. With pages of at least kCopyIters tokens and a split that
+  // starts on a multiple of kCopyIters (decode_plan's splits are whole tiles)
+  // those rows share one page: one table entry and one pair of wide
+  // multiplies per tile (page_runs).
   const int c = tid % kChunks;
-  const int r0 = tid / kChunks;
+  const int r0 = tid / kChunks * kCopyIters;
   const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
   const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
   const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + c * kEPC;
@@ -152,27 +157,41 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 
   // Gathers the K and V rows of tile t into ring stage `stage`; rows past `end`
   // are zero-filled without being read (their scores are masked below).
+  // Row `row` of the tile at `kdst` / `vdst` from kp / vp (zero-filled, not read, unless valid).
+  auto copy_row = [&](uint32_t kdst, uint32_t vdst, int row, const KV* kp, const KV* vp, bool valid) {
+    if constexpr (FP8) {
+      cp_async_16(kdst + fp8_tile_k_off<D>(row, c), kp, valid);
+      cp_async_16(vdst + fp8_tile_v_off<D>(row, c), vp, valid);
+    } else {
+      cp_async_16(kdst + swz<D>(row, c), kp, valid);
+      cp_async_16(vdst + swz<D>(row, c), vp, valid);
+    }
+  };
+  // 32-bit strides (the binding checks they fit): one wide multiply per pointer.
+  // A row past `end` reads no table entry and points at page 0 (never
+  // dereferenced: cp.async zero-fills it).
+  const bool page_runs = p.block_size >= kCopyIters && start % kCopyIters == 0;
   auto load_tile = [&](int t, int stage) {
     const uint32_t kdst = ring + stage * S::kStageBytes;
     const uint32_t vdst = kdst + S::kTileBytes;
-#pragma unroll
-    for (int it = 0; it < kCopyIters; ++it) {
-      const int row = r0 + it * kRowStep;
-      const int tok = start + t * kTileTokens + row;
-      const bool valid = tok < end;
-      // Branch-free: a row past `end` reads no table entry and points at page 0
-      // (never dereferenced: cp.async zero-fills it).
-      const int page = valid ? __ldg(bt + (tok >> log2_bs)) : 0;
-      const int in_page = tok & bs_mask;
-      // 32-bit strides (the binding checks they fit): one wide multiply per pointer.
+    const int tok0 = start + t * kTileTokens + r0;
+    if (page_runs) {
+      const int page = tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
+      const int in_page = tok0 & bs_mask;
       const KV* kp = kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride);
       const KV* vp = vbase + (mul_wide(page, v_block_stride) + in_page * v_token_stride);
-      if constexpr (FP8) {
-        cp_async_16(kdst + fp8_tile_k_off<D>(row, c), kp, valid);
-        cp_async_16(vdst + fp8_tile_v_off<D>(row, c), vp, valid);
-      } else {
-        cp_async_16(kdst + swz<D>(row, c), kp, valid);
-        cp_async_16(vdst + swz<D>(row, c), vp, valid);
+#pragma unroll
+      for (int it = 0; it < kCopyIters; ++it)
+        copy_row(kdst, vdst, r0 + it, kp + it * k_token_stride, vp + it * v_token_stride, tok0 + it < end);
+    } else {
+#pragma unroll
+      for (int it = 0; it < kCopyIters; ++it) {
+        const int tok = tok0 + it;
+        const bool valid = tok < end;
+        const int page = valid ? __ldg(bt + (tok >> log2_bs)) : 0;
+        const int in_page = tok & bs_mask;
+        copy_row(kdst, vdst, r0 + it, kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride),
+                 vbase + (mul_wide(page, v_block_stride) + in_page * v_token_stride), valid);
       }
     }
   };
