@@ -92,11 +92,19 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
+                    "'128x4x2', '128x4x2-f16', ... (BLOCK_N x WARPS x STAGES; -f16: decode_fp8_f16)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
     variants = [(t, False) for t in TILES] + [(t, True) for t in F16_TILES]
+    if args.variants:
+        def parse(v):
+            f16 = v.endswith("-f16")
+            v = v[:-4] if f16 else v
+            return (None if v == "default" else tuple(int(x) for x in v.split("x")), f16)
+        variants = [parse(v) for v in args.variants.split(",") if v]
     if args.smoke:
         variants = [(None, False), (None, True)]
     t0 = time.time()
