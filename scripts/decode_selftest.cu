@@ -1,6 +1,7 @@
 // Torch-free self test and timing of the paged decode (decode/launch.cu): the
 // two-launch split reduction, the one-launch fused reduction (variant bit
-// 0x400), the register-ring tilings 13-16 and the fp8 cp.async tilings 6-8.
+// 0x400), the register-ring tilings 13-16, the fp8 cp.async tilings 6-8 and the
+// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp).
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
@@ -25,7 +26,8 @@
 // time: B=1 L=4k, B=1 L=32k, B=8 L=4k, B=32 L=4k, B=64 L=8k, B=256 L=1k;
 // Hq/Hkv/D 16/8/128, bf16, page 16, pages scattered over the cache; then the
 // same grid on fp8 caches (finite e4m3 bytes, scales 0.25; TB/s at 1 byte per
-// cached element) for the fp8 default, its fused build and tilings 6-8. Each
+// cached element) for the fp8 default, its fused build, tilings 6-8, 10 (both
+// reductions), 18 and 19. Each
 // configuration is one CUDA graph holding the decode call(s); between replays
 // a 256 MB read-only flush kernel runs OUTSIDE the graph, between the event
 // pairs (so the L2 holds no decode data and no dirty lines, as `minipaged
@@ -379,6 +381,7 @@ std::vector<int> tilings_for(const Prob& pr) {
   std::vector<int> v = {0, 10, 12};
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
+  if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
   return v;
 }
 
@@ -602,7 +605,7 @@ int time_mode(int reps) {
     CHECK_CUDA(cudaMemcpy(dscale, sc.data(), hkv * sizeof(float), cudaMemcpyHostToDevice));
   }
   // 16-bit rows (every tiling, both reductions), then fp8 rows (default, fused, cp.async tilings 6-8,
-  // the tensor-core kernel with both reductions).
+  // the tensor-core kernel with both reductions, and with 32 tokens per warp: 18, 19).
   for (const bool fp8 : {false, true})
   for (const Shape& sh : shapes) {
     const int B = sh.B, L = sh.L, per_seq = L / bs;
@@ -649,7 +652,7 @@ int time_mode(int reps) {
     std::snprintf(cname, sizeof cname, "B=%d L=%dk%s", B, L / 1024, fp8 ? " fp8" : "");
     std::vector<int> configs;
     if (fp8) {
-      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused};  // 10: the tensor-core kernel
+      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19};  // 10: tensor cores; 18/19: 32 tokens per warp
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);

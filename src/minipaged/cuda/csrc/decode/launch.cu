@@ -80,15 +80,16 @@ DecodePlan info_f(bool fused) {
                : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB>();
 }
 
-// The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false>
+// The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
+// tokens per warp per tile.
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = decode_mma::kRows;
-  k.tokens_per_iter = decode_mma::kTileTokens;
-  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8>::kBytes;
+  k.tokens_per_iter = decode_mma::kWarps * WT;
+  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT>::kBytes;
   k.fused = FUSED;
   return k;
 }
@@ -111,12 +112,17 @@ DecodePlan info_mma_f(bool fused) {
 // through shared memory with cp.async, as the 16-bit default does (more bytes
 // in flight per SM than the register double buffer): 6: 2 token groups per
 // warp, 3 stages; 7: 2 groups, 4 stages; 8: 4 groups, 3 stages.
+// FP8 tilings 18 / 19, benchmarking only: the tensor-core kernel with 32
+// tokens per warp per tile (one softmax step, barrier and page lookup per 128
+// tokens), 3 / 2 stages, any group size.
 template <typename T, int D>
 DecodePlan select_fp8(const DecodeParams& p) {
   constexpr int TPT = D / 16;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
+  if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
+  if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma_f<T, D, 4, true>(fused);
   if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
   // These three have no fused build: the bit is ignored (plan.fused stays false).

@@ -7,11 +7,12 @@
 //   S = Q K^T    ldmatrix + mma.sync, fp32 accumulators, scores stay in registers
 //   softmax      online, on the fragments (a head's row lives in one quad)
 //   O += P V     P re-packed to 16-bit in registers, V through ldmatrix.trans
-// Each of the 4 warps owns 16 tokens of every 64-token tile and keeps its own
-// running max / sum / O; the warps are merged once at the end, as in the scalar
-// kernel. K/V rows are gathered through the block table with cp.async into a
-// STAGES-deep ring of XOR-swizzled shared tiles (one barrier per tile), so a page
-// size of 1 costs no more than 16: every row is addressed on its own.
+// Each of the 4 warps owns WT = 16 tokens of every 64-token tile (32 of 128 in
+// the FP8 benchmarking tilings) and keeps its own running max / sum / O; the
+// warps are merged once at the end, as in the scalar kernel. K/V rows are
+// gathered through the block table with cp.async into a STAGES-deep ring of
+// XOR-swizzled shared tiles (one barrier per tile); every row is addressed on
+// its own, and a run of rows inside one page shares its table entry.
 //
 // FP8 caches (FP8): the ring holds the e4m3 bytes as loaded (half the bytes of
 // a 16-bit tile) and the MMA operands are widened in registers, exactly, to f16
@@ -40,11 +41,12 @@ namespace decode_mma {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
-constexpr int kTileTokens = 64;    // tokens per pipeline stage, 16 per warp
 
-template <int D, int STAGES, bool FP8 = false>
+// WT: tokens per warp per tile (16, or 32 for FP8 caches: benchmarking tilings,
+// one softmax step, barrier and page lookup per 32 tokens).
+template <int D, int STAGES, bool FP8 = false, int WT = 16>
 struct Smem {
-  static constexpr int kTileElems = kTileTokens * D;
+  static constexpr int kTileElems = kWarps * WT * D;
   static constexpr int kTileBytes = kTileElems * (FP8 ? 1 : 2);
   static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
   static constexpr int kQBytes = kRows * D * 2;
@@ -109,18 +111,20 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
     for (int w = 0; w < 4; ++w) a[kk][w] = bf16x2_to_f16x2(a[kk][w], scale[w & 1]);
 }
 
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
-  using S = Smem<D, STAGES, FP8>;
+  static_assert(WT == 16 || (WT == 32 && FP8), "32 tokens per warp: FP8 caches only");
+  using S = Smem<D, STAGES, FP8, WT>;
+  constexpr int kTile = kWarps * WT;  // tokens per pipeline stage
   using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
   using MT = std::conditional_t<FP8, __half, T>;      // the MMA operand type
   constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
   constexpr int kChunks = D / kEPC;              // 16-byte chunks per row
   constexpr int kRowStep = kThreads / kChunks;   // rows one copy pass covers
-  constexpr int kCopyIters = kTileTokens / kRowStep;
+  constexpr int kCopyIters = kTile / kRowStep;
   constexpr int kDT = D / 8;                     // n-tiles of O per warp
-  static_assert(kTileTokens % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
+  static_assert(kTile % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -138,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
-  const int n_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
 
   const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
   auto load_tile = [&](int t, int stage) {
     const uint32_t kdst = ring + stage * S::kStageBytes;
     const uint32_t vdst = kdst + S::kTileBytes;
-    const int tok0 = start + t * kTileTokens + r0;
+    const int tok0 = start + t * kTile + r0;
     if (page_runs) {
       const int page = tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
       const int in_page = tok0 & bs_mask;
@@ -256,18 +260,23 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 
     const uint32_t k_stage = k_lm + stage * S::kStageBytes;
     const uint32_t v_stage = v_lm + stage * S::kStageBytes;
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    constexpr int kNT = WT / 8;  // 8-key n-tiles of S per warp
+    float s[kNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
     if constexpr (FP8) {
       const uint32_t kt = ring + stage * S::kStageBytes;
 #pragma unroll
       for (int blk = 0; blk < D / 64; ++blk) {
-        uint4 kw[2];  // keys g and g + 8 of this warp
+        uint4 kw[kNT];  // keys g, g + 8, ... of this warp
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) kw[nt] = lds128(kt + fp8_tile_k_off<D>(warp * 16 + nt * 8 + g, blk * 4 + (lane & 3)));
+        for (int nt = 0; nt < kNT; ++nt) kw[nt] = lds128(kt + fp8_tile_k_off<D>(warp * WT + nt * 8 + g, blk * 4 + (lane & 3)));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
+          for (int nt = 0; nt < kNT; ++nt) {
             uint32_t b0, b1;
             fp8_k_frag<MT>(kw[nt], j, b0, b1);
             mma_16816<MT>(s[nt], q_frag[blk * 4 + j], b0, b1);
@@ -283,14 +292,14 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
         mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
       }
     }
-    const int tok0 = start + t * kTileTokens + warp * 16;
+    const int tok0 = start + t * kTile + warp * WT;
     float alpha[2];
     bool max_moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = m[h];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int tok = tok0 + nt * 8 + tq + e;
@@ -307,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
       m[h] = mx;
       float sum = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[nt][2 * h + e];
@@ -328,17 +337,25 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
         acc_o[dt][3] *= alpha[1];
       }
     }
-    // The m16n8 C fragments of the two 8-token halves form the m16n8k16 A fragment.
-    uint32_t a[4];
-    a[0] = pack2<MT>(s[0][0], s[0][1]);
-    a[1] = pack2<MT>(s[0][2], s[0][3]);
-    a[2] = pack2<MT>(s[1][0], s[1][1]);
-    a[3] = pack2<MT>(s[1][2], s[1][3]);
     if constexpr (FP8) {
-      uint32_t vw[4][D / 32];
-      fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * 16, g, lane & 3, vw);
-      fp8_pv<MT, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
+#pragma unroll
+      for (int kb = 0; kb < WT / 16; ++kb) {
+        // The m16n8 C fragments of two 8-token halves form an m16n8k16 A fragment.
+        uint32_t a[4];
+        a[0] = pack2<MT>(s[2 * kb][0], s[2 * kb][1]);
+        a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
+        a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
+        a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+        uint32_t vw[4][D / 32];
+        fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * WT + kb * 16, g, lane & 3, vw);
+        fp8_pv<MT, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
+      }
     } else {
+      uint32_t a[4];
+      a[0] = pack2<MT>(s[0][0], s[0][1]);
+      a[1] = pack2<MT>(s[0][2], s[0][3]);
+      a[2] = pack2<MT>(s[1][0], s[1][1]);
+      a[3] = pack2<MT>(s[1][2], s[1][3]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bv[4];
