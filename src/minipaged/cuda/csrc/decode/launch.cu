@@ -1,8 +1,9 @@
 // Paged-KV decode (one query token per sequence), shared by the `cuda` and
 // `cuda-wmma` backends: kernel choice, split planning and launch. Two kernels,
 // the scalar one of decode/scalar.cuh (GQA groups of 1-2 heads) and the
-// tensor-core one of decode/mma.cuh (groups of 3+ heads); select_for_dim()
-// chooses. Both write the same split partials, merged by decode/reduce.cuh.
+// tensor-core one of decode/mma.cuh (groups of 3+ heads, and G = 2 at D = 128
+// when the splits are long); select_for_dim() and decode_plan() choose. Both
+// write the same split partials, merged by decode/reduce.cuh.
 // With few CTAs (small batch, long context) the context is split (flash-decoding):
 // each split writes a normalised partial output and its log2-sum-exp, and a
 // second kernel merges them. The split count depends only on host-side shapes
@@ -27,11 +28,8 @@ namespace {
 constexpr int kMinTokensPerSplit = 128;
 // The tensor-core kernel also serves G = 2 at D = 128 (16-bit and FP8 caches)
 // once each split holds at least this many tokens (decode_plan). Below, its
-// longer per-CTA prologue and merge lose to the scalar kernel: decode_selftest
-// on the H200, tiling 10 against the default (bench/results/nvidia-h200/
-// selftests_a95f9be/): B=1 L=4k (128 tokens per split) 14.2 against 13.5 us on
-// bf16, 13.7 against 12.9 on fp8; every row with 700+ tokens per split was
-// equal or faster, up to 0.79x the scalar time on fp8 (B=32 L=4k).
+// longer per-CTA prologue and merge lose to the scalar kernel
+// (bench/results/nvidia-h200/decode_tilings.md, fifth session).
 constexpr int kMinTokensPerSplitTensorCores = 256;
 
 int group_tile(int group) {
@@ -313,7 +311,6 @@ int blocks_per_sm(const DecodePlan& k) {
   cache.emplace_back(key, n);
   return n;
 }
-
 
 // Sets p.num_splits / p.tokens_per_split for kernel k (requested_splits > 0: that many).
 void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {

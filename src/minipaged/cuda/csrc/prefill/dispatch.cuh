@@ -61,10 +61,9 @@ using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, 
 // Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
 // queries, at least kWsDynamicMinWaves waves of items): the same schedule in
 // persistent CTAs that take their next item from a global counter (heaviest
-// first) and stage O through a buffer of their own. Measured (ws_selftest,
-// bench/results/nvidia-h200/selftests_a95f9be/ws_time.log): B=8 N=1k 400.1
-// against 370.6 TFLOP/s; B=1 N=1k..16k slower (185.8..657.5 against
-// 199.3..704.7), hence single long rows stay on CfgWs. Needs
+// first) and stage O through a buffer of their own. It balances such batches
+// better than the grid does, and loses on single long sequences, which stay
+// on CfgWs (bench/results/prefill_ablation.md, run 7). Needs
 // PrefillParams::sched_counters (the binding passes them).
 template <typename T, int D>
 using CfgWsDynamic = WsCfg<T, D, 128, 2, true, true, true, false, true, true, true, true>;
