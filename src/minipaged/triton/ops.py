@@ -173,6 +173,17 @@ def _kv_scales(k_cache: torch.Tensor, k_scale, v_scale, dummy: torch.Tensor):
     return False, dummy, dummy
 
 
+def _paged_strides(q, k_cache, v_cache, block_tables, out) -> tuple[int, ...]:
+    """The stride arguments _decode_kernel and _paged_kernel share, in their order: q's row and
+    head strides, each cache's block / token / head strides, the table's row stride and o's
+    row and head strides."""
+    return (q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1))
+
+
 def _split_partials(rows: int, head_dim: int, out: torch.Tensor, split: bool):
     """(o_partial [rows * head_dim], lse_partial [rows]) float32, one allocation, for a
     split-KV launch; unsplit launches pass `out` for both (never read)."""
@@ -219,11 +230,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *_paged_strides(q, k_cache, v_cache, block_tables, out),
         *lse_strides,
         num_q_heads // num_kv_heads, num_splits,
         float(scale) * _LOG2E,
@@ -475,11 +482,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                 _paged_kernel[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
-                    q.stride(0), q.stride(1),
-                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                    block_tables.stride(0),
-                    out.stride(0), out.stride(1),
+                    *_paged_strides(q, k_cache, v_cache, block_tables, out),
                     *lse_strides,
                     num_seqs, num_q_heads, group, splits,
                     float(scale) * _LOG2E,
