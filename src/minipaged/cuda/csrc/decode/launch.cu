@@ -97,6 +97,19 @@ DecodePlan info_mma_f(bool fused) {
   return fused ? info_mma<T, D, STAGES, FP8, true>() : info_mma<T, D, STAGES, FP8, false>();
 }
 
+// The tensor-core kernel as every default picks it: a 4-stage ring of byte
+// tiles on FP8 caches (3 CTAs per SM), 3 stages of 16-bit tiles otherwise; the
+// packed-query instantiation (two-launch reduction) or the fused bit's choice.
+template <typename T, int D, bool FP8, bool PQ>
+DecodePlan default_mma(bool fused) {
+  constexpr int kStages = FP8 ? 4 : 3;
+  if constexpr (PQ) {
+    return info_mma<T, D, kStages, FP8, false, true>();
+  } else {
+    return info_mma_f<T, D, kStages, FP8>(fused);
+  }
+}
+
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
 // row over D/16 threads (one piece each) and covers twice the tokens per load
 // of the 16-bit tiling with the same bytes in flight. From 3 query heads per
@@ -121,7 +134,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
-  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return info_mma_f<T, D, 4, true>(fused);
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
   if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
   // These three have no fused build: the bit is ignored (plan.fused stays false).
   if (group == 2) {
@@ -142,7 +155,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
-  if (tiling == 10) return info_mma_f<T, D, 3>(fused);  // tensor cores, any group size
+  if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
@@ -150,7 +163,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
   // (G = 2 at D = 128 may still go to tensor cores: decode_plan, tensor_core_g2.)
-  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return info_mma_f<T, D, 3>(fused);
+  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return default_mma<T, D, false, false>(fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
@@ -214,12 +227,12 @@ DecodePlan select_packed(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   if (p.kv_fp8) {
     constexpr int TPT = D / 16;
-    if (group >= 3) return info_mma<T, D, 4, true, false, true>();
+    if (group >= 3) return default_mma<T, D, true, true>(false);
     if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true, false, 0, 0, true>();
     return info<T, D, 2, TPT, 2, true, 0, true, false, 0, 0, true>();
   }
   if constexpr (D == 128) {
-    if (group >= 3) return info_mma<T, D, 3, false, false, true>();
+    if (group >= 3) return default_mma<T, D, false, true>(false);
     if (group == 1) return info<T, D, 1, 8, 2, false, 0, false, false, 0, 0, true>();
     return info<T, D, 2, 8, 2, false, 3, false, false, 0, 0, true>();
   } else {
@@ -242,8 +255,8 @@ template <typename T>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
-    return p.kv_fp8 ? info_mma<T, 128, 4, true, false, true>() : info_mma<T, 128, 3, false, false, true>();
-  return p.kv_fp8 ? info_mma_f<T, 128, 4, true>(fused) : info_mma_f<T, 128, 3>(fused);
+    return p.kv_fp8 ? default_mma<T, 128, true, true>(false) : default_mma<T, 128, false, true>(false);
+  return p.kv_fp8 ? default_mma<T, 128, true, false>(fused) : default_mma<T, 128, false, false>(fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
