@@ -39,6 +39,12 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; kept for strip
         return int.from_bytes(h.digest(), "little")
 
 
+def _token_bytes(token_ids: Sequence[int], start: int, stop: int) -> bytes:
+    """Tokens [start, stop) as int64 bytes: the hash input of the blocks they make up
+    (block i of them at bytes [8 * block_size * i, 8 * block_size * (i + 1)))."""
+    return np.asarray(token_ids[start:stop], dtype=np.int64).tobytes()
+
+
 HEAD_DIMS = (64, 128, 256)
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
@@ -269,8 +275,10 @@ class PagedKVCache:
         chain = self._chain[seq_id]
         full = min(num_computed, len(token_ids), self._lens[seq_id]) // bs
         planned = self._planned[seq_id]
-        for i in range(len(chain), full):
-            tokens = np.asarray(token_ids[i * bs:(i + 1) * bs], dtype=np.int64).tobytes()
+        first, width = len(chain), bs * 8
+        buf = _token_bytes(token_ids, first * bs, full * bs)  # converted once, not per block
+        for i in range(first, full):
+            tokens = buf[(i - first) * width:(i - first + 1) * width]
             h = planned[i] if i < len(planned) else _block_hash_bytes(chain[-1] if chain else 0, tokens)
             chain.append(h)
             b = table[i]
@@ -340,8 +348,7 @@ class PagedKVCache:
         bs = self.block_size
         n = len(token_ids) // bs
         width = bs * 8
-        # the prompt's int64 bytes once; each block hashes its own slice of them
-        buf = np.asarray(token_ids[: n * bs], dtype=np.int64).tobytes()
+        buf = _token_bytes(token_ids, 0, n * bs)  # once; each block hashes its own slice
         out, prev = [], 0
         for i in range(n):
             prev = _block_hash_bytes(prev, buf[i * width:(i + 1) * width])
@@ -367,7 +374,7 @@ class PagedKVCache:
             if b is None:
                 break
             if buf is None:  # converted once, not per block
-                buf = np.asarray(token_ids[: n * bs], dtype=np.int64).tobytes()
+                buf = _token_bytes(token_ids, 0, n * bs)
             if self._tokens_of[b] != buf[i * width:(i + 1) * width]:
                 break  # a 64-bit hash collision
             blocks.append(b)
