@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) {
             uint32_t b0, b1;
-            fp8_k_frag<MT>(kw[nt], j, b0, b1);
+            fp8_k_frag(kw[nt], j, b0, b1);
             mma_16816<MT>(s[nt], q_frag[blk * 4 + j], b0, b1);
           }
         }
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 
         a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
         uint32_t vw[4][D / 32];
         fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * WT + kb * 16, g, lane & 3, vw);
-        fp8_pv<MT, D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
+        fp8_pv<D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
       }
     } else {
       uint32_t a[4];

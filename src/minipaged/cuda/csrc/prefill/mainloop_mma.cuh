@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               uint32_t b0, b1;
-              fp8_k_frag<MT>(kw[h], j, b0, b1);
+              fp8_k_frag(kw[h], j, b0, b1);
 #pragma unroll
               for (int mt = 0; mt < kMT; ++mt) mma_16816<MT>(acc_s[mt][2 * np + h], q_frag[mt][blk * 4 + j], b0, b1);
             }
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       if constexpr (kKV8) {
         uint32_t vw[4][kD / 32];
         fp8_load_v_rows<kD>(smem_base + stage * kStageBytes + Cfg::kTileBytes8, kk * 16, g, lane & 3, vw);
-        fp8_pv<MT, kD>(vw, [&](int dt, uint32_t b0, uint32_t b1) {
+        fp8_pv<kD>(vw, [&](int dt, uint32_t b0, uint32_t b1) {
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt) mma_16816<MT>(acc_o[mt][dt], a[mt], b0, b1);
         });

@@ -1,5 +1,5 @@
 // float8_e4m3fn (FP8 KV cache) conversions: fp32 -> e4m3 quantisation for
-// write_kv_cache, and e4m3 -> f16 / bf16 widening for the attention kernels.
+// write_kv_cache, and e4m3 -> f16 (and fp32) widening for the attention kernels.
 //
 // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities, one NaN
 // code per sign (0x7F / 0xFF), largest finite 448, smallest subnormal 2^-9.
@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -119,37 +118,6 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
   if ((spread & 0x7f000000u) == 0x7f000000u) r |= 0x7fff0000u;
   return r;
 #endif
-}
-
-// Two e4m3 bytes (half HALF of w) -> the 16-bit pair an mma.sync of dtype T takes (exact).
-template <typename T, int HALF>
-__device__ __forceinline__ uint32_t fp8x2_to_16x2(uint32_t w) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return fp8x2_to_f16x2<HALF>(w);
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>, "f16 or bf16 operands");
-#if MINIPAGED_FP8_CVT
-    __half2 h;
-    const uint32_t f = fp8x2_to_f16x2<HALF>(w);
-    memcpy(&h, &f, sizeof(h));
-    const float2 v = __half22float2(h);
-#else
-    const uint32_t w16 = HALF == 0 ? w & 0xffffu : w >> 16;
-    // Each byte as an fp32 with the e4m3 exponent and mantissa in the low bits
-    // of the fp32 fields: the value times 2^-120 (subnormals included, no ftz in
-    // these builds), restored by an exact multiply; 0x7F / 0xFF are NaN.
-    float2 v;
-    const uint32_t b0 = w16 & 0xffu, b1 = (w16 >> 8) & 0xffu;
-    v.x = __uint_as_float(((b0 & 0x80u) << 24) | ((b0 & 0x7fu) << 20)) * 0x1p120f;
-    v.y = __uint_as_float(((b1 & 0x80u) << 24) | ((b1 & 0x7fu) << 20)) * 0x1p120f;
-    if ((b0 & 0x7fu) == 0x7fu) v.x = __uint_as_float(0x7fffffffu);
-    if ((b1 & 0x7fu) == 0x7fu) v.y = __uint_as_float(0x7fffffffu);
-#endif
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
-    uint32_t r;
-    memcpy(&r, &b, sizeof(r));
-    return r;
-  }
 }
 
 // ---- q for f16 MMAs over FP8 K/V (decode/mma.cuh, prefill/mainloop_mma.cuh) ----
@@ -268,12 +236,11 @@ __device__ __forceinline__ void fp8_q_frag(uint32_t base, int r, int kk, int t, 
   a[3] = hi.y;
 }
 
-// K chunk word j (k step 4 * block + j) -> the B fragment (b0, b1) of one key.
-template <typename T>
+// K chunk word j (k step 4 * block + j) -> the f16 B fragment (b0, b1) of one key.
 __device__ __forceinline__ void fp8_k_frag(const uint4& chunk, int j, uint32_t& b0, uint32_t& b1) {
   const uint32_t w = j == 0 ? chunk.x : j == 1 ? chunk.y : j == 2 ? chunk.z : chunk.w;
-  b0 = fp8x2_to_16x2<T, 0>(w);
-  b1 = fp8x2_to_16x2<T, 1>(w);
+  b0 = fp8x2_to_f16x2<0>(w);
+  b1 = fp8x2_to_f16x2<1>(w);
 }
 
 // The thread's four V rows row0 + 2t + {0, 1, 8, 9} (D/8 bytes each, dims
@@ -295,8 +262,9 @@ __device__ __forceinline__ void fp8_load_v_rows(uint32_t tile, int row0, int g, 
 }
 
 // O += P V over 16 keys from the rows fp8_load_v_rows read: mma(dt, b0, b1)
-// for every n tile dt (0 .. D/8 - 1), dt in the permuted order of fp8_o_dim.
-template <typename T, int D, class Mma>
+// with f16 B fragments for every n tile dt (0 .. D/8 - 1), dt in the permuted
+// order of fp8_o_dim.
+template <int D, class Mma>
 __device__ __forceinline__ void fp8_pv(const uint32_t (&vw)[4][D / 32], Mma mma) {
 #pragma unroll
   for (int w = 0; w < D / 32; ++w) {
@@ -305,10 +273,10 @@ __device__ __forceinline__ void fp8_pv(const uint32_t (&vw)[4][D / 32], Mma mma)
     const uint32_t ab_hi = __byte_perm(vw[0][w], vw[1][w], 0x7362);
     const uint32_t cd_lo = __byte_perm(vw[2][w], vw[3][w], 0x5140);
     const uint32_t cd_hi = __byte_perm(vw[2][w], vw[3][w], 0x7362);
-    mma(4 * w + 0, fp8x2_to_16x2<T, 0>(ab_lo), fp8x2_to_16x2<T, 0>(cd_lo));
-    mma(4 * w + 1, fp8x2_to_16x2<T, 1>(ab_lo), fp8x2_to_16x2<T, 1>(cd_lo));
-    mma(4 * w + 2, fp8x2_to_16x2<T, 0>(ab_hi), fp8x2_to_16x2<T, 0>(cd_hi));
-    mma(4 * w + 3, fp8x2_to_16x2<T, 1>(ab_hi), fp8x2_to_16x2<T, 1>(cd_hi));
+    mma(4 * w + 0, fp8x2_to_f16x2<0>(ab_lo), fp8x2_to_f16x2<0>(cd_lo));
+    mma(4 * w + 1, fp8x2_to_f16x2<1>(ab_lo), fp8x2_to_f16x2<1>(cd_lo));
+    mma(4 * w + 2, fp8x2_to_f16x2<0>(ab_hi), fp8x2_to_f16x2<0>(cd_hi));
+    mma(4 * w + 3, fp8x2_to_f16x2<1>(ab_hi), fp8x2_to_f16x2<1>(cd_hi));
   }
 }
 
