@@ -10,6 +10,9 @@
 namespace minipaged {
 namespace fast {
 
+// SMs a launch sizes its grid for (the H200's 132 when the caller did not say).
+inline int64_t sm_count(const PrefillParams& p) { return p.num_sms > 0 ? p.num_sms : 132; }
+
 // Paged counterpart of load_tile_async for the K and V tiles of one sequence:
 // key j is token j % block_size of cache block table[j / block_size]. Rows at
 // or past num_rows are zero-filled and never looked up, so table entries past

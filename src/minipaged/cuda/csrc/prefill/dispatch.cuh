@@ -124,6 +124,12 @@ inline bool paged_decode_routing_ok(const PrefillParams& p) {
   return paged_decode_routing_on(p) && p.batch <= 65535 && (p.lse == nullptr || p.lse_head_stride == 1);
 }
 
+// CTAs of a grid of Cfg's row blocks: every (sequence, query head, m-block of max_seqlen_q).
+template <class Cfg>
+int64_t row_block_grid(const PrefillParams& p) {
+  return int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM);
+}
+
 inline bool paged_new_paths(const PrefillParams& p) {
   return p.variant == 3 || p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedNewPathsByDefault);
 }
@@ -154,15 +160,13 @@ cudaError_t launch_paged_routed_rest(const PrefillParams& p, bool pack_ok, Packe
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
 #if MINIPAGED_DISPATCH_WGMMA
-  const int sms = p.num_sms > 0 ? p.num_sms : 132;
+  const int64_t sms = sm_count(p);
   // The warp-specialised TMA kernel from half a wave of its CTAs (its grid is
   // the work list of the owned sequences), as for dense/varlen.
   if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p) &&
-      2 * ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads >= int64_t(sms))
+      2 * ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads >= sms)
     return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
-  const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
-                            ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
-  if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, true>(p, stream);
+  if (row_block_grid<CfgWgmmaLarge<T, D>>(p) >= 2 * sms) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, true>(p, stream);
   return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, true>(p, stream);
 #else
   // The small block only: the large one sits at the register limit already
@@ -199,30 +203,24 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
   } else {
 #if MINIPAGED_DISPATCH_WGMMA
   {
-    const int64_t wg_blocks = int64_t(p.batch) * p.num_q_heads *
-                              ((p.max_seqlen_q + CfgWgmmaLarge<T, D>::kBlockM - 1) / CfgWgmmaLarge<T, D>::kBlockM);
-    const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    const int64_t wg_blocks = row_block_grid<CfgWgmmaLarge<T, D>>(p);
+    const int64_t sms = sm_count(p);
     if constexpr (!kPaged) {
-      if (2 * wg_blocks >= int64_t(sms) && ws_supported(p)) {
-        const int64_t ws_items = int64_t(p.batch) * p.num_q_heads *
-                                 ((p.max_seqlen_q + CfgWs<T, D>::kBlockM - 1) / CfgWs<T, D>::kBlockM);
+      if (2 * wg_blocks >= sms && ws_supported(p)) {
         if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
-            ws_items >= int64_t(kWsDynamicMinWaves) * sms)
+            row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
           return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }
-    if (wg_blocks >= 2 * int64_t(sms)) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
+    if (wg_blocks >= 2 * sms) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
     return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, kPaged>(p, stream);
   }
 #endif
   if constexpr (!kPaged) {
-    const int64_t large_blocks = int64_t(p.batch) * p.num_q_heads *
-                                 ((p.max_seqlen_q + CfgLarge<T, D>::kBlockM - 1) / CfgLarge<T, D>::kBlockM);
-    const int num_sms = p.num_sms > 0 ? p.num_sms : 132;
     // The large block needs about two waves of CTAs to keep every SM busy
     // through the causal tail; below that, halve the block and double the grid.
-    if (large_blocks >= 2 * int64_t(num_sms)) return launch_prefill_cfg<CfgLarge<T, D>, kCausal, kPaged>(p, stream);
+    if (row_block_grid<CfgLarge<T, D>>(p) >= 2 * sm_count(p)) return launch_prefill_cfg<CfgLarge<T, D>, kCausal, kPaged>(p, stream);
   }
   return launch_prefill_cfg<CfgSmall<T, D>, kCausal, kPaged>(p, stream);
   }

@@ -864,8 +864,7 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     // One resident CTA per SM (the shared memory and registers allow one).
     const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
     if (items > INT_MAX) return cudaErrorInvalidConfiguration;
-    const int sms = pp.num_sms > 0 ? pp.num_sms : 132;
-    grid = dim3(unsigned(std::min<int64_t>(items, sms)), 1, 1);
+    grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
   }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
