@@ -598,6 +598,19 @@ int time_mode(int reps) {
     const std::string list = std::string(",") + env + ",";
     return list.find("," + std::to_string(v & 0xff) + ",") != std::string::npos;
   };
+  // DECODE_TIME_SPLITS (a comma list): each row also timed at those forced split counts, after
+  // the heuristic's (a split sweep of the plan; counts the plan clamps away are skipped).
+  std::vector<int> time_splits = {0};
+  if (const char* env = std::getenv("DECODE_TIME_SPLITS")) {
+    std::string list(env);
+    for (size_t at = 0; at < list.size();) {
+      const size_t comma = list.find(',', at);
+      const int n = std::atoi(list.substr(at, comma - at).c_str());
+      if (n > 0) time_splits.push_back(n);
+      if (comma == std::string::npos) break;
+      at = comma + 1;
+    }
+  }
   float* dscale;  // k_scale = v_scale = 0.25 for every KV head (fp8 rows)
   {
     const std::vector<float> sc(hkv, 0.25f);
@@ -657,7 +670,8 @@ int time_mode(int reps) {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
     }
-    for (int v : configs) {
+    for (int v : configs)
+    for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;
       minipaged::DecodeParams p{};
       p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
@@ -669,8 +683,9 @@ int time_mode(int reps) {
       p.max_blocks = per_seq, p.scale = 1.f / std::sqrt(float(D)), p.dtype = DType::kBFloat16;
       p.kv_fp8 = fp8, p.k_scale = fp8 ? dscale : nullptr, p.v_scale = fp8 ? dscale : nullptr;
       p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
-      minipaged::DecodePlan plan = minipaged::decode_plan(p, 0);
+      minipaged::DecodePlan plan = minipaged::decode_plan(p, forced);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
+      if (forced != 0 && p.num_splits != forced) continue;  // clamped to the heuristic's range
       const int64_t rows = int64_t(B) * hq * p.num_splits;
       p.partial_o = dpart, p.partial_lse = dpart + rows * D;
       const int64_t nc = minipaged::decode_split_counter_count(p, plan);

@@ -80,6 +80,23 @@ static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) {
     return p.head_dim == 128 ? ws_dim<__nv_bfloat16, 128>(p, s) : ws_dim<__nv_bfloat16, 64>(p, s);
   return p.head_dim == 128 ? ws_dim<__half, 128>(p, s) : ws_dim<__half, 64>(p, s);
 }
+// The paged kernel with the dense kernel's panel layout of K/V tiles (one box per page and
+// column block): the layout before the interleaved one (WsCfg::kKvInterleave), for the A/B.
+template <typename T, int D>
+using CfgWsPagedPanels = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, false>;
+template <typename T, int D, bool kCausal>
+static cudaError_t ws_panel_typed(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_ws_paged<CfgWsPagedPanels<T, D>, kCausal>(p, s);
+}
+static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) {
+  const bool c = p.causal;
+  if (p.dtype == DType::kBFloat16) {
+    if (p.head_dim == 128) return c ? ws_panel_typed<__nv_bfloat16, 128, true>(p, s) : ws_panel_typed<__nv_bfloat16, 128, false>(p, s);
+    return c ? ws_panel_typed<__nv_bfloat16, 64, true>(p, s) : ws_panel_typed<__nv_bfloat16, 64, false>(p, s);
+  }
+  if (p.head_dim == 128) return c ? ws_panel_typed<__half, 128, true>(p, s) : ws_panel_typed<__half, 128, false>(p, s);
+  return c ? ws_panel_typed<__half, 64, true>(p, s) : ws_panel_typed<__half, 64, false>(p, s);
+}
 template <typename T, int D, bool kCausal>
 static cudaError_t pack_typed(const PrefillParams& p, cudaStream_t s) {
   return mf::launch_prefill_cfg<mf::CfgPack<T, D>, kCausal, true, true>(p, s);
@@ -166,6 +183,7 @@ static const Variant kVariants[] = {
     {"dispatch", dispatch_default, false},
     {"dispatch_new", dispatch_new, false},
     {"ws", ws_paged, true},
+    {"ws_panels", ws_panels, true},
     {"split_ws", split_ws, true},
     {"routed", routed<0>, false},     // decode split heuristic
     {"routed_s1", routed<1>, false},  // one split: the decode kernel stores o itself
@@ -748,6 +766,31 @@ static int cmd_time(int reps) {
                 tf(t_dense), t_dense / t_disp, t_dense / t_ws);
     std::fflush(stdout);
   }
+  // Page-size sweep of the paged TMA kernel on the first shape: a key tile is kBlockN / page_size
+  // boxes per column block, so this separates the per-box cost from the rest of the paging cost.
+  {
+    std::printf("page-size sweep, B=8 q=512 L=4608, TFLOP/s (/ dense_ws) of ws_paged (interleaved tiles) | ws_panels:");
+    Case c{"", bf, 16, 8, 128, 16, true, std::vector<int>(8, 512), std::vector<int>(8, 4608)};
+    double t_dense = 0;
+    for (const int bs : {16, 32, 64, 128, 256}) {
+      c.block_size = bs;
+      Built b;
+      b.build(c, false, 42u);
+      b.p.lse = nullptr;
+      if (t_dense == 0) {
+        Contig ctg;
+        ctg.build(b);
+        t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+      }
+      const double t = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+      const double t_panels = median_ms([&] { return ws_panels(b.p, 0); }, reps);
+      const double fl = case_flops(c);
+      std::printf("  bs%d %.1f (%.3f) | %.1f (%.3f);", bs, fl / (t * 1e-3) / 1e12, t_dense / t,
+                  fl / (t_panels * 1e-3) / 1e12, t_dense / t_panels);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
   // Mixed batch: one call vs the chunk alone + the decodes alone.
   {
     std::vector<int> q(64, 1), cl(64, 4096);
@@ -810,11 +853,25 @@ int main(int argc, char** argv) {
     for (const Case& c : check_cases()) failures += run_case(c, filter), ++cases;
   } else if (mode == "small") {
     for (const Case& c : small_cases()) failures += run_case(c, ""), ++cases;
+  } else if (mode == "profile") {
+    // One launch of the paged TMA kernel (page 16) and one of the dense kernel on the same K/V
+    // made contiguous, B=8 q=512 L=4608: for ncu -k regex:prefill_ws.
+    Case c{"", DType::kBFloat16, 16, 8, 128, 16, true, std::vector<int>(8, 512), std::vector<int>(8, 4608)};
+    Built b;
+    b.build(c, false, 42u);
+    b.p.lse = nullptr;
+    Contig ctg;
+    ctg.build(b);
+    CHECK_CUDA(ws_paged(b.p, 0));
+    CHECK_CUDA(ws_panels(b.p, 0));
+    CHECK_CUDA((ws_dense<__nv_bfloat16, 128>(ctg.p, 0)));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::printf("profile: launched ws_paged, ws_panels and ws_dense\n");
   } else if (mode == "time") {
     failures = cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
     cases = 2;
   } else {
-    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | profile\n", argv[0]);
     return 2;
   }
   std::printf("%s (%d failures over %d cases)\n", failures == 0 ? "ALL PASS" : "SOME FAILED", failures, cases);

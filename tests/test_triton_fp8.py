@@ -259,16 +259,17 @@ def test_fp8_paged_equals_decode_interpreter():
     assert torch.equal(torch.isneginf(pl), torch.isneginf(dl))
 
 
-def _f16_dots(dtype, q_mult, seed, on_gpu=False):
-    """configs.decode_fp8_f16: decode and a mixed paged batch (mode "decode": its q_len 1
-    rows through the decode kernel) with q scaled by q_mult, against the oracle."""
+def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1):
+    """configs.decode_fp8_f16 (f16 = 1: fp16 dots, the default; 0: tiles widened to q's
+    dtype): decode and a mixed paged batch (mode "decode": its q_len 1 rows through the
+    decode kernel) with q scaled by q_mult, against the oracle."""
     ctxs = [1, 17, 97, 300, 0] if not on_gpu else [32768, 1, 4097, 16384, 0, 100]
     q_lens = [1] * (len(ctxs) - 1) + [0]
     (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
         [1] * len(ctxs), ctxs, 8, 2, 64 if not on_gpu else 128, 16, dtype, seed)
     q = (q.float() * q_mult).to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    configs.set_override("decode_fp8_f16", 1)
+    configs.set_override("decode_fp8_f16", f16)
     configs.set_override("paged_mixed", "decode")
     try:
         out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs)
@@ -290,6 +291,12 @@ def test_fp8_decode_f16_dots_interpreter(q_mult):
     """The fp16-dot path for fp8 caches at every q magnitude: q's power-of-two shift brings
     large queries down into fp16's range and small ones up out of its subnormals."""
     _f16_dots(torch.float16, q_mult, seed=11)
+
+
+@cpu_only
+def test_fp8_decode_widened_tiles_interpreter():
+    """The path with configs.decode_fp8_f16 off (tiles widened to q's dtype) stays correct."""
+    _f16_dots(torch.float16, 1.0, seed=13, f16=0)
 
 
 # ----------------------------------------------------------------- GPU
@@ -327,6 +334,12 @@ def test_fp8_decode_gpu(dtype):
 def test_fp8_decode_f16_dots_gpu(q_mult):
     """The fp16-dot path with bf16 queries, including magnitudes fp16 cannot hold (1e6)."""
     _f16_dots(torch.bfloat16, q_mult, seed=12, on_gpu=True)
+
+
+@gpu
+@needs_cuda
+def test_fp8_decode_widened_tiles_gpu():
+    _f16_dots(torch.bfloat16, 1.0, seed=14, on_gpu=True, f16=0)
 
 
 @cpu_only

@@ -337,13 +337,13 @@ def paged_prefetch() -> bool:
     return OVERRIDES.get("paged_prefetch", PAGED_PREFETCH)
 
 
-# FP8 caches in the decode kernel: False widens the e4m3 tiles to q's dtype (for bf16 q that is
-# e4m3 -> fp16 two bytes per instruction, then fp16 -> bf16 one element per instruction: the
-# fp8 rows then take as long as the 16-bit ones, every tile of scripts/triton_fp8_decode_ab.py
-# alike). True runs the dots in fp16: q scaled by a power of two into fp16's range once per
-# program (exact; the softmax scale takes the power back), K/V widened to fp16 only. Off until
-# timed on the H200.
-DECODE_FP8_F16 = False
+# FP8 caches in the decode kernel: True runs the dots in fp16: q scaled by a power of two into
+# fp16's range once per program (exact; the softmax scale takes the power back), K/V widened to
+# fp16 only. False widens the e4m3 tiles to q's dtype (for bf16 q: e4m3 -> fp16 two bytes per
+# instruction, then fp16 -> bf16 one element per instruction), which leaves the fp8 rows as slow
+# as the 16-bit ones; the fp16 dots take 0.82-0.93x the 16-bit time
+# (bench/results/nvidia-h200/selftests_fe05090/, triton_fp8_decode_ab).
+DECODE_FP8_F16 = True
 
 
 def decode_fp8_f16() -> bool:

@@ -42,8 +42,8 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 
-// WT: tokens per warp per tile (16, or 32 for FP8 caches: benchmarking tilings,
-// one softmax step, barrier and page lookup per 32 tokens).
+// WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
+// barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
 template <int D, int STAGES, bool FP8 = false, int WT = 16>
 struct Smem {
   static constexpr int kTileElems = kWarps * WT * D;

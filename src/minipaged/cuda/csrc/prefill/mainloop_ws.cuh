@@ -94,7 +94,7 @@ namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
-          bool kStagedO_ = false, bool kWide_ = false>
+          bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -124,6 +124,18 @@ struct WsCfg {
   // A operand (Q from shared memory, P from registers) once.
   static constexpr bool kWideQK = kWide_ && kBlockN_ == 128;
   static constexpr bool kWidePV = kWide_ && kD_ == 128;
+  // K/V tile layout in shared memory, as 1024-byte sw128 atoms of 8 keys x 64
+  // columns. Panels (dense): column block c holds keys 0..kBlockN-1, atom
+  // (group g, c) at c * kBlockN * 128 + g * 1024, which one box of kBlockN
+  // rows per column block writes. Interleaved (paged): atom (g, c) at
+  // (g * kColBlocks + c) * 1024, so a page's keys over every column block are
+  // one contiguous run that one 5-D box writes (one TMA per page instead of
+  // one per page and column block). The wgmma descriptors take either: the
+  // 8-key group stride is their SBO, the column-block stride V's LBO.
+  static constexpr bool kKvInterleave = kKvInterleave_;
+  static_assert(!kKvInterleave || kPaged_, "only the paged producer writes interleaved tiles");
+  static constexpr int kKvGroupStride = kKvInterleave ? (kD_ / 64) * 1024 : 1024;
+  static constexpr int kKvColStride = kKvInterleave ? 1024 : kBlockN_ * 128;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kConsumerWarps = 4 * kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
@@ -338,7 +350,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         const int box_rows = min(bs, kBlockN);
         const int boxes = kBlockN / box_rows;  // pages per key tile
         const int used_pages = (seqlen_k + bs - 1) >> log2_bs;
-        const uint32_t lane_off = uint32_t(lane * box_rows) * 128u;
+        // A page's first key in the tile's layout (box_rows is a multiple of 8).
+        const uint32_t lane_off = uint32_t(lane * box_rows / 8) * Cfg::kKvGroupStride;
         const uint32_t box_bytes = uint32_t(box_rows) * 128u * kCB;
         // This lane's page of tile t, -1: no box (past the used table entries).
         auto page_of = [&](int t) {
@@ -362,27 +375,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           if (lane == 0) mbar_arrive_expect_tx(k_full(s), bytes);
           __syncwarp();
           if (issue) {
+            if constexpr (Cfg::kKvInterleave) {
+              tma_load_5d(k_slot(s) + lane_off, &wp.tm_k, k_full(s), 0, 0, kv_head * kCB, row >> 3, pg);
+            } else {
 #pragma unroll
-            for (int cb = 0; cb < kCB; ++cb)
-              tma_load_4d(k_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_k, k_full(s), cb * 64, row, kv_head,
-                          pg);
+              for (int cb = 0; cb < kCB; ++cb)
+                tma_load_4d(k_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_k, k_full(s), cb * 64, row, kv_head,
+                            pg);
+            }
           }
           const uint32_t v_bar = (t == 0 && tail_rows > 0) ? v_tail() : v_full(s);
           mbar_wait(v_empty(s), parity);
           if (lane == 0) mbar_arrive_expect_tx(v_bar, bytes);
           __syncwarp();
           if (issue) {
+            if constexpr (Cfg::kKvInterleave) {
+              tma_load_5d(v_slot(s) + lane_off, &wp.tm_v, v_bar, 0, 0, kv_head * kCB, row >> 3, pg);
+            } else {
 #pragma unroll
-            for (int cb = 0; cb < kCB; ++cb)
-              tma_load_4d(v_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_v, v_bar, cb * 64, row, kv_head, pg);
+              for (int cb = 0; cb < kCB; ++cb)
+                tma_load_4d(v_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_v, v_bar, cb * 64, row, kv_head, pg);
+            }
           }
           if (tail_rows > 0 && t == fix_at) {
             // Whole 128-byte rows: the swizzle only permutes chunks inside a row.
             mbar_wait(v_tail(), 0);
 #pragma unroll
             for (int cb = 0; cb < kCB; ++cb)
-              for (int i = (kBlockN - tail_rows) * 8 + lane; i < kBlockN * 8; i += 32)
-                st_shared_zero16(v_slot(0) + cb * (kBlockN * 128) + i * 16);
+              for (int i = (kBlockN - tail_rows) * 8 + lane; i < kBlockN * 8; i += 32) {
+                const int r = i >> 3;  // key row, then its 16-byte chunk i & 7
+                st_shared_zero16(v_slot(0) + (r >> 3) * Cfg::kKvGroupStride + cb * Cfg::kKvColStride +
+                                 ((r & 7) * 8 + (i & 7)) * 16);
+              }
             fence_proxy_async_smem();
             __syncwarp();
             if (lane == 0) mbar_arrive(v_full(0));
@@ -482,19 +506,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // the ring slot's offset) instead of masks and shifts on a new address.
   auto desc_at = [](uint64_t desc, uint32_t offset) { return desc + uint64_t(offset >> 4); };
   const uint64_t q_desc0 = wgmma_desc_sw128(q_wg, 16, 1024);
-  const uint64_t k_desc0 = wgmma_desc_sw128(k_slot(0), 16, 1024);
-  const uint64_t v_desc0 = wgmma_desc_sw128(v_slot(0), 1024, 1024);
+  constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
+  const uint64_t k_desc0 = wgmma_desc_sw128(k_slot(0), 16, kGS);
+  const uint64_t v_desc0 = wgmma_desc_sw128(v_slot(0), 1024, kGS);
   // Both 64-column blocks of V in one descriptor: LBO steps from one to the next.
-  const uint64_t v_desc_wide0 = wgmma_desc_sw128(v_slot(0), kBlockN * 128, 1024);
+  const uint64_t v_desc_wide0 = wgmma_desc_sw128(v_slot(0), kCS, kGS);
   auto q_desc = [&](int kk) { return desc_at(q_desc0, (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32); };
   // Ring slot s, keys nb * 64 .. (64 or 128 of them), k step kk.
   auto k_desc = [&](int s, int nb, int kk) {
-    return desc_at(k_desc0, s * Cfg::kTileBytes + nb * 64 * 128 + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32);
+    return desc_at(k_desc0, s * Cfg::kTileBytes + nb * 8 * kGS + (kk >> 2) * kCS + (kk & 3) * 32);
   };
   auto v_desc = [&](int s, int cb, int kk) {
-    return desc_at(v_desc0, s * Cfg::kTileBytes + cb * (kBlockN * 128) + kk * 16 * 128);
+    return desc_at(v_desc0, s * Cfg::kTileBytes + cb * kCS + kk * 2 * kGS);
   };
-  auto v_desc_wide = [&](int s, int kk) { return desc_at(v_desc_wide0, s * Cfg::kTileBytes + kk * 16 * 128); };
+  auto v_desc_wide = [&](int s, int kk) { return desc_at(v_desc_wide0, s * Cfg::kTileBytes + kk * 2 * kGS); };
   // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
   // that read the slot has retired, so the producer may overwrite it.
   auto release = [&](uint32_t bar) {
@@ -798,6 +823,29 @@ inline CUresult make_ws_tensor_map(TensorMapEncodeFn encode, CUtensorMap* map, c
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+// Host: the paged caches [num_blocks, block_size, heads, D] as the 5-D map
+// (64 columns, 8 keys, heads x column blocks, block_size / 8 key groups,
+// blocks) with box (64, 8, D / 64, box_rows / 8, 1): one box is a page's
+// box_rows keys over every column block, laid out as interleaved sw128 atoms
+// (WsCfg::kKvInterleave). Folding heads and column blocks into one dimension
+// of stride 128 bytes needs each token's heads packed (head stride D).
+inline CUresult make_ws_paged_map(TensorMapEncodeFn encode, CUtensorMap* map, const void* base, DType dtype,
+                                  int head_dim, int block_size, int64_t heads, int64_t num_blocks, int64_t row_stride,
+                                  int64_t block_stride, int box_rows) {
+  const int col_blocks = head_dim / 64;
+  if (num_blocks == 1) block_stride = int64_t(block_size) * row_stride;
+  const cuuint64_t dims[5] = {64, 8, cuuint64_t(heads * col_blocks), cuuint64_t(block_size / 8),
+                              cuuint64_t(num_blocks)};
+  const cuuint64_t strides[4] = {cuuint64_t(row_stride * 2), 128, cuuint64_t(row_stride * 16),
+                                 cuuint64_t(block_stride * 2)};
+  const cuuint32_t box[5] = {64, 8, cuuint32_t(col_blocks), cuuint32_t(box_rows / 8), 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType dt =
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, dt, 5, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 // cuTensorMapEncodeTiled from the driver, looked up once (nullptr if absent).
 inline TensorMapEncodeFn tensor_map_encoder() {
   static const TensorMapEncodeFn fn = [] {
@@ -889,7 +937,8 @@ template <class Cfg>
 inline bool ws_paged_supported(const PrefillParams& p) {
   return p.block_tables != nullptr && p.cu_seqlens_q != nullptr && !p.kv_fp8 && p.block_size >= 8 &&
          p.block_size <= 256 && p.total_q > 0 && p.num_blocks > 0 && p.num_blocks <= INT32_MAX &&
-         ws_paged_work_bound(p, Cfg::kBlockM) <= 65535 && tensor_map_encoder() != nullptr;
+         ws_paged_work_bound(p, Cfg::kBlockM) <= 65535 && tensor_map_encoder() != nullptr &&
+         (!Cfg::kKvInterleave || (p.k_head_stride == p.head_dim && p.v_head_stride == p.head_dim));
 }
 
 // The paged kernel (Cfg::kPaged) on launch_prefill_paged's PrefillParams:
@@ -909,12 +958,22 @@ cudaError_t launch_prefill_ws_paged(const PrefillParams& pp, cudaStream_t stream
   const int box = std::min(pp.block_size, Cfg::kBlockN);
   CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, pp.total_q, pp.num_q_heads, 1,
                                   pp.q_row_stride, pp.q_head_stride, 0, Cfg::kBlockM);
-  if (r == CUDA_SUCCESS)
-    r = make_ws_tensor_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
-                           pp.k_row_stride, pp.k_head_stride, pp.k_block_stride, box);
-  if (r == CUDA_SUCCESS)
-    r = make_ws_tensor_map(enc, &wp.tm_v, pp.v, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
-                           pp.v_row_stride, pp.v_head_stride, pp.v_block_stride, box);
+  if constexpr (Cfg::kKvInterleave) {
+    if (pp.k_head_stride != Cfg::kD || pp.v_head_stride != Cfg::kD) return cudaErrorInvalidValue;
+    if (r == CUDA_SUCCESS)
+      r = make_ws_paged_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                            pp.k_row_stride, pp.k_block_stride, box);
+    if (r == CUDA_SUCCESS)
+      r = make_ws_paged_map(enc, &wp.tm_v, pp.v, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                            pp.v_row_stride, pp.v_block_stride, box);
+  } else {
+    if (r == CUDA_SUCCESS)
+      r = make_ws_tensor_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                             pp.k_row_stride, pp.k_head_stride, pp.k_block_stride, box);
+    if (r == CUDA_SUCCESS)
+      r = make_ws_tensor_map(enc, &wp.tm_v, pp.v, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                             pp.v_row_stride, pp.v_head_stride, pp.v_block_stride, box);
+  }
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
   auto kernel = prefill_ws_kernel<Cfg, kCausal>;
   constexpr int kSmem = Cfg::kSmemBytes;
