@@ -253,15 +253,16 @@ DecodePlan select_packed(const DecodeParams& p) {
 // same kernel.
 // On FP8 caches it runs 32 tokens per warp per tile with a 3-stage ring (FP8
 // tiling 18: 0.83x the time of the 4-stage, 16-token tiling at B=64 L=8k, 0.96x
-// at B=1 L=32k; bench/results/nvidia-h200/decode_tilings.md, sixth session);
-// the fused bit keeps the 16-token kernel, the one with a fused build.
+// at B=1 L=32k; bench/results/nvidia-h200/decode_tilings.md, sixth session),
+// with the fused bit too (the fused build of the same kernel, so both
+// reductions merge the same partials).
 template <typename T>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
     return p.kv_fp8 ? info_mma<T, 128, 3, true, false, true, 32>() : default_mma<T, 128, false, true>(false);
   if (p.kv_fp8)
-    return fused ? default_mma<T, 128, true, false>(true) : info_mma<T, 128, 3, true, false, false, 32>();
+    return fused ? info_mma<T, 128, 3, true, true, false, 32>() : info_mma<T, 128, 3, true, false, false, 32>();
   return default_mma<T, 128, false, false>(fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {

@@ -75,6 +75,7 @@ struct FragDimOf {
 // the D=64 tail spill on sm_80; shared memory bounds the 16-bit kernels'
 // residency anyway. The FP8 ring fits 3 CTAs per SM: on sm_90 ask for the 168
 // registers that keep 3 (unasked, the tail took 195); on sm_80 that spills.
+// The 32-token FP8 tiling needs about 200 registers: 2 CTAs per SM, no minimum.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kFusedMinBlocksFp8 = 1;
 #else
@@ -112,7 +113,7 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 }
 
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
-__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 ? kFusedMinBlocksFp8 : 1) : 0)
+__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && FP8), "32 tokens per warp: FP8 caches only");
   using S = Smem<D, STAGES, FP8, WT>;
