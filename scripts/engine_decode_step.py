@@ -7,7 +7,9 @@ A decode step's wall time is taken from the engine's own stats (decode seconds /
 decode steps, each step synchronised by the sampler's .tolist()). With
 graphs active the replay of one step is also timed alone (minipaged.benchmark.timing,
 median, cold L2), so host work outside the graph (input copies, sampling) shows
-as the difference.
+as the difference. With graphs active, the kernels of 10 replays are also listed from
+torch.profiler (CUPTI sees the kernels inside a graph): name, launches per step and device
+time per step, the largest first, so the backends' steps can be compared op by op.
 """
 
 from __future__ import annotations
@@ -19,11 +21,37 @@ import sys
 import torch
 
 
+def _replay_kernels(graph, replays: int, top: int) -> list[dict]:
+    """Kernels of `replays` graph replays: [{name, per_step, us_per_step}], most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append(dict(name=evt.key[:120], per_step=evt.count / replays, us_per_step=us / replays))
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"  kernels of one replay: {total:.1f} us of device time", flush=True)
+    for r in rows[:top]:
+        print(f"    {r['us_per_step']:9.1f} us  x{r['per_step']:5.1f}  {r['name']}", flush=True)
+    return rows[:top] + [dict(name="(all kernels)", per_step=sum(r["per_step"] for r in rows), us_per_step=total)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="cuda,triton")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per backend")
     args = ap.parse_args(argv)
     from minipaged.benchmark import timing
     from minipaged.engine import Engine
@@ -40,8 +68,9 @@ def main(argv=None) -> int:
         if eng.runner.graphs_active:
             g = eng.runner.graphs[1]
             row["replay_ms"] = timing.time_fn(g.replay, device="cuda", reps=20, warmup=3, max_time_s=0).median_ms
+            row["kernels"] = _replay_kernels(g, replays=10, top=args.top)
         rows.append(row)
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
         del eng
         torch.cuda.empty_cache()
     if args.json:
