@@ -204,19 +204,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache.k_caches[0].fill_(float("nan"))
 
     @precondition(lambda self: self.cache is not None)
-    @rule(p=st.integers(0, 2), cut=st.integers(1, 40), tail=st.lists(st.integers(100, 103), max_size=9))
-    def admit(self, p, cut, tail):
+    @rule(p=st.integers(0, 2), cut=st.integers(1, 40), tail=st.lists(st.integers(100, 103), max_size=9),
+          use_try=st.booleans())
+    def admit(self, p, cut, tail, use_try):
+        """A new sequence, through allocate (after can_allocate) or try_allocate (the scheduler's)."""
         tokens = self.PREFIXES[p][:cut] + tail
         sid = self.next_id
         self.next_id += 1
         free_before = self.cache.num_free_blocks
         expect_hit = self.cache.match_prefix(tokens)
-        if not self.cache.can_allocate(len(tokens), tokens):
+        fits = self.cache.can_allocate(len(tokens), tokens)
+        if use_try:
+            assert self.cache.try_allocate(sid, len(tokens), token_ids=tokens) == fits
+        elif not fits:
             with pytest.raises(mp.CacheFullError):
                 self.cache.allocate(sid, len(tokens), token_ids=tokens)
+        if not fits:
             assert sid not in self.cache and self.cache.num_free_blocks == free_before
             return
-        slots = self.cache.allocate(sid, len(tokens), token_ids=tokens)
+        hit = self.cache.prefix_hit_tokens(sid) if use_try else None
+        slots = (self.cache.slot_mapping(sid, hit, len(tokens)) if use_try
+                 else self.cache.allocate(sid, len(tokens), token_ids=tokens))
         hit = self.cache.prefix_hit_tokens(sid)
         assert hit == expect_hit and hit % self.bs == 0 and hit <= len(tokens) - 1
         assert slots.numel() == len(tokens) - hit

@@ -234,6 +234,17 @@ class PagedKVCache:
         prefix are shared instead of allocated; `prefix_hit_tokens(seq_id)` says how many
         tokens they hold. Returns the int64 slots [num_tokens - hit] of the positions that
         still need their K/V written (None with return_slots=False)."""
+        self._allocate(seq_id, num_tokens, token_ids, block_hashes, strict=True)
+        return self.slot_mapping(seq_id, self._hit_tokens[seq_id], num_tokens) if return_slots else None
+
+    def try_allocate(self, seq_id: Hashable, num_tokens: int, *, token_ids: Sequence[int] | None = None,
+                     block_hashes: list[int] | None = None) -> bool:
+        """`allocate(..., return_slots=False)` if the blocks are there, else False and no change:
+        `can_allocate` and `allocate` in one prefix match."""
+        return self._allocate(seq_id, num_tokens, token_ids, block_hashes, strict=False)
+
+    def _allocate(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None,
+                  block_hashes: list[int] | None, *, strict: bool) -> bool:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         self._count("num_tokens", num_tokens)
@@ -244,6 +255,8 @@ class PagedKVCache:
         hits = hits[: num_tokens // self.block_size]
         need = self._fresh_needed(num_tokens, hits)
         if need > self._available(hits):
+            if not strict:
+                return False
             self._full(need, self._available(hits), f"allocate {num_tokens} tokens for sequence {seq_id!r}")
         for b in hits:
             self._acquire(b)
@@ -251,9 +264,8 @@ class PagedKVCache:
         self._lens[seq_id] = num_tokens
         self._chain[seq_id] = [self._hash_of[b] for b in hits]
         self._planned[seq_id] = planned
-        hit = len(hits) * self.block_size
-        self._hit_tokens[seq_id] = hit
-        return self.slot_mapping(seq_id, hit, num_tokens) if return_slots else None
+        self._hit_tokens[seq_id] = len(hits) * self.block_size
+        return True
 
     def append(self, seq_id: Hashable, num_tokens: int = 1, *, return_slots: bool = True) -> torch.Tensor | None:
         """Grow `seq_id` by `num_tokens`; returns the new tokens' int64 slots (None with return_slots=False)."""

@@ -145,10 +145,9 @@ class Scheduler:
             hashes = self.cache.block_hashes(tokens) if tokens is not None else None  # hashed once per try
             if tokens is not None and in_flight and self._waits_for_in_flight(tokens, hashes, in_flight):
                 break
-            if not self.cache.can_allocate(capacity, tokens, block_hashes=hashes):
+            if not self.cache.try_allocate(seq.seq_id, capacity, token_ids=tokens, block_hashes=hashes):
                 break
             self.waiting.popleft()
-            self.cache.allocate(seq.seq_id, capacity, token_ids=tokens, block_hashes=hashes, return_slots=False)
             if tokens is not None:
                 in_flight.update(self.cache.pending_hashes(seq.seq_id))
             seq.num_computed = self.cache.prefix_hit_tokens(seq.seq_id)
