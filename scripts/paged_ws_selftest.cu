@@ -67,49 +67,42 @@ namespace mf = minipaged::fast;
 using LaunchFn = cudaError_t (*)(const PrefillParams&, cudaStream_t);
 
 // ---------------------------------------------------------------- forced kernels
+// Launch<T, D, kCausal>::run for p's dtype, head dim and mask: the runtime flags of a case turned
+// into the template arguments of one forced kernel.
+template <template <typename, int, bool> class Launch>
+static cudaError_t forced(const PrefillParams& p, cudaStream_t s) {
+  auto dim = [&](auto t) {
+    using T = decltype(t);
+    if (p.head_dim == 128) return p.causal ? Launch<T, 128, true>::run(p, s) : Launch<T, 128, false>::run(p, s);
+    return p.causal ? Launch<T, 64, true>::run(p, s) : Launch<T, 64, false>::run(p, s);
+  };
+  return p.dtype == DType::kBFloat16 ? dim(__nv_bfloat16{}) : dim(__half{});
+}
 template <typename T, int D, bool kCausal>
-static cudaError_t ws_typed(const PrefillParams& p, cudaStream_t s) {
-  return mf::launch_prefill_ws_paged<mf::CfgWsPaged<T, D>, kCausal>(p, s);
-}
-template <typename T, int D>
-static cudaError_t ws_dim(const PrefillParams& p, cudaStream_t s) {
-  return p.causal ? ws_typed<T, D, true>(p, s) : ws_typed<T, D, false>(p, s);
-}
-static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) {
-  if (p.dtype == DType::kBFloat16)
-    return p.head_dim == 128 ? ws_dim<__nv_bfloat16, 128>(p, s) : ws_dim<__nv_bfloat16, 64>(p, s);
-  return p.head_dim == 128 ? ws_dim<__half, 128>(p, s) : ws_dim<__half, 64>(p, s);
-}
+struct WsLaunch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<mf::CfgWsPaged<T, D>, kCausal>(p, s);
+  }
+};
 // The paged kernel with the dense kernel's panel layout of K/V tiles (one box per page and
 // column block): the layout before the interleaved one (WsCfg::kKvInterleave), for the A/B.
 template <typename T, int D>
 using CfgWsPagedPanels = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, false>;
 template <typename T, int D, bool kCausal>
-static cudaError_t ws_panel_typed(const PrefillParams& p, cudaStream_t s) {
-  return mf::launch_prefill_ws_paged<CfgWsPagedPanels<T, D>, kCausal>(p, s);
-}
-static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) {
-  const bool c = p.causal;
-  if (p.dtype == DType::kBFloat16) {
-    if (p.head_dim == 128) return c ? ws_panel_typed<__nv_bfloat16, 128, true>(p, s) : ws_panel_typed<__nv_bfloat16, 128, false>(p, s);
-    return c ? ws_panel_typed<__nv_bfloat16, 64, true>(p, s) : ws_panel_typed<__nv_bfloat16, 64, false>(p, s);
+struct PanelLaunch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<CfgWsPagedPanels<T, D>, kCausal>(p, s);
   }
-  if (p.head_dim == 128) return c ? ws_panel_typed<__half, 128, true>(p, s) : ws_panel_typed<__half, 128, false>(p, s);
-  return c ? ws_panel_typed<__half, 64, true>(p, s) : ws_panel_typed<__half, 64, false>(p, s);
-}
+};
 template <typename T, int D, bool kCausal>
-static cudaError_t pack_typed(const PrefillParams& p, cudaStream_t s) {
-  return mf::launch_prefill_cfg<mf::CfgPack<T, D>, kCausal, true, true>(p, s);
-}
-static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) {
-  const bool c = p.causal;
-  if (p.dtype == DType::kBFloat16) {
-    if (p.head_dim == 128) return c ? pack_typed<__nv_bfloat16, 128, true>(p, s) : pack_typed<__nv_bfloat16, 128, false>(p, s);
-    return c ? pack_typed<__nv_bfloat16, 64, true>(p, s) : pack_typed<__nv_bfloat16, 64, false>(p, s);
+struct PackLaunch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_cfg<mf::CfgPack<T, D>, kCausal, true, true>(p, s);
   }
-  if (p.head_dim == 128) return c ? pack_typed<__half, 128, true>(p, s) : pack_typed<__half, 128, false>(p, s);
-  return c ? pack_typed<__half, 64, true>(p, s) : pack_typed<__half, 64, false>(p, s);
-}
+};
+static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
+static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
+static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }
 static cudaError_t split_ws(const PrefillParams& p, cudaStream_t s) {
   return mf::launch_paged_split(p, [&](const PrefillParams& q) { return pack_paged(q, s); },
                                 [&](const PrefillParams& q) { return ws_paged(q, s); });
