@@ -69,6 +69,18 @@ def _median_time(fn, repeats: int):
     return statistics.median(times), out
 
 
+def token_agreement(outs_a: list[list[int]], outs_b: list[list[int]]) -> dict:
+    """How far two runs' generated token lists agree, request by request: the share with the
+    same first token, the requests identical throughout, and the mean number of tokens
+    before the first difference."""
+    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(outs_a, outs_b)]
+    n = max(1, len(common))
+    return dict(first_token_agreement=sum(c > 0 for c in common) / n,
+                identical_requests=sum(a == b for a, b in zip(outs_a, outs_b)),
+                mean_common_prefix=statistics.mean(common) if common else 0.0)
+
+
 def build_hf_model(cfg, attn: str, device, dtype):
     """transformers Qwen3ForCausalLM of the engine config on `device`, its own random init."""
     import transformers
@@ -216,10 +228,9 @@ def main(argv=None) -> int:
                         row["speedup_vs_transformers"] = tps / ref["decode_tok_s"]
                     if B in hf_tokens:
                         # random bf16 weights: small logit margins, so later tokens may drift apart
-                        h = hf_tokens[B]
-                        row["first_token_agreement"] = sum(a[0] == b[0] for a, b in zip(out, h)) / B
-                        row["mean_common_prefix"] = statistics.mean(
-                            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(out, h))
+                        agree = token_agreement(out, hf_tokens[B])
+                        row["first_token_agreement"] = agree["first_token_agreement"]
+                        row["mean_common_prefix"] = agree["mean_common_prefix"]
                     result["engine"].append(row)
                     sp = f" x{row['speedup_vs_transformers']:.2f}" if ref else ""
                     print(f"engine {name:7s} {mode:5s} B={B:3d}: {tps:10,.0f} tok/s ({row['ms_per_step']:.2f} ms/step)"

@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from bench_e2e import build_hf_model  # noqa: E402
+from bench_e2e import build_hf_model, token_agreement  # noqa: E402
 from minipaged.benchmark.timing import environment  # noqa: E402
 
 
@@ -82,6 +82,8 @@ def shared_prefix(cfg, state, backend, dev, dtype, q):
                 prompt_phase_ratio_on_over_off=on["prompt_phase_s"] / off["prompt_phase_s"],
                 prefill_work_ratio_off_over_on=off["computed_prompt_tokens"] / max(1, on["computed_prompt_tokens"]),
                 identical_outputs=outs[True] == outs[False],
+                # bf16 with random weights: where caching on and off part, and how many agree throughout
+                agreement=token_agreement(outs[True], outs[False]),
                 target="prompt phase <= 1/5 with caching on")
 
 
