@@ -65,6 +65,10 @@ VARIANTS = {
     "v2 tile 128,64,8,2": ("long", {**_NEW, "paged": (128, 64, 8, 2)}),
     "v2 tile 64,64,4,3": ("long", {**_NEW, "paged": (64, 64, 4, 3)}),
     "v2 tile 128,32,8,4": ("long", {**_NEW, "paged": (128, 32, 8, 4)}),
+    # wider key tiles: 8 pages of 16 per tile, half the softmax steps and table loads per key
+    "v2 tile 128,128,8,2": ("long", {**_NEW, "paged": (128, 128, 8, 2)}),
+    "v2 tile 64,128,4,2": ("long", {**_NEW, "paged": (64, 128, 4, 2)}),
+    "v2 tile 128,64,4,3": ("long", {**_NEW, "paged": (128, 64, 4, 3)}),
     "short 32,64,4,2": ("mixed", {**_NEW, "paged_short": (32, 64, 4, 2)}),
     "short 16,32,4,2": ("mixed", {**_NEW, "paged_short": (16, 32, 4, 2)}),
 }
