@@ -36,8 +36,9 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
-    if "FP8_F16" in fn.arg_names:
-        cx = {"FP8_F16": False, **cx}  # a constexpr default, which compile_sm90 does not fill in
+    for name in ("FP8_F16", "FP8_WORDS", "HW_CVT"):
+        if name in fn.arg_names:
+            cx = {name: False, **cx}  # constexpr defaults, which compile_sm90 does not fill in
     types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # 16-byte aligned pointers and strides divisible by 16, except the block-table row
@@ -69,6 +70,11 @@ def variants(plain_only: bool = False):
             ("plain_fp8_f16", k, "bf16", "fp8", dict(base, KV_FP8=True, FP8_F16=True), 4, 2),
             ("packed_fp8_f16_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
                                                            FP8_F16=True), 4, 2),
+            # configs.decode_fp8_words: the full tiles read as int32 words, widened by cvt
+            ("plain_fp8_words", k, "bf16", "fp8", dict(base, KV_FP8=True, FP8_F16=True, FP8_WORDS=True,
+                                                       HW_CVT=True), 4, 2),
+            ("packed_fp8_words_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
+                                                              FP8_F16=True, FP8_WORDS=True, HW_CVT=True), 4, 2),
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),

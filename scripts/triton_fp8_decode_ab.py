@@ -41,13 +41,22 @@ from minipaged.triton import configs
 TILES = [None, (128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3), (256, 8, 2)]
 # configs.decode_fp8_f16 (fp16 dots: a 640-instruction loop) on these tiles as well
 F16_TILES = [None, (128, 4, 2), (128, 4, 3)]
+# fp8 modes: "widen" (tiles widened to q's dtype), "f16" (configs.decode_fp8_f16, the default),
+# "words" (and configs.decode_fp8_words: full tiles read as int32 words, a 431-instruction loop)
+MODES = ("widen", "f16", "words")
+
+
+def _set_mode(mode: str | None) -> None:
+    """The overrides of fp8 mode `mode` (None: release them)."""
+    configs.set_override("decode_fp8_f16", None if mode is None else int(mode != "widen"))
+    configs.set_override("decode_fp8_words", None if mode is None else int(mode == "words"))
 
 
 def _fp8(k_cache, v_cache):
     return bench_cases.fp8_caches(k_cache, v_cache)
 
 
-def _check(tile, dtype, device, f16=False) -> str:
+def _check(tile, dtype, device, mode="widen") -> str:
     """'' if `tile` matches the oracle on a ragged fp8 batch, else why not."""
     case = testing.DecodeCase.of([1, 17, 1000, 4097] if device.type == "cuda" else [1, 17, 40], 16 if
                                  device.type == "cuda" else 4, 8 if device.type == "cuda" else 2,
@@ -58,32 +67,32 @@ def _check(tile, dtype, device, f16=False) -> str:
     truth, truth_lse = testing.decode_ref(q, keys, vals)
     lowp, _ = testing.decode_ref(q, keys, vals, lowp=True)
     configs.set_override("decode", tile)
-    configs.set_override("decode_fp8_f16", int(f16))
+    _set_mode(mode)
     try:
         out, lse = mp.decode_attention(q, kc8, vc8, bt, cl, k_scale=ks, v_scale=vs, return_lse=True, backend="triton")
-        testing.assert_close(out, truth, lowp, f"tile {tile} f16={f16}", lse=lse, truth_lse=truth_lse)
+        testing.assert_close(out, truth, lowp, f"tile {tile} {mode}", lse=lse, truth_lse=truth_lse)
     except Exception as e:  # noqa: BLE001 - a tile that does not build or is wrong is reported
         return f"{type(e).__name__}: {str(e)[:200]}"
     finally:
         configs.set_override("decode", None)
-        configs.set_override("decode_fp8_f16", None)
+        _set_mode(None)
     return ""
 
 
-def _time(case, tile, fp8: bool, dtype, device, reps: int, f16: bool = False) -> float:
+def _time(case, tile, fp8: bool, dtype, device, reps: int, mode: str = "widen") -> float:
     q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=0, poison=False)
     kw = {}
     if fp8:
         kc, vc, ks, vs = _fp8(kc, vc)
         kw = dict(k_scale=ks, v_scale=vs)
     configs.set_override("decode", tile)
-    configs.set_override("decode_fp8_f16", int(f16))
+    _set_mode(mode)
     try:
         fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
         t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
     finally:
         configs.set_override("decode", None)
-        configs.set_override("decode_fp8_f16", None)
+        _set_mode(None)
     return t.median_ms * 1e3
 
 
@@ -93,39 +102,43 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
-                    "'128x4x2', '128x4x2-f16', ... (BLOCK_N x WARPS x STAGES; -f16: decode_fp8_f16)")
+                    "'default-words', '128x4x2', '128x4x2-f16', ... (BLOCK_N x WARPS x STAGES; -f16: "
+                    "decode_fp8_f16; -words: and decode_fp8_words; neither: tiles widened to q's dtype)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
-    variants = [(t, False) for t in TILES] + [(t, True) for t in F16_TILES]
+    variants = ([(t, "widen") for t in TILES] + [(t, "f16") for t in F16_TILES]
+                + [(None, "words"), ((128, 4, 2), "words")])
     if args.variants:
         def parse(v):
-            f16 = v.endswith("-f16")
-            v = v[:-4] if f16 else v
-            return (None if v == "default" else tuple(int(x) for x in v.split("x")), f16)
+            tile, _, mode = v.partition("-")
+            return (None if tile == "default" else tuple(int(x) for x in tile.split("x")), mode or "widen")
         variants = [parse(v) for v in args.variants.split(",") if v]
+        bad = [m for _, m in variants if m not in MODES]
+        if bad:
+            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}")
     if args.smoke:
-        variants = [(None, False), (None, True)]
+        variants = [(None, m) for m in MODES]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "dtype": str(dtype), "rows": [], "failed": {}}
     ok = []
-    for tile, f16 in variants:
-        name = f"{tile}{' f16' if f16 else ''}"
-        why = _check(tile, dtype, device, f16)
+    for tile, mode in variants:
+        name = f"{tile}{'' if mode == 'widen' else ' ' + mode}"
+        why = _check(tile, dtype, device, mode)
         print(f"check tile {name}: {'ok' if not why else why}", flush=True)
         if why:
             results["failed"][name] = why
         else:
-            ok.append((tile, f16, name))
+            ok.append((tile, mode, name))
     for case in grid:
         base = _time(case, None, False, dtype, device, args.reps)
         row = {"case": case.label, "16bit_default_us": base, "16bit": {}, "fp8": {}}
-        for tile, f16, name in ok:
-            if not f16:  # the 16-bit rows do not depend on decode_fp8_f16
+        for tile, mode, name in ok:
+            if mode == "widen":  # the 16-bit rows do not depend on the fp8 mode
                 row["16bit"][name] = base if tile is None else _time(case, tile, False, dtype, device, args.reps)
-            row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, f16)
+            row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, mode)
         best = min(row["fp8"], key=row["fp8"].get)
         print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
               "  ".join(f"{k}: 16-bit {row['16bit'].get(k, float('nan')):.1f} fp8 {v:.1f} ({v / base:.2f}x)"

@@ -33,7 +33,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 from fp8_problem import FP8, check as _check, e4m3_finite_values, fp8_problem, special_values, torch_quant  # noqa: E402
-from minipaged.triton import configs, ops  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from minipaged.triton import configs, decode, ops  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
@@ -259,10 +261,11 @@ def test_fp8_paged_equals_decode_interpreter():
     assert torch.equal(torch.isneginf(pl), torch.isneginf(dl))
 
 
-def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1):
+def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1, words=0):
     """configs.decode_fp8_f16 (f16 = 1: fp16 dots, the default; 0: tiles widened to q's
-    dtype): decode and a mixed paged batch (mode "decode": its q_len 1 rows through the
-    decode kernel) with q scaled by q_mult, against the oracle."""
+    dtype) and configs.decode_fp8_words (words = 1: full tiles read as int32 words): decode
+    and a mixed paged batch (mode "decode": its q_len 1 rows through the decode kernel) with
+    q scaled by q_mult, against the oracle."""
     ctxs = [1, 17, 97, 300, 0] if not on_gpu else [32768, 1, 4097, 16384, 0, 100]
     q_lens = [1] * (len(ctxs) - 1) + [0]
     (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
@@ -270,6 +273,7 @@ def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1):
     q = (q.float() * q_mult).to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
     configs.set_override("decode_fp8_f16", f16)
+    configs.set_override("decode_fp8_words", words)
     configs.set_override("paged_mixed", "decode")
     try:
         out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs)
@@ -282,6 +286,7 @@ def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1):
         _check(po, pl, pq, pdk, pdv, pcu, True, 0.125, f"fp8 paged mode decode, fp16 dots, q x {q_mult}")
     finally:
         configs.set_override("decode_fp8_f16", None)
+        configs.set_override("decode_fp8_words", None)
         configs.set_override("paged_mixed", None)
 
 
@@ -291,6 +296,42 @@ def test_fp8_decode_f16_dots_interpreter(q_mult):
     """The fp16-dot path for fp8 caches at every q magnitude: q's power-of-two shift brings
     large queries down into fp16's range and small ones up out of its subnormals."""
     _f16_dots(torch.float16, q_mult, seed=11)
+
+
+@cpu_only
+@pytest.mark.parametrize("q_mult", [1.0, 3e3])
+def test_fp8_decode_word_tiles_interpreter(q_mult):
+    """configs.decode_fp8_words: the full tiles as int32 words widened in registers (integer
+    widening under the interpreter, cvt on the GPU), against the oracle."""
+    _f16_dots(torch.float16, q_mult, seed=15, words=1)
+
+
+@triton.jit
+def _widen_words_kernel(W, OUT, HW_CVT: tl.constexpr):
+    rows = tl.arange(0, 8)
+    cols = tl.arange(0, 8)
+    w = tl.load(W + rows[:, None] * 8 + cols[None, :])
+    h = decode._e4m3_words_to_f16(w, 8, 32, HW_CVT)
+    tl.store(OUT + rows[:, None] * 32 + tl.arange(0, 32)[None, :], h)
+
+
+def _widen_all_bytes(hw_cvt: bool, device):
+    """Every e4m3 byte, in a shuffled order, through decode._e4m3_words_to_f16: the fp16 tile
+    must equal torch's own fp8 -> fp16 cast element for element (NaN where torch has NaN)."""
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(3)).to(torch.uint8)
+    words = perm.view(torch.int32).reshape(8, 8).contiguous().to(device)
+    out = torch.empty(8, 32, dtype=torch.float16, device=device)
+    _widen_words_kernel[(1,)](words, out, HW_CVT=hw_cvt)
+    want = perm.view(torch.float8_e4m3fn).to(torch.float16).reshape(8, 32)
+    got = out.cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), "NaN pattern differs"
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16)), "widened bits differ"
+
+
+@cpu_only
+def test_e4m3_words_widen_every_byte_interpreter():
+    _widen_all_bytes(False, "cpu")
 
 
 @cpu_only
@@ -340,6 +381,20 @@ def test_fp8_decode_f16_dots_gpu(q_mult):
 @needs_cuda
 def test_fp8_decode_widened_tiles_gpu():
     _f16_dots(torch.bfloat16, 1.0, seed=14, on_gpu=True, f16=0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("q_mult", [1.0, 1e6])
+def test_fp8_decode_word_tiles_gpu(q_mult):
+    _f16_dots(torch.bfloat16, q_mult, seed=16, on_gpu=True, words=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("hw_cvt", [True, False])
+def test_e4m3_words_widen_every_byte_gpu(hw_cvt):
+    _widen_all_bytes(hw_cvt, "cuda")
 
 
 @cpu_only

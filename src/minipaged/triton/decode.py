@@ -34,6 +34,14 @@ program's tile into (8192, 16384] (exact, barring fp16 subnormals for elements 2
 maximum or smaller), and qk_scale by 2^shift; K/V widen from e4m3 straight to fp16 (exact)
 and P is rounded to fp16 (finer than bf16 for values in [0, 1]). The accumulators stay fp32.
 
+FP8_WORDS (constexpr, with FP8_F16): the full tiles are read as int32 words of 4 e4m3 bytes
+and widened in registers before the dots, so shared memory holds fp16 operands that the dots
+read with ldmatrix. Widened as dot operands instead (FP8_WORDS off), triton 3.6-3.9 read the
+fp8 tiles from shared memory one byte per instruction (128 ld.shared.b8 per thread per 64-token
+tile; the sm_90 loop 642 instructions against 431 this way, scripts/triton_decode_sm90.py).
+HW_CVT: the widening by cvt.rn.f16x2.e4m3x2 (two elements per instruction); off (the
+interpreter, which runs no PTX), by integer ops on the bits, exact and NaN-preserving too.
+
 PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, mixed mode
 "decode"). Program b serves sequence b of the paged call only if its q_len
 cu_seqlens_q[b+1] - cu_seqlens_q[b] is 1, and then its query, output and lse row is the
@@ -68,6 +76,37 @@ def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_to
 
 
 @triton.jit
+def _e4m3_byte_to_f16(b):
+    """e4m3fn byte b (int32, 0..255) -> its fp16 value: the exponent and mantissa bits shifted
+    into fp16's fields give the value times 2^-8 (exponent bias 7 against 15; subnormals too),
+    so the product with 256 is exact; 0x7f / 0xff are NaN."""
+    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    h = bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), h).to(tl.float16)
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, HW_CVT: tl.constexpr):
+    """[ROWS, COLS // 4] int32 words of 4 e4m3 bytes each (little endian: byte j is element
+    4c + j) -> the [ROWS, COLS] fp16 tile."""
+    if HW_CVT:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+            constraints="=r,=r,r", args=[w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        e0 = lo.to(tl.int16).to(tl.float16, bitcast=True)
+        e1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        e2 = hi.to(tl.int16).to(tl.float16, bitcast=True)
+        e3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        e0 = _e4m3_byte_to_f16(w & 0xFF)
+        e1 = _e4m3_byte_to_f16((w >> 8) & 0xFF)
+        e2 = _e4m3_byte_to_f16((w >> 16) & 0xFF)
+        e3 = _e4m3_byte_to_f16((w >> 24) & 0xFF)
+    # [..., k, m] holds element 2k + m of each word: join(e0, e2) is m = 0, join(e1, e3) m = 1
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [ROWS, COLS])
+
+
+@triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -90,6 +129,8 @@ def _decode_kernel(
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
     FP8_F16: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = False,
+    HW_CVT: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +175,12 @@ def _decode_kernel(
     k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
     v_head = V_cache + kv_head.to(tl.int64) * stride_vhead + offs_d[None, :]
 
+    if FP8_WORDS:
+        # the head's row start as int32 words (the launcher checks every stride is a multiple of 4)
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        k_words = (K_cache + kv_head.to(tl.int64) * stride_khead).to(tl.pointer_type(tl.int32), bitcast=True)
+        v_words = (V_cache + kv_head.to(tl.int64) * stride_vhead).to(tl.pointer_type(tl.int32), bitcast=True)
+
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
@@ -143,11 +190,17 @@ def _decode_kernel(
                                  stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
         v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
                                  stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
-        k = tl.load(k_head + k_off[:, None])
-        v = tl.load(v_head + v_off[:, None])
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if FP8_WORDS:
+            k = _e4m3_words_to_f16(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,
+                                   HW_CVT)
+            v = _e4m3_words_to_f16(tl.load(v_words + (v_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,
+                                   HW_CVT)
+        else:
+            k = tl.load(k_head + k_off[:, None])
+            v = tl.load(v_head + v_off[:, None])
+            if KV_FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
 
     # at most one ragged tile; masked loads keep NaN-poisoned unused slots and
