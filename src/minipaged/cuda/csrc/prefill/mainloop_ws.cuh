@@ -58,16 +58,16 @@
 // sequence's (finite) K/V, which the mask turns into P = 0.
 //
 // Paged K/V (WsCfg kPaged; launch_prefill_ws_paged): the caches
-// [num_blocks, block_size, Hkv, D] are 4-D maps (D, block_size, Hkv,
-// num_blocks) with box (64, min(block_size, BLOCK_N), 1, 1), and warp 0 of the
-// producer warpgroup loads a key tile as one box per page (lane i: page i of
-// the tile, read from the block table one tile ahead). Block sizes >= 8 only:
-// the 128-byte swizzle pattern is defined for a destination on a 1024-byte
+// [num_blocks, block_size, Hkv, D] are 5-D maps (make_ws_paged_map) whose box
+// is a page's min(block_size, BLOCK_N) keys over every 64-column block, laid
+// out as interleaved atoms (WsCfg::kKvInterleave), and warp 0 of the producer
+// warpgroup loads a key tile as one box per page (lane i: page i of the tile,
+// read from the block table one tile ahead). Block sizes >= 8 only: the
+// 128-byte swizzle pattern is defined for a destination on a 1024-byte
 // boundary (PTX ISA, "Swizzling Modes": base offset (dstMem / 128) % 8
-// otherwise), and a box of >= 8 rows at a row offset that is a multiple of 8
-// starts on such a boundary, so the boxes of a tile lay it out exactly as one
-// box of BLOCK_N rows would (block_size >= BLOCK_N: one box, the row
-// coordinate is the tile's offset inside its page). Table entries past
+// otherwise), and a page's run of >= 8 keys starts on an atom, so the boxes of
+// a tile lay it out exactly as the descriptors read it (block_size >= BLOCK_N:
+// one box, the key-group coordinate is the tile's offset inside its page). Table entries past
 // ceil(context_len / block_size) are never read and their boxes not issued
 // (expect_tx counts the boxes issued). Only key tile 0 (the first one walked)
 // can reach past context_len: its V rows from there on (stale page slots, or
