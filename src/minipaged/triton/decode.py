@@ -173,14 +173,16 @@ def _decode_kernel(
         q = (qf * tl.math.exp2(-shift)).to(tl.float16)
         qk_scale_log2 = qk_scale_log2 * tl.math.exp2(shift)
     table_row = block_tables + seq64 * stride_table
-    k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
-    v_head = V_cache + kv_head.to(tl.int64) * stride_vhead + offs_d[None, :]
+    k_row0 = K_cache + kv_head.to(tl.int64) * stride_khead
+    v_row0 = V_cache + kv_head.to(tl.int64) * stride_vhead
+    k_head = k_row0 + offs_d[None, :]
+    v_head = v_row0 + offs_d[None, :]
 
     if FP8_WORDS:
         # the head's row start as int32 words (the launcher checks every stride is a multiple of 4)
         offs_w = tl.arange(0, HEAD_DIM // 4)
-        k_words = (K_cache + kv_head.to(tl.int64) * stride_khead).to(tl.pointer_type(tl.int32), bitcast=True)
-        v_words = (V_cache + kv_head.to(tl.int64) * stride_vhead).to(tl.pointer_type(tl.int32), bitcast=True)
+        k_words = k_row0.to(tl.pointer_type(tl.int32), bitcast=True)
+        v_words = v_row0.to(tl.pointer_type(tl.int32), bitcast=True)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -252,7 +254,6 @@ def _decode_reduce(
     RETURN_LSE: tl.constexpr,
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
-    FP8_F16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)

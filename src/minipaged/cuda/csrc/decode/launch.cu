@@ -110,6 +110,18 @@ DecodePlan default_mma(bool fused) {
   }
 }
 
+// The tensor-core kernel on FP8 caches with 32 tokens per warp per tile and a
+// 3-stage ring (the G = 2 default, tensor_core_g2_for; what FP8 tiling 18 runs): the
+// packed-query instantiation, or the fused bit's choice.
+template <typename T, int D, bool PQ>
+DecodePlan fp8_wide_mma(bool fused) {
+  if constexpr (PQ) {
+    return info_mma<T, D, 3, true, false, true, 32>();
+  } else {
+    return fused ? info_mma<T, D, 3, true, true, false, 32>() : info_mma<T, D, 3, true, false, false, 32>();
+  }
+}
+
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
 // row over D/16 threads (one piece each) and covers twice the tokens per load
 // of the 16-bit tiling with the same bytes in flight. From 3 query heads per
@@ -260,10 +272,8 @@ template <typename T>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
-    return p.kv_fp8 ? info_mma<T, 128, 3, true, false, true, 32>() : default_mma<T, 128, false, true>(false);
-  if (p.kv_fp8)
-    return fused ? info_mma<T, 128, 3, true, true, false, 32>() : info_mma<T, 128, 3, true, false, false, 32>();
-  return default_mma<T, 128, false, false>(fused);
+    return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma<T, 128, false, true>(false);
+  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma<T, 128, false, false>(fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
