@@ -590,27 +590,28 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
+  // The integers of a comma list in environment variable `name` (none if unset).
+  auto env_ints = [](const char* name) {
+    std::vector<int> out;
+    const char* env = std::getenv(name);
+    for (const char* at = env; at != nullptr && *at != '\0';) {
+      out.push_back(std::atoi(at));
+      at = std::strchr(at, ',');
+      if (at != nullptr) ++at;
+    }
+    return out;
+  };
   // DECODE_TIME_TILINGS (a comma list) keeps the rows of those tilings only: an A/B of two
   // builds in one GPU call spends its seconds on the kernels that differ.
-  auto tiling_selected = [](int v) {
-    const char* env = std::getenv("DECODE_TIME_TILINGS");
-    if (env == nullptr || *env == '\0') return true;
-    const std::string list = std::string(",") + env + ",";
-    return list.find("," + std::to_string(v & 0xff) + ",") != std::string::npos;
+  const std::vector<int> tilings = env_ints("DECODE_TIME_TILINGS");
+  auto tiling_selected = [&](int v) {
+    return tilings.empty() || std::find(tilings.begin(), tilings.end(), v & 0xff) != tilings.end();
   };
   // DECODE_TIME_SPLITS (a comma list): each row also timed at those forced split counts, after
   // the heuristic's (a split sweep of the plan; counts the plan clamps away are skipped).
   std::vector<int> time_splits = {0};
-  if (const char* env = std::getenv("DECODE_TIME_SPLITS")) {
-    std::string list(env);
-    for (size_t at = 0; at < list.size();) {
-      const size_t comma = list.find(',', at);
-      const int n = std::atoi(list.substr(at, comma - at).c_str());
-      if (n > 0) time_splits.push_back(n);
-      if (comma == std::string::npos) break;
-      at = comma + 1;
-    }
-  }
+  for (const int n : env_ints("DECODE_TIME_SPLITS"))
+    if (n > 0) time_splits.push_back(n);
   float* dscale;  // k_scale = v_scale = 0.25 for every KV head (fp8 rows)
   {
     const std::vector<float> sc(hkv, 0.25f);
