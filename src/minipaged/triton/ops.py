@@ -227,6 +227,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     packed = cu_seqlens_q is not None
+    words = _fp8_words(fp8, q, k_cache, v_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,
@@ -243,8 +244,8 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         RETURN_LSE=return_lse,
         KV_FP8=fp8,
         FP8_F16=_fp8_f16(fp8, q),
-        FP8_WORDS=_fp8_words(fp8, q, k_cache, v_cache),
-        HW_CVT=configs.e4m3_cvt(q.device),
+        FP8_WORDS=words,
+        HW_CVT=words and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
