@@ -16,7 +16,11 @@ throughput anchor), greedy, EOS ignored. For every backend asked for:
                   vs transformers generate (sdpa), the latter on a left-padded
                   subset (--hf-requests) whose useful tokens are counted.
 
-    PYTHONPATH=src python3 bench/bench_serving.py [--backends cuda,triton] [--out DIR] [--quick]
+Backend "triton-invariant" is the engine's batch_invariant=True (minipaged.triton.invariant:
+pinned-tile matmul, RMSNorm and paged attention), whose shared-prefix outputs must be
+identical with caching on and off; its other rows give the cost of that guarantee.
+
+    PYTHONPATH=src python3 bench/bench_serving.py [--backends cuda,triton,triton-invariant] [--out DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -44,9 +48,14 @@ def _sync():
         torch.cuda.synchronize()
 
 
+INVARIANT_SUFFIX = "-invariant"
+
+
 def _engine(cfg, state, backend, dev, dtype, **kw):
     from minipaged.engine import Engine
 
+    if backend.endswith(INVARIANT_SUFFIX):
+        backend, kw["batch_invariant"] = backend[: -len(INVARIANT_SUFFIX)], True
     return Engine.from_state_dict(cfg, state, device=dev, dtype=dtype, backend=backend, **kw)
 
 

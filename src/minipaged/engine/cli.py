@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant kernels (triton): a request's tokens do not depend on its batch, its "
+                        "chunks or prefix-cache hits; slower")
 
 
 def _load_tokenizer(model_dir: str | None):
@@ -103,6 +106,10 @@ def validate(args: argparse.Namespace) -> None:
     if args.backend is not None and args.backend.strip().lower() not in registry.backend_names():
         raise ValueError(f"--backend {args.backend!r}: unknown backend; valid names are "
                          f"{', '.join(registry.backend_names())}")
+    if args.batch_invariant:
+        if args.backend is not None and args.backend.strip().lower() not in ("auto", "triton"):
+            raise ValueError(f"--batch-invariant runs on the triton kernels; got --backend {args.backend}")
+        args.backend = "triton"  # what the engine will bind: resolved and checked below like any --backend
     for op in _ENGINE_OPS:
         if op not in registry.OPS:
             continue
@@ -170,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
                      seed=args.seed, cuda_graph=False if args.no_cuda_graph else None,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_prefix_caching=not args.no_prefix_caching,
-                     kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8" else None)
+                     kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8" else None,
+                     batch_invariant=args.batch_invariant)
     except (OSError, ValueError, KeyError, NotImplementedError, registry.BackendUnavailableError) as e:
         # the flags passed validate(); what is left is the checkpoint folder's content
         return _error(e)

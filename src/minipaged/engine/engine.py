@@ -223,6 +223,15 @@ class Engine:
             with FP8 kernels (triton, torch; auto picks one).
         cuda_graph: capture the decode step in CUDA graphs (default: on for CUDA
             with a non-torch backend; falls back to eager if capture fails).
+        batch_invariant: run every matmul, RMSNorm and attention through kernels whose
+            output rows do not depend on the rest of the batch (minipaged.triton.invariant:
+            one pinned tile per op, no split-K, no KV split, every step through one
+            paged_attention launch). A request's tokens are then bit-for-bit the same
+            whatever it is batched with, however its prompt is chunked and whether its
+            prefix came from the prefix cache. Needs the triton backend (on CPU under
+            TRITON_INTERPRET=1) and, with kv_cache_dtype="fp8", the checkpoint's K/V
+            scales (calibrated scales would depend on the first prompt step). Slower than
+            the default kernels (bench/bench_serving.py --batch-invariant measures it).
         seed: seed of the random weights when model is None or a config.
     """
 
@@ -241,6 +250,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cuda_graph: bool | None = None,
+        batch_invariant: bool = False,
         gpu_memory_fraction: float = 0.4,
         seed: int = 0,
         state_dict: dict[str, torch.Tensor] | None = None,
@@ -253,7 +263,6 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-        self.backend = backend
         _check_block_size(block_size)
         _positive_int("max_num_seqs", max_num_seqs)
         for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
@@ -271,6 +280,15 @@ class Engine:
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
         if cuda_graph is not None and not isinstance(cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool or None, got {type(cuda_graph).__name__}")
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        if batch_invariant:
+            if backend not in (None, "auto", "triton"):
+                raise ValueError(f"batch_invariant=True runs on the triton backend's pinned-tile kernels; "
+                                 f"got backend={backend!r} (pass backend='triton' or leave it unset)")
+            backend = "triton"
+        self.backend = backend
+        self.batch_invariant = batch_invariant
         if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) \
                 or not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
@@ -307,9 +325,12 @@ class Engine:
         if cfg.head_dim not in registry.all_backends()[self.ops.backends["paged"]].head_dims:
             raise ValueError(f"head_dim {cfg.head_dim} of this model is not supported by backend "
                              f"{self.ops.backends['paged']!r}")
-        self.model = Qwen3Model(cfg, state, dtype=self.dtype, device=self.device, ops=self.ops,
-                                max_positions=self.max_model_len)
         ckpt_scales = _checkpoint_kv_scales(state, cfg) if fp8 else (None, None)
+        if batch_invariant and fp8 and ckpt_scales[0] is None:
+            raise ValueError("batch_invariant=True with kv_cache_dtype='fp8' needs k_scale/v_scale tensors in the "
+                             "checkpoint: scales calibrated on the first prompt step depend on what that step holds")
+        self.model = Qwen3Model(cfg, state, dtype=self.dtype, device=self.device, ops=self.ops,
+                                max_positions=self.max_model_len, batch_invariant=batch_invariant)
         del state, state_dict
 
         if num_blocks is None:
@@ -526,9 +547,16 @@ class Engine:
             cu = [0]
             for s in seqs:
                 cu.append(cu[-1] + len(s))
+            tables = [self.cache.block_table(s.seq_id) for s in seqs]
+            width = max(len(t) for t in tables)
+            # the block tables too: a batch-invariant model attends through paged_attention
             meta = AttentionMetadata("prefill", torch.cat(slots).to(dev),
                                      cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-                                     max_seqlen_q=max(len(s) for s in seqs))
+                                     max_seqlen_q=max(len(s) for s in seqs),
+                                     block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables],
+                                                               dtype=torch.int32, device=dev),
+                                     context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32,
+                                                               device=dev))
             hidden = self.model.forward(ids, pos, meta, self.cache)
             logits = self.model.logits(hidden).float()
             return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
@@ -541,4 +569,5 @@ class Engine:
         c = self.config
         return (f"Engine(layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}/"
                 f"{c.num_key_value_heads}, D={c.head_dim}, {self.dtype}, {self.device}, backend={self.backend}, "
-                f"cache={self.cache.num_blocks}x{self.cache.block_size}, graphs={self.runner.use_cuda_graph})")
+                f"cache={self.cache.num_blocks}x{self.cache.block_size}, graphs={self.runner.use_cuda_graph}"
+                f"{', batch_invariant' if self.batch_invariant else ''})")

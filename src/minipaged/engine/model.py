@@ -29,7 +29,8 @@ class AttentionMetadata:
     kind "prefill": fresh prompts only (no cached context): cu_seqlens int32 [S+1], max_seqlen_q.
     kind "paged": chunks over cached context and/or decodes: cu_seqlens (query rows per sequence),
         max_seqlen_q, block_tables int32 [S, max_blocks], context_lens int32 [S] (new tokens included).
-    kind "decode": one token per sequence: block_tables, context_lens.
+    kind "decode": one token per sequence: block_tables, context_lens (and cu_seqlens 0..S,
+        max_seqlen_q 1, which a batch-invariant model attends through).
     slot_mapping int64 [T]: where each new token's K/V goes (negative: nowhere).
     """
 
@@ -82,15 +83,26 @@ class Qwen3Model:
         device: torch.device,
         ops: BoundOps,
         max_positions: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.ops = ops
         self.scale = cfg.head_dim**-0.5
+        # batch_invariant: every matmul, norm and attention through the pinned-tile Triton
+        # kernels (triton/invariant.py), so a token's bits do not depend on its batch, its
+        # chunk or whether its prefix came from the prefix cache
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            from ..triton import invariant
+
+            self.linear, self.norm = invariant.linear, invariant.rms_norm
+        else:
+            self.linear, self.norm = F.linear, rms_norm
 
         def w(name: str) -> torch.Tensor:
-            return state[name].to(device=device, dtype=dtype)
+            return state[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         if state["lm_head.weight"] is state["model.embed_tokens.weight"]:
@@ -146,8 +158,11 @@ class Qwen3Model:
 
         Attention calls the bound backend functions directly: the tensors are built
         here (views with a stride-1 last dim and 16-byte aligned rows), so the API's
-        checks and layout fixes have nothing to do."""
+        checks and layout fixes have nothing to do. batch_invariant: every kind of step
+        attends through the one pinned paged launch (meta then carries block tables,
+        context_lens and cu_seqlens for prefill and decode steps too)."""
         cfg, ops = self.cfg, self.ops
+        linear, norm = self.linear, self.norm
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size
@@ -157,12 +172,12 @@ class Qwen3Model:
 
         h = self.embed[input_ids]
         for li, L in enumerate(self.layers):
-            x = rms_norm(h, L["input_norm"], eps)
-            qkv = F.linear(x, L["qkv"], L["qkv_bias"])
+            x = norm(h, L["input_norm"], eps)
+            qkv = linear(x, L["qkv"], L["qkv_bias"])
             qk = qkv[:, :q_size + kv_size].view(T, Hq + Hkv, D)
             v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
             # QK-norm (per head, before RoPE), then RoPE, for q and k heads at once
-            qk = apply_rope(rms_norm(qk, L["qk_norm"], eps), cos, sin)
+            qk = apply_rope(norm(qk, L["qk_norm"], eps), cos, sin)
             q, k = qk[:, :Hq], qk[:, Hq:]
             kc, vc = cache.k_caches[li], cache.v_caches[li]
             sc = ()
@@ -173,7 +188,10 @@ class Qwen3Model:
                     cache.v_scales[li].copy_(_amax_scale(v))
                 sc = (cache.k_scales[li], cache.v_scales[li])
             ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping, *sc)
-            if meta.kind == "prefill":
+            if self.batch_invariant:
+                o = ops.paged(q, kc, vc, meta.block_tables, meta.cu_seqlens, meta.context_lens,
+                              meta.max_seqlen_q, True, self.scale, False, *sc, batch_invariant=True)
+            elif meta.kind == "prefill":
                 # No cached context: attend over the fresh K/V (already in the cache too).
                 o = ops.prefill_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen_q,
                                        meta.max_seqlen_q, True, self.scale, False)
@@ -182,12 +200,12 @@ class Qwen3Model:
                               meta.max_seqlen_q, True, self.scale, False, *sc)
             else:
                 o = ops.decode(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, False, *sc)
-            h = h + F.linear(o.reshape(T, q_size), L["o"])
-            x = rms_norm(h, L["post_norm"], eps)
-            gate_up = F.linear(x, L["gate_up"])
+            h = h + linear(o.reshape(T, q_size), L["o"])
+            x = norm(h, L["post_norm"], eps)
+            gate_up = linear(x, L["gate_up"])
             inter = gate_up.shape[-1] // 2
-            h = h + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], L["down"])
-        return rms_norm(h, self.final_norm, eps)
+            h = h + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], L["down"])
+        return norm(h, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.linear(hidden, self.lm_head)

@@ -8,7 +8,9 @@ A step packs every chunk back to back ([T] tokens, no padding). Attention:
 - a step whose chunks all start at position 0 (fresh prompts, no cached
   prefix) runs the varlen prefill kernel over the fresh K/V;
 - any other step (chunks over a cached prefix, prefix-cache hits, decodes
-  mixed with chunks) runs one paged_attention call per layer over the cache.
+  mixed with chunks) runs one paged_attention call per layer over the cache;
+- with a batch-invariant model every step is a paged step (decode steps with
+  cu_seqlens 0, 1, ..., B), so every token goes through the same attention launch.
 The runner is a function of the plan: it reads block tables from the cache and
 changes no state (the scheduler updates the sequences afterwards).
 """
@@ -78,7 +80,7 @@ class ModelRunner:
         slot_mapping = torch.cat(slots).to(dev)
         cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
         max_q = max(c.num_tokens for c in plan.chunks)
-        if all(c.start == 0 for c in plan.chunks):
+        if all(c.start == 0 for c in plan.chunks) and not self.model.batch_invariant:
             meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                                      calibrate_kv=calibrate_kv)
         else:
@@ -125,6 +127,7 @@ class ModelRunner:
                 torch.tensor(slots, dtype=torch.int64, device=dev),
                 block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
                 context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+                cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=dev), max_seqlen_q=1,
             )
             hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
                                         torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -145,10 +148,11 @@ class ModelRunner:
         self.s_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.s_ctx = torch.zeros(n, dtype=torch.int32, device=dev)
         self.s_tables = torch.zeros((n, w), dtype=torch.int32, device=dev)
+        self.s_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one query per sequence
 
     def _graph_forward(self, b: int) -> torch.Tensor:
         meta = AttentionMetadata("decode", self.s_slots[:b], block_tables=self.s_tables[:b],
-                                 context_lens=self.s_ctx[:b])
+                                 context_lens=self.s_ctx[:b], cu_seqlens=self.s_cu[:b + 1], max_seqlen_q=1)
         hidden = self.model.forward(self.s_ids[:b], self.s_pos[:b], meta, self.cache)
         return self.model.logits(hidden)
 

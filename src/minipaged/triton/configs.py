@@ -386,3 +386,46 @@ def paged_short_config(head_dim: int, dtype: torch.dtype, group: int, device: to
         dec = decode_config(head_dim, dtype, device)
         rows, bn, w, s = _PAGED_SHORT_ROWS, dec.block_n, dec.num_warps, dec.num_stages
     return PagedConfig(max(min_m, _next_pow2(rows)), bn, w, s, True)
+
+
+# ----------------------------------------------------------------- batch-invariant tiles
+#
+# One tile per (device kind, dtype) for every call, whatever the batch: a row's arithmetic
+# must not depend on M, the query length or the number of sequences (invariant.py). One
+# tile serves an 8k-token prefill and a 1-token decode, so it is a compromise: 64 rows
+# waste little of a decode step's small M, and the prefill keeps tensor-core-sized tiles.
+# None of these follow OVERRIDES: a tuning script must not change them mid-run.
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def invariant_linear_config(dtype: torch.dtype, device: torch.device) -> LinearConfig:
+    if interpreting() or device.type != "cuda":
+        return LinearConfig(16, 32, 32, 4, 1)
+    if dtype == torch.float32:
+        return LinearConfig(64, 64, 32, 4, 3)
+    return LinearConfig(64, 128, 64, 4, 4)
+
+
+def invariant_norm_rows(block_d: int, device: torch.device) -> int:
+    """Rows per program of the invariant RMSNorm (a [rows, block_d] fp32 tile in registers)."""
+    if interpreting() or device.type != "cuda":
+        return 4
+    return max(1, 4096 // block_d)
+
+
+def invariant_paged_config(head_dim: int, group: int, device: torch.device) -> PagedConfig:
+    """The paged-attention tile of every batch-invariant call (decode, chunk or whole
+    prompt): BLOCK_M packed (position, head) rows, never split over KV. packed=True: one
+    launch of paged._paged_kernel for the whole batch (ops._paged_launches)."""
+    min_m = max(16, _next_pow2(group))
+    if interpreting() or device.type != "cuda":
+        return PagedConfig(min_m, 16, 4, 1)
+    return PagedConfig(max(64, min_m), 32 if head_dim > 128 else 64, 4, 2)

@@ -386,7 +386,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_seqlen_q: int, causal: bool,
           scale: float, return_lse: bool = False, k_scale: torch.Tensor | None = None,
           v_scale: torch.Tensor | None = None, *, num_splits: int | None = None,
-          config: PagedConfig | None = None):
+          config: PagedConfig | None = None, batch_invariant: bool = False):
     """Paged attention for packed new tokens of any lengths (see paged.py).
 
     Batches of short query runs are one packed launch; a batch with a long chunk runs the
@@ -395,12 +395,17 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     and mixed batches). num_splits / config (keyword only, for tests and tuning) force the
     split count of every launch and the tile (a packed config: one v1 launch for
     everything); by default both come from shapes, so nothing syncs.
+    batch_invariant (keyword only): one v1 launch with the pinned tile of
+    configs.invariant_paged_config, no KV split and every key tile masked, so a row's bits
+    depend on its query and its keys only (invariant.py).
     """
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     num_seqs = cu_seqlens_q.shape[0] - 1
     max_seqlen_q = int(max_seqlen_q)
+    if batch_invariant:
+        config, num_splits = configs.invariant_paged_config(head_dim, group, q.device), 1
     out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = _lse_buffer((total_q, num_q_heads), q.device, return_lse)
     if out.numel() == 0 or num_seqs <= 0 or max_seqlen_q <= 0:
@@ -429,13 +434,13 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         for launch in plan:
             _paged_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                           lse, lse_arg, lse_strides, k_s, v_s, fp8, max_seqlen_q, bool(causal), scale,
-                          num_splits, len(plan) > 1)
+                          num_splits, len(plan) > 1, batch_invariant)
     return _result(out, lse)
 
 
 def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                   out, lse, lse_arg, lse_strides, k_s, v_s, fp8: bool, max_seqlen_q: int, causal: bool,
-                  scale: float, num_splits: int | None, shared: bool) -> None:
+                  scale: float, num_splits: int | None, shared: bool, batch_invariant: bool = False) -> None:
     if launch.kernel == "decode":
         _paged_decode_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                              lse_arg, lse_strides, lse is not None, k_s, v_s, fp8, scale, num_splits)
@@ -445,7 +450,8 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
     group = num_q_heads // num_kv_heads
     num_seqs = cu_seqlens_q.shape[0] - 1
     fb_key = (launch, head_dim, q.dtype, k_cache.dtype, causal, page_size, lse is not None)
-    cfg = _paged_fallback.get(fb_key, launch.cfg)
+    # the invariant tile never shrinks: a smaller one would give other bits
+    cfg = launch.cfg if batch_invariant else _paged_fallback.get(fb_key, launch.cfg)
     # the longest run this launch serves: it sizes the grid and the split count
     run_q = min(max_seqlen_q, launch.max_q) if launch.max_q else max_seqlen_q
     while True:
@@ -510,12 +516,13 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     KV_FP8=fp8,
                     MIN_Q=launch.min_q,
                     MAX_Q=launch.max_q,
+                    BATCH_INVARIANT=batch_invariant,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                 )
             break
         except OutOfResources:
-            smaller = _smaller_paged(cfg, group)
+            smaller = None if batch_invariant else _smaller_paged(cfg, group)
             if smaller is None:
                 raise
             _paged_fallback[fb_key] = cfg = smaller

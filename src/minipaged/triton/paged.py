@@ -29,6 +29,9 @@ KV_FP8 (constexpr): fp8 e4m3fn caches dequantised on the fly, as in decode.py
 (tiles widened to q's dtype in registers, k_scale of the KV head folded into
 the softmax scale, v_scale applied to the normalised output).
 
+BATCH_INVARIANT (constexpr): every tile through the masked step, for the engine's
+batch-invariant mode (invariant.py); the launcher then pins the tile and never splits.
+
 Split-KV: with several splits, split p takes a contiguous BLOCK_N-aligned slice
 of [0, end) and writes an fp32 partial output and its log2-sum-exp; the decode
 reduce kernel merges them, and stores the lse when asked.
@@ -135,18 +138,29 @@ def _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group, stride_qt, stride_
 
 @triton.jit
 def _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False):
     """The keys a tile at query position m_start reads (bottom-right causal: position i
     sees [0, i + ctx - q_len]), this split's slice of them: -> (diag, n_begin, n_mid,
     n_end); [n_begin, n_mid) needs no mask, [n_mid, n_end) does; a split past the end gets
-    an empty range."""
+    an empty range.
+
+    BATCH_INVARIANT: every tile goes through the masked step. Where the unmasked range ends
+    depends on the tile's first row, i.e. on where the query chunk started, and the two
+    steps round differently (in the unmasked one Triton contracts the scale multiply and the
+    max subtraction into one FMA; the mask's select sits between them in the other), so a
+    row would get other bits when its chunk is cut elsewhere. A key tile a row
+    sees none of is an exact no-op in the masked step (p = 0, alpha = 1), so the extra tiles of
+    the causal band change nothing either."""
     # the tile's positions [m_start, min(m_start + BLOCK_Q, q_len)) of the sequence
     diag, full_end, end = _causal_key_range(q_len, ctx, m_start, tl.minimum(m_start + BLOCK_Q, q_len), IS_CAUSAL,
                                             BLOCK_N)
     tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
     n_begin = split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
-    n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+    if BATCH_INVARIANT:
+        n_mid = n_begin
+    else:
+        n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
     return diag, n_begin, n_mid, n_end
 
 
@@ -199,6 +213,7 @@ def _paged_kernel(
     KV_FP8: tl.constexpr,
     MIN_Q: tl.constexpr = 0,
     MAX_Q: tl.constexpr = 0,
+    BATCH_INVARIANT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     seq = pid % num_seqs
@@ -220,7 +235,7 @@ def _paged_kernel(
         offs_d, pos, heads, row_ok, tok, q = _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group,
                                                         stride_qt, stride_qh, HEAD_DIM, BLOCK_M, BLOCK_Q)
         diag, n_begin, n_mid, n_end = _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL, BLOCK_Q,
-                                                 BLOCK_N)
+                                                 BLOCK_N, BATCH_INVARIANT)
 
         table_row = block_tables + seq.to(tl.int64) * stride_table
         k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
