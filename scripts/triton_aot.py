@@ -106,3 +106,24 @@ def sass_loops(cubin: bytes) -> list[int]:
         if m and labels.get(m.group(1), j + 1) < j:
             loops.append(j + 1 - labels[m.group(1)])
     return loops
+
+
+def compiled_info(k, num_warps: int, num_stages: int, loops: bool = False) -> dict:
+    """What the sm_90 reports print for one compiled kernel: shared memory, warps, stages,
+    wgmma and cp.async counts of its PTX, ptxas registers / spills, and (loops) the SASS
+    loop lengths."""
+    ptx = k.asm["ptx"]
+    info = {"shared": k.metadata.shared, "warps": num_warps, "stages": num_stages,
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))}
+    info.update(ptxas_usage(ptx))
+    if loops:
+        info["sass_loops"] = sass_loops(k.asm["cubin"]) if "cubin" in k.asm else []
+    return info
+
+
+def report_line(name: str, info: dict) -> str:
+    """'ok  name: key=value ...', or 'SMEM ...' when the kernel needs more shared memory than sm_90 has."""
+    ok = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
+    return f"{ok} {name}: " + " ".join(f"{a}={b}" for a, b in info.items())
+

@@ -9,14 +9,13 @@ shared memory, wgmma count and, where triton's ptxas reads its PTX, registers an
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton_aot import ELEM, SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, signature  # noqa: E402
+from triton_aot import ELEM, compile_sm90, compiled_info, divisible16, report_line, signature  # noqa: E402
 
 from minipaged.triton import configs  # noqa: E402
 from minipaged.triton.invariant import _linear_kernel, _rms_norm_kernel  # noqa: E402
@@ -75,11 +74,7 @@ def main() -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             continue
-        ptx = k.asm["ptx"]
-        info = {"shared": k.metadata.shared, "warps": w, "stages": s,
-                "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), **ptxas_usage(ptx)}
-        ok = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
-        print(f"{ok} {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
+        print(report_line(name, compiled_info(k, w, s)), flush=True)
     print(f"{failures} failed")
     return 1 if failures else 0
 

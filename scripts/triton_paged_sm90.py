@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton_aot import ELEM, SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, sass_loops, signature  # noqa: E402
+from triton_aot import ELEM, compile_sm90, compiled_info, divisible16, report_line, signature  # noqa: E402
 
 from minipaged.triton.paged import _paged_kernel, _paged_long_kernel  # noqa: E402
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
@@ -95,14 +94,7 @@ def main(argv=None) -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             continue
-        ptx = k.asm["ptx"]
-        info = {"shared": k.metadata.shared, "warps": w, "stages": s,
-                "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-                "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))}
-        info.update(ptxas_usage(ptx))
-        info["sass_loops"] = sass_loops(k.asm["cubin"]) if "cubin" in k.asm else []
-        ok = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"
-        print(f"{ok} {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
+        print(report_line(name, compiled_info(k, w, s, loops=True)), flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):

@@ -56,3 +56,21 @@ def pytest_collection_modifyitems(config, items):
     markexpr = config.getoption("-m") or ""
     if "gpu" in markexpr and "not gpu" not in markexpr:
         raise pytest.UsageError("-m gpu was requested but torch sees no CUDA device")
+
+
+@pytest.fixture(scope="session")
+def serving_ckpt(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint (2 layers, 4/2 heads of 64, vocab 500, no EOS) saved by
+    transformers, and the transformers model itself: (folder, hf). The engine-serving and
+    batch-invariance tests build their engines from it and compare with its generate()."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
+        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    folder = str(tmp_path_factory.mktemp("qwen3_serving"))
+    hf.save_pretrained(folder)
+    return folder, hf

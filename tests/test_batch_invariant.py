@@ -245,17 +245,9 @@ VOCAB = 500
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
-        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    hf = transformers.Qwen3ForCausalLM(cfg).eval()
-    folder = str(tmp_path_factory.mktemp("qwen3_invariant"))
-    hf.save_pretrained(folder)
+def tiny(serving_ckpt):
+    folder, hf = serving_ckpt
+    assert hf.config.vocab_size == VOCAB
     g = _gen(1)
     system = torch.randint(0, VOCAB, (26,), generator=g).tolist()  # 6 full blocks of 4 + 2
     prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 5)]

@@ -31,16 +31,9 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
-        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    hf = transformers.Qwen3ForCausalLM(cfg).eval()
-    folder = str(tmp_path_factory.mktemp("qwen3_serving"))
-    hf.save_pretrained(folder)
-    return folder, hf
+def ckpt(serving_ckpt):
+    assert serving_ckpt[1].config.vocab_size == VOCAB
+    return serving_ckpt
 
 
 _ref_cache: dict = {}
