@@ -45,10 +45,11 @@ def divisible16(fn, constexprs: dict, names) -> dict:
             if n in names and n not in constexprs}
 
 
-def compile_sm90(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int):
+def compile_sm90(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int, **options):
+    """options: more compile options, as a launch passes them (e.g. enable_fp_fusion=False)."""
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def tool(name: str) -> str | None:

@@ -230,6 +230,44 @@ def test_paged_rows_do_not_depend_on_chunks_or_batch(dtype, hq, hkv, D, page):
     _invariance_case(45, hq, hkv, D, page, dtype, cuts=[1, 7, 16, 18, 33, 44])
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_paged_invariant_split_and_unsplit_launches_agree(dtype, monkeypatch):
+    """The launcher may run a batch's key segments as separate programs (then folded by
+    invariant_reduce) or in one program per tile: forced each way, every row (a chunk, a short
+    run, decodes; a sequence with no queries and no context among them) has the same bits,
+    outputs and lse, and the split launch really splits."""
+    _triton_or_skip()
+    from minipaged.triton import configs, ops
+
+    g = _gen(7)
+    hq, hkv, D, page = 4, 2, 64, 4
+    kv = paged_kv([70, 33, 0, 1, 9], hkv, D, page, dtype, DEV, gen=g, spare_blocks=2)
+    q_lens = [70, 5, 0, 1, 1]
+    q = randn((sum(q_lens), hq, D), dtype, DEV, g)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, _cu(q_lens), kv.context_lens, max(q_lens), True, D ** -0.5)
+    seen = []
+    real = configs.invariant_paged_splits
+
+    def forced(n):
+        def splits(*a):
+            seen.append(real(*a) if n is None else n)
+            return seen[-1]
+        return splits
+
+    outs = {}
+    segments = -(-kv.block_tables.shape[1] * page // (configs.invariant_segment_tiles(q.device) * 16))
+    assert segments >= 3
+    for n in (1, segments):
+        monkeypatch.setattr(configs, "invariant_paged_splits", forced(n))
+        outs[n] = ops.paged(*args, batch_invariant=True, return_lse=True)
+    assert seen == [1, segments]
+    assert torch.equal(outs[1][0], outs[segments][0]) and torch.equal(outs[1][1], outs[segments][1])
+    keys, vals = gather_kv(kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens)
+    truth, truth_lse = paged_ref(q, keys, vals, _cu(q_lens), causal=True, scale=D ** -0.5)
+    lowp = paged_ref(q, keys, vals, _cu(q_lens), causal=True, scale=D ** -0.5, lowp=True)[0]
+    assert_close(outs[1][0], truth, lowp, "invariant paged (lse) vs fp64", lse=outs[1][1], truth_lse=truth_lse)
+
+
 def test_paged_invariant_tile_is_pinned(monkeypatch):
     """The pinned tile ignores tuning overrides and the heuristics' inputs (q length, batch)."""
     from minipaged.triton import configs

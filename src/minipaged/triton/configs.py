@@ -421,10 +421,40 @@ def invariant_norm_rows(block_d: int, device: torch.device) -> int:
     return max(1, 4096 // block_d)
 
 
+# Keys per segment of the batch-invariant paged path, in key tiles: segments are cut at
+# fixed key positions (multiples of this times BLOCK_N) whatever the batch, so a decode
+# batch may run them in parallel (split) and a prefill in one program with the same bits.
+# The interpreter's tile is 16 keys: 2 tiles make segments of 32, so CPU tests cross them.
+def invariant_segment_tiles(device: torch.device) -> int:
+    return 2 if interpreting() or device.type != "cuda" else 16
+
+
+# A split launch stores fp32 partials for every (row, segment); above this many bytes of them
+# the launch does not split (a long prefill fills the GPU anyway).
+_INVARIANT_PARTIAL_BYTES = 64 << 20
+
+
+def invariant_paged_splits(num_seqs: int, total_q: int, max_seqlen_q: int, num_q_heads: int, num_kv_heads: int,
+                           head_dim: int, kv_capacity: int, cfg: PagedConfig, device: torch.device) -> int:
+    """Segments of the batch-invariant paged launch to run as separate programs: every
+    segment the widest table can hold when the query tiles alone leave the GPU short of
+    programs (and the partials fit _INVARIANT_PARTIAL_BYTES), else 1. Host values only.
+    Any answer gives the same bits (paged._invariant_tile)."""
+    block_q = cfg.block_q(num_q_heads // num_kv_heads)
+    tiles = min(num_seqs * -(-max(max_seqlen_q, 1) // block_q), -(-total_q // block_q) + num_seqs)
+    segments = max(1, -(-kv_capacity // (invariant_segment_tiles(device) * cfg.block_n)))
+    if segments == 1 or tiles * num_kv_heads >= 2 * sm_count(device):
+        return 1
+    if total_q * num_q_heads * segments * (head_dim + 1) * 4 > _INVARIANT_PARTIAL_BYTES:
+        return 1
+    return segments
+
+
 def invariant_paged_config(head_dim: int, group: int, device: torch.device) -> PagedConfig:
     """The paged-attention tile of every batch-invariant call (decode, chunk or whole
-    prompt): BLOCK_M packed (position, head) rows, never split over KV. packed=True: one
-    launch of paged._paged_kernel for the whole batch (ops._paged_launches)."""
+    prompt): BLOCK_M packed (position, head) rows; splits only at the fixed segments of
+    invariant_paged_splits. packed=True: one launch of paged._paged_kernel for the whole batch
+    (ops._paged_launches)."""
     min_m = max(16, _next_pow2(group))
     if interpreting() or device.type != "cuda":
         return PagedConfig(min_m, 16, 4, 1)

@@ -15,9 +15,11 @@ The kernels here remove that freedom:
 - `rms_norm`: a fixed number of rows per program, each row reduced in registers by the
   same instructions wherever it sits in its tile.
 - attention: `ops.paged(..., batch_invariant=True)`: one pinned tile for every query length
-  (decode, chunk, whole prompt), no KV split, and every key tile through the masked
-  online-softmax step, so whether a tile counts as "fully visible" (which depends on the
-  other rows of the query tile) never changes a row's arithmetic (see paged._tile_keys).
+  (decode, chunk, whole prompt), keys in segments cut at fixed positions and folded in
+  order (run as separate programs for small batches, in one program otherwise: the same
+  bits), and every key tile through the masked online-softmax step, so whether a tile
+  counts as "fully visible" (which depends on the other rows of the query tile) never
+  changes a row's arithmetic (see paged._invariant_tile).
 Element-wise ops (RoPE, SiLU, residual adds) and gathers are invariant already.
 
 The engine's `batch_invariant=True` runs every matmul, norm and attention of its forward

@@ -28,7 +28,7 @@ from .configs import (
 )
 from .decode import _decode_kernel, _decode_reduce
 from .merge import _merge_kernel
-from .paged import _paged_kernel, _paged_long_kernel, _short_reduce
+from .paged import _paged_kernel, _paged_long_kernel, _short_reduce, invariant_reduce
 from .prefill import _attn_fwd, dense_args, varlen_args
 
 _LOG2E = 1.4426950408889634
@@ -336,6 +336,10 @@ def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
 
 
 _paged_plans: dict = {}
+# The batch-invariant paged launch and its segment reduction fold segments with the same
+# function (softmax._merge_segment); without FMA contraction each multiply and add rounds
+# on its own in both kernels, so their bits agree whatever the compiler would fuse in each.
+_INVARIANT_FP = {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -395,9 +399,10 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     and mixed batches). num_splits / config (keyword only, for tests and tuning) force the
     split count of every launch and the tile (a packed config: one v1 launch for
     everything); by default both come from shapes, so nothing syncs.
-    batch_invariant (keyword only): one v1 launch with the pinned tile of
-    configs.invariant_paged_config, no KV split and every key tile masked, so a row's bits
-    depend on its query and its keys only (invariant.py).
+    batch_invariant (keyword only): one v1 launch of the batch-invariant path (the pinned
+    tile of configs.invariant_paged_config, keys in fixed segments, every tile masked; see
+    paged._invariant_tile), split over segments when the batch leaves the GPU idle (the bits
+    are the same either way), so a row's bits depend on its query and its keys only.
     """
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -405,7 +410,9 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     num_seqs = cu_seqlens_q.shape[0] - 1
     max_seqlen_q = int(max_seqlen_q)
     if batch_invariant:
-        config, num_splits = configs.invariant_paged_config(head_dim, group, q.device), 1
+        config = configs.invariant_paged_config(head_dim, group, q.device)
+        num_splits = configs.invariant_paged_splits(num_seqs, total_q, max_seqlen_q, num_q_heads, num_kv_heads,
+                                                    head_dim, block_tables.shape[1] * page_size, config, q.device)
     out = torch.empty((total_q, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = _lse_buffer((total_q, num_q_heads), q.device, return_lse)
     if out.numel() == 0 or num_seqs <= 0 or max_seqlen_q <= 0:
@@ -516,9 +523,10 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     KV_FP8=fp8,
                     MIN_Q=launch.min_q,
                     MAX_Q=launch.max_q,
-                    BATCH_INVARIANT=batch_invariant,
+                    INVARIANT_SEGMENT=configs.invariant_segment_tiles(q.device) if batch_invariant else 0,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
+                    **_INVARIANT_FP if batch_invariant else {},
                 )
             break
         except OutOfResources:
@@ -528,7 +536,20 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
             _paged_fallback[fb_key] = cfg = smaller
     if not split:
         return
-    if launch.max_q:
+    if batch_invariant:
+        rows = total_q * num_q_heads
+        invariant_reduce[(triton.cdiv(rows, 16),)](
+            o_partial, lse_partial, out, lse_arg,
+            rows, num_q_heads, splits,
+            out.stride(0), out.stride(1),
+            *lse_strides,
+            HEAD_DIM=head_dim,
+            BLOCK_R=16,
+            RETURN_LSE=lse is not None,
+            num_warps=4,
+            **_INVARIANT_FP,
+        )
+    elif launch.max_q:
         # only this launch's (short) sequences: the long launch owns the other rows
         _short_reduce[(num_seqs, num_q_heads)](
             o_partial, lse_partial, out, lse_arg, cu_seqlens_q,

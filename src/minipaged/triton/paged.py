@@ -29,8 +29,9 @@ KV_FP8 (constexpr): fp8 e4m3fn caches dequantised on the fly, as in decode.py
 (tiles widened to q's dtype in registers, k_scale of the KV head folded into
 the softmax scale, v_scale applied to the normalised output).
 
-BATCH_INVARIANT (constexpr): every tile through the masked step, for the engine's
-batch-invariant mode (invariant.py); the launcher then pins the tile and never splits.
+INVARIANT_SEGMENT (constexpr, > 0): the batch-invariant path (_invariant_tile) for the
+engine's batch_invariant mode (invariant.py): pinned tile, keys in fixed segments of
+INVARIANT_SEGMENT tiles, every tile masked, segments folded in order (split or not).
 
 Split-KV: with several splits, split p takes a contiguous BLOCK_N-aligned slice
 of [0, end) and writes an fp32 partial output and its log2-sum-exp; the decode
@@ -43,7 +44,8 @@ import triton
 import triton.language as tl
 
 from .prefill import _causal_key_range
-from .softmax import _merge_splits, _softmax_step, _softmax_step_masked, _split_lse
+from .softmax import (_merge_segment, _merge_splits, _merged_result, _segment_result, _softmax_step,
+                      _softmax_step_masked, _split_lse)
 
 
 
@@ -138,29 +140,18 @@ def _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group, stride_qt, stride_
 
 @triton.jit
 def _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-               BLOCK_N: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False):
+               BLOCK_N: tl.constexpr):
     """The keys a tile at query position m_start reads (bottom-right causal: position i
     sees [0, i + ctx - q_len]), this split's slice of them: -> (diag, n_begin, n_mid,
     n_end); [n_begin, n_mid) needs no mask, [n_mid, n_end) does; a split past the end gets
-    an empty range.
-
-    BATCH_INVARIANT: every tile goes through the masked step. Where the unmasked range ends
-    depends on the tile's first row, i.e. on where the query chunk started, and the two
-    steps round differently (in the unmasked one Triton contracts the scale multiply and the
-    max subtraction into one FMA; the mask's select sits between them in the other), so a
-    row would get other bits when its chunk is cut elsewhere. A key tile a row
-    sees none of is an exact no-op in the masked step (p = 0, alpha = 1), so the extra tiles of
-    the causal band change nothing either."""
+    an empty range."""
     # the tile's positions [m_start, min(m_start + BLOCK_Q, q_len)) of the sequence
     diag, full_end, end = _causal_key_range(q_len, ctx, m_start, tl.minimum(m_start + BLOCK_Q, q_len), IS_CAUSAL,
                                             BLOCK_N)
     tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), num_splits)
     n_begin = split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, end)
-    if BATCH_INVARIANT:
-        n_mid = n_begin
-    else:
-        n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
+    n_mid = tl.minimum(tl.maximum(full_end, n_begin), n_end)
     return diag, n_begin, n_mid, n_end
 
 
@@ -189,6 +180,107 @@ def _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, n
 
 
 @triton.jit
+def _invariant_segment(q, pos, k_head, v_head, table_row, lo, hi, ctx, diag,
+                       stride_kblock, stride_ktok, stride_vblock, stride_vtok, qk_scale_log2, V_scale, kv_head,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       KV_FP8: tl.constexpr):
+    """One key segment [lo, hi) of the batch-invariant path from a fresh softmax state, every
+    tile through the masked step -> (its normalised output, fp32, and base-2 lse)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row, lo, hi, ctx, diag,
+                                 stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                 qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, GATHER, DOT_PRECISION)
+    part, lse2 = _segment_result(acc, l_i, m_i)
+    if KV_FP8:
+        part = part * tl.load(V_scale + kv_head)
+    return part, lse2
+
+
+@triton.jit
+def _invariant_tile(q, pos, tok, heads, row_ok, offs_d, k_head, v_head, table_row, ctx, q_len, m_start,
+                    split, num_q_heads, num_splits, kv_head, O, LSE, O_partial, LSE_partial, V_scale,
+                    stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                    stride_ot, stride_oh, stride_lt, stride_lh, qk_scale_log2,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE: tl.constexpr, IS_CAUSAL: tl.constexpr, SPLIT: tl.constexpr, RETURN_LSE: tl.constexpr,
+                    GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                    SEGMENT_TILES: tl.constexpr):
+    """The batch-invariant path (ops.paged(batch_invariant=True)): a row's bits depend on its
+    query and its keys only. Keys are cut into segments of SEGMENT_TILES * BLOCK_N at fixed
+    key positions; each segment is attended from a fresh state with every tile through the
+    masked step (where the unmasked range would end depends on the other rows of the tile,
+    and with FMA contraction the two steps round differently), then folded into the row's
+    result in segment order by softmax._merge_segment. SPLIT: this program computes segment
+    `split` only and stores it for invariant_reduce, which folds the segments with the same
+    function; otherwise it folds them itself. The launcher compiles both without FMA
+    contraction, so the arithmetic is the same either way and it may split a decode batch
+    and not a prefill. Segments and key tiles a row sees nothing of are exact no-ops
+    (p = 0, alpha = 1), so the tile's other rows never change a row's result."""
+    SEGMENT: tl.constexpr = SEGMENT_TILES * BLOCK_N
+    diag, full_end, end = _causal_key_range(q_len, ctx, m_start, tl.minimum(m_start + BLOCK_Q, q_len), IS_CAUSAL,
+                                            BLOCK_N)
+    if SPLIT:
+        lo = split * SEGMENT
+        part, lse2 = _invariant_segment(q, pos, k_head, v_head, table_row, lo, tl.minimum(lo + SEGMENT, end), ctx,
+                                        diag, stride_kblock, stride_ktok, stride_vblock, stride_vtok, qk_scale_log2,
+                                        V_scale, kv_head, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE, IS_CAUSAL, GATHER,
+                                        DOT_PRECISION, KV_FP8)
+        row = (tok * num_q_heads + heads) * num_splits + split
+        tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], part, mask=row_ok[:, None])
+        tl.store(LSE_partial + row, lse2, mask=row_ok)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for lo in range(0, end, SEGMENT):
+            part, lse2 = _invariant_segment(q, pos, k_head, v_head, table_row, lo, tl.minimum(lo + SEGMENT, end),
+                                            ctx, diag, stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                            qk_scale_log2, V_scale, kv_head, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE,
+                                            IS_CAUSAL, GATHER, DOT_PRECISION, KV_FP8)
+            acc, total, m = _merge_segment(acc, total, m, part, lse2)
+        out, lse = _merged_result(acc, total, m)
+        tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+                 + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if RETURN_LSE:
+            tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def invariant_reduce(
+    O_partial, LSE_partial, O, LSE,
+    num_rows, num_q_heads, num_splits,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Folds the segments the batch-invariant SPLIT launch stored (rows r = token * Hq +
+    head, num_splits each) in segment order, as the unsplit launch folds them itself."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < num_rows
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for p in range(0, num_splits):
+        r = rows.to(tl.int64) * num_splits + p
+        part = tl.load(O_partial + r[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        lse2 = tl.load(LSE_partial + r, mask=ok, other=float("-inf"))
+        acc, total, m = _merge_segment(acc, total, m, part, lse2)
+    out, lse = _merged_result(acc, total, m)
+    tok = (rows // num_q_heads).to(tl.int64)
+    head = (rows % num_q_heads).to(tl.int64)
+    tl.store(O + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=ok[:, None])
+    if RETURN_LSE:
+        tl.store(LSE + tok * stride_lt + head * stride_lh, lse, mask=ok)
+
+
+@triton.jit
 def _paged_kernel(
     Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -213,7 +305,7 @@ def _paged_kernel(
     KV_FP8: tl.constexpr,
     MIN_Q: tl.constexpr = 0,
     MAX_Q: tl.constexpr = 0,
-    BATCH_INVARIANT: tl.constexpr = False,
+    INVARIANT_SEGMENT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     seq = pid % num_seqs
@@ -234,8 +326,9 @@ def _paged_kernel(
         ctx = tl.load(context_lens + seq)
         offs_d, pos, heads, row_ok, tok, q = _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group,
                                                         stride_qt, stride_qh, HEAD_DIM, BLOCK_M, BLOCK_Q)
+        # (unused by the invariant path, which finds its keys itself)
         diag, n_begin, n_mid, n_end = _tile_keys(ctx, q_len, m_start, split, num_splits, IS_CAUSAL, BLOCK_Q,
-                                                 BLOCK_N, BATCH_INVARIANT)
+                                                 BLOCK_N)
 
         table_row = block_tables + seq.to(tl.int64) * stride_table
         k_head = K_cache + kv_head.to(tl.int64) * stride_khead + offs_d[None, :]
@@ -243,21 +336,29 @@ def _paged_kernel(
 
         if KV_FP8:
             qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
-                                     n_begin, n_mid, ctx, diag,
-                                     stride_kblock, stride_ktok, stride_vblock, stride_vtok,
-                                     qk_scale_log2, PAGE, BLOCK_N, False, IS_CAUSAL, GATHER, DOT_PRECISION)
-        acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
-                                     n_mid, n_end, ctx, diag,
-                                     stride_kblock, stride_ktok, stride_vblock, stride_vtok,
-                                     qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, GATHER, DOT_PRECISION)
+        if INVARIANT_SEGMENT > 0:
+            _invariant_tile(q, pos, tok, heads, row_ok, offs_d, k_head, v_head, table_row, ctx, q_len, m_start,
+                            split, num_q_heads, num_splits, kv_head, O, LSE, O_partial, LSE_partial, V_scale,
+                            stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale_log2,
+                            HEAD_DIM, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE, IS_CAUSAL, SPLIT, RETURN_LSE, GATHER,
+                            DOT_PRECISION, KV_FP8, INVARIANT_SEGMENT)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
+                                         n_begin, n_mid, ctx, diag,
+                                         stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                         qk_scale_log2, PAGE, BLOCK_N, False, IS_CAUSAL, GATHER, DOT_PRECISION)
+            acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
+                                         n_mid, n_end, ctx, diag,
+                                         stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                         qk_scale_log2, PAGE, BLOCK_N, True, IS_CAUSAL, GATHER, DOT_PRECISION)
 
-        _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, num_splits, kv_head,
-                    O, LSE, O_partial, LSE_partial, V_scale, stride_ot, stride_oh, stride_lt, stride_lh,
-                    HEAD_DIM, SPLIT, RETURN_LSE, KV_FP8)
+            _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, num_splits, kv_head,
+                        O, LSE, O_partial, LSE_partial, V_scale, stride_ot, stride_oh, stride_lt, stride_lh,
+                        HEAD_DIM, SPLIT, RETURN_LSE, KV_FP8)
 
 
 # ------------------------------------------------------------------ long chunks (v2)

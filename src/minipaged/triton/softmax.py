@@ -66,3 +66,34 @@ def _split_lse(m_sub, total):
     """The natural-log lse of merged splits (_merge_splits): -inf when no split saw a key."""
     return tl.where(total == 0.0, float("-inf"),
                     (m_sub + tl.math.log2(tl.where(total == 0.0, 1.0, total))) * 0.6931471805599453)
+
+
+@triton.jit
+def _segment_result(acc, l_i, m_i):
+    """A finished key segment of the batch-invariant path: its normalised output (fp32) and
+    base-2 lse (-inf and zeros for rows that saw no key)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc / l_safe[:, None], tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+
+
+@triton.jit
+def _merge_segment(acc, total, m, part, lse2):
+    """Folds one segment (part [rows, D], base-2 lse2 [rows]) into the running (acc, total, m).
+    Both batch-invariant launches (split or not) fold with this one function in segment
+    order, so they compute the same bits; a segment a row saw nothing of (lse2 -inf, part 0)
+    leaves its state exactly as it was (alpha = 1, w = 0)."""
+    m_new = tl.maximum(m, lse2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_sub)
+    w = tl.math.exp2(lse2 - m_sub)
+    return acc * alpha[:, None] + part * w[:, None], total * alpha + w, m_new
+
+
+@triton.jit
+def _merged_result(acc, total, m):
+    """(output fp32 [rows, D], natural-log lse [rows]) of the folded segments; rows that saw no
+    key give zeros and -inf."""
+    t_safe = tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), (m + tl.math.log2(t_safe)) * 0.6931471805599453)
+    return acc / t_safe[:, None], lse
+
