@@ -5,6 +5,9 @@ split over key segments) and its segment reduction; report
 shared memory, wgmma count and, where triton's ptxas reads its PTX, registers and spills.
 
     cd scripts && PYTHONPATH=../src:. python triton_invariant_sm90.py
+
+The GPU machine runs triton 3.6: put an unpacked triton 3.6 wheel first on PYTHONPATH to see
+its code (and registers: its ptxas reads its PTX).
 """
 
 from __future__ import annotations

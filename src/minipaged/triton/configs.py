@@ -458,4 +458,6 @@ def invariant_paged_config(head_dim: int, group: int, device: torch.device) -> P
     min_m = max(16, _next_pow2(group))
     if interpreting() or device.type != "cuda":
         return PagedConfig(min_m, 16, 4, 1)
-    return PagedConfig(max(64, min_m), 32 if head_dim > 128 else 64, 4, 2)
+    # 8 warps: the unsplit launch holds two [BLOCK_M, D] fp32 states (segment and running
+    # result); with 4 warps triton 3.6 spills them at D 128 (sm_90, scripts/triton_invariant_sm90.py)
+    return PagedConfig(max(64, min_m), 32 if head_dim > 128 else 64, 8, 2)
