@@ -392,8 +392,9 @@ def paged_short_config(head_dim: int, dtype: torch.dtype, group: int, device: to
 #
 # One tile per (device kind, dtype) for every call, whatever the batch: a row's arithmetic
 # must not depend on M, the query length or the number of sequences (invariant.py). One
-# tile serves an 8k-token prefill and a 1-token decode, so it is a compromise: 64 rows
-# waste little of a decode step's small M, and the prefill keeps tensor-core-sized tiles.
+# tile serves an 8k-token prefill and a 1-token decode: a decode step is bound by reading
+# the weights, whatever rows its tile computes, so the tile is the prefill's (128 x 128,
+# two consumer warpgroups; 96 KB of shared memory in 3 stages fits every sm_80+ part).
 # None of these follow OVERRIDES: a tuning script must not change them mid-run.
 
 
@@ -411,7 +412,7 @@ def invariant_linear_config(dtype: torch.dtype, device: torch.device) -> LinearC
         return LinearConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
         return LinearConfig(64, 64, 32, 4, 3)
-    return LinearConfig(64, 128, 64, 4, 4)
+    return LinearConfig(128, 128, 64, 8, 3)
 
 
 def invariant_norm_rows(block_d: int, device: torch.device) -> int:
