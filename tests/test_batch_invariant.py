@@ -449,3 +449,11 @@ def test_engine_batch_invariant_gpu():
         out, rows, _ = run(**kw)
         assert out == base[0], what
         assert _differing(base[1], rows) == 0, f"{what}: logits bits differ"
+
+    # sampling: one RNG per request over bit-identical logits draws the same tokens
+    sampled = []
+    for kw in (dict(enable_prefix_caching=True), dict(enable_prefix_caching=False, max_num_batched_tokens=203)):
+        eng = Engine(cfg, device="cuda", dtype=torch.bfloat16, batch_invariant=True, max_model_len=1024,
+                     num_blocks=400, **kw)
+        sampled.append(eng.generate(prompts, max_new_tokens=24, temperature=0.8, top_p=0.9, seed=11))
+    assert sampled[0] == sampled[1]
