@@ -49,7 +49,8 @@ def variants():
     v1 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, IS_CAUSAL=True, SPLIT=False, RETURN_LSE=False,
               GATHER=2, DOT_PRECISION="tf32", KV_FP8=False, MIN_Q=0, MAX_Q=0, INVARIANT_SEGMENT=0)
     v2 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, STRIDE_TOK=8 * 128, IS_CAUSAL=True, SPLIT=False,
-              RETURN_LSE=False, DOT_PRECISION="tf32", KV_FP8=False, DIRECT=True, SEARCH=128, MIN_Q=0, PREFETCH=True)
+              RETURN_LSE=False, DOT_PRECISION="tf32", KV_FP8=False, DIRECT=True, SEARCH=128, MIN_Q=0, PREFETCH=True,
+              HEADS_FASTEST=True)
     for page in (1, 16, 128):
         out.append((f"v1_long_p{page}", _paged_kernel, "bf16", "bf16", dict(v1, PAGE=page), 8, 3))
         out.append((f"v2_long_p{page}", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=page), 8, 3))

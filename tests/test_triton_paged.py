@@ -706,6 +706,23 @@ def test_paged_long_every_residue_interpreter(ragged):
 
 
 @cpu_only
+@pytest.mark.parametrize("ragged", [False, True], ids=["direct", "compact"])
+def test_paged_long_program_orders_agree_interpreter(ragged):
+    """The long-chunk kernel's two program orders (KV heads fastest on axis 0, the default, or
+    heads on axis 1) run the same tiles: both within the oracle's bound, with the same bits,
+    over 4 KV heads so that the head index really comes from axis 0 in one and axis 1 in the
+    other; one long chunk and short runs beside it."""
+    q_lens = [70, 20, 3] if ragged else [40, 40]
+    ctxs = [90, 20, 33] if ragged else [40, 97]
+    assert [x.kernel for x in _plan(q_lens, Hq=8, Hkv=4)][0] == "v2"
+    outs = []
+    for fastest in (1, 0):
+        with _overrides(paged_heads_fastest=fastest):
+            outs.append(_mixed(q_lens, ctxs, 8, 4, 64, 16, True, torch.float16, "cpu", seed=6))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@cpu_only
 def test_paged_long_coarse_search_interpreter(monkeypatch):
     """A program finds its sequence in two passes when S > SEARCH (coarse steps of
     ceil(S / SEARCH) slot starts): 11 sequences with SEARCH 4."""

@@ -76,7 +76,8 @@ _PREFILL_SM90 = {
 # "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
-# "paged_prefetch": 0 or 1; "decode_fp8_f16": 0 or 1; "decode_fp8_words": 0 or 1.
+# "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "decode_fp8_f16": 0 or 1;
+# "decode_fp8_words": 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -97,7 +98,7 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "decode_fp8_f16", "decode_fp8_words"):
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "decode_fp8_words"):
         OVERRIDES[name] = bool(int(value))
     else:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
@@ -317,10 +318,16 @@ PAGED_MIXED = "decode"
 # v2 reads the next tile's block ids one iteration ahead (see paged._long_inner);
 # without it the sm_90 pipeliner keeps K/V only one tile ahead
 PAGED_PREFETCH = True
+# v2's program order: KV heads vary fastest (paged._paged_long_kernel), so the GPU starts the
+# tiles of every head in order of decreasing work, as the dense prefill's grid does. With heads
+# on a grid axis of their own it starts every tile of head 0, longest to shortest, before any
+# of head 1, and a single long chunk (two waves of programs) leaves long tiles of the last
+# heads for the second wave (scripts/wave_model.py; README, known limits).
+PAGED_HEADS_FASTEST = True
 # packed (position, head) rows of the short launch of a mixed batch: 16 covers a decode
 # at any group <= 16 and a speculative run of 16 // group tokens
 _PAGED_SHORT_ROWS = 16
-_PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch")
+_PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch", "paged_heads_fastest")
 # v2 finds a program's sequence in two vector loads of SEARCH slot starts: S <= SEARCH^2
 PAGED_SEARCH = 128
 
@@ -335,6 +342,10 @@ def paged_mixed_mode() -> str:
 
 def paged_prefetch() -> bool:
     return OVERRIDES.get("paged_prefetch", PAGED_PREFETCH)
+
+
+def paged_heads_fastest() -> bool:
+    return OVERRIDES.get("paged_heads_fastest", PAGED_HEADS_FASTEST)
 
 
 # FP8 caches in the decode kernel: True runs the dots in fp16: q scaled by a power of two into

@@ -473,7 +473,9 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                 direct_tiles = num_seqs * triton.cdiv(run_q, block_q)
                 compact_tiles = total_q // block_q + num_seqs
                 direct = direct_tiles <= compact_tiles
-                grid = (direct_tiles if direct else compact_tiles, num_kv_heads, splits)
+                slots = direct_tiles if direct else compact_tiles
+                heads_fastest = configs.paged_heads_fastest()
+                grid = (slots * num_kv_heads, 1, splits) if heads_fastest else (slots, num_kv_heads, splits)
                 _paged_long_kernel[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
@@ -498,6 +500,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     SEARCH=configs.PAGED_SEARCH,
                     MIN_Q=launch.min_q,
                     PREFETCH=configs.paged_prefetch(),
+                    HEADS_FASTEST=heads_fastest,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                 )

@@ -374,7 +374,8 @@ def _paged_kernel(
 # constexpr STRIDE_TOK = Hkv * D, the head stride HEAD_DIM, and K and V share them.
 #
 # Work split: program t of axis 0 (reversed, so later tiles start first) owns query
-# positions [j * BLOCK_Q, (j + 1) * BLOCK_Q) of one sequence. DIRECT: t = tile * S + seq,
+# positions [j * BLOCK_Q, (j + 1) * BLOCK_Q) of one sequence (HEADS_FASTEST: axis 0 holds
+# slot t of KV head h at t * Hkv + h, and axis 1 is 1). DIRECT: t = tile * S + seq,
 # the layout of the kernel above, for batches where nearly every sequence has
 # max_seqlen_q tokens. Otherwise a compact tile space without a host sync: sequence s
 # owns slots [cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1) (at least
@@ -476,9 +477,18 @@ def _paged_long_kernel(
     SEARCH: tl.constexpr,
     MIN_Q: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr = False,
 ):
-    slot = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        # axis 0 = slot x KV head, heads fastest: the GPU starts programs in index order, so
+        # the longest tile of every head comes before the next tile of any (configs.PAGED_HEADS_FASTEST)
+        num_kv_heads = num_q_heads // kv_group
+        pid = tl.program_id(0)
+        slot = tl.num_programs(0) // num_kv_heads - 1 - pid // num_kv_heads
+        kv_head = pid % num_kv_heads
+    else:
+        slot = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DIRECT:
         seq = slot % num_seqs
