@@ -62,8 +62,9 @@ VARIANTS = {
     # q_len 1 rows through the decode kernel (packed-query mode), the chunk through v2
     "v2+decode": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "decode"}),
     "v2 no-prefetch": ("long", {**_NEW, "paged_prefetch": 0}),
-    # programs of KV head 0 first, then head 1, ... (the order before configs.PAGED_HEADS_FASTEST)
-    "v2 heads-slowest": ("long", {**_NEW, "paged_heads_fastest": 0}),
+    # the defaults but programs of KV head 0 first, then head 1, ... (the order before
+    # configs.PAGED_HEADS_FASTEST)
+    "v2 heads-slowest": ("long", {"paged_heads_fastest": 0}),
     "v2 tile 128,64,8,2": ("long", {**_NEW, "paged": (128, 64, 8, 2)}),
     "v2 tile 64,64,4,3": ("long", {**_NEW, "paged": (64, 64, 4, 3)}),
     "v2 tile 128,32,8,4": ("long", {**_NEW, "paged": (128, 32, 8, 4)}),
