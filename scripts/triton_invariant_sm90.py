@@ -49,7 +49,7 @@ def _paged(head_dim: int, page: int, split: bool = False):
     c = configs.invariant_paged_config(head_dim, 2, _CUDA)
     cx = dict(HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_Q=c.block_m // 2, BLOCK_N=c.block_n, PAGE=page,
               IS_CAUSAL=True, SPLIT=split, RETURN_LSE=False, GATHER=1, DOT_PRECISION="tf32", KV_FP8=False,
-              MIN_Q=0, MAX_Q=0, INVARIANT_SEGMENT=configs.invariant_segment_tiles(_CUDA))
+              MIN_Q=0, MAX_Q=0, INVARIANT_SEGMENT=configs.invariant_segment_tiles(_CUDA), HEADS_FASTEST=True)
     types = {**{n: "bf16" for n in ("Q", "O", "K_cache", "V_cache")},
              **{n: "i32" for n in ("block_tables", "cu_seqlens_q", "context_lens")},
              **{n: "fp32" for n in ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")}}

@@ -505,7 +505,9 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     num_stages=cfg.num_stages,
                 )
             else:
-                grid = (num_seqs * triton.cdiv(run_q, block_q), num_kv_heads, splits)
+                tiles = num_seqs * triton.cdiv(run_q, block_q)
+                # the invariant launch also carries prefill chunks: longest tiles first over all heads
+                grid = (tiles * num_kv_heads, 1, splits) if batch_invariant else (tiles, num_kv_heads, splits)
                 _paged_kernel[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
@@ -527,6 +529,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     MIN_Q=launch.min_q,
                     MAX_Q=launch.max_q,
                     INVARIANT_SEGMENT=configs.invariant_segment_tiles(q.device) if batch_invariant else 0,
+                    HEADS_FASTEST=batch_invariant,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                     **_INVARIANT_FP if batch_invariant else {},

@@ -306,11 +306,21 @@ def _paged_kernel(
     MIN_Q: tl.constexpr = 0,
     MAX_Q: tl.constexpr = 0,
     INVARIANT_SEGMENT: tl.constexpr = 0,
+    HEADS_FASTEST: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    seq = pid % num_seqs
-    q_tile = tl.num_programs(0) // num_seqs - 1 - pid // num_seqs
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        # axis 0 = (tile x sequence) x KV head, heads fastest, so programs start longest
+        # first across every head (configs.PAGED_HEADS_FASTEST); axis 1 is 1
+        num_kv_heads = num_q_heads // kv_group
+        pid = tl.program_id(0) // num_kv_heads
+        seq = pid % num_seqs
+        q_tile = tl.num_programs(0) // num_kv_heads // num_seqs - 1 - pid // num_seqs
+        kv_head = tl.program_id(0) % num_kv_heads
+    else:
+        pid = tl.program_id(0)
+        seq = pid % num_seqs
+        q_tile = tl.num_programs(0) // num_seqs - 1 - pid // num_seqs
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q + seq)
