@@ -226,8 +226,11 @@ def _invariance_case(L, hq, hkv, D, page, dtype, cuts, seed=0):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("hq,hkv,D,page", [(4, 2, 64, 4), (2, 2, 32, 1), (8, 1, 64, 16)])
 def test_paged_rows_do_not_depend_on_chunks_or_batch(dtype, hq, hkv, D, page):
-    # cuts at every residue of the 16-key tile of the interpreter
-    _invariance_case(45, hq, hkv, D, page, dtype, cuts=[1, 7, 16, 18, 33, 44])
+    # a chunk starting at lo has context_len - q_len = lo: starts at every residue of the
+    # interpreter's 16-key tile (2, 4, .., 14 and 17, 19, .., 31 besides 0), and one at 44
+    cuts = sorted({r + 16 * (r % 2) for r in range(1, 16)} | {44})
+    assert sorted({c % 16 for c in [0] + cuts}) == list(range(16))
+    _invariance_case(45, hq, hkv, D, page, dtype, cuts=cuts)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
