@@ -224,13 +224,14 @@ class Engine:
             with a non-torch backend; falls back to eager if capture fails).
         batch_invariant: run every matmul, RMSNorm and attention through kernels whose
             output rows do not depend on the rest of the batch (minipaged.triton.invariant:
-            one pinned tile per op, no split-K, keys split only at fixed positions,
-            every step through one paged_attention launch). A request's tokens are then bit-for-bit the same
-            whatever it is batched with, however its prompt is chunked and whether its
-            prefix came from the prefix cache. Needs the triton backend (on CPU under
-            TRITON_INTERPRET=1) and, with kv_cache_dtype="fp8", the checkpoint's K/V
-            scales (calibrated scales would depend on the first prompt step). Slower than
-            the default kernels (bench/bench_serving.py --batch-invariant measures it).
+            one pinned tile per op, no split-K, keys split only at fixed positions, every
+            step through one paged_attention launch). A request's tokens are then
+            bit-for-bit the same whatever it is batched with, however its prompt is chunked
+            and whether its prefix came from the prefix cache. Needs the triton backend (on
+            CPU under TRITON_INTERPRET=1) and, with kv_cache_dtype="fp8", the checkpoint's
+            K/V scales (calibrated scales would depend on the first prompt step). Slower
+            than the default kernels (scripts/invariant_bench.py and
+            bench/bench_serving.py --backends triton-invariant measure it).
         seed: seed of the random weights when model is None or a config.
     """
 

@@ -97,6 +97,8 @@ class Qwen3Model:
         if batch_invariant:
             from ..triton import invariant
 
+            assert ops.backends["paged"] == "triton", "the batch-invariant attention is the triton paged op's"
+
             self.linear, self.norm = invariant.linear, invariant.rms_norm
         else:
             self.linear, self.norm = F.linear, rms_norm
