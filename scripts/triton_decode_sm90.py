@@ -75,6 +75,11 @@ def variants(plain_only: bool = False):
                                                        HW_CVT=True), 4, 2),
             ("packed_fp8_words_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
                                                               FP8_F16=True, FP8_WORDS=True, HW_CVT=True), 4, 2),
+            # FP8_WORDS=2: the words widened into four column planes, four dots of D / 4 per product
+            ("plain_fp8_planes", k, "bf16", "fp8", dict(base, KV_FP8=True, FP8_F16=True, FP8_WORDS=2, HW_CVT=True),
+             4, 2),
+            ("packed_fp8_planes_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
+                                                               FP8_F16=True, FP8_WORDS=2, HW_CVT=True), 4, 2),
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),

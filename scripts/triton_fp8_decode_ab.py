@@ -42,14 +42,15 @@ TILES = [None, (128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 3), (256, 8, 2)]
 # configs.decode_fp8_f16 (fp16 dots: a 640-instruction loop) on these tiles as well
 F16_TILES = [None, (128, 4, 2), (128, 4, 3)]
 # fp8 modes: "widen" (tiles widened to q's dtype), "f16" (configs.decode_fp8_f16, the default),
-# "words" (and configs.decode_fp8_words: full tiles read as int32 words, a 431-instruction loop)
-MODES = ("widen", "f16", "words")
+# "words" / "planes" (and configs.decode_fp8_words 1 / 2: full tiles read as int32 words, widened
+# into one tile or four column planes; 554 / 478 instructions per tile under triton 3.6)
+MODES = ("widen", "f16", "words", "planes")
 
 
 def _set_mode(mode: str | None) -> None:
     """The overrides of fp8 mode `mode` (None: release them)."""
     configs.set_override("decode_fp8_f16", None if mode is None else int(mode != "widen"))
-    configs.set_override("decode_fp8_words", None if mode is None else int(mode == "words"))
+    configs.set_override("decode_fp8_words", None if mode is None else {"words": 1, "planes": 2}.get(mode, 0))
 
 
 def _fp8(k_cache, v_cache):
@@ -103,13 +104,13 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
                     "'default-words', '128x4x2', '128x4x2-f16', ... (BLOCK_N x WARPS x STAGES; -f16: "
-                    "decode_fp8_f16; -words: and decode_fp8_words; neither: tiles widened to q's dtype)")
+                    "decode_fp8_f16; -words / -planes: and decode_fp8_words 1 / 2; neither: tiles widened to q's dtype)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
     variants = ([(t, "widen") for t in TILES] + [(t, "f16") for t in F16_TILES]
-                + [(None, "words"), ((128, 4, 2), "words")])
+                + [(None, "words"), ((128, 4, 2), "words"), (None, "planes"), ((128, 4, 2), "planes")])
     if args.variants:
         def parse(v):
             tile, _, mode = v.partition("-")

@@ -263,7 +263,7 @@ def test_fp8_paged_equals_decode_interpreter():
 
 def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1, words=0):
     """configs.decode_fp8_f16 (f16 = 1: fp16 dots, the default; 0: tiles widened to q's
-    dtype) and configs.decode_fp8_words (words = 1: full tiles read as int32 words): decode
+    dtype) and configs.decode_fp8_words (words = 1 or 2: full tiles read as int32 words): decode
     and a mixed paged batch (mode "decode": its q_len 1 rows through the decode kernel) with
     q scaled by q_mult, against the oracle."""
     ctxs = [1, 17, 97, 300, 0] if not on_gpu else [32768, 1, 4097, 16384, 0, 100]
@@ -299,11 +299,13 @@ def test_fp8_decode_f16_dots_interpreter(q_mult):
 
 
 @cpu_only
+@pytest.mark.parametrize("words", [1, 2], ids=["words", "planes"])
 @pytest.mark.parametrize("q_mult", [1.0, 3e3])
-def test_fp8_decode_word_tiles_interpreter(q_mult):
+def test_fp8_decode_word_tiles_interpreter(q_mult, words):
     """configs.decode_fp8_words: the full tiles as int32 words widened in registers (integer
-    widening under the interpreter, cvt on the GPU), against the oracle."""
-    _f16_dots(torch.float16, q_mult, seed=15, words=1)
+    widening under the interpreter, cvt on the GPU), interleaved back into one tile (1) or kept
+    as four column planes (2), against the oracle."""
+    _f16_dots(torch.float16, q_mult, seed=15, words=words)
 
 
 @triton.jit
@@ -385,9 +387,10 @@ def test_fp8_decode_widened_tiles_gpu():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("words", [1, 2], ids=["words", "planes"])
 @pytest.mark.parametrize("q_mult", [1.0, 1e6])
-def test_fp8_decode_word_tiles_gpu(q_mult):
-    _f16_dots(torch.bfloat16, q_mult, seed=16, on_gpu=True, words=1)
+def test_fp8_decode_word_tiles_gpu(q_mult, words):
+    _f16_dots(torch.bfloat16, q_mult, seed=16, on_gpu=True, words=words)
 
 
 @gpu

@@ -77,7 +77,7 @@ _PREFILL_SM90 = {
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "decode_fp8_f16": 0 or 1;
-# "decode_fp8_words": 0 or 1.
+# "decode_fp8_words": 0, 1 (words) or 2 (planes).
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -98,8 +98,12 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "decode_fp8_words"):
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16"):
         OVERRIDES[name] = bool(int(value))
+    elif name == "decode_fp8_words":
+        if int(value) not in (0, 1, 2):
+            raise ValueError(f"decode_fp8_words must be 0, 1 (words) or 2 (planes), got {value!r}")
+        OVERRIDES[name] = int(value)
     else:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
     overrides_version += 1
@@ -362,14 +366,15 @@ def decode_fp8_f16() -> bool:
 
 
 # With the fp16 dots: read the full fp8 tiles as int32 words and widen them in registers
-# (decode.py, FP8_WORDS), which cuts the sm_90 loop from 642 to 431 instructions per tile under
-# triton 3.9 and from 640 to 554 under triton 3.6 (compiled ahead of time) and takes 38-53 KB of
-# shared memory instead of 22.5 KB. Off until timed on the H200.
-DECODE_FP8_WORDS = False
+# (decode.py, FP8_WORDS): 1 interleaves the widened halves back into one tile, 2 ("planes")
+# keeps them as four column planes and runs four dots of D / 4. Per 64-token tile of the sm_90
+# loop (compiled ahead of time): 640 instructions without words under triton 3.6, 554 with 1,
+# 478 with 2 (bf16: 423); triton 3.9: 642 and 431 for 1. Off (0) until timed on the H200.
+DECODE_FP8_WORDS = 0
 
 
-def decode_fp8_words() -> bool:
-    return OVERRIDES.get("decode_fp8_words", DECODE_FP8_WORDS)
+def decode_fp8_words() -> int:
+    return int(OVERRIDES.get("decode_fp8_words", DECODE_FP8_WORDS))
 
 
 @functools.lru_cache(maxsize=None)

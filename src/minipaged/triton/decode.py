@@ -34,13 +34,16 @@ program's tile into (8192, 16384] (exact, barring fp16 subnormals for elements 2
 maximum or smaller), and qk_scale by 2^shift; K/V widen from e4m3 straight to fp16 (exact)
 and P is rounded to fp16 (finer than bf16 for values in [0, 1]). The accumulators stay fp32.
 
-FP8_WORDS (constexpr, with FP8_F16): the full tiles are read as int32 words of 4 e4m3 bytes
-and widened in registers before the dots, so shared memory holds fp16 operands that the dots
-read with ldmatrix. Widened as dot operands instead (FP8_WORDS off), the sm_90 code reads the
-fp8 tiles from shared memory one byte per instruction (128 LDS.U8 per thread per 64-token
-tile). The unmasked loop is 642 instructions against 431 this way under triton 3.9, and 640
-against 554 under triton 3.6, the GPU machine's (the 16-bit loop: 423;
-scripts/triton_decode_sm90.py).
+FP8_WORDS (constexpr, with FP8_F16; 0 off, 1 or 2): the full tiles are read as int32 words
+of 4 e4m3 bytes and widened in registers before the dots, so shared memory holds fp16
+operands that the dots read with ldmatrix. Widened as dot operands instead (0), the sm_90
+code reads the fp8 tiles from shared memory one byte per instruction (128 LDS.U8 per thread
+per 64-token tile). 1 joins the widened halves back into one [BLOCK_N, D] tile, which costs
+register shuffles; 2 keeps them as four column planes (head dim c in plane c % 4: the same
+permutation of the contraction for q and K, undone on the output once per program) and runs
+four dots of D / 4 per product, the same MMA count. Unmasked loop per tile under triton 3.6,
+the GPU machine's: 640 (0), 554 (1), 478 (2), 423 for a 16-bit cache; triton 3.9: 642 and 431
+for 1 (scripts/triton_decode_sm90.py). The ragged last tile takes the whole-tile path.
 HW_CVT: the widening by cvt.rn.f16x2.e4m3x2 (two elements per instruction); off (the
 interpreter, which runs no PTX), by integer ops on the bits, exact and NaN-preserving too.
 
@@ -109,6 +112,57 @@ def _e4m3_words_to_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, HW_CVT: tl.con
 
 
 @triton.jit
+def _e4m3_word_planes(w, HW_CVT: tl.constexpr):
+    """[ROWS, COLS // 4] int32 words of 4 e4m3 bytes -> four fp16 planes [ROWS, COLS // 4]:
+    plane j holds element 4c + j of each word c (no interleaving, so no register shuffle)."""
+    if HW_CVT:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+            constraints="=r,=r,r", args=[w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        return (lo.to(tl.int16).to(tl.float16, bitcast=True), (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True),
+                hi.to(tl.int16).to(tl.float16, bitcast=True), (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+    return (_e4m3_byte_to_f16(w & 0xFF), _e4m3_byte_to_f16((w >> 8) & 0xFF),
+            _e4m3_byte_to_f16((w >> 16) & 0xFF), _e4m3_byte_to_f16((w >> 24) & 0xFF))
+
+
+@triton.jit
+def _planes4(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] -> its four column planes x[:, j::4], j = 0..3."""
+    a, b = tl.split(tl.reshape(x, [ROWS, COLS // 4, 2, 2]))  # last dim: element 4c + 2m + k, k split off
+    p0, p2 = tl.split(a)
+    p1, p3 = tl.split(b)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _unplanes4(p0, p1, p2, p3, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The inverse of _planes4."""
+    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [ROWS, COLS])
+
+
+@triton.jit
+def _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                         qk_scale_log2, DOT_PRECISION: tl.constexpr):
+    """_softmax_step over K, V and the output split into four column planes (a permutation of
+    the head dim, the same for q and k, and undone for V at the end): four dots of D / 4
+    instead of one of D, the same MMA count."""
+    s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    s = tl.dot(q1, tl.trans(k1), s, input_precision=DOT_PRECISION)
+    s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+    s = tl.dot(q3, tl.trans(k3), s, input_precision=DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    p = tl.math.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v0.dtype)
+    a0 = tl.dot(p, v0, a0 * alpha[:, None], input_precision=DOT_PRECISION)
+    a1 = tl.dot(p, v1, a1 * alpha[:, None], input_precision=DOT_PRECISION)
+    a2 = tl.dot(p, v2, a2 * alpha[:, None], input_precision=DOT_PRECISION)
+    a3 = tl.dot(p, v3, a3 * alpha[:, None], input_precision=DOT_PRECISION)
+    return a0, a1, a2, a3, l_i, m_new
+
+
+@triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -131,7 +185,7 @@ def _decode_kernel(
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
     FP8_F16: tl.constexpr = False,
-    FP8_WORDS: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = 0,
     HW_CVT: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
@@ -189,12 +243,35 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
 
-    for start_n in range(n_begin, full_end, BLOCK_N):
+    if FP8_WORDS == 2:
+        # the full tiles in four column planes (head dim c -> plane c % 4); the ragged tile
+        # below takes the whole-tile path, so the planes merge back first
+        q0, q1, q2, q3 = _planes4(q, BLOCK_H, HEAD_DIM)
+        a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+        a3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+        for start_n in range(n_begin, full_end, BLOCK_N):
+            k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
+            v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+            k0, k1, k2, k3 = _e4m3_word_planes(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
+            v0, v1, v2, v3 = _e4m3_word_planes(tl.load(v_words + (v_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
+            a0, a1, a2, a3, l_i, m_i = _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3,
+                                                            k0, k1, k2, k3, v0, v1, v2, v3, qk_scale_log2,
+                                                            DOT_PRECISION)
+        acc = _unplanes4(a0, a1, a2, a3, BLOCK_H, HEAD_DIM)
+        full_lo = full_end
+    else:
+        full_lo = n_begin
+
+    for start_n in range(full_lo, full_end, BLOCK_N):
         k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
                                  stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
         v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
                                  stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
-        if FP8_WORDS:
+        if FP8_WORDS == 1:
             k = _e4m3_words_to_f16(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,
                                    HW_CVT)
             v = _e4m3_words_to_f16(tl.load(v_words + (v_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,

@@ -245,7 +245,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         KV_FP8=fp8,
         FP8_F16=_fp8_f16(fp8, q),
         FP8_WORDS=words,
-        HW_CVT=words and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
+        HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -257,12 +257,13 @@ def _fp8_f16(fp8: bool, q: torch.Tensor) -> bool:
     return fp8 and q.dtype != torch.float32 and configs.decode_fp8_f16()
 
 
-def _fp8_words(fp8: bool, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """With the fp16 dots, the fp8 tiles read as int32 words (configs.decode_fp8_words): every
-    cache stride and base 4-byte aligned, so a row's bytes are whole words."""
-    if not (_fp8_f16(fp8, q) and configs.decode_fp8_words()):
-        return False
-    return all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in (k_cache, v_cache))
+def _fp8_words(fp8: bool, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """With the fp16 dots, the fp8 tiles read as int32 words (configs.decode_fp8_words, its mode
+    1 or 2; 0: not): every cache stride and base 4-byte aligned, so a row's bytes are whole words."""
+    mode = configs.decode_fp8_words() if _fp8_f16(fp8, q) else 0
+    if mode and all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in (k_cache, v_cache)):
+        return mode
+    return 0
 
 
 def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int, num_q_heads: int,
