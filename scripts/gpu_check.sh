@@ -146,7 +146,7 @@ for s in $stages; do
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_paged_ws_time=${STAGE_TIMEOUT_paged_ws_time:-240} \
         run paged_ws_time "$bin/paged_ws_selftest" time 20;;
-    triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py --json "$WORK/bench/triton_hopper_ab.json";;
+    triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py ${TRITON_AB_ARGS:-} --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py ${TRITON_FP8_AB_ARGS:-} --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;

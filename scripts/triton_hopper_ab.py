@@ -49,6 +49,9 @@ VARLEN = [
 TILES = {
     ("pointer", 128): [None],
     ("pointer", 64): [None],
+    # the pointer kernel with configs.prefill_lazy_rescale = 8 (rescale only on a max growth > 2^8)
+    ("pointer_lazy", 128): [None],
+    ("pointer_lazy", 64): [None],
     ("tma", 128): [None, (128, 128, 8, 2)],
     ("tma", 64): [None, (128, 64, 8, 3)],
     ("tma_ws", 128): [None, (128, 64, 4, 3), (128, 64, 4, 2)],
@@ -86,14 +89,16 @@ def _call(variant, tile, args, varlen, causal, scale):
 
     configs.set_override("prefill", tile)
     try:
-        if variant == "pointer":
+        if variant in ("pointer", "pointer_lazy"):
             configs.set_override("prefill_variant", "pointer")
+            configs.set_override("prefill_lazy_rescale", 8 if variant == "pointer_lazy" else None)
             return (ops.prefill_varlen(*args, causal, scale) if varlen else ops.prefill(*args, causal, scale))
         fn = prefill_tma.try_prefill_varlen if varlen else prefill_tma.try_prefill
         return fn(*args, causal, scale, False, variant=variant)
     finally:
         configs.set_override("prefill", None)
         configs.set_override("prefill_variant", None)
+        configs.set_override("prefill_lazy_rescale", None)
 
 
 def _combo_key(variant, tile, d, causal, varlen):

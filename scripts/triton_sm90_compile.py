@@ -20,7 +20,7 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton_aot import SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, signature  # noqa: E402
+from triton_aot import SM90_MAX_SHARED, compile_sm90, divisible16, ptxas_usage, sass_loops, signature  # noqa: E402
 
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
 from minipaged.triton.prefill_tma import _attn_fwd_tma  # noqa: E402
@@ -65,7 +65,8 @@ def variants():
                     base = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d, DOT_PRECISION="tf32",
                                 RETURN_LSE=False)
                     tag = f"{dt}_d{d}_{'causal' if causal else 'full'}_{'varlen' if varlen else 'dense'}"
-                    out.append((f"pointer_{tag}", _attn_fwd, dt, dict(base, BLOCK_M=128, BLOCK_N=64), 8, 3))
+                    out.append((f"pointer_{tag}", _attn_fwd, dt, dict(base, BLOCK_M=128, BLOCK_N=64, LAZY_RESCALE=0),
+                                8, 3))
                     for bn, w, s in ((64, 8, 3), (128, 8, 2)):
                         out.append((f"tma_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
                                     dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=False), w, s))
@@ -74,6 +75,10 @@ def variants():
                     for bn, w, s in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)):
                         out.append((f"tma_ws_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
                                     dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=True), w, s))
+    # configs.prefill_lazy_rescale (the rescale skipped on tiles where no row's max grew by > 2^8)
+    base = dict(IS_VARLEN=False, IS_CAUSAL=True, HEAD_DIM=128, DOT_PRECISION="tf32", RETURN_LSE=False,
+                BLOCK_M=128, BLOCK_N=64)
+    out.append(("pointer_lazy8_bf16_d128_causal_dense", _attn_fwd, "bf16", dict(base, LAZY_RESCALE=8), 8, 3))
     # lse on, once per kernel
     base = dict(IS_VARLEN=True, IS_CAUSAL=True, HEAD_DIM=128, DOT_PRECISION="tf32", RETURN_LSE=True,
                 BLOCK_M=128, BLOCK_N=128)
@@ -103,6 +108,7 @@ def main(argv=None) -> int:
                 traceback.print_exc()
             continue
         info = summarize(k)
+        info["sass_loops"] = sass_loops(k.asm["cubin"]) if "cubin" in k.asm else []
         if args.ptxas:
             info.update(ptxas_usage(k.asm["ptx"]))
         status = "ok  " if info["shared"] <= SM90_MAX_SHARED else "SMEM"

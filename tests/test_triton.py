@@ -98,6 +98,52 @@ def test_prefill_interpreter(case, dtype):
     _run_prefill(*case, dtype=dtype, device="cpu")
 
 
+def _lazy_rescale_case(threshold, dtype, device, causal):
+    """configs.prefill_lazy_rescale: keys whose scale ramps up along the sequence, so a row's
+    max grows past the threshold several times (rescaled tiles) and also by less (skipped
+    ones), against the fp64 oracle and the plain bound; also varlen."""
+    from minipaged.triton import configs
+
+    g = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, N, D = 1, 4, 2, 160, 64
+    q = torch.randn(B, Hq, N, D, generator=g).to(device=device, dtype=dtype)
+    ramp = torch.linspace(0.2, 3.0, N).view(1, 1, N, 1)
+    k = (torch.randn(B, Hkv, N, D, generator=g) * ramp).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, N, D, generator=g).to(device=device, dtype=dtype)
+    scale = 1.0 / math.sqrt(D)
+    configs.set_override("prefill_lazy_rescale", threshold)
+    try:
+        out = mp.prefill_attention(q, k, v, causal=causal, scale=scale, backend="triton")
+        qv, kv_, vv = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
+        cu = torch.tensor([0, 70, N], dtype=torch.int32, device=device)
+        out_v = mp.prefill_attention_varlen(qv, kv_, vv, cu, cu, max_seqlen_q=90, max_seqlen_k=90, causal=causal,
+                                            scale=scale, backend="triton")
+    finally:
+        configs.set_override("prefill_lazy_rescale", None)
+    truth, truth_lse = prefill_ref(q, k, v, causal=causal, scale=scale)
+    baseline, _ = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)
+    assert_close(out, truth, baseline, f"lazy rescale {threshold} causal={causal}", truth_lse=truth_lse)
+    vt, _ = varlen_ref(qv, kv_, vv, cu, cu, causal=causal, scale=scale)
+    vb, _ = varlen_ref(qv, kv_, vv, cu, cu, causal=causal, scale=scale, lowp=True)
+    assert_close(out_v, vt, vb, f"lazy rescale {threshold} varlen causal={causal}")
+
+
+@cpu_only
+@pytest.mark.parametrize("threshold", [1, 8, 12])
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_lazy_rescale_interpreter(threshold, causal):
+    _lazy_rescale_case(threshold, torch.float16, "cpu", causal)
+
+
+def test_prefill_lazy_rescale_override_range():
+    from minipaged.triton import configs
+
+    for bad in (-1, 13):
+        with pytest.raises(ValueError, match="prefill_lazy_rescale"):
+            configs.set_override("prefill_lazy_rescale", bad)
+    assert configs.prefill_lazy_rescale() == configs.PREFILL_LAZY_RESCALE
+
+
 @cpu_only
 @pytest.mark.parametrize("causal", [True, False])
 def test_prefill_noncontiguous_interpreter(causal):
@@ -296,6 +342,14 @@ def test_prefill_gpu(case, dtype):
 @pytest.mark.parametrize("case", [(1, 4, 2, 300, 300, 128, True), (1, 4, 1, 130, 257, 64, False)])
 def test_prefill_gpu_fp32(case, dtype):
     _run_prefill(*case, dtype=dtype, device="cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_lazy_rescale_gpu(dtype, causal):
+    _lazy_rescale_case(8, dtype, "cuda", causal)
 
 
 @gpu

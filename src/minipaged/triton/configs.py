@@ -77,7 +77,7 @@ _PREFILL_SM90 = {
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "decode_fp8_f16": 0 or 1;
-# "decode_fp8_words": 0, 1 (words) or 2 (planes).
+# "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -88,7 +88,7 @@ def set_override(name: str, value) -> None:
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
     if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "paged",
-                    "prefill_variant", *_PAGED_OVERRIDES):
+                    "prefill_variant", "prefill_lazy_rescale", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
              "paged_mixed": PAGED_MIXED_MODES}
@@ -100,6 +100,10 @@ def set_override(name: str, value) -> None:
         OVERRIDES[name] = value
     elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16"):
         OVERRIDES[name] = bool(int(value))
+    elif name == "prefill_lazy_rescale":
+        if not 0 <= int(value) <= _MAX_LAZY_RESCALE:
+            raise ValueError(f"prefill_lazy_rescale must be in [0, {_MAX_LAZY_RESCALE}], got {value!r}")
+        OVERRIDES[name] = int(value)
     elif name == "decode_fp8_words":
         if int(value) not in (0, 1, 2):
             raise ValueError(f"decode_fp8_words must be 0, 1 (words) or 2 (planes), got {value!r}")
@@ -152,6 +156,22 @@ _PREFILL_SM90_HOPPER = {
     ("tma_ws", 64): PrefillConfig(128, 128, 4, 3),   # 129 KB
     ("tma_ws", 128): PrefillConfig(128, 128, 4, 2),  # 193 KB; 3 stages would need 257 KB
 }
+# The pointer kernel's unmasked key loop rescales acc and l only when some row's max grew by
+# more than this many log2 units in the tile (softmax._softmax_step_lazy); 0: every tile, as
+# FlashAttention-2 does. At most 12 keeps a 16-bit P finite (p <= 2^12). Under triton 3.6 the
+# sm_90 loop is 330 instructions per tile without it; with 8 about 290 on tiles that skip
+# the rescale (362 with it), at the price of a tile-wide max and two more CTA barriers per
+# tile (compiled ahead of time: scripts/triton_sm90_compile.py --only bf16_d128_causal_dense
+# lists the loop lengths). Off until timed on the H200 (scripts/triton_hopper_ab.py,
+# variant pointer_lazy).
+PREFILL_LAZY_RESCALE = 0
+_MAX_LAZY_RESCALE = 12
+
+
+def prefill_lazy_rescale() -> int:
+    return int(OVERRIDES.get("prefill_lazy_rescale", PREFILL_LAZY_RESCALE))
+
+
 # head dims the default selection sends to a Hopper variant (the others were never compiled
 # for it); a forced variant runs any head dim
 HOPPER_PREFILL_HEAD_DIMS = (64, 128)

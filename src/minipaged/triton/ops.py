@@ -80,6 +80,7 @@ def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, ar
                 BLOCK_N=cfg.block_n,
                 DOT_PRECISION=_dot_precision(dtype),
                 RETURN_LSE=return_lse,
+                LAZY_RESCALE=configs.prefill_lazy_rescale(),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )

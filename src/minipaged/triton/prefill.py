@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax import _softmax_step, _softmax_step_masked
+from .softmax import _softmax_step, _softmax_step_lazy, _softmax_step_masked
 
 
 @triton.jit
@@ -122,6 +122,7 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr = 0,
 ):
     seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
@@ -153,7 +154,11 @@ def _attn_fwd(
         for start_n in range(0, full_end, BLOCK_N):
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
+            if LAZY_RESCALE > 0:
+                acc, l_i, m_i = _softmax_step_lazy(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION,
+                                                   LAZY_RESCALE)
+            else:
+                acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION)
 
         # Diagonal band and the ragged last tile: per-element masks; a row may see
         # nothing in a tile (or at all).

@@ -22,6 +22,27 @@ def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION: tl.const
 
 
 @triton.jit
+def _softmax_step_lazy(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION: tl.constexpr,
+                       THRESHOLD: tl.constexpr):
+    """_softmax_step that rescales acc and l only when some row's running max grew by more than
+    THRESHOLD (log2 units) in this tile, one decision for the whole tile. Otherwise every row
+    keeps its old max as the reference: its p are at most 2^THRESHOLD, exact enough in fp32
+    and in range for a 16-bit P, and the final acc / l is unchanged in value. Saves the
+    [BLOCK_M, D] rescale multiply on most tiles of a long row, whose max settles early."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    if tl.max(m_new - m_i, 0) > THRESHOLD:
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.math.exp2(s * qk_scale_log2 - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _softmax_step_masked(acc, l_i, m_i, q, k, v, visible, qk_scale_log2, DOT_PRECISION: tl.constexpr,
                          ROWS_MAY_BE_EMPTY: tl.constexpr):
     """A tile with a [rows, keys] `visible` mask. ROWS_MAY_BE_EMPTY: a row may see no key here
