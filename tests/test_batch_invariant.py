@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minipaged import registry
-from minipaged.testing import ERR_FLOOR, assert_close, gather_kv, paged_kv, paged_ref, randn
+from minipaged.testing import assert_close, cu_seqlens, gather_kv, paged_kv, paged_ref, randn
 
 pytest.importorskip("triton")
 
@@ -70,14 +70,6 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _bound(out, truth, lowp, factor=2.0):
-    """max|out - truth| <= factor * max|lowp - truth| + floor."""
-    err = (out.double() - truth).abs().max().item()
-    base = (lowp.double() - truth).abs().max().item()
-    bound = factor * base + ERR_FLOOR[out.dtype]
-    assert err <= bound, f"max err {err:.3e} > {bound:.3e} (low-precision error {base:.3e})"
-
-
 # ---------------------------------------------------------------------------- linear
 
 
@@ -115,7 +107,7 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, bias):
     # K, N not multiples of the tiles; M = 67 so that every slice starts at another tile offset
     x, w, b = _linear_case(67, 97, 80, dtype, bias)
     full = _check_rows(inv.linear, x, w, b, [(0, 1), (5, 6), (3, 22), (17, 67), (66, 67), (0, 33)])
-    _bound(full, _linear_oracle(x, w, b), _linear_lowp(x, w, b))
+    assert_close(full, _linear_oracle(x, w, b), _linear_lowp(x, w, b), "vs fp64")
     # a row whose neighbours change keeps its bits
     x2 = x.clone()
     x2[1:] = randn(x2[1:].shape, dtype, DEV, _gen(9))
@@ -152,7 +144,7 @@ def test_rms_norm_rows_do_not_depend_on_the_batch(dtype):
     x = randn((37, 96), dtype, DEV, g) * 3
     w = randn((96,), dtype, DEV, g)
     y = inv.rms_norm(x, w, eps)
-    _bound(y, _norm_oracle(x, w, eps), _norm_lowp(x, w, eps))
+    assert_close(y, _norm_oracle(x, w, eps), _norm_lowp(x, w, eps), "vs fp64")
     for lo, hi in [(0, 1), (3, 4), (5, 29), (36, 37)]:
         assert torch.equal(inv.rms_norm(x[lo:hi], w, eps), y[lo:hi])
     # per-head weights over a strided [T, H, D] view (the engine's q|k heads inside the qkv output)
@@ -162,7 +154,7 @@ def test_rms_norm_rows_do_not_depend_on_the_batch(dtype):
     wh = randn((H, D), dtype, DEV, g)
     yh = inv.rms_norm(heads, wh, eps)
     assert yh.shape == (T, H, D) and yh.is_contiguous()
-    _bound(yh, _norm_oracle(heads, wh, eps), _norm_lowp(heads, wh, eps))
+    assert_close(yh, _norm_oracle(heads, wh, eps), _norm_lowp(heads, wh, eps), "vs fp64")
     for lo, hi in [(0, 1), (7, 8), (2, 19)]:
         assert torch.equal(inv.rms_norm(heads[lo:hi], wh, eps), yh[lo:hi])
     assert inv.rms_norm(heads[:0], wh, eps).shape == (0, H, D)
@@ -177,10 +169,6 @@ def _paged(q, kv, tables, cu, ctx, max_q, scale):
     return ops.paged(q, kv.k_cache, kv.v_cache, tables, cu, ctx, max_q, True, scale, batch_invariant=True)
 
 
-def _cu(lens):
-    return torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device=DEV)
-
-
 def _invariance_case(L, hq, hkv, D, page, dtype, cuts, seed=0):
     """One sequence of L tokens whose K/V sit in a NaN-poisoned paged cache, attended (a) as
     one whole prompt, (b) in chunks cut at `cuts` (each chunk over everything before it),
@@ -192,22 +180,22 @@ def _invariance_case(L, hq, hkv, D, page, dtype, cuts, seed=0):
     scale = D ** -0.5
     kv = paged_kv([L], hkv, D, page, dtype, DEV, gen=g, spare_blocks=3)
     q = randn((L, hq, D), dtype, DEV, g)
-    whole = _paged(q, kv, kv.block_tables, _cu([L]), kv.context_lens, L, scale)
+    whole = _paged(q, kv, kv.block_tables, cu_seqlens([L], DEV), kv.context_lens, L, scale)
 
     keys, vals = gather_kv(kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens)
-    truth = paged_ref(q, keys, vals, _cu([L]), causal=True, scale=scale)[0]
-    lowp = paged_ref(q, keys, vals, _cu([L]), causal=True, scale=scale, lowp=True)[0]
+    truth = paged_ref(q, keys, vals, cu_seqlens([L], DEV), causal=True, scale=scale)[0]
+    lowp = paged_ref(q, keys, vals, cu_seqlens([L], DEV), causal=True, scale=scale, lowp=True)[0]
     assert_close(whole, truth, lowp, "invariant paged vs fp64")
 
     bounds = [0] + sorted(cuts) + [L]
     for lo, hi in zip(bounds, bounds[1:]):
         if lo == hi:
             continue
-        part = _paged(q[lo:hi], kv, kv.block_tables, _cu([hi - lo]), torch.tensor([hi], dtype=torch.int32,
+        part = _paged(q[lo:hi], kv, kv.block_tables, cu_seqlens([hi - lo], DEV), torch.tensor([hi], dtype=torch.int32,
                       device=DEV), hi - lo, scale)
         assert torch.equal(part, whole[lo:hi]), f"chunk [{lo}, {hi}) differs from the whole prompt's rows"
     for i in sorted({0, 1, page - 1, page, L // 2, L - 1} & set(range(L))):
-        one = _paged(q[i:i + 1], kv, kv.block_tables, _cu([1]), torch.tensor([i + 1], dtype=torch.int32,
+        one = _paged(q[i:i + 1], kv, kv.block_tables, cu_seqlens([1], DEV), torch.tensor([i + 1], dtype=torch.int32,
                      device=DEV), 1, scale)
         assert torch.equal(one[0], whole[i]), f"row {i} as a decode differs"
 
@@ -218,7 +206,7 @@ def _invariance_case(L, hq, hkv, D, page, dtype, cuts, seed=0):
                    keys=[others[0], keys[0], others[1]], vals=[others[0], vals[0], others[1]])
     q_lens = [5, L - cuts[0], 1] if cuts else [5, L, 1]
     qb = torch.cat([randn((5, hq, D), dtype, DEV, g), q[L - q_lens[1]:], randn((1, hq, D), dtype, DEV, g)])
-    ob = _paged(qb, big, big.block_tables, _cu(q_lens), big.context_lens, max(q_lens), scale)
+    ob = _paged(qb, big, big.block_tables, cu_seqlens(q_lens, DEV), big.context_lens, max(q_lens), scale)
     assert torch.equal(ob[5:5 + q_lens[1]], whole[L - q_lens[1]:]), "the rows differ inside a batch"
     return whole
 
@@ -247,7 +235,8 @@ def test_paged_invariant_split_and_unsplit_launches_agree(dtype, monkeypatch):
     kv = paged_kv([70, 33, 0, 1, 9], hkv, D, page, dtype, DEV, gen=g, spare_blocks=2)
     q_lens = [70, 5, 0, 1, 1]
     q = randn((sum(q_lens), hq, D), dtype, DEV, g)
-    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, _cu(q_lens), kv.context_lens, max(q_lens), True, D ** -0.5)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens, DEV), kv.context_lens, max(q_lens), True,
+            D ** -0.5)
     seen = []
     real = configs.invariant_paged_splits
 
@@ -266,8 +255,8 @@ def test_paged_invariant_split_and_unsplit_launches_agree(dtype, monkeypatch):
     assert seen == [1, segments]
     assert torch.equal(outs[1][0], outs[segments][0]) and torch.equal(outs[1][1], outs[segments][1])
     keys, vals = gather_kv(kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens)
-    truth, truth_lse = paged_ref(q, keys, vals, _cu(q_lens), causal=True, scale=D ** -0.5)
-    lowp = paged_ref(q, keys, vals, _cu(q_lens), causal=True, scale=D ** -0.5, lowp=True)[0]
+    truth, truth_lse = paged_ref(q, keys, vals, cu_seqlens(q_lens, DEV), causal=True, scale=D ** -0.5)
+    lowp = paged_ref(q, keys, vals, cu_seqlens(q_lens, DEV), causal=True, scale=D ** -0.5, lowp=True)[0]
     assert_close(outs[1][0], truth, lowp, "invariant paged (lse) vs fp64", lse=outs[1][1], truth_lse=truth_lse)
 
 
@@ -392,7 +381,7 @@ def test_linear_rows_invariant_gpu(N, K):
     for dtype in (torch.bfloat16, torch.float16):
         x, w, _ = _linear_case(2100, N, K, dtype, False)
         full = _check_rows(inv.linear, x, w, None, [(0, 1), (1, 2), (3, 67), (64, 128), (100, 2100), (2099, 2100)])
-        _bound(full, _linear_oracle(x, w, None), _linear_lowp(x, w, None))
+        assert_close(full, _linear_oracle(x, w, None), _linear_lowp(x, w, None), "vs fp64")
 
 
 @gpu
@@ -403,14 +392,14 @@ def test_rms_norm_rows_invariant_gpu():
         x = randn((3000, 1024), dtype, DEV, g)
         w = randn((1024,), dtype, DEV, g)
         y = inv.rms_norm(x, w, 1e-6)
-        _bound(y, _norm_oracle(x, w, 1e-6), _norm_lowp(x, w, 1e-6))
+        assert_close(y, _norm_oracle(x, w, 1e-6), _norm_lowp(x, w, 1e-6), "vs fp64")
         for lo, hi in [(0, 1), (5, 6), (7, 300), (2999, 3000)]:
             assert torch.equal(inv.rms_norm(x[lo:hi], w, 1e-6), y[lo:hi])
         qkv = randn((700, 32 * 128), dtype, DEV, g)
         heads = qkv[:, : 24 * 128].view(700, 24, 128)
         wh = randn((24, 128), dtype, DEV, g)
         yh = inv.rms_norm(heads, wh, 1e-6)
-        _bound(yh, _norm_oracle(heads, wh, 1e-6), _norm_lowp(heads, wh, 1e-6))
+        assert_close(yh, _norm_oracle(heads, wh, 1e-6), _norm_lowp(heads, wh, 1e-6), "vs fp64")
         for lo, hi in [(0, 1), (9, 10), (3, 500)]:
             assert torch.equal(inv.rms_norm(heads[lo:hi], wh, 1e-6), yh[lo:hi])
 
