@@ -91,27 +91,6 @@ def _e4m3_byte_to_f16(b):
 
 
 @triton.jit
-def _e4m3_words_to_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, HW_CVT: tl.constexpr):
-    """[ROWS, COLS // 4] int32 words of 4 e4m3 bytes each (little endian: byte j is element
-    4c + j) -> the [ROWS, COLS] fp16 tile."""
-    if HW_CVT:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
-            constraints="=r,=r,r", args=[w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        e0 = lo.to(tl.int16).to(tl.float16, bitcast=True)
-        e1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        e2 = hi.to(tl.int16).to(tl.float16, bitcast=True)
-        e3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        e0 = _e4m3_byte_to_f16(w & 0xFF)
-        e1 = _e4m3_byte_to_f16((w >> 8) & 0xFF)
-        e2 = _e4m3_byte_to_f16((w >> 16) & 0xFF)
-        e3 = _e4m3_byte_to_f16((w >> 24) & 0xFF)
-    # [..., k, m] holds element 2k + m of each word: join(e0, e2) is m = 0, join(e1, e3) m = 1
-    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [ROWS, COLS])
-
-
-@triton.jit
 def _e4m3_word_planes(w, HW_CVT: tl.constexpr):
     """[ROWS, COLS // 4] int32 words of 4 e4m3 bytes -> four fp16 planes [ROWS, COLS // 4]:
     plane j holds element 4c + j of each word c (no interleaving, so no register shuffle)."""
@@ -136,8 +115,16 @@ def _planes4(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _unplanes4(p0, p1, p2, p3, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The inverse of _planes4."""
+    """The inverse of _planes4: [..., k, m] holds element 2k + m of each group of four, so
+    join(p0, p2) is m = 0 and join(p1, p3) m = 1."""
     return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [ROWS, COLS])
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr, HW_CVT: tl.constexpr):
+    """[ROWS, COLS // 4] int32 words of 4 e4m3 bytes each (little endian: byte j is element
+    4c + j) -> the [ROWS, COLS] fp16 tile."""
+    return _unplanes4(*_e4m3_word_planes(w, HW_CVT), ROWS, COLS)
 
 
 @triton.jit

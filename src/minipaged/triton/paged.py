@@ -121,6 +121,18 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
 
 
 @triton.jit
+def _program_head(num_kv_heads, HEADS_FASTEST: tl.constexpr):
+    """(this program's index along the tiles, the number of such indices, its KV head).
+    HEADS_FASTEST: axis 0 holds tile index t of KV head h at t * num_kv_heads + h (axis 1 is
+    1); the GPU starts programs in index order, so the longest tile of every head comes before
+    the next tile of any (configs.PAGED_HEADS_FASTEST). Otherwise heads are axis 1."""
+    if HEADS_FASTEST:
+        return (tl.program_id(0) // num_kv_heads, tl.num_programs(0) // num_kv_heads,
+                tl.program_id(0) % num_kv_heads)
+    return tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+
+
+@triton.jit
 def _tile_rows(Q, q_start, q_len, m_start, kv_head, kv_group, stride_qt, stride_qh,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
     """The BLOCK_M packed (position, head) rows of a tile: query positions m_start ..
@@ -162,21 +174,19 @@ def _tile_store(acc, l_i, m_i, tok, heads, row_ok, offs_d, split, num_q_heads, n
     """acc / l to O (and the natural-log lse), or, SPLIT, the fp32 partials [Tq, Hq,
     num_splits, D] and their base-2 lse [Tq, Hq, num_splits]. Rows that saw no key (l == 0,
     acc == 0) store exact zeros and lse -inf."""
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out, lse2 = _segment_result(acc, l_i, m_i)
     if KV_FP8:
         out = out * tl.load(V_scale + kv_head)
     if SPLIT:
         row = (tok * num_q_heads + heads) * num_splits + split
         tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
-        lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(LSE_partial + row, lse2, mask=row_ok)
     else:
         tl.store(O + tok[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh
                  + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
         if RETURN_LSE:
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-            tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse, mask=row_ok)
+            # natural log (-inf stays -inf)
+            tl.store(LSE + tok * stride_lt + heads.to(tl.int64) * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
@@ -308,19 +318,9 @@ def _paged_kernel(
     INVARIANT_SEGMENT: tl.constexpr = 0,
     HEADS_FASTEST: tl.constexpr = False,
 ):
-    if HEADS_FASTEST:
-        # axis 0 = (tile x sequence) x KV head, heads fastest, so programs start longest
-        # first across every head (configs.PAGED_HEADS_FASTEST); axis 1 is 1
-        num_kv_heads = num_q_heads // kv_group
-        pid = tl.program_id(0) // num_kv_heads
-        seq = pid % num_seqs
-        q_tile = tl.num_programs(0) // num_kv_heads // num_seqs - 1 - pid // num_seqs
-        kv_head = tl.program_id(0) % num_kv_heads
-    else:
-        pid = tl.program_id(0)
-        seq = pid % num_seqs
-        q_tile = tl.num_programs(0) // num_seqs - 1 - pid // num_seqs
-        kv_head = tl.program_id(1)
+    pid, programs, kv_head = _program_head(num_q_heads // kv_group, HEADS_FASTEST)
+    seq = pid % num_seqs
+    q_tile = programs // num_seqs - 1 - pid // num_seqs
     split = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q + seq)
@@ -489,16 +489,8 @@ def _paged_long_kernel(
     PREFETCH: tl.constexpr,
     HEADS_FASTEST: tl.constexpr = False,
 ):
-    if HEADS_FASTEST:
-        # axis 0 = slot x KV head, heads fastest: the GPU starts programs in index order, so
-        # the longest tile of every head comes before the next tile of any (configs.PAGED_HEADS_FASTEST)
-        num_kv_heads = num_q_heads // kv_group
-        pid = tl.program_id(0)
-        slot = tl.num_programs(0) // num_kv_heads - 1 - pid // num_kv_heads
-        kv_head = pid % num_kv_heads
-    else:
-        slot = tl.num_programs(0) - 1 - tl.program_id(0)
-        kv_head = tl.program_id(1)
+    pid, programs, kv_head = _program_head(num_q_heads // kv_group, HEADS_FASTEST)
+    slot = programs - 1 - pid
     split = tl.program_id(2)
     if DIRECT:
         seq = slot % num_seqs

@@ -114,7 +114,5 @@ def _merge_segment(acc, total, m, part, lse2):
 def _merged_result(acc, total, m):
     """(output fp32 [rows, D], natural-log lse [rows]) of the folded segments; rows that saw no
     key give zeros and -inf."""
-    t_safe = tl.where(total == 0.0, 1.0, total)
-    lse = tl.where(total == 0.0, float("-inf"), (m + tl.math.log2(t_safe)) * 0.6931471805599453)
-    return acc / t_safe[:, None], lse
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None], _split_lse(m, total)
 
