@@ -6,6 +6,7 @@ package (registers, spills, SASS loop lengths). Imports no minipaged module.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -46,7 +47,13 @@ def divisible16(fn, constexprs: dict, names) -> dict:
 
 
 def compile_sm90(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int, **options):
-    """options: more compile options, as a launch passes them (e.g. enable_fp_fusion=False)."""
+    """options: more compile options, as a launch passes them (e.g. enable_fp_fusion=False).
+    A constexpr parameter left out of `constexprs` takes its default, as at a launch (signature()
+    alone would make it a runtime int and compile both sides of every branch on it)."""
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
+    sig = {**sig, **dict.fromkeys(defaults, "constexpr")}
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages, **options})

@@ -36,9 +36,6 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
-    for name in ("FP8_F16", "FP8_WORDS", "HW_CVT"):
-        if name in fn.arg_names:
-            cx = {name: False, **cx}  # constexpr defaults, which compile_sm90 does not fill in
     types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # 16-byte aligned pointers and strides divisible by 16, except the block-table row

@@ -47,7 +47,7 @@ def variants():
             dict(IS_VARLEN=True, IS_CAUSAL=True, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
                  RETURN_LSE=False), 8, 3)]
     v1 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, IS_CAUSAL=True, SPLIT=False, RETURN_LSE=False,
-              GATHER=2, DOT_PRECISION="tf32", KV_FP8=False, MIN_Q=0, MAX_Q=0, INVARIANT_SEGMENT=0, HEADS_FASTEST=False)
+              GATHER=2, DOT_PRECISION="tf32", KV_FP8=False, MIN_Q=0, MAX_Q=0)
     v2 = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, STRIDE_TOK=8 * 128, IS_CAUSAL=True, SPLIT=False,
               RETURN_LSE=False, DOT_PRECISION="tf32", KV_FP8=False, DIRECT=True, SEARCH=128, MIN_Q=0, PREFETCH=True,
               HEADS_FASTEST=True)

@@ -65,8 +65,7 @@ def variants():
                     base = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d, DOT_PRECISION="tf32",
                                 RETURN_LSE=False)
                     tag = f"{dt}_d{d}_{'causal' if causal else 'full'}_{'varlen' if varlen else 'dense'}"
-                    out.append((f"pointer_{tag}", _attn_fwd, dt, dict(base, BLOCK_M=128, BLOCK_N=64, LAZY_RESCALE=0),
-                                8, 3))
+                    out.append((f"pointer_{tag}", _attn_fwd, dt, dict(base, BLOCK_M=128, BLOCK_N=64), 8, 3))
                     for bn, w, s in ((64, 8, 3), (128, 8, 2)):
                         out.append((f"tma_{tag}_bn{bn}_w{w}_s{s}", _attn_fwd_tma, dt,
                                     dict(base, BLOCK_M=128, BLOCK_N=bn, WARP_SPECIALIZE=False), w, s))
