@@ -436,6 +436,53 @@ def test_prefill_many_short_sequences(ops, dtype, D, causal, layout):
         assert torch.equal(static_out, out), "graph replay differs from the eager call"
 
 
+# Long prompts whose K/V exceed half the L2 (60 MiB on the H200): the sm_90 kernel walks its
+# work list in sections of a few KV heads (mainloop_ws.cuh ws_l2_section): dense 10k
+# (8 KV heads of 5 MiB: two sections) and varlen over three sequences (24 (sequence, KV head)
+# pairs of at most 4 MiB: four sections of six, which cross sequence boundaries). The oracle
+# runs two query heads (one KV head) at a time to keep its float64 scores small.
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_prefill_long_l2_sections(ops, layout):
+    from minipaged.testing import assert_close, prefill_ref, varlen_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    Hq, Hkv, D, dtype = 16, 8, 128, torch.bfloat16
+    scale = 1 / math.sqrt(D)
+    group = Hq // Hkv
+    if layout == "dense":
+        N = 10240
+        q = torch.randn(1, Hq, N, D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(1, Hkv, N, D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(1, Hkv, N, D, device="cuda", generator=gen).to(dtype)
+        run = lambda: ops.prefill(q, k, v, True, scale)  # noqa: E731
+
+        def ref(h, lowp):
+            kh = slice(h // group, h // group + 1)
+            return prefill_ref(q[:, h:h + group], k[:, kh], v[:, kh], causal=True, scale=scale, lowp=lowp)[0]
+
+    else:
+        seq_q, seq_k = [8192, 3000, 2049], [8192, 5000, 2049]
+        cu_q = torch.tensor([0] + torch.tensor(seq_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0] + torch.tensor(seq_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(seq_q), Hq, D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        args = (cu_q, cu_k, max(seq_q), max(seq_k), True, scale)
+        run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
+
+        def ref(h, lowp):
+            kh = slice(h // group, h // group + 1)
+            return varlen_ref(q[:, h:h + group], k[:, kh], v[:, kh], cu_q, cu_k, causal=True, scale=scale,
+                              lowp=lowp)[0]
+
+    _poison_allocator(q.numel())
+    out = run()
+    for h in range(0, Hq, group):
+        part = out.narrow(1, h, group)  # the head axis of both layouts
+        assert_close(part, ref(h, False), ref(h, True), f"{layout} L2 sections, q heads {h}..{h + group - 1}")
+    assert torch.equal(run(), out), "a second call differs"
+
+
 # --------------------------------------------------------------------------- determinism
 
 
