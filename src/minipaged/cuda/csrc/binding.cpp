@@ -454,7 +454,6 @@ OutLse run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     p.scale = static_cast<float>(scale);
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
-    p.l2_bytes = l2_bytes(q.get_device());
     p.cc_major = cc_major(q.get_device());
     p.variant = static_cast<int>(variant);
     p.kv_fp8 = fp8;
