@@ -389,8 +389,10 @@ def decode_fp8_f16() -> bool:
 # (decode.py, FP8_WORDS): 1 interleaves the widened halves back into one tile, 2 ("planes")
 # keeps them as four column planes and runs four dots of D / 4. Per 64-token tile of the sm_90
 # loop (compiled ahead of time): 640 instructions without words under triton 3.6, 554 with 1,
-# 478 with 2 (bf16: 423); triton 3.9: 642 and 431 for 1. Off (0) until timed on the H200.
-DECODE_FP8_WORDS = 0
+# 478 with 2 (bf16: 423); triton 3.9: 642 and 431 for 1. On the H200 the planes take 0.66-0.96x
+# the 16-bit time against 0.75-0.97x for the fp16 dots alone and 0.81-1.00x for 1, faster on
+# every row (bench/results/nvidia-h200/triton_fp8_ab_40e115d/).
+DECODE_FP8_WORDS = 2
 
 
 def decode_fp8_words() -> int:
