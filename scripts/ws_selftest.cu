@@ -70,11 +70,6 @@ static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
 // across items, the LPT order, ping-pong balance per item).
 static int g_sms_override = 0;
-// > 0 (check): the L2 size given to the launch is the K/V of this many KV heads, times two
-// (ws_l2_section keeps a section's K/V within half the L2), so small cases with several
-// (batch, KV head) pairs run the sectioned work list, sections of unequal size included.
-// 0: WS_L2_MB (timing: the section size ws_l2_section picks for that L2), else the real one.
-static int g_l2_fit = 0;
 static bool sched_persistent(int sched) {
   return (sched >= kPersistentPPOverlap && sched <= kPersistentDynamicStagedO) || sched == kWidePersistentDynamicStagedO;
 }
@@ -193,11 +188,6 @@ struct DeviceCase {
     p.max_seqlen_q = c.nq; p.max_seqlen_k = c.nk;
     p.scale = 1.f / std::sqrt(float(D));
     p.causal = c.causal; p.dtype = c.dtype; p.num_sms = sms;
-    int l2 = 0;
-    CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    p.l2_bytes = l2;
-    if (const char* mb = std::getenv("WS_L2_MB")) p.l2_bytes = int64_t(std::atof(mb) * (1 << 20));
-    if (g_l2_fit > 0) p.l2_bytes = 2 * int64_t(g_l2_fit) * (2 * int64_t(c.nk) * D * 2);
   }
   void poison() {
     CHECK_CUDA(cudaMemset(dout, 0xFF, std::max<size_t>(o_elems, 8) * 2));
@@ -294,7 +284,6 @@ static std::vector<Case> check_cases() {
         cs.push_back({dt, 2, 4, 2, 300, 97, d, causal});   // Nq > Nk: causal rows with no key
         cs.push_back({dt, 1, 3, 1, 1, 1023, d, causal});   // decode-like, GQA 3
         cs.push_back({dt, 1, 2, 2, 255, 513, d, causal});  // MHA, tails on both sides
-        cs.push_back({dt, 3, 6, 3, 300, 333, d, causal});  // 9 (batch, KV head) pairs: L2 sections
       }
   // Every residue of (Nk - Nq) mod BLOCK_N (128), bf16 and fp16, causal (where
   // the diagonal tile's position depends on it), both head dims.
@@ -312,12 +301,10 @@ static int cmd_check() {
     for (const Case& c : check_cases()) {
       ++sched_n;
       g_sms_override = sched_persistent(g_sched) ? 1 + sched_n % 3 : 0;
-      g_l2_fit = 1 + (sched_n / 3) % 3;  // independent of the SM override's cycle
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
     }
     g_sms_override = 0;
-    g_l2_fit = 0;
     std::printf("schedule %-20s %d of %d cases failed\n", kSchedNames[g_sched], sched_fails, sched_n);
     fails += sched_fails;
     n += sched_n;
@@ -389,13 +376,7 @@ static int cmd_time(int reps) {
     std::snprintf(buf, sizeof buf, "B=%d N=%d%s%s", sh.b, sh.n, sh.d == 64 ? " D64" : "", sh.causal ? "" : " full");
     std::printf(" %16s", buf);
   }
-  const char* l2_mb = std::getenv("WS_L2_MB");
-  int dev = 0, l2 = 0;
-  CHECK_CUDA(cudaGetDevice(&dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-  std::printf("   (TFLOP/s, bf16 Hq=16 Hkv=8 D=128 unless noted, causal unless full, median of %d, cold L2; "
-              "work-list sections sized for %s MiB of L2, the device has %.1f MiB)\n", reps,
-              l2_mb != nullptr ? l2_mb : "the device's", l2 / 1048576.0);
+  std::printf("   (TFLOP/s, bf16 Hq=16 Hkv=8 D=128 unless noted, causal unless full, median of %d, cold L2)\n", reps);
   for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
     if (!sched_selected(g_sched)) continue;
     std::printf("%-20s", kSchedNames[g_sched]);

@@ -436,13 +436,12 @@ def test_prefill_many_short_sequences(ops, dtype, D, causal, layout):
         assert torch.equal(static_out, out), "graph replay differs from the eager call"
 
 
-# Long prompts whose K/V exceed half the L2 (60 MiB on the H200): the sm_90 kernel walks its
-# work list in sections of a few KV heads (mainloop_ws.cuh ws_l2_section): dense 10k
-# (8 KV heads of 5 MiB: two sections) and varlen over three sequences (24 (sequence, KV head)
-# pairs of at most 4 MiB: four sections of six, which cross sequence boundaries). The oracle
-# runs two query heads (one KV head) at a time to keep its float64 scores small.
+# Long prompts whose K/V (and Q, O) exceed the L2 (60 MiB on the H200), on the sm_90
+# warp-specialised kernel: dense 10k (1,280 items of 128 rows over 16 heads) and
+# varlen over three sequences whose items interleave. The oracle runs two query heads (one KV
+# head) at a time to keep its float64 scores small.
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-def test_prefill_long_l2_sections(ops, layout):
+def test_prefill_long_beyond_l2(ops, layout):
     from minipaged.testing import assert_close, prefill_ref, varlen_ref
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -479,7 +478,7 @@ def test_prefill_long_l2_sections(ops, layout):
     out = run()
     for h in range(0, Hq, group):
         part = out.narrow(1, h, group)  # the head axis of both layouts
-        assert_close(part, ref(h, False), ref(h, True), f"{layout} L2 sections, q heads {h}..{h + group - 1}")
+        assert_close(part, ref(h, False), ref(h, True), f"long {layout}, q heads {h}..{h + group - 1}")
     assert torch.equal(run(), out), "a second call differs"
 
 

@@ -162,8 +162,9 @@ _PREFILL_SM90_HOPPER = {
 # sm_90 loop is 330 instructions per tile without it; with 8 about 290 on tiles that skip
 # the rescale (362 with it), at the price of a tile-wide max and two more CTA barriers per
 # tile (compiled ahead of time: scripts/triton_sm90_compile.py --only bf16_d128_causal_dense
-# lists the loop lengths). Off until timed on the H200 (scripts/triton_hopper_ab.py,
-# variant pointer_lazy).
+# lists the loop lengths). Off: on the H200 it was slower on every row of its A/B, 0.81-0.93x the
+# plain kernel's speed (geomean 0.855x; bench/results/nvidia-h200/triton_hopper_ab_a1d04f7/):
+# the extra barriers cost more than the skipped rescales save. Kept as an A/B variant.
 PREFILL_LAZY_RESCALE = 0
 _MAX_LAZY_RESCALE = 12
 
@@ -346,7 +347,9 @@ PAGED_PREFETCH = True
 # tiles of every head in order of decreasing work, as the dense prefill's grid does. With heads
 # on a grid axis of their own it starts every tile of head 0, longest to shortest, before any
 # of head 1, and a single long chunk (two waves of programs) leaves long tiles of the last
-# heads for the second wave (scripts/wave_model.py; README, known limits).
+# heads for the second wave (scripts/wave_model.py). On the H200: 385.4 against 413.7 us on the
+# mixed row, 1185.3 against 1210.7 us on the 2k-over-32k chunk
+# (bench/results/nvidia-h200/triton_paged_ab_a1d04f7/).
 PAGED_HEADS_FASTEST = True
 # packed (position, head) rows of the short launch of a mixed batch: 16 covers a decode
 # at any group <= 16 and a speculative run of 16 // group tokens

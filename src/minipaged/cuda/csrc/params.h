@@ -62,7 +62,6 @@ struct PrefillParams {
   bool causal;
   DType dtype;
   int num_sms;        // multiprocessors on the device, for launch heuristics
-  int64_t l2_bytes;   // L2 cache of the device in bytes, for launch heuristics (0: unknown)
   // FP8 K/V (launch_prefill_paged only): the caches hold float8_e4m3fn bytes
   // (k_row_stride and the other K/V strides then count bytes) and the real
   // value of a stored element of KV head h is stored * k_scale[h] (v_scale[h]

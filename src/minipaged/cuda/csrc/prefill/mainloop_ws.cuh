@@ -175,32 +175,7 @@ struct WsParams {
   // Dynamic persistent configs: {next item past the first wave, CTAs done},
   // both zero at launch; the last CTA to finish zeroes them again.
   int* sched;
-  // Dense and varlen: (batch, q head) pairs per L2 section (ws_l2_section).
-  int section_hb;
 };
-
-// Dense and varlen work item w (of m_blocks * batch * num_q_heads) -> (q
-// head, batch, m-block). The (batch, q head) pairs are cut into sections of
-// section_hb consecutive pairs (whole GQA groups); the items of one section
-// come before the next section's, and within a section every pair's last
-// (under causal the heaviest) m-block first, pairs fastest. One section (the
-// K/V of every head fits in the L2 together) is the plain heaviest-first
-// order over all heads. Several: at any time the CTAs stream the K/V of few
-// KV heads, which the L2 then holds for the other m-blocks and the other q
-// heads of their group, instead of every head's K/V competing for it.
-__device__ __forceinline__ void ws_item(int w, int m_blocks, int num_q_heads, int batch, int section_hb, int& head,
-                                        int& b, int& m_block) {
-  const int hb_total = batch * num_q_heads;
-  const int section = w / (section_hb * m_blocks);
-  const int first = section * section_hb;
-  const int size = min(section_hb, hb_total - first);
-  const int within = w - first * m_blocks;
-  const int rank = within / size;
-  const int hb = first + (within - rank * size);
-  head = hb % num_q_heads;
-  b = hb / num_q_heads;
-  m_block = m_blocks - 1 - rank;
-}
 
 // Whether sequence `ql` rows long belongs to this launch (qlen_filter).
 __device__ __forceinline__ bool ws_owned(const PrefillParams& p, int ql) {
@@ -309,26 +284,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     write_empty_lse(p, batch, head, q_begin + m_start, m_rows, t0, threads);
   };
   auto tile_n0 = [&](int t) { return (n_tiles - 1 - t) * kBlockN; };
-  // Dense and varlen work list (ws_item), walked by the grid or by persistent CTAs.
+  // Persistent work list: item w = (m-block rank, then batch, then head), rank
+  // 0 the last m-block (under causal the heaviest) of every sequence.
   const int m_blocks_max = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
   const int num_items = m_blocks_max * p.batch * p.num_q_heads;
   auto set_item_w = [&](int w) -> bool {
-    int h, b, m_block;
-    ws_item(w, m_blocks_max, p.num_q_heads, p.batch, wp.section_hb, h, b, m_block);
-    return set_item(h, b, m_block);
+    const int hb = p.batch * p.num_q_heads;
+    const int rank = w / hb, rest = w - rank * hb;
+    return set_item(rest % p.num_q_heads, rest / p.num_q_heads, m_blocks_max - 1 - rank);
   };
 
   if constexpr (!Cfg::kPersistent) {
+    int b = blockIdx.y;
+    int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
     if constexpr (Cfg::kPaged) {
-      // grid (num_q_heads, work bound): x the head, y the paged work item
-      int b, m_block;
       if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
-      if (!set_item(blockIdx.x, b, m_block)) return;
-    } else {
-      // The grid issues its CTAs in linear block order: that order is the work list's.
-      const int w = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-      if (!set_item_w(w)) return;
     }
+    if (!set_item(blockIdx.x, b, m_block)) return;
     if (n_end <= 0) {
       write_empty_item(tid, Cfg::kThreads);
       return;
@@ -901,22 +873,6 @@ inline bool ws_supported(const PrefillParams& p) {
   return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
 }
 
-// (batch, q head) pairs per section of the work list (ws_item): as many whole
-// GQA groups as keep the K/V of the section's KV heads (a sequence's K and V
-// of max_seqlen_k keys each) within half the L2 (the rest holds the
-// neighbouring section's tail while the next one starts, Q and O), in
-// sections of equal size. Every pair if that fits.
-inline int ws_l2_section(const PrefillParams& p) {
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int64_t kv_pairs = int64_t(p.batch) * p.num_kv_heads;
-  const int64_t l2 = p.l2_bytes > 0 ? p.l2_bytes : (int64_t{50} << 20);
-  const int64_t per_kv_head = 2 * int64_t(p.max_seqlen_k) * p.head_dim * 2;
-  const int64_t fit = per_kv_head > 0 ? std::max<int64_t>(1, (l2 / 2) / per_kv_head) : kv_pairs;
-  if (fit >= kv_pairs) return int(kv_pairs * group);
-  const int64_t sections = (kv_pairs + fit - 1) / fit;
-  return int((kv_pairs + sections - 1) / sections * group);
-}
-
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -932,7 +888,6 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   if (rows_q <= 0 || rows_k <= 0) return cudaErrorInvalidValue;
   WsParams wp{};
   wp.p = pp;
-  wp.section_hb = ws_l2_section(pp);
   CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, rows_q, pp.num_q_heads, batch,
                                   pp.q_row_stride, pp.q_head_stride, pp.q_batch_stride, Cfg::kBlockM);
   if (r == CUDA_SUCCESS)
@@ -953,10 +908,10 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     wp.sched = pp.sched_counters;
     if (wp.sched == nullptr) return cudaErrorInvalidValue;
   }
-  const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
-  if (items > INT_MAX) return cudaErrorInvalidConfiguration;  // ws_item counts in int
   if constexpr (Cfg::kPersistent) {
     // One resident CTA per SM (the shared memory and registers allow one).
+    const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
+    if (items > INT_MAX) return cudaErrorInvalidConfiguration;
     grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
   }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
