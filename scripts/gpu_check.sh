@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [paged_selftest]
+#   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
 #                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_fp8_ab]
 #                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
@@ -78,6 +78,7 @@ for s in $stages; do
     overhead) run overhead python3 bench/bench_overhead.py --json "$WORK/bench/overhead.json";;
     engine_step) run engine_step python3 scripts/engine_decode_step.py --json "$WORK/bench/engine_step.json";;
     invariant) run invariant python3 scripts/invariant_bench.py --out "$WORK/bench/invariant.json";;
+    power) run power python3 scripts/power_probe.py ${POWER_ARGS:-} --json "$WORK/bench/power.json";;
     paged_selftest)
       run paged_selftest_build nvcc $selftest_flags scripts/paged_selftest.cu $csrc/prefill/paged.cu \
         -o /tmp/paged_selftest -lgomp
