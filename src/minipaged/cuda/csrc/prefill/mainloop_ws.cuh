@@ -505,10 +505,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // Operand descriptors, built once: the descriptor of an address inside a
   // tile is the tile's descriptor plus (offset >> 4) in its 14-bit start
   // address field (shared memory ends below 256 KB, so the field never carries
-  // into the next). Each wgmma then costs one 64-bit add of a constant (plus
-  // the ring slot's offset) instead of masks and shifts on a new address.
+  // into the next). Each wgmma then costs one 32-bit add of a constant to the
+  // low word (the ring slot's offset is added once per tile) instead of masks
+  // and shifts on a new address; a 64-bit add would cost a carry chain, since
+  // the compiler cannot know that it never carries.
   auto desc_at = [](uint64_t desc, uint32_t offset) {
-    // A 32-bit add on the low word: the compiler cannot know that the 64-bit one never carries.
     return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (offset >> 4));
   };
   const uint64_t q_desc0 = wgmma_desc_sw128(q_wg, 16, 1024);
@@ -517,7 +518,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   const uint64_t v_desc0 = wgmma_desc_sw128(v_slot(0), 1024, kGS);
   // Both 64-column blocks of V in one descriptor: LBO steps from one to the next.
   const uint64_t v_desc_wide0 = wgmma_desc_sw128(v_slot(0), kCS, kGS);
-  // Q's are the same for every item and tile of the warpgroup: their low words stay in registers.
+  // Q's descriptors are the same for every item and tile of the warpgroup: their low words are
+  // computed once.
   uint32_t q_lo[kD / 16];
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk)
