@@ -78,6 +78,16 @@ def _paged_problem(B, Hq, Hkv, D, block_size, context_lens, dtype, seed=0, extra
     return q, k_cache, v_cache, table.to(dev), lens
 
 
+def _varlen_problem(seq_q, seq_k, num_q_heads, num_kv_heads, head_dim, dtype, gen):
+    """Packed random q [Tq, Hq, D], k, v [Tk, Hkv, D] and the int32 cu_seqlens of both sides."""
+    from minipaged.testing import cu_seqlens
+
+    q = torch.randn(sum(seq_q), num_q_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(sum(seq_k), num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(sum(seq_k), num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    return q, k, v, cu_seqlens(seq_q, "cuda"), cu_seqlens(seq_k, "cuda")
+
+
 def _poison_allocator(numel):
     """Leave NaN in the caching allocator's free blocks so an output element the
     kernel forgets to write shows up as NaN."""
@@ -399,11 +409,7 @@ def test_prefill_many_short_sequences(ops, dtype, D, causal, layout):
     if layout == "varlen":
         seq_q = [1024, 1023, 977, 1, 2048, 129, 1024, 1000, 640, 17]
         seq_k = [1024, 1100, 977, 1, 2048, 129, 2000, 1000, 640, 3]  # Nk > Nq, and Nq > Nk (empty rows)
-        cu_q = torch.tensor([0] + torch.tensor(seq_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0] + torch.tensor(seq_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(seq_q), Hq, D, device="cuda", generator=gen).to(dtype)
-        k = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
-        v = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        q, k, v, cu_q, cu_k = _varlen_problem(seq_q, seq_k, Hq, Hkv, D, dtype, gen)
         args = (cu_q, cu_k, max(seq_q), max(seq_k), causal, scale)
         run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
         truth, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
@@ -461,11 +467,7 @@ def test_prefill_long_beyond_l2(ops, layout):
 
     else:
         seq_q, seq_k = [8192, 3000, 2049], [8192, 5000, 2049]
-        cu_q = torch.tensor([0] + torch.tensor(seq_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0] + torch.tensor(seq_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(seq_q), Hq, D, device="cuda", generator=gen).to(dtype)
-        k = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
-        v = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+        q, k, v, cu_q, cu_k = _varlen_problem(seq_q, seq_k, Hq, Hkv, D, dtype, gen)
         args = (cu_q, cu_k, max(seq_q), max(seq_k), True, scale)
         run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
 
