@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from minipaged.benchmark.flops import prefill_flops
+
 # NVML clock-event reason bits (nvml.h: nvmlClocksEventReason*)
 _REASONS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
             "hw_power_brake": 0x80}
@@ -82,10 +84,6 @@ class Sampler(threading.Thread):
         self._stop_flag.set()
         self.join()
         return self.samples
-
-
-def causal_flops(batch: int, heads: int, n: int, d: int) -> float:
-    return 4.0 * batch * heads * d * n * (n + 1) / 2
 
 
 def make_call(name: str, q, k, v, scale: float):
@@ -163,7 +161,7 @@ def main(argv=None) -> int:
     k = torch.randn(1, hkv, args.n, d, device="cuda", generator=gen).to(torch.bfloat16)
     v = torch.randn(1, hkv, args.n, d, device="cuda", generator=gen).to(torch.bfloat16)
     scale = 1 / math.sqrt(d)
-    flops = causal_flops(1, hq, args.n, d)
+    flops = prefill_flops(1, hq, args.n, args.n, d, causal=True)
     calls = {}
     for name in args.backends.split(","):
         try:
