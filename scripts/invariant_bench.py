@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from minipaged.benchmark.timing import environment, time_fn  # noqa: E402
-from minipaged.testing import paged_kv  # noqa: E402
+from minipaged.testing import cu_seqlens, paged_kv  # noqa: E402
 from minipaged.triton import invariant, ops  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def paged_rows(rows: list, dtype=torch.bfloat16) -> None:
                               ("chunk 8x512 over 4k", [512] * 8, [4608] * 8), ("prompt 8k", [8192], [8192])):
         kv = paged_kv(ctx, hkv, D, page, dtype, "cuda", seed=0, poison=False)
         q = torch.randn(sum(q_lens), hq, D, device="cuda", dtype=dtype)
-        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        cu = cu_seqlens(q_lens, "cuda")
         args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, max(q_lens), True, D ** -0.5)
         t_inv = _us(lambda: ops.paged(*args, batch_invariant=True))
         t_def = _us(lambda: ops.paged(*args))
