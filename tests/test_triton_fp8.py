@@ -263,7 +263,8 @@ def test_fp8_paged_equals_decode_interpreter():
 
 def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1, words=0):
     """configs.decode_fp8_f16 (f16 = 1: fp16 dots, the default; 0: tiles widened to q's
-    dtype) and configs.decode_fp8_words (words = 1 or 2: full tiles read as int32 words): decode
+    dtype) and configs.decode_fp8_words (words = 1 or 2: full tiles read as int32 words, 2 the
+    default; 0: the fp16 dots on tiles widened as dot operands): decode
     and a mixed paged batch (mode "decode": its q_len 1 rows through the decode kernel) with
     q scaled by q_mult, against the oracle."""
     ctxs = [1, 17, 97, 300, 0] if not on_gpu else [32768, 1, 4097, 16384, 0, 100]
