@@ -248,7 +248,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
+  // Warp-uniform by construction (a broadcast from lane 0), so the compiler can keep the
+  // warpgroup index and everything derived from it (descriptors, barrier addresses, ring
+  // slots) in uniform registers instead of per-thread ones.
+  const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
   const int lane = tid % 32;
 
   // The work item's geometry: set once from blockIdx, or per item by a
@@ -502,24 +505,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // Operand descriptors, built once: the descriptor of an address inside a
   // tile is the tile's descriptor plus (offset >> 4) in its 14-bit start
   // address field (shared memory ends below 256 KB, so the field never carries
-  // into the next). Each wgmma then costs one 64-bit add of a constant (plus
-  // the ring slot's offset) instead of masks and shifts on a new address.
-  auto desc_at = [](uint64_t desc, uint32_t offset) { return desc + uint64_t(offset >> 4); };
+  // into the next). Each wgmma then costs one 32-bit add of a constant to the
+  // low word (the ring slot's offset is added once per tile) instead of masks
+  // and shifts on a new address; a 64-bit add would cost a carry chain, since
+  // the compiler cannot know that it never carries.
+  auto desc_at = [](uint64_t desc, uint32_t offset) {
+    return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (offset >> 4));
+  };
   const uint64_t q_desc0 = wgmma_desc_sw128(q_wg, 16, 1024);
   constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
   const uint64_t k_desc0 = wgmma_desc_sw128(k_slot(0), 16, kGS);
   const uint64_t v_desc0 = wgmma_desc_sw128(v_slot(0), 1024, kGS);
   // Both 64-column blocks of V in one descriptor: LBO steps from one to the next.
   const uint64_t v_desc_wide0 = wgmma_desc_sw128(v_slot(0), kCS, kGS);
-  auto q_desc = [&](int kk) { return desc_at(q_desc0, (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32); };
+  // Q's descriptors are the same for every item and tile of the warpgroup: their low words are
+  // computed once.
+  uint32_t q_lo[kD / 16];
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk)
+    q_lo[kk] = uint32_t(desc_at(q_desc0, (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32));
+  auto q_desc = [&](int kk) { return (q_desc0 & 0xFFFFFFFF00000000ull) | q_lo[kk]; };
   // Ring slot s, keys nb * 64 .. (64 or 128 of them), k step kk.
   auto k_desc = [&](int s, int nb, int kk) {
-    return desc_at(k_desc0, s * Cfg::kTileBytes + nb * 8 * kGS + (kk >> 2) * kCS + (kk & 3) * 32);
+    return desc_at(desc_at(k_desc0, s * Cfg::kTileBytes), nb * 8 * kGS + (kk >> 2) * kCS + (kk & 3) * 32);
   };
   auto v_desc = [&](int s, int cb, int kk) {
-    return desc_at(v_desc0, s * Cfg::kTileBytes + cb * kCS + kk * 2 * kGS);
+    return desc_at(desc_at(v_desc0, s * Cfg::kTileBytes), cb * kCS + kk * 2 * kGS);
   };
-  auto v_desc_wide = [&](int s, int kk) { return desc_at(v_desc_wide0, s * Cfg::kTileBytes + kk * 2 * kGS); };
+  auto v_desc_wide = [&](int s, int kk) {
+    return desc_at(desc_at(v_desc_wide0, s * Cfg::kTileBytes), kk * 2 * kGS);
+  };
   // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
   // that read the slot has retired, so the producer may overwrite it.
   auto release = [&](uint32_t bar) {
@@ -555,10 +570,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   float acc_s[kNT / 8][8][4];
   auto s_frag = [&](int, int nt, int e) -> float& { return acc_s[nt >> 3][nt & 7][e]; };
   uint32_t p_frag[kBlockN / 16][4];
-  // Ring tiles and items this CTA consumed before (as in the producer).
-  int tc0 = 0, item_no = 0;
-  auto slot = [&](int t) { return (tc0 + t) % kStages; };
-  auto phase = [&](int t) { return uint32_t(((tc0 + t) / kStages) & 1); };
+  // Ring tiles and items this CTA consumed before (as in the producer). Unsigned: the slot
+  // and phase of tile t are then a mask and a shift, not a signed division with fixups.
+  uint32_t tc0 = 0;
+  int item_no = 0;
+  auto slot = [&](int t) { return int((tc0 + uint32_t(t)) % kStages); };
+  auto phase = [&](int t) { return ((tc0 + uint32_t(t)) / kStages) & 1u; };
 
   // S = Q K^T of tile t into acc_s (issued, not waited for).
   auto issue_qk = [&](int t) {

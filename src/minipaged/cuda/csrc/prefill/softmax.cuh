@@ -52,18 +52,23 @@ __device__ __forceinline__ void write_empty_lse(const PrefillParams& p, int batc
 template <int kMT, int kNT, bool kCausal, class S, class QRow>
 __device__ __forceinline__ void mask_tile(S s, int row0, int n0, int seqlen_k, int diag, int g, int tq,
                                           QRow qrow) {
+  // Key col is visible to row iff col < seqlen_k and (causal) col <= qrow(row) + diag, i.e.
+  // col < one limit per row; compared in the thread's own column offsets nt * 8 + (e & 1),
+  // which are constants: one compare and one select per element.
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + g + h * 8;
+      int limit = seqlen_k;
+      if (kCausal) limit = min(limit, qrow(row) + diag + 1);
+      limit -= n0 + tq;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + mt * 16 + g + (e >> 1) * 8;
-        const int col = n0 + nt * 8 + tq + (e & 1);
-        bool visible = col < seqlen_k;
-        if (kCausal) visible = visible && col <= qrow(row) + diag;
-        if (!visible) s(mt, nt, e) = kMasked;
-      }
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          if (nt * 8 + c >= limit) s(mt, nt, h * 2 + c) = kMasked;
+    }
 }
 
 // Online-softmax state of the 2 * kMT rows a thread holds.
