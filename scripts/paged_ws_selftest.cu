@@ -100,7 +100,18 @@ struct PackLaunch {
     return mf::launch_prefill_cfg<mf::CfgPack<T, D>, kCausal, true, true>(p, s);
   }
 };
+// The paged kernel with a 3-stage K/V ring (224 KB of shared memory): whether one more tile in
+// flight hides the per-box TMA latency of small pages.
+template <typename T, int D>
+using CfgWsPaged3 = mf::WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
+template <typename T, int D, bool kCausal>
+struct Ws3Launch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<CfgWsPaged3<T, D>, kCausal>(p, s);
+  }
+};
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
+static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<Ws3Launch>(p, s); }
 static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
 static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }
 static cudaError_t split_ws(const PrefillParams& p, cudaStream_t s) {
@@ -177,6 +188,7 @@ static const Variant kVariants[] = {
     {"dispatch_new", dispatch_new, false},
     {"ws", ws_paged, true},
     {"ws_panels", ws_panels, true},
+    {"ws3", ws_paged3, true},
     {"split_ws", split_ws, true},
     {"routed", routed<0>, false},     // decode split heuristic
     {"routed_s1", routed<1>, false},  // one split: the decode kernel stores o itself
@@ -217,6 +229,7 @@ struct Built {
   uint16_t *dq = nullptr, *dout = nullptr;
   float *dlse = nullptr, *dks = nullptr, *dvs = nullptr;
   int32_t *dcq = nullptr, *dtable = nullptr, *dctx = nullptr;
+  bool shuffle_pages = true;  // false: each sequence's pages in pool order (the page-locality A/B)
   PrefillParams p{};
   static constexpr int kOPad = 8;  // elements after each (token, head) output row; must stay NaN
 
@@ -244,7 +257,7 @@ struct Built {
     num_blocks = used + 3;
     std::vector<int> perm(num_blocks);
     std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
+    if (shuffle_pages) std::shuffle(perm.begin(), perm.end(), rng);
     table.assign(size_t(S) * max_blocks, -1);
     int nxt = 0;
     for (int s = 0; s < S; ++s)
@@ -757,12 +770,25 @@ static int cmd_time(int reps) {
     std::snprintf(name, sizeof name, "B=%d q=%d L=%d", sh.b, sh.q, sh.L);
     std::printf("%-28s %10.1f %10.1f %12.1f %14.1f %10.2f %10.2f\n", name, tf(t_disp), tf(t_ws), tf(t_old),
                 tf(t_dense), t_dense / t_disp, t_dense / t_ws);
+    // What limits ws_paged at page 16: a third ring stage (more boxes in flight), and the same
+    // pages in pool order instead of shuffled (TLB and DRAM locality of a scattered pool).
+    Built bo;
+    bo.shuffle_pages = false;
+    bo.build(c, false, 42u);
+    bo.p.lse = nullptr;
+    const double t_ws3 = median_ms([&] { return ws_paged3(b.p, 0); }, reps);
+    const double t_ordered = median_ms([&] { return ws_paged(bo.p, 0); }, reps);
+    const double t_ws_again = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+    const double t_dense_again = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+    std::printf("  %s: ws 3 stages %.1f (/dense %.3f); ws pool-order pages %.1f (/dense %.3f); ws again %.1f, "
+                "dense again %.1f\n", name, tf(t_ws3), t_dense / t_ws3, tf(t_ordered), t_dense / t_ordered,
+                tf(t_ws_again), tf(t_dense_again));
     std::fflush(stdout);
   }
   // Page-size sweep of the paged TMA kernel on the first shape: a key tile is kBlockN / page_size
   // boxes per column block, so this separates the per-box cost from the rest of the paging cost.
   {
-    std::printf("page-size sweep, B=8 q=512 L=4608, TFLOP/s (/ dense_ws) of ws_paged (interleaved tiles) | ws_panels:");
+    std::printf("page-size sweep, B=8 q=512 L=4608, TFLOP/s (/ dense_ws) of ws_paged (2 stages) | ws_paged3 (3 stages):");
     Case c{"", bf, 16, 8, 128, 16, true, std::vector<int>(8, 512), std::vector<int>(8, 4608)};
     double t_dense = 0;
     for (const int bs : {16, 32, 64, 128, 256}) {
@@ -776,7 +802,7 @@ static int cmd_time(int reps) {
         t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
       }
       const double t = median_ms([&] { return ws_paged(b.p, 0); }, reps);
-      const double t_panels = median_ms([&] { return ws_panels(b.p, 0); }, reps);
+      const double t_panels = median_ms([&] { return ws_paged3(b.p, 0); }, reps);
       const double fl = case_flops(c);
       std::printf("  bs%d %.1f (%.3f) | %.1f (%.3f);", bs, fl / (t * 1e-3) / 1e12, t_dense / t,
                   fl / (t_panels * 1e-3) / 1e12, t_dense / t_panels);

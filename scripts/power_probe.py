@@ -150,6 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backends", default="cuda,flashinfer-ragged")
     ap.add_argument("--json")
+    ap.add_argument("--ncu-once", action="store_true",
+                    help="no probe: one call per backend inside an NVTX range named ncu_<backend>, for "
+                         "ncu --nvtx --nvtx-include ncu_<backend>/")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: power_probe needs a CUDA device", file=sys.stderr)
@@ -170,6 +173,15 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             print(f"{name}: skipped ({type(e).__name__}: {e})", flush=True)
             calls.pop(name, None)
+    if args.ncu_once:
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(f"ncu_{name}")
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+        print(f"ncu-once: one call each of {', '.join(calls)}", flush=True)
+        return 0
     rows = []
     for rnd in range(args.rounds):
         for name, call in calls.items():
