@@ -57,14 +57,15 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
                                                    "persistent pingpong", "persistent overlap",
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
-                                                   "wide pingpong", "wide persistent dyn+stagedO"};
+                                                   "wide pingpong", "wide persistent dyn+stagedO",
+                                                   "wide pp+overlap 3-stage"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -113,6 +114,9 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
           p, stream);
     case kWidePersistentDynamicStagedO:
       return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, true, true, true, true>, kCausal>(
+          p, stream);
+    case kWidePPOverlap3:
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 3, true, true, true, false, false, false, false, true>, kCausal>(
           p, stream);
   }
   return cudaErrorInvalidValue;

@@ -70,9 +70,13 @@ using CfgWsDynamic = WsCfg<T, D, 128, 2, true, true, true, false, true, true, tr
 constexpr int kWsDynamicMaxSeqlenQ = 2048;
 constexpr int kWsDynamicMinWaves = 4;
 // Paged long chunks (16-bit caches, pages of >= 8 tokens): the same kernel
-// with K/V pages loaded by TMA boxes through the block table.
+// with K/V pages loaded by TMA boxes through the block table, and a third
+// ring stage: a key tile of small pages is many boxes whose latency two
+// stages do not hide (page 16: 0.93 -> 1.03 of the dense kernel at B=8
+// q=512, 0.82 -> 0.98 at q=2048 over 32k; bench/results/nvidia-h200/
+// paged_ws3_1ad5ff9/). The dense kernel's tiles are one box per column block.
 template <typename T, int D>
-using CfgWsPaged = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true>;
+using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
 #endif
 
 // Paged, a batch with q_lens on both sides of kPackMaxSeqlenQ (max_seqlen_q
