@@ -67,6 +67,7 @@ def variants():
     # the A/B script's alternative long tiles, split-KV with lse, non-causal, fp16, fp8 caches
     out.append(("v2_long_p16_bn128_s2", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, BLOCK_N=128), 8, 2))
     out.append(("v2_long_p16_bn32_s4", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, BLOCK_N=32), 8, 4))
+    out.append(("v2_long_p16_s4", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16), 8, 4))
     out.append(("v2_long_p16_w4_bm64", _paged_long_kernel, "bf16", "bf16",
                 dict(v2, PAGE=16, BLOCK_M=64, BLOCK_Q=32), 4, 3))
     out.append(("v2_long_p16_split_lse", _paged_long_kernel, "bf16", "bf16",
