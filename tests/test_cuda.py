@@ -485,9 +485,9 @@ def test_prefill_long_beyond_l2(ops, layout):
 
 
 # Grids of at most one wave of 128-row items on the sm_90 warp-specialised kernel (between
-# half a wave and 132 CTAs at Hq=16, D=128): prefill/dispatch.cuh runs its 3-stage config
-# (CfgWsOneWave) there. Dense causal and full, Nq < Nk with every residue of the key tile
-# the shapes give, and a varlen batch of one sequence; the float64 oracle, then a second call.
+# half a wave, where prefill/dispatch.cuh starts to take it, and 132 CTAs at Hq=16, D=128):
+# no other test lands there. Dense causal and full, Nq < Nk, and a varlen batch of one
+# sequence; the float64 oracle, then a second call.
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("nq,nk", [(1024, 1024), (1000, 1000), (600, 1000), (897, 2049)])
 def test_prefill_one_wave(ops, causal, nq, nk):

@@ -58,13 +58,6 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // non-causal, D 64 and 128.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
-// A grid of at most one wave at D = 128 (B=1 N=1k: 128 CTAs): the same kernel
-// with a third ring stage. With one CTA per SM and no second wave, nothing
-// else covers the first tiles' load latency; a third stage took B=1 N=1k from
-// 202.3-202.6 to 206.1-207.3 TFLOP/s in ws_selftest, and was 1% slower on the
-// multi-wave rows (bench/results/nvidia-h200/leaner_loop_dae9cb6/).
-template <typename T, int D>
-using CfgWsOneWave = WsCfg<T, D, 128, 3, true, true, true, false, false, false, false, true>;
 // Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
 // queries, at least kWsDynamicMinWaves waves of items): the same schedule in
 // persistent CTAs that take their next item from a global counter (heaviest
@@ -221,9 +214,6 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
         if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
             row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
           return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
-        if constexpr (D == 128) {
-          if (row_block_grid<CfgWs<T, D>>(p) <= sms) return launch_prefill_ws<CfgWsOneWave<T, D>, kCausal>(p, stream);
-        }
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }
