@@ -9,7 +9,7 @@
 //                              rows that see no key; vs an fp64 CPU reference
 //   ./ws_selftest small        two tiny cases (for compute-sanitizer)
 //   ./ws_selftest time [reps]  the standard prefill grid for every consumer schedule, TFLOP/s
-//   ./ws_selftest profile [s]  two launches of schedule s at B=1 N=8k causal (for ncu)
+//   ./ws_selftest profile [s] [N]  two launches of schedule s at B=1 N (default 8k) causal (for ncu)
 //
 // The TMA descriptors are encoded with cuTensorMapEncodeTiled fetched from the
 // driver at run time (cudaGetDriverEntryPointByVersion), so no -lcuda.
@@ -57,7 +57,7 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -65,7 +65,7 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
                                                    "wide pingpong", "wide persistent dyn+stagedO",
-                                                   "wide pp+overlap 3-stage"};
+                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -118,6 +118,9 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kWidePPOverlap3:
       return mf::launch_prefill_ws<WsCfg<T, D, 128, 3, true, true, true, false, false, false, false, true>, kCausal>(
           p, stream);
+    case kWideSections:
+      return mf::launch_prefill_ws<
+          WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -288,6 +291,7 @@ static std::vector<Case> check_cases() {
         cs.push_back({dt, 2, 4, 2, 300, 97, d, causal});   // Nq > Nk: causal rows with no key
         cs.push_back({dt, 1, 3, 1, 1, 1023, d, causal});   // decode-like, GQA 3
         cs.push_back({dt, 1, 2, 2, 255, 513, d, causal});  // MHA, tails on both sides
+        cs.push_back({dt, 3, 2, 1, 200, 333, d, causal});  // 3 KV pairs: unequal L2 sections
       }
   // Every residue of (Nk - Nq) mod BLOCK_N (128), bf16 and fp16, causal (where
   // the diagonal tile's position depends on it), both head dims.
@@ -295,6 +299,12 @@ static std::vector<Case> check_cases() {
     for (int d : {128, 64})
       for (int r = 0; r < 128; ++r) cs.push_back({dt, 1, 2, 1, 150, 150 + r, d, true});
   return cs;
+}
+
+// WS_L2_MB: the L2 size the sections schedule plans for (unset: the device's).
+static int64_t l2_override_from_env() {
+  const char* env = std::getenv("WS_L2_MB");
+  return env != nullptr && *env != '\0' ? int64_t(std::atof(env) * (1 << 20)) : 0;
 }
 
 static int cmd_check() {
@@ -305,10 +315,16 @@ static int cmd_check() {
     for (const Case& c : check_cases()) {
       ++sched_n;
       g_sms_override = sched_persistent(g_sched) ? 1 + sched_n % 3 : 0;
+      // L2 sections: an L2 so small that every KV pair is a section, one whose half holds
+      // two pairs' K/V (B=3 Hkv=1: sections of 2 and 1 pairs), the device's (one section)
+      const int64_t per_kv_pair = int64_t(2) * c.nk * c.d * 2;
+      const int64_t check_l2[3] = {1, 4 * per_kv_pair + 1, 0};
+      if (g_sched == kWideSections) minipaged::fast::g_ws_l2_bytes_override = check_l2[sched_n % 3];
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
     }
     g_sms_override = 0;
+    minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
     std::printf("schedule %-20s %d of %d cases failed\n", kSchedNames[g_sched], sched_fails, sched_n);
     fails += sched_fails;
     n += sched_n;
@@ -401,10 +417,10 @@ static int cmd_time(int reps) {
 
 // Two launches of B=1 N=8k causal D=128 bf16 with one schedule, for
 // `ncu --launch-skip 1 --launch-count 1` (the first one warms up).
-static int cmd_profile(int sched) {
-  if (sched < 0 || sched >= kNumSched) return 2;
+static int cmd_profile(int sched, int n) {
+  if (sched < 0 || sched >= kNumSched || n <= 0) return 2;
   g_sched = sched;
-  const Case c{DType::kBFloat16, 1, 16, 8, 8192, 8192, 128, true};
+  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
   DeviceCase dc;
   dc.setup(c, 42u);
   for (int i = 0; i < 2; ++i) CHECK_CUDA(launch_ws(dc.p, 0));
@@ -426,7 +442,9 @@ int main(int argc, char** argv) {
   if (cmd == "check") return cmd_check();
   if (cmd == "small") return cmd_small();
   if (cmd == "time") return cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
-  if (cmd == "profile") return cmd_profile(argc > 2 ? std::atoi(argv[2]) : kPingPongOverlap);
-  std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule]\n", argv[0]);
+  minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
+  if (cmd == "profile")
+    return cmd_profile(argc > 2 ? std::atoi(argv[2]) : kPingPongOverlap, argc > 3 ? std::atoi(argv[3]) : 8192);
+  std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule] [N]\n", argv[0]);
   return 2;
 }

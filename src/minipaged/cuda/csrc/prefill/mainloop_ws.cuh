@@ -94,7 +94,7 @@ namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
-          bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_>
+          bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -133,6 +133,11 @@ struct WsCfg {
   // one per page and column block). The wgmma descriptors take either: the
   // 8-key group stride is their SBO, the column-block stride V's LBO.
   static constexpr bool kKvInterleave = kKvInterleave_;
+  // Experiment (ws_selftest only, not dispatched): the dense/varlen grid walks
+  // its items in L2 sections of whole GQA groups (ws_item), to measure what L2
+  // locality buys at 16k (bench/results/nvidia-h200/ncu16k_1ad5ff9/).
+  static constexpr bool kL2Sections = kL2Sections_;
+  static_assert(!kL2Sections || (!kPaged_ && !kPersistent_), "sections: the dense/varlen grid only");
   static_assert(!kKvInterleave || kPaged_, "only the paged producer writes interleaved tiles");
   static constexpr int kKvGroupStride = kKvInterleave ? (kD_ / 64) * 1024 : 1024;
   static constexpr int kKvColStride = kKvInterleave ? 1024 : kBlockN_ * 128;
@@ -175,7 +180,28 @@ struct WsParams {
   // Dynamic persistent configs: {next item past the first wave, CTAs done},
   // both zero at launch; the last CTA to finish zeroes them again.
   int* sched;
+  // kL2Sections: (batch, q head) pairs per section of the work list (ws_item).
+  int section_hb;
 };
+
+// kL2Sections work item w (of m_blocks * batch * num_q_heads) -> (q head,
+// batch, m-block): the (batch, q head) pairs in sections of section_hb
+// consecutive pairs (whole GQA groups), one section's items before the next
+// section's, and within a section every pair's last (under causal the
+// heaviest) m-block first, pairs fastest.
+__device__ __forceinline__ void ws_item(int w, int m_blocks, int num_q_heads, int batch, int section_hb, int& head,
+                                        int& b, int& m_block) {
+  const int hb_total = batch * num_q_heads;
+  const int section = w / (section_hb * m_blocks);
+  const int first = section * section_hb;
+  const int size = min(section_hb, hb_total - first);
+  const int within = w - first * m_blocks;
+  const int rank = within / size;
+  const int hb = first + (within - rank * size);
+  head = hb % num_q_heads;
+  b = hb / num_q_heads;
+  m_block = m_blocks - 1 - rank;
+}
 
 // Whether sequence `ql` rows long belongs to this launch (qlen_filter).
 __device__ __forceinline__ bool ws_owned(const PrefillParams& p, int ql) {
@@ -300,10 +326,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   if constexpr (!Cfg::kPersistent) {
     int b = blockIdx.y;
     int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+    int h = blockIdx.x;
     if constexpr (Cfg::kPaged) {
       if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
+    } else if constexpr (Cfg::kL2Sections) {
+      // The grid issues its CTAs in linear block order: that order is the work list's.
+      const int w = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+      ws_item(w, int(gridDim.z), p.num_q_heads, p.batch, wp.section_hb, h, b, m_block);
     }
-    if (!set_item(blockIdx.x, b, m_block)) return;
+    if (!set_item(h, b, m_block)) return;
     if (n_end <= 0) {
       write_empty_item(tid, Cfg::kThreads);
       return;
@@ -890,6 +921,21 @@ inline bool ws_supported(const PrefillParams& p) {
   return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
 }
 
+// kL2Sections: (batch, q head) pairs per section, as many whole GQA groups as
+// keep the K/V of the section's KV heads (max_seqlen_k keys each) within half
+// of l2_bytes, in sections of equal size; every pair if that fits.
+inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int64_t kv_pairs = int64_t(p.batch) * p.num_kv_heads;
+  const int64_t per_kv_head = 2 * int64_t(p.max_seqlen_k) * p.head_dim * 2;
+  const int64_t fit = per_kv_head > 0 ? std::max<int64_t>(1, (l2_bytes / 2) / per_kv_head) : kv_pairs;
+  if (fit >= kv_pairs) return int(kv_pairs * group);
+  const int64_t sections = (kv_pairs + fit - 1) / fit;
+  return int((kv_pairs + sections - 1) / sections * group);
+}
+// The L2 size ws_l2_section assumes: the device's unless this is > 0 (ws_selftest's WS_L2_MB).
+inline int64_t g_ws_l2_bytes_override = 0;
+
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -919,6 +965,16 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
+  if constexpr (Cfg::kL2Sections) {
+    int64_t l2 = g_ws_l2_bytes_override;
+    if (l2 <= 0) {
+      int dev = 0, bytes = 0;
+      if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
+        return cudaErrorInvalidValue;
+      l2 = bytes;
+    }
+    wp.section_hb = ws_l2_section(pp, l2);
+  }
   if constexpr (Cfg::kDynamic) {
     // the caller's zeroed counters (PrefillParams::sched_counters): a per-launch
     // buffer, so concurrent launches on other streams never share one
