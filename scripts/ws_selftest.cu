@@ -439,10 +439,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "needs an sm_90 device (found sm_%d%d)\n", prop.major, prop.minor);
     return 2;
   }
+  minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
   if (cmd == "check") return cmd_check();
   if (cmd == "small") return cmd_small();
   if (cmd == "time") return cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
-  minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
   if (cmd == "profile")
     return cmd_profile(argc > 2 ? std::atoi(argv[2]) : kPingPongOverlap, argc > 3 ? std::atoi(argv[3]) : 8192);
   std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule] [N]\n", argv[0]);
