@@ -966,6 +966,7 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
   if constexpr (Cfg::kL2Sections) {
+    if (int64_t(m_blocks) * pp.batch * pp.num_q_heads > INT_MAX) return cudaErrorInvalidConfiguration;  // ws_item is int
     int64_t l2 = g_ws_l2_bytes_override;
     if (l2 <= 0) {
       int dev = 0, bytes = 0;
