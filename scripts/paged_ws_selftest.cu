@@ -802,10 +802,10 @@ static int cmd_time(int reps) {
         t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
       }
       const double t = median_ms([&] { return ws_paged(b.p, 0); }, reps);
-      const double t_panels = median_ms([&] { return ws_paged3(b.p, 0); }, reps);
+      const double t_ws3 = median_ms([&] { return ws_paged3(b.p, 0); }, reps);
       const double fl = case_flops(c);
       std::printf("  bs%d %.1f (%.3f) | %.1f (%.3f);", bs, fl / (t * 1e-3) / 1e12, t_dense / t,
-                  fl / (t_panels * 1e-3) / 1e12, t_dense / t_panels);
+                  fl / (t_ws3 * 1e-3) / 1e12, t_dense / t_ws3);
     }
     std::printf("\n");
     std::fflush(stdout);

@@ -491,7 +491,7 @@ def test_prefill_long_beyond_l2(ops, layout):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("nq,nk", [(1024, 1024), (1000, 1000), (600, 1000), (897, 2049)])
 def test_prefill_one_wave(ops, causal, nq, nk):
-    from minipaged.testing import assert_close, prefill_ref, varlen_ref
+    from minipaged.testing import assert_close, cu_seqlens, prefill_ref
 
     gen = torch.Generator(device="cuda").manual_seed(nq + nk)
     Hq, Hkv, D, dtype = 16, 8, 128, torch.bfloat16
@@ -502,18 +502,15 @@ def test_prefill_one_wave(ops, causal, nq, nk):
     v = torch.randn(1, Hkv, nk, D, device="cuda", generator=gen).to(dtype)
     _poison_allocator(q.numel())
     out = ops.prefill(q, k, v, causal, scale)
-    assert_close(out, prefill_ref(q, k, v, causal=causal, scale=scale, lowp=False)[0],
-                 prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)[0], f"one wave {nq}x{nk} causal={causal}")
+    truth = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=False)[0]
+    lowp = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)[0]
+    assert_close(out, truth, lowp, f"one wave {nq}x{nk} causal={causal}")
     assert torch.equal(ops.prefill(q, k, v, causal, scale), out), "a second call differs"
-    # the same problem as a varlen batch of one sequence
-    cu_q = torch.tensor([0, nq], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, nk], dtype=torch.int32, device="cuda")
+    # the same problem as a varlen batch of one sequence, against the same oracle rows
     qv, kv, vv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
-    args = (cu_q, cu_k, nq, nk, causal, scale)
+    args = (cu_seqlens([nq], "cuda"), cu_seqlens([nk], "cuda"), nq, nk, causal, scale)
     out_v = ops.prefill_varlen(qv, kv, vv, *args)
-    assert_close(out_v, varlen_ref(qv, kv, vv, cu_q, cu_k, causal=causal, scale=scale, lowp=False)[0],
-                 varlen_ref(qv, kv, vv, cu_q, cu_k, causal=causal, scale=scale, lowp=True)[0],
-                 f"one wave varlen {nq}x{nk} causal={causal}")
+    assert_close(out_v, truth[0].transpose(0, 1), lowp[0].transpose(0, 1), f"one wave varlen {nq}x{nk} causal={causal}")
 
 
 # --------------------------------------------------------------------------- determinism
