@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_paged_ncu] [triton_fp8_ab]
 #                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -121,6 +121,21 @@ for s in $stages; do
         run ws_ncu_$s ncu --clock-control none --set full -k regex:prefill_ws_kernel \
           --launch-skip 1 --launch-count 1 "$bin/ws_selftest" profile $s
       done;;
+    ws_ab)
+      # Schedules WS_SCHEDULES (e.g. 12,16) at B=1 N=WS_AB_N causal: interleaved timing (ws_selftest
+      # ab), energy per call under sustained load (ws_selftest power, NVML), and ncu's DRAM / L2
+      # counters of one launch of each.
+      mkdir -p "$bin"
+      [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
+      n=${WS_AB_N:-16384}
+      STAGE_TIMEOUT_ws_ab=${STAGE_TIMEOUT_ws_ab:-120} run ws_ab "$bin/ws_selftest" ab "$n" ${WS_AB_ROUNDS:-3} ${WS_AB_REPS:-40}
+      STAGE_TIMEOUT_ws_power=${STAGE_TIMEOUT_ws_power:-90} run ws_power "$bin/ws_selftest" power "$n" ${WS_POWER_SECONDS:-2} ${WS_POWER_ROUNDS:-2}
+      for s in ${WS_SCHEDULES//,/ }; do
+        export STAGE_TIMEOUT_ws_ab_ncu_$s=90
+        run ws_ab_ncu_$s ncu --clock-control none -k regex:prefill_ws_kernel --launch-skip 1 --launch-count 1 \
+          --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors.sum,lts__t_sector_hit_rate.pct,sm__cycles_elapsed.avg.per_second \
+          "$bin/ws_selftest" profile "$s" "$n"
+      done;;
     paged_ws)
       # Paged attention through the warp-specialised TMA kernel and the mixed-batch split
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
@@ -150,6 +165,13 @@ for s in $stages; do
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py ${TRITON_AB_ARGS:-} --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py ${TRITON_FP8_AB_ARGS:-} --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;
+    triton_paged_ncu)
+      # ncu sections of the Triton dense varlen kernel and the paged long-chunk kernel on the same
+      # work (scripts/triton_paged_ncu.py; two launches of each inside NVTX ranges).
+      STAGE_TIMEOUT_triton_paged_ncu=${STAGE_TIMEOUT_triton_paged_ncu:-180} run triton_paged_ncu ncu --clock-control none \
+        --nvtx --nvtx-include "dense/" --nvtx-include "paged/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section InstructionStats --section SchedulerStats --section LaunchStats --section Occupancy \
+        python3 scripts/triton_paged_ncu.py ${TRITON_PAGED_NCU_ARGS:-};;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \

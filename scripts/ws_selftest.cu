@@ -10,6 +10,12 @@
 //   ./ws_selftest small        two tiny cases (for compute-sanitizer)
 //   ./ws_selftest time [reps]  the standard prefill grid for every consumer schedule, TFLOP/s
 //   ./ws_selftest profile [s] [N]  two launches of schedule s at B=1 N (default 8k) causal (for ncu)
+//   ./ws_selftest ab [N] [rounds] [reps]  the selected schedules at B=1 N causal (default 16k),
+//                              interleaved: round r times every schedule once (median of reps, cold L2)
+//   ./ws_selftest power [N] [seconds] [rounds]  the selected schedules at B=1 N causal launched
+//                              back to back (no flush) for `seconds` each, in alternating rounds:
+//                              calls, TFLOP/s (whole window and last half), mJ per call and mean W
+//                              from the NVML energy counter (libnvidia-ml loaded at run time)
 //
 // The TMA descriptors are encoded with cuTensorMapEncodeTiled fetched from the
 // driver at run time (cudaGetDriverEntryPointByVersion), so no -lcuda.
@@ -21,8 +27,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -429,6 +437,99 @@ static int cmd_profile(int sched, int n) {
   return 0;
 }
 
+// Interleaved A/B of the selected schedules at one shape: the board's power state drifts over
+// a call (at 16k the kernels run at the power cap), so each round times every schedule once.
+static int cmd_ab(int n, int rounds, int reps) {
+  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
+  std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
+  for (int r = 0; r < rounds; ++r)
+    for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
+      if (!sched_selected(g_sched)) continue;
+      const double med = time_case(c, reps);
+      std::printf("round %d  %-28s %8.1f  (%.3f ms)\n", r, kSchedNames[g_sched], case_flops(c) / (med * 1e-3) / 1e12,
+                  med);
+      std::fflush(stdout);
+    }
+  return 0;
+}
+
+// The NVML calls the power command needs, looked up at run time (no -lnvidia-ml).
+struct Nvml {
+  void* dev = nullptr;
+  int (*energy)(void*, unsigned long long*) = nullptr;
+  int (*clock)(void*, int, unsigned*) = nullptr;
+  bool open() {
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (lib == nullptr) return false;
+    auto init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    energy = reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+    clock = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib, "nvmlDeviceGetClockInfo"));
+    if (!init || !by_bus || !energy || !clock || init() != 0) return false;
+    char bus[32] = {0};
+    int d = 0;
+    if (cudaGetDevice(&d) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof bus, d) != cudaSuccess) return false;
+    return by_bus(bus, &dev) == 0;
+  }
+  unsigned long long mj() {
+    unsigned long long v = 0;
+    return energy(dev, &v) == 0 ? v : 0;
+  }
+  unsigned sm_mhz() {
+    unsigned v = 0;
+    return clock(dev, 1, &v) == 0 ? v : 0;  // NVML_CLOCK_SM
+  }
+};
+
+// Sustained load at the power cap: each selected schedule back to back for `seconds`, calls
+// synchronised in batches of 8 so the host can watch the clock.
+static int cmd_power(int n, double seconds, int rounds) {
+  Nvml nvml;
+  if (!nvml.open()) {
+    std::fprintf(stderr, "power: NVML not available\n");
+    return 2;
+  }
+  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
+  DeviceCase dc;
+  dc.setup(c, 42u);
+  dc.p.lse = nullptr;
+  const double flops = case_flops(c);
+  std::printf("power: %s, %.1f s per schedule per round\n", case_name(c).c_str(), seconds);
+  using clk = std::chrono::steady_clock;
+  for (int r = 0; r < rounds; ++r)
+    for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
+      if (!sched_selected(g_sched)) continue;
+      for (int w = 0; w < 3; ++w) CHECK_CUDA(launch_ws(dc.p, 0));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const unsigned long long e0 = nvml.mj();
+      const auto t0 = clk::now();
+      long calls = 0, half_calls = 0;
+      double half_t = 0.0, mhz_sum = 0.0;
+      int mhz_n = 0;
+      for (;;) {
+        for (int i = 0; i < 8; ++i) CHECK_CUDA(launch_ws(dc.p, 0));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        calls += 8;
+        mhz_sum += nvml.sm_mhz();
+        ++mhz_n;
+        const double t = std::chrono::duration<double>(clk::now() - t0).count();
+        if (t >= seconds / 2 && half_t == 0.0) {
+          half_t = t;
+          half_calls = calls;
+        }
+        if (t >= seconds) break;
+      }
+      const double t = std::chrono::duration<double>(clk::now() - t0).count();
+      const unsigned long long e1 = nvml.mj();
+      std::printf("round %d  %-28s calls %5ld  TFLOP/s %6.1f (last half %6.1f)  %7.1f mJ/call  %5.1f W  SM %4.0f MHz\n", r,
+                  kSchedNames[g_sched], calls, flops * calls / t / 1e12,
+                  flops * (calls - half_calls) / (t - half_t) / 1e12, double(e1 - e0) / calls, double(e1 - e0) / 1e3 / t,
+                  mhz_sum / std::max(1, mhz_n));
+      std::fflush(stdout);
+    }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "check";
   int dev = 0;
@@ -445,6 +546,10 @@ int main(int argc, char** argv) {
   if (cmd == "time") return cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
   if (cmd == "profile")
     return cmd_profile(argc > 2 ? std::atoi(argv[2]) : kPingPongOverlap, argc > 3 ? std::atoi(argv[3]) : 8192);
-  std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule] [N]\n", argv[0]);
+  if (cmd == "ab")
+    return cmd_ab(argc > 2 ? std::atoi(argv[2]) : 16384, argc > 3 ? std::atoi(argv[3]) : 3, argc > 4 ? std::atoi(argv[4]) : 40);
+  if (cmd == "power")
+    return cmd_power(argc > 2 ? std::atoi(argv[2]) : 16384, argc > 3 ? std::atof(argv[3]) : 2.0, argc > 4 ? std::atoi(argv[4]) : 2);
+  std::fprintf(stderr, "usage: %s check | small | time [reps] | profile [schedule] [N] | ab [N] [rounds] [reps] | power [N] [s] [rounds]\n", argv[0]);
   return 2;
 }
