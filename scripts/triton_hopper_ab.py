@@ -47,7 +47,9 @@ VARLEN = [
 ]
 # alternative tiles per (variant, head_dim), (BM, BN, warps, stages); None = the table's tile
 TILES = {
-    ("pointer", 128): [None],
+    # one-warpgroup tiles (two resident programs per SM by shared memory and registers: 64/64/4/3
+    # is 112 KB and 216 registers under triton 3.9) and the 2-stage 128-row tile (96 KB)
+    ("pointer", 128): [None, (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2)],
     ("pointer", 64): [None],
     # the pointer kernel with configs.prefill_lazy_rescale = 8 (rescale only on a max growth > 2^8)
     ("pointer_lazy", 128): [None],

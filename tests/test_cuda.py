@@ -484,6 +484,57 @@ def test_prefill_long_beyond_l2(ops, layout):
     assert torch.equal(run(), out), "a second call differs"
 
 
+# Grids whose K/V do not fit in the L2, which the sm_90 dispatch runs in L2 sections of whole
+# GQA groups (prefill/dispatch.cuh, CfgWsL2): B=1 N=16k (8 KV heads in sections of 3, 3, 2),
+# five fp16 sequences of 1000 queries over 8192 keys without a mask at D=64 (G=1), and a varlen
+# batch at G=4 with Nq < Nk in one sequence. The float64 oracle one KV head's query heads at a
+# time, then a second call.
+_L2_CASES = {
+    "dense16k": dict(B=1, Hq=16, Hkv=8, D=128, nq=[16384], nk=[16384], causal=True, dtype=torch.bfloat16),
+    "dense-b5-d64-full": dict(B=5, Hq=8, Hkv=8, D=64, nq=[1000], nk=[8192], causal=False, dtype=torch.float16),
+    "varlen-g4": dict(B=3, Hq=32, Hkv=8, D=128, nq=[12000, 4000, 7000], nk=[12000, 9000, 7000], causal=True,
+                      dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(_L2_CASES))
+def test_prefill_l2_sections(ops, case):
+    from minipaged.testing import assert_close, prefill_ref, varlen_ref
+
+    c = _L2_CASES[case]
+    B, Hq, Hkv, D, dtype = c["B"], c["Hq"], c["Hkv"], c["D"], c["dtype"]
+    group, scale = Hq // Hkv, 1 / math.sqrt(D)
+    keys = sum(c["nk"]) if len(c["nk"]) > 1 else B * c["nk"][0]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    assert keys * Hkv * D * 2 * 2 > l2, "the K/V must exceed the L2 for the sectioned order to run"
+    gen = torch.Generator(device="cuda").manual_seed(len(case))
+    if len(c["nq"]) == 1:
+        q = torch.randn(B, Hq, c["nq"][0], D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, c["nk"][0], D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, c["nk"][0], D, device="cuda", generator=gen).to(dtype)
+        run = lambda: ops.prefill(q, k, v, c["causal"], scale)  # noqa: E731
+
+        def ref(h, lowp):
+            kh = slice(h // group, h // group + 1)
+            return prefill_ref(q[:, h:h + group], k[:, kh], v[:, kh], causal=c["causal"], scale=scale, lowp=lowp)[0]
+    else:
+        q, k, v, cu_q, cu_k = _varlen_problem(c["nq"], c["nk"], Hq, Hkv, D, dtype, gen)
+        args = (cu_q, cu_k, max(c["nq"]), max(c["nk"]), c["causal"], scale)
+        run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
+
+        def ref(h, lowp):
+            kh = slice(h // group, h // group + 1)
+            return varlen_ref(q[:, h:h + group], k[:, kh], v[:, kh], cu_q, cu_k, causal=c["causal"], scale=scale,
+                              lowp=lowp)[0]
+
+    _poison_allocator(q.numel())
+    out = run()
+    for h in range(0, Hq, group):
+        part = out.narrow(1, h, group)  # the head axis of both layouts
+        assert_close(part, ref(h, False), ref(h, True), f"{case}, q heads {h}..{h + group - 1}")
+    assert torch.equal(run(), out), "a second call differs"
+
+
 # Grids of at most one wave of 128-row items on the sm_90 warp-specialised kernel (between
 # half a wave, where prefill/dispatch.cuh starts to take it, and 132 CTAs at Hq=16, D=128):
 # no other test lands there. Dense causal and full, Nq < Nk, and a varlen batch of one

@@ -113,6 +113,9 @@ def set_override(name: str, value) -> None:
     overrides_version += 1
 
 
+_SHORT_CAUSAL_Q = 1024
+
+
 def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads: int,
                    max_seqlen_q: int, device: torch.device) -> PrefillConfig:
     if interpreting() or device.type != "cuda":
@@ -128,6 +131,13 @@ def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads:
     # Too few query tiles to fill the SMs (short prompts, small batch): halve BLOCK_M.
     if cfg.block_m > 64 and batch_heads * -(-max_seqlen_q // cfg.block_m) < sm_count(device):
         cfg = PrefillConfig(64, min(cfg.block_n, 64), 4, cfg.num_stages)
+    # Short causal prompts at D 128 on sm_90: 64-row tiles as well, whatever the grid. A 1k-row
+    # sequence has 8 key tiles per query tile, so the masked diagonal band of a 128-row tile is
+    # a large share of its work; and a 64-row program takes 112 KB of shared memory, so two can
+    # share an SM (measured: bench/results/nvidia-h200/triton_config_notes.md).
+    elif (major >= 9 and causal and head_dim == 128 and elem == 2 and max_seqlen_q <= _SHORT_CAUSAL_Q
+          and cfg.block_m > 64):
+        cfg = PrefillConfig(64, 64, 4, 3)
     return cfg
 
 

@@ -112,6 +112,10 @@ int num_sms(int device) {
                                                             132);
 }
 
+int l2_bytes(int device) {
+  return cached_device_attr<cudaDevAttrL2CacheSize>(device, "cudaDeviceGetAttribute(l2CacheSize)", 0);
+}
+
 int cc_major(int device) {
   return cached_device_attr<cudaDevAttrComputeCapabilityMajor>(
       device, "cudaDeviceGetAttribute(computeCapabilityMajor)", 0);
@@ -209,6 +213,7 @@ OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::
   p.causal = causal;
   p.dtype = dtype;
   p.num_sms = num_sms(q.get_device());
+  p.l2_bytes = l2_bytes(q.get_device());
   at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
   {

@@ -62,6 +62,9 @@ struct PrefillParams {
   bool causal;
   DType dtype;
   int num_sms;        // multiprocessors on the device, for launch heuristics
+  // L2 bytes of the device (0: unknown). Dense/varlen on sm_90: a grid whose K/V
+  // do not fit half of it runs its work in L2 sections (prefill/dispatch.cuh).
+  int64_t l2_bytes;
   // FP8 K/V (launch_prefill_paged only): the caches hold float8_e4m3fn bytes
   // (k_row_stride and the other K/V strides then count bytes) and the real
   // value of a stored element of KV head h is stored * k_scale[h] (v_scale[h]

@@ -58,6 +58,26 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // non-causal, D 64 and 128.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
+// The same kernel over a grid whose K/V (every KV head of every sequence,
+// max_seqlen_k keys each) do not fit in the L2: its items in sections of
+// whole GQA groups whose K/V fit in half of it, one section after the other
+// (ws_l2_section, ws_item). In the default order every wave sweeps all K/V
+// from the diagonal down, so each wave evicts what the next one needs. At B=1
+// N=16k the sections cut DRAM reads from 556 to 159 MB per call and, under
+// the board's power cap, the energy per call by 2.4%
+// (bench/results/nvidia-h200/l2_sections_317dffb/). MINIPAGED_DISABLE_L2_SECTIONS
+// (a build flag, like MINIPAGED_DISABLE_WGMMA) turns it off, to measure it.
+template <typename T, int D>
+using CfgWsL2 = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>;
+inline bool ws_l2_sections_pay(const PrefillParams& p) {
+#if defined(MINIPAGED_DISABLE_L2_SECTIONS)
+  return false;
+#else
+  const int64_t keys = p.cu_seqlens_k != nullptr ? p.total_k : int64_t(p.batch) * p.max_seqlen_k;
+  const int64_t kv_bytes = keys * p.num_kv_heads * p.head_dim * 2 * 2;  // K and V, 2-byte elements
+  return p.l2_bytes > 0 && kv_bytes > p.l2_bytes;
+#endif
+}
 // Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
 // queries, at least kWsDynamicMinWaves waves of items): the same schedule in
 // persistent CTAs that take their next item from a global counter (heaviest
@@ -214,6 +234,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
         if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
             row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
           return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
+        if (ws_l2_sections_pay(p)) return launch_prefill_ws<CfgWsL2<T, D>, kCausal>(p, stream);
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }

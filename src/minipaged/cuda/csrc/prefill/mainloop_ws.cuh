@@ -133,9 +133,9 @@ struct WsCfg {
   // one per page and column block). The wgmma descriptors take either: the
   // 8-key group stride is their SBO, the column-block stride V's LBO.
   static constexpr bool kKvInterleave = kKvInterleave_;
-  // Experiment (ws_selftest only, not dispatched): the dense/varlen grid walks
-  // its items in L2 sections of whole GQA groups (ws_item), to measure what L2
-  // locality buys at 16k (bench/results/nvidia-h200/ncu16k_1ad5ff9/).
+  // The dense/varlen grid walks its items in L2 sections of whole GQA groups
+  // (ws_item), so that a wave's K/V stay in L2 when all of them do not fit
+  // (prefill/dispatch.cuh, CfgWsL2).
   static constexpr bool kL2Sections = kL2Sections_;
   static_assert(!kL2Sections || (!kPaged_ && !kPersistent_), "sections: the dense/varlen grid only");
   static_assert(!kKvInterleave || kPaged_, "only the paged producer writes interleaved tiles");
@@ -933,7 +933,8 @@ inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
   const int64_t sections = (kv_pairs + fit - 1) / fit;
   return int((kv_pairs + sections - 1) / sections * group);
 }
-// The L2 size ws_l2_section assumes: the device's unless this is > 0 (ws_selftest's WS_L2_MB).
+// The L2 size ws_l2_section assumes: PrefillParams::l2_bytes (else the device's) unless this
+// is > 0 (ws_selftest's WS_L2_MB; nothing else sets it).
 inline int64_t g_ws_l2_bytes_override = 0;
 
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
@@ -967,7 +968,7 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   dim3 grid(pp.num_q_heads, pp.batch, m_blocks);
   if constexpr (Cfg::kL2Sections) {
     if (int64_t(m_blocks) * pp.batch * pp.num_q_heads > INT_MAX) return cudaErrorInvalidConfiguration;  // ws_item is int
-    int64_t l2 = g_ws_l2_bytes_override;
+    int64_t l2 = g_ws_l2_bytes_override > 0 ? g_ws_l2_bytes_override : pp.l2_bytes;
     if (l2 <= 0) {
       int dev = 0, bytes = 0;
       if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
