@@ -117,7 +117,9 @@ _SHORT_CAUSAL_Q = 1024
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads: int,
-                   max_seqlen_q: int, device: torch.device) -> PrefillConfig:
+                   max_seqlen_q: int, device: torch.device, max_seqlen_k: int | None = None) -> PrefillConfig:
+    """The pointer kernel's tile for a prefill of batch_heads (sequence, query head) pairs whose
+    longest sequence has max_seqlen_q queries and max_seqlen_k keys (None: as many as queries)."""
     if interpreting() or device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
     if "prefill" in OVERRIDES:
@@ -131,12 +133,13 @@ def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads:
     # Too few query tiles to fill the SMs (short prompts, small batch): halve BLOCK_M.
     if cfg.block_m > 64 and batch_heads * -(-max_seqlen_q // cfg.block_m) < sm_count(device):
         cfg = PrefillConfig(64, min(cfg.block_n, 64), 4, cfg.num_stages)
-    # Short causal prompts at D 128 on sm_90: 64-row tiles as well, whatever the grid. A 1k-row
-    # sequence has 8 key tiles per query tile, so the masked diagonal band of a 128-row tile is
-    # a large share of its work; and a 64-row program takes 112 KB of shared memory, so two can
-    # share an SM (measured: bench/results/nvidia-h200/triton_config_notes.md).
-    elif (major >= 9 and causal and head_dim == 128 and elem == 2 and max_seqlen_q <= _SHORT_CAUSAL_Q
-          and cfg.block_m > 64):
+    # Short causal prompts at D 128 on sm_90 (at most 1k queries and 1k keys per sequence):
+    # 64-row tiles as well, whatever the grid. With 1k keys a 128-row tile has at most 16 key
+    # tiles, so its masked diagonal band is a large share of its work; and a 64-row program
+    # takes 112 KB of shared memory, so two can share an SM. A short chunk over a long prefix
+    # keeps the 128-row tile (measured: bench/results/nvidia-h200/triton_config_notes.md).
+    elif (major >= 9 and causal and head_dim == 128 and elem == 2 and cfg.block_m > 64
+          and max(max_seqlen_q, max_seqlen_k or 0) <= _SHORT_CAUSAL_Q):
         cfg = PrefillConfig(64, 64, 4, 3)
     return cfg
 

@@ -111,7 +111,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     lse = _lse_buffer((batch, num_q_heads, seqlen_q), q.device, return_lse)
     if out.numel() == 0:
         return _result(out, lse)
-    cfg = prefill_config(head_dim, q.dtype, causal, batch * num_q_heads, seqlen_q, q.device)
+    cfg = prefill_config(head_dim, q.dtype, causal, batch * num_q_heads, seqlen_q, q.device, k.shape[2])
     args = dense_args(q, k, v, out, lse, scale)
     with _device_scope(q):
         _launch_attn(cfg, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim, q.dtype,
@@ -137,7 +137,8 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _result(out.zero_(), lse)
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-    cfg = prefill_config(head_dim, q.dtype, causal, num_seqs * num_q_heads, int(max_seqlen_q), q.device)
+    cfg = prefill_config(head_dim, q.dtype, causal, num_seqs * num_q_heads, int(max_seqlen_q), q.device,
+                         int(max_seqlen_k))
     args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
     with _device_scope(q):
         _launch_attn(cfg, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
