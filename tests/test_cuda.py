@@ -442,53 +442,57 @@ def test_prefill_many_short_sequences(ops, dtype, D, causal, layout):
         assert torch.equal(static_out, out), "graph replay differs from the eager call"
 
 
-# Long prompts whose K/V (and Q, O) exceed the L2 (60 MiB on the H200), on the sm_90
-# warp-specialised kernel: dense 10k (1,280 items of 128 rows over 16 heads) and
-# varlen over three sequences whose items interleave. The oracle runs two query heads (one KV
-# head) at a time to keep its float64 scores small.
-@pytest.mark.parametrize("layout", ["dense", "varlen"])
-def test_prefill_long_beyond_l2(ops, layout):
+def _check_long_prefill(ops, what, B, Hq, Hkv, D, nq, nk, causal, dtype, seed):
+    """A long dense (nq, nk: one length each, B sequences) or varlen (one length per sequence)
+    prefill against the float64 oracle, one KV head's query heads at a time to keep the oracle's
+    scores small, on NaN-poisoned memory; then a second call, bit for bit."""
     from minipaged.testing import assert_close, prefill_ref, varlen_ref
 
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    Hq, Hkv, D, dtype = 16, 8, 128, torch.bfloat16
-    scale = 1 / math.sqrt(D)
-    group = Hq // Hkv
-    if layout == "dense":
-        N = 10240
-        q = torch.randn(1, Hq, N, D, device="cuda", generator=gen).to(dtype)
-        k = torch.randn(1, Hkv, N, D, device="cuda", generator=gen).to(dtype)
-        v = torch.randn(1, Hkv, N, D, device="cuda", generator=gen).to(dtype)
-        run = lambda: ops.prefill(q, k, v, True, scale)  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    group, scale = Hq // Hkv, 1 / math.sqrt(D)
+    if len(nq) == 1:
+        q = torch.randn(B, Hq, nq[0], D, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, nk[0], D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, nk[0], D, device="cuda", generator=gen).to(dtype)
+        run = lambda: ops.prefill(q, k, v, causal, scale)  # noqa: E731
 
         def ref(h, lowp):
             kh = slice(h // group, h // group + 1)
-            return prefill_ref(q[:, h:h + group], k[:, kh], v[:, kh], causal=True, scale=scale, lowp=lowp)[0]
-
+            return prefill_ref(q[:, h:h + group], k[:, kh], v[:, kh], causal=causal, scale=scale, lowp=lowp)[0]
     else:
-        seq_q, seq_k = [8192, 3000, 2049], [8192, 5000, 2049]
-        q, k, v, cu_q, cu_k = _varlen_problem(seq_q, seq_k, Hq, Hkv, D, dtype, gen)
-        args = (cu_q, cu_k, max(seq_q), max(seq_k), True, scale)
+        q, k, v, cu_q, cu_k = _varlen_problem(nq, nk, Hq, Hkv, D, dtype, gen)
+        args = (cu_q, cu_k, max(nq), max(nk), causal, scale)
         run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
 
         def ref(h, lowp):
             kh = slice(h // group, h // group + 1)
-            return varlen_ref(q[:, h:h + group], k[:, kh], v[:, kh], cu_q, cu_k, causal=True, scale=scale,
+            return varlen_ref(q[:, h:h + group], k[:, kh], v[:, kh], cu_q, cu_k, causal=causal, scale=scale,
                               lowp=lowp)[0]
 
     _poison_allocator(q.numel())
     out = run()
     for h in range(0, Hq, group):
         part = out.narrow(1, h, group)  # the head axis of both layouts
-        assert_close(part, ref(h, False), ref(h, True), f"long {layout}, q heads {h}..{h + group - 1}")
+        assert_close(part, ref(h, False), ref(h, True), f"{what}, q heads {h}..{h + group - 1}")
     assert torch.equal(run(), out), "a second call differs"
+
+
+# Long prompts whose K/V (and Q, O) exceed the L2 (60 MiB on the H200), on the sm_90
+# warp-specialised kernel: dense 10k (1,280 items of 128 rows over 16 heads) and
+# varlen over three sequences whose items interleave.
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_prefill_long_beyond_l2(ops, layout):
+    if layout == "dense":
+        nq = nk = [10240]
+    else:
+        nq, nk = [8192, 3000, 2049], [8192, 5000, 2049]
+    _check_long_prefill(ops, f"long {layout}", 1, 16, 8, 128, nq, nk, True, torch.bfloat16, seed=11)
 
 
 # Grids whose K/V do not fit in the L2, which the sm_90 dispatch runs in L2 sections of whole
 # GQA groups (prefill/dispatch.cuh, CfgWsL2): B=1 N=16k (8 KV heads in sections of 3, 3, 2),
 # five fp16 sequences of 1000 queries over 8192 keys without a mask at D=64 (G=1), and a varlen
-# batch at G=4 with Nq < Nk in one sequence. The float64 oracle one KV head's query heads at a
-# time, then a second call.
+# batch at G=4 with Nq < Nk in one sequence.
 _L2_CASES = {
     "dense16k": dict(B=1, Hq=16, Hkv=8, D=128, nq=[16384], nk=[16384], causal=True, dtype=torch.bfloat16),
     "dense-b5-d64-full": dict(B=5, Hq=8, Hkv=8, D=64, nq=[1000], nk=[8192], causal=False, dtype=torch.float16),
@@ -499,40 +503,12 @@ _L2_CASES = {
 
 @pytest.mark.parametrize("case", list(_L2_CASES))
 def test_prefill_l2_sections(ops, case):
-    from minipaged.testing import assert_close, prefill_ref, varlen_ref
-
     c = _L2_CASES[case]
-    B, Hq, Hkv, D, dtype = c["B"], c["Hq"], c["Hkv"], c["D"], c["dtype"]
-    group, scale = Hq // Hkv, 1 / math.sqrt(D)
-    keys = sum(c["nk"]) if len(c["nk"]) > 1 else B * c["nk"][0]
+    keys = sum(c["nk"]) if len(c["nk"]) > 1 else c["B"] * c["nk"][0]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    assert keys * Hkv * D * 2 * 2 > l2, "the K/V must exceed the L2 for the sectioned order to run"
-    gen = torch.Generator(device="cuda").manual_seed(len(case))
-    if len(c["nq"]) == 1:
-        q = torch.randn(B, Hq, c["nq"][0], D, device="cuda", generator=gen).to(dtype)
-        k = torch.randn(B, Hkv, c["nk"][0], D, device="cuda", generator=gen).to(dtype)
-        v = torch.randn(B, Hkv, c["nk"][0], D, device="cuda", generator=gen).to(dtype)
-        run = lambda: ops.prefill(q, k, v, c["causal"], scale)  # noqa: E731
-
-        def ref(h, lowp):
-            kh = slice(h // group, h // group + 1)
-            return prefill_ref(q[:, h:h + group], k[:, kh], v[:, kh], causal=c["causal"], scale=scale, lowp=lowp)[0]
-    else:
-        q, k, v, cu_q, cu_k = _varlen_problem(c["nq"], c["nk"], Hq, Hkv, D, dtype, gen)
-        args = (cu_q, cu_k, max(c["nq"]), max(c["nk"]), c["causal"], scale)
-        run = lambda: ops.prefill_varlen(q, k, v, *args)  # noqa: E731
-
-        def ref(h, lowp):
-            kh = slice(h // group, h // group + 1)
-            return varlen_ref(q[:, h:h + group], k[:, kh], v[:, kh], cu_q, cu_k, causal=c["causal"], scale=scale,
-                              lowp=lowp)[0]
-
-    _poison_allocator(q.numel())
-    out = run()
-    for h in range(0, Hq, group):
-        part = out.narrow(1, h, group)  # the head axis of both layouts
-        assert_close(part, ref(h, False), ref(h, True), f"{case}, q heads {h}..{h + group - 1}")
-    assert torch.equal(run(), out), "a second call differs"
+    assert keys * c["Hkv"] * c["D"] * 2 * 2 > l2, "the K/V must exceed the L2 for the sectioned order to run"
+    _check_long_prefill(ops, case, c["B"], c["Hq"], c["Hkv"], c["D"], c["nq"], c["nk"], c["causal"], c["dtype"],
+                        seed=len(case))
 
 
 # Grids of at most one wave of 128-row items on the sm_90 warp-specialised kernel (between
