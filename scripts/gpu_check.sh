@@ -141,7 +141,9 @@ for s in $stages; do
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
       # The binary compiles the decode kernels in (the routed variants and the decode anchor of
       # the mixed timing need them).
-      flags="$selftest_flags -Xptxas -v"
+      # PAGED_WS_FLAGS: more nvcc flags, e.g. -DMINIPAGED_ENABLE_WS_FP8 (the dispatch variants then send
+      # FP8 chunks through the TMA kernel, as the extension built with that flag would).
+      flags="$selftest_flags -Xptxas -v ${PAGED_WS_FLAGS:-}"
       mkdir -p "$bin"
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
         scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp

@@ -25,8 +25,9 @@
 // with the split heuristic / one split / three splits, the rest through
 // launch_prefill_paged; every case, FP8 and page size 1 included), and
 // rt_vs_dec (the routed decode rows bitwise equal to a plain decode call on
-// those sequences). FP8 caches run through dispatch and routed only (the
-// mma.sync FP8 kernels, split the same way).
+// those sequences). FP8 caches run through dispatch and routed (the
+// mma.sync FP8 kernels, split the same way) and, with pages of >= 8 tokens,
+// ws_fp8 (the TMA kernel over e4m3 pages, widened in shared memory; not dispatched yet).
 // Every case builds shuffled pages, poisons every unused cache slot with NaN
 // (also the slots of a sequence's last page past its context) and every table
 // entry past the used ones with -1, poisons the output (padded head rows
@@ -110,7 +111,16 @@ struct Ws3Launch {
     return mf::launch_prefill_ws_paged<CfgWsPaged3<T, D>, kCausal>(p, s);
   }
 };
+// FP8 pages through the TMA kernel (WsCfg kKv8: e4m3 pages staged by TMA, widened to 16 bits in
+// shared memory by producer warps 1-3; prefill/dispatch.cuh CfgWsPaged8).
+template <typename T, int D, bool kCausal>
+struct Ws8Launch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<mf::CfgWsPaged8<T, D>, kCausal>(p, s);
+  }
+};
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
+static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<Ws8Launch>(p, s); }
 static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<Ws3Launch>(p, s); }
 static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
 static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }
@@ -182,6 +192,7 @@ struct Variant {
   const char* name;
   LaunchFn fn;
   bool needs_tma;  // 16-bit caches with pages of >= 8 tokens
+  bool fp8_tma = false;  // FP8 caches with pages of >= 8 tokens only
 };
 static const Variant kVariants[] = {
     {"dispatch", dispatch_default, false},
@@ -193,6 +204,7 @@ static const Variant kVariants[] = {
     {"routed", routed<0>, false},     // decode split heuristic
     {"routed_s1", routed<1>, false},  // one split: the decode kernel stores o itself
     {"routed_s3", routed<3>, false},  // three splits, uneven over most contexts
+    {"ws_fp8", ws_fp8, false, true},
 };
 
 // ---------------------------------------------------------------- host data
@@ -520,7 +532,7 @@ static int run_case(const Case& c, const std::string& filter) {
   b.build(c, true, 977u + c.d * 3 + c.hq * 7 + c.block_size + unsigned(c.q_lens.size()) * 13);
   int failures = 0;
   for (const Variant& var : kVariants) {
-    if (var.needs_tma && (c.fp8 || c.block_size < 8)) continue;
+    if (var.fp8_tma ? !(c.fp8 && c.block_size >= 8) : var.needs_tma && (c.fp8 || c.block_size < 8)) continue;
     if (!filter.empty() && std::string(var.name).find(filter) == std::string::npos) continue;
     b.poison();
     CHECK_CUDA(var.fn(b.p, 0));
@@ -614,6 +626,22 @@ static std::vector<Case> check_cases() {
     f3.fp8 = true;
     cs.push_back(f3);
   }
+  // FP8 pages through the TMA kernel (ws_fp8; dispatch and routed run them too): the mix
+  // cases and the residues of (context_len - q_len) mod 128 at every page size >= 8, both
+  // dtypes, D 64 and 128, GQA 2, 8 and 1.
+  {
+    const size_t n16 = cs.size();
+    for (size_t i = 0; i < n16; ++i) {
+      const Case& c0 = cs[i];
+      const bool mix = c0.name.rfind("mix ", 0) == 0, res = c0.name.rfind("residues q70", 0) == 0 ||
+                                                            c0.name.rfind("residues q129", 0) == 0;
+      if (!(mix || res) || c0.block_size < 8) continue;
+      Case f = c0;
+      f.name = "fp8 " + c0.name;
+      f.fp8 = true;
+      cs.push_back(f);
+    }
+  }
   // FP8 caches (dispatch: the mma.sync FP8 kernels, split the same way).
   {
     std::vector<int> q = {300, 1, 1, 4, 0, 17, 1, 129}, c = {1000, 4097, 1, 20, 5, 17, 0, 1023};
@@ -639,6 +667,10 @@ static std::vector<Case> small_cases() {
   Case f8{"small fp8 bf16 D64 bs16 mixed", bf, 4, 2, 64, 16, true, {1, 40, 3}, {70, 97, 5}};
   f8.fp8 = true;
   cs.push_back(f8);
+  // ws_fp8: a page of 8 at D=128 (eight boxes per key tile), q_len > context, an empty sequence
+  Case f8w{"small fp8 fp16 D128 bs8 causal", fp, 4, 2, 128, 8, true, {0, 1, 70, 200}, {5, 1, 67, 300}};
+  f8w.fp8 = true;
+  cs.push_back(f8w);
   return cs;
 }
 
@@ -783,6 +815,17 @@ static int cmd_time(int reps) {
     std::printf("  %s: ws 3 stages %.1f (/dense %.3f); ws pool-order pages %.1f (/dense %.3f); ws again %.1f, "
                 "dense again %.1f\n", name, tf(t_ws3), t_dense / t_ws3, tf(t_ordered), t_dense / t_ordered,
                 tf(t_ws_again), tf(t_dense_again));
+    // The same work over FP8 pages: the TMA kernel with widening producer warps against the
+    // dispatch (the mma.sync FP8 kernels) and against the 16-bit TMA kernel above.
+    Case c8 = c;
+    c8.fp8 = true;
+    Built b8;
+    b8.build(c8, false, 42u);
+    b8.p.lse = nullptr;
+    const double t8_disp = median_ms([&] { return dispatch_new(b8.p, 0); }, reps);
+    const double t8_ws = median_ms([&] { return ws_fp8(b8.p, 0); }, reps);
+    std::printf("  %s fp8: dispatch %.1f, ws_fp8 %.1f TFLOP/s; ws_fp8 time / 16-bit ws time %.3f\n", name,
+                tf(t8_disp), tf(t8_ws), t8_ws / t_ws);
     std::fflush(stdout);
   }
   // Page-size sweep of the paged TMA kernel on the first shape: a key tile is kBlockN / page_size
@@ -852,6 +895,10 @@ static int cmd_time(int reps) {
     Case c2{"time-check mixed 2k + 15 decodes bs16 Hq4/2", bf, 4, 2, 128, 16, true, q, cl};
     fails += run_case(c1, "");
     fails += run_case(c2, "");
+    Case c3 = c1;
+    c3.name = "time-check fp8 B=2 q=512 L=4608 bs16 Hq2/1";
+    c3.fp8 = true;
+    fails += run_case(c3, "");
   }
   return fails;
 }

@@ -97,6 +97,12 @@ constexpr int kWsDynamicMinWaves = 4;
 // paged_ws3_1ad5ff9/). The dense kernel's tiles are one box per column block.
 template <typename T, int D>
 using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
+// FP8 pages (e4m3) through the same kernel: 2 ring stages of 16-bit tiles plus 2 staging stages
+// of e4m3 tiles, which producer warps 1-3 widen into the ring (WsCfg::kKv8). Built and checked
+// by scripts/paged_ws_selftest.cu (variant ws_fp8); dispatched for FP8 chunks only in a build
+// with -DMINIPAGED_ENABLE_WS_FP8 until a GPU run has checked and timed it.
+template <typename T, int D>
+using CfgWsPaged8 = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true>;
 #endif
 
 // Paged, a batch with q_lens on both sides of kPackMaxSeqlenQ (max_seqlen_q

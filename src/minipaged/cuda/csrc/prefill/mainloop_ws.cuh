@@ -76,6 +76,22 @@
 // The grid is a flat work list (blockIdx.y): the (sequence, m-block) pairs of
 // the sequences the launch owns (PrefillParams::qlen_filter), found by a warp
 // scan of cu_seqlens_q, so the decode rows of a mixed batch cost no CTAs here.
+//
+// FP8 pages (WsCfg kKv8, e4m3 caches with per-KV-head scales): wgmma reads both
+// operands of Q K^T and V's of P V from shared memory in q's 16-bit type, so
+// the pages are widened there. Warp 0 of the producer warpgroup loads a key
+// tile's pages as bytes into a 2-slot staging ring (sk_full / sv_full: TMA
+// bytes; sk_empty / sv_empty: the widening warps are done with the slot), one
+// 4-D box per page, [keys][D bytes]. Warps 1-3 (the 96 threads the 16-bit
+// producer leaves idle) widen each staged tile into the 16-bit ring slot once
+// the consumers released it (k_empty / v_empty), in the interleaved sw128
+// layout the TMA boxes would have written: cvt.rn.f16x2.e4m3x2, then for bf16
+// two exact widenings to fp32 and one narrowing. Keys at or past seqlen_k
+// become zeros (no v_tail fix-up), the stores are fenced into the async proxy
+// and each widening warp arrives once on k_full / v_full. The consumers are the
+// 16-bit ones: k_scale of the KV head folds into the score scale, v_scale into
+// 1/l of the epilogue. Two 16-bit ring stages plus two staging stages fit the
+// shared memory that three 16-bit stages take (225 KB).
 #pragma once
 #include <cuda.h>  // CUtensorMap and the encode enums (types only: no -lcuda)
 #include <algorithm>
@@ -86,6 +102,7 @@
 #include "prefill/common.cuh"
 #include "prefill/mainloop_wgmma.cuh"  // sw128_off, the descriptor conventions
 #include "prefill/softmax.cuh"
+#include "ptx/fp8.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
 
@@ -94,7 +111,8 @@ namespace fast {
 
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
-          bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false>
+          bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false,
+          bool kKv8_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -139,6 +157,17 @@ struct WsCfg {
   static constexpr bool kL2Sections = kL2Sections_;
   static_assert(!kL2Sections || (!kPaged_ && !kPersistent_), "sections: the dense/varlen grid only");
   static_assert(!kKvInterleave || kPaged_, "only the paged producer writes interleaved tiles");
+  // FP8 pages (e4m3 caches, PrefillParams::kv_fp8): warp 0 of the producer warpgroup loads each
+  // key tile's pages as bytes into a staging ring of kStStages K and V byte tiles (one TMA box
+  // per page, [keys][kD bytes], no swizzle); warps 1-3 widen them to T in registers and store
+  // them into the T ring in the layout the descriptors read, zeros for keys at or past
+  // seqlen_k. The consumers are the 16-bit ones, with k_scale folded into the score scale and
+  // v_scale into 1/l.
+  static constexpr bool kKv8 = kKv8_;
+  static_assert(!kKv8 || (kPaged_ && kKvInterleave_), "FP8 pages: the paged kernel, interleaved tiles");
+  static constexpr int kStStages = kKv8 ? 2 : 0;
+  static constexpr int kStTileBytes = kBlockN_ * kD_;  // one staged K or V tile of e4m3 bytes
+  static constexpr int kWidenWarps = 3;
   static constexpr int kKvGroupStride = kKvInterleave ? (kD_ / 64) * 1024 : 1024;
   static constexpr int kKvColStride = kKvInterleave ? 1024 : kBlockN_ * 128;
   static constexpr int kConsumerWGs = 2;
@@ -155,13 +184,16 @@ struct WsCfg {
   // Layout from the 1024-aligned base: Q | K ring | V ring | [O] | mbarriers | [item ids].
   static constexpr int kKOff = kQBytes;
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
-  static constexpr int kOOff = kVOff + kStages * kTileBytes;
+  static constexpr int kStOff = kVOff + kStages * kTileBytes;  // FP8: staged K tiles, then staged V tiles
+  static constexpr int kOOff = kStOff + 2 * kStStages * kStTileBytes;
   static constexpr int kBarOff = kOOff + (kStagedO ? kQBytes : 0);
   // Paged: one more, v_tail (the V TMA of key tile 0 when it needs zeroing).
   // Persistent: one more, q_empty (both consumer warpgroups are done with Q).
   // Dynamic: item_full / item_empty of a 2-slot ring of item ids.
   static constexpr int kItemSlots = 2;
-  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0) + (kDynamic ? 2 * kItemSlots : 0);
+  // FP8: sk_full / sv_full / sk_empty / sv_empty per staging slot.
+  static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0) + (kDynamic ? 2 * kItemSlots : 0) +
+                                  4 * kStStages;
   static constexpr int kItemOff = kBarOff + 8 * kNumBars;
   static constexpr int kSmemBytes = kItemOff + (kDynamic ? 4 * kItemSlots : 0) + 1024;  // +1024: base realignment
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
@@ -272,6 +304,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   volatile int* item_ids = reinterpret_cast<volatile int*>(smem_ptr + Cfg::kItemOff);
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
+  // FP8 only: the staging ring of e4m3 tiles and its barriers (after v_tail).
+  constexpr int kSt = Cfg::kStStages;
+  auto sk_full = [&](int st) { return bars + 8u * (2 + 4 * kStages + st); };
+  auto sv_full = [&](int st) { return bars + 8u * (2 + 4 * kStages + kSt + st); };
+  auto sk_empty = [&](int st) { return bars + 8u * (2 + 4 * kStages + 2 * kSt + st); };
+  auto sv_empty = [&](int st) { return bars + 8u * (2 + 4 * kStages + 3 * kSt + st); };
+  auto st_k = [&](int st) { return smem_base + Cfg::kStOff + st * Cfg::kStTileBytes; };
+  auto st_v = [&](int st) { return smem_base + Cfg::kStOff + (kSt + st) * Cfg::kStTileBytes; };
 
   const int tid = threadIdx.x;
   // Warp-uniform by construction (a broadcast from lane 0), so the compiler can keep the
@@ -343,14 +383,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 
   if (tid == 0) {
     mbar_init(q_full(), 1);
+    // FP8: the widening warps fill the ring, one arrival each; else the TMA's expect_tx.
+    constexpr uint32_t kFillArrivals = Cfg::kKv8 ? Cfg::kWidenWarps : 1;
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 1);
-      mbar_init(v_full(s), 1);
+      mbar_init(k_full(s), kFillArrivals);
+      mbar_init(v_full(s), kFillArrivals);
       mbar_init(k_empty(s), Cfg::kConsumerWarps);
       mbar_init(v_empty(s), Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
+#pragma unroll
+    for (int st = 0; st < kSt; ++st) {
+      mbar_init(sk_full(st), 1);
+      mbar_init(sv_full(st), 1);
+      mbar_init(sk_empty(st), Cfg::kWidenWarps);
+      mbar_init(sv_empty(st), Cfg::kWidenWarps);
+    }
     if constexpr (Cfg::kPersistent) mbar_init(q_empty(), Cfg::kConsumerWarps);
     if constexpr (Cfg::kDynamic) {
 #pragma unroll
@@ -367,7 +416,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   if (warp_group == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if constexpr (Cfg::kPaged) {
+    if constexpr (Cfg::kKv8) {
+      const int bs = p.block_size;
+      const int log2_bs = __ffs(bs) - 1;
+      const int box_rows = min(bs, kBlockN);
+      if (warp == 0) {
+        if (lane == 0) {
+          tma_prefetch_desc(&wp.tm_q);
+          tma_prefetch_desc(&wp.tm_k);
+          tma_prefetch_desc(&wp.tm_v);
+          mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
+#pragma unroll
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, 0);
+        }
+        const int32_t* table = p.block_tables + int64_t(batch) * p.block_table_stride;
+        const int boxes = kBlockN / box_rows;  // pages per key tile
+        const int used_pages = (seqlen_k + bs - 1) >> log2_bs;
+        const uint32_t lane_off = uint32_t(lane * box_rows * kD);  // [keys][kD bytes]
+        const uint32_t box_bytes = uint32_t(box_rows * kD);
+        auto page_of = [&](int t) {
+          const int pi = (tile_n0(t) >> log2_bs) + lane;
+          return (lane < boxes && pi < used_pages) ? __ldg(table + pi) : -1;
+        };
+        int pg = page_of(0);
+        for (int t = 0; t < n_tiles; ++t) {
+          const int st = t % kSt;
+          const uint32_t parity = ((t / kSt) & 1) ^ 1;
+          const int pg_next = t + 1 < n_tiles ? page_of(t + 1) : -1;
+          const bool issue = pg >= 0;  // a negative entry inside the used range: no box
+          const uint32_t bytes = uint32_t(__popc(__ballot_sync(0xffffffffu, issue))) * box_bytes;
+          const int row = tile_n0(t) & (bs - 1);
+          mbar_wait(sk_empty(st), parity);
+          if (lane == 0) mbar_arrive_expect_tx(sk_full(st), bytes);
+          __syncwarp();
+          if (issue) tma_load_4d(st_k(st) + lane_off, &wp.tm_k, sk_full(st), 0, kv_head, row, pg);
+          mbar_wait(sv_empty(st), parity);
+          if (lane == 0) mbar_arrive_expect_tx(sv_full(st), bytes);
+          __syncwarp();
+          if (issue) tma_load_4d(st_v(st) + lane_off, &wp.tm_v, sv_full(st), 0, kv_head, row, pg);
+          pg = pg_next;
+        }
+      } else if (warp <= Cfg::kWidenWarps) {
+        // Widening: 16 bytes of T (8 elements, one sw128 chunk) per 8 staged bytes. Keys at or
+        // past seqlen_k (stale page slots, pages never loaded) become zeros: P = 0 times a NaN
+        // there would still be NaN.
+        constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
+        constexpr int kRowUnits = kD / 8;  // 8-byte units of a staged key row
+        constexpr int kRowStep = 32 * Cfg::kWidenWarps / kRowUnits;
+        static_assert(32 * Cfg::kWidenWarps % kRowUnits == 0, "a widening thread keeps one column");
+        const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
+        const int c = wt % kRowUnits, r0 = wt / kRowUnits;
+        const uint32_t col_off = uint32_t((c >> 3) * kCS);
+        auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
+#pragma unroll 1
+          for (int r = r0; r < kBlockN; r += kRowStep) {
+            uint4 out = make_uint4(0u, 0u, 0u, 0u);
+            if (r < valid_rows) out = fp8x8_widen<T>(lds64(src + uint32_t(r * kD + c * 8)));
+            st_shared_v4(dst + col_off + uint32_t((r >> 3) * kGS + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4)), out);
+          }
+          // the stores reach wgmma (the async proxy) through this fence and the k/v_full arrival
+          fence_proxy_async_smem();
+          __syncwarp();
+        };
+        for (int t = 0; t < n_tiles; ++t) {
+          const int st = t % kSt, s = t % kStages;
+          const uint32_t st_parity = (t / kSt) & 1;
+          const uint32_t empty_parity = ((t / kStages) & 1) ^ 1;
+          const int valid_rows = seqlen_k - tile_n0(t);
+          mbar_wait(sk_full(st), st_parity);
+          mbar_wait(k_empty(s), empty_parity);
+          widen(st_k(st), k_slot(s), valid_rows);
+          if (lane == 0) {
+            mbar_arrive(sk_empty(st));
+            mbar_arrive(k_full(s));
+          }
+          mbar_wait(sv_full(st), st_parity);
+          mbar_wait(v_empty(s), empty_parity);
+          widen(st_v(st), v_slot(s), valid_rows);
+          if (lane == 0) {
+            mbar_arrive(sv_empty(st));
+            mbar_arrive(v_full(s));
+          }
+        }
+      }
+    } else if constexpr (Cfg::kPaged) {
       if (warp == 0) {
         if (lane == 0) {
           tma_prefetch_desc(&wp.tm_q);
@@ -593,7 +726,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     for (int cb = 0; cb < kCB; ++cb) fence_operand(acc_o[cb]);
   };
 
-  const float scale_log2 = p.scale * 1.4426950408889634f;  // positive: the launchers check
+  // positive: the launchers check. FP8 pages: a stored K element times k_scale[kv_head] is its
+  // value, so the scale takes k_scale; v_scale[kv_head] multiplies O with 1/l.
+  float scale_log2 = p.scale * 1.4426950408889634f;
+  float out_scale = 1.f;
+  if constexpr (Cfg::kKv8) {
+    scale_log2 *= p.k_scale[kv_head];
+    out_scale = p.v_scale[kv_head];
+  }
   FragSoftmax<1> sm;
   const int g = lane >> 2;
   const int tq = (lane & 3) * 2;
@@ -774,11 +914,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     // writes of 8 rows land in 8 different 16-byte chunks) into coalesced
     // 16-byte rows; each warp writes and reads back only its own 16 rows.
     auto store_o_staged = [&](unsigned char* buf) {
-      epilogue_rows<T, kCB * 8, true>(sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows,
-                                      lane, [&](int r, int dt, uint32_t pair) {
-                                        const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
-                                        *reinterpret_cast<uint32_t*>(buf + off) = pair;
-                                      });
+      epilogue_rows<T, kCB * 8, true>(
+          sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows, lane,
+          [&](int r, int dt, uint32_t pair) {
+            const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
+            *reinterpret_cast<uint32_t*>(buf + off) = pair;
+          },
+          out_scale);
       __syncwarp();
 #pragma unroll
       for (int it = 0; it < 16 * Cfg::kChunks / 32; ++it) {
@@ -892,6 +1034,25 @@ inline CUresult make_ws_paged_map(TensorMapEncodeFn encode, CUtensorMap* map, co
       dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return encode(map, dt, 5, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// Host: FP8 caches [num_blocks, block_size, heads, D] (e4m3 bytes; strides in bytes) as the 4-D
+// map (D, heads, block_size, blocks) with box (D, 1, box_rows, 1): one box is one head's
+// box_rows keys of a page, [keys][D bytes] in shared memory without swizzle (WsCfg::kKv8
+// stages them there and widens them into the ring).
+inline CUresult make_ws_paged_map8(TensorMapEncodeFn encode, CUtensorMap* map, const void* base, int head_dim,
+                                   int block_size, int64_t heads, int64_t num_blocks, int64_t head_stride,
+                                   int64_t row_stride, int64_t block_stride, int box_rows) {
+  if (heads == 1) head_stride = head_dim;
+  if (num_blocks == 1) block_stride = int64_t(block_size) * row_stride;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(block_size),
+                              cuuint64_t(num_blocks)};
+  const cuuint64_t strides[3] = {cuuint64_t(head_stride), cuuint64_t(row_stride), cuuint64_t(block_stride)};
+  const cuuint32_t box[4] = {cuuint32_t(head_dim), 1, cuuint32_t(box_rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
 // cuTensorMapEncodeTiled from the driver, looked up once (nullptr if absent).
@@ -1010,7 +1171,8 @@ inline int64_t ws_paged_work_bound(const PrefillParams& p, int block_m) {
 // tokens, the extents of the maps known, a work list within grid.y).
 template <class Cfg>
 inline bool ws_paged_supported(const PrefillParams& p) {
-  return p.block_tables != nullptr && p.cu_seqlens_q != nullptr && !p.kv_fp8 && p.block_size >= 8 &&
+  return p.block_tables != nullptr && p.cu_seqlens_q != nullptr && p.kv_fp8 == Cfg::kKv8 &&
+         (!Cfg::kKv8 || (p.k_scale != nullptr && p.v_scale != nullptr)) && p.block_size >= 8 &&
          p.block_size <= 256 && p.total_q > 0 && p.num_blocks > 0 && p.num_blocks <= INT32_MAX &&
          ws_paged_work_bound(p, Cfg::kBlockM) <= 65535 && tensor_map_encoder() != nullptr &&
          (!Cfg::kKvInterleave || (p.k_head_stride == p.head_dim && p.v_head_stride == p.head_dim));
@@ -1033,7 +1195,15 @@ cudaError_t launch_prefill_ws_paged(const PrefillParams& pp, cudaStream_t stream
   const int box = std::min(pp.block_size, Cfg::kBlockN);
   CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, pp.total_q, pp.num_q_heads, 1,
                                   pp.q_row_stride, pp.q_head_stride, 0, Cfg::kBlockM);
-  if constexpr (Cfg::kKvInterleave) {
+  if constexpr (Cfg::kKv8) {
+    if (!pp.kv_fp8 || pp.k_scale == nullptr || pp.v_scale == nullptr) return cudaErrorInvalidValue;
+    if (r == CUDA_SUCCESS)
+      r = make_ws_paged_map8(enc, &wp.tm_k, pp.k, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                             pp.k_head_stride, pp.k_row_stride, pp.k_block_stride, box);
+    if (r == CUDA_SUCCESS)
+      r = make_ws_paged_map8(enc, &wp.tm_v, pp.v, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,
+                             pp.v_head_stride, pp.v_row_stride, pp.v_block_stride, box);
+  } else if constexpr (Cfg::kKvInterleave) {
     if (pp.k_head_stride != Cfg::kD || pp.v_head_stride != Cfg::kD) return cudaErrorInvalidValue;
     if (r == CUDA_SUCCESS)
       r = make_ws_paged_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, pp.block_size, pp.num_kv_heads, pp.num_blocks,

@@ -36,7 +36,14 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
   };
-  auto tiled = [&](const PrefillParams& q) { return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream); };
+  auto tiled = [&](const PrefillParams& q) {
+#if MINIPAGED_DISPATCH_WGMMA && defined(MINIPAGED_ENABLE_WS_FP8)
+    if (ws_paged_supported<CfgWsPaged8<T, D>>(q))
+      return q.causal ? launch_prefill_ws_paged<CfgWsPaged8<T, D>, true>(q, stream)
+                      : launch_prefill_ws_paged<CfgWsPaged8<T, D>, false>(q, stream);
+#endif
+    return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream);
+  };
   if (paged_decode_routing_ok(p)) {
     auto packed_min2 = [&](const PrefillParams& q) {
       return launch_prefill_cfg<WithMinSeqlenQ<Fp8KV<CfgPack<T, D>>, 2>, true, true, true>(q, stream);

@@ -229,18 +229,18 @@ __device__ __forceinline__ void rescale_o_pack_p(bool rescale, const float (&alp
 // The epilogue of a thread's two rows of m tile 0 of FragSoftmax<1> (the
 // wgmma kernels' 16 rows per warp): row r = row0 + g + 8h. Its lse (natural
 // log, when p.lse) by one lane of the quad for rows < m_rows, at query row
-// q_row0 + r of (batch, head); its O row times 1/l (0 for a row that saw no
+// q_row0 + r of (batch, head); its O row times out_scale / l (0 for a row that saw no
 // key), packed to 16 bits, to put(r, dt, pair) for every row when kPutAll (a
 // staging tile copied out row by row later), else for rows < m_rows only.
 template <typename T, int kDT, bool kPutAll, class O, class Put>
 __device__ __forceinline__ void epilogue_rows(const FragSoftmax<1>& sm, O o, float scale_log2, const PrefillParams& p,
                                               int batch, int head, int q_row0, int row0, int m_rows, int lane,
-                                              Put put) {
+                                              Put put, float out_scale = 1.f) {
   const int g = lane >> 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = sm.row_total(0, h);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? out_scale / l : 0.f;
     const int r = row0 + g + h * 8;
     if (p.lse != nullptr && (lane & 3) == 0 && r < m_rows) {
       const float ref = sm.row_ref(0, h, scale_log2);

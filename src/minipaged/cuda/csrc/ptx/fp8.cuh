@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -118,6 +119,25 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
   if ((spread & 0x7f000000u) == 0x7f000000u) r |= 0x7fff0000u;
   return r;
 #endif
+}
+
+// Eight e4m3 bytes (element i from byte i of w) -> eight T (__half or __nv_bfloat16) in the
+// four words of a 16-byte chunk, element order kept. Exact for both: to bf16 through f16
+// (one cvt per pair, then two widenings to fp32 and one narrowing, all exact).
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_widen(uint2 w) {
+  uint32_t h[4] = {fp8x2_to_f16x2<0>(w.x), fp8x2_to_f16x2<1>(w.x), fp8x2_to_f16x2<0>(w.y), fp8x2_to_f16x2<1>(w.y)};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 x;
+      memcpy(&x, &h[i], sizeof(x));
+      const float2 f = __half22float2(x);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+      memcpy(&h[i], &b, sizeof(b));
+    }
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // ---- q for f16 MMAs over FP8 K/V (decode/mma.cuh, prefill/mainloop_mma.cuh) ----

@@ -91,6 +91,11 @@ __device__ __forceinline__ void tma_load_5d(uint32_t smem_dst, const void* tmap,
 __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u) : "memory");
 }
+// 16 bytes at a shared address (16-byte aligned).
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 // (fence_proxy_async_smem, ptx/wgmma.cuh, then hands such writes to wgmma.)
 
 // ---- register reallocation (warpgroup-collective; counts multiple of 8, 24..256) ----
