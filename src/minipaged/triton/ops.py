@@ -269,7 +269,10 @@ def _fp8_words(fp8: bool, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int, num_q_heads: int,
-                   num_splits: int, head_dim: int, return_lse: bool) -> None:
+                   num_splits: int, head_dim: int, return_lse: bool, cu_seqlens_q=None) -> None:
+    """Merges the split-KV partials of `rows` rows (sequences) into out / lse. cu_seqlens_q:
+    the partials are per sequence and out is packed by token (paged decode rows)."""
+    packed = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "PACKED_Q": True}
     _decode_reduce[(rows, num_q_heads)](
         o_partial, lse_partial, out, lse_arg,
         out.stride(0), out.stride(1),
@@ -278,6 +281,7 @@ def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int,
         HEAD_DIM=head_dim,
         SPLITS_POW2=triton.next_power_of_2(num_splits),
         RETURN_LSE=return_lse,
+        **packed,
         num_warps=4,
     )
 
@@ -597,18 +601,8 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
                           out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale, return_lse,
                           cu_seqlens_q=cu_seqlens_q)
     if split:
-        _decode_reduce[(num_seqs, num_q_heads)](
-            o_partial, lse_partial, out, lse_arg,
-            out.stride(0), out.stride(1),
-            *lse_strides,
-            num_q_heads, splits,
-            HEAD_DIM=head_dim,
-            SPLITS_POW2=triton.next_power_of_2(splits),
-            RETURN_LSE=return_lse,
-            cu_seqlens_q=cu_seqlens_q,
-            PACKED_Q=True,
-            num_warps=4,
-        )
+        _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, num_seqs, num_q_heads, splits, head_dim,
+                       return_lse, cu_seqlens_q=cu_seqlens_q)
 
 
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
