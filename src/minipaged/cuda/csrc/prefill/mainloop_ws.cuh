@@ -416,91 +416,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   if (warp_group == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if constexpr (Cfg::kKv8) {
-      const int bs = p.block_size;
-      const int log2_bs = __ffs(bs) - 1;
-      const int box_rows = min(bs, kBlockN);
-      if (warp == 0) {
-        if (lane == 0) {
-          tma_prefetch_desc(&wp.tm_q);
-          tma_prefetch_desc(&wp.tm_k);
-          tma_prefetch_desc(&wp.tm_v);
-          mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
-#pragma unroll
-          for (int cb = 0; cb < kCB; ++cb)
-            tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, 0);
-        }
-        const int32_t* table = p.block_tables + int64_t(batch) * p.block_table_stride;
-        const int boxes = kBlockN / box_rows;  // pages per key tile
-        const int used_pages = (seqlen_k + bs - 1) >> log2_bs;
-        const uint32_t lane_off = uint32_t(lane * box_rows * kD);  // [keys][kD bytes]
-        const uint32_t box_bytes = uint32_t(box_rows * kD);
-        auto page_of = [&](int t) {
-          const int pi = (tile_n0(t) >> log2_bs) + lane;
-          return (lane < boxes && pi < used_pages) ? __ldg(table + pi) : -1;
-        };
-        int pg = page_of(0);
-        for (int t = 0; t < n_tiles; ++t) {
-          const int st = t % kSt;
-          const uint32_t parity = ((t / kSt) & 1) ^ 1;
-          const int pg_next = t + 1 < n_tiles ? page_of(t + 1) : -1;
-          const bool issue = pg >= 0;  // a negative entry inside the used range: no box
-          const uint32_t bytes = uint32_t(__popc(__ballot_sync(0xffffffffu, issue))) * box_bytes;
-          const int row = tile_n0(t) & (bs - 1);
-          mbar_wait(sk_empty(st), parity);
-          if (lane == 0) mbar_arrive_expect_tx(sk_full(st), bytes);
-          __syncwarp();
-          if (issue) tma_load_4d(st_k(st) + lane_off, &wp.tm_k, sk_full(st), 0, kv_head, row, pg);
-          mbar_wait(sv_empty(st), parity);
-          if (lane == 0) mbar_arrive_expect_tx(sv_full(st), bytes);
-          __syncwarp();
-          if (issue) tma_load_4d(st_v(st) + lane_off, &wp.tm_v, sv_full(st), 0, kv_head, row, pg);
-          pg = pg_next;
-        }
-      } else if (warp <= Cfg::kWidenWarps) {
-        // Widening: 16 bytes of T (8 elements, one sw128 chunk) per 8 staged bytes. Keys at or
-        // past seqlen_k (stale page slots, pages never loaded) become zeros: P = 0 times a NaN
-        // there would still be NaN.
-        constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
-        constexpr int kRowUnits = kD / 8;  // 8-byte units of a staged key row
-        constexpr int kRowStep = 32 * Cfg::kWidenWarps / kRowUnits;
-        static_assert(32 * Cfg::kWidenWarps % kRowUnits == 0, "a widening thread keeps one column");
-        const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
-        const int c = wt % kRowUnits, r0 = wt / kRowUnits;
-        const uint32_t col_off = uint32_t((c >> 3) * kCS);
-        auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
-#pragma unroll 1
-          for (int r = r0; r < kBlockN; r += kRowStep) {
-            uint4 out = make_uint4(0u, 0u, 0u, 0u);
-            if (r < valid_rows) out = fp8x8_widen<T>(lds64(src + uint32_t(r * kD + c * 8)));
-            st_shared_v4(dst + col_off + uint32_t((r >> 3) * kGS + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4)), out);
-          }
-          // the stores reach wgmma (the async proxy) through this fence and the k/v_full arrival
-          fence_proxy_async_smem();
-          __syncwarp();
-        };
-        for (int t = 0; t < n_tiles; ++t) {
-          const int st = t % kSt, s = t % kStages;
-          const uint32_t st_parity = (t / kSt) & 1;
-          const uint32_t empty_parity = ((t / kStages) & 1) ^ 1;
-          const int valid_rows = seqlen_k - tile_n0(t);
-          mbar_wait(sk_full(st), st_parity);
-          mbar_wait(k_empty(s), empty_parity);
-          widen(st_k(st), k_slot(s), valid_rows);
-          if (lane == 0) {
-            mbar_arrive(sk_empty(st));
-            mbar_arrive(k_full(s));
-          }
-          mbar_wait(sv_full(st), st_parity);
-          mbar_wait(v_empty(s), empty_parity);
-          widen(st_v(st), v_slot(s), valid_rows);
-          if (lane == 0) {
-            mbar_arrive(sv_empty(st));
-            mbar_arrive(v_full(s));
-          }
-        }
-      }
-    } else if constexpr (Cfg::kPaged) {
+    if constexpr (Cfg::kPaged) {
       if (warp == 0) {
         if (lane == 0) {
           tma_prefetch_desc(&wp.tm_q);
@@ -517,53 +433,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         const int box_rows = min(bs, kBlockN);
         const int boxes = kBlockN / box_rows;  // pages per key tile
         const int used_pages = (seqlen_k + bs - 1) >> log2_bs;
-        // A page's first key in the tile's layout (box_rows is a multiple of 8).
-        const uint32_t lane_off = uint32_t(lane * box_rows / 8) * Cfg::kKvGroupStride;
-        const uint32_t box_bytes = uint32_t(box_rows) * 128u * kCB;
+        // A page's first key in the tile's layout: FP8, [keys][kD bytes] in the staging ring;
+        // 16-bit, interleaved atoms in the ring (box_rows is a multiple of 8).
+        const uint32_t lane_off = Cfg::kKv8 ? uint32_t(lane * box_rows * kD)
+                                            : uint32_t(lane * box_rows / 8) * Cfg::kKvGroupStride;
+        const uint32_t box_bytes = Cfg::kKv8 ? uint32_t(box_rows * kD) : uint32_t(box_rows) * 128u * kCB;
         // This lane's page of tile t, -1: no box (past the used table entries).
         auto page_of = [&](int t) {
           const int pi = (tile_n0(t) >> log2_bs) + lane;
           const int pg = (lane < boxes && pi < used_pages) ? __ldg(table + pi) : -1;
           return pg;
         };
-        // Rows of key tile 0 at or past seqlen_k (> 0: its V rows there get zeroed).
-        const int tail_rows = tile_n0(0) + kBlockN - seqlen_k;
+        // One page's box of key tile t's K or V at dst (row: the tile's first key in its page).
+        auto load_box = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int row, int pg) {
+          if constexpr (Cfg::kKv8) {
+            tma_load_4d(dst, map, bar, 0, kv_head, row, pg);
+          } else if constexpr (Cfg::kKvInterleave) {
+            tma_load_5d(dst, map, bar, 0, 0, kv_head * kCB, row >> 3, pg);
+          } else {
+#pragma unroll
+            for (int cb = 0; cb < kCB; ++cb) tma_load_4d(dst + cb * (kBlockN * 128), map, bar, cb * 64, row, kv_head, pg);
+          }
+        };
+        // Rows of key tile 0 at or past seqlen_k (> 0: its V rows there get zeroed; FP8: the
+        // widening warps write those zeros).
+        const int tail_rows = Cfg::kKv8 ? 0 : tile_n0(0) + kBlockN - seqlen_k;
         const int fix_at = min(1, n_tiles - 1);  // after tile 1's copies are in flight
+        // The boxes land in the ring (16-bit) or in the staging ring (FP8).
+        constexpr int kRing = Cfg::kKv8 ? kSt : kStages;
         int pg = page_of(0);
         for (int t = 0; t < n_tiles; ++t) {
-          const int s = t % kStages;
-          const uint32_t parity = ((t / kStages) & 1) ^ 1;  // as in the dense producer below
+          const int s = t % kRing;
+          const uint32_t parity = ((t / kRing) & 1) ^ 1;  // as in the dense producer below
           const int pg_next = t + 1 < n_tiles ? page_of(t + 1) : -1;
           // A negative entry inside the used range is bad input: no box (never a TMA coordinate).
           const bool issue = pg >= 0;
           const uint32_t bytes = uint32_t(__popc(__ballot_sync(0xffffffffu, issue))) * box_bytes;
           const int row = tile_n0(t) & (bs - 1);  // 0 unless a page holds several tiles
-          mbar_wait(k_empty(s), parity);
-          if (lane == 0) mbar_arrive_expect_tx(k_full(s), bytes);
+          const uint32_t k_bar = Cfg::kKv8 ? sk_full(s) : k_full(s);
+          mbar_wait(Cfg::kKv8 ? sk_empty(s) : k_empty(s), parity);
+          if (lane == 0) mbar_arrive_expect_tx(k_bar, bytes);
           __syncwarp();
-          if (issue) {
-            if constexpr (Cfg::kKvInterleave) {
-              tma_load_5d(k_slot(s) + lane_off, &wp.tm_k, k_full(s), 0, 0, kv_head * kCB, row >> 3, pg);
-            } else {
-#pragma unroll
-              for (int cb = 0; cb < kCB; ++cb)
-                tma_load_4d(k_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_k, k_full(s), cb * 64, row, kv_head,
-                            pg);
-            }
-          }
-          const uint32_t v_bar = (t == 0 && tail_rows > 0) ? v_tail() : v_full(s);
-          mbar_wait(v_empty(s), parity);
+          if (issue) load_box((Cfg::kKv8 ? st_k(s) : k_slot(s)) + lane_off, &wp.tm_k, k_bar, row, pg);
+          const uint32_t v_bar = Cfg::kKv8 ? sv_full(s) : ((t == 0 && tail_rows > 0) ? v_tail() : v_full(s));
+          mbar_wait(Cfg::kKv8 ? sv_empty(s) : v_empty(s), parity);
           if (lane == 0) mbar_arrive_expect_tx(v_bar, bytes);
           __syncwarp();
-          if (issue) {
-            if constexpr (Cfg::kKvInterleave) {
-              tma_load_5d(v_slot(s) + lane_off, &wp.tm_v, v_bar, 0, 0, kv_head * kCB, row >> 3, pg);
-            } else {
-#pragma unroll
-              for (int cb = 0; cb < kCB; ++cb)
-                tma_load_4d(v_slot(s) + cb * (kBlockN * 128) + lane_off, &wp.tm_v, v_bar, cb * 64, row, kv_head, pg);
-            }
-          }
+          if (issue) load_box((Cfg::kKv8 ? st_v(s) : v_slot(s)) + lane_off, &wp.tm_v, v_bar, row, pg);
           if (tail_rows > 0 && t == fix_at) {
             // Whole 128-byte rows: the swizzle only permutes chunks inside a row.
             mbar_wait(v_tail(), 0);
@@ -579,6 +495,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
             if (lane == 0) mbar_arrive(v_full(0));
           }
           pg = pg_next;
+        }
+      } else if constexpr (Cfg::kKv8) {
+        if (warp <= Cfg::kWidenWarps) {
+          // Widening: 16 bytes of T (8 elements, one sw128 chunk) per 8 staged bytes. Keys at or
+          // past seqlen_k (stale page slots, pages never loaded) become zeros: P = 0 times a NaN
+          // there would still be NaN.
+          constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
+          constexpr int kRowUnits = kD / 8;  // 8-byte units of a staged key row
+          constexpr int kRowStep = 32 * Cfg::kWidenWarps / kRowUnits;
+          static_assert(32 * Cfg::kWidenWarps % kRowUnits == 0, "a widening thread keeps one column");
+          const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
+          const int c = wt % kRowUnits, r0 = wt / kRowUnits;
+          const uint32_t col_off = uint32_t((c >> 3) * kCS);
+          auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
+#pragma unroll 1
+            for (int r = r0; r < kBlockN; r += kRowStep) {
+              uint4 out = make_uint4(0u, 0u, 0u, 0u);
+              if (r < valid_rows) out = fp8x8_widen<T>(lds64(src + uint32_t(r * kD + c * 8)));
+              st_shared_v4(dst + col_off + uint32_t((r >> 3) * kGS + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4)),
+                           out);
+            }
+            // the stores reach wgmma (the async proxy) through this fence and the k/v_full arrival
+            fence_proxy_async_smem();
+            __syncwarp();
+          };
+          for (int t = 0; t < n_tiles; ++t) {
+            const int st = t % kSt, s = t % kStages;
+            const uint32_t st_parity = (t / kSt) & 1;
+            const uint32_t empty_parity = ((t / kStages) & 1) ^ 1;
+            const int valid_rows = seqlen_k - tile_n0(t);
+            mbar_wait(sk_full(st), st_parity);
+            mbar_wait(k_empty(s), empty_parity);
+            widen(st_k(st), k_slot(s), valid_rows);
+            if (lane == 0) {
+              mbar_arrive(sk_empty(st));
+              mbar_arrive(k_full(s));
+            }
+            mbar_wait(sv_full(st), st_parity);
+            mbar_wait(v_empty(s), empty_parity);
+            widen(st_v(st), v_slot(s), valid_rows);
+            if (lane == 0) {
+              mbar_arrive(sv_empty(st));
+              mbar_arrive(v_full(s));
+            }
+          }
         }
       }
     } else if (warp == 0 && lane == 0) {
