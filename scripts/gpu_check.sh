@@ -4,7 +4,7 @@
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
 #                        [ws] [ws_ncu] [ws_ab] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_paged_ncu] [triton_fp8_ab]
-#                        [bench_fp8] [fp8_accuracy] [sanitize] [diag] [ncu]
+#                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -179,16 +179,16 @@ for s in $stages; do
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active \
            python3 scripts/decode_diag.py ncu;;
-    bench_fp8)
+    bench_fp8|bench_fp8_decode|bench_fp8_paged)
       # FP8 KV caches (issue #15): the standard decode grid with fp8 rows next to the bf16 ones (every
       # anchor that exists here: SDPA, copy, FlashInfer when importable -- source .anchors/flashinfer/env.sh
       # first; its fp8 decode is not in the bundle, JIT-builds once and is timed after every other decode
       # row), then the paged grid with fp8 rows and no anchors (the fp8 rows' reference is the same
       # backend's bf16 row). The caps keep bench_fp8 + fp8_accuracy inside one 10-minute call.
-      STAGE_TIMEOUT_bench_fp8_decode=${STAGE_TIMEOUT_bench_fp8_decode:-270} \
+      [ $s = bench_fp8_paged ] || STAGE_TIMEOUT_bench_fp8_decode=${STAGE_TIMEOUT_bench_fp8_decode:-270} \
         run bench_fp8_decode python3 -m minipaged.cli bench --op decode --kv-cache-dtype fp8 --no-progress \
           ${BENCH_FP8_ARGS:-} --out "$WORK/bench/fp8_decode"
-      STAGE_TIMEOUT_bench_fp8_paged=${STAGE_TIMEOUT_bench_fp8_paged:-150} \
+      [ $s = bench_fp8_decode ] || STAGE_TIMEOUT_bench_fp8_paged=${STAGE_TIMEOUT_bench_fp8_paged:-150} \
         run bench_fp8_paged python3 -m minipaged.cli bench --op paged --kv-cache-dtype fp8 --anchors none \
           --no-progress ${BENCH_FP8_ARGS:-} --out "$WORK/bench/fp8_paged";;
     fp8_accuracy)
