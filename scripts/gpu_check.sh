@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_paged_ncu] [triton_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_paged_ncu] [triton_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -164,6 +164,20 @@ for s in $stages; do
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_paged_ws_time=${STAGE_TIMEOUT_paged_ws_time:-240} \
         run paged_ws_time "$bin/paged_ws_selftest" time 20;;
+    ws8_ab)
+      # The FP8 TMA prefill's widening producer: the exhaustive e4m3 widening check
+      # (scripts/fp8_widen_selftest.cu), then `time8` (ws_fp8 against the 16-bit kernel, both dtypes,
+      # plus the fp8 small and reduced-shape checks) of each paged_ws_selftest binary in WS8_BINS
+      # (names under $bin, e.g. built with different -DMINIPAGED_WS8_WIDEN).
+      mkdir -p "$bin"
+      [ -x "$bin/fp8_widen_selftest" ] || run fp8_widen_build nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+        -I $csrc scripts/fp8_widen_selftest.cu -o "$bin/fp8_widen_selftest"
+      STAGE_TIMEOUT_fp8_widen=30 run fp8_widen "$bin/fp8_widen_selftest"
+      export OMP_NUM_THREADS=16
+      for b in ${WS8_BINS:-paged_ws_selftest}; do
+        export STAGE_TIMEOUT_time8_$b=${STAGE_TIMEOUT_time8:-90}
+        run time8_$b "$bin/$b" time8 ${WS8_REPS:-20}
+      done;;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py ${TRITON_AB_ARGS:-} --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py ${TRITON_FP8_AB_ARGS:-} --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;

@@ -903,7 +903,49 @@ static int cmd_time(int reps) {
   return fails;
 }
 
+// FP8 pages through the TMA kernel against the 16-bit TMA kernel on the same shapes, both
+// dtypes (the widening producer's cost), then the fp8 cases of `small` and a reduced copy.
+static int cmd_time8(int reps) {
+  std::printf("ws_fp8 vs ws_paged (16-bit), Hq/Hkv/D 16/8/128, page 16, causal, median of %d, cold L2, TFLOP/s "
+              "(MINIPAGED_WS8_WIDEN %d)\n", reps, MINIPAGED_WS8_WIDEN);
+  struct Shape { int b, q, L; };
+  for (const DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (const Shape sh : {Shape{8, 512, 4608}, Shape{1, 2048, 32768}}) {
+      Case c{"", dt, 16, 8, 128, 16, true, std::vector<int>(sh.b, sh.q), std::vector<int>(sh.b, sh.L)};
+      Built b;
+      b.build(c, false, 42u);
+      b.p.lse = nullptr;
+      Case c8 = c;
+      c8.fp8 = true;
+      Built b8;
+      b8.build(c8, false, 42u);
+      b8.p.lse = nullptr;
+      const double fl = case_flops(c);
+      auto tf = [&](double ms) { return fl / (ms * 1e-3) / 1e12; };
+      const double t16 = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+      const double t8 = median_ms([&] { return ws_fp8(b8.p, 0); }, reps);
+      const double t16b = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+      const double t8b = median_ms([&] { return ws_fp8(b8.p, 0); }, reps);
+      std::printf("%s B=%d q=%d L=%d: ws_paged %.1f / %.1f, ws_fp8 %.1f / %.1f TFLOP/s; fp8 time / 16-bit %.3f\n",
+                  dt == DType::kBFloat16 ? "bf16" : "fp16", sh.b, sh.q, sh.L, tf(t16), tf(t16b), tf(t8), tf(t8b),
+                  std::min(t8, t8b) / std::min(t16, t16b));
+      std::fflush(stdout);
+    }
+  }
+  int fails = 0;
+  for (const Case& c : small_cases())
+    if (c.fp8) fails += run_case(c, "");
+  Case c3{"time-check fp8 B=2 q=512 L=4608 bs16 Hq2/1", DType::kBFloat16, 2, 1, 128, 16, true, {512, 512}, {4608, 4608}};
+  c3.fp8 = true;
+  fails += run_case(c3, "");
+  c3.name = "time-check fp8 fp16 B=2 q=512 L=4608 bs16 Hq2/1";
+  c3.dtype = DType::kFloat16;
+  fails += run_case(c3, "");
+  return fails;
+}
+
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a log cut by a stage cap keeps every finished line
   const std::string mode = argc > 1 ? argv[1] : "check";
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -933,11 +975,14 @@ int main(int argc, char** argv) {
     CHECK_CUDA((ws_dense<__nv_bfloat16, 128>(ctg.p, 0)));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profile: launched ws_paged, ws_panels and ws_dense\n");
+  } else if (mode == "time8") {
+    failures = cmd_time8(argc > 2 ? std::atoi(argv[2]) : 20);
+    cases = 4;
   } else if (mode == "time") {
     failures = cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
     cases = 2;
   } else {
-    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | profile\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | time8 [reps] | profile\n", argv[0]);
     return 2;
   }
   std::printf("%s (%d failures over %d cases)\n", failures == 0 ? "ALL PASS" : "SOME FAILED", failures, cases);

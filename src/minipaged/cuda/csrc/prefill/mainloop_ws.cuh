@@ -106,6 +106,12 @@
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
 
+// FP8 producer widening (WsCfg::kKv8): 0 = 8-byte units, cvt, one in flight; 1 = 16-byte units,
+// two in flight, cvt; 2 = as 1 with the integer-pipe conversion (ptx/fp8.cuh fp8x8_widen_int).
+#ifndef MINIPAGED_WS8_WIDEN
+#define MINIPAGED_WS8_WIDEN 2
+#endif
+
 namespace minipaged {
 namespace fast {
 
@@ -176,9 +182,10 @@ struct WsCfg {
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kChunks = kD / 8;
   static constexpr int kColBlocks = kD / 64;
-  // 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers (one CTA per SM).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers (one CTA per SM); FP8 pages move 16
+  // of them to the producer warps, which widen two 16-byte units at a time (128 * 40 + 256 * 232).
+  static constexpr int kProducerRegs = kKv8 ? 40 : 24;
+  static constexpr int kConsumerRegs = kKv8 ? 232 : 240;
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or one V tile
   static constexpr int kQBytes = kBlockM * kD * 2;
   // Layout from the 1024-aligned base: Q | K ring | V ring | [O] | mbarriers | [item ids].
@@ -502,10 +509,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           // past seqlen_k (stale page slots, pages never loaded) become zeros: P = 0 times a NaN
           // there would still be NaN.
           constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
+          const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
+#if MINIPAGED_WS8_WIDEN == 0
           constexpr int kRowUnits = kD / 8;  // 8-byte units of a staged key row
           constexpr int kRowStep = 32 * Cfg::kWidenWarps / kRowUnits;
           static_assert(32 * Cfg::kWidenWarps % kRowUnits == 0, "a widening thread keeps one column");
-          const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
           const int c = wt % kRowUnits, r0 = wt / kRowUnits;
           const uint32_t col_off = uint32_t((c >> 3) * kCS);
           auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
@@ -520,6 +528,59 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
             fence_proxy_async_smem();
             __syncwarp();
           };
+#else
+          // 16-byte units (16 keys' bytes of one row -> two sw128 chunks), two in flight per thread.
+          // Unit u -> (row, unit c16 of the row): 8 consecutive lanes (one shared-memory phase of a
+          // 16-byte access) take 4 units of a 64-column block from each of two adjacent rows, and
+          // at D = 128 the second row from the other block: the loads then cover 32 distinct
+          // banks of the staged rows (128 bytes apart) and the stores 8 distinct chunk slots
+          // (adjacent rows' swizzles differ in the lowest bit).
+          constexpr int kUnits = kBlockN * (kD / 16);
+          constexpr int kWT = 32 * Cfg::kWidenWarps;
+          auto unit_pos = [&](int u, int& row, int& c16) {
+            const int row_lo = (u >> 2) & 1;
+            if constexpr (kD == 128) {
+              row = (u >> 4) * 2 + row_lo;
+              c16 = ((row_lo ^ (u >> 3)) & 1) * 4 + (u & 3);
+            } else {
+              row = u >> 2;
+              c16 = u & 3;
+            }
+          };
+          auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
+#pragma unroll 1
+            for (int u0 = wt; u0 < kUnits; u0 += 2 * kWT) {
+              int row[2], c16[2];
+              uint4 x[2];
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                unit_pos(u0 + i * kWT, row[i], c16[i]);
+                x[i] = make_uint4(0u, 0u, 0u, 0u);
+                if (u0 + i * kWT < kUnits && row[i] < valid_rows) x[i] = lds128(src + uint32_t(row[i] * kD + c16[i] * 16));
+              }
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                if (u0 + i * kWT >= kUnits) break;
+                const uint2 w0 = make_uint2(x[i].x, x[i].y), w1 = make_uint2(x[i].z, x[i].w);
+                uint4 out0, out1;
+#if MINIPAGED_WS8_WIDEN == 2
+                if (fp8x4_nan_bits(x[i].x | x[i].y | x[i].z | x[i].w) == 0u) {
+                  out0 = fp8x8_widen_int<T>(w0), out1 = fp8x8_widen_int<T>(w1);
+                } else
+#endif
+                {
+                  out0 = fp8x8_widen<T>(w0), out1 = fp8x8_widen<T>(w1);
+                }
+                const int r = row[i], j = 2 * (c16[i] & 3);  // first chunk within the 64-column block
+                const uint32_t at = dst + uint32_t((c16[i] >> 2) * kCS + (r >> 3) * kGS + (r & 7) * 128);
+                st_shared_v4(at + uint32_t((j ^ (r & 7)) << 4), out0);
+                st_shared_v4(at + uint32_t(((j + 1) ^ (r & 7)) << 4), out1);
+              }
+            }
+            fence_proxy_async_smem();
+            __syncwarp();
+          };
+#endif
           for (int t = 0; t < n_tiles; ++t) {
             const int st = t % kSt, s = t % kStages;
             const uint32_t st_parity = (t / kSt) & 1;

@@ -140,6 +140,42 @@ __device__ __forceinline__ uint4 fp8x8_widen(uint2 w) {
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// The same widening on the integer pipe, for the FP8 TMA prefill's producer warps: sm_90 runs
+// conversions at 16 lanes per SM per clock, a unit the consumers' exp2 and P packing keep busy
+// (to bf16 the cvt path above is two conversions per pair). Each byte is moved under T's
+// exponent/mantissa split: read as T, the pattern is the e4m3 value times 2^-bias (f16: 2^-8,
+// bf16: 2^-120; e4m3 subnormals land on T subnormals, still exact), and one multiply by the
+// power of two restores it. The pattern of a NaN code (low seven bits set) would read as +-480:
+// fp8x4_nan_bits finds those and the caller takes the cvt path for them.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t w) {
+  return ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;  // byte i: bit 7 set iff its low 7 bits are
+}
+// Eight e4m3 bytes (no NaN codes) -> eight T in four words, element order kept.
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_widen_int(uint2 w) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr int kShift = kBf16 ? 4 : 1;  // 8 - 1 - T's exponent bits (bf16 8, f16 5) + e4m3's 4
+  uint32_t h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // bytes 2i, 2i + 1 of the eight at the top of the two 16-bit halves, zeros below
+    const uint32_t lanes = __byte_perm(i < 2 ? w.x : w.y, 0u, (i & 1) ? 0x3424u : 0x1404u);
+    const uint32_t bits = (lanes & 0x80008000u) | ((lanes & 0x7f007f00u) >> kShift);
+    if constexpr (kBf16) {
+      __nv_bfloat162 x;
+      memcpy(&x, &bits, sizeof(x));
+      x = __hmul2(x, __floats2bfloat162_rn(0x1p120f, 0x1p120f));
+      memcpy(&h[i], &x, sizeof(x));
+    } else {
+      __half2 x;
+      memcpy(&x, &bits, sizeof(x));
+      x = __hmul2(x, __floats2half2_rn(256.f, 256.f));
+      memcpy(&h[i], &x, sizeof(x));
+    }
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // ---- q for f16 MMAs over FP8 K/V (decode/mma.cuh, prefill/mainloop_mma.cuh) ----
 // e4m3 -> f16 is one instruction per pair, e4m3 -> bf16 four, so the mma.sync
 // kernels multiply FP8 K/V in f16 whatever q's type. A bf16 q is moved into
