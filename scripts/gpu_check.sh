@@ -141,8 +141,8 @@ for s in $stages; do
       # (scripts/paged_ws_selftest.cu): check, small under memcheck/racecheck/synccheck, time.
       # The binary compiles the decode kernels in (the routed variants and the decode anchor of
       # the mixed timing need them).
-      # PAGED_WS_FLAGS: more nvcc flags, e.g. -DMINIPAGED_ENABLE_WS_FP8 (the dispatch variants then send
-      # FP8 chunks through the TMA kernel, as the extension built with that flag would).
+      # PAGED_WS_FLAGS: more nvcc flags, e.g. -DMINIPAGED_DISABLE_WS_FP8 (the dispatch variants then send
+      # FP8 chunks through the mma.sync FP8 kernels, as the extension built with that flag would).
       flags="$selftest_flags -Xptxas -v ${PAGED_WS_FLAGS:-}"
       mkdir -p "$bin"
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \

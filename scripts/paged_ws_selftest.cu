@@ -25,9 +25,10 @@
 // with the split heuristic / one split / three splits, the rest through
 // launch_prefill_paged; every case, FP8 and page size 1 included), and
 // rt_vs_dec (the routed decode rows bitwise equal to a plain decode call on
-// those sequences). FP8 caches run through dispatch and routed (the
-// mma.sync FP8 kernels, split the same way) and, with pages of >= 8 tokens,
-// ws_fp8 (the TMA kernel over e4m3 pages, widened in shared memory; not dispatched yet).
+// those sequences). FP8 caches run through dispatch and routed (split the same
+// way: the TMA kernel for chunks over pages of >= 8 tokens, else the mma.sync FP8
+// kernels) and, with pages of >= 8 tokens, ws_fp8 (the TMA kernel over e4m3 pages,
+// widened in shared memory, forced).
 // Every case builds shuffled pages, poisons every unused cache slot with NaN
 // (also the slots of a sequence's last page past its context) and every table
 // entry past the used ones with -1, poisons the output (padded head rows

@@ -98,9 +98,10 @@ constexpr int kWsDynamicMinWaves = 4;
 template <typename T, int D>
 using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
 // FP8 pages (e4m3) through the same kernel: 2 ring stages of 16-bit tiles plus 2 staging stages
-// of e4m3 tiles, which producer warps 1-3 widen into the ring (WsCfg::kKv8). Built and checked
-// by scripts/paged_ws_selftest.cu (variant ws_fp8); dispatched for FP8 chunks only in a build
-// with -DMINIPAGED_ENABLE_WS_FP8 until a GPU run has checked and timed it.
+// of e4m3 tiles, which producer warps 1-3 widen into the ring (WsCfg::kKv8; checked and timed by
+// scripts/paged_ws_selftest.cu, variant ws_fp8). Faster than the mma.sync FP8 kernels on every
+// chunk shape measured (bench/results/nvidia-h200/ws_fp8_d23f9a7/); -DMINIPAGED_DISABLE_WS_FP8
+// sends FP8 chunks back to them.
 template <typename T, int D>
 using CfgWsPaged8 = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true>;
 #endif

@@ -109,7 +109,13 @@
 // FP8 producer widening (WsCfg::kKv8): 0 = 8-byte units, cvt, one in flight; 1 = 16-byte units,
 // two in flight, cvt; 2 = as 1 with the integer-pipe conversion (ptx/fp8.cuh fp8x8_widen_int).
 #ifndef MINIPAGED_WS8_WIDEN
-#define MINIPAGED_WS8_WIDEN 2
+#define MINIPAGED_WS8_WIDEN 1
+#endif
+#ifndef MINIPAGED_WS8_INFLIGHT
+#define MINIPAGED_WS8_INFLIGHT 2
+#endif
+#ifndef MINIPAGED_WS8_UNROLL
+#define MINIPAGED_WS8_UNROLL 1
 #endif
 
 namespace minipaged {
@@ -547,19 +553,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
               c16 = u & 3;
             }
           };
+          constexpr int kInFlight = MINIPAGED_WS8_INFLIGHT;
           auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
+#if MINIPAGED_WS8_UNROLL
 #pragma unroll 1
-            for (int u0 = wt; u0 < kUnits; u0 += 2 * kWT) {
-              int row[2], c16[2];
-              uint4 x[2];
+#else
 #pragma unroll
-              for (int i = 0; i < 2; ++i) {
+#endif
+            for (int u0 = wt; u0 < kUnits; u0 += kInFlight * kWT) {
+              int row[kInFlight], c16[kInFlight];
+              uint4 x[kInFlight];
+#pragma unroll
+              for (int i = 0; i < kInFlight; ++i) {
                 unit_pos(u0 + i * kWT, row[i], c16[i]);
                 x[i] = make_uint4(0u, 0u, 0u, 0u);
                 if (u0 + i * kWT < kUnits && row[i] < valid_rows) x[i] = lds128(src + uint32_t(row[i] * kD + c16[i] * 16));
               }
 #pragma unroll
-              for (int i = 0; i < 2; ++i) {
+              for (int i = 0; i < kInFlight; ++i) {
                 if (u0 + i * kWT >= kUnits) break;
                 const uint2 w0 = make_uint2(x[i].x, x[i].y), w1 = make_uint2(x[i].z, x[i].w);
                 uint4 out0, out1;

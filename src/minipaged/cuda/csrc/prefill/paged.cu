@@ -37,7 +37,7 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
     return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
   };
   auto tiled = [&](const PrefillParams& q) {
-#if MINIPAGED_DISPATCH_WGMMA && defined(MINIPAGED_ENABLE_WS_FP8)
+#if MINIPAGED_DISPATCH_WGMMA && !defined(MINIPAGED_DISABLE_WS_FP8)
     if (ws_paged_supported<CfgWsPaged8<T, D>>(q))
       return q.causal ? launch_prefill_ws_paged<CfgWsPaged8<T, D>, true>(q, stream)
                       : launch_prefill_ws_paged<CfgWsPaged8<T, D>, false>(q, stream);
