@@ -100,7 +100,7 @@ using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, fal
 // FP8 pages (e4m3) through the same kernel: 2 ring stages of 16-bit tiles plus 2 staging stages
 // of e4m3 tiles, which producer warps 1-3 widen into the ring (WsCfg::kKv8; checked and timed by
 // scripts/paged_ws_selftest.cu, variant ws_fp8). Faster than the mma.sync FP8 kernels on every
-// chunk shape measured (bench/results/nvidia-h200/ws_fp8_d23f9a7/); -DMINIPAGED_DISABLE_WS_FP8
+// chunk shape measured (bench/results/nvidia-h200/ws_fp8_928f617/); -DMINIPAGED_DISABLE_WS_FP8
 // sends FP8 chunks back to them.
 template <typename T, int D>
 using CfgWsPaged8 = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true>;

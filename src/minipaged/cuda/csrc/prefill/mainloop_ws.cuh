@@ -106,8 +106,9 @@
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
 
-// FP8 producer widening (WsCfg::kKv8): 0 = 8-byte units, cvt, one in flight; 1 = 16-byte units,
-// two in flight, cvt; 2 = as 1 with the integer-pipe conversion (ptx/fp8.cuh fp8x8_widen_int).
+// FP8 producer widening (WsCfg::kKv8), A/B knobs: MINIPAGED_WS8_WIDEN 1 converts with cvt, 2 on the
+// integer pipe (ptx/fp8.cuh fp8x8_widen_int; measured slower); _INFLIGHT 16-byte units per thread
+// in flight; _UNROLL 0 unrolls the unit loop (bench/results/nvidia-h200/ws_fp8_928f617/).
 #ifndef MINIPAGED_WS8_WIDEN
 #define MINIPAGED_WS8_WIDEN 1
 #endif
@@ -511,31 +512,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         }
       } else if constexpr (Cfg::kKv8) {
         if (warp <= Cfg::kWidenWarps) {
-          // Widening: 16 bytes of T (8 elements, one sw128 chunk) per 8 staged bytes. Keys at or
+          // Widening: 32 bytes of T (two sw128 chunks) per 16 staged bytes. Keys at or
           // past seqlen_k (stale page slots, pages never loaded) become zeros: P = 0 times a NaN
           // there would still be NaN.
           constexpr int kGS = Cfg::kKvGroupStride, kCS = Cfg::kKvColStride;
           const int wt = tid - 32;  // 0 .. 32 * kWidenWarps - 1
-#if MINIPAGED_WS8_WIDEN == 0
-          constexpr int kRowUnits = kD / 8;  // 8-byte units of a staged key row
-          constexpr int kRowStep = 32 * Cfg::kWidenWarps / kRowUnits;
-          static_assert(32 * Cfg::kWidenWarps % kRowUnits == 0, "a widening thread keeps one column");
-          const int c = wt % kRowUnits, r0 = wt / kRowUnits;
-          const uint32_t col_off = uint32_t((c >> 3) * kCS);
-          auto widen = [&](uint32_t src, uint32_t dst, int valid_rows) {
-#pragma unroll 1
-            for (int r = r0; r < kBlockN; r += kRowStep) {
-              uint4 out = make_uint4(0u, 0u, 0u, 0u);
-              if (r < valid_rows) out = fp8x8_widen<T>(lds64(src + uint32_t(r * kD + c * 8)));
-              st_shared_v4(dst + col_off + uint32_t((r >> 3) * kGS + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4)),
-                           out);
-            }
-            // the stores reach wgmma (the async proxy) through this fence and the k/v_full arrival
-            fence_proxy_async_smem();
-            __syncwarp();
-          };
-#else
-          // 16-byte units (16 keys' bytes of one row -> two sw128 chunks), two in flight per thread.
+          // 16-byte units (16 columns of one key row), kInFlight loads in flight per thread: one in
+          // flight left the consumers waiting (2.9x the 16-bit time against 1.9x at bf16).
           // Unit u -> (row, unit c16 of the row): 8 consecutive lanes (one shared-memory phase of a
           // 16-byte access) take 4 units of a 64-column block from each of two adjacent rows, and
           // at D = 128 the second row from the other block: the loads then cover 32 distinct
@@ -575,6 +558,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
                 const uint2 w0 = make_uint2(x[i].x, x[i].y), w1 = make_uint2(x[i].z, x[i].w);
                 uint4 out0, out1;
 #if MINIPAGED_WS8_WIDEN == 2
+                // OR of the four words: a NaN byte always shows; a false alarm only costs the cvt path
                 if (fp8x4_nan_bits(x[i].x | x[i].y | x[i].z | x[i].w) == 0u) {
                   out0 = fp8x8_widen_int<T>(w0), out1 = fp8x8_widen_int<T>(w1);
                 } else
@@ -591,7 +575,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
             fence_proxy_async_smem();
             __syncwarp();
           };
-#endif
           for (int t = 0; t < n_tiles; ++t) {
             const int st = t % kSt, s = t % kStages;
             const uint32_t st_parity = (t / kSt) & 1;
