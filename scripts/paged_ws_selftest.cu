@@ -224,6 +224,9 @@ struct Case {
   bool causal;
   std::vector<int> q_lens, ctx_lens;
   bool fp8 = false;
+  // > 0: query row t is scaled by 2^((t * 7) % (2 q_row_exp + 1) - q_row_exp), so the rows of a
+  // warp span 2^(2 q_row_exp) (the f16 MMA path moves each warp's Q rows by one power of two).
+  int q_row_exp = 0;
 };
 
 static std::string dname(DType d) { return d == DType::kBFloat16 ? "bf16" : "fp16"; }
@@ -309,7 +312,14 @@ struct Built {
         }
     q_elems = size_t(Tq) * c.hq * D;
     std::vector<uint16_t> hq(q_elems);
-    for (auto& x : hq) x = to_bits(nd(rng), dt);
+    for (size_t i = 0; i < q_elems; ++i) {
+      float x = nd(rng);
+      if (c.q_row_exp > 0) {
+        const int t = int(i / (size_t(c.hq) * D));
+        x = std::ldexp(x, (t * 7) % (2 * c.q_row_exp + 1) - c.q_row_exp);
+      }
+      hq[i] = to_bits(x, dt);
+    }
     o_head = D + kOPad, o_row = int64_t(c.hq) * o_head;
     o_elems = size_t(Tq) * o_row;
     lse_elems = size_t(Tq) * c.hq;
@@ -672,6 +682,11 @@ static std::vector<Case> small_cases() {
   Case f8w{"small fp8 fp16 D128 bs8 causal", fp, 4, 2, 128, 8, true, {0, 1, 70, 200}, {5, 1, 67, 300}};
   f8w.fp8 = true;
   cs.push_back(f8w);
+  // bf16 q rows spanning 2^-8 .. 2^8 over FP8 pages (the f16 MMA path's per-warp power of two)
+  Case f8r{"small fp8 bf16 D128 bs16 q rows 2^+-8", bf, 4, 2, 128, 16, true, {150, 1, 33}, {300, 20, 40}};
+  f8r.fp8 = true;
+  f8r.q_row_exp = 8;
+  cs.push_back(f8r);
   return cs;
 }
 

@@ -97,6 +97,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "params.h"
 #include "prefill/common.cuh"
@@ -117,6 +118,10 @@
 #endif
 #ifndef MINIPAGED_WS8_UNROLL
 #define MINIPAGED_WS8_UNROLL 1
+#endif
+// 1: FP8 pages under a bf16 q multiply in f16 (WsCfg::Tm; q moved into f16's range per warp).
+#ifndef MINIPAGED_WS8_F16_MMA
+#define MINIPAGED_WS8_F16_MMA 0
 #endif
 
 namespace minipaged {
@@ -177,6 +182,12 @@ struct WsCfg {
   // seqlen_k. The consumers are the 16-bit ones, with k_scale folded into the score scale and
   // v_scale into 1/l.
   static constexpr bool kKv8 = kKv8_;
+  // The MMA operand type. FP8 pages under a bf16 q may multiply in f16 (MINIPAGED_WS8_F16_MMA): the
+  // widening is then one cvt per pair instead of four conversions, and each consumer warp moves its
+  // 16 rows of Q in shared memory into f16's range by a power of two (kQToF16) that its score
+  // scale undoes, as the mma.sync FP8 kernels do.
+  using Tm = std::conditional_t<kKv8_ && MINIPAGED_WS8_F16_MMA != 0, __half, T_>;
+  static constexpr bool kQToF16 = !std::is_same_v<Tm, T_>;
   static_assert(!kKv8 || (kPaged_ && kKvInterleave_), "FP8 pages: the paged kernel, interleaved tiles");
   static constexpr int kStStages = kKv8 ? 2 : 0;
   static constexpr int kStTileBytes = kBlockN_ * kD_;  // one staged K or V tile of e4m3 bytes
@@ -292,6 +303,7 @@ template <class Cfg, bool kCausal>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __grid_constant__ WsParams wp) {
 #if MINIPAGED_WGMMA_DEVICE
   using T = typename Cfg::T;
+  using Tm = typename Cfg::Tm;  // the MMA operand type (T unless Cfg::kQToF16)
   constexpr int kD = Cfg::kD;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kBlockM = Cfg::kBlockM;
@@ -560,11 +572,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 #if MINIPAGED_WS8_WIDEN == 2
                 // OR of the four words: a NaN byte always shows; a false alarm only costs the cvt path
                 if (fp8x4_nan_bits(x[i].x | x[i].y | x[i].z | x[i].w) == 0u) {
-                  out0 = fp8x8_widen_int<T>(w0), out1 = fp8x8_widen_int<T>(w1);
+                  out0 = fp8x8_widen_int<Tm>(w0), out1 = fp8x8_widen_int<Tm>(w1);
                 } else
 #endif
                 {
-                  out0 = fp8x8_widen<T>(w0), out1 = fp8x8_widen<T>(w1);
+                  out0 = fp8x8_widen<Tm>(w0), out1 = fp8x8_widen<Tm>(w1);
                 }
                 const int r = row[i], j = 2 * (c16[i] & 3);  // first chunk within the 64-column block
                 const uint32_t at = dst + uint32_t((c16[i] >> 2) * kCS + (r >> 3) * kGS + (r & 7) * 128);
@@ -750,6 +762,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     scale_log2 *= p.k_scale[kv_head];
     out_scale = p.v_scale[kv_head];
   }
+  const float scale_log2_base = scale_log2;
   FragSoftmax<1> sm;
   const int g = lane >> 2;
   const int tq = (lane & 3) * 2;
@@ -774,13 +787,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     wgmma_fence();
     if constexpr (Cfg::kWideQK) {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) wgmma_m64n128k16_ss<T>(acc_s, q_desc(kk), k_desc(slot(t), 0, kk));
+      for (int kk = 0; kk < kD / 16; ++kk) wgmma_m64n128k16_ss<Tm>(acc_s, q_desc(kk), k_desc(slot(t), 0, kk));
     } else {
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
 #pragma unroll
         for (int nb = 0; nb < kNT / 8; ++nb)
-          wgmma_m64n64k16_ss<T>(acc_s[nb], q_desc(kk), k_desc(slot(t), nb, kk));
+          wgmma_m64n64k16_ss<Tm>(acc_s[nb], q_desc(kk), k_desc(slot(t), nb, kk));
     }
     wgmma_commit();
   };
@@ -792,13 +805,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     if constexpr (Cfg::kWidePV) {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_m64n128k16_rs_tb<T>(acc_o, p_frag[kk], v_desc_wide(slot(t), kk));
+        wgmma_m64n128k16_rs_tb<Tm>(acc_o, p_frag[kk], v_desc_wide(slot(t), kk));
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
         for (int cb = 0; cb < kCB; ++cb)
-          wgmma_m64n64k16_rs_tb<T>(acc_o[cb], p_frag[kk], v_desc(slot(t), cb, kk));
+          wgmma_m64n64k16_rs_tb<Tm>(acc_o[cb], p_frag[kk], v_desc(slot(t), cb, kk));
     }
     wgmma_commit();
   };
@@ -817,7 +830,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     sm.template exp_and_sum<kNT>(s_frag, scale_log2);
   };
   // After the previous PV retired: O takes the tile's factor, P is packed.
-  auto finish_tile = [&] { rescale_o_pack_p<T, kCB * 8>(rescale_pending, alpha, o_frag, s_frag, p_frag); };
+  auto finish_tile = [&] { rescale_o_pack_p<Tm, kCB * 8>(rescale_pending, alpha, o_frag, s_frag, p_frag); };
 
   int n_masked = 0;
   auto softmax_any = [&](int t) {
@@ -829,6 +842,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     if constexpr (Cfg::kPersistent) {
       if (t == n_tiles - 1) release(q_empty());
     }
+  };
+
+  // Cfg::kQToF16: this warp's 16 rows of Q (bf16, TMA-loaded) in place as f16 times 2^e, e from
+  // their largest finite |q| over the rows inside the sequence (exact but for elements more than
+  // 2^28 below it; rows past the sequence only ever reach their own discarded outputs); the
+  // warp's score scale takes 2^-e. The warpgroup's MMAs read all 64 rows: a barrier of its 128
+  // threads (the epilogue's, idle until then) follows the conversion.
+  auto q_to_f16 = [&] {
+    const int r0 = cw * 64 + (warp & 3) * 16;  // the warp's first row in the Q block
+    constexpr int kPerLane = 16 * 8 * kCB / 32;  // 16-byte chunks per lane
+    uint4 x[kPerLane];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int idx = lane + 32 * i, cb = idx >> 7, rr = (idx >> 3) & 15, c = idx & 7;
+      x[i] = lds128(s_q + uint32_t(cb * (kBlockM * 128) + (r0 + rr) * 128 + c * 16));
+      if (m_start + r0 + rr < seqlen_q)
+        amax = fmaxf(fmaxf(fmaxf(amax, bf16x2_abs_max(x[i].x)), fmaxf(bf16x2_abs_max(x[i].y), bf16x2_abs_max(x[i].z))),
+                     bf16x2_abs_max(x[i].w));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int e = f16_exponent(amax);
+    const float up = exp2i(e);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int idx = lane + 32 * i, cb = idx >> 7, rr = (idx >> 3) & 15, c = idx & 7;
+      st_shared_v4(s_q + uint32_t(cb * (kBlockM * 128) + (r0 + rr) * 128 + c * 16),
+                   make_uint4(bf16x2_to_f16x2(x[i].x, up), bf16x2_to_f16x2(x[i].y, up),
+                              bf16x2_to_f16x2(x[i].z, up), bf16x2_to_f16x2(x[i].w, up)));
+    }
+    fence_proxy_async_smem();
+    named_bar_sync(Cfg::kBarEpilogue + cw, 128);
+    scale_log2 = scale_log2_base * exp2i(-e);
   };
 
   auto consume_item = [&] {
@@ -855,6 +902,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
 
     mbar_wait(q_full(), uint32_t(item_no & 1));
+    if constexpr (Cfg::kQToF16) q_to_f16();
 
     if constexpr (!Cfg::kPipelined) {
       // Step 1 of the ablation: each tile's two GEMMs back to back.
