@@ -443,6 +443,33 @@ def test_fp8_paged_every_tile_residue(dtype):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("page", [8, 16, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged_tma_key_tile_residues(dtype, page):
+    """Chunks over FP8 pages of >= 8 tokens run the sm_90 TMA kernel (128-key tiles, widened
+    in shared memory; the mma.sync FP8 kernels elsewhere): (context - q_len) through every
+    residue mod 128, chunks of 1..200 rows, never packed (variant 1)."""
+    q_lens = [1 + (37 * i) % 200 for i in range(128)]
+    ctxs = [q + i for i, q in enumerate(q_lens)]
+    _run_paged(q_lens, ctxs, 8, 2, 128, page, dtype, seed=20 + page, variant=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged_tma_long_chunks(dtype, D):
+    """Long chunks over long cached prefixes (many key tiles per m-block, the staging and
+    ring parities wrapping many times), pages of 8 (16 TMA boxes per key tile) and 256,
+    causal and not, q_len > context and an empty chunk in the same batch."""
+    q_lens, ctxs = [1023, 517, 0, 129, 300], [4097, 517 + 1111, 50, 129 + 127, 200]
+    for page in (8, 256):
+        _run_paged(q_lens, ctxs, 16, 8, D, page, dtype, seed=30 + page + D)
+        _run_paged(q_lens, ctxs, 16, 8, D, page, dtype, causal=False, seed=31 + page + D)
+
+
+@gpu
+@needs_cuda
 def test_fp8_paged_decode_batch_equals_decode_and_is_deterministic():
     """A pure decode batch through paged runs the decode kernels: identical bytes; and
     repeated paged calls are bitwise identical."""
