@@ -429,7 +429,14 @@ def _long_inner(acc, l_i, m_i, q, pos, k_tile, v_tile, table_row, key_page,
     for start_n in range(n_lo, n_hi, BLOCK_N):
         if PREFETCH:
             cur = blk
-            blk = tl.load(table_row + _long_index(start_n + BLOCK_N, key_page, last_page, PAGE, BLOCK_N, True))
+            if MASKED:
+                blk = tl.load(table_row + _long_index(start_n + BLOCK_N, key_page, last_page, PAGE, BLOCK_N, True))
+            else:
+                # every tile of the unmasked range lies inside the context: clamping the next
+                # tile's start to the range's last tile (the last iteration re-reads that one)
+                # keeps every index in range with one scalar min instead of one per key
+                nxt = tl.minimum(start_n + BLOCK_N, n_hi - BLOCK_N)
+                blk = tl.load(table_row + _long_index(nxt, key_page, last_page, PAGE, BLOCK_N, False))
         else:
             # start_n < n_hi <= ctx: only keys of the masked loop can be past the context
             cur = tl.load(table_row + _long_index(start_n, key_page, last_page, PAGE, BLOCK_N, MASKED))

@@ -119,6 +119,10 @@
 #ifndef MINIPAGED_WS8_UNROLL
 #define MINIPAGED_WS8_UNROLL 1
 #endif
+// FP8 producer registers (multiple of 8); the consumers get what is left: 40 -> 232, 56 -> 224.
+#ifndef MINIPAGED_WS8_PRODUCER_REGS
+#define MINIPAGED_WS8_PRODUCER_REGS 40
+#endif
 // 1: FP8 pages under a bf16 q multiply in f16 (WsCfg::Tm; q moved into f16's range per warp).
 #ifndef MINIPAGED_WS8_F16_MMA
 #define MINIPAGED_WS8_F16_MMA 0
@@ -202,8 +206,8 @@ struct WsCfg {
   static constexpr int kColBlocks = kD / 64;
   // 128 * 24 + 256 * 240 = 64512 of the SM's 65536 registers (one CTA per SM); FP8 pages move 16
   // of them to the producer warps, which widen two 16-byte units at a time (128 * 40 + 256 * 232).
-  static constexpr int kProducerRegs = kKv8 ? 40 : 24;
-  static constexpr int kConsumerRegs = kKv8 ? 232 : 240;
+  static constexpr int kProducerRegs = kKv8 ? MINIPAGED_WS8_PRODUCER_REGS : 24;
+  static constexpr int kConsumerRegs = kKv8 ? (252 - MINIPAGED_WS8_PRODUCER_REGS / 2) / 8 * 8 : 240;
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or one V tile
   static constexpr int kQBytes = kBlockM * kD * 2;
   // Layout from the 1024-aligned base: Q | K ring | V ring | [O] | mbarriers | [item ids].
