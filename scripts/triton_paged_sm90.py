@@ -75,6 +75,8 @@ def variants():
     out.append(("v2_long_p16_full", _paged_long_kernel, "bf16", "bf16", dict(v2, PAGE=16, IS_CAUSAL=False), 8, 3))
     out.append(("v2_long_p16_fp16", _paged_long_kernel, "fp16", "fp16", dict(v2, PAGE=16), 8, 3))
     out.append(("v2_long_p16_fp8", _paged_long_kernel, "bf16", "fp8", dict(v2, PAGE=16, KV_FP8=True), 8, 3))
+    out.append(("v2_long_p16_fp8_f16", _paged_long_kernel, "bf16", "fp8", dict(v2, PAGE=16, KV_FP8=True, FP8_F16=True),
+                8, 3))
     out.append(("v2_long_p64_d64", _paged_long_kernel, "bf16", "bf16",
                 dict(v2, PAGE=64, HEAD_DIM=64, STRIDE_TOK=8 * 64), 8, 3))
     return out

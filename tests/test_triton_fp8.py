@@ -299,6 +299,30 @@ def test_fp8_decode_f16_dots_interpreter(q_mult):
     _f16_dots(torch.float16, q_mult, seed=11)
 
 
+def _paged_f16_dots(dtype, q_mult, seed):
+    """Long chunks over FP8 pages through v2 with its fp16 dots forced (paged_fp8_f16), q scaled
+    by q_mult, against the fp64 oracle."""
+    q_lens, ctxs = [40, 1, 97, 0, 17], [90, 30, 97, 5, 200]
+    (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(q_lens, ctxs, 4, 2, 64, 16, dtype, seed)
+    q = (q.float() * q_mult).to(dtype)
+    configs.set_override("paged_long_kernel", "v2")
+    configs.set_override("paged_mixed", "split")
+    configs.set_override("paged_fp8_f16", 1)
+    try:
+        out, lse = ops.paged(q, kc, vc, tables, cu_q, ctx, 97, True, 0.125, True, ks, vs)
+    finally:
+        for name in ("paged_long_kernel", "paged_mixed", "paged_fp8_f16"):
+            configs.set_override(name, None)
+    _check(out, lse, q, dk, dv, cu_q, True, 0.125, f"fp8 paged v2, fp16 dots, {dtype}, q x {q_mult}")
+
+
+@cpu_only
+@pytest.mark.parametrize("q_mult", [1.0, 3e3, 1e-5])
+def test_fp8_paged_long_f16_dots_interpreter(q_mult):
+    """v2's fp16-dot path (off by default for bf16 until timed) at every q magnitude."""
+    _paged_f16_dots(torch.float16, q_mult, seed=13)
+
+
 @cpu_only
 @pytest.mark.parametrize("words", [1, 2], ids=["words", "planes"])
 @pytest.mark.parametrize("q_mult", [1.0, 3e3])
@@ -378,6 +402,14 @@ def test_fp8_decode_gpu(dtype):
 def test_fp8_decode_f16_dots_gpu(q_mult):
     """The fp16-dot path with bf16 queries, including magnitudes fp16 cannot hold (1e6)."""
     _f16_dots(torch.bfloat16, q_mult, seed=12, on_gpu=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("q_mult", [1.0, 3e3, 1e-5, 1e6])
+def test_fp8_paged_long_f16_dots_gpu(q_mult):
+    """v2's fp16-dot path with bf16 queries, including magnitudes fp16 cannot hold (1e6)."""
+    _paged_f16_dots(torch.bfloat16, q_mult, seed=14)
 
 
 @gpu

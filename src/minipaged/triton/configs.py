@@ -76,7 +76,7 @@ _PREFILL_SM90 = {
 # "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
-# "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "decode_fp8_f16": 0 or 1;
+# "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
 # "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
@@ -98,7 +98,7 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16"):
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16"):
         OVERRIDES[name] = bool(int(value))
     elif name == "prefill_lazy_rescale":
         if not 0 <= int(value) <= _MAX_LAZY_RESCALE:
@@ -367,7 +367,8 @@ PAGED_HEADS_FASTEST = True
 # packed (position, head) rows of the short launch of a mixed batch: 16 covers a decode
 # at any group <= 16 and a speculative run of 16 // group tokens
 _PAGED_SHORT_ROWS = 16
-_PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch", "paged_heads_fastest")
+_PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch", "paged_heads_fastest",
+                    "paged_fp8_f16")
 # v2 finds a program's sequence in two vector loads of SEARCH slot starts: S <= SEARCH^2
 PAGED_SEARCH = 128
 
@@ -386,6 +387,21 @@ def paged_prefetch() -> bool:
 
 def paged_heads_fastest() -> bool:
     return OVERRIDES.get("paged_heads_fastest", PAGED_HEADS_FASTEST)
+
+
+# v2 over FP8 pages under a bf16 q: dots in fp16 (paged._paged_long_kernel FP8_F16), as decode
+# does (DECODE_FP8_F16). Off until timed on the H200. Under triton 3.6 it takes the unmasked loop
+# from 458 to 356 sm_90 instructions per tile (the 16-bit cache's: 339), dropping the 64
+# fp16 -> bf16 conversions per tile that run at a quarter of the FMA rate (scripts/triton_paged_sm90.py).
+PAGED_FP8_F16 = False
+
+
+def paged_fp8_f16(q_dtype: torch.dtype) -> bool:
+    """Whether v2 runs its dots in fp16 over an FP8 cache for this q dtype. The override forces
+    it for fp16 q too (a no-op in value there), which lets the interpreter test the path."""
+    if "paged_fp8_f16" in OVERRIDES:
+        return OVERRIDES["paged_fp8_f16"]
+    return PAGED_FP8_F16 and q_dtype == torch.bfloat16
 
 
 # FP8 caches in the decode kernel: True runs the dots in fp16: q scaled by a power of two into

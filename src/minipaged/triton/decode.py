@@ -62,7 +62,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax import _merge_splits, _softmax_step, _softmax_step_masked, _split_lse
+from .softmax import (
+    _merge_splits,
+    _q_to_fp16_range,
+    _softmax_step,
+    _softmax_step_masked,
+    _split_lse,
+)
 
 
 @triton.jit
@@ -209,11 +215,7 @@ def _decode_kernel(
     q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)
     if FP8_F16:
-        qf = q.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30)
-        shift = tl.ceil(tl.math.log2(amax / 16384.0))
-        q = (qf * tl.math.exp2(-shift)).to(tl.float16)
-        qk_scale_log2 = qk_scale_log2 * tl.math.exp2(shift)
+        q, qk_scale_log2 = _q_to_fp16_range(q, qk_scale_log2)
     table_row = block_tables + seq64 * stride_table
     k_row0 = K_cache + kv_head.to(tl.int64) * stride_khead
     v_row0 = V_cache + kv_head.to(tl.int64) * stride_vhead

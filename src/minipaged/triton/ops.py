@@ -508,6 +508,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     MIN_Q=launch.min_q,
                     PREFETCH=configs.paged_prefetch(),
                     HEADS_FASTEST=heads_fastest,
+                    FP8_F16=fp8 and configs.paged_fp8_f16(q.dtype),
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                 )

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from .prefill import _causal_key_range
-from .softmax import (_merge_segment, _merge_splits, _merged_result, _segment_result, _softmax_step,
-                      _softmax_step_masked, _split_lse)
+from .softmax import (_merge_segment, _merge_splits, _merged_result, _q_to_fp16_range, _segment_result,
+                      _softmax_step, _softmax_step_masked, _split_lse)
 
 
 
@@ -394,6 +394,9 @@ def _paged_kernel(
 # starts <= t in two vector loads of cu_seqlens (a coarse pass over every
 # ceil(S / SEARCH)-th start, then SEARCH starts from there; S <= SEARCH^2).
 # MIN_Q > 0: sequences of at most MIN_Q tokens are left to a packed launch (mixed batches).
+# FP8_F16 (with KV_FP8): the dots run in fp16 whatever q's dtype (softmax._q_to_fp16_range, as
+# decode.py's FP8_F16): a bf16 q then widens each e4m3 pair with one cvt instead of four
+# conversions (configs.paged_fp8_f16).
 
 
 @triton.jit
@@ -495,6 +498,7 @@ def _paged_long_kernel(
     MIN_Q: tl.constexpr,
     PREFETCH: tl.constexpr,
     HEADS_FASTEST: tl.constexpr = False,
+    FP8_F16: tl.constexpr = False,
 ):
     pid, programs, kv_head = _program_head(num_q_heads // kv_group, HEADS_FASTEST)
     slot = programs - 1 - pid
@@ -534,6 +538,8 @@ def _paged_long_kernel(
 
         if KV_FP8:
             qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
+            if FP8_F16:
+                q, qk_scale_log2 = _q_to_fp16_range(q, qk_scale_log2)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

@@ -9,6 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _q_to_fp16_range(q, qk_scale_log2):
+    """q (a 16-bit tile) as fp16 times 2^-shift, the power of two that brings its largest
+    magnitude into (8192, 16384] (exact, barring fp16 subnormals for elements 2^-24 of that
+    maximum or smaller), and the score scale times 2^shift: the dots over FP8 K/V then run in
+    fp16 whatever q's dtype (e4m3 -> fp16 is one cvt per pair, -> bf16 four)."""
+    qf = q.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30)
+    shift = tl.ceil(tl.math.log2(amax / 16384.0))
+    return (qf * tl.math.exp2(-shift)).to(tl.float16), qk_scale_log2 * tl.math.exp2(shift)
+
+
+@triton.jit
 def _softmax_step(acc, l_i, m_i, q, k, v, qk_scale_log2, DOT_PRECISION: tl.constexpr):
     """A tile every row sees whole: no mask. Returns the updated (acc, l, m)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

@@ -1,0 +1,131 @@
+"""A/B of Triton's paged long-chunk kernel (v2) over FP8 pages: tiles widened to q's dtype (the
+default) against fp16 dots (configs.paged_fp8_f16: a bf16 q moved into fp16's range once per
+program, e4m3 -> fp16 one cvt per pair), on the paged grid's chunked and mixed rows, with the
+same rows over the 16-bit cache in the same run (issue #13/#15).
+
+    PYTHONPATH=src python scripts/triton_paged_fp8_ab.py --json out.json
+
+Each variant is first checked on a ragged batch (q_len 0..300, contexts to 4097, NaN-poisoned
+unused slots) and at q magnitudes 1 and 1e5 against the fp64 oracle on the dequantised cache;
+one that fails is reported and not timed. Timing: minipaged.benchmark.timing.time_fn, cold L2,
+median of --reps. --smoke runs the plumbing on CPU under the interpreter (fp16, tiny shapes,
+the fp16-dot path forced); it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from minipaged import testing
+from minipaged.benchmark import cases as bench_cases
+from minipaged.benchmark.timing import time_fn
+from minipaged.triton import configs, ops
+
+# name -> overrides (the long kernel and the mixed mode are pinned to the defaults' values)
+VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1}}
+
+
+def _with(overrides: dict, fn):
+    for k, v in overrides.items():
+        configs.set_override(k, v)
+    try:
+        return fn()
+    finally:
+        for k in overrides:
+            configs.set_override(k, None)
+
+
+def _inputs(case: testing.PagedCase, dtype, device, fp8: bool, seed: int, poison: bool, q_mult: float = 1.0):
+    q, kc, vc, bt, cu, cl = testing.make_paged_inputs(case, dtype, device, seed=seed, poison=poison)
+    q = (q.float() * q_mult).to(dtype)
+    ks = vs = None
+    if fp8:
+        kc, vc, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
+    return q, kc, vc, bt, cu, cl, ks, vs
+
+
+def _call(inp, max_q: int, lse: bool):
+    q, kc, vc, bt, cu, cl, ks, vs = inp
+    kw = {} if ks is None else {"k_scale": ks, "v_scale": vs}
+    return ops.paged(q, kc, vc, bt, cu, cl, max_q, True, q.shape[-1] ** -0.5, lse, **kw)
+
+
+def _check(variant: str, dtype, device) -> str:
+    """'' if the variant matches the oracle on a ragged fp8 batch at two q magnitudes, else why."""
+    big = device.type == "cuda"
+    q_lens = (300, 1, 97, 0, 17, 40) if big else (40, 1, 17, 0)
+    ctxs = (1000, 4097, 97, 16, 200, 40) if big else (90, 30, 17, 5)
+    case = testing.PagedCase("mixed", q_lens, ctxs, 16 if big else 4, 8 if big else 2, 128 if big else 64, 16)
+    try:
+        for q_mult in (1.0, 1e5 if big else 3e3):
+            inp = _inputs(case, dtype, device, True, seed=5, poison=True, q_mult=q_mult)
+            q, kc, vc, bt, cu, cl, ks, vs = inp
+            keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(kc, ks), bench_cases.dequantize_fp8(vc, vs),
+                                           bt, cl)
+            truth, truth_lse = testing.paged_ref(q, keys, vals, cu)
+            # the low-precision yardstick in bf16 (an fp16 one overflows at large q: the smoke's)
+            lowp, _ = testing.paged_ref(q.to(torch.bfloat16), keys, vals, cu, lowp=True)
+            out, lse = _with(VARIANTS[variant], lambda inp=inp: _call(inp, max(q_lens), True))
+            testing.assert_close(out, truth, lowp, f"{variant} q x {q_mult}", lse=lse, truth_lse=truth_lse)
+    except Exception as e:  # noqa: BLE001 - a variant that does not build or is wrong is reported
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float16 if args.smoke else torch.bfloat16
+    if args.smoke:
+        rows = [testing.PagedCase("chunked", (40, 40), (70, 70), 4, 2, 64, 16)]
+    else:
+        rows = [c for c in bench_cases.standard_paged_cases() if c.kind in ("chunked", "mixed")]
+    t0 = time.time()
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+               "failed": {}, "rows": []}
+    ok = []
+    for v in VARIANTS:
+        why = _check(v, dtype, device)
+        print(f"check {v}: {'ok' if not why else why}", flush=True)
+        (results["failed"].__setitem__(v, why) if why else ok.append(v))
+    for case in rows:
+        label = f"{case.kind} q={list(case.q_lens)[:2]}{'...' if len(case.q_lens) > 2 else ''} L={case.context_lens[0]}"
+        row = {"case": label}
+        timings = {}
+        for fp8, names in ((False, ["16-bit"]), (True, ok)):
+            inp = _inputs(case, dtype, device, fp8, seed=0, poison=False)
+            for name in names:
+                over = {} if name == "16-bit" else VARIANTS[name]
+                max_q = max(case.q_lens)
+                t = time_fn(lambda over=over, inp=inp, max_q=max_q: _with(over, lambda: _call(inp, max_q, False)),
+                            device=device,
+                            reps=args.reps, min_reps=min(10, args.reps), max_time_s=2.0)
+                timings[name] = t.median_ms * 1e3
+        row["us"] = timings
+        base = timings["16-bit"]
+        print(f"{label:40s} " + "  ".join(f"{k} {v:8.1f} us ({v / base:.2f}x)" for k, v in timings.items()),
+              flush=True)
+        results["rows"].append(row)
+    print(f"took {time.time() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
