@@ -61,13 +61,6 @@ constexpr int kNoPDL = 0x200;
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
-double e4m3_to_double(uint8_t b) {
-  const int sign = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  if ((b & 0x7f) == 0x7f) return NAN;
-  const double mag = e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return sign ? -mag : mag;
-}
-
 // Cheap unit-variance noise (uniform on [-sqrt 3, sqrt 3]): the caches of the
 // check mode hold up to ~80 M values per problem.
 struct Noise {

@@ -36,13 +36,6 @@
 
 using minipaged::DType;
 
-static double e4m3_to_double(uint8_t b) {
-  const int sign = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  if ((b & 0x7f) == 0x7f) return NAN;
-  const double mag = e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return sign ? -mag : mag;
-}
-
 struct Case {
   const char* name;
   DType dtype;

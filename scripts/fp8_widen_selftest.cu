@@ -5,10 +5,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I src/minipaged/cuda/csrc \
 //        scripts/fp8_widen_selftest.cu -o fp8_widen_selftest && ./fp8_widen_selftest
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
+// (the host decodes with selftest_common.h's e4m3_to_double and from_bits).
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,15 +13,7 @@
 #include <vector>
 
 #include "ptx/fp8.cuh"
-
-#define CHECK_CUDA(x)                                                                     \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "selftest_common.h"
 
 // Thread i widens bytes (i + j) % 256, j = 0..7: code c visits every byte position.
 __global__ void widen_all(uint32_t* out) {
@@ -37,25 +26,6 @@ __global__ void widen_all(uint32_t* out) {
                       minipaged::fp8x8_widen_int<__half>(w), minipaged::fp8x8_widen_int<__nv_bfloat16>(w)};
   for (int k = 0; k < 4; ++k) memcpy(out + (k * 256 + i) * 4, &r[k], 16);
   out[4 * 4 * 256 + i] = minipaged::fp8x4_nan_bits(w.x);
-}
-
-static double e4m3(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return s ? -mag : mag;
-}
-static double f16_value(uint16_t h) {
-  const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-  if (e == 31) return m ? NAN : (s ? -INFINITY : INFINITY);
-  const double mag = e == 0 ? std::ldexp(m / 1024.0, -14) : std::ldexp(1.0 + m / 1024.0, e - 15);
-  return s ? -mag : mag;
-}
-static double bf16_value(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
 }
 
 int main() {
@@ -73,11 +43,11 @@ int main() {
     for (int i = 0; i < 256; ++i)
       for (int j = 0; j < 8; ++j) {
         const uint8_t code = uint8_t((i + j) & 255);
-        const double want = e4m3(code);
+        const double want = e4m3_to_double(code);
         if (integer && std::isnan(want)) continue;  // fp8x4_nan_bits routes NaN codes to the cvt path
         uint16_t bits;
         memcpy(&bits, reinterpret_cast<const uint8_t*>(&h[(k * 256 + i) * 4]) + 2 * j, 2);
-        const double got = bf ? bf16_value(bits) : f16_value(bits);
+        const double got = from_bits(bits, bf ? minipaged::DType::kBFloat16 : minipaged::DType::kFloat16);
         // exact, signed zeros included
         const bool ok = std::isnan(want) ? std::isnan(got) : (got == want && std::signbit(got) == std::signbit(want));
         ++checked;
@@ -90,7 +60,7 @@ int main() {
       const uint8_t code = uint8_t((i + j) & 255);
       const bool flagged = (h[4 * 4 * 256 + i] >> (8 * j + 7)) & 1u;
       ++checked;
-      if (flagged != std::isnan(e4m3(code)) && bad++ < 10)
+      if (flagged != std::isnan(e4m3_to_double(code)) && bad++ < 10)
         std::printf("FAIL nan_bits code 0x%02x at byte %d: flagged %d\n", code, j, int(flagged));
     }
   std::printf("%s: %d of %d checks failed\n", bad ? "FAILED" : "ALL PASS", bad, checked);

@@ -210,13 +210,6 @@ static const Variant kVariants[] = {
 
 // ---------------------------------------------------------------- host data
 // e4m3fn byte -> float (exact): sign, 4-bit exponent (bias 7), 3-bit mantissa.
-static float e4m3_to_float(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const float mag = e == 0 ? std::ldexp(float(m) / 8.f, -6) : std::ldexp(1.f + float(m) / 8.f, e - 7);
-  return s ? -mag : mag;
-}
-
 struct Case {
   std::string name;
   DType dtype;
@@ -329,8 +322,8 @@ struct Built {
 #pragma omp parallel for
       for (long long i = 0; i < (long long)cache_elems; ++i) {
         const int h = int((i / D) % c.hkv);
-        kf[i] = c.fp8 ? e4m3_to_float(hk8[i]) * ks[h] : from_bits(hk16[i], dt);
-        vf[i] = c.fp8 ? e4m3_to_float(hv8[i]) * vs[h] : from_bits(hv16[i], dt);
+        kf[i] = c.fp8 ? float(e4m3_to_double(hk8[i])) * ks[h] : from_bits(hk16[i], dt);
+        vf[i] = c.fp8 ? float(e4m3_to_double(hv8[i])) * vs[h] : from_bits(hv16[i], dt);
       }
       std::vector<float> qf(q_elems);
       for (size_t i = 0; i < q_elems; ++i) qf[i] = from_bits(hq[i], dt);
