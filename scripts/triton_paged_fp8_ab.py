@@ -44,13 +44,13 @@ def _with(overrides: dict, fn):
             configs.set_override(k, None)
 
 
-def _inputs(case: testing.PagedCase, dtype, device, fp8: bool, seed: int, poison: bool, q_mult: float = 1.0):
+def _inputs(case: testing.PagedCase, dtype, device, seed: int, poison: bool, q_mult: float = 1.0):
+    """(16-bit inputs, the same over FP8 caches): (q, k_cache, v_cache, tables, cu_seqlens_q,
+    context_lens, k_scale, v_scale), scales None for the 16-bit caches."""
     q, kc, vc, bt, cu, cl = testing.make_paged_inputs(case, dtype, device, seed=seed, poison=poison)
     q = (q.float() * q_mult).to(dtype)
-    ks = vs = None
-    if fp8:
-        kc, vc, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
-    return q, kc, vc, bt, cu, cl, ks, vs
+    kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
+    return (q, kc, vc, bt, cu, cl, None, None), (q, kc8, vc8, bt, cu, cl, ks, vs)
 
 
 def _call(inp, max_q: int, lse: bool):
@@ -67,7 +67,7 @@ def _check(variant: str, dtype, device) -> str:
     case = testing.PagedCase("mixed", q_lens, ctxs, 16 if big else 4, 8 if big else 2, 128 if big else 64, 16)
     try:
         for q_mult in (1.0, 1e5 if big else 3e3):
-            inp = _inputs(case, dtype, device, True, seed=5, poison=True, q_mult=q_mult)
+            _, inp = _inputs(case, dtype, device, seed=5, poison=True, q_mult=q_mult)
             q, kc, vc, bt, cu, cl, ks, vs = inp
             keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(kc, ks), bench_cases.dequantize_fp8(vc, vs),
                                            bt, cl)
@@ -100,13 +100,16 @@ def main() -> int:
     for v in VARIANTS:
         why = _check(v, dtype, device)
         print(f"check {v}: {'ok' if not why else why}", flush=True)
-        (results["failed"].__setitem__(v, why) if why else ok.append(v))
+        if why:
+            results["failed"][v] = why
+        else:
+            ok.append(v)
     for case in rows:
         label = f"{case.kind} q={list(case.q_lens)[:2]}{'...' if len(case.q_lens) > 2 else ''} L={case.context_lens[0]}"
         row = {"case": label}
         timings = {}
-        for fp8, names in ((False, ["16-bit"]), (True, ok)):
-            inp = _inputs(case, dtype, device, fp8, seed=0, poison=False)
+        inp16, inp8 = _inputs(case, dtype, device, seed=0, poison=False)
+        for inp, names in ((inp16, ["16-bit"]), (inp8, ok)):
             for name in names:
                 over = {} if name == "16-bit" else VARIANTS[name]
                 max_q = max(case.q_lens)
