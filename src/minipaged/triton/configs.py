@@ -390,10 +390,9 @@ def paged_heads_fastest() -> bool:
 
 
 # v2 over FP8 pages under a bf16 q: dots in fp16 (paged._paged_long_kernel FP8_F16), as decode
-# does (DECODE_FP8_F16). Off until timed on the H200. Under triton 3.6 it takes the unmasked loop
-# from 458 to 356 sm_90 instructions per tile (the 16-bit cache's: 339), dropping the 64
-# fp16 -> bf16 conversions per tile that run at a quarter of the FMA rate (scripts/triton_paged_sm90.py).
-PAGED_FP8_F16 = False
+# does (DECODE_FP8_F16): no fp16 -> bf16 conversion of the widened tiles, which runs at a quarter
+# of the FMA rate. Faster on the H200 (bench/results/nvidia-h200/ws8_ab_6230e97/).
+PAGED_FP8_F16 = True
 
 
 def paged_fp8_f16(q_dtype: torch.dtype) -> bool:

@@ -109,23 +109,24 @@
 
 // FP8 producer widening (WsCfg::kKv8), A/B knobs: MINIPAGED_WS8_WIDEN 1 converts with cvt, 2 on the
 // integer pipe (ptx/fp8.cuh fp8x8_widen_int; measured slower); _INFLIGHT 16-byte units per thread
-// in flight; _UNROLL 0 unrolls the unit loop (bench/results/nvidia-h200/ws_fp8_928f617/).
+// in flight (4 needs the 56 producer registers below); _UNROLL 0 unrolls the unit loop
+// (bench/results/nvidia-h200/ws_fp8_928f617/, ws8_ab_6230e97/).
 #ifndef MINIPAGED_WS8_WIDEN
 #define MINIPAGED_WS8_WIDEN 1
 #endif
 #ifndef MINIPAGED_WS8_INFLIGHT
-#define MINIPAGED_WS8_INFLIGHT 2
+#define MINIPAGED_WS8_INFLIGHT 4
 #endif
 #ifndef MINIPAGED_WS8_UNROLL
 #define MINIPAGED_WS8_UNROLL 1
 #endif
 // FP8 producer registers (multiple of 8); the consumers get what is left: 40 -> 232, 56 -> 224.
 #ifndef MINIPAGED_WS8_PRODUCER_REGS
-#define MINIPAGED_WS8_PRODUCER_REGS 40
+#define MINIPAGED_WS8_PRODUCER_REGS 56
 #endif
 // 1: FP8 pages under a bf16 q multiply in f16 (WsCfg::Tm; q moved into f16's range per warp).
 #ifndef MINIPAGED_WS8_F16_MMA
-#define MINIPAGED_WS8_F16_MMA 0
+#define MINIPAGED_WS8_F16_MMA 1
 #endif
 
 namespace minipaged {
