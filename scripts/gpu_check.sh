@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -236,6 +236,20 @@ for s in $stages; do
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
         run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100};;
+    decode_ab)
+      # A/B of decode_selftest builds (names under $bin in DECODE_AB_BINS, e.g. one built with
+      # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each, alternating, so
+      # clock drift does not favour one; the prebuilt binaries must be carried in .gpubin/.
+      export OMP_NUM_THREADS=16
+      for b in ${DECODE_AB_BINS:-decode_selftest}; do
+        STAGE_TIMEOUT_check_$b=${STAGE_TIMEOUT_decode_ab_check:-120} run check_$b "$bin/$b" check
+      done
+      for r in ${DECODE_AB_ROUNDS:-1}; do
+        for b in ${DECODE_AB_BINS:-decode_selftest}; do
+          export STAGE_TIMEOUT_time${r}_$b=${STAGE_TIMEOUT_decode_ab_time:-110}
+          DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
+        done
+      done;;
     *) echo "unknown stage $s"; status=1;;
   esac
 done

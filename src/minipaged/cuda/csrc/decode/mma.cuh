@@ -35,6 +35,13 @@
 #include "ptx/misc.cuh"
 #include "ptx/mma.cuh"
 
+// 1: the prologue tiles' block-table entries are read before context_lens arrives (bounded by the
+// split and the table, as the scalar kernel's are), so a CTA's first K/V loads wait on one
+// dependent global read instead of two. An A/B knob until timed (scripts/decode_selftest.cu).
+#ifndef MINIPAGED_DECODE_EARLY_TABLE
+#define MINIPAGED_DECODE_EARLY_TABLE 0
+#endif
+
 namespace minipaged {
 namespace decode_mma {
 
@@ -140,10 +147,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, kRows);
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
-  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
 
   const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
@@ -155,6 +160,22 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   // multiplies per tile (page_runs).
   const int c = tid % kChunks;
   const int r0 = tid / kChunks * kCopyIters;
+  const bool page_runs = p.block_size >= kCopyIters && start % kCopyIters == 0;
+  // MINIPAGED_DECODE_EARLY_TABLE: the prologue tiles' entries, read here, ahead of any use of
+  // context_lens (and of the packed-query skip); an entry past the context is read but never
+  // followed (its rows are past `end`).
+  constexpr bool kEarlyTable = MINIPAGED_DECODE_EARLY_TABLE != 0;
+  [[maybe_unused]] int first_pages[STAGES > 1 ? STAGES - 1 : 1];
+  if constexpr (kEarlyTable) {
+    const int table_end = min(slice.capacity, start + p.tokens_per_split);
+#pragma unroll
+    for (int st = 0; st + 1 < STAGES; ++st) {
+      const int tok0 = start + st * kTile + r0;
+      first_pages[st] = page_runs && tok0 < table_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
+    }
+  }
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
   const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
   const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
   const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + c * kEPC;
@@ -173,21 +194,27 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     }
   };
   // 32-bit strides (the binding checks they fit): one wide multiply per pointer.
-  // A row past `end` reads no table entry and points at page 0 (never
+  // A row past `end` follows no table entry and points at page 0 (never
   // dereferenced: cp.async zero-fills it).
-  const bool page_runs = p.block_size >= kCopyIters && start % kCopyIters == 0;
+  // The page_runs copy of tile t into ring stage `stage`, its page entry already read.
+  auto copy_page_run = [&](int t, int stage, int page_entry) {
+    const uint32_t kdst = ring + stage * S::kStageBytes;
+    const uint32_t vdst = kdst + S::kTileBytes;
+    const int tok0 = start + t * kTile + r0;
+    const int page = tok0 < end ? page_entry : 0;
+    const int in_page = tok0 & bs_mask;
+    const KV* kp = kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride);
+    const KV* vp = vbase + (mul_wide(page, v_block_stride) + in_page * v_token_stride);
+#pragma unroll
+    for (int it = 0; it < kCopyIters; ++it)
+      copy_row(kdst, vdst, r0 + it, kp + it * k_token_stride, vp + it * v_token_stride, tok0 + it < end);
+  };
   auto load_tile = [&](int t, int stage) {
     const uint32_t kdst = ring + stage * S::kStageBytes;
     const uint32_t vdst = kdst + S::kTileBytes;
     const int tok0 = start + t * kTile + r0;
     if (page_runs) {
-      const int page = tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
-      const int in_page = tok0 & bs_mask;
-      const KV* kp = kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride);
-      const KV* vp = vbase + (mul_wide(page, v_block_stride) + in_page * v_token_stride);
-#pragma unroll
-      for (int it = 0; it < kCopyIters; ++it)
-        copy_row(kdst, vdst, r0 + it, kp + it * k_token_stride, vp + it * v_token_stride, tok0 + it < end);
+      copy_page_run(t, stage, tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0);
     } else {
 #pragma unroll
       for (int it = 0; it < kCopyIters; ++it) {
@@ -213,7 +240,12 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   }
 #pragma unroll
   for (int st = 0; st + 1 < STAGES; ++st) {
-    if (st < n_tiles) load_tile(st, st);
+    if (st < n_tiles) {
+      if (kEarlyTable && page_runs)
+        copy_page_run(st, st, first_pages[st]);
+      else
+        load_tile(st, st);
+    }
     cp_async_commit();
   }
 
