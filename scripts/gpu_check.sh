@@ -238,11 +238,13 @@ for s in $stages; do
         run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100};;
     decode_ab)
       # A/B of decode_selftest builds (names under $bin in DECODE_AB_BINS, e.g. one built with
-      # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each, alternating, so
-      # clock drift does not favour one; the prebuilt binaries must be carried in .gpubin/.
+      # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each; DECODE_AB_ROUNDS
+      # (e.g. "1 2") repeats the timing round, the builds alternating, so clock drift does not
+      # favour one. The prebuilt binaries must be carried in .gpubin/.
       export OMP_NUM_THREADS=16
       for b in ${DECODE_AB_BINS:-decode_selftest}; do
-        STAGE_TIMEOUT_check_$b=${STAGE_TIMEOUT_decode_ab_check:-120} run check_$b "$bin/$b" check
+        export STAGE_TIMEOUT_check_$b=${STAGE_TIMEOUT_decode_ab_check:-120}
+        run check_$b "$bin/$b" check
       done
       for r in ${DECODE_AB_ROUNDS:-1}; do
         for b in ${DECODE_AB_BINS:-decode_selftest}; do

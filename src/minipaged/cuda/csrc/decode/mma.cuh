@@ -210,12 +210,12 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       copy_row(kdst, vdst, r0 + it, kp + it * k_token_stride, vp + it * v_token_stride, tok0 + it < end);
   };
   auto load_tile = [&](int t, int stage) {
-    const uint32_t kdst = ring + stage * S::kStageBytes;
-    const uint32_t vdst = kdst + S::kTileBytes;
     const int tok0 = start + t * kTile + r0;
     if (page_runs) {
       copy_page_run(t, stage, tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0);
     } else {
+      const uint32_t kdst = ring + stage * S::kStageBytes;
+      const uint32_t vdst = kdst + S::kTileBytes;
 #pragma unroll
       for (int it = 0; it < kCopyIters; ++it) {
         const int tok = tok0 + it;
