@@ -37,9 +37,11 @@
 
 // 1: the prologue tiles' block-table entries are read before context_lens arrives (bounded by the
 // split and the table, as the scalar kernel's are), so a CTA's first K/V loads wait on one
-// dependent global read instead of two. An A/B knob until timed (scripts/decode_selftest.cu).
+// dependent global read instead of two. On by default: on the H200 it timed within noise of 0
+// (bench/results/nvidia-h200/decode_early_108a7a1/), it checks and sanitizes clean, and it takes one
+// dependent read off a latency-bound path; 0 keeps the old order for A/B runs.
 #ifndef MINIPAGED_DECODE_EARLY_TABLE
-#define MINIPAGED_DECODE_EARLY_TABLE 0
+#define MINIPAGED_DECODE_EARLY_TABLE 1
 #endif
 
 namespace minipaged {
