@@ -65,7 +65,8 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections,
+  kWideSplit, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -73,7 +74,8 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
                                                    "wide pingpong", "wide persistent dyn+stagedO",
-                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections"};
+                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections",
+                                                   "wide pp+overlap split-KV"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -129,6 +131,16 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kWideSections:
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
+    case kWideSplit: {
+      // As the dispatcher: the split grid where ws_split_plan has a plan (launch_ws gave it
+      // its workspace), else the plain one.
+      if (p.split_workspace != nullptr)
+        return mf::launch_prefill_ws<
+            WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
+            p, stream);
+      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>, kCausal>(
+          p, stream);
+    }
   }
   return cudaErrorInvalidValue;
 }
@@ -146,12 +158,48 @@ static bool sched_dynamic(int sched) {
   return sched == kPersistentDynamic || sched == kPersistentDynamicStagedO || sched == kWidePersistentDynamicStagedO;
 }
 static int* g_sched_counters = nullptr;
+// The split-KV schedule's workspace and counters, grown as cases need. The counters are zeroed
+// once, when allocated, as the binding does: the kernel must leave them zero (split_counters_zero
+// checks), and they are not reset between launches.
+static float* g_split_ws = nullptr;
+static int* g_split_counters = nullptr;
+static int64_t g_split_ws_floats = 0, g_split_counter_count = 0;
+static bool split_counters_zero() {
+  if (g_split_counters == nullptr) return true;
+  std::vector<int> h(g_split_counter_count);
+  CHECK_CUDA(cudaMemcpy(h.data(), g_split_counters, h.size() * sizeof(int), cudaMemcpyDeviceToHost));
+  for (int v : h)
+    if (v != 0) return false;
+  return true;
+}
 static cudaError_t launch_ws(const PrefillParams& p, cudaStream_t s) {
   PrefillParams q = p;
   if (sched_dynamic(g_sched)) {
     if (g_sched_counters == nullptr) CHECK_CUDA(cudaMalloc(&g_sched_counters, 2 * sizeof(int)));
     CHECK_CUDA(cudaMemsetAsync(g_sched_counters, 0, 2 * sizeof(int), s));
     q.sched_counters = g_sched_counters;
+  }
+  minipaged::fast::WsSplitPlan plan;
+  if (g_sched == kWideSplit && minipaged::fast::ws_split_plan(q, q.num_sms, &plan)) {
+    const int64_t floats = minipaged::fast::ws_split_workspace_floats(q, plan);
+    const int64_t counters = minipaged::fast::ws_split_counter_count(q);
+    if (floats > g_split_ws_floats) {
+      CHECK_CUDA(cudaDeviceSynchronize());
+      if (g_split_ws != nullptr) CHECK_CUDA(cudaFree(g_split_ws));
+      CHECK_CUDA(cudaMalloc(&g_split_ws, floats * sizeof(float)));
+      // NaN: a merge that read a partial nobody wrote would show in the output.
+      CHECK_CUDA(cudaMemset(g_split_ws, 0xFF, floats * sizeof(float)));
+      g_split_ws_floats = floats;
+    }
+    if (counters > g_split_counter_count) {
+      CHECK_CUDA(cudaDeviceSynchronize());
+      if (g_split_counters != nullptr) CHECK_CUDA(cudaFree(g_split_counters));
+      CHECK_CUDA(cudaMalloc(&g_split_counters, counters * sizeof(int)));
+      CHECK_CUDA(cudaMemset(g_split_counters, 0, counters * sizeof(int)));
+      g_split_counter_count = counters;
+    }
+    q.split_workspace = g_split_ws;
+    q.split_counters = g_split_counters;
   }
   return q.dtype == DType::kBFloat16 ? launch_dim<__nv_bfloat16>(q, s) : launch_dim<__half>(q, s);
 }
@@ -315,6 +363,44 @@ static int64_t l2_override_from_env() {
   return env != nullptr && *env != '\0' ? int64_t(std::atof(env) * (1 << 20)) : 0;
 }
 
+// Split-KV beyond the oracle: B=1 N=1k causal (the grid's row) and an Nq > Nk case, with the
+// plan's choice and with one-tile chunks, 20 launches each, every output bitwise the first one's
+// (chunks arrive in any order; the merge must not care), counters zero afterwards.
+static int split_extra_checks() {
+  int fails = 0;
+  const Case cases[] = {{DType::kBFloat16, 1, 16, 8, 1024, 1024, 128, true},
+                        {DType::kFloat16, 1, 4, 2, 700, 300, 64, true}};
+  for (const Case& c : cases)
+    for (int force : {0, 1}) {
+      minipaged::fast::g_ws_split_force_chunk = force;
+      DeviceCase dc;
+      dc.setup(c, 7u);
+      minipaged::fast::WsSplitPlan plan;
+      const bool splits = minipaged::fast::ws_split_plan(dc.p, dc.p.num_sms, &plan);
+      std::vector<uint16_t> first(dc.o_elems), again(dc.o_elems);
+      std::vector<float> first_lse(dc.lse_elems), again_lse(dc.lse_elems);
+      int differ = 0;
+      for (int r = 0; r < 20; ++r) {
+        CHECK_CUDA(launch_ws(dc.p, 0));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        CHECK_CUDA(cudaMemcpy(r == 0 ? first.data() : again.data(), dc.dout, dc.o_elems * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(r == 0 ? first_lse.data() : again_lse.data(), dc.dlse, dc.lse_elems * 4,
+                              cudaMemcpyDeviceToHost));
+        if (r > 0 && (std::memcmp(first.data(), again.data(), first.size() * 2) != 0 ||
+                      std::memcmp(first_lse.data(), again_lse.data(), first_lse.size() * 4) != 0))
+          ++differ;
+      }
+      const bool zero = split_counters_zero();
+      const bool ok = splits && differ == 0 && zero;
+      std::printf("%s  split-KV %-44s force %d: %d entries x %d pairs, 20 runs, %d differ from the first, counters %s\n",
+                  ok ? "PASS" : "FAIL", case_name(c).c_str(), force, splits ? plan.entries : 0, c.batch * c.hq, differ,
+                  zero ? "zero" : "NOT zero");
+      if (!ok) ++fails;
+    }
+  minipaged::fast::g_ws_split_force_chunk = 0;
+  return fails;
+}
+
 static int cmd_check() {
   int fails = 0, n = 0;
   for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
@@ -328,9 +414,18 @@ static int cmd_check() {
       const int64_t per_kv_pair = int64_t(2) * c.nk * c.d * 2;
       const int64_t check_l2[3] = {1, 4 * per_kv_pair + 1, 0};
       if (g_sched == kWideSections) minipaged::fast::g_ws_l2_bytes_override = check_l2[sched_n % 3];
+      // split-KV: chunks of at most 1, 2 or 3 key tiles (every m-block of 2+ tiles splits; a
+      // chunk past a short sequence's tiles is empty), or the plan's own choice
+      const int force_chunk[4] = {1, 2, 3, 0};
+      if (g_sched == kWideSplit) minipaged::fast::g_ws_split_force_chunk = force_chunk[sched_n % 4];
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
+      if (g_sched == kWideSplit && !split_counters_zero()) {
+        std::printf("FAIL  %s: split-KV counters left non-zero\n", case_name(c).c_str());
+        ++sched_fails;
+      }
     }
+    if (g_sched == kWideSplit) sched_fails += split_extra_checks();
     g_sms_override = 0;
     minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
     std::printf("schedule %-20s %d of %d cases failed\n", kSchedNames[g_sched], sched_fails, sched_n);
@@ -347,10 +442,13 @@ static int cmd_small() {
     if (!sched_selected(g_sched)) continue;
     std::printf("schedule %s\n", kSchedNames[g_sched]);
     g_sms_override = sched_persistent(g_sched) ? 2 : 0;
+    // split-KV: one-tile chunks, so every m-block of 2+ tiles runs the hand-off and the merge
+    minipaged::fast::g_ws_split_force_chunk = g_sched == kWideSplit ? 1 : 0;
     ok &= run_case({DType::kBFloat16, 1, 2, 1, 97, 161, 128, true}, true);
     ok &= run_case({DType::kFloat16, 1, 2, 2, 130, 70, 64, false}, true);
     ok &= run_case({DType::kBFloat16, 1, 2, 1, 300, 300, 128, true}, true);  // 3 tiles: every phase kind
   }
+  minipaged::fast::g_ws_split_force_chunk = 0;
   std::printf("%s\n", ok ? "ALL PASS" : "FAIL");
   return ok ? 0 : 1;
 }
@@ -440,7 +538,10 @@ static int cmd_profile(int sched, int n) {
 // Interleaved A/B of the selected schedules at one shape: the board's power state drifts over
 // a call (at 16k the kernels run at the power cap), so each round times every schedule once.
 static int cmd_ab(int n, int rounds, int reps) {
-  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
+  // WS_AB_HQ: query heads (default 16; KV heads half of them), e.g. 8 for a tensor-parallel shard.
+  const char* hq_env = std::getenv("WS_AB_HQ");
+  const int hq = hq_env != nullptr && *hq_env != '\0' ? std::max(2, std::atoi(hq_env)) : 16;
+  const Case c{DType::kBFloat16, 1, hq, hq / 2, n, n, 128, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
   for (int r = 0; r < rounds; ++r)
     for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
