@@ -131,16 +131,10 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kWideSections:
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
-    case kWideSplit: {
-      // As the dispatcher: the split grid where ws_split_plan has a plan (launch_ws gave it
-      // its workspace), else the plain one.
-      if (p.split_workspace != nullptr)
-        return mf::launch_prefill_ws<
-            WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
-            p, stream);
-      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>, kCausal>(
+    case kWideSplit:  // on every case, whatever ws_split_pays would say
+      return mf::launch_prefill_ws<
+          WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
           p, stream);
-    }
   }
   return cudaErrorInvalidValue;
 }
@@ -158,48 +152,12 @@ static bool sched_dynamic(int sched) {
   return sched == kPersistentDynamic || sched == kPersistentDynamicStagedO || sched == kWidePersistentDynamicStagedO;
 }
 static int* g_sched_counters = nullptr;
-// The split-KV schedule's workspace and counters, grown as cases need. The counters are zeroed
-// once, when allocated, as the binding does: the kernel must leave them zero (split_counters_zero
-// checks), and they are not reset between launches.
-static float* g_split_ws = nullptr;
-static int* g_split_counters = nullptr;
-static int64_t g_split_ws_floats = 0, g_split_counter_count = 0;
-static bool split_counters_zero() {
-  if (g_split_counters == nullptr) return true;
-  std::vector<int> h(g_split_counter_count);
-  CHECK_CUDA(cudaMemcpy(h.data(), g_split_counters, h.size() * sizeof(int), cudaMemcpyDeviceToHost));
-  for (int v : h)
-    if (v != 0) return false;
-  return true;
-}
 static cudaError_t launch_ws(const PrefillParams& p, cudaStream_t s) {
   PrefillParams q = p;
   if (sched_dynamic(g_sched)) {
     if (g_sched_counters == nullptr) CHECK_CUDA(cudaMalloc(&g_sched_counters, 2 * sizeof(int)));
     CHECK_CUDA(cudaMemsetAsync(g_sched_counters, 0, 2 * sizeof(int), s));
     q.sched_counters = g_sched_counters;
-  }
-  minipaged::fast::WsSplitPlan plan;
-  if (g_sched == kWideSplit && minipaged::fast::ws_split_plan(q, q.num_sms, &plan)) {
-    const int64_t floats = minipaged::fast::ws_split_workspace_floats(q, plan);
-    const int64_t counters = minipaged::fast::ws_split_counter_count(q);
-    if (floats > g_split_ws_floats) {
-      CHECK_CUDA(cudaDeviceSynchronize());
-      if (g_split_ws != nullptr) CHECK_CUDA(cudaFree(g_split_ws));
-      CHECK_CUDA(cudaMalloc(&g_split_ws, floats * sizeof(float)));
-      // NaN: a merge that read a partial nobody wrote would show in the output.
-      CHECK_CUDA(cudaMemset(g_split_ws, 0xFF, floats * sizeof(float)));
-      g_split_ws_floats = floats;
-    }
-    if (counters > g_split_counter_count) {
-      CHECK_CUDA(cudaDeviceSynchronize());
-      if (g_split_counters != nullptr) CHECK_CUDA(cudaFree(g_split_counters));
-      CHECK_CUDA(cudaMalloc(&g_split_counters, counters * sizeof(int)));
-      CHECK_CUDA(cudaMemset(g_split_counters, 0, counters * sizeof(int)));
-      g_split_counter_count = counters;
-    }
-    q.split_workspace = g_split_ws;
-    q.split_counters = g_split_counters;
   }
   return q.dtype == DType::kBFloat16 ? launch_dim<__nv_bfloat16>(q, s) : launch_dim<__half>(q, s);
 }
@@ -363,41 +321,33 @@ static int64_t l2_override_from_env() {
   return env != nullptr && *env != '\0' ? int64_t(std::atof(env) * (1 << 20)) : 0;
 }
 
-// Split-KV beyond the oracle: B=1 N=1k causal (the grid's row) and an Nq > Nk case, with the
-// plan's choice and with one-tile chunks, 20 launches each, every output bitwise the first one's
-// (chunks arrive in any order; the merge must not care), counters zero afterwards.
+// Split-KV beyond the oracle: B=1 N=1k causal (the grid's row, one wave of clusters) and an
+// Nq > Nk case (m-blocks that see no key, one-tile halves), 20 launches each, every output and
+// lse bitwise the first one's.
 static int split_extra_checks() {
   int fails = 0;
   const Case cases[] = {{DType::kBFloat16, 1, 16, 8, 1024, 1024, 128, true},
                         {DType::kFloat16, 1, 4, 2, 700, 300, 64, true}};
-  for (const Case& c : cases)
-    for (int force : {0, 1}) {
-      minipaged::fast::g_ws_split_force_chunk = force;
-      DeviceCase dc;
-      dc.setup(c, 7u);
-      minipaged::fast::WsSplitPlan plan;
-      const bool splits = minipaged::fast::ws_split_plan(dc.p, dc.p.num_sms, &plan);
-      std::vector<uint16_t> first(dc.o_elems), again(dc.o_elems);
-      std::vector<float> first_lse(dc.lse_elems), again_lse(dc.lse_elems);
-      int differ = 0;
-      for (int r = 0; r < 20; ++r) {
-        CHECK_CUDA(launch_ws(dc.p, 0));
-        CHECK_CUDA(cudaDeviceSynchronize());
-        CHECK_CUDA(cudaMemcpy(r == 0 ? first.data() : again.data(), dc.dout, dc.o_elems * 2, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(r == 0 ? first_lse.data() : again_lse.data(), dc.dlse, dc.lse_elems * 4,
-                              cudaMemcpyDeviceToHost));
-        if (r > 0 && (std::memcmp(first.data(), again.data(), first.size() * 2) != 0 ||
-                      std::memcmp(first_lse.data(), again_lse.data(), first_lse.size() * 4) != 0))
-          ++differ;
-      }
-      const bool zero = split_counters_zero();
-      const bool ok = splits && differ == 0 && zero;
-      std::printf("%s  split-KV %-44s force %d: %d entries x %d pairs, 20 runs, %d differ from the first, counters %s\n",
-                  ok ? "PASS" : "FAIL", case_name(c).c_str(), force, splits ? plan.entries : 0, c.batch * c.hq, differ,
-                  zero ? "zero" : "NOT zero");
-      if (!ok) ++fails;
+  for (const Case& c : cases) {
+    DeviceCase dc;
+    dc.setup(c, 7u);
+    std::vector<uint16_t> first(dc.o_elems), again(dc.o_elems);
+    std::vector<float> first_lse(dc.lse_elems), again_lse(dc.lse_elems);
+    int differ = 0;
+    for (int r = 0; r < 20; ++r) {
+      CHECK_CUDA(launch_ws(dc.p, 0));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaMemcpy(r == 0 ? first.data() : again.data(), dc.dout, dc.o_elems * 2, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(r == 0 ? first_lse.data() : again_lse.data(), dc.dlse, dc.lse_elems * 4,
+                            cudaMemcpyDeviceToHost));
+      if (r > 0 && (std::memcmp(first.data(), again.data(), first.size() * 2) != 0 ||
+                    std::memcmp(first_lse.data(), again_lse.data(), first_lse.size() * 4) != 0))
+        ++differ;
     }
-  minipaged::fast::g_ws_split_force_chunk = 0;
+    std::printf("%s  split-KV %-44s 20 runs, %d differ from the first\n", differ == 0 ? "PASS" : "FAIL",
+                case_name(c).c_str(), differ);
+    if (differ != 0) ++fails;
+  }
   return fails;
 }
 
@@ -414,16 +364,8 @@ static int cmd_check() {
       const int64_t per_kv_pair = int64_t(2) * c.nk * c.d * 2;
       const int64_t check_l2[3] = {1, 4 * per_kv_pair + 1, 0};
       if (g_sched == kWideSections) minipaged::fast::g_ws_l2_bytes_override = check_l2[sched_n % 3];
-      // split-KV: chunks of at most 1, 2 or 3 key tiles (every m-block of 2+ tiles splits; a
-      // chunk past a short sequence's tiles is empty), or the plan's own choice
-      const int force_chunk[4] = {1, 2, 3, 0};
-      if (g_sched == kWideSplit) minipaged::fast::g_ws_split_force_chunk = force_chunk[sched_n % 4];
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
-      if (g_sched == kWideSplit && !split_counters_zero()) {
-        std::printf("FAIL  %s: split-KV counters left non-zero\n", case_name(c).c_str());
-        ++sched_fails;
-      }
     }
     if (g_sched == kWideSplit) sched_fails += split_extra_checks();
     g_sms_override = 0;
@@ -442,13 +384,10 @@ static int cmd_small() {
     if (!sched_selected(g_sched)) continue;
     std::printf("schedule %s\n", kSchedNames[g_sched]);
     g_sms_override = sched_persistent(g_sched) ? 2 : 0;
-    // split-KV: one-tile chunks, so every m-block of 2+ tiles runs the hand-off and the merge
-    minipaged::fast::g_ws_split_force_chunk = g_sched == kWideSplit ? 1 : 0;
     ok &= run_case({DType::kBFloat16, 1, 2, 1, 97, 161, 128, true}, true);
     ok &= run_case({DType::kFloat16, 1, 2, 2, 130, 70, 64, false}, true);
     ok &= run_case({DType::kBFloat16, 1, 2, 1, 300, 300, 128, true}, true);  // 3 tiles: every phase kind
   }
-  minipaged::fast::g_ws_split_force_chunk = 0;
   std::printf("%s\n", ok ? "ALL PASS" : "FAIL");
   return ok ? 0 : 1;
 }

@@ -540,11 +540,12 @@ def test_prefill_one_wave(ops, causal, nq, nk):
     assert_close(out_v, truth[0].transpose(0, 1), lowp[0].transpose(0, 1), f"one wave varlen {nq}x{nk} causal={causal}")
 
 
-# Split-KV of causal grids of about one wave (prefill/dispatch.cuh CfgWsSplit, sm_90): the heavy
-# m-blocks' key tiles run as chunks in CTAs of their own and the last chunk to finish merges.
-# Shapes where the plan splits on 132 SMs (B=1 N=1k at Hq 16, and smaller head counts, as under
-# tensor parallelism), odd lengths, Nq != Nk (rows that see no key), fp16 and D=64; the float64
-# oracle with lse, then 20 calls bitwise equal (chunks finish in any order), then a CUDA graph.
+# Split-KV of causal grids of at most two waves (prefill/dispatch.cuh CfgWsSplit, sm_90): every
+# m-block runs in a cluster of two CTAs, each over half of its key tiles, merged through
+# distributed shared memory. Shapes the dispatch splits on 132 SMs (B=1 N=1k at Hq 16, and
+# smaller head counts, as under tensor parallelism), odd lengths, Nq != Nk (rows that see no key,
+# halves with no tile), fp16 and D=64; the float64 oracle with lse, then 20 calls bitwise equal,
+# then a CUDA graph.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,Hq,Hkv,nq,nk,D", [(1, 16, 8, 1024, 1024, 128), (1, 10, 2, 1000, 1000, 128),
                                               (1, 16, 4, 768, 900, 64), (2, 8, 2, 700, 300, 128),

@@ -132,7 +132,7 @@ bool rows_aligned16(const at::Tensor& t) {
 using PrefillLauncher = cudaError_t (*)(const minipaged::PrefillParams&, cudaStream_t);
 
 // Zeroed int32 counters for a kernel that leaves them zero (defined below, with the rules).
-enum CounterPool { kDecodeSplitCounters = 0, kPrefillSchedCounters = 1, kPrefillSplitCounters = 2 };
+enum CounterPool { kDecodeSplitCounters = 0, kPrefillSchedCounters = 1 };
 cudaError_t zeroed_counters(CounterPool pool, int device, cudaStream_t stream, int64_t count, int32_t** out);
 using OutLse = std::tuple<at::Tensor, at::Tensor>;
 
@@ -214,7 +214,7 @@ OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::
   p.dtype = dtype;
   p.num_sms = num_sms(q.get_device());
   p.l2_bytes = l2_bytes(q.get_device());
-  at::Tensor o, lse, split_workspace;
+  at::Tensor o, lse;
   cudaError_t err = cudaSuccess;
   {
     c10::cuda::CUDAGuard guard(q.device());
@@ -224,18 +224,9 @@ OutLse run_prefill(PrefillLauncher launch, const char* launcher_name, const at::
     if (o.numel() > 0) {
       p.o = o.data_ptr();
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-      // The sm_90 dispatch may pick the dynamic persistent kernel (prefill/dispatch.cuh) or, for
-      // grids of about one wave, the split-KV one (its workspace lives for this call).
-      if (launch == &minipaged::launch_prefill_fast && cc_major(q.get_device()) >= 9) {
+      // The sm_90 dispatch may pick the dynamic persistent kernel (prefill/dispatch.cuh).
+      if (launch == &minipaged::launch_prefill_fast && cc_major(q.get_device()) >= 9)
         err = zeroed_counters(kPrefillSchedCounters, q.get_device(), stream, 2, &p.sched_counters);
-        int64_t counters = 0;
-        const int64_t floats = minipaged::prefill_split_workspace(p, &counters);
-        if (err == cudaSuccess && floats > 0) {
-          split_workspace = q.new_empty({floats}, q.options().dtype(at::kFloat));
-          p.split_workspace = split_workspace.data_ptr<float>();
-          err = zeroed_counters(kPrefillSplitCounters, q.get_device(), stream, counters, &p.split_counters);
-        }
-      }
       if (err == cudaSuccess) err = launch(p, stream);
     }
   }

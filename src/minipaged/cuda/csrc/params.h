@@ -87,20 +87,11 @@ struct PrefillParams {
   // binding passes a per-stream pair to sm_90 prefill calls). nullptr: the
   // dispatch never picks those configs.
   int* sched_counters;
-  // Split-KV of a dense/varlen grid of about one wave (sm_90; prefill/dispatch.cuh CfgWsSplit):
-  // a float32 workspace and int32 counters that are zero at launch (the kernel leaves them
-  // zero), sized by prefill_split_workspace below. nullptr: the dispatch never splits.
-  float* split_workspace;
-  int* split_counters;
 };
 
 // All return cudaSuccess or the launch error; they never synchronize.
 cudaError_t launch_prefill_wmma(const PrefillParams& p, cudaStream_t stream);
 cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream);
-// What launch_prefill_fast needs for p's split-KV launch, when its dispatch takes one: the
-// floats of workspace (the return value) and the zeroed int32 counters (*counters); 0 and 0
-// when it does not split. The caller allocates both and sets split_workspace / split_counters.
-int64_t prefill_split_workspace(const PrefillParams& p, int64_t* counters);
 // Varlen queries (cu_seqlens_q) against paged K/V (block_tables, context_lens):
 // the fast prefill mainloop with a gathering K/V tile loader.
 cudaError_t launch_prefill_paged(const PrefillParams& p, cudaStream_t stream);

@@ -58,6 +58,10 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // non-causal, D 64 and 128.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
+// Causal grids of at most two waves (ws_split_pays): every m-block in a two-CTA cluster, each
+// CTA over half of its key tiles, merged through distributed shared memory.
+template <typename T, int D>
+using CfgWsSplit = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>;
 // The same kernel over a grid whose K/V (every KV head of every sequence,
 // max_seqlen_k keys each) do not fit in the L2: its items in sections of
 // whole GQA groups whose K/V fit in half of it, one section after the other
@@ -67,16 +71,6 @@ using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, 
 // the board's power cap, the energy per call by 2.4%
 // (bench/results/nvidia-h200/l2_sections_317dffb/). MINIPAGED_DISABLE_L2_SECTIONS
 // (a build flag, like MINIPAGED_DISABLE_WGMMA) turns it off, to measure it.
-// Grids of about one wave (at most two): split-KV when ws_split_plan finds a shorter schedule
-// (B=1 N=1k causal: the heaviest m-blocks' 8 key tiles in chunks of at most 6). Needs
-// PrefillParams::split_workspace / split_counters (the binding passes them).
-template <typename T, int D>
-using CfgWsSplit = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>;
-// Whether the dense/varlen dispatch takes the warp-specialised kernel for p (and so may split).
-inline bool ws_taken(const PrefillParams& p) {
-  const int64_t blocks = int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + 127) / 128);
-  return 2 * blocks >= sm_count(p) && ws_supported(p);
-}
 template <typename T, int D>
 using CfgWsL2 = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>;
 inline bool ws_l2_sections_pay(const PrefillParams& p) {
@@ -248,10 +242,8 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     const int64_t sms = sm_count(p);
     if constexpr (!kPaged) {
       if (2 * wg_blocks >= sms && ws_supported(p)) {
-        if constexpr (kCausal) {  // ws_split_plan never splits a grid without the mask
-          WsSplitPlan plan;
-          if (p.split_workspace != nullptr && p.split_counters != nullptr && ws_split_plan(p, int(sms), &plan))
-            return launch_prefill_ws<CfgWsSplit<T, D>, kCausal>(p, stream);
+        if constexpr (kCausal) {
+          if (ws_split_pays(p)) return launch_prefill_ws<CfgWsSplit<T, D>, kCausal>(p, stream);
         }
         if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
             row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)

@@ -32,17 +32,4 @@ cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream) {
   return dispatch_dtype<false>(p, stream);
 }
 
-int64_t prefill_split_workspace(const PrefillParams& p, int64_t* counters) {
-  *counters = 0;
-#if MINIPAGED_DISPATCH_WGMMA
-  fast::WsSplitPlan plan;
-  if ((p.head_dim == 64 || p.head_dim == 128) && fast::ws_taken(p) &&
-      fast::ws_split_plan(p, int(fast::sm_count(p)), &plan)) {
-    *counters = fast::ws_split_counter_count(p);
-    return fast::ws_split_workspace_floats(p, plan);
-  }
-#endif
-  return 0;
-}
-
 }  // namespace minipaged

@@ -97,11 +97,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <functional>
-#include <queue>
 #include <type_traits>
-#include <utility>
-#include <vector>
 
 #include "params.h"
 #include "prefill/common.cuh"
@@ -198,11 +194,10 @@ struct WsCfg {
   using Tm = std::conditional_t<kKv8_ && MINIPAGED_WS8_F16_MMA != 0, __half, T_>;
   static constexpr bool kQToF16 = !std::is_same_v<Tm, T_>;
   static_assert(!kKv8 || (kPaged_ && kKvInterleave_), "FP8 pages: the paged kernel, interleaved tiles");
-  // Split-KV (dense/varlen grids of about one wave, prefill/dispatch.cuh CfgWsSplit): a CTA's
-  // work item is one chunk of an m-block's key tiles (WsSplitPlan). Every chunk writes its
-  // unnormalised O, row max and row sum to a global workspace and counts itself; the last of
-  // an m-block's chunks to arrive merges all of them in chunk order (so the result does not
-  // depend on which one that is) and runs the epilogue.
+  // Split-KV (causal grids of about one wave, prefill/dispatch.cuh CfgWsSplit): every m-block
+  // runs in a cluster of two CTAs, each over half of its key tiles (rank 0 the diagonal half).
+  // Rank 1 leaves its unnormalised O, row maxes and row sums in its own shared memory; rank 0
+  // reads them through the cluster (DSMEM), merges and runs the epilogue.
   static constexpr bool kSplitKV = kSplitKV_;
   static_assert(!kSplitKV || (!kPaged_ && !kPersistent_ && !kL2Sections_), "split-KV: the static dense/varlen grid");
   static constexpr int kStStages = kKv8 ? 2 : 0;
@@ -233,37 +228,25 @@ struct WsCfg {
   // Dynamic: item_full / item_empty of a 2-slot ring of item ids.
   static constexpr int kItemSlots = 2;
   // FP8: sk_full / sv_full / sk_empty / sv_empty per staging slot.
+  // Split-KV: part_full (rank 0's: rank 1's partial is written) and part_free (rank 1's: rank 0
+  // has read it).
   static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0) + (kDynamic ? 2 * kItemSlots : 0) +
-                                  4 * kStStages;
+                                  4 * kStStages + (kSplitKV ? 2 : 0);
   static constexpr int kItemOff = kBarOff + 8 * kNumBars;
-  // Dynamic: the item-id ring; split-KV: the "last chunk" flag the consumers share.
-  static constexpr int kSmemBytes = kItemOff + (kDynamic ? 4 * kItemSlots : 0) + (kSplitKV ? 16 : 0) +
-                                    1024;  // +1024: base realignment
+  static constexpr int kSmemBytes = kItemOff + (kDynamic ? 4 * kItemSlots : 0) + 1024;  // +1024: base realignment
+  // Split-KV: rank 1's partial, in its K/V ring once the tiles are done (float4s per consumer
+  // thread: kD / 8 of O, then the two row maxes and row sums).
+  static constexpr int kPartialF4 = kD_ / 8 + 1;
+  static_assert(!kSplitKV_ || kPartialF4 * 16 * 256 <= 2 * kStages_ * kBlockN_ * kD_ * 2, "partial in the ring");
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
-  // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs); 5: both
-  // consumer warpgroups (split-KV hand-off).
+  // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
   static constexpr int kBarEpilogue = 1;
   static constexpr int kBarSched = 3;
-  static constexpr int kBarConsumers = 5;
   static_assert(kD == 64 || kD == 128, "head dim");
   static_assert(kBlockN == 64 || kBlockN == 128, "key tile (S: 32 or 64 registers per thread)");
   static_assert(kStages >= 2, "ring");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
-
-// Split-KV work list of one (batch, q head) pair, the same for every pair: entry r is
-// m-block (bits 0-11), chunk (12-17) of nchunks (18-23), and the first workspace slot of the
-// m-block's chunks (24-31; slot + chunk is this chunk's), in decreasing estimated work.
-constexpr int kWsSplitMaxEntries = 64;
-constexpr int kWsSplitPartialFloats = 68;  // per consumer thread: 64 of O, 2 row maxes, 2 row sums
-struct WsSplitPlan {
-  int entries = 0;
-  int slots = 0;  // workspace slots per pair (the chunks of the m-blocks that split)
-  int32_t entry[kWsSplitMaxEntries];
-};
-__host__ __device__ constexpr int32_t ws_split_entry(int m_block, int chunk, int nchunks, int slot0) {
-  return m_block | (chunk << 12) | (nchunks << 18) | (slot0 << 24);
-}
 
 struct WsParams {
   PrefillParams p;
@@ -273,9 +256,6 @@ struct WsParams {
   int* sched;
   // kL2Sections: (batch, q head) pairs per section of the work list (ws_item).
   int section_hb;
-  // kSplitKV: the plan; PrefillParams::split_workspace / split_counters hold the partials
-  // ([pair][slot][kWsSplitPartialFloats][256 threads]) and two counters per (pair, m-block).
-  WsSplitPlan split;
 };
 
 // kL2Sections work item w (of m_blocks * batch * num_q_heads) -> (q head,
@@ -364,6 +344,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto q_empty = [&] { return bars + 8u * (1 + 4 * kStages); };  // persistent only (never both)
   auto item_full = [&](int i) { return bars + 8u * (2 + 4 * kStages + i); };  // dynamic only
   auto item_empty = [&](int i) { return bars + 8u * (2 + 4 * kStages + Cfg::kItemSlots + i); };
+  // Split-KV only (neither paged, persistent nor FP8): after the ring's barriers.
+  auto part_full = [&] { return bars + 8u * (1 + 4 * kStages); };
+  auto part_free = [&] { return bars + 8u * (2 + 4 * kStages); };
   volatile int* item_ids = reinterpret_cast<volatile int*>(smem_ptr + Cfg::kItemOff);
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
@@ -428,24 +411,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     return set_item(rest % p.num_q_heads, rest / p.num_q_heads, m_blocks_max - 1 - rank);
   };
 
-  // Split-KV: this CTA's chunk of its m-block, and where the chunks' partials go.
-  [[maybe_unused]] int split_pair = 0, split_chunk = 0, split_chunks = 1, split_slot = 0;
+  // Split-KV: this CTA's rank in its m-block's cluster (0: the diagonal half, merges).
+  [[maybe_unused]] int split_rank = 0;
   if constexpr (!Cfg::kPersistent) {
     int b = blockIdx.y;
     int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
     int h = blockIdx.x;
     if constexpr (Cfg::kSplitKV) {
-      // 1-D grid: entry `rank` of the plan for every pair, pairs fastest.
+      // 1-D grid of two-CTA clusters: cluster c is m-block rank c / pairs (heaviest first) of
+      // (batch, head) pair c % pairs; a cluster is CTAs 2c and 2c + 1.
       const int pairs = p.batch * p.num_q_heads;
-      const int rank = int(blockIdx.x) / pairs;
-      split_pair = int(blockIdx.x) - rank * pairs;
-      const int32_t e = wp.split.entry[rank];
-      m_block = e & 0xfff;
-      split_chunk = (e >> 12) & 63;
-      split_chunks = (e >> 18) & 63;
-      split_slot = ((e >> 24) & 255) + split_chunk;
-      h = split_pair % p.num_q_heads;
-      b = split_pair / p.num_q_heads;
+      const int cluster = int(blockIdx.x) >> 1;
+      const int rank_m = cluster / pairs;
+      const int pair = cluster - rank_m * pairs;
+      split_rank = int(blockIdx.x) & 1;
+      m_block = m_blocks_max - 1 - rank_m;
+      h = pair % p.num_q_heads;
+      b = pair / p.num_q_heads;
     }
     if constexpr (Cfg::kPaged) {
       if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
@@ -454,19 +436,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       const int w = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
       ws_item(w, int(gridDim.z), p.num_q_heads, p.batch, wp.section_hb, h, b, m_block);
     }
-    // Every chunk of an m-block sees the same geometry: all of them leave here, or none.
+    // Both CTAs of a split-KV cluster see the same geometry: both leave here, or neither.
     if (!set_item(h, b, m_block)) return;
     if (n_end <= 0) {
-      write_empty_item(tid, Cfg::kThreads);
+      if (!Cfg::kSplitKV || split_rank == 0) write_empty_item(tid, Cfg::kThreads);
       return;
     }
     if constexpr (Cfg::kSplitKV) {
-      // The chunk's run of the walk (from the last key tile down), nearly equal runs with chunk 0
-      // first, from the tiles the m-block really has (the host planned from max_seqlen_*). A
-      // chunk may be empty: it still hands in an empty partial.
-      const int base = n_tiles / split_chunks, rem = n_tiles % split_chunks;
-      tile_top -= split_chunk * base + min(split_chunk, rem);
-      n_tiles = base + (split_chunk < rem ? 1 : 0);
+      // Rank 0 walks the first ceil(n/2) tiles (from the last key tile down: the diagonal and
+      // the tail), rank 1 the rest; with one tile, rank 1's half is empty and it hands in an
+      // empty partial.
+      const int first_half = (n_tiles + 1) / 2;
+      if (split_rank == 1) {
+        tile_top -= first_half;
+        n_tiles -= first_half;
+      } else {
+        n_tiles = first_half;
+      }
     }
   }
 
@@ -497,9 +483,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         mbar_init(item_empty(i), Cfg::kConsumerWGs * 128);
       }
     }
+    if constexpr (Cfg::kSplitKV) {
+      mbar_init(part_full(), 256);  // rank 0's: one remote arrival per consumer thread of rank 1
+      mbar_init(part_free(), 256);  // rank 1's: one remote arrival per consumer thread of rank 0
+    }
     mbar_fence_init();
   }
-  __syncthreads();  // the last CTA-wide barrier: the roles diverge below
+  // The last CTA-wide barrier: the roles diverge below. Split-KV: cluster-wide, so each CTA's
+  // barriers are initialised before the other arrives on them.
+  if constexpr (Cfg::kSplitKV) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   const int warp_group = warp / 4;
   if (warp_group == 0) {
@@ -941,112 +937,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     scale_log2 = scale_log2_base * exp2i(-e);
   };
 
-  // Split-KV, after the chunk's last tile. Two counters per (pair, m-block): `arrived` counts the
-  // chunks that finished their tiles, `written` those whose partial (O unnormalised, each row's
-  // reference max and this thread's share of the row sum; [field][consumer thread], so stores and
-  // loads are coalesced) is in the workspace. The last chunk to arrive writes nothing: it waits
-  // until the others' partials are written (they are all running or done, so the wait ends),
-  // merges every chunk in chunk order (its own from registers, the same values), resets both
-  // counters and runs the epilogue. Returns false for the other chunks, which are then done.
+  // Split-KV, after the CTA's tiles: rank 1 stores its partial (O unnormalised, the row maxes it
+  // used as references and this thread's share of the row sums; float4 [field][thread], so the
+  // accesses are conflict-free) in its own K/V ring, which no TMA writes any more, arrives on
+  // rank 0's part_full and waits until rank 0 has read it (its shared memory must outlive the
+  // reads). Rank 0 waits for part_full, reads the partial through the cluster, merges it into its
+  // registers (always rank 0's half first, so the bits are fixed) and hands part_free back.
+  // Returns true for rank 0, which then runs the epilogue.
   auto split_merge = [&]() -> bool {
-    constexpr int kStride = kWsSplitPartialFloats * 256;  // one chunk's partial
-    constexpr int kMaxOff = 64, kSumOff = 66;              // after up to 64 O values
-    static_assert(kCB * 32 <= kMaxOff, "O fragment of a consumer thread");
     const int ct = tid - 128;
-    int* const counters = p.split_counters + 2 * (int64_t(split_pair) * m_blocks_max + m_start / kBlockM);
-    volatile int* last_flag = reinterpret_cast<volatile int*>(smem_ptr + Cfg::kItemOff);
-    // Every consumer thread is past its last read of the ring and of Q before the count.
-    named_bar_sync(Cfg::kBarConsumers, 256);
-    if (ct == 0) *last_flag = atomicAdd(counters, 1) == split_chunks - 1 ? 1 : 0;
-    named_bar_sync(Cfg::kBarConsumers, 256);
-    const bool last = *last_flag != 0;
-    float* const pair_ws = p.split_workspace + int64_t(split_pair) * wp.split.slots * kStride;
-    const int slot0 = split_slot - split_chunk;
-    if (!last) {
-      float* const mine = pair_ws + int64_t(split_slot) * kStride + ct;
+    const uint32_t partial = smem_base + Cfg::kKOff + uint32_t(ct) * 16u;  // float4 i at + i * 4096
+    if (split_rank == 1) {
 #pragma unroll
       for (int cb = 0; cb < kCB; ++cb)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mine[((cb * 8 + j) * 4 + e) * 256] = acc_o[cb][j][e];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mine[(kMaxOff + h) * 256] = sm.row_max[0][h];
-        mine[(kSumOff + h) * 256] = sm.row_sum[0][h];
-      }
-      // Release: every thread's stores are visible device-wide before the count that publishes them.
-      __threadfence();
-      named_bar_sync(Cfg::kBarConsumers, 256);
-      if (ct == 0) atomicAdd(counters + 1, 1);
+          st_shared_v4(partial + uint32_t(cb * 8 + j) * 4096u,
+                       make_uint4(__float_as_uint(acc_o[cb][j][0]), __float_as_uint(acc_o[cb][j][1]),
+                                  __float_as_uint(acc_o[cb][j][2]), __float_as_uint(acc_o[cb][j][3])));
+      st_shared_v4(partial + uint32_t(kCB * 8) * 4096u,
+                   make_uint4(__float_as_uint(sm.row_max[0][0]), __float_as_uint(sm.row_max[0][1]),
+                              __float_as_uint(sm.row_sum[0][0]), __float_as_uint(sm.row_sum[0][1])));
+      mbar_arrive_remote(mapa_shared(part_full(), 0));
+      mbar_wait(part_free(), 0);
       return false;
     }
-    if (ct == 0) {
-      while (atomicAdd(counters + 1, 0) < split_chunks - 1) __nanosleep(64);
-      // Neither counter is used again by this m-block's chunks: zero for the next launch.
-      counters[0] = 0;
-      counters[1] = 0;
-      __threadfence();  // acquire: the partials before this CTA's loads of them
-    }
-    named_bar_sync(Cfg::kBarConsumers, 256);
-    // L2 loads (another SM wrote them).
-    const float* const first = pair_ws + int64_t(slot0) * kStride + ct;
-    float ref[2] = {sm.row_max[0][0], sm.row_max[0][1]};
-    for (int c = 0; c < split_chunks; ++c)
-      if (c != split_chunk)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) ref[h] = fmaxf(ref[h], __ldcg(first + c * kStride + (kMaxOff + h) * 256));
-    float base[2], own[2], sum[2] = {0.f, 0.f};
+    mbar_wait_cluster(part_full(), 0);
+    const uint32_t other = mapa_shared(partial, 1);
+    const float4 stats = ld_shared_cluster_f32x4(other + uint32_t(kCB * 8) * 4096u);
+    const float other_max[2] = {stats.x, stats.y}, other_sum[2] = {stats.z, stats.w};
+    float f_own[2], f_other[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      base[h] = ref[h] == kMasked ? 0.f : ref[h] * scale_log2;
-      own[h] = fast_exp2(sm.row_max[0][h] * scale_log2 - base[h]);  // a row max of -inf: 0
-    }
-    float merged[kCB][8][4];
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) merged[cb][j][e] = 0.f;
-    for (int c = 0; c < split_chunks; ++c) {
-      if (c == split_chunk) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sum[h] = fmaf(sm.row_sum[0][h], own[h], sum[h]);
-#pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) merged[cb][j][e] = fmaf(acc_o[cb][j][e], own[e >> 1], merged[cb][j][e]);
-        continue;
-      }
-      const float* const part = first + c * kStride;
-      float factor[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        factor[h] = fast_exp2(__ldcg(part + (kMaxOff + h) * 256) * scale_log2 - base[h]);
-        sum[h] = fmaf(__ldcg(part + (kSumOff + h) * 256), factor[h], sum[h]);
-      }
-#pragma unroll
-      for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            merged[cb][j][e] = fmaf(__ldcg(part + ((cb * 8 + j) * 4 + e) * 256), factor[e >> 1], merged[cb][j][e]);
+      const float ref = fmaxf(sm.row_max[0][h], other_max[h]);
+      const float base = ref == kMasked ? 0.f : ref * scale_log2;
+      // a half whose row saw no key has max -inf: factor 0
+      f_own[h] = fast_exp2(sm.row_max[0][h] * scale_log2 - base);
+      f_other[h] = fast_exp2(other_max[h] * scale_log2 - base);
+      sm.row_sum[0][h] = fmaf(other_sum[h], f_other[h], sm.row_sum[0][h] * f_own[h]);
+      sm.row_max[0][h] = ref;
     }
 #pragma unroll
     for (int cb = 0; cb < kCB; ++cb)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j) {
+        const float4 o = ld_shared_cluster_f32x4(other + uint32_t(cb * 8 + j) * 4096u);
+        const float ov[4] = {o.x, o.y, o.z, o.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = merged[cb][j][e];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      sm.row_max[0][h] = ref[h];
-      sm.row_sum[0][h] = sum[h];
-    }
+        for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = fmaf(ov[e], f_other[e >> 1], acc_o[cb][j][e] * f_own[e >> 1]);
+      }
+    mbar_arrive_remote(mapa_shared(part_free(), 1));
     return true;
   };
 
@@ -1149,8 +1089,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
 
     if constexpr (Cfg::kSplitKV) {
-      // An m-block the plan did not split (one chunk) has nothing to merge.
-      if (split_chunks > 1 && !split_merge()) return;  // another chunk of the m-block finishes it
+      if (!split_merge()) return;  // rank 1: rank 0 finishes the m-block
     }
 
     // ---- epilogue ----
@@ -1342,133 +1281,19 @@ inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
 // is > 0 (ws_selftest's WS_L2_MB; nothing else sets it).
 inline int64_t g_ws_l2_bytes_override = 0;
 
-// Split-KV plans (CfgWsSplit). A grid of about one wave is as slow as its heaviest CTA: at B=1
-// N=1k causal, 16 heads x 8 m-blocks = 128 CTAs on 132 SMs, and the last m-block's 8 key tiles
-// take twice the average's time. Splitting the heavy m-blocks' keys into chunks, each its own
-// CTA, trades that for a merge. The plan picks the largest chunk (in key tiles) by a
-// longest-first list schedule of the CTAs over the SMs, in grid order (the order the GPU issues
-// them), each CTA costing its tiles plus kWsCtaCost (prologue, epilogue) plus kWsMergeCost when
-// its m-block splits; it splits only if that is kWsSplitMinGain faster than no split.
-constexpr double kWsCtaCost = 0.7, kWsMergeCost = 0.5, kWsSplitMinGain = 0.95;
-// Tests (ws_selftest): > 0 forces chunks of at most this many tiles on any grid that fits the
-// plan's table; nothing else sets it.
-inline int g_ws_split_force_chunk = 0;
-
-// Key tiles of m-block m as the kernel counts them (set_item), from the host's max lengths.
-inline int ws_block_tiles(const PrefillParams& p, int m, int block_m, int block_n) {
-  const int m_start = m * block_m;
-  const int m_rows = std::min(block_m, p.max_seqlen_q - m_start);
-  int n_end = p.max_seqlen_k;
-  if (p.causal) n_end = std::min(n_end, m_start + m_rows + p.max_seqlen_k - p.max_seqlen_q);
-  return n_end > 0 ? (n_end + block_n - 1) / block_n : 0;
-}
-
-// The work list for m-blocks whose tiles are cut into chunks of at most chunk_cap; false if it
-// does not fit WsSplitPlan.
-inline bool ws_split_build(const int* tiles, int m_blocks, int chunk_cap, WsSplitPlan* plan, int* sizes) {
-  int n = 0, slots = 0;
-  for (int m = 0; m < m_blocks; ++m) {
-    const int t = tiles[m];
-    const int k = t > chunk_cap ? (t + chunk_cap - 1) / chunk_cap : 1;
-    if (k > 63 || n + k > kWsSplitMaxEntries || slots > 255) return false;
-    for (int c = 0; c < k; ++c, ++n) {
-      sizes[n] = t / k + (c < t % k ? 1 : 0);
-      plan->entry[n] = ws_split_entry(m, c, k, k > 1 ? slots : 0);
-    }
-    if (k > 1) slots += k;
-  }
-  if (slots > 256) return false;
-  // Heaviest first (stable: ties keep m-block order).
-  for (int i = 1; i < n; ++i)
-    for (int j = i; j > 0 && sizes[j] > sizes[j - 1]; --j) {
-      std::swap(sizes[j], sizes[j - 1]);
-      std::swap(plan->entry[j], plan->entry[j - 1]);
-    }
-  plan->entries = n;
-  plan->slots = slots;
-  return true;
-}
-
-// Estimated makespan (in key-tile times) of the plan's grid: CTAs in grid order, each to the SM
-// that frees first.
-inline double ws_split_makespan(const WsSplitPlan& plan, const int* sizes, int64_t pairs, int sms) {
-  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
-  for (int i = 0; i < sms; ++i) free_at.push(0.0);
-  double end = 0.0;
-  for (int r = 0; r < plan.entries; ++r) {
-    const double cost = sizes[r] + kWsCtaCost + (((plan.entry[r] >> 18) & 63) > 1 ? kWsMergeCost : 0.0);
-    for (int64_t i = 0; i < pairs; ++i) {
-      const double t = free_at.top() + cost;
-      free_at.pop();
-      free_at.push(t);
-      end = std::max(end, t);
-    }
-  }
-  return end;
-}
-
-// The split-KV plan for p (dense, or varlen with one sequence; the kernel's 128-row m-blocks and
-// 128-key tiles), or false: the plain grid is the better one, or the shape is outside what the
-// plan covers. Remembers its last answers: the same shapes come back call after call.
-inline bool ws_split_plan(const PrefillParams& p, int sms, WsSplitPlan* plan) {
-  constexpr int kBM = 128, kBN = 128;
-  if (p.block_tables != nullptr || (p.cu_seqlens_q != nullptr && p.batch != 1)) return false;
-  if (p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0 || p.batch <= 0 || p.num_q_heads <= 0 || sms <= 0) return false;
-  const int m_blocks = (p.max_seqlen_q + kBM - 1) / kBM;
-  const int64_t pairs = int64_t(p.batch) * p.num_q_heads;
-  const int force = g_ws_split_force_chunk;
-  if (m_blocks > kWsSplitMaxEntries || pairs * kWsSplitMaxEntries > INT_MAX) return false;
-  // Without a mask every m-block has the same tiles: a grid the dispatch gives this kernel (half
-  // a wave or more) gains nothing from splitting them. Longer grids list-schedule well.
-  if (force <= 0 && (!p.causal || pairs * m_blocks > 2 * int64_t(sms))) return false;
-  struct Memo {
-    int64_t pairs;
-    int nq, nk, sms, force;
-    bool causal, ok;
-    WsSplitPlan plan;
-  };
-  static thread_local Memo memo[4];
-  static thread_local int memo_next = 0;
-  for (const Memo& m : memo)
-    if (m.sms > 0 && m.pairs == pairs && m.nq == p.max_seqlen_q && m.nk == p.max_seqlen_k && m.sms == sms &&
-        m.force == force && m.causal == p.causal) {
-      if (m.ok) *plan = m.plan;
-      return m.ok;
-    }
-  int tiles[kWsSplitMaxEntries];
-  int max_tiles = 0;
-  for (int m = 0; m < m_blocks; ++m) {
-    tiles[m] = ws_block_tiles(p, m, kBM, kBN);
-    max_tiles = std::max(max_tiles, tiles[m]);
-  }
-  int sizes[kWsSplitMaxEntries];
-  WsSplitPlan best;
-  bool ok = false;
-  if (force > 0) {
-    ok = max_tiles > 0 && ws_split_build(tiles, m_blocks, force, &best, sizes);
-  } else if (max_tiles > 1) {
-    WsSplitPlan cand;
-    ws_split_build(tiles, m_blocks, max_tiles, &cand, sizes);  // no split: one entry per m-block
-    const double whole = ws_split_makespan(cand, sizes, pairs, sms);
-    double best_time = whole * kWsSplitMinGain;
-    for (int cap = max_tiles - 1; cap >= std::max(1, max_tiles / 4); --cap) {
-      if (!ws_split_build(tiles, m_blocks, cap, &cand, sizes)) break;
-      const double t = ws_split_makespan(cand, sizes, pairs, sms);
-      if (t < best_time) best_time = t, best = cand, ok = true;
-    }
-  }
-  Memo& slot = memo[memo_next];
-  memo_next = (memo_next + 1) % 4;
-  slot = Memo{pairs, p.max_seqlen_q, p.max_seqlen_k, sms, force, p.causal, ok, best};
-  if (ok) *plan = best;
-  return ok;
-}
-// Floats of split-KV workspace and int32 counters the plan needs (0, 0 without a plan).
-inline int64_t ws_split_workspace_floats(const PrefillParams& p, const WsSplitPlan& plan) {
-  return int64_t(p.batch) * p.num_q_heads * plan.slots * kWsSplitPartialFloats * 256;
-}
-inline int64_t ws_split_counter_count(const PrefillParams& p) {
-  return 2 * int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + 127) / 128);
+// Split-KV (CfgWsSplit): whether a causal grid of about one wave runs faster with every m-block
+// in a two-CTA cluster, each CTA over half of its key tiles. Such a grid is as slow as its
+// heaviest CTA: at B=1 N=1k, 16 heads x 8 m-blocks = 128 CTAs on 132 SMs, and the last
+// m-block's 8 key tiles take twice the average's time. Halving every m-block's keys halves that
+// critical path for one merge through distributed shared memory; grids of more than two waves
+// are already balanced by the heaviest-first order. Dense, or varlen with one sequence (the
+// host's max lengths are then that sequence's).
+inline bool ws_split_pays(const PrefillParams& p) {
+  if (!p.causal || p.block_tables != nullptr || (p.cu_seqlens_q != nullptr && p.batch != 1)) return false;
+  if (p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return false;
+  const int64_t blocks = int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + 127) / 128);
+  // The heaviest m-block (the last: its last row sees every key) must have two key tiles to halve.
+  return blocks <= 2 * sm_count(p) && p.max_seqlen_k > 128;
 }
 
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
@@ -1524,10 +1349,22 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
   }
   if constexpr (Cfg::kSplitKV) {
-    static_assert(Cfg::kBlockM == 128 && Cfg::kBlockN == 128, "ws_split_plan's tiles");
-    if (pp.split_workspace == nullptr || pp.split_counters == nullptr) return cudaErrorInvalidValue;
-    if (!ws_split_plan(pp, sm_count(pp), &wp.split)) return cudaErrorInvalidConfiguration;
-    grid = dim3(unsigned(int64_t(pp.batch) * pp.num_q_heads * wp.split.entries), 1, 1);
+    // Two-CTA clusters, one per (m-block, pair), heaviest m-blocks first (the kernel's decode).
+    const int64_t ctas = 2 * int64_t(m_blocks) * pp.batch * pp.num_q_heads;
+    if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(ctas), 1, 1);
+    cfg.blockDim = dim3(Cfg::kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, wp);
   }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
