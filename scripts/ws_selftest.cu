@@ -65,8 +65,7 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections,
-  kWideSplit, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -74,8 +73,7 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
                                                    "wide pingpong", "wide persistent dyn+stagedO",
-                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections",
-                                                   "wide pp+overlap split-KV"};
+                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -131,10 +129,6 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kWideSections:
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
-    case kWideSplit:  // on every case, whatever ws_split_pays would say
-      return mf::launch_prefill_ws<
-          WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
-          p, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -321,36 +315,6 @@ static int64_t l2_override_from_env() {
   return env != nullptr && *env != '\0' ? int64_t(std::atof(env) * (1 << 20)) : 0;
 }
 
-// Split-KV beyond the oracle: B=1 N=1k causal (the grid's row, one wave of clusters) and an
-// Nq > Nk case (m-blocks that see no key, one-tile halves), 20 launches each, every output and
-// lse bitwise the first one's.
-static int split_extra_checks() {
-  int fails = 0;
-  const Case cases[] = {{DType::kBFloat16, 1, 16, 8, 1024, 1024, 128, true},
-                        {DType::kFloat16, 1, 4, 2, 700, 300, 64, true}};
-  for (const Case& c : cases) {
-    DeviceCase dc;
-    dc.setup(c, 7u);
-    std::vector<uint16_t> first(dc.o_elems), again(dc.o_elems);
-    std::vector<float> first_lse(dc.lse_elems), again_lse(dc.lse_elems);
-    int differ = 0;
-    for (int r = 0; r < 20; ++r) {
-      CHECK_CUDA(launch_ws(dc.p, 0));
-      CHECK_CUDA(cudaDeviceSynchronize());
-      CHECK_CUDA(cudaMemcpy(r == 0 ? first.data() : again.data(), dc.dout, dc.o_elems * 2, cudaMemcpyDeviceToHost));
-      CHECK_CUDA(cudaMemcpy(r == 0 ? first_lse.data() : again_lse.data(), dc.dlse, dc.lse_elems * 4,
-                            cudaMemcpyDeviceToHost));
-      if (r > 0 && (std::memcmp(first.data(), again.data(), first.size() * 2) != 0 ||
-                    std::memcmp(first_lse.data(), again_lse.data(), first_lse.size() * 4) != 0))
-        ++differ;
-    }
-    std::printf("%s  split-KV %-44s 20 runs, %d differ from the first\n", differ == 0 ? "PASS" : "FAIL",
-                case_name(c).c_str(), differ);
-    if (differ != 0) ++fails;
-  }
-  return fails;
-}
-
 static int cmd_check() {
   int fails = 0, n = 0;
   for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
@@ -367,7 +331,6 @@ static int cmd_check() {
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
     }
-    if (g_sched == kWideSplit) sched_fails += split_extra_checks();
     g_sms_override = 0;
     minipaged::fast::g_ws_l2_bytes_override = l2_override_from_env();
     std::printf("schedule %-20s %d of %d cases failed\n", kSchedNames[g_sched], sched_fails, sched_n);
@@ -477,10 +440,7 @@ static int cmd_profile(int sched, int n) {
 // Interleaved A/B of the selected schedules at one shape: the board's power state drifts over
 // a call (at 16k the kernels run at the power cap), so each round times every schedule once.
 static int cmd_ab(int n, int rounds, int reps) {
-  // WS_AB_HQ: query heads (default 16; KV heads half of them), e.g. 8 for a tensor-parallel shard.
-  const char* hq_env = std::getenv("WS_AB_HQ");
-  const int hq = hq_env != nullptr && *hq_env != '\0' ? std::max(2, std::atoi(hq_env)) : 16;
-  const Case c{DType::kBFloat16, 1, hq, hq / 2, n, n, 128, true};
+  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
   for (int r = 0; r < rounds; ++r)
     for (g_sched = 0; g_sched < kNumSched; ++g_sched) {

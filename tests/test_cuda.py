@@ -540,42 +540,6 @@ def test_prefill_one_wave(ops, causal, nq, nk):
     assert_close(out_v, truth[0].transpose(0, 1), lowp[0].transpose(0, 1), f"one wave varlen {nq}x{nk} causal={causal}")
 
 
-# Split-KV of causal grids of at most two waves (prefill/dispatch.cuh CfgWsSplit, sm_90): every
-# m-block runs in a cluster of two CTAs, each over half of its key tiles, merged through
-# distributed shared memory. Shapes the dispatch splits on 132 SMs (B=1 N=1k at Hq 16, and
-# smaller head counts, as under tensor parallelism), odd lengths, Nq != Nk (rows that see no key,
-# halves with no tile), fp16 and D=64; the float64 oracle with lse, then 20 calls bitwise equal,
-# then a CUDA graph.
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,Hq,Hkv,nq,nk,D", [(1, 16, 8, 1024, 1024, 128), (1, 10, 2, 1000, 1000, 128),
-                                              (1, 16, 4, 768, 900, 64), (2, 8, 2, 700, 300, 128),
-                                              (1, 14, 2, 517, 517, 128)])
-def test_prefill_split_kv(ops, dtype, B, Hq, Hkv, nq, nk, D):
-    from minipaged.testing import assert_close, prefill_ref
-
-    gen = torch.Generator(device="cuda").manual_seed(nq * 7 + Hq)
-    scale = 1 / math.sqrt(D)
-    q = torch.randn(B, Hq, nq, D, device="cuda", generator=gen).to(dtype)
-    k = torch.randn(B, Hkv, nk, D, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(B, Hkv, nk, D, device="cuda", generator=gen).to(dtype)
-    _poison_allocator(q.numel())
-    out, lse = ops.prefill(q, k, v, True, scale, return_lse=True)
-    truth, truth_lse = prefill_ref(q, k, v, causal=True, scale=scale, lowp=False)
-    lowp = prefill_ref(q, k, v, causal=True, scale=scale, lowp=True)[0]
-    assert_close(out, truth, lowp, f"split-KV {B}x{Hq}/{Hkv} {nq}x{nk} D={D}", lse=lse, truth_lse=truth_lse)
-    for _ in range(19):
-        again, again_lse = ops.prefill(q, k, v, True, scale, return_lse=True)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse), "a repeated call differs"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = ops.prefill(q, k, v, True, scale)
-    for _ in range(3):
-        g_out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(g_out, out), "a graph replay differs"
-
-
 # --------------------------------------------------------------------------- determinism
 
 

@@ -58,10 +58,6 @@ using CfgWgmmaSmall = WgmmaCfg<T, D, 1, 1, true, 64>;
 // non-causal, D 64 and 128.
 template <typename T, int D>
 using CfgWs = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>;
-// Causal grids of at most two waves (ws_split_pays): every m-block in a two-CTA cluster, each
-// CTA over half of its key tiles, merged through distributed shared memory.
-template <typename T, int D>
-using CfgWsSplit = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>;
 // The same kernel over a grid whose K/V (every KV head of every sequence,
 // max_seqlen_k keys each) do not fit in the L2: its items in sections of
 // whole GQA groups whose K/V fit in half of it, one section after the other
@@ -242,9 +238,6 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     const int64_t sms = sm_count(p);
     if constexpr (!kPaged) {
       if (2 * wg_blocks >= sms && ws_supported(p)) {
-        if constexpr (kCausal) {
-          if (ws_split_pays(p)) return launch_prefill_ws<CfgWsSplit<T, D>, kCausal>(p, stream);
-        }
         if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
             row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
           return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);

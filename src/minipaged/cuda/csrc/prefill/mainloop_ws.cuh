@@ -135,7 +135,7 @@ namespace fast {
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
           bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false,
-          bool kKv8_ = false, bool kSplitKV_ = false>
+          bool kKv8_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -194,12 +194,6 @@ struct WsCfg {
   using Tm = std::conditional_t<kKv8_ && MINIPAGED_WS8_F16_MMA != 0, __half, T_>;
   static constexpr bool kQToF16 = !std::is_same_v<Tm, T_>;
   static_assert(!kKv8 || (kPaged_ && kKvInterleave_), "FP8 pages: the paged kernel, interleaved tiles");
-  // Split-KV (causal grids of about one wave, prefill/dispatch.cuh CfgWsSplit): every m-block
-  // runs in a cluster of two CTAs, each over half of its key tiles (rank 0 the diagonal half).
-  // Rank 1 leaves its unnormalised O, row maxes and row sums in its own shared memory; rank 0
-  // reads them through the cluster (DSMEM), merges and runs the epilogue.
-  static constexpr bool kSplitKV = kSplitKV_;
-  static_assert(!kSplitKV || (!kPaged_ && !kPersistent_ && !kL2Sections_), "split-KV: the static dense/varlen grid");
   static constexpr int kStStages = kKv8 ? 2 : 0;
   static constexpr int kStTileBytes = kBlockN_ * kD_;  // one staged K or V tile of e4m3 bytes
   static constexpr int kWidenWarps = 3;
@@ -228,16 +222,10 @@ struct WsCfg {
   // Dynamic: item_full / item_empty of a 2-slot ring of item ids.
   static constexpr int kItemSlots = 2;
   // FP8: sk_full / sv_full / sk_empty / sv_empty per staging slot.
-  // Split-KV: part_full (rank 0's: rank 1's partial is written) and part_free (rank 1's: rank 0
-  // has read it).
   static constexpr int kNumBars = 1 + 4 * kStages + (kPaged || kPersistent ? 1 : 0) + (kDynamic ? 2 * kItemSlots : 0) +
-                                  4 * kStStages + (kSplitKV ? 2 : 0);
+                                  4 * kStStages;
   static constexpr int kItemOff = kBarOff + 8 * kNumBars;
   static constexpr int kSmemBytes = kItemOff + (kDynamic ? 4 * kItemSlots : 0) + 1024;  // +1024: base realignment
-  // Split-KV: rank 1's partial, in its K/V ring once the tiles are done (float4s per consumer
-  // thread: kD / 8 of O, then the two row maxes and row sums).
-  static constexpr int kPartialF4 = kD_ / 8 + 1;
-  static_assert(!kSplitKV_ || kPartialF4 * 16 * 256 <= 2 * kStages_ * kBlockN_ * kD_ * 2, "partial in the ring");
   // Named barriers: 0 is __syncthreads; 1, 2: per-consumer-warpgroup epilogue;
   // 3, 4: the ping-pong scheduler (warpgroup w waits on 3 + w before its GEMMs).
   static constexpr int kBarEpilogue = 1;
@@ -344,9 +332,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   auto q_empty = [&] { return bars + 8u * (1 + 4 * kStages); };  // persistent only (never both)
   auto item_full = [&](int i) { return bars + 8u * (2 + 4 * kStages + i); };  // dynamic only
   auto item_empty = [&](int i) { return bars + 8u * (2 + 4 * kStages + Cfg::kItemSlots + i); };
-  // Split-KV only (neither paged, persistent nor FP8): after the ring's barriers.
-  auto part_full = [&] { return bars + 8u * (1 + 4 * kStages); };
-  auto part_free = [&] { return bars + 8u * (2 + 4 * kStages); };
   volatile int* item_ids = reinterpret_cast<volatile int*>(smem_ptr + Cfg::kItemOff);
   auto k_slot = [&](int s) { return smem_base + Cfg::kKOff + s * Cfg::kTileBytes; };
   auto v_slot = [&](int s) { return smem_base + Cfg::kVOff + s * Cfg::kTileBytes; };
@@ -370,7 +355,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // persistent CTA (the lambdas below read these by reference).
   int head = 0, batch = 0, m_start = 0, q_begin = 0, k_begin = 0, seqlen_q = 0, seqlen_k = 0;
   int kv_head = 0, m_rows = 0, diag = 0, n_end = 0, n_tiles = 0;
-  int tile_top = 0;  // walk index 0 is key tile tile_top (the last one, unless split-KV moved it)
   T* o_ptr = nullptr;
   // false: the m-block starts past its sequence's last query row (nothing to do).
   auto set_item = [&](int h, int b, int m_block) -> bool {
@@ -389,7 +373,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     n_end = seqlen_k;
     if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
     n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
-    tile_top = n_tiles - 1;
     return true;
   };
   // No row of the item sees a key: zeros (and -inf lse), no pipeline at all.
@@ -400,7 +383,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
     write_empty_lse(p, batch, head, q_begin + m_start, m_rows, t0, threads);
   };
-  auto tile_n0 = [&](int t) { return (tile_top - t) * kBlockN; };
+  auto tile_n0 = [&](int t) { return (n_tiles - 1 - t) * kBlockN; };
   // Persistent work list: item w = (m-block rank, then batch, then head), rank
   // 0 the last m-block (under causal the heaviest) of every sequence.
   const int m_blocks_max = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
@@ -411,24 +394,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     return set_item(rest % p.num_q_heads, rest / p.num_q_heads, m_blocks_max - 1 - rank);
   };
 
-  // Split-KV: this CTA's rank in its m-block's cluster (0: the diagonal half, merges).
-  [[maybe_unused]] int split_rank = 0;
   if constexpr (!Cfg::kPersistent) {
     int b = blockIdx.y;
     int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
     int h = blockIdx.x;
-    if constexpr (Cfg::kSplitKV) {
-      // 1-D grid of two-CTA clusters: cluster c is m-block rank c / pairs (heaviest first) of
-      // (batch, head) pair c % pairs; a cluster is CTAs 2c and 2c + 1.
-      const int pairs = p.batch * p.num_q_heads;
-      const int cluster = int(blockIdx.x) >> 1;
-      const int rank_m = cluster / pairs;
-      const int pair = cluster - rank_m * pairs;
-      split_rank = int(blockIdx.x) & 1;
-      m_block = m_blocks_max - 1 - rank_m;
-      h = pair % p.num_q_heads;
-      b = pair / p.num_q_heads;
-    }
     if constexpr (Cfg::kPaged) {
       if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
     } else if constexpr (Cfg::kL2Sections) {
@@ -436,23 +405,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       const int w = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
       ws_item(w, int(gridDim.z), p.num_q_heads, p.batch, wp.section_hb, h, b, m_block);
     }
-    // Both CTAs of a split-KV cluster see the same geometry: both leave here, or neither.
     if (!set_item(h, b, m_block)) return;
     if (n_end <= 0) {
-      if (!Cfg::kSplitKV || split_rank == 0) write_empty_item(tid, Cfg::kThreads);
+      write_empty_item(tid, Cfg::kThreads);
       return;
-    }
-    if constexpr (Cfg::kSplitKV) {
-      // Rank 0 walks the first ceil(n/2) tiles (from the last key tile down: the diagonal and
-      // the tail), rank 1 the rest; with one tile, rank 1's half is empty and it hands in an
-      // empty partial.
-      const int first_half = (n_tiles + 1) / 2;
-      if (split_rank == 1) {
-        tile_top -= first_half;
-        n_tiles -= first_half;
-      } else {
-        n_tiles = first_half;
-      }
     }
   }
 
@@ -483,19 +439,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         mbar_init(item_empty(i), Cfg::kConsumerWGs * 128);
       }
     }
-    if constexpr (Cfg::kSplitKV) {
-      mbar_init(part_full(), 256);  // rank 0's: one remote arrival per consumer thread of rank 1
-      mbar_init(part_free(), 256);  // rank 1's: one remote arrival per consumer thread of rank 0
-    }
     mbar_fence_init();
   }
-  // The last CTA-wide barrier: the roles diverge below. Split-KV: cluster-wide, so each CTA's
-  // barriers are initialised before the other arrives on them.
-  if constexpr (Cfg::kSplitKV) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();  // the last CTA-wide barrier: the roles diverge below
 
   const int warp_group = warp / 4;
   if (warp_group == 0) {
@@ -737,7 +683,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       } else if constexpr (Cfg::kPersistent) {
         // The consumers walk the same items.
         for (int w = blockIdx.x; w < num_items; w += gridDim.x) produce_w(w);
-      } else if (n_tiles > 0) {  // an empty split-KV chunk loads nothing, not even Q
+      } else {
         produce_item();
       }
     }
@@ -937,59 +883,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     scale_log2 = scale_log2_base * exp2i(-e);
   };
 
-  // Split-KV, after the CTA's tiles: rank 1 stores its partial (O unnormalised, the row maxes it
-  // used as references and this thread's share of the row sums; float4 [field][thread], so the
-  // accesses are conflict-free) in its own K/V ring, which no TMA writes any more, arrives on
-  // rank 0's part_full and waits until rank 0 has read it (its shared memory must outlive the
-  // reads). Rank 0 waits for part_full, reads the partial through the cluster, merges it into its
-  // registers (always rank 0's half first, so the bits are fixed) and hands part_free back.
-  // Returns true for rank 0, which then runs the epilogue.
-  auto split_merge = [&]() -> bool {
-    const int ct = tid - 128;
-    const uint32_t partial = smem_base + Cfg::kKOff + uint32_t(ct) * 16u;  // float4 i at + i * 4096
-    if (split_rank == 1) {
-#pragma unroll
-      for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          st_shared_v4(partial + uint32_t(cb * 8 + j) * 4096u,
-                       make_uint4(__float_as_uint(acc_o[cb][j][0]), __float_as_uint(acc_o[cb][j][1]),
-                                  __float_as_uint(acc_o[cb][j][2]), __float_as_uint(acc_o[cb][j][3])));
-      st_shared_v4(partial + uint32_t(kCB * 8) * 4096u,
-                   make_uint4(__float_as_uint(sm.row_max[0][0]), __float_as_uint(sm.row_max[0][1]),
-                              __float_as_uint(sm.row_sum[0][0]), __float_as_uint(sm.row_sum[0][1])));
-      mbar_arrive_remote(mapa_shared(part_full(), 0));
-      mbar_wait(part_free(), 0);
-      return false;
-    }
-    mbar_wait_cluster(part_full(), 0);
-    const uint32_t other = mapa_shared(partial, 1);
-    const float4 stats = ld_shared_cluster_f32x4(other + uint32_t(kCB * 8) * 4096u);
-    const float other_max[2] = {stats.x, stats.y}, other_sum[2] = {stats.z, stats.w};
-    float f_own[2], f_other[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float ref = fmaxf(sm.row_max[0][h], other_max[h]);
-      const float base = ref == kMasked ? 0.f : ref * scale_log2;
-      // a half whose row saw no key has max -inf: factor 0
-      f_own[h] = fast_exp2(sm.row_max[0][h] * scale_log2 - base);
-      f_other[h] = fast_exp2(other_max[h] * scale_log2 - base);
-      sm.row_sum[0][h] = fmaf(other_sum[h], f_other[h], sm.row_sum[0][h] * f_own[h]);
-      sm.row_max[0][h] = ref;
-    }
-#pragma unroll
-    for (int cb = 0; cb < kCB; ++cb)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float4 o = ld_shared_cluster_f32x4(other + uint32_t(cb * 8 + j) * 4096u);
-        const float ov[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = fmaf(ov[e], f_other[e >> 1], acc_o[cb][j][e] * f_own[e >> 1]);
-      }
-    mbar_arrive_remote(mapa_shared(part_free(), 1));
-    return true;
-  };
-
   auto consume_item = [&] {
     wg_row0 = m_start + cw * 64;
 #pragma unroll
@@ -1000,96 +893,89 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         for (int e = 0; e < 4; ++e) acc_o[cb][j][e] = 0.f;
     sm.init();
     rescale_pending = false;
-    // An empty split-KV chunk has no tiles: its partial is the empty state.
-    if (n_tiles > 0) {
-      // Leading tiles (from the last key tile down) that need the mask for this
-      // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
-      n_masked = 0;
-      while (n_masked < n_tiles) {
-        const int n0 = tile_n0(n_masked);
-        const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
-        if (full) break;
-        ++n_masked;
-      }
-      if constexpr (Cfg::kPingPong) {
-        if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
-      }
+    // Leading tiles (from the last key tile down) that need the mask for this
+    // warpgroup's rows: tail tiles past seqlen_k and, under causal, the diagonal.
+    n_masked = 0;
+    while (n_masked < n_tiles) {
+      const int n0 = tile_n0(n_masked);
+      const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= wg_row0 + diag);
+      if (full) break;
+      ++n_masked;
+    }
+    if constexpr (Cfg::kPingPong) {
+      if (cw == 1) named_bar_arrive(Cfg::kBarSched + 0, 256);
+    }
 
-      mbar_wait(q_full(), uint32_t(item_no & 1));
-      if constexpr (Cfg::kQToF16) q_to_f16();
+    mbar_wait(q_full(), uint32_t(item_no & 1));
+    if constexpr (Cfg::kQToF16) q_to_f16();
 
-      if constexpr (!Cfg::kPipelined) {
-        // Step 1 of the ablation: each tile's two GEMMs back to back.
-        for (int t = 0; t < n_tiles; ++t) {
-          mbar_wait(k_full(slot(t)), phase(t));
-          issue_qk(t);
-          wgmma_wait<0>();
+    if constexpr (!Cfg::kPipelined) {
+      // Step 1 of the ablation: each tile's two GEMMs back to back.
+      for (int t = 0; t < n_tiles; ++t) {
+        mbar_wait(k_full(slot(t)), phase(t));
+        issue_qk(t);
+        wgmma_wait<0>();
+        fence_operand(acc_s);
+        release(k_empty(slot(t)));
+        q_done(t);
+        softmax_any(t);
+        finish_tile();
+        mbar_wait(v_full(slot(t)), phase(t));
+        issue_pv(t);
+        wgmma_wait<0>();
+        fence_o();
+        release(v_empty(slot(t)));
+      }
+    } else {
+      // Phase 0: QK^T of the first tile alone.
+      mbar_wait(k_full(slot(0)), phase(0));
+      sched_wait();
+      issue_qk(0);
+      sched_signal(false);
+      wgmma_wait<0>();
+      fence_operand(acc_s);
+      release(k_empty(slot(0)));
+      q_done(0);
+      softmax_any(0);
+      finish_tile();
+      // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
+      for (int t = 1; t < n_tiles; ++t) {
+        mbar_wait(k_full(slot(t)), phase(t));
+        mbar_wait(v_full(slot(t - 1)), phase(t - 1));
+        sched_wait();
+        issue_qk(t);
+        issue_pv(t - 1);
+        sched_signal(false);
+        if constexpr (Cfg::kOverlap) {
+          wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
           fence_operand(acc_s);
           release(k_empty(slot(t)));
           q_done(t);
           softmax_any(t);
-          finish_tile();
-          mbar_wait(v_full(slot(t)), phase(t));
-          issue_pv(t);
           wgmma_wait<0>();
           fence_o();
-          release(v_empty(slot(t)));
+          fence_operand(p_frag);
+          release(v_empty(slot(t - 1)));
+        } else {
+          wgmma_wait<0>();
+          fence_operand(acc_s);
+          fence_o();
+          fence_operand(p_frag);
+          release(k_empty(slot(t)));
+          release(v_empty(slot(t - 1)));
+          q_done(t);
+          softmax_any(t);
         }
-      } else {
-        // Phase 0: QK^T of the first tile alone.
-        mbar_wait(k_full(slot(0)), phase(0));
-        sched_wait();
-        issue_qk(0);
-        sched_signal(false);
-        wgmma_wait<0>();
-        fence_operand(acc_s);
-        release(k_empty(slot(0)));
-        q_done(0);
-        softmax_any(0);
         finish_tile();
-        // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
-        for (int t = 1; t < n_tiles; ++t) {
-          mbar_wait(k_full(slot(t)), phase(t));
-          mbar_wait(v_full(slot(t - 1)), phase(t - 1));
-          sched_wait();
-          issue_qk(t);
-          issue_pv(t - 1);
-          sched_signal(false);
-          if constexpr (Cfg::kOverlap) {
-            wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
-            fence_operand(acc_s);
-            release(k_empty(slot(t)));
-            q_done(t);
-            softmax_any(t);
-            wgmma_wait<0>();
-            fence_o();
-            fence_operand(p_frag);
-            release(v_empty(slot(t - 1)));
-          } else {
-            wgmma_wait<0>();
-            fence_operand(acc_s);
-            fence_o();
-            fence_operand(p_frag);
-            release(k_empty(slot(t)));
-            release(v_empty(slot(t - 1)));
-            q_done(t);
-            softmax_any(t);
-          }
-          finish_tile();
-        }
-        // Phase n_tiles: PV of the last tile alone.
-        mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
-        sched_wait();
-        issue_pv(n_tiles - 1);
-        sched_signal(true);
-        wgmma_wait<0>();
-        fence_o();
-        release(v_empty(slot(n_tiles - 1)));
       }
-    }
-
-    if constexpr (Cfg::kSplitKV) {
-      if (!split_merge()) return;  // rank 1: rank 0 finishes the m-block
+      // Phase n_tiles: PV of the last tile alone.
+      mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
+      sched_wait();
+      issue_pv(n_tiles - 1);
+      sched_signal(true);
+      wgmma_wait<0>();
+      fence_o();
+      release(v_empty(slot(n_tiles - 1)));
     }
 
     // ---- epilogue ----
@@ -1281,21 +1167,6 @@ inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
 // is > 0 (ws_selftest's WS_L2_MB; nothing else sets it).
 inline int64_t g_ws_l2_bytes_override = 0;
 
-// Split-KV (CfgWsSplit): whether a causal grid of about one wave runs faster with every m-block
-// in a two-CTA cluster, each CTA over half of its key tiles. Such a grid is as slow as its
-// heaviest CTA: at B=1 N=1k, 16 heads x 8 m-blocks = 128 CTAs on 132 SMs, and the last
-// m-block's 8 key tiles take twice the average's time. Halving every m-block's keys halves that
-// critical path for one merge through distributed shared memory; grids of more than two waves
-// are already balanced by the heaviest-first order. Dense, or varlen with one sequence (the
-// host's max lengths are then that sequence's).
-inline bool ws_split_pays(const PrefillParams& p) {
-  if (!p.causal || p.block_tables != nullptr || (p.cu_seqlens_q != nullptr && p.batch != 1)) return false;
-  if (p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return false;
-  const int64_t blocks = int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + 127) / 128);
-  // The heaviest m-block (the last: its last row sees every key) must have two key tiles to halve.
-  return blocks <= 2 * sm_count(p) && p.max_seqlen_k > 128;
-}
-
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -1347,24 +1218,6 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
     if (items > INT_MAX) return cudaErrorInvalidConfiguration;
     grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
-  }
-  if constexpr (Cfg::kSplitKV) {
-    // Two-CTA clusters, one per (m-block, pair), heaviest m-blocks first (the kernel's decode).
-    const int64_t ctas = 2 * int64_t(m_blocks) * pp.batch * pp.num_q_heads;
-    if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(ctas), 1, 1);
-    cfg.blockDim = dim3(Cfg::kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, wp);
   }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();
