@@ -1,7 +1,7 @@
 // The one place for the kernels' parameter blocks and launcher declarations,
 // shared by every launcher and the one binding file (binding.cpp). Torch-free
 // on purpose: every .cu here builds with plain nvcc (CI compiles them for
-// sm_80, sm_90 and sm_90a without torch).
+// sm_80 and sm_90a without torch).
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
