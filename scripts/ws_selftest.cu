@@ -65,7 +65,7 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kWideMirror, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -73,7 +73,8 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "persistent ppov stagedO", "persistent ppov dynamic",
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
                                                    "wide pingpong", "wide persistent dyn+stagedO",
-                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections"};
+                                                   "wide pp+overlap 3-stage", "wide pp+overlap L2 sections",
+                                                   "wide pp+overlap mirrored pairs"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -129,6 +130,10 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
     case kWideSections:
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
+    case kWideMirror:
+      return mf::launch_prefill_ws<
+          WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
+          p, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -440,7 +445,10 @@ static int cmd_profile(int sched, int n) {
 // Interleaved A/B of the selected schedules at one shape: the board's power state drifts over
 // a call (at 16k the kernels run at the power cap), so each round times every schedule once.
 static int cmd_ab(int n, int rounds, int reps) {
-  const Case c{DType::kBFloat16, 1, 16, 8, n, n, 128, true};
+  // WS_AB_HQ: query heads (default 16; KV heads half of them)
+  const char* hq_env = std::getenv("WS_AB_HQ");
+  const int hq = hq_env != nullptr && *hq_env != '\0' ? std::atoi(hq_env) : 16;
+  const Case c{DType::kBFloat16, 1, hq, std::max(1, hq / 2), n, n, 128, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
   for (int r = 0; r < rounds; ++r)
     for (g_sched = 0; g_sched < kNumSched; ++g_sched) {

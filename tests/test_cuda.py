@@ -540,6 +540,32 @@ def test_prefill_one_wave(ops, causal, nq, nk):
     assert_close(out_v, truth[0].transpose(0, 1), lowp[0].transpose(0, 1), f"one wave varlen {nq}x{nk} causal={causal}")
 
 
+# The one-wave range as a varlen batch of unequal sequences. A causal grid there runs each CTA on
+# two 64-row blocks from opposite ends of its sequence (sm_90: WsCfg::kMirror): a cached prefix,
+# rows that see no key, an odd count of 64-row blocks (the middle one alone), a sequence shorter
+# than the longest (pairs past its blocks), the lse, and a second call.
+@pytest.mark.parametrize("seq_q,seq_k", [([1000, 333], [1000, 2000]), ([777, 900], [700, 901])],
+                         ids=["prefix", "empty-rows"])
+def test_prefill_one_wave_varlen(ops, seq_q, seq_k):
+    from minipaged.testing import assert_close, cu_seqlens, varlen_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(seq_q))
+    Hq, Hkv, D, dtype, scale = 8, 4, 128, torch.bfloat16, 0.0883
+    assert 66 <= len(seq_q) * Hq * -(-max(seq_q) // 128) <= 132  # the one-wave range on 132 SMs
+    q = torch.randn(sum(seq_q), Hq, D, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(sum(seq_k), Hkv, D, device="cuda", generator=gen).to(dtype)
+    cu_q, cu_k = cu_seqlens(seq_q, "cuda"), cu_seqlens(seq_k, "cuda")
+    _poison_allocator(q.numel())
+    args = (cu_q, cu_k, max(seq_q), max(seq_k), True, scale)
+    out, lse = ops.prefill_varlen(q, k, v, *args, True)
+    truth, lse64 = varlen_ref(q, k, v, cu_q, cu_k, causal=True, scale=scale)
+    lowp = varlen_ref(q, k, v, cu_q, cu_k, causal=True, scale=scale, lowp=True)[0]
+    assert_close(out, truth, lowp, f"one wave varlen {seq_q}x{seq_k}")
+    _check_lse(lse, lse64, f"one wave varlen {seq_q}x{seq_k}")
+    assert torch.equal(ops.prefill_varlen(q, k, v, *args), out), "a second call differs"
+
+
 # --------------------------------------------------------------------------- determinism
 
 

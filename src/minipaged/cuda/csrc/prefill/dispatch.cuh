@@ -78,6 +78,13 @@ inline bool ws_l2_sections_pay(const PrefillParams& p) {
   return p.l2_bytes > 0 && kv_bytes > p.l2_bytes;
 #endif
 }
+// A causal grid of at most one wave of CfgWs's CTAs (B=1 N=1k: 16 heads x 8 blocks on 132
+// SMs) takes as long as its heaviest CTA, the last block's, with twice the average work. The
+// same kernel with each CTA's two warpgroups on mirrored 64-row blocks (WsCfg::kMirror: block
+// M-1-i and block i) gives every CTA about the average. MINIPAGED_DISABLE_WS_MIRROR (a build
+// flag) turns it off, to measure it.
+template <typename T, int D>
+using CfgWsMirror = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>;
 // Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
 // queries, at least kWsDynamicMinWaves waves of items): the same schedule in
 // persistent CTAs that take their next item from a global counter (heaviest
@@ -161,6 +168,18 @@ int64_t row_block_grid(const PrefillParams& p) {
   return int64_t(p.batch) * p.num_q_heads * ((p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM);
 }
 
+#if MINIPAGED_DISPATCH_WGMMA
+// Whether a causal dense/varlen grid of Cfg (CfgWs) takes CfgWsMirror: at most one wave.
+template <bool kCausal, class Cfg>
+inline bool ws_mirror_pays(const PrefillParams& p) {
+#if defined(MINIPAGED_DISABLE_WS_MIRROR)
+  return false;
+#else
+  return kCausal && row_block_grid<Cfg>(p) <= sm_count(p);
+#endif
+}
+#endif
+
 inline bool paged_new_paths(const PrefillParams& p) {
   return p.variant == 3 || p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedNewPathsByDefault);
 }
@@ -242,6 +261,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
             row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
           return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
         if (ws_l2_sections_pay(p)) return launch_prefill_ws<CfgWsL2<T, D>, kCausal>(p, stream);
+        if (ws_mirror_pays<kCausal, CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
         return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }

@@ -135,7 +135,7 @@ namespace fast {
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
           bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false,
-          bool kKv8_ = false>
+          bool kKv8_ = false, bool kMirror_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -180,6 +180,18 @@ struct WsCfg {
   static constexpr bool kL2Sections = kL2Sections_;
   static_assert(!kL2Sections || (!kPaged_ && !kPersistent_), "sections: the dense/varlen grid only");
   static_assert(!kKvInterleave || kPaged_, "only the paged producer writes interleaved tiles");
+  // kMirror: a CTA owns two 64-row blocks of one (sequence, head) from opposite ends of the
+  // sequence, block M-1-i for warpgroup 0 and block i for warpgroup 1 (M = ceil(seqlen_q / 64),
+  // i = the CTA's pair index), instead of 128 consecutive rows. Under causal masking block i's
+  // keys are a prefix of block M-1-i's, so one stream of key tiles (block M-1-i's, walked from
+  // the top) serves both: warpgroup 1 passes the tiles above its own keys through empty
+  // ping-pong phases (it waits for each slot to fill and releases it) and computes the rest.
+  // Every CTA then carries about the same work, where consecutive rows make the last block's
+  // CTA twice as long as the average: what bounds a causal grid of about one wave
+  // (B=1 N=1k: 16 heads x 8 blocks on 132 SMs). Q arrives as two 64-row boxes.
+  static constexpr bool kMirror = kMirror_;
+  static_assert(!kMirror || (!kPaged_ && !kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
+                "mirrored pairs: the dense/varlen grid, a pipelined schedule");
   // FP8 pages (e4m3 caches, PrefillParams::kv_fp8): warp 0 of the producer warpgroup loads each
   // key tile's pages as bytes into a staging ring of kStStages K and V byte tiles (one TMA box
   // per page, [keys][kD bytes], no swizzle); warps 1-3 widen them to T in registers and store
@@ -211,6 +223,7 @@ struct WsCfg {
   static constexpr int kConsumerRegs = kKv8 ? (252 - MINIPAGED_WS8_PRODUCER_REGS / 2) / 8 * 8 : 240;
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or one V tile
   static constexpr int kQBytes = kBlockM * kD * 2;
+  static constexpr int kQBoxRows = kMirror ? 64 : kBlockM;  // rows of one Q box (per column block)
   // Layout from the 1024-aligned base: Q | K ring | V ring | [O] | mbarriers | [item ids].
   static constexpr int kKOff = kQBytes;
   static constexpr int kVOff = kKOff + kStages * kTileBytes;
@@ -355,33 +368,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // persistent CTA (the lambdas below read these by reference).
   int head = 0, batch = 0, m_start = 0, q_begin = 0, k_begin = 0, seqlen_q = 0, seqlen_k = 0;
   int kv_head = 0, m_rows = 0, diag = 0, n_end = 0, n_tiles = 0;
+  // Cfg::kMirror: the first row and the row count of warpgroup 1's block (warpgroup 0's are
+  // m_start and m_rows; 0 rows when the pair is the middle block of an odd count).
+  int m_start1 = 0, m_rows1 = 0;
   T* o_ptr = nullptr;
-  // false: the m-block starts past its sequence's last query row (nothing to do).
+  // false: the m-block (kMirror: the pair of blocks) starts past its sequence's last query row
+  // (nothing to do).
   auto set_item = [&](int h, int b, int m_block) -> bool {
     head = h;
     batch = b;
-    m_start = m_block * kBlockM;
     const SeqInfo seq = seq_info<Cfg::kPaged>(p, batch);
     q_begin = seq.q_begin, k_begin = seq.k_begin;
     seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    if (m_start >= seqlen_q) return false;
+    if constexpr (Cfg::kMirror) {
+      const int blocks64 = (seqlen_q + 63) / 64;
+      if (2 * m_block >= blocks64) return false;
+      m_start = (blocks64 - 1 - m_block) * 64;
+      m_rows = min(64, seqlen_q - m_start);
+      m_start1 = m_block * 64;
+      m_rows1 = m_start1 == m_start ? 0 : 64;  // below the last block: a whole one
+    } else {
+      m_start = m_block * kBlockM;
+      if (m_start >= seqlen_q) return false;
+      m_rows = min(kBlockM, seqlen_q - m_start);
+    }
     kv_head = head / (p.num_q_heads / p.num_kv_heads);
     o_ptr = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_begin) * p.o_row_stride +
             head * p.o_head_stride;
-    m_rows = min(kBlockM, seqlen_q - m_start);
     diag = seqlen_k - seqlen_q;
     n_end = seqlen_k;
+    // (kMirror: warpgroup 0's block is the later one, so its keys cover warpgroup 1's)
     if (kCausal) n_end = min(n_end, m_start + m_rows + diag);
     n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
     return true;
   };
   // No row of the item sees a key: zeros (and -inf lse), no pipeline at all.
-  auto write_empty_item = [&](int t0, int threads) {
-    for (int idx = t0; idx < m_rows * Cfg::kChunks; idx += threads) {
+  auto write_empty_rows = [&](int row0, int rows, int t0, int threads) {
+    for (int idx = t0; idx < rows * Cfg::kChunks; idx += threads) {
       const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-      *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + r) * p.o_row_stride + c * 8) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(o_ptr + int64_t(row0 + r) * p.o_row_stride + c * 8) = make_uint4(0, 0, 0, 0);
     }
-    write_empty_lse(p, batch, head, q_begin + m_start, m_rows, t0, threads);
+    write_empty_lse(p, batch, head, q_begin + row0, rows, t0, threads);
+  };
+  auto write_empty_item = [&](int t0, int threads) {
+    write_empty_rows(m_start, m_rows, t0, threads);
+    if constexpr (Cfg::kMirror) write_empty_rows(m_start1, m_rows1, t0, threads);
   };
   auto tile_n0 = [&](int t) { return (n_tiles - 1 - t) * kBlockN; };
   // Persistent work list: item w = (m-block rank, then batch, then head), rank
@@ -396,7 +427,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 
   if constexpr (!Cfg::kPersistent) {
     int b = blockIdx.y;
-    int m_block = gridDim.z - 1 - blockIdx.z;  // heaviest causal blocks first
+    // heaviest causal blocks first (kMirror: pair 0 holds the last block)
+    int m_block = Cfg::kMirror ? int(blockIdx.z) : int(gridDim.z - 1 - blockIdx.z);
     int h = blockIdx.x;
     if constexpr (Cfg::kPaged) {
       if (!ws_paged_work_item<kBlockM>(p, blockIdx.y, b, m_block)) return;
@@ -631,8 +663,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         }
         mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
 #pragma unroll
-        for (int cb = 0; cb < kCB; ++cb)
+        for (int cb = 0; cb < kCB; ++cb) {
           tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
+          // warpgroup 1's rows (the middle block of an odd count: the same rows again, unused)
+          if constexpr (Cfg::kMirror)
+            tma_load_4d(s_q + cb * (kBlockM * 128) + 64 * 128, &wp.tm_q, q_full(), cb * 64, q_begin + m_start1, head,
+                        q_b);
+        }
         for (int t = 0; t < n_tiles; ++t) {
           const int tg = tc0 + t;
           const int s = tg % kStages;
@@ -697,6 +734,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   const int cw = warp_group - 1;          // consumer warpgroup 0 or 1
   const int warp_row0 = (warp - 4) * 16;  // the warp's 16 rows of the block
   int wg_row0 = 0;                        // the warpgroup's first row (per item)
+  // Per item: the block's rows as this warpgroup sees them, row r of the block (r in
+  // [64 cw, 64 cw + 64)) being query row row_base + r of the sequence, present iff
+  // r < row_limit; and the first tile (in walk order) holding keys of its rows. Else than
+  // under Cfg::kMirror's warpgroup 1 these are m_start, m_rows and 0.
+  int row_base = 0, row_limit = 0, t_first = 0;
 
   const uint32_t q_wg = s_q + cw * 64 * 128;
   // Operand descriptors, built once: the descriptor of an address inside a
@@ -827,7 +869,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   bool rescale_pending = false;
   auto softmax_tile = [&](int t, auto mask_tag) {
     if constexpr (decltype(mask_tag)::value)
-      mask_tile<1, kNT, kCausal>(s_frag, m_start + warp_row0, tile_n0(t), seqlen_k, diag, g, tq,
+      mask_tile<1, kNT, kCausal>(s_frag, row_base + warp_row0, tile_n0(t), seqlen_k, diag, g, tq,
                                  [](int r) { return r; });
     float tile_max[1][2];
     sm.template tile_max<kNT>(s_frag, tile_max);
@@ -863,7 +905,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     for (int i = 0; i < kPerLane; ++i) {
       const int idx = lane + 32 * i, cb = idx >> 7, rr = (idx >> 3) & 15, c = idx & 7;
       x[i] = lds128(s_q + uint32_t(cb * (kBlockM * 128) + (r0 + rr) * 128 + c * 16));
-      if (m_start + r0 + rr < seqlen_q)
+      if (row_base + r0 + rr < seqlen_q)
         amax = fmaxf(fmaxf(fmaxf(amax, bf16x2_abs_max(x[i].x)), fmaxf(bf16x2_abs_max(x[i].y), bf16x2_abs_max(x[i].z))),
                      bf16x2_abs_max(x[i].w));
     }
@@ -884,7 +926,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   };
 
   auto consume_item = [&] {
-    wg_row0 = m_start + cw * 64;
+    row_base = m_start;
+    row_limit = m_rows;
+    if constexpr (Cfg::kMirror) {
+      t_first = 0;
+      if (cw == 1) {
+        row_base = m_start1 - 64;
+        row_limit = 64 + m_rows1;
+        int wg_end = seqlen_k;
+        if (kCausal) wg_end = min(wg_end, m_start1 + m_rows1 + diag);
+        const int wg_tiles = m_rows1 > 0 && wg_end > 0 ? (wg_end + kBlockN - 1) / kBlockN : 0;
+        t_first = n_tiles - wg_tiles;
+      }
+    }
+    wg_row0 = row_base + cw * 64;
 #pragma unroll
     for (int cb = 0; cb < kCB; ++cb)
 #pragma unroll
@@ -927,55 +982,75 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         release(v_empty(slot(t)));
       }
     } else {
-      // Phase 0: QK^T of the first tile alone.
-      mbar_wait(k_full(slot(0)), phase(0));
-      sched_wait();
-      issue_qk(0);
-      sched_signal(false);
-      wgmma_wait<0>();
-      fence_operand(acc_s);
-      release(k_empty(slot(0)));
-      q_done(0);
-      softmax_any(0);
-      finish_tile();
-      // Phases 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
-      for (int t = 1; t < n_tiles; ++t) {
-        mbar_wait(k_full(slot(t)), phase(t));
-        mbar_wait(v_full(slot(t - 1)), phase(t - 1));
-        sched_wait();
-        issue_qk(t);
-        issue_pv(t - 1);
-        sched_signal(false);
-        if constexpr (Cfg::kOverlap) {
-          wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
-          fence_operand(acc_s);
+      // kMirror: warpgroup 1 runs the phases of the tiles above its keys (t < t_first) empty,
+      // taking its turn and releasing each slot once it is full (a release before the fill
+      // could count towards the slot's previous round), so both warpgroups run n_tiles + 1
+      // phases; with no tile of its own only the last phase's turn remains.
+      const int t0 = Cfg::kMirror ? t_first : 0;
+      if constexpr (Cfg::kMirror) {
+        for (int t = 0; t < t0; ++t) {
+          mbar_wait(k_full(slot(t)), phase(t));
           release(k_empty(slot(t)));
-          q_done(t);
-          softmax_any(t);
-          wgmma_wait<0>();
-          fence_o();
-          fence_operand(p_frag);
-          release(v_empty(slot(t - 1)));
-        } else {
-          wgmma_wait<0>();
-          fence_operand(acc_s);
-          fence_o();
-          fence_operand(p_frag);
-          release(k_empty(slot(t)));
-          release(v_empty(slot(t - 1)));
-          q_done(t);
-          softmax_any(t);
+          mbar_wait(v_full(slot(t)), phase(t));
+          release(v_empty(slot(t)));
+          sched_wait();
+          sched_signal(false);
         }
-        finish_tile();
       }
-      // Phase n_tiles: PV of the last tile alone.
-      mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
-      sched_wait();
-      issue_pv(n_tiles - 1);
-      sched_signal(true);
-      wgmma_wait<0>();
-      fence_o();
-      release(v_empty(slot(n_tiles - 1)));
+      if (!Cfg::kMirror || t0 < n_tiles) {
+        // Phase t0: QK^T of the first tile alone.
+        mbar_wait(k_full(slot(t0)), phase(t0));
+        sched_wait();
+        issue_qk(t0);
+        sched_signal(false);
+        wgmma_wait<0>();
+        fence_operand(acc_s);
+        release(k_empty(slot(t0)));
+        q_done(t0);
+        softmax_any(t0);
+        finish_tile();
+        // Phases t0 + 1 .. n_tiles - 1: QK^T(t) and PV(t-1) issued together.
+        for (int t = t0 + 1; t < n_tiles; ++t) {
+          mbar_wait(k_full(slot(t)), phase(t));
+          mbar_wait(v_full(slot(t - 1)), phase(t - 1));
+          sched_wait();
+          issue_qk(t);
+          issue_pv(t - 1);
+          sched_signal(false);
+          if constexpr (Cfg::kOverlap) {
+            wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
+            fence_operand(acc_s);
+            release(k_empty(slot(t)));
+            q_done(t);
+            softmax_any(t);
+            wgmma_wait<0>();
+            fence_o();
+            fence_operand(p_frag);
+            release(v_empty(slot(t - 1)));
+          } else {
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            fence_o();
+            fence_operand(p_frag);
+            release(k_empty(slot(t)));
+            release(v_empty(slot(t - 1)));
+            q_done(t);
+            softmax_any(t);
+          }
+          finish_tile();
+        }
+        // Phase n_tiles: PV of the last tile alone.
+        mbar_wait(v_full(slot(n_tiles - 1)), phase(n_tiles - 1));
+        sched_wait();
+        issue_pv(n_tiles - 1);
+        sched_signal(true);
+        wgmma_wait<0>();
+        fence_o();
+        release(v_empty(slot(n_tiles - 1)));
+      } else {
+        sched_wait();
+        sched_signal(true);
+      }
     }
 
     // ---- epilogue ----
@@ -984,7 +1059,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     // 16-byte rows; each warp writes and reads back only its own 16 rows.
     auto store_o_staged = [&](unsigned char* buf) {
       epilogue_rows<T, kCB * 8, true>(
-          sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows, lane,
+          sm, o_frag, scale_log2, p, batch, head, q_begin + row_base, warp_row0, row_limit, lane,
           [&](int r, int dt, uint32_t pair) {
             const uint32_t off = sw128_off<kBlockM>(r, dt) + tq * 2;
             *reinterpret_cast<uint32_t*>(buf + off) = pair;
@@ -996,8 +1071,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         const int idx = lane + it * 32;
         const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
         const int row = warp_row0 + r;
-        if (row < m_rows) {
-          *reinterpret_cast<uint4*>(o_ptr + int64_t(m_start + row) * p.o_row_stride + c * 8) =
+        if (row < row_limit) {
+          *reinterpret_cast<uint4*>(o_ptr + int64_t(row_base + row) * p.o_row_stride + c * 8) =
               *reinterpret_cast<const uint4*>(buf + sw128_off<kBlockM>(row, c));
         }
       }
@@ -1010,9 +1085,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     } else if constexpr (Cfg::kPersistent) {
       // Straight from the C fragments (4-byte stores, two rows per thread): Q's
       // shared memory already holds the next item's Q.
-      epilogue_rows<T, kCB * 8, false>(sm, o_frag, scale_log2, p, batch, head, q_begin + m_start, warp_row0, m_rows,
+      epilogue_rows<T, kCB * 8, false>(sm, o_frag, scale_log2, p, batch, head, q_begin + row_base, warp_row0, row_limit,
                                        lane, [&](int r, int dt, uint32_t pair) {
-                                         T* row_ptr = o_ptr + int64_t(m_start + r) * p.o_row_stride + tq;
+                                         T* row_ptr = o_ptr + int64_t(row_base + r) * p.o_row_stride + tq;
                                          *reinterpret_cast<uint32_t*>(row_ptr + dt * 8) = pair;
                                        });
     } else {
@@ -1182,8 +1257,9 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
   if (rows_q <= 0 || rows_k <= 0) return cudaErrorInvalidValue;
   WsParams wp{};
   wp.p = pp;
+  // (kMirror: a CTA's pair of 64-row blocks is as many CTAs as 128-row blocks, ceil(ceil(n / 64) / 2))
   CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, rows_q, pp.num_q_heads, batch,
-                                  pp.q_row_stride, pp.q_head_stride, pp.q_batch_stride, Cfg::kBlockM);
+                                  pp.q_row_stride, pp.q_head_stride, pp.q_batch_stride, Cfg::kQBoxRows);
   if (r == CUDA_SUCCESS)
     r = make_ws_tensor_map(enc, &wp.tm_k, pp.k, pp.dtype, Cfg::kD, rows_k, pp.num_kv_heads, batch, pp.k_row_stride,
                            pp.k_head_stride, pp.k_batch_stride, Cfg::kBlockN);
