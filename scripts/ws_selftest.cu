@@ -65,7 +65,7 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kWideMirror, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kWideMirror, kWgmmaSmall, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -74,7 +74,8 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "persistent ppov dyn+stagedO", "wide pp+overlap",
                                                    "wide pingpong", "wide persistent dyn+stagedO",
                                                    "wide pp+overlap 3-stage", "wide pp+overlap L2 sections",
-                                                   "wide pp+overlap mirrored pairs"};
+                                                   "wide pp+overlap mirrored pairs",
+                                                   "one-warpgroup wgmma (not WS)"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -134,6 +135,10 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
           p, stream);
+    case kWgmmaSmall:
+      // what prefill/dispatch.cuh runs below half a wave of 128-row blocks (CfgWgmmaSmall), for
+      // the dispatch threshold
+      return mf::launch_prefill_wgmma_cfg<mf::WgmmaCfg<T, D, 1, 1, true, 64>, kCausal>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
