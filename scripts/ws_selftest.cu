@@ -10,7 +10,8 @@
 //   ./ws_selftest small        two tiny cases (for compute-sanitizer)
 //   ./ws_selftest time [reps]  the standard prefill grid for every consumer schedule, TFLOP/s
 //   ./ws_selftest profile [s] [N]  two launches of schedule s at B=1 N (default 8k) causal (for ncu)
-//   ./ws_selftest ab [N] [rounds] [reps]  the selected schedules at B=1 N causal (default 16k),
+//   ./ws_selftest ab [N] [rounds] [reps]  the selected schedules at B=1 N causal (default 16k; WS_AB_HQ query
+//                              heads, default 16, KV heads half of them; WS_AB_D head dim, default 128),
 //                              interleaved: round r times every schedule once (median of reps, cold L2)
 //   ./ws_selftest power [N] [seconds] [rounds]  the selected schedules at B=1 N causal launched
 //                              back to back (no flush) for `seconds` each, in alternating rounds:
@@ -453,7 +454,10 @@ static int cmd_ab(int n, int rounds, int reps) {
   // WS_AB_HQ: query heads (default 16; KV heads half of them)
   const char* hq_env = std::getenv("WS_AB_HQ");
   const int hq = hq_env != nullptr && *hq_env != '\0' ? std::atoi(hq_env) : 16;
-  const Case c{DType::kBFloat16, 1, hq, std::max(1, hq / 2), n, n, 128, true};
+  // WS_AB_D: head dim (default 128)
+  const char* d_env = std::getenv("WS_AB_D");
+  const int d = d_env != nullptr && *d_env != '\0' ? std::atoi(d_env) : 128;
+  const Case c{DType::kBFloat16, 1, hq, std::max(1, hq / 2), n, n, d, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
   for (int r = 0; r < rounds; ++r)
     for (g_sched = 0; g_sched < kNumSched; ++g_sched) {

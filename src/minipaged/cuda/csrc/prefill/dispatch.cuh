@@ -81,8 +81,11 @@ inline bool ws_l2_sections_pay(const PrefillParams& p) {
 // A causal grid of at most one wave of CfgWs's CTAs (B=1 N=1k: 16 heads x 8 blocks on 132
 // SMs) takes as long as its heaviest CTA, the last block's, with twice the average work. The
 // same kernel with each CTA's two warpgroups on mirrored 64-row blocks (WsCfg::kMirror: block
-// M-1-i and block i) gives every CTA about the average. MINIPAGED_DISABLE_WS_MIRROR (a build
-// flag) turns it off, to measure it.
+// M-1-i and block i) gives every CTA about the average: 1.06-1.17x CfgWs on such grids (D 128;
+// 1.13x at B=1 N=1k), and 1.06-1.47x the one-warpgroup kernel below half a wave, which it
+// replaces there for causal prefill; 0.86x CfgWs at two waves (bench/results/nvidia-h200/mirror_4138ec0/,
+// prefill_ablation.md run 12). MINIPAGED_DISABLE_WS_MIRROR (a build flag) turns it off, to
+// measure it.
 template <typename T, int D>
 using CfgWsMirror = WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>;
 // Many short m-block rows (several sequences of at most kWsDynamicMaxSeqlenQ
@@ -256,13 +259,16 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
     const int64_t wg_blocks = row_block_grid<CfgWgmmaLarge<T, D>>(p);
     const int64_t sms = sm_count(p);
     if constexpr (!kPaged) {
-      if (2 * wg_blocks >= sms && ws_supported(p)) {
-        if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
-            row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
-          return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
-        if (ws_l2_sections_pay(p)) return launch_prefill_ws<CfgWsL2<T, D>, kCausal>(p, stream);
+      if (ws_supported(p)) {
+        if (2 * wg_blocks >= sms) {
+          if (p.sched_counters != nullptr && p.batch > 1 && p.max_seqlen_q <= kWsDynamicMaxSeqlenQ &&
+              row_block_grid<CfgWs<T, D>>(p) >= kWsDynamicMinWaves * sms)
+            return launch_prefill_ws<CfgWsDynamic<T, D>, kCausal>(p, stream);
+          if (ws_l2_sections_pay(p)) return launch_prefill_ws<CfgWsL2<T, D>, kCausal>(p, stream);
+        }
+        // causal, at most one wave: also below half a wave, where it beats the one-warpgroup kernel
         if (ws_mirror_pays<kCausal, CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
-        return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
+        if (2 * wg_blocks >= sms) return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }
     if (wg_blocks >= 2 * sms) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, kPaged>(p, stream);
