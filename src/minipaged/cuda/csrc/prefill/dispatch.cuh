@@ -267,7 +267,10 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
           if (ws_l2_sections_pay(p)) return launch_prefill_ws<CfgWsL2<T, D>, kCausal>(p, stream);
         }
         // causal, at most one wave: also below half a wave, where it beats the one-warpgroup kernel
-        if (ws_mirror_pays<kCausal, CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
+        // (no non-causal instantiation: every block of a full grid carries the same work)
+        if constexpr (kCausal) {
+          if (ws_mirror_pays<kCausal, CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
+        }
         if (2 * wg_blocks >= sms) return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
     }
