@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""How much the one-wave imbalance costs `cuda`'s paged prefill (the paged TMA kernel has no
+mirrored block pairs; the dense/varlen one does since 4138ec0): B=1 causal chunks with little or
+no cached prefix, whose grids are at most one wave of 128-row blocks, timed through
+mp.paged_attention (page 16, pages shuffled) and through mp.prefill_attention_varlen on the same
+K/V made contiguous, same process, cold L2. Prints TFLOP/s (exact causal FLOPs) and the paged /
+dense ratio, after checking that the two outputs agree.
+
+    PYTHONPATH=src python scripts/one_wave_paged_probe.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import minipaged as mp
+from minipaged.benchmark.timing import time_fn
+
+HQ, HKV, D, PAGE = 16, 8, 128, 16
+
+
+def causal_flops(q_len: int, ctx: int) -> float:
+    # query i (of q_len, bottom-right aligned) sees ctx - q_len + i + 1 keys
+    pairs = sum(ctx - q_len + i + 1 for i in range(q_len))
+    return 4.0 * D * HQ * pairs
+
+
+def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(q_len, HQ, D, device=dev, generator=gen).to(dt)
+    k = torch.randn(ctx, HKV, D, device=dev, generator=gen).to(dt)
+    v = torch.randn(ctx, HKV, D, device=dev, generator=gen).to(dt)
+    pages = -(-ctx // PAGE)
+    num_blocks = pages + 7
+    perm = torch.randperm(num_blocks, device=dev, generator=gen)[:pages].to(torch.int32)
+    k_cache = torch.full((num_blocks, PAGE, HKV, D), float("nan"), device=dev, dtype=dt)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = (perm.long()[torch.arange(ctx, device=dev) // PAGE] * PAGE + torch.arange(ctx, device=dev) % PAGE)
+    mp.write_kv_cache(k, v, k_cache, v_cache, slots, backend="cuda")
+    block_tables = perm[None, :]
+    cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, ctx], dtype=torch.int32, device=dev)
+    ctx_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    scale = 1 / math.sqrt(D)
+
+    def paged():
+        return mp.paged_attention(q, k_cache, v_cache, block_tables, cu_q, ctx_lens, max_seqlen_q=q_len,
+                                  scale=scale, backend="cuda", check_values=False)
+
+    def dense():
+        return mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=q_len, max_seqlen_k=ctx, scale=scale,
+                                           backend="cuda", check_values=False)
+
+    diff = (paged().float() - dense().float()).abs().max().item()
+    assert diff < 2e-2, f"paged and dense disagree: {diff}"
+    flops = causal_flops(q_len, ctx)
+    out = {"q_len": q_len, "ctx": ctx, "max_abs_diff": diff}
+    for name, fn in (("paged", paged), ("dense", dense)):
+        t = time_fn(fn, device=dev, reps=100, max_time_s=1.0)
+        out[name] = {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
+                     "tflops": flops / (t.median_ms * 1e-3) / 1e12}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [case(q, c, gen) for q, c in ((1024, 1024), (512, 512), (1024, 1536), (768, 768))]
+    for r in rows:
+        print(f"B=1 q={r['q_len']} ctx={r['ctx']}: paged {r['paged']['tflops']:.1f} TFLOP/s "
+              f"({r['paged']['median_ms'] * 1e3:.1f} us), dense {r['dense']['tflops']:.1f} "
+              f"({r['dense']['median_ms'] * 1e3:.1f} us), paged/dense speed "
+              f"{r['dense']['median_ms'] / r['paged']['median_ms']:.3f}, max|diff| {r['max_abs_diff']:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
