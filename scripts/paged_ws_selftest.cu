@@ -15,13 +15,16 @@
 //                                                mixed batch (one call vs chunk + decodes alone)
 //   ./paged_ws_selftest time8 [reps]             ws_fp8 against the 16-bit TMA kernel, bf16 and fp16,
 //                                                then its fp8 checks (small and a reduced timed shape)
+//   ./paged_ws_selftest time1w [reps]            one-wave causal chunks: ws against ws_mirror (mirrored
+//                                                64-row block pairs) and the dense kernels
 //
 // Variants: dispatch (what the extension runs for a default call: the decode
 // routing's launch_prefill_paged + decode pair, or launch_prefill_paged alone
 // where the default does not route), dispatch_new (variant 3: the unrouted
 // paths), ws (the
 // paged TMA kernel forced for every sequence, decode rows included: pages of
-// >= 8 tokens, 16-bit caches), split_ws (the two-launch split forced with the
+// >= 8 tokens, 16-bit caches), ws_mirror (the same with mirrored 64-row block
+// pairs, WsCfg::kMirror; not dispatched for paged calls), split_ws (the two-launch split forced with the
 // TMA kernel as the tiled half), routed / routed_s1 / routed_s3 (the decode
 // routing, PrefillParams variant 4: q_len == 1 rows through the decode kernels
 // with the split heuristic / one split / three splits, the rest through
@@ -122,7 +125,19 @@ struct Ws8Launch {
     return mf::launch_prefill_ws_paged<mf::CfgWsPaged8<T, D>, kCausal>(p, s);
   }
 };
+// The paged kernel with mirrored 64-row block pairs (WsCfg::kMirror, what the dense/varlen dispatch
+// runs for causal grids of at most one wave): not dispatched for paged calls until timed here (time1w).
+template <typename T, int D>
+using CfgWsPagedMirror = mf::WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true, true, false, false,
+                                   true>;
+template <typename T, int D, bool kCausal>
+struct WsMirrorLaunch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, kCausal>(p, s);
+  }
+};
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
+static cudaError_t ws_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsMirrorLaunch>(p, s); }
 static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<Ws8Launch>(p, s); }
 static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<Ws3Launch>(p, s); }
 static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
@@ -140,6 +155,11 @@ static cudaError_t wgmma_old(const PrefillParams& p, cudaStream_t s) {
 template <typename T, int D>
 static cudaError_t ws_dense(const PrefillParams& p, cudaStream_t s) {
   return mf::launch_prefill_ws<mf::CfgWs<T, D>, true>(p, s);
+}
+// The same with mirrored block pairs (the dense dispatch's choice for causal grids of at most one wave).
+template <typename T, int D>
+static cudaError_t ws_dense_mirror(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_ws<mf::CfgWsMirror<T, D>, true>(p, s);
 }
 
 // The dispatch with the paths that are off by default until checked here (variant 3).
@@ -201,6 +221,7 @@ static const Variant kVariants[] = {
     {"dispatch", dispatch_default, false},
     {"dispatch_new", dispatch_new, false},
     {"ws", ws_paged, true},
+    {"ws_mirror", ws_mirror, true},
     {"ws_panels", ws_panels, true},
     {"ws3", ws_paged3, true},
     {"split_ws", split_ws, true},
@@ -946,6 +967,60 @@ static int cmd_time8(int reps) {
   return fails;
 }
 
+// Causal chunks whose grid is at most one wave of 128-row blocks (B=1, little or no cached prefix: a
+// prompt's first chunk), where the heaviest block bounds the call: the paged kernel (ws) against
+// its mirrored-pair twin (ws_mirror), and the dense kernel on the same K/V made contiguous, plain
+// (CfgWs) and mirrored (CfgWsMirror, the dense dispatch's choice there). Each output is checked
+// against the others before timing; two interleaved rounds.
+static int cmd_time_one_wave(int reps) {
+  const DType bf = DType::kBFloat16;
+  std::printf("one-wave causal chunks (bf16, Hq/Hkv/D 16/8/128, page 16, shuffled pages, B=1, median of %d, cold L2), "
+              "TFLOP/s\n", reps);
+  struct Shape { int q, L; };
+  int fails = 0;
+  for (int round = 0; round < 2; ++round)
+    for (const Shape sh : {Shape{1024, 1024}, Shape{768, 768}, Shape{512, 512}, Shape{1024, 1536}, Shape{1024, 4096},
+                           Shape{2048, 2048}}) {
+      Case c{"", bf, 16, 8, 128, 16, true, std::vector<int>{sh.q}, std::vector<int>{sh.L}};
+      Built b;
+      b.build(c, false, 42u);
+      b.p.lse = nullptr;
+      Contig ctg;
+      ctg.build(b);
+      // the three write the same (padded) output buffer: each result is copied out after its launch
+      auto out_of = [&](LaunchFn fn, const PrefillParams& p) {
+        CHECK_CUDA(fn(p, 0));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        std::vector<uint16_t> h(b.o_elems);
+        CHECK_CUDA(cudaMemcpy(h.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+        return h;
+      };
+      const auto o_ws = out_of(ws_paged, b.p);
+      const auto o_mirror = out_of(ws_mirror, b.p);
+      const auto o_dense = out_of(ws_dense<__nv_bfloat16, 128>, ctg.p);
+      double diff = 0;
+      for (int t = 0; t < sh.q; ++t)
+        for (int h = 0; h < 16; ++h)
+          for (int d = 0; d < 128; ++d) {
+            const size_t i = size_t(t) * b.p.o_row_stride + size_t(h) * b.p.o_head_stride + d;
+            const double a = from_bits(o_mirror[i], bf);
+            diff = std::max(diff, std::max(std::fabs(a - from_bits(o_ws[i], bf)), std::fabs(a - from_bits(o_dense[i], bf))));
+            if (std::isnan(a)) diff = INFINITY;
+          }
+      if (!(diff <= 2e-2)) ++fails;
+      const double fl = case_flops(c);
+      auto tf = [&](double ms) { return fl / (ms * 1e-3) / 1e12; };
+      const double t_ws = median_ms([&] { return ws_paged(b.p, 0); }, reps);
+      const double t_mirror = median_ms([&] { return ws_mirror(b.p, 0); }, reps);
+      const double t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+      const double t_dense_mirror = median_ms([&] { return ws_dense_mirror<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+      std::printf("round %d  q=%d L=%d (%d CTAs): ws %.1f  ws_mirror %.1f (x%.3f)  dense_ws %.1f  dense_mirror %.1f  "
+                  "max|diff| %.2e%s\n", round, sh.q, sh.L, 16 * ((sh.q + 127) / 128), tf(t_ws), tf(t_mirror),
+                  t_ws / t_mirror, tf(t_dense), tf(t_dense_mirror), diff, diff <= 2e-2 ? "" : "  MISMATCH");
+    }
+  return fails;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a log cut by a stage cap keeps every finished line
   const std::string mode = argc > 1 ? argv[1] : "check";
@@ -983,8 +1058,12 @@ int main(int argc, char** argv) {
   } else if (mode == "time") {
     failures = cmd_time(argc > 2 ? std::atoi(argv[2]) : 20);
     cases = 2;
+  } else if (mode == "time1w") {
+    failures = cmd_time_one_wave(argc > 2 ? std::atoi(argv[2]) : 40);
+    cases = 12;
   } else {
-    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | time8 [reps] | profile\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | time8 [reps] | time1w [reps] | profile\n",
+                 argv[0]);
     return 2;
   }
   std::printf("%s (%d failures over %d cases)\n", failures == 0 ? "ALL PASS" : "SOME FAILED", failures, cases);

@@ -188,10 +188,12 @@ struct WsCfg {
   // ping-pong phases (it waits for each slot to fill and releases it) and computes the rest.
   // Every CTA then carries about the same work, where consecutive rows make the last block's
   // CTA twice as long as the average: what bounds a causal grid of about one wave
-  // (B=1 N=1k: 16 heads x 8 blocks on 132 SMs). Q arrives as two 64-row boxes.
+  // (B=1 N=1k: 16 heads x 8 blocks on 132 SMs). Q arrives as two 64-row boxes. Dispatched for
+  // dense/varlen grids (prefill/dispatch.cuh); the paged build (16-bit pages) is a selftest variant
+  // (scripts/paged_ws_selftest.cu ws_mirror, time1w) until measured.
   static constexpr bool kMirror = kMirror_;
-  static_assert(!kMirror || (!kPaged_ && !kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
-                "mirrored pairs: the dense/varlen grid, a pipelined schedule");
+  static_assert(!kMirror || (!kKv8_ && !kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
+                "mirrored pairs: a grid of 16-bit K/V (dense, varlen or paged), a pipelined schedule");
   // FP8 pages (e4m3 caches, PrefillParams::kv_fp8): warp 0 of the producer warpgroup loads each
   // key tile's pages as bytes into a staging ring of kStStages K and V byte tiles (one TMA box
   // per page, [keys][kD bytes], no swizzle); warps 1-3 widen them to T in registers and store
@@ -487,8 +489,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           tma_prefetch_desc(&wp.tm_v);
           mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
 #pragma unroll
-          for (int cb = 0; cb < kCB; ++cb)
+          for (int cb = 0; cb < kCB; ++cb) {
             tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, 0);
+            if constexpr (Cfg::kMirror)  // warpgroup 1's rows, as in the dense producer
+              tma_load_4d(s_q + cb * (kBlockM * 128) + 64 * 128, &wp.tm_q, q_full(), cb * 64, q_begin + m_start1,
+                          head, 0);
+          }
         }
         const int32_t* table = p.block_tables + int64_t(batch) * p.block_table_stride;
         const int bs = p.block_size;
@@ -1339,7 +1345,7 @@ cudaError_t launch_prefill_ws_paged(const PrefillParams& pp, cudaStream_t stream
   wp.p = pp;
   const int box = std::min(pp.block_size, Cfg::kBlockN);
   CUresult r = make_ws_tensor_map(enc, &wp.tm_q, pp.q, pp.dtype, Cfg::kD, pp.total_q, pp.num_q_heads, 1,
-                                  pp.q_row_stride, pp.q_head_stride, 0, Cfg::kBlockM);
+                                  pp.q_row_stride, pp.q_head_stride, 0, Cfg::kQBoxRows);
   if constexpr (Cfg::kKv8) {
     if (!pp.kv_fp8 || pp.k_scale == nullptr || pp.v_scale == nullptr) return cudaErrorInvalidValue;
     if (r == CUDA_SUCCESS)
