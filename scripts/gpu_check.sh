@@ -148,8 +148,9 @@ for s in $stages; do
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
         scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp
       export OMP_NUM_THREADS=16
-      # PAGED_WS_STEPS: any of small check sanitize time (default all four); PAGED_WS_CHECK_FILTER
-      # limits the checked variants (a substring of their names).
+      # PAGED_WS_STEPS: any of small check sanitize time time1w (default the first four; time1w times
+      # the mirrored block pairs on one-wave causal chunks); PAGED_WS_CHECK_FILTER limits the checked
+      # variants (a substring of their names, e.g. ws_mirror).
       steps=" ${PAGED_WS_STEPS:-small check sanitize time} "
       [[ $steps == *" small "* ]] && STAGE_TIMEOUT_paged_ws_small=90 run paged_ws_small "$bin/paged_ws_selftest" small
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_paged_ws_check=${STAGE_TIMEOUT_paged_ws_check:-420} \
@@ -163,7 +164,9 @@ for s in $stages; do
         done
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_paged_ws_time=${STAGE_TIMEOUT_paged_ws_time:-240} \
-        run paged_ws_time "$bin/paged_ws_selftest" time 20;;
+        run paged_ws_time "$bin/paged_ws_selftest" time 20
+      [[ $steps == *" time1w "* ]] && STAGE_TIMEOUT_paged_ws_time1w=${STAGE_TIMEOUT_paged_ws_time1w:-180} \
+        run paged_ws_time1w "$bin/paged_ws_selftest" time1w 40;;
     ws8_ab)
       # The FP8 TMA prefill's widening producer: the exhaustive e4m3 widening check
       # (scripts/fp8_widen_selftest.cu), then `time8` (ws_fp8 against the 16-bit kernel, both dtypes,
