@@ -18,15 +18,10 @@ import math
 import torch
 
 import minipaged as mp
+from minipaged.benchmark.flops import prefill_flops
 from minipaged.benchmark.timing import time_fn
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
-
-
-def causal_flops(q_len: int, ctx: int) -> float:
-    # query i (of q_len, bottom-right aligned) sees ctx - q_len + i + 1 keys
-    pairs = sum(ctx - q_len + i + 1 for i in range(q_len))
-    return 4.0 * D * HQ * pairs
 
 
 def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
@@ -57,7 +52,7 @@ def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
 
     diff = (paged().float() - dense().float()).abs().max().item()
     assert diff < 2e-2, f"paged and dense disagree: {diff}"
-    flops = causal_flops(q_len, ctx)
+    flops = prefill_flops(1, HQ, q_len, ctx, D, causal=True)
     out = {"q_len": q_len, "ctx": ctx, "max_abs_diff": diff}
     for name, fn in (("paged", paged), ("dense", dense)):
         t = time_fn(fn, device=dev, reps=100, max_time_s=1.0)

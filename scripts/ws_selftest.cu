@@ -451,12 +451,12 @@ static int cmd_profile(int sched, int n) {
 // Interleaved A/B of the selected schedules at one shape: the board's power state drifts over
 // a call (at 16k the kernels run at the power cap), so each round times every schedule once.
 static int cmd_ab(int n, int rounds, int reps) {
-  // WS_AB_HQ: query heads (default 16; KV heads half of them)
-  const char* hq_env = std::getenv("WS_AB_HQ");
-  const int hq = hq_env != nullptr && *hq_env != '\0' ? std::atoi(hq_env) : 16;
-  // WS_AB_D: head dim (default 128)
-  const char* d_env = std::getenv("WS_AB_D");
-  const int d = d_env != nullptr && *d_env != '\0' ? std::atoi(d_env) : 128;
+  auto env_int = [](const char* name, int fallback) {
+    const char* env = std::getenv(name);
+    return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+  };
+  const int hq = env_int("WS_AB_HQ", 16);  // query heads; KV heads half of them
+  const int d = env_int("WS_AB_D", 128);    // head dim
   const Case c{DType::kBFloat16, 1, hq, std::max(1, hq / 2), n, n, d, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
   for (int r = 0; r < rounds; ++r)

@@ -173,12 +173,12 @@ int64_t row_block_grid(const PrefillParams& p) {
 
 #if MINIPAGED_DISPATCH_WGMMA
 // Whether a causal dense/varlen grid of Cfg (CfgWs) takes CfgWsMirror: at most one wave.
-template <bool kCausal, class Cfg>
+template <class Cfg>
 inline bool ws_mirror_pays(const PrefillParams& p) {
 #if defined(MINIPAGED_DISABLE_WS_MIRROR)
   return false;
 #else
-  return kCausal && row_block_grid<Cfg>(p) <= sm_count(p);
+  return row_block_grid<Cfg>(p) <= sm_count(p);
 #endif
 }
 #endif
@@ -269,7 +269,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
         // causal, at most one wave: also below half a wave, where it beats the one-warpgroup kernel
         // (no non-causal instantiation: every block of a full grid carries the same work)
         if constexpr (kCausal) {
-          if (ws_mirror_pays<kCausal, CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
+          if (ws_mirror_pays<CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
         }
         if (2 * wg_blocks >= sms) return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }

@@ -478,6 +478,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   __syncthreads();  // the last CTA-wide barrier: the roles diverge below
 
   const int warp_group = warp / 4;
+  // The item's Q (one thread of the producer): per 64-column block the block's rows, or under
+  // Cfg::kMirror warpgroup 0's 64 rows and then warpgroup 1's (the middle block of an odd count:
+  // the same rows again, unused). q_b: the batch coordinate (0 for packed rows).
+  auto load_q = [&](int q_b) {
+    mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < kCB; ++cb) {
+      tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
+      if constexpr (Cfg::kMirror)
+        tma_load_4d(s_q + cb * (kBlockM * 128) + 64 * 128, &wp.tm_q, q_full(), cb * 64, q_begin + m_start1, head,
+                    q_b);
+    }
+  };
+
   if (warp_group == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -487,14 +501,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           tma_prefetch_desc(&wp.tm_q);
           tma_prefetch_desc(&wp.tm_k);
           tma_prefetch_desc(&wp.tm_v);
-          mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
-#pragma unroll
-          for (int cb = 0; cb < kCB; ++cb) {
-            tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, 0);
-            if constexpr (Cfg::kMirror)  // warpgroup 1's rows, as in the dense producer
-              tma_load_4d(s_q + cb * (kBlockM * 128) + 64 * 128, &wp.tm_q, q_full(), cb * 64, q_begin + m_start1,
-                          head, 0);
-          }
+          load_q(0);
         }
         const int32_t* table = p.block_tables + int64_t(batch) * p.block_table_stride;
         const int bs = p.block_size;
@@ -667,15 +674,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         if constexpr (Cfg::kPersistent) {
           if (item_no > 0) mbar_wait(q_empty(), uint32_t((item_no - 1) & 1));
         }
-        mbar_arrive_expect_tx(q_full(), Cfg::kQBytes);
-#pragma unroll
-        for (int cb = 0; cb < kCB; ++cb) {
-          tma_load_4d(s_q + cb * (kBlockM * 128), &wp.tm_q, q_full(), cb * 64, q_begin + m_start, head, q_b);
-          // warpgroup 1's rows (the middle block of an odd count: the same rows again, unused)
-          if constexpr (Cfg::kMirror)
-            tma_load_4d(s_q + cb * (kBlockM * 128) + 64 * 128, &wp.tm_q, q_full(), cb * 64, q_begin + m_start1, head,
-                        q_b);
-        }
+        load_q(q_b);
         for (int t = 0; t < n_tiles; ++t) {
           const int tg = tc0 + t;
           const int s = tg % kStages;
