@@ -125,15 +125,12 @@ struct Ws8Launch {
     return mf::launch_prefill_ws_paged<mf::CfgWsPaged8<T, D>, kCausal>(p, s);
   }
 };
-// The paged kernel with mirrored 64-row block pairs (WsCfg::kMirror, what the dense/varlen dispatch
-// runs for causal grids of at most one wave): not dispatched for paged calls until timed here (time1w).
-template <typename T, int D>
-using CfgWsPagedMirror = mf::WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true, true, false, false,
-                                   true>;
+// The paged kernel with mirrored 64-row block pairs (prefill/dispatch.cuh CfgWsPagedMirror: what the
+// paged dispatch runs for causal work lists of at most one wave).
 template <typename T, int D, bool kCausal>
 struct WsMirrorLaunch {
   static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, kCausal>(p, s);
+    return mf::launch_prefill_ws_paged<mf::CfgWsPagedMirror<T, D>, kCausal>(p, s);
   }
 };
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
@@ -150,6 +147,11 @@ static cudaError_t split_ws(const PrefillParams& p, cudaStream_t s) {
 template <typename T, int D>
 static cudaError_t wgmma_old(const PrefillParams& p, cudaStream_t s) {
   return mf::launch_prefill_wgmma_cfg<mf::CfgWgmmaLarge<T, D>, true, true>(p, s);
+}
+// The one-warpgroup cp.async wgmma kernel: what the paged dispatch ran below half a wave before the pairs.
+template <typename T, int D>
+static cudaError_t wgmma_small(const PrefillParams& p, cudaStream_t s) {
+  return mf::launch_prefill_wgmma_cfg<mf::CfgWgmmaSmall<T, D>, true, true>(p, s);
 }
 // Dense varlen warp-specialised kernel on contiguous K/V (the timing anchor).
 template <typename T, int D>
@@ -634,6 +636,14 @@ static std::vector<Case> check_cases() {
     cs.push_back({"mixed spec/chunk fp16 D64 bs32 Hq8/2", fp, 8, 2, 64, 32, true, q2, c2});
     cs.push_back({"mixed spec/chunk bf16 D128 bs64 Hq8/1 noncausal", bf, 8, 1, 128, 64, false, q2, c2});
   }
+  // Causal work lists of at most one wave (the dispatch runs them on mirrored block pairs):
+  // one sequence with and without a cached prefix, odd lengths, q_len 0 and short runs beside
+  // the chunks, q_len > context.
+  cs.push_back({"one-wave bf16 D128 bs16 Hq16/8", bf, 16, 8, 128, 16, true, {1000}, {1000}});
+  cs.push_back({"one-wave fp16 D128 bs64 Hq16/8 prefix", fp, 16, 8, 128, 64, true, {1023}, {4097}});
+  cs.push_back({"one-wave fp16 D64 bs8 Hq8/2 varlen", fp, 8, 2, 64, 8, true, {300, 700, 0, 5, 97}, {300, 1500, 40, 5, 97}});
+  cs.push_back({"one-wave bf16 D128 bs128 Hq4/1 varlen", bf, 4, 1, 128, 128, true, {129, 1023, 2, 17}, {4097, 1023, 1, 17}});
+  cs.push_back({"one-wave bf16 D64 bs256 Hq16/8 q>ctx", bf, 16, 8, 64, 256, true, {191}, {65}});
   // Decode routing (the routed variants run every case; these add the decode
   // kernels the planner picks: scalar G1/G2/G4/G8 at D64, scalar G1/G2 and
   // tensor cores at D128, FP8 below): decode rows among spec rows 2..16,
@@ -979,8 +989,8 @@ static int cmd_time_one_wave(int reps) {
   struct Shape { int q, L; };
   int fails = 0;
   for (int round = 0; round < 2; ++round)
-    for (const Shape sh : {Shape{1024, 1024}, Shape{768, 768}, Shape{512, 512}, Shape{1024, 1536}, Shape{1024, 4096},
-                           Shape{2048, 2048}}) {
+    for (const Shape sh : {Shape{1024, 1024}, Shape{768, 768}, Shape{512, 512}, Shape{256, 256}, Shape{512, 8192},
+                           Shape{1024, 1536}, Shape{1024, 4096}, Shape{2048, 2048}}) {
       Case c{"", bf, 16, 8, 128, 16, true, std::vector<int>{sh.q}, std::vector<int>{sh.L}};
       Built b;
       b.build(c, false, 42u);
@@ -1012,11 +1022,13 @@ static int cmd_time_one_wave(int reps) {
       auto tf = [&](double ms) { return fl / (ms * 1e-3) / 1e12; };
       const double t_ws = median_ms([&] { return ws_paged(b.p, 0); }, reps);
       const double t_mirror = median_ms([&] { return ws_mirror(b.p, 0); }, reps);
+      const double t_wg1 = median_ms([&] { return wgmma_small<__nv_bfloat16, 128>(b.p, 0); }, reps);
       const double t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
       const double t_dense_mirror = median_ms([&] { return ws_dense_mirror<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
-      std::printf("round %d  q=%d L=%d (%d CTAs): ws %.1f  ws_mirror %.1f (x%.3f)  dense_ws %.1f  dense_mirror %.1f  "
-                  "max|diff| %.2e%s\n", round, sh.q, sh.L, 16 * ((sh.q + 127) / 128), tf(t_ws), tf(t_mirror),
-                  t_ws / t_mirror, tf(t_dense), tf(t_dense_mirror), diff, diff <= 2e-2 ? "" : "  MISMATCH");
+      std::printf("round %d  q=%d L=%d (%d CTAs): ws %.1f  wgmma_small %.1f  ws_mirror %.1f (x%.3f ws, x%.3f wgmma_small)  "
+                  "dense_ws %.1f  dense_mirror %.1f  max|diff| %.2e%s\n", round, sh.q, sh.L, 16 * ((sh.q + 127) / 128),
+                  tf(t_ws), tf(t_wg1), tf(t_mirror), t_ws / t_mirror, t_wg1 / t_mirror, tf(t_dense), tf(t_dense_mirror),
+                  diff, diff <= 2e-2 ? "" : "  MISMATCH");
     }
   return fails;
 }
@@ -1060,7 +1072,7 @@ int main(int argc, char** argv) {
     cases = 2;
   } else if (mode == "time1w") {
     failures = cmd_time_one_wave(argc > 2 ? std::atoi(argv[2]) : 40);
-    cases = 12;
+    cases = 16;
   } else {
     std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | time8 [reps] | time1w [reps] | profile\n",
                  argv[0]);

@@ -1142,6 +1142,26 @@ def test_paged_ws_every_tile_residue(ops, q_len, block_size):
                  variant=NEW_PATHS)
 
 
+# Causal work lists of at most one wave run on mirrored 64-row block pairs (dispatch.cuh
+# CfgWsPagedMirror): a prompt's first chunk, a chunk over a cached prefix, an odd count of
+# 64-row blocks, q_len 0 and short runs beside the chunks, rows that see no key; by default
+# (variant 0) as the engine calls it, and a repeat bit for bit.
+@pytest.mark.parametrize("q_lens,ctx_lens,heads,block_size", [
+    ([1000], [1000], (16, 8), 16),
+    ([1023], [4097], (16, 8), 64),
+    ([300, 700, 0, 97], [300, 1500, 40, 97], (8, 2), 8),
+    ([191], [65], (16, 8), 256),
+], ids=["first-chunk", "prefix", "varlen", "q>ctx"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_one_wave_chunks(ops, q_lens, ctx_lens, heads, block_size, dtype):
+    D = 128
+    q, kc, vc, bt, cu, cl = _paged_case(q_lens, ctx_lens, *heads, D, block_size, dtype, seed=sum(q_lens))
+    o, _ = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 1 / math.sqrt(D),
+                        f"one wave {q_lens}x{ctx_lens} {dtype} bs{block_size}")
+    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max(q_lens), True, 1 / math.sqrt(D)), o), \
+        "a second call differs"
+
+
 def test_paged_mixed_batch_split_rows(ops):
     # the bench's mixed row (one 2k chunk + 63 decodes at 4k context, page 16): against the oracle,
     # and every row bit for bit what a call holding only its own kind of sequence gives (each row is

@@ -107,6 +107,11 @@ constexpr int kWsDynamicMinWaves = 4;
 // paged_ws3_1ad5ff9/). The dense kernel's tiles are one box per column block.
 template <typename T, int D>
 using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
+// Causal paged chunks whose work list is at most one wave (a prompt's first chunk of up to
+// ~1k tokens at B=1): the same kernel on mirrored 64-row block pairs, as CfgWsMirror for
+// dense/varlen (the pairs are of one sequence, so a cached prefix adds the same keys to both).
+template <typename T, int D>
+using CfgWsPagedMirror = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true, true, false, false, true>;
 // FP8 pages (e4m3) through the same kernel: 2 ring stages of 16-bit tiles plus 2 staging stages
 // of e4m3 tiles, which producer warps 1-3 widen into the ring (WsCfg::kKv8; checked and timed by
 // scripts/paged_ws_selftest.cu, variant ws_fp8). Faster than the mma.sync FP8 kernels on every
@@ -181,6 +186,14 @@ inline bool ws_mirror_pays(const PrefillParams& p) {
   return row_block_grid<Cfg>(p) <= sm_count(p);
 #endif
 }
+// The same for a causal paged work list of `ctas` CTAs (CfgWsPagedMirror).
+inline bool ws_paged_mirror_pays(int64_t ctas, int64_t sms) {
+#if defined(MINIPAGED_DISABLE_WS_MIRROR)
+  return false;
+#else
+  return ctas <= sms;
+#endif
+}
 #endif
 
 inline bool paged_new_paths(const PrefillParams& p) {
@@ -215,10 +228,15 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
 #if MINIPAGED_DISPATCH_WGMMA
   const int64_t sms = sm_count(p);
   // The warp-specialised TMA kernel from half a wave of its CTAs (its grid is
-  // the work list of the owned sequences), as for dense/varlen.
-  if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p) &&
-      2 * ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads >= sms)
-    return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
+  // the work list of the owned sequences), as for dense/varlen; causal work
+  // lists of at most one wave on mirrored block pairs, at any size.
+  if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p)) {
+    const int64_t ctas = ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads;
+    if constexpr (kCausal) {
+      if (ws_paged_mirror_pays(ctas, sms)) return launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, true>(p, stream);
+    }
+    if (2 * ctas >= sms) return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
+  }
   if (row_block_grid<CfgWgmmaLarge<T, D>>(p) >= 2 * sms) return launch_prefill_wgmma_cfg<CfgWgmmaLarge<T, D>, kCausal, true>(p, stream);
   return launch_prefill_wgmma_cfg<CfgWgmmaSmall<T, D>, kCausal, true>(p, stream);
 #else
