@@ -3,7 +3,8 @@
 mirrored block pairs; the dense/varlen one does since 4138ec0): B=1 causal chunks with little or
 no cached prefix, whose grids are at most one wave of 128-row blocks, timed through
 mp.paged_attention (page 16, pages shuffled) and through mp.prefill_attention_varlen on the same
-K/V made contiguous, same process, cold L2. Prints TFLOP/s (exact causal FLOPs) and the paged /
+K/V made contiguous, same process, cold L2, CUDA-graph replays (a call is ~20 us of GPU
+work, less than the API's host path). Prints TFLOP/s (exact causal FLOPs) and the paged /
 dense ratio, after checking that the two outputs agree.
 
     PYTHONPATH=src python scripts/one_wave_paged_probe.py [--json out.json]
@@ -55,7 +56,7 @@ def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
     flops = prefill_flops(1, HQ, q_len, ctx, D, causal=True)
     out = {"q_len": q_len, "ctx": ctx, "max_abs_diff": diff}
     for name, fn in (("paged", paged), ("dense", dense)):
-        t = time_fn(fn, device=dev, reps=100, max_time_s=1.0)
+        t = time_fn(fn, device=dev, reps=100, max_time_s=1.0, cuda_graph=True)
         out[name] = {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
                      "tflops": flops / (t.median_ms * 1e-3) / 1e12}
     return out

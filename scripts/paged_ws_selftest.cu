@@ -188,7 +188,7 @@ static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int split
   }
   // binding.cpp's order: the prefill half first (it validates strides and alignment), then the decodes.
   const cudaError_t perr = minipaged::launch_prefill_paged(q, s);
-  if (perr != cudaSuccess) return perr;
+  if (perr != cudaSuccess || minipaged::paged_min_seqlen_q(q) >= 2) return perr;  // no q_len 1 row
   minipaged::DecodeParams d = minipaged::paged_decode_params(q, g_cc_major);
   const minipaged::DecodePlan plan = minipaged::decode_plan(d, splits);
   const int64_t floats = minipaged::decode_workspace_floats(d);

@@ -557,7 +557,7 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       // their split-K plan and workspace, as the decode op would, on the same
       // stream. Which sequence is which is decided on the device.
       err = minipaged::launch_prefill_paged(p, stream);
-      if (err == cudaSuccess && minipaged::paged_decode_routing(p)) {
+      if (err == cudaSuccess && minipaged::paged_decode_routing(p) && minipaged::paged_min_seqlen_q(p) <= 1) {
         minipaged::DecodeParams d = minipaged::paged_decode_params(p, cc_major(q.get_device()));
         const minipaged::DecodePlan plan = minipaged::decode_plan(d, static_cast<int>(num_splits));
         const at::Tensor workspace = decode_split_workspace(q, d);

@@ -194,8 +194,21 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStr
 // workspace that plan needs). They write disjoint rows (the prefill kernels
 // keep only q_len >= 2), so either order is correct; binding.cpp runs the
 // prefill launcher first because it also validates strides and alignment.
-// Defined in prefill/paged.cu.
+// Defined in prefill/paged.cu. The caller may skip launch_decode where no
+// q_len can be 1 (paged_min_seqlen_q(p) >= 2).
 bool paged_decode_routing(const PrefillParams& p);
+
+// The least q_len any sequence of paged p can have, from what the host knows:
+// the q_lens of its `batch` sequences sum to total_q (cu_seqlens_q ends at Tq)
+// and none exceeds max_seqlen_q. A uniform batch (every chunk one length) or a
+// single sequence thereby skips the launches of row classes it cannot hold
+// (the decode rows, the packed short runs), each an empty grid that costs a
+// few microseconds even in a CUDA graph.
+inline int64_t paged_min_seqlen_q(const PrefillParams& p) {
+  if (p.batch <= 0) return 0;
+  const int64_t rest = int64_t(p.batch - 1) * p.max_seqlen_q;
+  return p.total_q > rest ? p.total_q - rest : 0;
+}
 
 // The decode parameters of the q_len == 1 rows of paged p (see
 // DecodeParams::cu_seqlens_q); workspace, counters and the plan are the

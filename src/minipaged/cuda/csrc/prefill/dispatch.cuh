@@ -127,8 +127,11 @@ using CfgWsPaged8 = WsCfg<T, D, 128, 2, true, true, true, true, false, false, fa
 // kPackMaxSeqlenQ (grid sized for that many rows) and `tiled` for the longer
 // ones; each kernel's CTAs return at once for the other's sequences
 // (PrefillParams::qlen_filter). Rows are written by exactly one launch.
+// paged_min_seqlen_q (params.h): a batch whose every q_len exceeds kPackMaxSeqlenQ skips the
+// packed launch.
 template <class Packed, class Tiled>
 cudaError_t launch_paged_split(const PrefillParams& p, Packed packed, Tiled tiled) {
+  if (paged_min_seqlen_q(p) > kPackMaxSeqlenQ) return tiled(p);
   PrefillParams ps = p;
   ps.qlen_filter = kPackMaxSeqlenQ;
   ps.max_seqlen_q = kPackMaxSeqlenQ;
@@ -207,7 +210,7 @@ inline bool paged_new_paths(const PrefillParams& p) {
 template <class Packed, class Tiled>
 cudaError_t launch_paged_routed_rest(const PrefillParams& p, bool pack_ok, Packed packed_min2, Tiled tiled) {
   if (p.max_seqlen_q <= 1) return cudaSuccess;
-  if (pack_ok) {
+  if (pack_ok && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ) {
     PrefillParams ps = p;
     ps.qlen_filter = kPackMaxSeqlenQ;
     ps.max_seqlen_q = std::min(p.max_seqlen_q, kPackMaxSeqlenQ);
