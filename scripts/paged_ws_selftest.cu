@@ -24,7 +24,7 @@
 // paths), ws (the
 // paged TMA kernel forced for every sequence, decode rows included: pages of
 // >= 8 tokens, 16-bit caches), ws_mirror (the same with mirrored 64-row block
-// pairs, WsCfg::kMirror; not dispatched for paged calls), split_ws (the two-launch split forced with the
+// pairs, WsCfg::kMirror; the dispatch's choice for causal work lists of at most one wave), split_ws (the two-launch split forced with the
 // TMA kernel as the tiled half), routed / routed_s1 / routed_s3 (the decode
 // routing, PrefillParams variant 4: q_len == 1 rows through the decode kernels
 // with the split heuristic / one split / three splits, the rest through
