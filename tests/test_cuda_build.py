@@ -148,3 +148,51 @@ def test_ptxas_report_script_runs():
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"write_kv_kernel.*\s\d+\s", proc.stdout), proc.stdout
+
+
+_BOUND_PROBE = r"""
+#include <cstdio>
+#include "params.h"
+int main() {
+  long long batch, total, max_q;
+  while (std::scanf("%lld %lld %lld", &batch, &total, &max_q) == 3) {
+    minipaged::PrefillParams p{};
+    p.batch = static_cast<int>(batch);
+    p.total_q = total;
+    p.max_seqlen_q = static_cast<int>(max_q);
+    std::printf("%lld\n", static_cast<long long>(minipaged::paged_min_seqlen_q(p)));
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_paged_min_seqlen_q_bounds_every_q_len(tmp_path):
+    # The host skips the paged launches of row classes no sequence can be in (decode rows,
+    # packed short runs) from this lower bound, so it must never exceed a real q_len. It must
+    # be exact where the launches are skipped: a uniform batch and a single sequence.
+    import random
+
+    src = tmp_path / "bound.cu"
+    src.write_text(_BOUND_PROBE)
+    exe = tmp_path / "bound"
+    proc = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rng = random.Random(7)
+    batches = [[1], [0], [2048], [512] * 8, [4] * 32, [128] * 63, [2048] + [1] * 63, [1, 300, 16, 17, 4],
+               [0, 0, 5], [17, 17, 16]]
+    batches += [[rng.choice([0, 1, 2, 4, 16, 17, 97, 1023, 4096]) for _ in range(rng.randint(1, 40))]
+                for _ in range(200)]
+    rows = []
+    for q_lens in batches:
+        for extra in (0, 1, 1000):  # max_seqlen_q may exceed every real q_len
+            rows.append((q_lens, max(q_lens) + extra))
+    feed = "".join(f"{len(q)} {sum(q)} {m}\n" for q, m in rows)
+    out = subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout.split()
+    assert len(out) == len(rows)
+    for (q_lens, max_q), got in zip(rows, map(int, out)):
+        assert 0 <= got <= min(q_lens), (q_lens, max_q, got)
+        if (max_q == max(q_lens) and len(set(q_lens)) == 1) or len(q_lens) == 1:
+            assert got == min(q_lens), (q_lens, max_q, got)
