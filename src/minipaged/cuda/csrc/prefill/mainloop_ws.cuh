@@ -189,8 +189,7 @@ struct WsCfg {
   // Every CTA then carries about the same work, where consecutive rows make the last block's
   // CTA twice as long as the average: what bounds a causal grid of about one wave
   // (B=1 N=1k: 16 heads x 8 blocks on 132 SMs). Q arrives as two 64-row boxes. Dispatched for
-  // dense/varlen grids (prefill/dispatch.cuh); the paged build (16-bit pages) is a selftest variant
-  // (scripts/paged_ws_selftest.cu ws_mirror, time1w) until measured.
+  // dense/varlen grids and 16-bit paged work lists of at most one wave (prefill/dispatch.cuh).
   static constexpr bool kMirror = kMirror_;
   static_assert(!kMirror || (!kKv8_ && !kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
                 "mirrored pairs: a grid of 16-bit K/V (dense, varlen or paged), a pipelined schedule");
