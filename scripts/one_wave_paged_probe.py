@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""How much the one-wave imbalance costs `cuda`'s paged prefill (the paged TMA kernel has no
-mirrored block pairs; the dense/varlen one does since 4138ec0): B=1 causal chunks with little or
-no cached prefix, whose grids are at most one wave of 128-row blocks, timed through
+"""`cuda`'s paged prefill against its dense/varlen prefill on one-wave causal chunks (both run
+mirrored block pairs there: dense since 4138ec0, paged since 4a01a04; the paged call launches
+only the tiled kernel for them since 5823656): B=1 chunks with little or no cached prefix, whose
+grids are at most one wave of 128-row blocks, timed through
 mp.paged_attention (page 16, pages shuffled) and through mp.prefill_attention_varlen on the same
 K/V made contiguous, same process, cold L2, CUDA-graph replays (a call is ~20 us of GPU
 work, less than the API's host path). Prints TFLOP/s (exact causal FLOPs) and the paged /
