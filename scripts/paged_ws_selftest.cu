@@ -16,7 +16,8 @@
 //   ./paged_ws_selftest time8 [reps]             ws_fp8 against the 16-bit TMA kernel, bf16 and fp16,
 //                                                then its fp8 checks (small and a reduced timed shape)
 //   ./paged_ws_selftest time1w [reps]            one-wave causal chunks: ws against ws_mirror (mirrored
-//                                                64-row block pairs) and the dense kernels
+//                                                64-row block pairs) and the dense kernels; ws_fp8 against
+//                                                ws_fp8_mirror on FP8 pages of the same K/V
 //
 // Variants: dispatch (what the extension runs for a default call: the decode
 // routing's launch_prefill_paged + decode pair, or launch_prefill_paged alone
@@ -125,6 +126,16 @@ struct Ws8Launch {
     return mf::launch_prefill_ws_paged<mf::CfgWsPaged8<T, D>, kCausal>(p, s);
   }
 };
+// The same over FP8 pages with mirrored 64-row block pairs: not dispatched until timed here (time1w).
+template <typename T, int D>
+using CfgWsPaged8Mirror = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true,
+                                    true>;
+template <typename T, int D, bool kCausal>
+struct Ws8MirrorLaunch {
+  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+    return mf::launch_prefill_ws_paged<CfgWsPaged8Mirror<T, D>, kCausal>(p, s);
+  }
+};
 // The paged kernel with mirrored 64-row block pairs (prefill/dispatch.cuh CfgWsPagedMirror: what the
 // paged dispatch runs for causal work lists of at most one wave).
 template <typename T, int D, bool kCausal>
@@ -136,6 +147,7 @@ struct WsMirrorLaunch {
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
 static cudaError_t ws_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsMirrorLaunch>(p, s); }
 static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<Ws8Launch>(p, s); }
+static cudaError_t ws_fp8_mirror(const PrefillParams& p, cudaStream_t s) { return forced<Ws8MirrorLaunch>(p, s); }
 static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<Ws3Launch>(p, s); }
 static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
 static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }
@@ -231,6 +243,7 @@ static const Variant kVariants[] = {
     {"routed_s1", routed<1>, false},  // one split: the decode kernel stores o itself
     {"routed_s3", routed<3>, false},  // three splits, uneven over most contexts
     {"ws_fp8", ws_fp8, false, true},
+    {"ws_fp8_mirror", ws_fp8_mirror, false, true},
 };
 
 // ---------------------------------------------------------------- host data
@@ -677,7 +690,8 @@ static std::vector<Case> check_cases() {
       const Case& c0 = cs[i];
       const bool mix = c0.name.rfind("mix ", 0) == 0, res = c0.name.rfind("residues q70", 0) == 0 ||
                                                             c0.name.rfind("residues q129", 0) == 0;
-      if (!(mix || res) || c0.block_size < 8) continue;
+      const bool wave = c0.name.rfind("one-wave", 0) == 0;
+      if (!(mix || res || wave) || c0.block_size < 8) continue;
       Case f = c0;
       f.name = "fp8 " + c0.name;
       f.fp8 = true;
@@ -1025,10 +1039,34 @@ static int cmd_time_one_wave(int reps) {
       const double t_wg1 = median_ms([&] { return wgmma_small<__nv_bfloat16, 128>(b.p, 0); }, reps);
       const double t_dense = median_ms([&] { return ws_dense<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
       const double t_dense_mirror = median_ms([&] { return ws_dense_mirror<__nv_bfloat16, 128>(ctg.p, 0); }, reps);
+      // FP8 pages (per-KV-head scales) of the same K/V: the plain schedule against the pairs
+      Case c8 = c;
+      c8.fp8 = true;
+      Built b8;
+      b8.build(c8, false, 42u);
+      b8.p.lse = nullptr;
+      auto out8_of = [&](LaunchFn fn) {
+        CHECK_CUDA(fn(b8.p, 0));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        std::vector<uint16_t> h(b8.o_elems);
+        CHECK_CUDA(cudaMemcpy(h.data(), b8.dout, b8.o_elems * 2, cudaMemcpyDeviceToHost));
+        return h;
+      };
+      const auto o8 = out8_of(ws_fp8);
+      const auto o8m = out8_of(ws_fp8_mirror);
+      double diff8 = 0;
+      for (size_t i = 0; i < o8.size(); ++i) {
+        const double a = from_bits(o8m[i], bf);
+        diff8 = std::isnan(a) ? INFINITY : std::max(diff8, std::fabs(a - from_bits(o8[i], bf)));
+      }
+      if (!(diff8 <= 2e-2)) ++fails;
+      const double t8 = median_ms([&] { return ws_fp8(b8.p, 0); }, reps);
+      const double t8m = median_ms([&] { return ws_fp8_mirror(b8.p, 0); }, reps);
       std::printf("round %d  q=%d L=%d (%d CTAs): ws %.1f  wgmma_small %.1f  ws_mirror %.1f (x%.3f ws, x%.3f wgmma_small)  "
-                  "dense_ws %.1f  dense_mirror %.1f  max|diff| %.2e%s\n", round, sh.q, sh.L, 16 * ((sh.q + 127) / 128),
+                  "dense_ws %.1f  dense_mirror %.1f  max|diff| %.2e%s | fp8: ws_fp8 %.1f  ws_fp8_mirror %.1f (x%.3f)  "
+                  "max|diff| %.2e%s\n", round, sh.q, sh.L, 16 * ((sh.q + 127) / 128),
                   tf(t_ws), tf(t_wg1), tf(t_mirror), t_ws / t_mirror, t_wg1 / t_mirror, tf(t_dense), tf(t_dense_mirror),
-                  diff, diff <= 2e-2 ? "" : "  MISMATCH");
+                  diff, diff <= 2e-2 ? "" : "  MISMATCH", tf(t8), tf(t8m), t8 / t8m, diff8, diff8 <= 2e-2 ? "" : "  MISMATCH");
     }
   return fails;
 }
@@ -1072,7 +1110,7 @@ int main(int argc, char** argv) {
     cases = 2;
   } else if (mode == "time1w") {
     failures = cmd_time_one_wave(argc > 2 ? std::atoi(argv[2]) : 40);
-    cases = 16;
+    cases = 32;
   } else {
     std::fprintf(stderr, "usage: %s check [variant filter] | small | time [reps] | time8 [reps] | time1w [reps] | profile\n",
                  argv[0]);

@@ -189,10 +189,12 @@ struct WsCfg {
   // Every CTA then carries about the same work, where consecutive rows make the last block's
   // CTA twice as long as the average: what bounds a causal grid of about one wave
   // (B=1 N=1k: 16 heads x 8 blocks on 132 SMs). Q arrives as two 64-row boxes. Dispatched for
-  // dense/varlen grids and 16-bit paged work lists of at most one wave (prefill/dispatch.cuh).
+  // dense/varlen grids and 16-bit paged work lists of at most one wave (prefill/dispatch.cuh); over
+  // FP8 pages (kKv8: the widening warps fill the ring as for any tile) a selftest variant
+  // (scripts/paged_ws_selftest.cu ws_fp8_mirror, time1w) until measured.
   static constexpr bool kMirror = kMirror_;
-  static_assert(!kMirror || (!kKv8_ && !kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
-                "mirrored pairs: a grid of 16-bit K/V (dense, varlen or paged), a pipelined schedule");
+  static_assert(!kMirror || (!kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
+                "mirrored pairs: a grid (dense, varlen or paged), a pipelined schedule");
   // FP8 pages (e4m3 caches, PrefillParams::kv_fp8): warp 0 of the producer warpgroup loads each
   // key tile's pages as bytes into a staging ring of kStStages K and V byte tiles (one TMA box
   // per page, [keys][kD bytes], no swizzle); warps 1-3 widen them to T in registers and store
