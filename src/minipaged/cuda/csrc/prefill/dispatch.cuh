@@ -110,6 +110,8 @@ using CfgWsPaged = WsCfg<T, D, 128, 3, true, true, true, true, false, false, fal
 // Causal paged chunks whose work list is at most one wave (a prompt's first chunk of up to
 // ~1k tokens at B=1): the same kernel on mirrored 64-row block pairs, as CfgWsMirror for
 // dense/varlen (the pairs are of one sequence, so a cached prefix adds the same keys to both).
+// It beats the plain schedule from half a wave and the one-warpgroup kernel below it, but for
+// a 1-2% loss at 32 CTAs with no prefix (bench/results/nvidia-h200/paged_mirror_4a01a04/).
 template <typename T, int D>
 using CfgWsPagedMirror = WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true, true, false, false, true>;
 // FP8 pages (e4m3) through the same kernel: 2 ring stages of 16-bit tiles plus 2 staging stages
