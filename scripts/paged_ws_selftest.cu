@@ -86,22 +86,20 @@ static cudaError_t forced(const PrefillParams& p, cudaStream_t s) {
   };
   return p.dtype == DType::kBFloat16 ? dim(__nv_bfloat16{}) : dim(__half{});
 }
-template <typename T, int D, bool kCausal>
-struct WsLaunch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<mf::CfgWsPaged<T, D>, kCausal>(p, s);
-  }
+// The paged TMA kernel in config Cfg<T, D>, as a Launch for forced<>.
+template <template <typename, int> class Cfg>
+struct WsPaged {
+  template <typename T, int D, bool kCausal>
+  struct Launch {
+    static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
+      return mf::launch_prefill_ws_paged<Cfg<T, D>, kCausal>(p, s);
+    }
+  };
 };
 // The paged kernel with the dense kernel's panel layout of K/V tiles (one box per page and
 // column block): the layout before the interleaved one (WsCfg::kKvInterleave), for the A/B.
 template <typename T, int D>
 using CfgWsPagedPanels = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, false>;
-template <typename T, int D, bool kCausal>
-struct PanelLaunch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<CfgWsPagedPanels<T, D>, kCausal>(p, s);
-  }
-};
 template <typename T, int D, bool kCausal>
 struct PackLaunch {
   static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
@@ -112,44 +110,19 @@ struct PackLaunch {
 // flight hides the per-box TMA latency of small pages.
 template <typename T, int D>
 using CfgWsPaged3 = mf::WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
-template <typename T, int D, bool kCausal>
-struct Ws3Launch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<CfgWsPaged3<T, D>, kCausal>(p, s);
-  }
-};
-// FP8 pages through the TMA kernel (WsCfg kKv8: e4m3 pages staged by TMA, widened to 16 bits in
-// shared memory by producer warps 1-3; prefill/dispatch.cuh CfgWsPaged8).
-template <typename T, int D, bool kCausal>
-struct Ws8Launch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<mf::CfgWsPaged8<T, D>, kCausal>(p, s);
-  }
-};
-// The same over FP8 pages with mirrored 64-row block pairs: not dispatched until timed here (time1w).
+// FP8 pages with mirrored 64-row block pairs: not dispatched until timed here (time1w). The
+// dispatch's own configs: CfgWsPaged, CfgWsPagedMirror (causal work lists of at most one wave)
+// and CfgWsPaged8 (FP8 pages: e4m3 staged by TMA, widened to 16 bits in shared memory by
+// producer warps 1-3), all in prefill/dispatch.cuh.
 template <typename T, int D>
 using CfgWsPaged8Mirror = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true,
                                     true>;
-template <typename T, int D, bool kCausal>
-struct Ws8MirrorLaunch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<CfgWsPaged8Mirror<T, D>, kCausal>(p, s);
-  }
-};
-// The paged kernel with mirrored 64-row block pairs (prefill/dispatch.cuh CfgWsPagedMirror: what the
-// paged dispatch runs for causal work lists of at most one wave).
-template <typename T, int D, bool kCausal>
-struct WsMirrorLaunch {
-  static cudaError_t run(const PrefillParams& p, cudaStream_t s) {
-    return mf::launch_prefill_ws_paged<mf::CfgWsPagedMirror<T, D>, kCausal>(p, s);
-  }
-};
-static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsLaunch>(p, s); }
-static cudaError_t ws_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsMirrorLaunch>(p, s); }
-static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<Ws8Launch>(p, s); }
-static cudaError_t ws_fp8_mirror(const PrefillParams& p, cudaStream_t s) { return forced<Ws8MirrorLaunch>(p, s); }
-static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<Ws3Launch>(p, s); }
-static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<PanelLaunch>(p, s); }
+static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPaged>::Launch>(p, s); }
+static cudaError_t ws_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPagedMirror>::Launch>(p, s); }
+static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPaged8>::Launch>(p, s); }
+static cudaError_t ws_fp8_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPaged8Mirror>::Launch>(p, s); }
+static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPaged3>::Launch>(p, s); }
+static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPagedPanels>::Launch>(p, s); }
 static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }
 static cudaError_t split_ws(const PrefillParams& p, cudaStream_t s) {
   return mf::launch_paged_split(p, [&](const PrefillParams& q) { return pack_paged(q, s); },
