@@ -984,17 +984,18 @@ static int cmd_time_one_wave(int reps) {
       b.p.lse = nullptr;
       Contig ctg;
       ctg.build(b);
-      // the three write the same (padded) output buffer: each result is copied out after its launch
-      auto out_of = [&](LaunchFn fn, const PrefillParams& p) {
+      // fn(p) writes out.dout (the dense call too: Contig shares b's output buffer); each result is
+      // copied out after its launch
+      auto out_of = [&](LaunchFn fn, const PrefillParams& p, const Built& out) {
         CHECK_CUDA(fn(p, 0));
         CHECK_CUDA(cudaDeviceSynchronize());
-        std::vector<uint16_t> h(b.o_elems);
-        CHECK_CUDA(cudaMemcpy(h.data(), b.dout, b.o_elems * 2, cudaMemcpyDeviceToHost));
+        std::vector<uint16_t> h(out.o_elems);
+        CHECK_CUDA(cudaMemcpy(h.data(), out.dout, out.o_elems * 2, cudaMemcpyDeviceToHost));
         return h;
       };
-      const auto o_ws = out_of(ws_paged, b.p);
-      const auto o_mirror = out_of(ws_mirror, b.p);
-      const auto o_dense = out_of(ws_dense<__nv_bfloat16, 128>, ctg.p);
+      const auto o_ws = out_of(ws_paged, b.p, b);
+      const auto o_mirror = out_of(ws_mirror, b.p, b);
+      const auto o_dense = out_of(ws_dense<__nv_bfloat16, 128>, ctg.p, b);
       double diff = 0;
       for (int t = 0; t < sh.q; ++t)
         for (int h = 0; h < 16; ++h)
@@ -1018,15 +1019,8 @@ static int cmd_time_one_wave(int reps) {
       Built b8;
       b8.build(c8, false, 42u);
       b8.p.lse = nullptr;
-      auto out8_of = [&](LaunchFn fn) {
-        CHECK_CUDA(fn(b8.p, 0));
-        CHECK_CUDA(cudaDeviceSynchronize());
-        std::vector<uint16_t> h(b8.o_elems);
-        CHECK_CUDA(cudaMemcpy(h.data(), b8.dout, b8.o_elems * 2, cudaMemcpyDeviceToHost));
-        return h;
-      };
-      const auto o8 = out8_of(ws_fp8);
-      const auto o8m = out8_of(ws_fp8_mirror);
+      const auto o8 = out_of(ws_fp8, b8.p, b8);
+      const auto o8m = out_of(ws_fp8_mirror, b8.p, b8);
       double diff8 = 0;
       for (size_t i = 0; i < o8.size(); ++i) {
         const double a = from_bits(o8m[i], bf);
