@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import minipaged as mp
+from minipaged.benchmark.cases import contiguous_kv
 from minipaged.benchmark.flops import decode_bytes
 from minipaged.benchmark.timing import time_fn
 
@@ -45,11 +46,6 @@ def make(batch: int, ctx: int, hq: int, hkv: int, in_order: bool, gen: torch.Gen
     q = torch.randn(batch, hq, D, device=dev, generator=gen).to(dt)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     return q, k_cache, v_cache, tables, lens
-
-
-def contiguous(cache, tables, ctx):
-    g = cache[tables.long()]  # [B, pages, PAGE, Hkv, D]
-    return g.reshape(tables.shape[0], ctx, cache.shape[2], D).permute(0, 2, 1, 3).contiguous()
 
 
 def main() -> None:
@@ -72,7 +68,7 @@ def main() -> None:
                 t = time_fn(fn, device="cuda", reps=args.reps, cuda_graph=True)
                 res[f"{backend} {name}"] = t.median_ms * 1e3
             if name == "paged":
-                k4, v4 = contiguous(kc, bt, ctx), contiguous(vc, bt, ctx)
+                k4, v4 = contiguous_kv(kc, vc, bt, ctx)
                 out = mp.decode_attention(q, kc, vc, bt, cl, scale=scale, backend="cuda")
                 q4 = q.view(b, hkv, hq // hkv, D)
                 from torch.nn.attention import SDPBackend, sdpa_kernel
