@@ -182,17 +182,9 @@ int64_t row_block_grid(const PrefillParams& p) {
 }
 
 #if MINIPAGED_DISPATCH_WGMMA
-// Whether a causal dense/varlen grid of Cfg (CfgWs) takes CfgWsMirror: at most one wave.
-template <class Cfg>
-inline bool ws_mirror_pays(const PrefillParams& p) {
-#if defined(MINIPAGED_DISABLE_WS_MIRROR)
-  return false;
-#else
-  return row_block_grid<Cfg>(p) <= sm_count(p);
-#endif
-}
-// The same for a causal paged work list of `ctas` CTAs (CfgWsPagedMirror).
-inline bool ws_paged_mirror_pays(int64_t ctas, int64_t sms) {
+// Whether a causal grid or paged work list of `ctas` CTAs takes the mirrored pairs
+// (CfgWsMirror, CfgWsPagedMirror): at most one wave.
+inline bool ws_mirror_pays(int64_t ctas, int64_t sms) {
 #if defined(MINIPAGED_DISABLE_WS_MIRROR)
   return false;
 #else
@@ -238,7 +230,7 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
   if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p)) {
     const int64_t ctas = ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads;
     if constexpr (kCausal) {
-      if (ws_paged_mirror_pays(ctas, sms)) return launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, true>(p, stream);
+      if (ws_mirror_pays(ctas, sms)) return launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, true>(p, stream);
     }
     if (2 * ctas >= sms) return launch_prefill_ws_paged<CfgWsPaged<T, D>, kCausal>(p, stream);
   }
@@ -292,7 +284,7 @@ cudaError_t dispatch_shape(const PrefillParams& p, cudaStream_t stream) {
         // causal, at most one wave: also below half a wave, where it beats the one-warpgroup kernel
         // (no non-causal instantiation: every block of a full grid carries the same work)
         if constexpr (kCausal) {
-          if (ws_mirror_pays<CfgWs<T, D>>(p)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
+          if (ws_mirror_pays(row_block_grid<CfgWs<T, D>>(p), sms)) return launch_prefill_ws<CfgWsMirror<T, D>, kCausal>(p, stream);
         }
         if (2 * wg_blocks >= sms) return launch_prefill_ws<CfgWs<T, D>, kCausal>(p, stream);
       }
