@@ -110,17 +110,13 @@ struct PackLaunch {
 // flight hides the per-box TMA latency of small pages.
 template <typename T, int D>
 using CfgWsPaged3 = mf::WsCfg<T, D, 128, 3, true, true, true, true, false, false, false, true>;
-// FP8 pages with mirrored 64-row block pairs: not dispatched until timed here (time1w). The
-// dispatch's own configs: CfgWsPaged, CfgWsPagedMirror (causal work lists of at most one wave)
-// and CfgWsPaged8 (FP8 pages: e4m3 staged by TMA, widened to 16 bits in shared memory by
-// producer warps 1-3), all in prefill/dispatch.cuh.
-template <typename T, int D>
-using CfgWsPaged8Mirror = mf::WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true,
-                                    true>;
+// The dispatch's own configs, all in prefill/dispatch.cuh: CfgWsPaged, CfgWsPagedMirror (causal
+// work lists of at most one wave), CfgWsPaged8 (FP8 pages: e4m3 staged by TMA, widened to 16 bits
+// in shared memory by producer warps 1-3) and CfgWsPaged8Mirror (its one-wave twin).
 static cudaError_t ws_paged(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPaged>::Launch>(p, s); }
 static cudaError_t ws_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPagedMirror>::Launch>(p, s); }
 static cudaError_t ws_fp8(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPaged8>::Launch>(p, s); }
-static cudaError_t ws_fp8_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPaged8Mirror>::Launch>(p, s); }
+static cudaError_t ws_fp8_mirror(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<mf::CfgWsPaged8Mirror>::Launch>(p, s); }
 static cudaError_t ws_paged3(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPaged3>::Launch>(p, s); }
 static cudaError_t ws_panels(const PrefillParams& p, cudaStream_t s) { return forced<WsPaged<CfgWsPagedPanels>::Launch>(p, s); }
 static cudaError_t pack_paged(const PrefillParams& p, cudaStream_t s) { return forced<PackLaunch>(p, s); }

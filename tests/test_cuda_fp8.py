@@ -470,6 +470,24 @@ def test_fp8_paged_tma_long_chunks(dtype, D):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("q_lens, ctxs, heads, page", [
+    ([1023], [1023], (16, 8), 16),
+    ([1023], [4097], (16, 8), 64),
+    ([300, 700, 0, 97], [300, 1500, 40, 97], (8, 2), 8),
+    ([191], [65], (16, 8), 256),
+], ids=["first-chunk", "prefix", "varlen", "q>ctx"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged_one_wave_chunks(dtype, q_lens, ctxs, heads, page):
+    """Causal FP8 chunks whose work list is at most one wave (a prompt's first chunk at B=1):
+    the TMA kernel on mirrored 64-row block pairs on sm_90a, against the oracle, repeatable."""
+    out, _, (q, kc, vc, tables, cu, ctx, ks, vs, _, _) = _run_paged(q_lens, ctxs, *heads, 128, page, dtype,
+                                                                      seed=sum(q_lens) + page)
+    again = _ops().paged(q, kc, vc, tables, cu, ctx, max(q_lens), True, 1.0 / math.sqrt(128), False, ks, vs)
+    assert torch.equal(again, out), "a second call differs"
+
+
+@gpu
+@needs_cuda
 def test_fp8_paged_decode_batch_equals_decode_and_is_deterministic():
     """A pure decode batch through paged runs the decode kernels: identical bytes; and
     repeated paged calls are bitwise identical."""

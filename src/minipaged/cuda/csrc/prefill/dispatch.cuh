@@ -121,6 +121,11 @@ using CfgWsPagedMirror = WsCfg<T, D, 128, 3, true, true, true, true, false, fals
 // sends FP8 chunks back to them.
 template <typename T, int D>
 using CfgWsPaged8 = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true>;
+// FP8 causal work lists of at most one wave: CfgWsPaged8 on mirrored 64-row block pairs, as
+// CfgWsPagedMirror for 16-bit pages. 1.02-1.13x the plain schedule from 32 to 128 CTAs, 0.77x at
+// two waves (bench/results/nvidia-h200/paged_fp8_mirror_b28262d/).
+template <typename T, int D>
+using CfgWsPaged8Mirror = WsCfg<T, D, 128, 2, true, true, true, true, false, false, false, true, true, false, true, true>;
 #endif
 
 // Paged, a batch with q_lens on both sides of kPackMaxSeqlenQ (max_seqlen_q
