@@ -6,9 +6,11 @@ grids are at most one wave of 128-row blocks, timed through
 mp.paged_attention (page 16, pages shuffled) and through mp.prefill_attention_varlen on the same
 K/V made contiguous, same process, cold L2, CUDA-graph replays (a call is ~20 us of GPU
 work, less than the API's host path). Prints TFLOP/s (exact causal FLOPs) and the paged /
-dense ratio, after checking that the two outputs agree.
+dense ratio, after checking that the two outputs agree. --kv-cache-dtype fp8 also times the
+paged call on an FP8 copy of the cache (mirrored pairs since 0e15b34), checked against the
+16-bit output within the FP8 rounding.
 
-    PYTHONPATH=src python scripts/one_wave_paged_probe.py [--json out.json]
+    PYTHONPATH=src python scripts/one_wave_paged_probe.py [--kv-cache-dtype fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from minipaged.benchmark.timing import time_fn
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 
 
-def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
+def case(q_len: int, ctx: int, gen: torch.Generator, fp8: bool = False) -> dict:
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(q_len, HQ, D, device=dev, generator=gen).to(dt)
     k = torch.randn(ctx, HKV, D, device=dev, generator=gen).to(dt)
@@ -56,7 +58,23 @@ def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
     assert diff < 2e-2, f"paged and dense disagree: {diff}"
     flops = prefill_flops(1, HQ, q_len, ctx, D, causal=True)
     out = {"q_len": q_len, "ctx": ctx, "max_abs_diff": diff}
-    for name, fn in (("paged", paged), ("dense", dense)):
+    calls = [("paged", paged), ("dense", dense)]
+    if fp8:
+        # per-KV-head scales from the amax, as the engine computes them
+        k_scale = (k.float().abs().amax(dim=(0, 2)) / 448).clamp_min(1e-6)
+        v_scale = (v.float().abs().amax(dim=(0, 2)) / 448).clamp_min(1e-6)
+        k8 = torch.full(k_cache.shape, float("nan"), device=dev).to(torch.float8_e4m3fn)
+        v8 = k8.clone()
+        mp.write_kv_cache(k, v, k8, v8, slots, k_scale=k_scale, v_scale=v_scale, backend="cuda")
+
+        def paged_fp8():
+            return mp.paged_attention(q, k8, v8, block_tables, cu_q, ctx_lens, max_seqlen_q=q_len, scale=scale,
+                                      k_scale=k_scale, v_scale=v_scale, backend="cuda", check_values=False)
+
+        out["fp8_max_abs_diff"] = (paged_fp8().float() - dense().float()).abs().max().item()
+        assert out["fp8_max_abs_diff"] < 0.25, f"fp8 paged and dense disagree: {out['fp8_max_abs_diff']}"
+        calls.append(("paged_fp8", paged_fp8))
+    for name, fn in calls:
         t = time_fn(fn, device=dev, reps=100, max_time_s=1.0, cuda_graph=True)
         out[name] = {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
                      "tflops": flops / (t.median_ms * 1e-3) / 1e12}
@@ -66,14 +84,19 @@ def case(q_len: int, ctx: int, gen: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [case(q, c, gen) for q, c in ((1024, 1024), (512, 512), (1024, 1536), (768, 768))]
+    fp8 = args.kv_cache_dtype == "fp8"
+    rows = [case(q, c, gen, fp8) for q, c in ((1024, 1024), (512, 512), (1024, 1536), (768, 768))]
     for r in rows:
         print(f"B=1 q={r['q_len']} ctx={r['ctx']}: paged {r['paged']['tflops']:.1f} TFLOP/s "
               f"({r['paged']['median_ms'] * 1e3:.1f} us), dense {r['dense']['tflops']:.1f} "
               f"({r['dense']['median_ms'] * 1e3:.1f} us), paged/dense speed "
               f"{r['dense']['median_ms'] / r['paged']['median_ms']:.3f}, max|diff| {r['max_abs_diff']:.2e}")
+        if "paged_fp8" in r:
+            print(f"    fp8 pages: {r['paged_fp8']['tflops']:.1f} TFLOP/s ({r['paged_fp8']['median_ms'] * 1e3:.1f} us), "
+                  f"max|diff| to dense {r['fp8_max_abs_diff']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
