@@ -11,9 +11,11 @@
 // launch_decode too (the caller's second launch) and this launcher keeps the
 // q_len >= 2 rows: 2..16 on the packed kernel where GQA packing applies, the
 // rest on the tiled kernel.
-// FP8 caches (p.kv_fp8) run the mma.sync kernels with FP8 K/V tiles
-// (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch, wgmma builds included:
-// the GQA-packed block for short queries, the small block otherwise.
+// FP8 caches (p.kv_fp8): short queries run the GQA-packed mma.sync block with
+// FP8 K/V tiles (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch; longer ones
+// the warp-specialised TMA kernel that widens e4m3 pages in shared memory
+// (CfgWsPaged8, mirrored block pairs for causal work lists of at most one wave)
+// on an sm_90a build with pages of >= 8 tokens, else the small mma.sync block.
 // A batch that may mix short (q_len <= kPackMaxSeqlenQ) and long sequences
 // runs two launches, the packed kernel for the short ones and the tiled one
 // for the rest (launch_paged_split, prefill/dispatch.cuh); on an sm_90a build
