@@ -187,8 +187,15 @@ int64_t row_block_grid(const PrefillParams& p) {
 }
 
 #if MINIPAGED_DISPATCH_WGMMA
+// CTAs of the paged TMA kernel's work list: every owned (sequence, m-block) pair, bounded from
+// host-known values (ws_paged_work_bound), times the query heads.
+template <class Cfg>
+int64_t ws_paged_grid(const PrefillParams& p) {
+  return ws_paged_work_bound(p, Cfg::kBlockM) * p.num_q_heads;
+}
+
 // Whether a causal grid or paged work list of `ctas` CTAs takes the mirrored pairs
-// (CfgWsMirror, CfgWsPagedMirror): at most one wave.
+// (CfgWsMirror, CfgWsPagedMirror, CfgWsPaged8Mirror): at most one wave.
 inline bool ws_mirror_pays(int64_t ctas, int64_t sms) {
 #if defined(MINIPAGED_DISABLE_WS_MIRROR)
   return false;
@@ -233,7 +240,7 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
   // the work list of the owned sequences), as for dense/varlen; causal work
   // lists of at most one wave on mirrored block pairs, at any size.
   if (paged_new_paths(p) && ws_paged_supported<CfgWsPaged<T, D>>(p)) {
-    const int64_t ctas = ws_paged_work_bound(p, CfgWsPaged<T, D>::kBlockM) * p.num_q_heads;
+    const int64_t ctas = ws_paged_grid<CfgWsPaged<T, D>>(p);
     if constexpr (kCausal) {
       if (ws_mirror_pays(ctas, sms)) return launch_prefill_ws_paged<CfgWsPagedMirror<T, D>, true>(p, stream);
     }

@@ -42,8 +42,8 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
 #if MINIPAGED_DISPATCH_WGMMA && !defined(MINIPAGED_DISABLE_WS_FP8)
     if (ws_paged_supported<CfgWsPaged8<T, D>>(q)) {
       if (!q.causal) return launch_prefill_ws_paged<CfgWsPaged8<T, D>, false>(q, stream);
-      const int64_t ctas = ws_paged_work_bound(q, CfgWsPaged8<T, D>::kBlockM) * q.num_q_heads;
-      if (ws_mirror_pays(ctas, sm_count(q))) return launch_prefill_ws_paged<CfgWsPaged8Mirror<T, D>, true>(q, stream);
+      if (ws_mirror_pays(ws_paged_grid<CfgWsPaged8<T, D>>(q), sm_count(q)))
+        return launch_prefill_ws_paged<CfgWsPaged8Mirror<T, D>, true>(q, stream);
       return launch_prefill_ws_paged<CfgWsPaged8<T, D>, true>(q, stream);
     }
 #endif
