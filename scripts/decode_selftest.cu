@@ -1,7 +1,8 @@
 // Torch-free self test and timing of the paged decode (decode/launch.cu): the
 // two-launch split reduction, the one-launch fused reduction (variant bit
 // 0x400), the register-ring tilings 13-16, the fp8 cp.async tilings 6-8 and the
-// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp).
+// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp) and, on sm_90, the
+// bulk-copy kernel (tilings 20-23: splits merged in a thread-block cluster).
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
@@ -375,6 +376,11 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
+  // The bulk-copy kernel (sm_90a): 20 for every dtype / head dim with G <= 2, 21-23 for bf16 D 128 G 2.
+  if (g_cc == 9 && pr.hq / pr.hkv <= 2) {
+    v.push_back(20);
+    if (pr.dt == DType::kBFloat16 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {21, 22, 23});
+  }
   return v;
 }
 
@@ -583,6 +589,7 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
+  if (g_cc == 9) variants.insert(variants.end(), {20, 21, 22, 23});  // the bulk-copy kernel
   // The integers of a comma list in environment variable `name` (none if unset).
   auto env_ints = [](const char* name) {
     std::vector<int> out;
@@ -660,6 +667,7 @@ int time_mode(int reps) {
     std::vector<int> configs;
     if (fp8) {
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19};  // 10: tensor cores; 18/19: 32 tokens per warp
+      if (g_cc == 9) configs.insert(configs.end(), {20, 21, 22, 23});  // the bulk-copy kernel
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
@@ -716,6 +724,20 @@ int time_mode(int reps) {
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
+      if (plan.cluster && p.num_splits > 1) {
+        // How many clusters of this size the device co-schedules: below B * Hkv, a second wave.
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(p.num_splits, hkv, B);
+        cfg.blockDim = dim3(plan.threads);
+        cfg.dynamicSmemBytes = plan.smem_bytes;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = p.num_splits, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr, cfg.numAttrs = 1;
+        int max_clusters = -1;
+        if (cudaOccupancyMaxActiveClusters(&max_clusters, (void*)plan.kernel, &cfg) != cudaSuccess) cudaGetLastError();
+        check += " [" + std::to_string(max_clusters) + " clusters co-resident]";
+      }
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
       std::snprintf(cfg, sizeof cfg, "tiling %d%s%s", v & 0xff, v & kFused ? " fused" : "",

@@ -167,6 +167,11 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
+  int threads = 128;  // threads per CTA
+  // The splits of one (sequence, KV head) run as one thread-block cluster and
+  // merge in it (decode/bulk.cuh): no workspace, no `reduce`;
+  // num_splits <= 16 (decode_plan keeps it there).
+  bool cluster = false;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode/bulk.cuh"
 #include "decode/mma.cuh"
 #include "decode/reduce.cuh"
 #include "decode/scalar.cuh"
@@ -122,6 +123,45 @@ DecodePlan fp8_wide_mma(bool fused) {
   }
 }
 
+// The bulk-copy kernel (decode/bulk.cuh, sm_90a): NCW consumer warps, a ring of
+// STAGES 16-token stages, the splits merged in a cluster. {} where the build has
+// no sm_90a code or the device is not sm_90.
+template <typename T, int D, int G, bool FP8, int NCW, int STAGES>
+DecodePlan info_bulk(const DecodeParams& p) {
+  DecodePlan k;
+#if defined(MINIPAGED_ENABLE_SM90A)
+  if (p.cc_major != 9) return k;
+  k.kernel = bulk::decode_bulk_kernel<T, D, G, FP8, NCW, STAGES>;
+  k.group_tile = G;
+  k.tokens_per_iter = bulk::kRows;
+  k.smem_bytes = bulk::smem_bytes<D, FP8, G, NCW, STAGES>();
+  k.threads = (NCW + 1) * 32;
+  k.cluster = true;
+#else
+  (void)p;
+#endif
+  return k;
+}
+
+// Tilings 20-23 (benchmarking): the bulk-copy kernel for groups of 1-2 query
+// heads. 20: 4 consumer warps, 16 stages, any dtype / head dim / group <= 2;
+// bf16, D 128, G 2 only: 21: 8 warps, 16 stages; 22: 4 warps, 8 stages;
+// 23: 4 warps, 24 stages (16-bit; FP8: 32 stages, the same bytes).
+template <typename T, int D, bool FP8>
+DecodePlan select_bulk(const DecodeParams& p, int tiling) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (group > 2 || tiling < 20 || tiling > 23) return {};
+  if (tiling == 20) return group == 1 ? info_bulk<T, D, 1, FP8, 4, 16>(p) : info_bulk<T, D, 2, FP8, 4, 16>(p);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && D == 128) {
+    if (group == 2) {
+      if (tiling == 21) return info_bulk<T, D, 2, FP8, 8, 16>(p);
+      if (tiling == 22) return info_bulk<T, D, 2, FP8, 4, 8>(p);
+      return info_bulk<T, D, 2, FP8, 4, FP8 ? 32 : 24>(p);
+    }
+  }
+  return {};
+}
+
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
 // row over D/16 threads (one piece each) and covers twice the tokens per load
 // of the 16-bit tiling with the same bytes in flight. From 3 query heads per
@@ -144,6 +184,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
+  if (tiling >= 20 && tiling <= 23) return select_bulk<T, D, true>(p, tiling);
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
@@ -167,6 +208,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
+  if (tiling >= 20 && tiling <= 23) return select_bulk<T, D, false>(p, tiling);
   if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
@@ -332,8 +374,11 @@ int blocks_per_sm(const DecodePlan& k) {
   if (k.smem_bytes > 0 &&
       cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
     cudaGetLastError();
+  // Cluster kernels: clusters of up to bulk::kMaxCluster CTAs (above 8 is non-portable).
+  if (k.cluster && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+    cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, k.threads, k.smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     n = 0;
   }
@@ -364,7 +409,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
     }
   }
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, k.cluster ? bulk::kMaxCluster : kMaxSplits));
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
@@ -405,7 +450,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
+  if (p.num_splits < 1 || (p.num_splits > 1 && !k.cluster && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
@@ -413,6 +458,23 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (k.kernel == nullptr) return cudaErrorNotSupported;
   const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
   const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
+  if (k.cluster) {
+    // The splits of a (sequence, KV head) are one cluster and merge there.
+    if (p.num_splits > bulk::kMaxCluster) return cudaErrorInvalidValue;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(k.threads);
+    cfg.dynamicSmemBytes = k.smem_bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = p.num_splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p.num_splits > 1 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, k.kernel, p);
+  }
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused) return err;
