@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "decode/common.cuh"
+#include "ptx/cp_async.cuh"
 #include "ptx/tma.cuh"
 
 namespace minipaged {
@@ -154,7 +155,10 @@ __device__ __forceinline__ float reduce_scatter(float (&v)[N], int lane) {
 // Grid (num_splits, num_kv_heads, batch). With num_splits > 1 the launch has
 // cluster dims (num_splits, 1, 1), num_splits <= kMaxCluster, and the splits
 // merge in the cluster. G = the GQA group (1 or 2), all of it per CTA.
-template <typename T, int D, int G, bool FP8, int NCW, int STAGES>
+// COPY 0: one cp.async.bulk per row (completion as transaction bytes); 1: 16-byte
+// cp.async by the producer warp's lanes, each lane's completion an arrival
+// (cp.async.mbarrier.arrive.noinc).
+template <typename T, int D, int G, bool FP8, int NCW, int STAGES, int COPY = 0>
 __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_bulk_kernel(const __grid_constant__ DecodeParams p) {
 #if MINIPAGED_WGMMA_DEVICE
   using Gm = Geo<D, FP8>;
@@ -181,8 +185,8 @@ __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_bulk_kernel(const __
   if (tid == 0) {
 #pragma unroll 1
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), 1);
-      mbar_init(empty(s), 1);
+      mbar_init(full(s), COPY == 0 ? 1 : 32);
+      mbar_init(empty(s), 32);  // every lane of the consuming warp
     }
     mbar_fence_init();
   }
@@ -190,29 +194,63 @@ __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_bulk_kernel(const __
   const int nst = slice.end > slice.start ? (slice.end - slice.start + kRows - 1) / kRows : 0;
 
   if (warp == NCW) {
-    // Producer: lane r < 16 copies K row r of each stage, lane 16 + r its V row.
-    const int r = lane & (kRows - 1);
-    const bool is_v = lane >= kRows;
-    const int64_t eb = Gm::kElemBytes;
-    const char* base = static_cast<const char*>(is_v ? p.v_cache : p.k_cache) +
-                       slice.kvh * (is_v ? p.v_head_stride : p.k_head_stride) * eb;
-    const int64_t bstride = (is_v ? p.v_block_stride : p.k_block_stride) * eb;
-    const int64_t tstride = (is_v ? p.v_token_stride : p.k_token_stride) * eb;
     const int shift = __ffs(p.block_size) - 1;
     const int32_t* table = p.block_tables + slice.b * p.block_table_stride;
-    const uint32_t dst0 = ring + (is_v ? kRows * RB : 0) + r * RB;
+    const int64_t eb = Gm::kElemBytes;
+    if constexpr (COPY == 0) {
+      // Producer: lane r < 16 copies K row r of each stage, lane 16 + r its V row.
+      const int r = lane & (kRows - 1);
+      const bool is_v = lane >= kRows;
+      const char* base = static_cast<const char*>(is_v ? p.v_cache : p.k_cache) +
+                         slice.kvh * (is_v ? p.v_head_stride : p.k_head_stride) * eb;
+      const int64_t bstride = (is_v ? p.v_block_stride : p.k_block_stride) * eb;
+      const int64_t tstride = (is_v ? p.v_token_stride : p.k_token_stride) * eb;
+      const uint32_t dst0 = ring + (is_v ? kRows * RB : 0) + r * RB;
 #pragma unroll 1
-    for (int i = 0; i < nst; ++i) {
-      const int s = i % STAGES;
-      const int t0 = slice.start + i * kRows;
-      const int tok = t0 + r;
-      const int nvalid = min(kRows, slice.end - t0);
-      // The table entry is read before the slot is free: its latency overlaps the wait.
-      const int blk = r < nvalid ? table[tok >> shift] : 0;
-      mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
-      if (lane == 0) mbar_arrive_expect_tx(full(s), static_cast<uint32_t>(nvalid * 2 * RB));
-      if (r < nvalid)
-        bulk_g2s(dst0 + s * SB, base + blk * bstride + (tok & (p.block_size - 1)) * tstride, RB, full(s));
+      for (int i = 0; i < nst; ++i) {
+        const int s = i % STAGES;
+        const int t0 = slice.start + i * kRows;
+        const int tok = t0 + r;
+        const int nvalid = min(kRows, slice.end - t0);
+        // The table entry is read before the slot is free: its latency overlaps the wait.
+        const int blk = r < nvalid ? table[tok >> shift] : 0;
+        mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+        if (lane == 0) mbar_arrive_expect_tx(full(s), static_cast<uint32_t>(nvalid * 2 * RB));
+        if (r < nvalid)
+          bulk_g2s(dst0 + s * SB, base + blk * bstride + (tok & (p.block_size - 1)) * tstride, RB, full(s));
+      }
+    } else {
+      // Producer: the stage's 32 rows x RB / 16 chunks of 16 bytes, lane-strided, so
+      // that each instruction copies whole rows; each lane then arrives once.
+      constexpr int kChunksPerRow = RB / 16;
+      constexpr int kChunks = 2 * kRows * kChunksPerRow;
+      static_assert(kChunks % 32 == 0, "whole warp instructions");
+      const char* kbase = static_cast<const char*>(p.k_cache) + slice.kvh * p.k_head_stride * eb;
+      const char* vbase = static_cast<const char*>(p.v_cache) + slice.kvh * p.v_head_stride * eb;
+#pragma unroll 1
+      for (int i = 0; i < nst; ++i) {
+        const int s = i % STAGES;
+        const int t0 = slice.start + i * kRows;
+        const int nvalid = min(kRows, slice.end - t0);
+        mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < kChunks / 32; ++j) {
+          const int c = j * 32 + lane;
+          const int row = c / kChunksPerRow;  // 0..15 K, 16..31 V
+          const int col = c - row * kChunksPerRow;
+          const int r = row & (kRows - 1);
+          if (r < nvalid) {
+            const int tok = t0 + r;
+            const int blk = table[tok >> shift];
+            const bool is_v = row >= kRows;
+            const char* src = (is_v ? vbase : kbase) + blk * ((is_v ? p.v_block_stride : p.k_block_stride) * eb) +
+                              (tok & (p.block_size - 1)) * ((is_v ? p.v_token_stride : p.k_token_stride) * eb) +
+                              col * 16;
+            cp_async_16(ring + s * SB + row * RB + col * 16, src, true);
+          }
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s)) : "memory");
+      }
     }
   } else {
     // Consumers. q for this lane's dims, times scale * log2(e) (FP8: * k_scale).
@@ -302,8 +340,7 @@ __global__ void __launch_bounds__((NCW + 1) * 32, 1) decode_bulk_kernel(const __
           }
         }
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));
+      mbar_arrive(empty(s));
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {

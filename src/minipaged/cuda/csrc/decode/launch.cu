@@ -53,6 +53,9 @@ constexpr int kVariantNoPDL = 0x200;
 // Not the default: measured slower than the two-launch reduction on most of
 // the decode grid (bench/results/nvidia-h200/decode_tilings.md).
 constexpr int kVariantFused = 0x400;
+// Bit 0x800, timing only (decode_selftest): the split kernel without its
+// reduction, to measure what the merge costs. The output is not written.
+constexpr int kVariantNoReduce = 0x800;
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
@@ -126,12 +129,12 @@ DecodePlan fp8_wide_mma(bool fused) {
 // The bulk-copy kernel (decode/bulk.cuh, sm_90a): NCW consumer warps, a ring of
 // STAGES 16-token stages, the splits merged in a cluster. {} where the build has
 // no sm_90a code or the device is not sm_90.
-template <typename T, int D, int G, bool FP8, int NCW, int STAGES>
+template <typename T, int D, int G, bool FP8, int NCW, int STAGES, int COPY = 0>
 DecodePlan info_bulk(const DecodeParams& p) {
   DecodePlan k;
 #if defined(MINIPAGED_ENABLE_SM90A)
   if (p.cc_major != 9) return k;
-  k.kernel = bulk::decode_bulk_kernel<T, D, G, FP8, NCW, STAGES>;
+  k.kernel = bulk::decode_bulk_kernel<T, D, G, FP8, NCW, STAGES, COPY>;
   k.group_tile = G;
   k.tokens_per_iter = bulk::kRows;
   k.smem_bytes = bulk::smem_bytes<D, FP8, G, NCW, STAGES>();
@@ -146,16 +149,19 @@ DecodePlan info_bulk(const DecodeParams& p) {
 // Tilings 20-23 (benchmarking): the bulk-copy kernel for groups of 1-2 query
 // heads. 20: 4 consumer warps, 16 stages, any dtype / head dim / group <= 2;
 // bf16, D 128, G 2 only: 21: 8 warps, 16 stages; 22: 4 warps, 8 stages;
-// 23: 4 warps, 24 stages (16-bit; FP8: 32 stages, the same bytes).
+// 23: 4 warps, 24 stages (16-bit; FP8: 32 stages, the same bytes); 24 / 25: 16 / 8
+// stages copied by 16-byte cp.async instead of one bulk copy per row.
 template <typename T, int D, bool FP8>
 DecodePlan select_bulk(const DecodeParams& p, int tiling) {
   const int group = p.num_q_heads / p.num_kv_heads;
-  if (group > 2 || tiling < 20 || tiling > 23) return {};
+  if (group > 2 || tiling < 20 || tiling > 25) return {};
   if (tiling == 20) return group == 1 ? info_bulk<T, D, 1, FP8, 4, 16>(p) : info_bulk<T, D, 2, FP8, 4, 16>(p);
   if constexpr (std::is_same_v<T, __nv_bfloat16> && D == 128) {
     if (group == 2) {
       if (tiling == 21) return info_bulk<T, D, 2, FP8, 8, 16>(p);
       if (tiling == 22) return info_bulk<T, D, 2, FP8, 4, 8>(p);
+      if (tiling == 24) return info_bulk<T, D, 2, FP8, 4, 16, 1>(p);
+      if (tiling == 25) return info_bulk<T, D, 2, FP8, 4, 8, 1>(p);
       return info_bulk<T, D, 2, FP8, 4, FP8 ? 32 : 24>(p);
     }
   }
@@ -184,7 +190,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
-  if (tiling >= 20 && tiling <= 23) return select_bulk<T, D, true>(p, tiling);
+  if (tiling >= 20 && tiling <= 25) return select_bulk<T, D, true>(p, tiling);
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
@@ -208,7 +214,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
-  if (tiling >= 20 && tiling <= 23) return select_bulk<T, D, false>(p, tiling);
+  if (tiling >= 20 && tiling <= 25) return select_bulk<T, D, false>(p, tiling);
   if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
@@ -477,7 +483,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   }
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1 || k.fused) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // Programmatic dependent launch (sm_90+): the reduction's CTAs are set up
   // while the split kernel drains instead of after it; griddepcontrol.wait in
   // the reduction keeps the ordering. Captured into CUDA graphs as a
