@@ -1,8 +1,7 @@
 // Torch-free self test and timing of the paged decode (decode/launch.cu): the
 // two-launch split reduction, the one-launch fused reduction (variant bit
 // 0x400), the register-ring tilings 13-16, the fp8 cp.async tilings 6-8 and the
-// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp) and, on sm_90, the
-// bulk-copy kernel (tilings 20-23: splits merged in a thread-block cluster).
+// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp).
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
@@ -60,6 +59,7 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
+constexpr int kCluster = 0x1000;  // the splits merged in a thread-block cluster (sm_90)
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -377,11 +377,6 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
-  // The bulk-copy kernel (sm_90a): 20 for every dtype / head dim with G <= 2, 21-23 for bf16 D 128 G 2.
-  if (g_cc == 9 && pr.hq / pr.hkv <= 2) {
-    v.push_back(20);
-    if (pr.dt == DType::kBFloat16 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {21, 22, 23, 24, 25});
-  }
   return v;
 }
 
@@ -419,6 +414,16 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
         bad_counters += counters_nonzero(minipaged::decode_split_counter_count(p, plan)) != 0;
       }
       if (splits_seen.size() < 60) splits_seen += std::to_string(two.splits) + " ";
+      if (g_cc >= 9 && pr.d == 128 && (t == 0 || t == 10 || t == 12)) {
+        // The cluster merge (at most 16 splits): against fp64, and a repeated call bit for bit.
+        Result c1, c2;
+        run(s, t | kCluster, sp, true, st, c1);
+        run(s, t | kCluster, sp, true, st, c2);
+        bad_ref += compare_ref(s, c1, true, &e) != 0;
+        worst = std::max(worst, e);
+        bad_bits += !same_bits(c1, c2, true);
+        runs += 2;
+      }
     }
     char buf[320];
     std::snprintf(buf, sizeof buf,
@@ -455,7 +460,8 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
            pr.name + ": 12 back-to-back fused calls (splits 3/64/7/1/16/5 x2): last == two-launch bits, counters zero");
 
     // One graph, captured once, replayed 100 times.
-    for (int variant : {t | kFused, t}) {
+    for (int variant : {t | kFused, t, t | kCluster}) {
+      if ((variant & kCluster) && (g_cc < 9 || pr.d != 128)) continue;
       minipaged::DecodeParams p = params_of(s, true);
       minipaged::DecodePlan plan;
       plan_call(s, p, variant, 7, plan);
@@ -478,7 +484,7 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
       const int left = counters_nonzero(kMaxCounters);
       double e;
       report(bad == 0 && left == 0 && compare_ref(s, eager, true, &e) == 0,
-             pr.name + (variant & kFused ? ": fused" : ": two-launch") + " graph, " + std::to_string(g_replays) +
+             pr.name + (variant & kFused ? ": fused" : variant & kCluster ? ": cluster" : ": two-launch") + " graph, " + std::to_string(g_replays) +
                  " replays: " +
                  std::to_string(bad) + " differ from the eager call, " + std::to_string(left) +
                  " counters non-zero");
@@ -590,7 +596,6 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
-  if (g_cc == 9) variants.insert(variants.end(), {20, 21, 22, 23, 24, 25});  // the bulk-copy kernel
   // The integers of a comma list in environment variable `name` (none if unset).
   auto env_ints = [](const char* name) {
     std::vector<int> out;
@@ -668,11 +673,12 @@ int time_mode(int reps) {
     std::vector<int> configs;
     if (fp8) {
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19};  // 10: tensor cores; 18/19: 32 tokens per warp
-      if (g_cc == 9) configs.insert(configs.end(), {20, 21, 22, 23, 24, 25});  // the bulk-copy kernel
+      if (g_cc >= 9) configs.insert(configs.end(), {kCluster, 10 | kCluster, 12 | kCluster});
       configs.push_back(kNoReduce);
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
+      if (g_cc >= 9) configs.insert(configs.end(), {kCluster, 10 | kCluster, 12 | kCluster});
       configs.push_back(kNoReduce);
     }
     for (int v : configs)
@@ -735,7 +741,7 @@ int time_mode(int reps) {
         // How many clusters of this size the device co-schedules: below B * Hkv, a second wave.
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(p.num_splits, hkv, B);
-        cfg.blockDim = dim3(plan.threads);
+        cfg.blockDim = dim3(128);
         cfg.dynamicSmemBytes = plan.smem_bytes;
         cudaLaunchAttribute attr[1];
         attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -747,8 +753,8 @@ int time_mode(int reps) {
       }
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
-                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "", v & kCluster ? " cluster" : "");
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
                   p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
@@ -782,6 +788,7 @@ int main(int argc, char** argv) {
     check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
     check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
     check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
+    check_problem({"small fp8 G2 D128 p16", b16, true, 4, 2, 128, 16, {300, 0, 33}}, {3}, false, 4);
   } else if (mode == "check") {
     const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};
     const std::vector<int> splits = {0, 1, 2, 3, 7, 16, 64};

@@ -167,9 +167,8 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
-  int threads = 128;  // threads per CTA
-  // The splits of one (sequence, KV head) run as one thread-block cluster and
-  // merge in it (decode/bulk.cuh): no workspace, no `reduce`;
+  // The splits of one (sequence, KV head, head chunk) run as one thread-block
+  // cluster and merge in it (decode/cluster.cuh): `reduce` is not launched and
   // num_splits <= 16 (decode_plan keeps it there).
   bool cluster = false;
 };

@@ -17,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "decode/bulk.cuh"
 #include "decode/mma.cuh"
 #include "decode/reduce.cuh"
 #include "decode/scalar.cuh"
@@ -56,22 +55,40 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
+// Bit 0x1000: the splits of each (sequence, KV head, head chunk) launched as one
+// thread-block cluster that merges them (decode/cluster.cuh; DecodePlan::cluster,
+// sm_90), for the default kernels of D = 128; at most kMaxClusterSplits splits.
+constexpr int kVariantCluster = 0x1000;
+
+// Whether p asks for the cluster merge and the device has clusters.
+bool wants_cluster(const DecodeParams& p) { return (p.variant & kVariantCluster) && p.cc_major >= 9; }
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ, CLUSTER>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (kPieceElems * TPT)) * 2 * kWarps * 32 * 16 : 0;
   k.fused = FUSED;
+  k.cluster = CLUSTER;
   return k;
+}
+
+// The scalar kernel's default builds (no register cap, no packed queries): the
+// two-launch, fused or cluster merge.
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false>
+DecodePlan info_merge(bool fused, bool cluster) {
+  if constexpr (D == 128) {
+    if (cluster) return info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, 0, 0, false, true>();
+  }
+  return fused ? info<T, D, G, TPT, U, PIPE, STAGES, FP8, true>() : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false>();
 }
 
 // info<> with the fused reduction when `fused` (the tilings that have one).
@@ -84,15 +101,17 @@ DecodePlan info_f(bool fused) {
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
 // tokens per warp per tile.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
+          bool CLUSTER = false>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, CLUSTER>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps * WT;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT>::kBytes;
   k.fused = FUSED;
+  k.cluster = CLUSTER;
   return k;
 }
 
@@ -105,11 +124,14 @@ DecodePlan info_mma_f(bool fused) {
 // tiles on FP8 caches (3 CTAs per SM), 3 stages of 16-bit tiles otherwise; the
 // packed-query instantiation (two-launch reduction) or the fused bit's choice.
 template <typename T, int D, bool FP8, bool PQ>
-DecodePlan default_mma(bool fused) {
+DecodePlan default_mma(bool fused, bool cluster = false) {
   constexpr int kStages = FP8 ? 4 : 3;
   if constexpr (PQ) {
     return info_mma<T, D, kStages, FP8, false, true>();
   } else {
+    if constexpr (D == 128) {
+      if (cluster) return info_mma<T, D, kStages, FP8, false, false, 16, true>();
+    }
     return info_mma_f<T, D, kStages, FP8>(fused);
   }
 }
@@ -118,54 +140,13 @@ DecodePlan default_mma(bool fused) {
 // 3-stage ring (the G = 2 default, tensor_core_g2_for; what FP8 tiling 18 runs): the
 // packed-query instantiation, or the fused bit's choice.
 template <typename T, int D, bool PQ>
-DecodePlan fp8_wide_mma(bool fused) {
+DecodePlan fp8_wide_mma(bool fused, bool cluster = false) {
   if constexpr (PQ) {
     return info_mma<T, D, 3, true, false, true, 32>();
   } else {
+    if (cluster) return info_mma<T, D, 3, true, false, false, 32, true>();
     return fused ? info_mma<T, D, 3, true, true, false, 32>() : info_mma<T, D, 3, true, false, false, 32>();
   }
-}
-
-// The bulk-copy kernel (decode/bulk.cuh, sm_90a): NCW consumer warps, a ring of
-// STAGES 16-token stages, the splits merged in a cluster. {} where the build has
-// no sm_90a code or the device is not sm_90.
-template <typename T, int D, int G, bool FP8, int NCW, int STAGES, int COPY = 0>
-DecodePlan info_bulk(const DecodeParams& p) {
-  DecodePlan k;
-#if defined(MINIPAGED_ENABLE_SM90A)
-  if (p.cc_major != 9) return k;
-  k.kernel = bulk::decode_bulk_kernel<T, D, G, FP8, NCW, STAGES, COPY>;
-  k.group_tile = G;
-  k.tokens_per_iter = bulk::kRows;
-  k.smem_bytes = bulk::smem_bytes<D, FP8, G, NCW, STAGES>();
-  k.threads = (NCW + 1) * 32;
-  k.cluster = true;
-#else
-  (void)p;
-#endif
-  return k;
-}
-
-// Tilings 20-23 (benchmarking): the bulk-copy kernel for groups of 1-2 query
-// heads. 20: 4 consumer warps, 16 stages, any dtype / head dim / group <= 2;
-// bf16, D 128, G 2 only: 21: 8 warps, 16 stages; 22: 4 warps, 8 stages;
-// 23: 4 warps, 24 stages (16-bit; FP8: 32 stages, the same bytes); 24 / 25: 16 / 8
-// stages copied by 16-byte cp.async instead of one bulk copy per row.
-template <typename T, int D, bool FP8>
-DecodePlan select_bulk(const DecodeParams& p, int tiling) {
-  const int group = p.num_q_heads / p.num_kv_heads;
-  if (group > 2 || tiling < 20 || tiling > 25) return {};
-  if (tiling == 20) return group == 1 ? info_bulk<T, D, 1, FP8, 4, 16>(p) : info_bulk<T, D, 2, FP8, 4, 16>(p);
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && D == 128) {
-    if (group == 2) {
-      if (tiling == 21) return info_bulk<T, D, 2, FP8, 8, 16>(p);
-      if (tiling == 22) return info_bulk<T, D, 2, FP8, 4, 8>(p);
-      if (tiling == 24) return info_bulk<T, D, 2, FP8, 4, 16, 1>(p);
-      if (tiling == 25) return info_bulk<T, D, 2, FP8, 4, 8, 1>(p);
-      return info_bulk<T, D, 2, FP8, 4, FP8 ? 32 : 24>(p);
-    }
-  }
-  return {};
 }
 
 // FP8 caches: a 16-byte piece is 16 elements, so the scalar kernel spreads a
@@ -190,18 +171,19 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
-  if (tiling >= 20 && tiling <= 25) return select_bulk<T, D, true>(p, tiling);
+  const bool cluster = D == 128 && wants_cluster(p);
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
-  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
-  if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3))
+    return default_mma<T, D, true, false>(fused, cluster && tiling != 11);
+  if (group == 1) return info_merge<T, D, 1, TPT, 4, false, 0, true>(fused, cluster);
   // These three have no fused build: the bit is ignored (plan.fused stays false).
   if (group == 2) {
     if (tiling == 6) return info<T, D, 2, TPT, 2, false, 3, true>();
     if (tiling == 7) return info<T, D, 2, TPT, 2, false, 4, true>();
     if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();
   }
-  return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
+  return info_merge<T, D, 2, TPT, 2, true, 0, true>(fused, cluster);
 }
 
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
@@ -214,8 +196,8 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
-  if (tiling >= 20 && tiling <= 25) return select_bulk<T, D, false>(p, tiling);
-  if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
+  const bool cluster = D == 128 && wants_cluster(p);
+  if (tiling == 10) return default_mma<T, D, false, false>(fused, cluster);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
@@ -223,11 +205,12 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
   // (G = 2 at D = 128 may still go to tensor cores: decode_plan, tensor_core_g2.)
-  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return default_mma<T, D, false, false>(fused);
+  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3)
+    return default_mma<T, D, false, false>(fused, cluster);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return info_f<T, D, 1, 8, 2>(fused);
+        return info_merge<T, D, 1, 8, 2>(fused, cluster);
       case 2:
         // Default: a row over 8 threads (two 16-byte pieces each) with a
         // 3-stage cp.async ring in shared memory (tiling 6): the fastest
@@ -254,7 +237,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 15: return info_f<T, D, 2, 16, 1, false, 0, false, 3>(fused);
           case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
           case 17: return info_f<T, D, 2, 16, 2, true>(fused);
-          default: return info_f<T, D, 2, 8, 2, false, 3>(fused);
+          default: return info_merge<T, D, 2, 8, 2, false, 3>(fused, cluster);
         }
       case 4:
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
@@ -321,7 +304,8 @@ DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
     return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma<T, 128, false, true>(false);
-  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma<T, 128, false, false>(fused);
+  const bool cluster = wants_cluster(p);
+  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused, cluster) : default_mma<T, 128, false, false>(fused, cluster);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
@@ -380,11 +364,11 @@ int blocks_per_sm(const DecodePlan& k) {
   if (k.smem_bytes > 0 &&
       cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
     cudaGetLastError();
-  // Cluster kernels: clusters of up to bulk::kMaxCluster CTAs (above 8 is non-portable).
+  // Cluster kernels: clusters of up to kMaxClusterSplits CTAs (above 8 is non-portable).
   if (k.cluster && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, k.threads, k.smem_bytes) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     n = 0;
   }
@@ -415,7 +399,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
     }
   }
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, k.cluster ? bulk::kMaxCluster : kMaxSplits));
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, k.cluster ? kMaxClusterSplits : kMaxSplits));
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
@@ -466,10 +450,10 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
   if (k.cluster) {
     // The splits of a (sequence, KV head) are one cluster and merge there.
-    if (p.num_splits > bulk::kMaxCluster) return cudaErrorInvalidValue;
+    if (p.num_splits > kMaxClusterSplits) return cudaErrorInvalidValue;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(k.threads);
+    cfg.blockDim = dim3(kWarps * 32);
     cfg.dynamicSmemBytes = k.smem_bytes;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
