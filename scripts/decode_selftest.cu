@@ -59,7 +59,6 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
-constexpr int kCluster = 0x1000;  // the splits merged in a thread-block cluster (sm_90)
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -414,16 +413,6 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
         bad_counters += counters_nonzero(minipaged::decode_split_counter_count(p, plan)) != 0;
       }
       if (splits_seen.size() < 60) splits_seen += std::to_string(two.splits) + " ";
-      if (g_cc >= 9 && pr.d == 128 && (t == 0 || t == 10 || t == 12)) {
-        // The cluster merge (at most 16 splits): against fp64, and a repeated call bit for bit.
-        Result c1, c2;
-        run(s, t | kCluster, sp, true, st, c1);
-        run(s, t | kCluster, sp, true, st, c2);
-        bad_ref += compare_ref(s, c1, true, &e) != 0;
-        worst = std::max(worst, e);
-        bad_bits += !same_bits(c1, c2, true);
-        runs += 2;
-      }
     }
     char buf[320];
     std::snprintf(buf, sizeof buf,
@@ -460,8 +449,7 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
            pr.name + ": 12 back-to-back fused calls (splits 3/64/7/1/16/5 x2): last == two-launch bits, counters zero");
 
     // One graph, captured once, replayed 100 times.
-    for (int variant : {t | kFused, t, t | kCluster}) {
-      if ((variant & kCluster) && (g_cc < 9 || pr.d != 128)) continue;
+    for (int variant : {t | kFused, t}) {
       minipaged::DecodeParams p = params_of(s, true);
       minipaged::DecodePlan plan;
       plan_call(s, p, variant, 7, plan);
@@ -484,7 +472,7 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
       const int left = counters_nonzero(kMaxCounters);
       double e;
       report(bad == 0 && left == 0 && compare_ref(s, eager, true, &e) == 0,
-             pr.name + (variant & kFused ? ": fused" : variant & kCluster ? ": cluster" : ": two-launch") + " graph, " + std::to_string(g_replays) +
+             pr.name + (variant & kFused ? ": fused" : ": two-launch") + " graph, " + std::to_string(g_replays) +
                  " replays: " +
                  std::to_string(bad) + " differ from the eager call, " + std::to_string(left) +
                  " counters non-zero");
@@ -672,13 +660,10 @@ int time_mode(int reps) {
     std::snprintf(cname, sizeof cname, "B=%d L=%dk%s", B, L / 1024, fp8 ? " fp8" : "");
     std::vector<int> configs;
     if (fp8) {
-      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19};  // 10: tensor cores; 18/19: 32 tokens per warp
-      if (g_cc >= 9) configs.insert(configs.end(), {kCluster, 10 | kCluster, 12 | kCluster});
-      configs.push_back(kNoReduce);
+      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, kNoReduce};  // 10: tensor cores; 18/19: 32 tokens per warp
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
-      if (g_cc >= 9) configs.insert(configs.end(), {kCluster, 10 | kCluster, 12 | kCluster});
       configs.push_back(kNoReduce);
     }
     for (int v : configs)
@@ -737,24 +722,10 @@ int time_mode(int reps) {
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
-      if (plan.cluster && p.num_splits > 1) {
-        // How many clusters of this size the device co-schedules: below B * Hkv, a second wave.
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(p.num_splits, hkv, B);
-        cfg.blockDim = dim3(128);
-        cfg.dynamicSmemBytes = plan.smem_bytes;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = p.num_splits, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr, cfg.numAttrs = 1;
-        int max_clusters = -1;
-        if (cudaOccupancyMaxActiveClusters(&max_clusters, (void*)plan.kernel, &cfg) != cudaSuccess) cudaGetLastError();
-        check += " [" + std::to_string(max_clusters) + " clusters co-resident]";
-      }
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
-                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "", v & kCluster ? " cluster" : "");
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
                   p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
@@ -788,7 +759,6 @@ int main(int argc, char** argv) {
     check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
     check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
     check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
-    check_problem({"small fp8 G2 D128 p16", b16, true, 4, 2, 128, 16, {300, 0, 33}}, {3}, false, 4);
   } else if (mode == "check") {
     const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};
     const std::vector<int> splits = {0, 1, 2, 3, 7, 16, 64};

@@ -167,10 +167,6 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
-  // The splits of one (sequence, KV head, head chunk) run as one thread-block
-  // cluster and merge in it (decode/cluster.cuh): `reduce` is not launched and
-  // num_splits <= 16 (decode_plan keeps it there).
-  bool cluster = false;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and

@@ -55,40 +55,22 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
-// Bit 0x1000: the splits of each (sequence, KV head, head chunk) launched as one
-// thread-block cluster that merges them (decode/cluster.cuh; DecodePlan::cluster,
-// sm_90), for the default kernels of D = 128; at most kMaxClusterSplits splits.
-constexpr int kVariantCluster = 0x1000;
-
-// Whether p asks for the cluster merge and the device has clusters.
-bool wants_cluster(const DecodeParams& p) { return (p.variant & kVariantCluster) && p.cc_major >= 9; }
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ, CLUSTER>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (kPieceElems * TPT)) * 2 * kWarps * 32 * 16 : 0;
   k.fused = FUSED;
-  k.cluster = CLUSTER;
   return k;
-}
-
-// The scalar kernel's default builds (no register cap, no packed queries): the
-// two-launch, fused or cluster merge.
-template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false>
-DecodePlan info_merge(bool fused, bool cluster) {
-  if constexpr (D == 128) {
-    if (cluster) return info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, 0, 0, false, true>();
-  }
-  return fused ? info<T, D, G, TPT, U, PIPE, STAGES, FP8, true>() : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false>();
 }
 
 // info<> with the fused reduction when `fused` (the tilings that have one).
@@ -101,17 +83,15 @@ DecodePlan info_f(bool fused) {
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
 // tokens per warp per tile.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool CLUSTER = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, CLUSTER>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps * WT;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT>::kBytes;
   k.fused = FUSED;
-  k.cluster = CLUSTER;
   return k;
 }
 
@@ -124,14 +104,11 @@ DecodePlan info_mma_f(bool fused) {
 // tiles on FP8 caches (3 CTAs per SM), 3 stages of 16-bit tiles otherwise; the
 // packed-query instantiation (two-launch reduction) or the fused bit's choice.
 template <typename T, int D, bool FP8, bool PQ>
-DecodePlan default_mma(bool fused, bool cluster = false) {
+DecodePlan default_mma(bool fused) {
   constexpr int kStages = FP8 ? 4 : 3;
   if constexpr (PQ) {
     return info_mma<T, D, kStages, FP8, false, true>();
   } else {
-    if constexpr (D == 128) {
-      if (cluster) return info_mma<T, D, kStages, FP8, false, false, 16, true>();
-    }
     return info_mma_f<T, D, kStages, FP8>(fused);
   }
 }
@@ -140,11 +117,10 @@ DecodePlan default_mma(bool fused, bool cluster = false) {
 // 3-stage ring (the G = 2 default, tensor_core_g2_for; what FP8 tiling 18 runs): the
 // packed-query instantiation, or the fused bit's choice.
 template <typename T, int D, bool PQ>
-DecodePlan fp8_wide_mma(bool fused, bool cluster = false) {
+DecodePlan fp8_wide_mma(bool fused) {
   if constexpr (PQ) {
     return info_mma<T, D, 3, true, false, true, 32>();
   } else {
-    if (cluster) return info_mma<T, D, 3, true, false, false, 32, true>();
     return fused ? info_mma<T, D, 3, true, true, false, 32>() : info_mma<T, D, 3, true, false, false, 32>();
   }
 }
@@ -171,19 +147,17 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
-  const bool cluster = D == 128 && wants_cluster(p);
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
-  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3))
-    return default_mma<T, D, true, false>(fused, cluster && tiling != 11);
-  if (group == 1) return info_merge<T, D, 1, TPT, 4, false, 0, true>(fused, cluster);
+  if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
+  if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
   // These three have no fused build: the bit is ignored (plan.fused stays false).
   if (group == 2) {
     if (tiling == 6) return info<T, D, 2, TPT, 2, false, 3, true>();
     if (tiling == 7) return info<T, D, 2, TPT, 2, false, 4, true>();
     if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();
   }
-  return info_merge<T, D, 2, TPT, 2, true, 0, true>(fused, cluster);
+  return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
@@ -196,8 +170,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
-  const bool cluster = D == 128 && wants_cluster(p);
-  if (tiling == 10) return default_mma<T, D, false, false>(fused, cluster);  // tensor cores, any group size
+  if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
   if (tiling == 11) return info_mma<T, D, 2>();
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
@@ -205,12 +178,11 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
   // (G = 2 at D = 128 may still go to tensor cores: decode_plan, tensor_core_g2.)
-  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3)
-    return default_mma<T, D, false, false>(fused, cluster);
+  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return default_mma<T, D, false, false>(fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return info_merge<T, D, 1, 8, 2>(fused, cluster);
+        return info_f<T, D, 1, 8, 2>(fused);
       case 2:
         // Default: a row over 8 threads (two 16-byte pieces each) with a
         // 3-stage cp.async ring in shared memory (tiling 6): the fastest
@@ -237,7 +209,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 15: return info_f<T, D, 2, 16, 1, false, 0, false, 3>(fused);
           case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
           case 17: return info_f<T, D, 2, 16, 2, true>(fused);
-          default: return info_merge<T, D, 2, 8, 2, false, 3>(fused, cluster);
+          default: return info_f<T, D, 2, 8, 2, false, 3>(fused);
         }
       case 4:
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
@@ -304,8 +276,7 @@ DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
     return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma<T, 128, false, true>(false);
-  const bool cluster = wants_cluster(p);
-  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused, cluster) : default_mma<T, 128, false, false>(fused, cluster);
+  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma<T, 128, false, false>(fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
@@ -364,9 +335,6 @@ int blocks_per_sm(const DecodePlan& k) {
   if (k.smem_bytes > 0 &&
       cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
     cudaGetLastError();
-  // Cluster kernels: clusters of up to kMaxClusterSplits CTAs (above 8 is non-portable).
-  if (k.cluster && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-    cudaGetLastError();
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
     cudaGetLastError();
@@ -399,7 +367,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
     }
   }
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, k.cluster ? kMaxClusterSplits : kMaxSplits));
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
@@ -440,7 +408,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (p.num_splits < 1 || (p.num_splits > 1 && !k.cluster && (!p.partial_o || !p.partial_lse)))
+  if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
@@ -448,23 +416,6 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (k.kernel == nullptr) return cudaErrorNotSupported;
   const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
   const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
-  if (k.cluster) {
-    // The splits of a (sequence, KV head) are one cluster and merge there.
-    if (p.num_splits > kMaxClusterSplits) return cudaErrorInvalidValue;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kWarps * 32);
-    cfg.dynamicSmemBytes = k.smem_bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = p.num_splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p.num_splits > 1 ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, k.kernel, p);
-  }
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;

@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "decode/cluster.cuh"
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "params.h"
@@ -122,10 +121,7 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
     for (int w = 0; w < 4; ++w) a[kk][w] = bf16x2_to_f16x2(a[kk][w], scale[w & 1]);
 }
 
-// CLUSTER: the splits of a (sequence, KV head, head chunk) are one thread-block
-// cluster, which merges them (decode/cluster.cuh) when the call splits.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool CLUSTER = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && FP8), "32 tokens per warp: FP8 caches only");
@@ -152,7 +148,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int lane = tid & 31;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  static_assert(!(CLUSTER && (PQ || FUSED)), "the cluster merge is its own reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, kRows);
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
@@ -430,17 +425,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   }
   __syncthreads();
 
-  if constexpr (CLUSTER) {
-    if (p.num_splits > 1) {
-      if constexpr (FP8) {
-        merge_warps_in_cluster<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
-                                                          FragDimOf<D>{});
-      } else {
-        merge_warps_in_cluster<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
-      }
-      return;
-    }
-  }
   if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
   } else {

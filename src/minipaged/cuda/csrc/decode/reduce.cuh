@@ -21,6 +21,9 @@ constexpr int kMaxSplits = 256;
 // combined in a fixed order, so the result is deterministic.
 constexpr int kReduceThreads = 256;
 static_assert(kMaxSplits <= kReduceThreads, "one log-sum-exp per thread");
+// Split rows per reduction thread loaded before the weights are known: all of
+// them up to 4 * ROWS splits (32 at D = 128, 64 at D = 64).
+constexpr int kPrefetch = 4;
 
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.
@@ -48,6 +51,18 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   const int S = p.num_splits;
   const int64_t row0 = (static_cast<int64_t>(b) * p.num_q_heads + h) * S;
 
+  // The first kPrefetch split rows of this thread's chain are requested together
+  // with the log-sum-exps: one round trip to L2 instead of two before the sums
+  // can start. The arithmetic below is unchanged (same operands, same order).
+  const int col = tid % LANES;
+  const int r = tid / LANES;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + row0 * D) + col;
+  float4 pre[kPrefetch];
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int s = r + i * ROWS;
+    pre[i] = s < S ? po[static_cast<int64_t>(s) * LANES] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const float x = tid < S ? p.partial_lse[row0 + tid] : -INFINITY;
   float mx = x;
 #pragma unroll
@@ -66,12 +81,20 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __syncthreads();  // sm_w complete; every thread has read sm_warp (max)
   if (lane == 0) sm_warp[warp] = L;
 
-  const int col = tid % LANES;
-  const int r = tid / LANES;
-  const float4* po = reinterpret_cast<const float4*>(p.partial_o + row0 * D) + col;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int i = 0; i < kPrefetch; ++i) {
+    const int s = r + i * ROWS;
+    if (s < S) {
+      const float ws = sm_w[s];
+      acc.x = fmaf(ws, pre[i].x, acc.x);
+      acc.y = fmaf(ws, pre[i].y, acc.y);
+      acc.z = fmaf(ws, pre[i].z, acc.z);
+      acc.w = fmaf(ws, pre[i].w, acc.w);
+    }
+  }
 #pragma unroll 8
-  for (int s = r; s < S; s += ROWS) {
+  for (int s = r + kPrefetch * ROWS; s < S; s += ROWS) {
     const float ws = sm_w[s];
     const float4 v = po[static_cast<int64_t>(s) * LANES];
     acc.x = fmaf(ws, v.x, acc.x);

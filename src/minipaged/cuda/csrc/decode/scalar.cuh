@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "decode/cluster.cuh"
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "ptx/cp_async.cuh"
@@ -50,10 +49,8 @@ constexpr int kWarps = 4;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
-// CLUSTER: launched with the splits of a (sequence, KV head, head chunk) as one
-// thread-block cluster, which merges them (decode/cluster.cuh) when it splits.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
+          int AHEAD = 0, int MINB = 0, bool PQ = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -77,7 +74,6 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  static_assert(!(CLUSTER && (PQ || FUSED)), "the cluster merge is its own reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
@@ -358,13 +354,6 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  if constexpr (CLUSTER) {
-    if (p.num_splits > 1) {
-      merge_warps_in_cluster<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
-                                                   FP8 ? p.v_scale[kvh] : 1.f);
-      return;
-    }
-  }
   if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
                                                   p.v_scale[kvh]);
