@@ -33,7 +33,9 @@
 // pairs (so the L2 holds no decode data and no dirty lines, as `minipaged
 // bench` does); median / p20 / p80 of `reps` (>= 50) replays, in µs and in
 // TB/s of K+V read + q read + o written. The graph of one tiny kernel is timed
-// the same way (the floor of every row).
+// the same way (the floor of every row). Rows "no-reduce" (variant bit 0x800)
+// time the split kernel without its merge, to measure what the merge costs;
+// their output is not written and not checked.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
