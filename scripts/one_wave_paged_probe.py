@@ -22,6 +22,7 @@ import math
 import torch
 
 import minipaged as mp
+from minipaged.benchmark.cases import fp8_caches
 from minipaged.benchmark.flops import prefill_flops
 from minipaged.benchmark.timing import time_fn
 
@@ -60,12 +61,8 @@ def case(q_len: int, ctx: int, gen: torch.Generator, fp8: bool = False) -> dict:
     out = {"q_len": q_len, "ctx": ctx, "max_abs_diff": diff}
     calls = [("paged", paged), ("dense", dense)]
     if fp8:
-        # per-KV-head scales from the amax, as the engine computes them
-        k_scale = (k.float().abs().amax(dim=(0, 2)) / 448).clamp_min(1e-6)
-        v_scale = (v.float().abs().amax(dim=(0, 2)) / 448).clamp_min(1e-6)
-        k8 = torch.full(k_cache.shape, float("nan"), device=dev).to(torch.float8_e4m3fn)
-        v8 = k8.clone()
-        mp.write_kv_cache(k, v, k8, v8, slots, k_scale=k_scale, v_scale=v_scale, backend="cuda")
+        # the same pages quantised with per-KV-head amax scales, as `minipaged bench` does
+        k8, v8, k_scale, v_scale = fp8_caches(k_cache, v_cache)
 
         def paged_fp8():
             return mp.paged_attention(q, k8, v8, block_tables, cu_q, ctx_lens, max_seqlen_q=q_len, scale=scale,
