@@ -25,6 +25,24 @@ static_assert(kMaxSplits <= kReduceThreads, "one log-sum-exp per thread");
 // them up to 4 * ROWS splits (32 at D = 128, 64 at D = 64).
 constexpr int kPrefetch = 4;
 
+// acc += w * v, one fmaf per component: the single update every merge chain
+// (two-launch and fused) applies, so both round identically.
+__device__ __forceinline__ void fma4(float4& acc, float w, const float4& v) {
+  acc.x = fmaf(w, v.x, acc.x);
+  acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z);
+  acc.w = fmaf(w, v.w, acc.w);
+}
+
+// The four output dims o * inv at op[0..3], in T.
+template <typename T>
+__device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
+  op[0] = Convert<T>::from_float(o.x * inv);
+  op[1] = Convert<T>::from_float(o.y * inv);
+  op[2] = Convert<T>::from_float(o.z * inv);
+  op[3] = Convert<T>::from_float(o.w * inv);
+}
+
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.
 template <typename T, int D, bool PQ = false>
@@ -87,23 +105,10 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i) {
     const int s = r + i * ROWS;
-    if (s < S) {
-      const float ws = sm_w[s];
-      acc.x = fmaf(ws, pre[i].x, acc.x);
-      acc.y = fmaf(ws, pre[i].y, acc.y);
-      acc.z = fmaf(ws, pre[i].z, acc.z);
-      acc.w = fmaf(ws, pre[i].w, acc.w);
-    }
+    if (s < S) fma4(acc, sm_w[s], pre[i]);
   }
 #pragma unroll 8
-  for (int s = r + kPrefetch * ROWS; s < S; s += ROWS) {
-    const float ws = sm_w[s];
-    const float4 v = po[static_cast<int64_t>(s) * LANES];
-    acc.x = fmaf(ws, v.x, acc.x);
-    acc.y = fmaf(ws, v.y, acc.y);
-    acc.z = fmaf(ws, v.z, acc.z);
-    acc.w = fmaf(ws, v.w, acc.w);
-  }
+  for (int s = r + kPrefetch * ROWS; s < S; s += ROWS) fma4(acc, sm_w[s], po[static_cast<int64_t>(s) * LANES]);
   sm_o[r][col] = acc;
   __syncthreads();
   if (r == 0) {
@@ -124,10 +129,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     if (p.lse != nullptr && col == 0)
       p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
     T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
-    op[0] = Convert<T>::from_float(o.x * inv);
-    op[1] = Convert<T>::from_float(o.y * inv);
-    op[2] = Convert<T>::from_float(o.z * inv);
-    op[3] = Convert<T>::from_float(o.w * inv);
+    store4(op, o, inv);
   }
 }
 
@@ -237,14 +239,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
       const float4* src = po + (row_base + static_cast<int64_t>(row) * S) * LANES + col;
       const float* w = sm_w + row * kMaxSplits;
 #pragma unroll 8
-      for (int s = r; s < S; s += ROWS) {
-        const float ws = w[s];
-        const float4 v = __ldcg(src + static_cast<int64_t>(s) * LANES);
-        acc.x = fmaf(ws, v.x, acc.x);
-        acc.y = fmaf(ws, v.y, acc.y);
-        acc.z = fmaf(ws, v.z, acc.z);
-        acc.w = fmaf(ws, v.w, acc.w);
-      }
+      for (int s = r; s < S; s += ROWS) fma4(acc, w[s], __ldcg(src + static_cast<int64_t>(s) * LANES));
     }
     // decode_reduce_kernel: o = chain 0, then += chains 1 .. ROWS-1 in order
     // (a chain without splits adds +0 there too).
@@ -265,10 +260,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
       if (p.lse != nullptr && col == 0)
         p.lse[slice.row * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
       T* op = static_cast<T*>(p.o) + slice.row * p.o_batch_stride + h * p.o_head_stride + col * 4;
-      op[0] = Convert<T>::from_float(o.x * inv);
-      op[1] = Convert<T>::from_float(o.y * inv);
-      op[2] = Convert<T>::from_float(o.z * inv);
-      op[3] = Convert<T>::from_float(o.w * inv);
+      store4(op, o, inv);
     }
   }
 }
