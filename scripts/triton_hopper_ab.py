@@ -364,6 +364,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="pointer,tma,tma_ws")
     ap.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     ap.add_argument("--compile-timeout", type=float, default=300, help="seconds for all the precompiling")
+    ap.add_argument("--tiles", help="alternative tiles of every variant instead of TILES' lists, as "
+                    "'BM,BN,W,S;BM,BN,W,S' (the table's tile always runs first)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter run of tiny shapes (plumbing only)")
     ap.add_argument("--compile-child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -377,6 +379,16 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA device (or --smoke)")
     if "pointer" not in args.variants.split(","):
         ap.error("--variants must include pointer (the baseline)")
+    if args.tiles:
+        try:
+            alt = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")]
+        except ValueError:
+            ap.error(f"--tiles: expected 'BM,BN,W,S;...', got {args.tiles!r}")
+        if any(len(t) != 4 for t in alt):
+            ap.error(f"--tiles: every tile has four numbers, got {args.tiles!r}")
+        for v in args.variants.split(","):
+            for d in (int(x) for x in args.head_dims.split(",")):
+                TILES[(v, d)] = [None, *alt]
     result = run(args)
     print("\n## summary (speed-up over the pointer kernel at its table tile)")
     for label, s in result["summary"].items():

@@ -75,6 +75,7 @@ VARIANTS = {
     # a fourth stage in flight: the CUDA paged TMA kernel's page-16 gap closed with a third
     # ring stage (bench/results/nvidia-h200/paged_ws3_1ad5ff9/)
     "v2 tile 128,64,8,4": ("long", {**_NEW, "paged": (128, 64, 8, 4)}),
+    "v2 tile 128,64,8,5": ("long", {**_NEW, "paged": (128, 64, 8, 5)}),
     "short 32,64,4,2": ("mixed", {**_NEW, "paged_short": (32, 64, 4, 2)}),
     "short 16,32,4,2": ("mixed", {**_NEW, "paged_short": (16, 32, 4, 2)}),
 }
