@@ -132,6 +132,20 @@ def _paged_inputs(case: str, page: int, dense):
     return (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens, DEVICE), kv.context_lens, max(q_lens))
 
 
+def _pool_order(inputs):
+    """The same cache with every sequence's pages renumbered to consecutive pool slots in table
+    order (sequence 0's pages first): what the scatter of pages through the pool costs, with
+    the values, the poisoned spare slots and the -1 table tails unchanged."""
+    q, k_cache, v_cache, tables, cu_q, ctx, max_q = inputs
+    used = [b for row in tables.tolist() for b in row if b >= 0]
+    seen = set(used)
+    order = torch.tensor(used + [b for b in range(k_cache.shape[0]) if b not in seen], device=k_cache.device)
+    new_id = torch.empty_like(order)
+    new_id[order] = torch.arange(order.numel(), device=order.device)
+    tables = torch.where(tables >= 0, new_id[tables.clamp_min(0).long()].to(tables.dtype), tables)
+    return q, k_cache[order].contiguous(), v_cache[order].contiguous(), tables, cu_q, ctx, max_q
+
+
 def _oracle(case: str, dense):
     """(fp64 truth, bf16-math result) [Tq, Hq, D], sequence by sequence."""
     from minipaged.testing import attention_ref
@@ -348,9 +362,12 @@ def run(args) -> dict:
     for case in CASES:
         dense = _dense(case)
         truth, lowp = _oracle(case, dense)
-        for page in PAGES:
+        for page, pool_order in [(p, o) for p in PAGES for o in ((False, True) if args.pool_order else (False,))]:
             inputs = _paged_inputs(case, page, dense)
-            row = {"case": case, "page": page, "variants": {}, "anchors": {}}
+            if pool_order:
+                inputs = _pool_order(inputs)
+            tag = f"p{page}" + (" pool-order" if pool_order else "")
+            row = {"case": case, "page": page, "pool_order": pool_order, "variants": {}, "anchors": {}}
             for v in variants:
                 which, overrides = VARIANTS[v]
                 if not _applies(which, case):
@@ -360,7 +377,7 @@ def run(args) -> dict:
                 row["variants"][v] = entry
                 if why:
                     entry.update(status="failed", error=why)
-                    print(f"  {case} p{page} {v}: FAILED {why[:120]}", flush=True)
+                    print(f"  {case} {tag} {v}: FAILED {why[:120]}", flush=True)
                     continue
                 fn = _paged_fn(inputs, overrides)
                 try:
@@ -368,7 +385,7 @@ def run(args) -> dict:
                     entry.update(err=err, bound=bound)
                     if not err <= bound:
                         entry["status"] = "wrong"
-                        print(f"  {case} p{page} {v}: WRONG err {err:.3e} > {bound:.3e}", flush=True)
+                        print(f"  {case} {tag} {v}: WRONG err {err:.3e} > {bound:.3e}", flush=True)
                         continue
                     entry.update(_time(fn, _kind(case) == "spec"), status="ok")
                     if _kind(case) == "mixed" and DEVICE == "cuda":
@@ -378,10 +395,10 @@ def run(args) -> dict:
                     if args.verbose:
                         traceback.print_exc()
                     continue
-                print(f"  {case} p{page} {v}: {entry['median_us']:.1f} us  [{entry['launches']}]", flush=True)
+                print(f"  {case} {tag} {v}: {entry['median_us']:.1f} us  [{entry['launches']}]", flush=True)
             row["anchors"] = _anchors(case, page, inputs, dense, truth, lowp)
             for name, a in row["anchors"].items():
-                print(f"  {case} p{page} anchor {name}: "
+                print(f"  {case} {tag} anchor {name}: "
                       + (f"{a['median_us']:.1f} us" if a["status"] == "ok" else a["status"]), flush=True)
             rows.append(row)
             if args.json:
@@ -400,9 +417,10 @@ def _summary(rows) -> list[str]:
     dense = {r["case"]: r["anchors"].get("dense varlen") for r in rows if "dense varlen" in r["anchors"]}
     for r in rows:
         case, kind, an = r["case"], _kind(r["case"]), r["anchors"]
+        tag = f"p{r['page']}" + (" pool-order" if r.get("pool_order") else "")
         for v, e in r["variants"].items():
             if e.get("status") != "ok":
-                lines.append(f"{case} p{r['page']} {v}: {e.get('status')}")
+                lines.append(f"{case} {tag} {v}: {e.get('status')}")
                 continue
             t = e["median_us"]
             note = ""
@@ -419,7 +437,7 @@ def _summary(rows) -> list[str]:
                     note = f"mixed/(chunk+decodes) = {t / parts:.3f} (target <= 1.1; parts {parts:.1f} us)"
                     if "graph_us" in e:
                         note += f"; as a graph {e['graph_us']:.1f} us"
-            lines.append(f"{case} p{r['page']} {v}: {t:.1f} us  {note}  [{e['launches']}]")
+            lines.append(f"{case} {tag} {v}: {t:.1f} us  {note}  [{e['launches']}]")
     return lines
 
 
@@ -438,6 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile children")
     ap.add_argument("--compile-timeout", type=float, default=240.0)
     ap.add_argument("--pages", type=int, nargs="*", help="page sizes (default 16 1 128)")
+    ap.add_argument("--pool-order", action="store_true",
+                    help="also run every case on the same pages renumbered into pool order (_pool_order)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--compile-child", help=argparse.SUPPRESS)
     ap.add_argument("--verbose", action="store_true")
