@@ -161,6 +161,12 @@ def test_decode_rules():
 # ------------------------------------------------------------------ write_kv_cache
 
 
+def test_write_kv_cache_refuses_aliasing_caches():
+    kc = torch.full((1, 4, 2, 64), float("nan")).expand(3, 4, 2, 64)
+    with pytest.raises(ValueError, match="k_cache has a broadcast"):
+        mp.write_kv_cache(torch.randn(1, 2, 64), torch.randn(1, 2, 64), kc, kc.clone(), torch.tensor([0]))
+
+
 def test_write_kv_cache_rules():
     kc = torch.full((4, 4, 2, 64), float("nan"))
     vc = kc.clone()

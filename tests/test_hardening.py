@@ -344,3 +344,48 @@ def test_kernel_ready_copies_misaligned_contiguous_views():
     assert api._kernel_ready(oracle, view).data_ptr() == view.data_ptr()
     # the metadata fast path must not skip the copy either
     assert not api._layout_ok(view, ()) and not api._layout_ok(base[:-1].view(2, 4, 64), (view,))
+
+
+# ------------------------------------------------------------------ write_kv_cache into cache views
+# (a conformance audit against DESIGN.md: "Inputs may be non-contiguous"; the GPU backends used
+# to refuse any non-contiguous cache)
+
+
+def _write_backends(device):
+    return [b for b in ("torch", "triton", "cuda", "cuda-wmma")
+            if registry.all_backends()[b].is_available(device)[0]]
+
+
+def _check_write_into_views(backend, device, dtype):
+    # Caches that are views: the K and V halves of one [nb, bs, 2, Hkv, D] tensor (last dim
+    # stride 1, written in place by every kernel) and every other element of a wider last dim
+    # (stride 2: written through a contiguous copy). Both must hold exactly what torch writes
+    # into plain caches, and nothing else may change (NaN elsewhere stays NaN).
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(5, 2, 64, generator=g).to(device, dtype)
+    v = torch.randn(5, 2, 64, generator=g).to(device, dtype)
+    slots = torch.tensor([0, 7, -1, 13, 30], dtype=torch.int32, device=device)
+    want_k = torch.full((8, 4, 2, 64), float("nan"), dtype=dtype, device=device)
+    want_v = want_k.clone()
+    mp.write_kv_cache(k, v, want_k, want_v, slots, backend="torch")
+    kv = torch.full((8, 4, 2, 2, 64), float("nan"), dtype=dtype, device=device)
+    wide = torch.full((2, 8, 4, 2, 128), float("nan"), dtype=dtype, device=device)
+    for kc, vc in ((kv[:, :, 0], kv[:, :, 1]), (wide[0, ..., ::2], wide[1, ..., ::2])):
+        assert not kc.is_contiguous()
+        mp.write_kv_cache(k, v, kc, vc, slots, backend=backend)
+        torch.testing.assert_close(kc, want_k, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(vc, want_v, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(wide[..., 1::2]).all(), "the elements between the strided cache's must stay NaN"
+
+
+@pytest.mark.parametrize("backend", _write_backends("cpu"))
+def test_write_kv_cache_into_views(backend):
+    _check_write_into_views(backend, "cpu", torch.float16 if backend == "triton" else torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda", "cuda-wmma"])
+def test_write_kv_cache_into_views_gpu(backend):
+    if not torch.cuda.is_available() or backend not in _write_backends("cuda"):
+        pytest.skip(f"{backend} unavailable on cuda")
+    _check_write_into_views(backend, "cuda", torch.bfloat16)

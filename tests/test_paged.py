@@ -218,6 +218,50 @@ def test_merge_empty_sides_and_dtypes():
     torch.testing.assert_close(o[2].double(), ref, atol=2e-3, rtol=0)
 
 
+def _merge_backends(device):
+    # merge_attention_states has torch and triton kernels (the cuda backends route to them)
+    return [b for b in ("torch", "triton") if b in _backends(device)]
+
+
+def _check_merge_ignores_empty_sides(backend, device, dtype):
+    # The o rows of a side that saw no key are garbage (NaN here, as an uninitialised split
+    # buffer may hold): they must not reach the output, whichever side is empty.
+    g = torch.Generator().manual_seed(7)
+    o_a = torch.randn(4, 3, 64, generator=g).to(device, dtype)
+    o_b = torch.randn(4, 3, 64, generator=g).to(device, dtype)
+    lse_a = torch.randn(4, 3, generator=g).to(device)
+    lse_b = torch.randn(4, 3, generator=g).to(device)
+    lse_a[0] = -math.inf
+    o_a[0] = NAN                          # only b saw keys: o = o_b exactly
+    lse_b[1] = -math.inf
+    o_b[1] = NAN                          # only a saw keys: o = o_a exactly
+    lse_a[2] = lse_b[2] = -math.inf
+    o_a[2] = o_b[2] = NAN                 # neither: zeros and -inf
+    o, lse = mp.merge_attention_states(o_a, lse_a, o_b, lse_b, backend=backend)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(o[0], o_b[0]) and torch.equal(o[1], o_a[1])
+    assert (o[2] == 0).all() and torch.isneginf(lse[2]).all()
+    torch.testing.assert_close(lse[:2], torch.stack([lse_b[0], lse_a[1]]))
+    w_a = torch.exp(lse_a[3].double() - torch.logaddexp(lse_a[3].double(), lse_b[3].double()))
+    ref = w_a[:, None] * o_a[3].double() + (1 - w_a[:, None]) * o_b[3].double()
+    tol = 2e-3 if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(o[3].double(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("backend", _merge_backends("cpu"))
+def test_merge_ignores_the_o_of_empty_sides(backend):
+    _check_merge_ignores_empty_sides(backend, "cpu", torch.float16 if backend == "triton" else torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_ignores_the_o_of_empty_sides_gpu(backend, dtype):
+    if not torch.cuda.is_available() or backend not in _merge_backends("cuda"):
+        pytest.skip(f"{backend} unavailable on cuda")
+    _check_merge_ignores_empty_sides(backend, "cuda", dtype)
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -604,7 +604,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
 
     Args:
         k, v: [T, Hkv, D].
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as k; any strides
+            (views of one larger tensor too), written in place.
         slot_mapping: int32 or int64 [T]; token t goes to block slot // block_size,
             offset slot % block_size. A negative slot skips its token.
         k_scale, v_scale: for float8_e4m3fn caches only (k, v float16/bfloat16): a positive
@@ -635,8 +636,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if b.name != "torch" and not c.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for backend {b.name!r} (it is written in place)")
+        if any(st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
+            raise ValueError(f"{name} has a broadcast (stride 0) dim of shape {tuple(c.shape)}, strides "
+                             f"{tuple(c.stride())}: its slots alias, so it cannot be written in place")
     if check_values and slot_mapping.numel() > 0:
         hi = int(slot_mapping.max().item())
         if hi >= num_blocks * block_size:
@@ -646,7 +648,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     if k.shape[0] == 0:
         return None
     k, v = _kernel_ready(b, k), _kernel_ready(b, v)
-    b.op("write_kv_cache")(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous(), *scales)
+    # The GPU kernels take any cache strides with a stride-1 last dim (e.g. the K and V halves of
+    # one [num_blocks, block_size, 2, Hkv, D] tensor); any other layout is written through a
+    # contiguous copy that is copied back.
+    kc, vc = (c if b.name == "torch" or c.stride(-1) == 1 or c.shape[-1] <= 1 else c.contiguous()
+              for c in (k_cache, v_cache))
+    b.op("write_kv_cache")(k, v, kc, vc, slot_mapping.to(torch.int64).contiguous(), *scales)
+    for c, written in ((k_cache, kc), (v_cache, vc)):
+        if written is not c:
+            c.copy_(written)
     return None
 
 

@@ -193,7 +193,9 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     safe = torch.where(finite, lse, torch.zeros_like(lse))
     w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
     w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
-    o = w_a * o_a.float() + w_b * o_b.float()
+    # a side of weight 0 (it saw no key) contributes exactly 0 whatever its o holds: an
+    # uninitialised or NaN-poisoned row must not turn 0 * NaN into the output
+    o = torch.where(w_a > 0, w_a * o_a.float(), 0.0) + torch.where(w_b > 0, w_b * o_b.float(), 0.0)
     return o.to(o_a.dtype), lse
 
 
