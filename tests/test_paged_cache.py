@@ -133,7 +133,12 @@ def test_slot_mapping_and_tables():
     assert c.slot_mapping("b", 1, 2).tolist() == [9]
     assert c.block_tables(["a", "b"]).tolist() == [[0, 1, 3], [2, -1, -1]]
     assert c.context_lens(["a", "b"]).tolist() == [9, 2]
+    # no ids: every live sequence in allocation order
+    assert c.block_tables().tolist() == [[0, 1, 3], [2, -1, -1]]
+    assert c.context_lens().tolist() == [9, 2]
+    assert c.block_tables(["b"], pad=0).tolist() == [[2]]
     c.free("a")
+    assert c.block_tables().tolist() == [[2]] and c.context_lens().tolist() == [2]
     assert c.num_free_blocks == 7
     with pytest.raises(KeyError):
         c.append("a")

@@ -339,9 +339,11 @@ class PagedKVCache:
         blocks = torch.tensor(table, dtype=torch.int64)[pos // bs] if end > start else pos
         return (blocks * bs + pos % bs).to(self.device)
 
-    def block_tables(self, seq_ids: Iterable[Hashable], pad: int = -1) -> torch.Tensor:
-        """int32 [B, max_blocks] on the cache device; short rows are padded with `pad`."""
-        rows = [self._tables[self._known(s)] for s in seq_ids]
+    def block_tables(self, seq_ids: Iterable[Hashable] | None = None, pad: int = -1) -> torch.Tensor:
+        """int32 [B, max_blocks] on the cache device, one row per sequence of seq_ids (None: every
+        live sequence, in allocation order, as `seq_ids` lists them); short rows are padded
+        with `pad`."""
+        rows = [self._tables[self._known(s)] for s in (self._tables if seq_ids is None else seq_ids)]
         width = max((len(r) for r in rows), default=0)
         out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int32)
         for i, r in enumerate(rows):
@@ -349,9 +351,11 @@ class PagedKVCache:
                 out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
         return out.to(self.device)
 
-    def context_lens(self, seq_ids: Iterable[Hashable]) -> torch.Tensor:
-        """int32 [B] on the cache device: cached tokens per sequence."""
-        return torch.tensor([self._lens[self._known(s)] for s in seq_ids], dtype=torch.int32).to(self.device)
+    def context_lens(self, seq_ids: Iterable[Hashable] | None = None) -> torch.Tensor:
+        """int32 [B] on the cache device: cached tokens per sequence of seq_ids (None: every live
+        sequence, in the order of block_tables())."""
+        ids = self._tables if seq_ids is None else seq_ids
+        return torch.tensor([self._lens[self._known(s)] for s in ids], dtype=torch.int32).to(self.device)
 
     # ------------------------------------------------------------------ helpers
 
