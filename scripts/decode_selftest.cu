@@ -9,7 +9,8 @@
 //   ./decode_selftest check          every case (exit status 0 only if all pass)
 //   ./decode_selftest small          a few tiny cases, for compute-sanitizer
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
-//                                    (DECODE_TIME_TILINGS="0,6" times only those tilings)
+//                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
+//                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -553,7 +554,15 @@ Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fb
 
 int time_mode(int reps) {
   reps = std::max(reps, 50);
-  const int hq = 16, hkv = 8, D = 128, bs = 16;
+  // DECODE_TIME_HEADS="hq,hkv,D" times another head layout (default 16,8,128, the grid's).
+  int hq = 16, hkv = 8, D = 128;
+  if (const char* env = std::getenv("DECODE_TIME_HEADS")) {
+    if (std::sscanf(env, "%d,%d,%d", &hq, &hkv, &D) != 3 || hkv <= 0 || hq % hkv != 0 || (D != 64 && D != 128)) {
+      std::fprintf(stderr, "DECODE_TIME_HEADS must be hq,hkv,D with hkv | hq and D 64 or 128, got %s\n", env);
+      return 2;
+    }
+  }
+  const int bs = 16;
   struct Shape {
     int B, L;
   };
@@ -581,6 +590,7 @@ int time_mode(int reps) {
     CHECK_CUDA(cudaGraphDestroy(g));
     CHECK_CUDA(cudaFree(dummy));
   }
+  std::printf("heads Hq/Hkv/D %d/%d/%d, page %d\n", hq, hkv, D, bs);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
   std::printf("%-12s %-22s %6s %6s %9s %9s %9s %8s  %s\n", "case", "config", "splits", "CTAs", "med us", "p20 us",
               "p80 us", "TB/s", "check");
