@@ -74,6 +74,10 @@ def _main(argv, capsys):
     (["--prompt", "hi"], ["--prompt", "--model"]),
     (["--chat"], ["--chat", "--prompt"]),
     (["--model", "/nonexistent/qwen3"], ["--model", "/nonexistent/qwen3"]),
+    # past int32 / int64: refused here, not by an allocation or an overflow inside the run
+    (["--num-blocks", str(2**62)], ["--num-blocks", "2147483647"]),
+    (["--max-new-tokens", "1" + "0" * 400], ["--max-new-tokens", "401-digit"]),
+    (["--seed", str(2**64)], ["--seed"]),
 ])
 def test_generate_rejects_bad_flags_before_building_the_model(argv, words, capsys, no_work):
     rc, _, err = _main(["generate", *argv], capsys)
@@ -182,6 +186,27 @@ def test_check_names_the_backends_it_compared(capsys, monkeypatch):
     assert "compared with the torch oracle: triton (prefill, decode)" in out
     assert "triton agrees with the oracle on every case" in out
     assert "skipped: cuda: " in out and "all backends agree" not in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["command"]),
+    (["bogus"], ["bogus"]),
+    (["check", "--dtype", "float64"], ["--dtype", "float64"]),
+    (["generate", "--batch", "abc"], ["--batch", "abc"]),
+    (["bench", "--op", "nope"], ["--op", "nope"]),
+    (["bench", "--reps", "1" + "0" * 400], ["--reps", "401-digit"]),
+    (["bench", "--seed", "1" + "0" * 400], ["--seed"]),
+])
+def test_parser_errors_are_one_error_line(argv, words, capsys, no_work):
+    # argparse's own errors (missing command, bad choice, not an int) used to print the usage
+    # text and a "minipaged X: error:" line; huge ints overflowed inside the checks
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    _, err = capsys.readouterr()
+    _assert_usage_error(rc, err, *words)
+    assert "usage:" not in err
 
 
 # The same contract through a fresh interpreter, as a user's shell runs it: the

@@ -389,3 +389,132 @@ def test_write_kv_cache_into_views_gpu(backend):
     if not torch.cuda.is_available() or backend not in _write_backends("cuda"):
         pytest.skip(f"{backend} unavailable on cuda")
     _check_write_into_views(backend, "cuda", torch.bfloat16)
+
+
+# ------------------------------------------------------------------ findings of an API fuzzer
+
+
+def _fp8_decode_problem():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    kc = torch.randn(2, 4, 2, 64).to(torch.float8_e4m3fn)
+    vc = torch.randn(2, 4, 2, 64).to(torch.float8_e4m3fn)
+    return q, kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", _write_backends("cpu"))
+@pytest.mark.parametrize("op", ["decode", "paged"])
+def test_fast_path_reads_a_copied_scale_afresh(backend, op):
+    # check_values=False remembers a validated call; a scale tensor the API had to copy (a
+    # non-contiguous [Hkv] view) used to be remembered too, so an in-place update of the
+    # caller's tensor was ignored (the output 4x too small here)
+    q, kc, vc, bt, cl = _fp8_decode_problem()
+    v_scale = torch.ones(4)[::2]
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+
+    def call(check):
+        if op == "decode":
+            return mp.decode_attention(q, kc, vc, bt, cl, v_scale=v_scale, backend=backend, check_values=check)
+        return mp.paged_attention(q, kc, vc, bt, cu, cl, max_seqlen_q=1, v_scale=v_scale, backend=backend,
+                                  check_values=check)
+
+    first = call(False)
+    v_scale.mul_(4.0)
+    again = call(False)
+    torch.testing.assert_close(again, call(True), rtol=0, atol=0)
+    torch.testing.assert_close(again.float(), 4 * first.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", _write_backends("cpu"))
+def test_oversized_max_seqlen_bounds_are_harmless(backend):
+    # a bound far past the packed totals used to size the triton grid from it (a hang at 2**20,
+    # an OverflowError at 2**63 and 2**64)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(9, 4, 64, generator=g).half()
+    k, v = torch.randn(13, 2, 64, generator=g).half(), torch.randn(13, 2, 64, generator=g).half()
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    want = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, backend=backend)
+    for bound in (2**20, 2**64):
+        got = mp.prefill_attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=bound, max_seqlen_k=bound,
+                                          backend=backend)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    qd, kc, vc, bt, cl = _fp8_decode_problem()
+    kc, vc = kc.half(), vc.half()
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    want = mp.paged_attention(qd, kc, vc, bt, cu, cl, backend=backend)
+    for check in (True, False):
+        got = mp.paged_attention(qd, kc, vc, bt, cu, cl, max_seqlen_q=2**64, backend=backend, check_values=check)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: mp.prefill_attention(*_qkv(), scale=1e300), "scale"),
+    (lambda: mp.prefill_attention(*_qkv(), scale=10**400), "scale"),
+    (lambda: mp.prefill_attention(*_qkv(), scale=1e-46), "scale"),
+    (lambda: mp.decode_attention(*_fp8_decode_problem(), k_scale=1e39), "k_scale"),
+    (lambda: mp.decode_attention(*_fp8_decode_problem(), v_scale=10**400), "v_scale"),
+    (lambda: mp.PagedKVCache(1, 2, 64, num_blocks=2, dtype=torch.float8_e4m3fn, k_scale=1e39), "k_scale"),
+])
+def test_scales_outside_float32_are_value_errors(call, words):
+    # they escaped as OverflowError / RuntimeError, or (softmax scale 1e300) gave NaN
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def _qkv():
+    return torch.randn(1, 4, 5, 64), torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+
+
+@pytest.mark.parametrize("backend", _write_backends("cpu"))
+def test_write_kv_cache_refuses_zero_kv_heads_and_grad_caches(backend):
+    k = torch.randn(3, 0, 64).half()
+    kc = torch.zeros(2, 4, 0, 64).half()
+    with pytest.raises(ValueError, match="at least one KV head"):
+        mp.write_kv_cache(k, k, kc, kc.clone(), torch.tensor([0, 1, 2]), backend=backend)
+    k = torch.randn(3, 2, 64).half()
+    kc = torch.zeros(2, 4, 2, 64).half().requires_grad_()
+    with pytest.raises(ValueError, match="k_cache requires grad"):
+        mp.write_kv_cache(k, k, kc, torch.zeros(2, 4, 2, 64).half(), torch.tensor([0, 1, 2]), backend=backend)
+
+
+def test_merge_without_output_elements_still_merges_lse():
+    lse_a, lse_b = torch.zeros(2, 3), torch.zeros(2, 3)
+    o, lse = mp.merge_attention_states(torch.empty(2, 3, 0), lse_a, torch.empty(2, 3, 0), lse_b)
+    assert o.shape == (2, 3, 0)
+    torch.testing.assert_close(lse, torch.full((2, 3), math.log(2.0)))
+    # the backend name is spelled as the other ops take it
+    o, _ = mp.merge_attention_states(torch.ones(2, 3, 4), lse_a, torch.ones(2, 3, 4), lse_b, backend=" TORCH ")
+    assert (o == 1).all()
+
+
+def test_meta_tensors_and_non_str_backend_names():
+    q, k, v = (t.to("meta") for t in _qkv())
+    with pytest.raises(ValueError, match="meta"):
+        mp.prefill_attention(q, k, v)
+    for bad in (1, None):
+        with pytest.raises(TypeError, match="must be a str"):
+            with mp.use_backend(bad):
+                pass
+    with pytest.raises(TypeError, match="must be a str"):
+        mp.get_backend(1)
+
+
+def test_paged_kv_cache_argument_ranges():
+    with pytest.raises(ValueError, match="num_blocks must be at most"):
+        mp.PagedKVCache(1, 1, 64, num_blocks=2**40)
+    with pytest.raises(ValueError, match="more elements than torch can address"):
+        mp.PagedKVCache(2**62, 1, 64, num_blocks=4)
+    c = mp.PagedKVCache(1, 1, 64, num_blocks=4, block_size=2)
+    c.allocate("a", 3)
+    for pad in (1.5, 2**40, True):
+        with pytest.raises(ValueError, match="pad must be an int32"):
+            c.block_tables(pad=pad)
+    for block in (-1, 4, 0.0):
+        with pytest.raises(ValueError, match="block must be an int"):
+            c.ref_count(block)
+        with pytest.raises(ValueError, match="block must be an int"):
+            c.is_cached(block)
+    with pytest.raises(ValueError, match="token ids must fit in int64"):
+        c.block_hashes([2**63] * 4)
+

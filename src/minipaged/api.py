@@ -76,15 +76,31 @@ def _heads(num_q_heads: int, num_kv_heads: int) -> None:
         )
 
 
+# The kernels hold every scale in float32: a value must be a positive normal-or-subnormal fp32.
+_F32_MAX = 3.4028234663852886e38
+_F32_MIN_POSITIVE = 1.401298464324817e-45
+
+
+def positive_float32(name: str, x) -> float:
+    """x (a Python int or float) as a float that float32 holds as a positive finite number,
+    else ValueError naming `name` (an int too large for a float included)."""
+    try:
+        f = float(x)
+    except OverflowError:
+        f = math.inf
+    if not (_F32_MIN_POSITIVE <= f <= _F32_MAX):
+        shown = repr(x) if len(repr(x)) <= 40 else f"{repr(x)[:12]}... ({len(repr(x))} digits)"
+        raise ValueError(f"{name} must be a positive finite float within float32's range, got {shown}")
+    return f
+
+
 def _scale(scale, head_dim: int) -> float:
     # called after the head-dim check, so head_dim > 0 here
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    return positive_float32("scale", scale)
 
 
 def _bool(name: str, x) -> bool:
@@ -134,6 +150,8 @@ def _pick(op: str, device: torch.device, backend: str | None, dtype: torch.dtype
     the answer depends on (the selection key, dtype, head dim, an fp8 cache)."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the tensors are on {device}: minipaged runs on cpu and cuda tensors")
     key = (registry.selection_key(op, device.type, backend), dtype, head_dim, fp8_kv)
     b = _picked.get(key)
     if b is None:
@@ -254,9 +272,8 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
         return s.reshape(1).expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
     if isinstance(s, bool) or not isinstance(s, (int, float)):
         raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"{name} must be a positive finite float, got {s}")
-    key = (float(s), num_kv_heads, cache.device)
+    s = positive_float32(name, s)
+    key = (s, num_kv_heads, cache.device)
     t = _scale_tensors.get(key)
     if t is None:
         if len(_scale_tensors) >= 256:
@@ -380,6 +397,8 @@ def prefill_attention_varlen(
             raise ValueError(f"max_seqlen_k={max_seqlen_k} is below the longest key sequence ({real_k})")
         max_seqlen_q = real_q if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = real_k if max_seqlen_k is None else max_seqlen_k
+    # an upper bound past the packed totals holds no sequence: the kernels size grids from it
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, Tq), min(max_seqlen_k, k.shape[0])
     if Tq == 0:
         return _empty_result(torch.empty_like(q), (Tq, Hq), return_lse)
     q, k, v = (_kernel_ready(b, x) for x in (q, k, v))
@@ -495,7 +514,9 @@ def decode_attention(
     scale = _scale(scale, D)
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
-    if any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (k_scale, v_scale)):
+    # a scale tensor the call had to copy (0-dim, non-contiguous) must not be remembered: the
+    # copy would go stale when the caller updates the tensor in place
+    if any(isinstance(x, torch.Tensor) and x is not y for x, y in zip((k_scale, v_scale), scales)):
         key = None  # an expanded copy is passed: a later in-place change of the user's tensor must be seen
     if check_values:
         _check_tables(block_tables, context_lens, num_blocks, block_size)
@@ -557,8 +578,8 @@ def paged_attention(
                         (max_seqlen_q, causal, scale, return_lse, k_scale, v_scale), backend)
         hit = _validated.get(key) if key is not None else None
         if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)):
-            return hit[0](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, causal,
-                          hit[1], return_lse, *hit[2])
+            return hit[0](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                          min(max_seqlen_q, q.shape[0]), causal, hit[1], return_lse, *hit[2])
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
@@ -580,13 +601,16 @@ def paged_attention(
     scale = _scale(scale, D)
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
-    if any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (k_scale, v_scale)):
+    # a scale tensor the call had to copy (0-dim, non-contiguous) must not be remembered: the
+    # copy would go stale when the caller updates the tensor in place
+    if any(isinstance(x, torch.Tensor) and x is not y for x, y in zip((k_scale, v_scale), scales)):
         key = None
     if check_values or max_seqlen_q is None:
         _, real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")
         if max_seqlen_q is not None and max_seqlen_q < real_q:
             raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query sequence ({real_q})")
         max_seqlen_q = real_q if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_q = min(max_seqlen_q, Tq)  # past the packed total: no sequence is that long
     if check_values:
         _check_tables(block_tables, context_lens, num_blocks, block_size)
     if Tq == 0 or max_seqlen_q == 0:
@@ -625,6 +649,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     _int_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     _same_device("k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_blocks, block_size, Hkv, D = _check_cache_pair(k_cache, v_cache)
+    if Hkv <= 0:
+        raise ValueError(f"the caches must have at least one KV head, got shape {tuple(k_cache.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     _dim_eq("k.shape[1] (KV heads)", k.shape[1], Hkv, "k and k_cache share Hkv")
@@ -636,6 +662,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.requires_grad:
+            raise ValueError(f"{name} requires grad: a cache is written in place, outside autograd "
+                             "(allocate it without requires_grad)")
         if any(st == 0 and n > 1 for st, n in zip(c.stride(), c.shape)):
             raise ValueError(f"{name} has a broadcast (stride 0) dim of shape {tuple(c.shape)}, strides "
                              f"{tuple(c.stride())}: its slots alias, so it cannot be written in place")
@@ -692,9 +721,11 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
                              f"got {tuple(x.shape)}")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    if backend not in (None, "torch", "triton"):
+    name = None if backend is None else backend.strip().lower()  # spelled as the other ops take it
+    if name == "auto":
+        name = None
+    if name not in (None, "torch", "triton"):
         raise ValueError(f"merge_attention_states runs on backend 'torch' or 'triton', got {backend!r}")
-    name = backend
     if name is None:
         name = "triton" if o_a.is_cuda and registry.all_backends()["triton"].is_available("cuda")[0] else "torch"
     b = registry.all_backends()[name]
@@ -707,5 +738,6 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
             raise TypeError(f"backend 'triton' supports dtypes {list(dtypes)} on {o_a.device.type}, "
                             f"got {_FLOAT_DTYPES[o_a.dtype]}: {why}")
     if o_a.numel() == 0:
-        return torch.empty_like(o_a), torch.empty_like(lse_a)
+        # no output elements (D = 0 or no rows): the lse still has a value per row
+        return torch.empty_like(o_a), torch.logaddexp(lse_a, lse_b)
     return b.ops().merge_attention_states(o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous())

@@ -31,6 +31,16 @@ def print_error(e: BaseException | str) -> int:
     return 2
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with its usage errors (a missing command, an unknown flag, a value that is not
+    an int or not among the choices) printed as the one `error:` line every other bad input
+    gets, exit 2; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        print_error(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        sys.exit(2)
+
+
 def check_backend_env() -> None:
     """An unknown name in MINIPAGED_BACKEND / MINIPAGED_{PREFILL,DECODE}_BACKEND is a
     ValueError naming the variable and the valid names (never ignored)."""
@@ -165,7 +175,7 @@ _DELEGATES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__,
+    parser = ArgumentParser(prog="minipaged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="backends, device, versions, and what auto picks")

@@ -27,6 +27,8 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 import torch
 
+from .api import positive_float32
+
 try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
     import xxhash
 
@@ -42,10 +44,14 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; kept for strip
 def _token_bytes(token_ids: Sequence[int], start: int, stop: int) -> bytes:
     """Tokens [start, stop) as int64 bytes: the hash input of the blocks they make up
     (block i of them at bytes [8 * block_size * i, 8 * block_size * (i + 1)))."""
-    return np.asarray(token_ids[start:stop], dtype=np.int64).tobytes()
+    try:
+        return np.asarray(token_ids[start:stop], dtype=np.int64).tobytes()
+    except OverflowError:
+        raise ValueError("token ids must fit in int64") from None
 
 
 HEAD_DIMS = (64, 128, 256)
+_MAX_BLOCKS = 2**31 - 1
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
@@ -62,7 +68,7 @@ def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torc
     elif isinstance(s, bool) or not isinstance(s, (int, float)):
         raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
     else:
-        t = torch.full((num_layers, num_kv_heads), float(s), dtype=torch.float32, device=device)
+        t = torch.full((num_layers, num_kv_heads), positive_float32(name, s), dtype=torch.float32, device=device)
     if not bool((torch.isfinite(t) & (t > 0)).all()):
         raise ValueError(f"{name} must be positive and finite, got {t.flatten().tolist()[:8]}")
     return t
@@ -124,6 +130,9 @@ class PagedKVCache:
                           ("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if num_blocks > _MAX_BLOCKS:
+            raise ValueError(f"num_blocks must be at most {_MAX_BLOCKS} (block ids are int32 table entries), "
+                             f"got {num_blocks}")
         if not (1 <= block_size <= 256) or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
         if head_dim not in HEAD_DIMS:
@@ -149,8 +158,13 @@ class PagedKVCache:
         self.device = device
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # One allocation per K and V; layers are contiguous views into it.
-        self._k = torch.empty(shape, dtype=dtype, device=self.device)
-        self._v = torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            self._k = torch.empty(shape, dtype=dtype, device=self.device)
+            self._v = torch.empty(shape, dtype=dtype, device=self.device)
+        except RuntimeError as e:
+            if "overflow" not in str(e).lower():
+                raise  # out of memory: a failure of this device, not of the arguments
+            raise ValueError(f"a KV cache of shape 2 x {list(shape)} has more elements than torch can address") from None
         self.k_caches = list(self._k.unbind(0))
         self.v_caches = list(self._v.unbind(0))
         # Block states: referenced (ref > 0); empty (in _free); cached but unreferenced (in _evictable,
@@ -194,11 +208,16 @@ class PagedKVCache:
         return list(self._tables[self._known(seq_id)])
 
     def ref_count(self, block: int) -> int:
-        return self._ref[block]
+        return self._ref[self._block_id(block)]
+
+    def _block_id(self, block) -> int:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
+        return block
 
     def is_cached(self, block: int) -> bool:
         """The block holds a named full block (its K/V must never be written again)."""
-        return self._hash_of[block] is not None
+        return self._hash_of[self._block_id(block)] is not None
 
     def prefix_hit_tokens(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` whose K/V came from cached blocks at allocation (a multiple of block_size)."""
@@ -343,6 +362,8 @@ class PagedKVCache:
         """int32 [B, max_blocks] on the cache device, one row per sequence of seq_ids (None: every
         live sequence, in allocation order, as `seq_ids` lists them); short rows are padded
         with `pad`."""
+        if isinstance(pad, bool) or not isinstance(pad, int) or not -(2**31) <= pad < 2**31:
+            raise ValueError(f"pad must be an int32 value, got {pad!r}")
         rows = [self._tables[self._known(s)] for s in (self._tables if seq_ids is None else seq_ids)]
         width = max((len(r) for r in rows), default=0)
         out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int32)

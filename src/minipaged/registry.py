@@ -286,6 +286,8 @@ def available_backends(device: str | None = None) -> dict[str, tuple[bool, str]]
 
 
 def _validate_name(name: str, source: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"{source}: a backend name must be a str, got {type(name).__name__}")
     name = name.strip().lower()
     if name != AUTO and name not in _BACKENDS:
         raise ValueError(f"{source}: unknown backend {name!r}; valid names are {backend_names()}")

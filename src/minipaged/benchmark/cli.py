@@ -106,9 +106,9 @@ def run(args: argparse.Namespace, *, op: str | None = None) -> int:
 
 
 def main(argv=None, *, op: str | None = None, prog: str = "minipaged bench") -> int:
-    from ..cli import run_checked
+    from ..cli import ArgumentParser, run_checked
 
-    parser = argparse.ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
+    parser = ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
                                      "backends against PyTorch's SDPA/FlexAttention, FlashInfer (when importable) "
                                      "and copy bandwidth.")
     add_arguments(parser, with_op=op is None)

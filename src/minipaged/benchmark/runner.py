@@ -1055,11 +1055,17 @@ class Plan:
     fp8: bool = False                     # --kv-cache-dtype fp8: decode/paged also on fp8 caches
 
 
+# integer flags end up in int64 (seeds, counts): anything larger is a typo, not a request
+_INT_MAX = 2**63 - 1
+
+
 def _check_number(flag, value, *, minimum=None, integer=False):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise TypeError(f"{flag} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if isinstance(value, int) and abs(value) > _INT_MAX:
+        raise ValueError(f"{flag} must be at most {_INT_MAX} in magnitude, got a {len(str(abs(value)))}-digit number")
     if not math.isfinite(value):
         raise ValueError(f"{flag} must be finite, got {value!r}")
     if minimum is not None and value < minimum:

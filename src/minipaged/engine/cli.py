@@ -56,11 +56,17 @@ def _load_tokenizer(model_dir: str | None):
         return None
 
 
-def _positive(flag: str, value, *, allow_none: bool = False, minimum: int = 1) -> None:
+# Counts of tokens, sequences and blocks: the engine keeps them in int32 tensors (block tables,
+# positions), so larger values are refused here rather than failing inside the engine.
+_INT32_MAX = 2**31 - 1
+
+
+def _positive(flag: str, value, *, allow_none: bool = False, minimum: int = 1, maximum: int = _INT32_MAX) -> None:
     if value is None and allow_none:
         return
-    if value is None or value < minimum:
-        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value}")
+    if value is None or not minimum <= value <= maximum:
+        shown = value if value is None or len(str(value)) <= 20 else f"a {len(str(value))}-digit number"
+        raise ValueError(f"{flag} must be an integer from {minimum} to {maximum}, got {shown}")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -80,6 +86,8 @@ def validate(args: argparse.Namespace) -> None:
     # 0 is not "use the default": only leaving the flag out is
     _positive("--max-num-seqs", args.max_num_seqs, allow_none=True)
     _positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    # torch.manual_seed takes any 64-bit pattern
+    _positive("--seed", args.seed, minimum=-(2**63), maximum=2**64 - 1)
     bs = args.block_size
     if not 1 <= bs <= 256 or bs & (bs - 1):
         raise ValueError(f"--block-size must be a power of two from 1 to 256, got {bs}")
@@ -159,6 +167,10 @@ def _device(name: str | None):
     return dev
 
 
+def eng_device(args: argparse.Namespace) -> str:
+    return args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run after validate(args) (minipaged.cli.run_checked calls both)."""
     import torch
@@ -182,6 +194,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, NotImplementedError, registry.BackendUnavailableError) as e:
         # the flags passed validate(); what is left is the checkpoint folder's content
         return _error(e)
+    except RuntimeError as e:
+        # a --num-blocks whose KV cache the device cannot hold (an out-of-memory error, or a size
+        # torch cannot even compute) is a usage error too; anything else is a failure
+        text = str(e).lower()
+        if args.num_blocks is not None and (isinstance(e, torch.cuda.OutOfMemoryError) or "alloc" in text
+                                            or "out of memory" in text or "overflow" in text):
+            return _error(f"--num-blocks {args.num_blocks}: the KV cache cannot be allocated on "
+                          f"{eng_device(args)} ({' '.join(str(e).split())[:160]})")
+        raise
     print(eng, file=sys.stderr)
 
     if args.prompt is not None:
@@ -236,9 +257,9 @@ def _error(e) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import run_checked
+    from ..cli import ArgumentParser, run_checked
 
-    p = argparse.ArgumentParser(prog="minipaged generate", description=__doc__)
+    p = ArgumentParser(prog="minipaged generate", description=__doc__)
     add_arguments(p)
     p.set_defaults(func=run, validate=validate)
     return run_checked(p.parse_args(argv))
