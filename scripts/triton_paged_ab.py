@@ -209,7 +209,8 @@ def _launch_summary(inputs, overrides: dict) -> str:
     q, kc, vc, bt, cu, cl, max_q = inputs
     with _Overrides(overrides):
         plan = ops._paged_launches(D, q.dtype, True, q.shape[0], cu.shape[0] - 1, max_q, HQ // HKV, q.device,
-                                   ops._v2_usable(q, kc, vc, bt, cu.shape[0] - 1), None)
+                                   ops._v2_usable(q, kc, vc, bt, cu.shape[0] - 1), None,
+                                   kc.dtype == torch.float8_e4m3fn)
         prefetch = configs.paged_prefetch()
     parts = []
     for launch in plan:

@@ -211,6 +211,29 @@ def test_paged_without_lse_returns_tensor_interpreter():
     assert empty[0].shape == (0, 4, 64) and empty[1].shape == (0, 4)
 
 
+def test_paged_long_tile_on_sm90(monkeypatch):
+    """Long chunks at D 128 over 16-bit pages with groups up to 2 take the one-warpgroup 64-row
+    tile on sm_90 (two programs per SM); FP8 pages, larger groups and other GPUs keep the
+    128-row prefill tile; short runs stay packed."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cap = {"cap": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: cap["cap"])
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200
+    dev = torch.device("cuda")
+
+    def tile(group=2, kv_fp8=False, dtype=torch.bfloat16, D=128, maxq=512):
+        c = configs.paged_config(D, dtype, True, maxq, group, dev, kv_fp8)
+        return c.block_m, c.block_n, c.num_warps, c.num_stages, c.packed
+
+    assert tile() == (64, 64, 4, 3, False)
+    assert tile(group=1, dtype=torch.float16) == (64, 64, 4, 3, False)
+    assert tile(kv_fp8=True)[:3] == (128, 64, 8)
+    assert tile(group=4)[:3] == (128, 64, 8)
+    assert tile(maxq=4)[4] is True
+    cap["cap"] = (8, 0)
+    assert tile()[:3] == (128, 64, 8)
+
+
 def test_paged_num_splits_rule(monkeypatch):
     """Split count from shapes only (so a decode step can be graph-captured)."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200

@@ -284,8 +284,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# Long chunks over 16-bit pages on sm_90, D 128, GQA groups up to 2: 64-row tiles of one warpgroup.
+# Two programs share an SM (112 KB of shared memory each), and their warpgroups do not run in lock
+# step as the two of a 128-row program do (its loop has two CTA barriers per key tile), so one's
+# softmax overlaps the other's MMAs. On the H200 it took 0.98x / 0.976x the time of the 128-row
+# tile on the chunked-prefill rows (bench/results/nvidia-h200/triton_paged_tiles_4ed51f6/).
+# Larger groups and FP8 pages keep the 128-row tile until measured.
+_PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
+
+
 def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, group: int,
-                 device: torch.device) -> PagedConfig:
+                 device: torch.device, kv_fp8: bool = False) -> PagedConfig:
     """Tile of the paged kernel, from host values only (max_seqlen_q, not q_lens)."""
     rows = max(int(max_seqlen_q), 1) * group
     min_m = max(16, _next_pow2(group))  # tl.dot needs M >= 16; one position must fit all heads
@@ -301,6 +310,9 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         return PagedConfig(max(min_m, _next_pow2(rows)), dec.block_n, dec.num_warps, dec.num_stages)
+    if (head_dim == 128 and dtype.itemsize == 2 and not kv_fp8 and group <= 2
+            and torch.cuda.get_device_capability(device)[0] == 9):
+        return PagedConfig(*_PAGED_LONG_SM90_D128, False)
     pre = prefill_config(head_dim, dtype, causal, 1 << 30, 1 << 30, device)  # the long-prompt entry
     return PagedConfig(max(pre.block_m, min_m), pre.block_n, pre.num_warps, pre.num_stages, False)
 

@@ -370,8 +370,8 @@ def _v2_usable(q, k_cache, v_cache, block_tables, num_seqs: int) -> bool:
 
 def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: int, num_seqs: int,
                     max_seqlen_q: int, group: int, device: torch.device, v2_ok: bool,
-                    config: PagedConfig | None) -> tuple[_PagedLaunch, ...]:
-    cfg = config or paged_config(head_dim, dtype, causal, max_seqlen_q, group, device)
+                    config: PagedConfig | None, kv_fp8: bool = False) -> tuple[_PagedLaunch, ...]:
+    cfg = config or paged_config(head_dim, dtype, causal, max_seqlen_q, group, device, kv_fp8)
     if cfg.packed:
         # every query run fits one packed tile (decode, speculative verification)
         return (_PagedLaunch("v1", cfg),)
@@ -431,13 +431,14 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     # up to 32 (position, head) rows a batch always gets a packed tile (v1): skip the layout check
     v2_ok = (config is not None or max_seqlen_q * group > 32) and _v2_usable(q, k_cache, v_cache,
                                                                           block_tables, num_seqs)
-    plan_key = (q.device, q.dtype, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    plan_key = (q.device, q.dtype, kv_fp8, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
                 max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, configs.overrides_version,
                 configs.interpreting())
     plan = None if config is not None else _paged_plans.get(plan_key)
     if plan is None:
         plan = _paged_launches(head_dim, q.dtype, bool(causal), total_q, num_seqs, max_seqlen_q, group,
-                               q.device, v2_ok, config)
+                               q.device, v2_ok, config, kv_fp8)
         if config is None:
             _paged_plans[plan_key] = plan
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
