@@ -1253,8 +1253,8 @@ ROUTED_SPEC_CTX = [500, 1000, 700, 17, 4, 1, 4097, 2, 3000, 10, 100, 0, 1]  # de
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 def test_paged_routed_spec_and_chunks(ops, heads, D, block_size):
-    # every decode kernel the routed planner picks: scalar G1/G2/G4/G8 at D64, scalar G1/G2 and
-    # tensor cores (G >= 3) at D128; q_lens 0, 1, 2..16 and longer in one batch
+    # every decode kernel the routed planner picks: scalar G1 and tensor cores (G >= 2) at D64,
+    # scalar G1/G2 and tensor cores (G >= 3) at D128; q_lens 0, 1, 2..16 and longer in one batch
     q, kc, vc, bt, cu, cl = _paged_case(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, *heads, D, block_size, torch.bfloat16,
                                         seed=block_size + D)
     for causal in (True, False):
@@ -1293,10 +1293,12 @@ def test_paged_routed_mixed_batch_rows(ops, splits):
 
 
 @pytest.mark.parametrize("heads", [(16, 8), (16, 2)], ids=["G2", "G8"])
-def test_paged_routed_decode_rows_match_decode_op(ops, heads):
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_routed_decode_rows_match_decode_op(ops, heads, D):
     # decode rows scattered between spec rows and chunks: each bitwise the decode op's on those
-    # sequences alone (forced split count, same table width)
-    q, kc, vc, bt, cu, cl = _paged_case(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, *heads, 128, 16, torch.float16, seed=3)
+    # sequences alone (forced split count, same table width), so the routed (packed-query) kernel
+    # choice follows the plain one's at both head dims
+    q, kc, vc, bt, cu, cl = _paged_case(ROUTED_SPEC_Q, ROUTED_SPEC_CTX, *heads, D, 16, torch.float16, seed=3)
     o, lse = ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, num_splits=3, variant=ROUTED)
     seqs, rows = _rows_of(cu, lambda n: n == 1)
     idx = torch.tensor(seqs, dtype=torch.long, device="cuda")

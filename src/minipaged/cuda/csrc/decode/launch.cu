@@ -160,6 +160,14 @@ DecodePlan select_fp8(const DecodeParams& p) {
   return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
+// Whether the 16-bit default for a GQA group of `group` query heads per KV head is the
+// tensor-core kernel (else the scalar one; G = 2 at D = 128 is decided per call by
+// decode_plan / tensor_core_g2). Plain and packed-query calls share this rule.
+template <int D>
+constexpr bool default_tensor_cores(int group) {
+  return group >= 3 || (D == 64 && group == 2);
+}
+
 // Tilings. Registers per thread grow with G * D / TPT (q and the accumulator
 // live in registers), so larger groups spread a row over more threads.
 // `variant` exposes alternatives of the common G <= 2, D = 128 case for tuning.
@@ -178,7 +186,11 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // sequences and, by its one-wave occupancy, with short contexts
   // (bench/results/nvidia-h200/cuda_kernel_notes.md has the measurements).
   // (G = 2 at D = 128 may still go to tensor cores: decode_plan, tensor_core_g2.)
-  if (requested == 0 && D == 128 && p.num_q_heads / p.num_kv_heads >= 3) return default_mma<T, D, false, false>(fused);
+  // At D = 64 the tensor-core kernel also wins at G = 2, on every row of the decode_selftest
+  // grid (0.84-0.91x the scalar kernel's time; G = 4: 0.61-0.78x; G = 8: 0.31-0.64x;
+  // bench/results/nvidia-h200/decode_d64_4a28ab1/).
+  if (requested == 0 && default_tensor_cores<D>(p.num_q_heads / p.num_kv_heads))
+    return default_mma<T, D, false, false>(fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
@@ -246,17 +258,12 @@ DecodePlan select_packed(const DecodeParams& p) {
     if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true, false, 0, 0, true>();
     return info<T, D, 2, TPT, 2, true, 0, true, false, 0, 0, true>();
   }
+  if (default_tensor_cores<D>(group)) return default_mma<T, D, false, true>(false);
   if constexpr (D == 128) {
-    if (group >= 3) return default_mma<T, D, false, true>(false);
     if (group == 1) return info<T, D, 1, 8, 2, false, 0, false, false, 0, 0, true>();
     return info<T, D, 2, 8, 2, false, 3, false, false, 0, 0, true>();
   } else {
-    switch (group_tile(group)) {
-      case 1: return info<T, D, 1, 8, 4, false, 0, false, false, 0, 0, true>();
-      case 2: return info<T, D, 2, 8, 4, false, 0, false, false, 0, 0, true>();
-      case 4: return info<T, D, 4, 8, 2, false, 0, false, false, 0, 0, true>();
-      default: return info<T, D, 8, 8, 2, false, 0, false, false, 0, 0, true>();
-    }
+    return info<T, D, 1, 8, 4, false, 0, false, false, 0, 0, true>();  // G = 1
   }
 }
 
