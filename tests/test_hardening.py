@@ -351,11 +351,6 @@ def test_kernel_ready_copies_misaligned_contiguous_views():
 # to refuse any non-contiguous cache)
 
 
-def _write_backends(device):
-    return [b for b in ("torch", "triton", "cuda", "cuda-wmma")
-            if registry.all_backends()[b].is_available(device)[0]]
-
-
 def _check_write_into_views(backend, device, dtype):
     # Caches that are views: the K and V halves of one [nb, bs, 2, Hkv, D] tensor (last dim
     # stride 1, written in place by every kernel) and every other element of a wider last dim
@@ -378,7 +373,7 @@ def _check_write_into_views(backend, device, dtype):
     assert torch.isnan(wide[..., 1::2]).all(), "the elements between the strided cache's must stay NaN"
 
 
-@pytest.mark.parametrize("backend", _write_backends("cpu"))
+@pytest.mark.parametrize("backend", _backends_cpu())
 def test_write_kv_cache_into_views(backend):
     _check_write_into_views(backend, "cpu", torch.float16 if backend == "triton" else torch.float32)
 
@@ -386,7 +381,7 @@ def test_write_kv_cache_into_views(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda", "cuda-wmma"])
 def test_write_kv_cache_into_views_gpu(backend):
-    if not torch.cuda.is_available() or backend not in _write_backends("cuda"):
+    if not torch.cuda.is_available() or not registry.all_backends()[backend].is_available("cuda")[0]:
         pytest.skip(f"{backend} unavailable on cuda")
     _check_write_into_views(backend, "cuda", torch.bfloat16)
 
@@ -402,7 +397,7 @@ def _fp8_decode_problem():
     return q, kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("backend", _write_backends("cpu"))
+@pytest.mark.parametrize("backend", _backends_cpu())
 @pytest.mark.parametrize("op", ["decode", "paged"])
 def test_fast_path_reads_a_copied_scale_afresh(backend, op):
     # check_values=False remembers a validated call; a scale tensor the API had to copy (a
@@ -425,7 +420,7 @@ def test_fast_path_reads_a_copied_scale_afresh(backend, op):
     torch.testing.assert_close(again.float(), 4 * first.float(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("backend", _write_backends("cpu"))
+@pytest.mark.parametrize("backend", _backends_cpu())
 def test_oversized_max_seqlen_bounds_are_harmless(backend):
     # a bound far past the packed totals used to size the triton grid from it (a hang at 2**20,
     # an OverflowError at 2**63 and 2**64)
@@ -466,7 +461,7 @@ def _qkv():
     return torch.randn(1, 4, 5, 64), torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
 
 
-@pytest.mark.parametrize("backend", _write_backends("cpu"))
+@pytest.mark.parametrize("backend", _backends_cpu())
 def test_write_kv_cache_refuses_zero_kv_heads_and_grad_caches(backend):
     k = torch.randn(3, 0, 64).half()
     kc = torch.zeros(2, 4, 0, 64).half()

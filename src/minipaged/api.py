@@ -282,6 +282,13 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
     return t
 
 
+def _scales_copied(given: tuple, scales: tuple) -> bool:
+    """Whether a k_scale/v_scale tensor the caller gave reaches the kernels as a copy (0-dim,
+    non-contiguous): such a call must not be remembered by the check_values=False fast path, whose
+    copy would go stale when the caller updates its tensor in place."""
+    return any(isinstance(x, torch.Tensor) and x is not y for x, y in zip(given, scales))
+
+
 def _scale_args(k_scale, v_scale) -> tuple:
     """Trailing backend arguments: none for 16-bit caches, so that backends without FP8 keep
     their signatures."""
@@ -514,10 +521,8 @@ def decode_attention(
     scale = _scale(scale, D)
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
-    # a scale tensor the call had to copy (0-dim, non-contiguous) must not be remembered: the
-    # copy would go stale when the caller updates the tensor in place
-    if any(isinstance(x, torch.Tensor) and x is not y for x, y in zip((k_scale, v_scale), scales)):
-        key = None  # an expanded copy is passed: a later in-place change of the user's tensor must be seen
+    if _scales_copied((k_scale, v_scale), scales):
+        key = None
     if check_values:
         _check_tables(block_tables, context_lens, num_blocks, block_size)
     if B == 0:
@@ -601,9 +606,7 @@ def paged_attention(
     scale = _scale(scale, D)
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
                          _kv_scale("v_scale", v_scale, fp8, v_cache, check_values))
-    # a scale tensor the call had to copy (0-dim, non-contiguous) must not be remembered: the
-    # copy would go stale when the caller updates the tensor in place
-    if any(isinstance(x, torch.Tensor) and x is not y for x, y in zip((k_scale, v_scale), scales)):
+    if _scales_copied((k_scale, v_scale), scales):
         key = None
     if check_values or max_seqlen_q is None:
         _, real_q = _check_cu_seqlens("cu_seqlens_q", cu_q, Tq, "q")

@@ -176,7 +176,7 @@ _DELEGATES = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="minipaged", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="backends, device, versions, and what auto picks")
     p.set_defaults(func=_info)

@@ -109,8 +109,8 @@ def main(argv=None, *, op: str | None = None, prog: str = "minipaged bench") -> 
     from ..cli import ArgumentParser, run_checked
 
     parser = ArgumentParser(prog=prog, description="Benchmark minipaged's attention "
-                                     "backends against PyTorch's SDPA/FlexAttention, FlashInfer (when importable) "
-                                     "and copy bandwidth.")
+                            "backends against PyTorch's SDPA/FlexAttention, FlashInfer (when importable) "
+                            "and copy bandwidth.")
     add_arguments(parser, with_op=op is None)
     parser.set_defaults(func=lambda a: run(a, op=op), validate=lambda a: validate(a, op=op))
     return run_checked(parser.parse_args(argv))

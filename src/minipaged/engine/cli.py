@@ -167,10 +167,6 @@ def _device(name: str | None):
     return dev
 
 
-def eng_device(args: argparse.Namespace) -> str:
-    return args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run after validate(args) (minipaged.cli.run_checked calls both)."""
     import torch
@@ -201,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_blocks is not None and (isinstance(e, torch.cuda.OutOfMemoryError) or "alloc" in text
                                             or "out of memory" in text or "overflow" in text):
             return _error(f"--num-blocks {args.num_blocks}: the KV cache cannot be allocated on "
-                          f"{eng_device(args)} ({' '.join(str(e).split())[:160]})")
+                          f"{_device(args.device)} ({' '.join(str(e).split())[:160]})")
         raise
     print(eng, file=sys.stderr)
 

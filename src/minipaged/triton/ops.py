@@ -431,18 +431,17 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     # up to 32 (position, head) rows a batch always gets a packed tile (v1): skip the layout check
     v2_ok = (config is not None or max_seqlen_q * group > 32) and _v2_usable(q, k_cache, v_cache,
                                                                           block_tables, num_seqs)
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    plan_key = (q.device, q.dtype, kv_fp8, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
+    fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
+    plan_key = (q.device, q.dtype, fp8, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
                 max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, configs.overrides_version,
                 configs.interpreting())
     plan = None if config is not None else _paged_plans.get(plan_key)
     if plan is None:
         plan = _paged_launches(head_dim, q.dtype, bool(causal), total_q, num_seqs, max_seqlen_q, group,
-                               q.device, v2_ok, config, kv_fp8)
+                               q.device, v2_ok, config, fp8)
         if config is None:
             _paged_plans[plan_key] = plan
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
-    fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
         # the long launch first: a split long launch reduces over every row, and the short
         # (or decode) launch then overwrites its sequences' rows
