@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     ap.add_argument("--compile-timeout", type=float, default=300, help="seconds for all the precompiling")
     ap.add_argument("--tiles", help="alternative tiles of every variant instead of TILES' lists, as "
-                    "'BM,BN,W,S;BM,BN,W,S' (the table's tile always runs first)")
+                    "'BM,BN,W,S;BM,BN,W,S', a fifth number a register cap (maxnreg); the table's tile always runs first")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter run of tiny shapes (plumbing only)")
     ap.add_argument("--compile-child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -383,9 +383,9 @@ def main(argv=None) -> int:
         try:
             alt = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")]
         except ValueError:
-            ap.error(f"--tiles: expected 'BM,BN,W,S;...', got {args.tiles!r}")
-        if any(len(t) != 4 for t in alt):
-            ap.error(f"--tiles: every tile has four numbers, got {args.tiles!r}")
+            ap.error(f"--tiles: expected 'BM,BN,W,S[,MAXNREG];...', got {args.tiles!r}")
+        if any(len(t) not in (4, 5) for t in alt):
+            ap.error(f"--tiles: every tile has four numbers (a fifth: maxnreg), got {args.tiles!r}")
         for v in args.variants.split(","):
             for d in (int(x) for x in args.head_dims.split(",")):
                 TILES[(v, d)] = [None, *alt]

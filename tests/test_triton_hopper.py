@@ -233,6 +233,19 @@ def test_cpu_selection_falls_back(no_overrides):
     assert prefill_tma.try_prefill(q, k, v, True, 0.125) is None
 
 
+def test_prefill_override_register_cap(no_overrides, monkeypatch):
+    # the override's fifth number is a register cap that reaches the launch; without it the
+    # launch carries none, so the compiler chooses
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    cuda = torch.device("cuda")
+    configs.set_override("prefill", (128, 32, 8, 3, 128))
+    cfg = configs.prefill_config(128, torch.bfloat16, True, 16, 8192, cuda)
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    configs.set_override("prefill", (128, 64, 8, 3))
+    cfg = configs.prefill_config(128, torch.bfloat16, True, 16, 8192, cuda)
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3}
+
+
 def test_override_rejects_unknown_variant(no_overrides):
     with pytest.raises(ValueError, match="prefill_variant"):
         configs.set_override("prefill_variant", "tma_fast")

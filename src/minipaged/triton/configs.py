@@ -25,6 +25,16 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # a register cap per thread (triton's `maxnreg`), so that two programs fit on an SM; None: the
+    # compiler's choice
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        """num_warps / num_stages (and maxnreg when set), as a launch takes them."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,7 @@ _PREFILL_SM90 = {
 }
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
-# "prefill": (BM, BN, WARPS, STAGES), "decode": (BN, WARPS, STAGES), "decode_splits": int,
+# "prefill": (BM, BN, WARPS, STAGES[, MAXNREG]), "decode": (BN, WARPS, STAGES), "decode_splits": int,
 # "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),

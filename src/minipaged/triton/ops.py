@@ -81,8 +81,7 @@ def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, ar
                 DOT_PRECISION=_dot_precision(dtype),
                 RETURN_LSE=return_lse,
                 LAZY_RESCALE=configs.prefill_lazy_rescale(),
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                **cfg.launch_options(),
             )
             return
         except OutOfResources:
