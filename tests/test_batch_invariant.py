@@ -104,8 +104,9 @@ def _check_rows(lin, x, w, b, cuts):
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_do_not_depend_on_the_batch(dtype, bias):
     inv = _invariant()
-    # K, N not multiples of the tiles; M = 67 so that every slice starts at another tile offset
-    x, w, b = _linear_case(67, 97, 80, dtype, bias)
+    # K, N not multiples of the tiles (the interpreter's tile is 16 x 128 x 64: two N tiles, two
+    # K steps, each with a masked tail); M = 67 so that every slice starts at another tile offset
+    x, w, b = _linear_case(67, 197, 80, dtype, bias)
     full = _check_rows(inv.linear, x, w, b, [(0, 1), (5, 6), (3, 22), (17, 67), (66, 67), (0, 33)])
     assert_close(full, _linear_oracle(x, w, b), _linear_lowp(x, w, b), "vs fp64")
     # a row whose neighbours change keeps its bits
