@@ -68,6 +68,10 @@ VARIANTS = {
     "v2 tile 128,64,8,2": ("long", {**_NEW, "paged": (128, 64, 8, 2)}),
     "v2 tile 64,64,4,3": ("long", {**_NEW, "paged": (64, 64, 4, 3)}),
     "v2 tile 128,32,8,4": ("long", {**_NEW, "paged": (128, 32, 8, 4)}),
+    # 128-row tiles of 32 keys capped at 128 registers, so that two programs share an SM (81 /
+    # 96 KB of shared memory; ptxas: 56 bytes of spills, outside the key loop)
+    "v2 tile 128,32,8,3 r128": ("long", {**_NEW, "paged": (128, 32, 8, 3, 128)}),
+    "v2 tile 128,32,8,4 r128": ("long", {**_NEW, "paged": (128, 32, 8, 4, 128)}),
     # wider key tiles: 8 pages of 16 per tile, half the softmax steps and table loads per key
     "v2 tile 128,128,8,2": ("long", {**_NEW, "paged": (128, 128, 8, 2)}),
     "v2 tile 64,128,4,2": ("long", {**_NEW, "paged": (64, 128, 4, 2)}),
@@ -217,7 +221,8 @@ def _launch_summary(inputs, overrides: dict) -> str:
         c = launch.cfg
         extra = f" min_q={launch.min_q}" if launch.min_q else f" max_q={launch.max_q}" if launch.max_q else ""
         pf = f" prefetch={int(prefetch)}" if launch.kernel == "v2" else ""
-        parts.append(f"{launch.kernel}[{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}]{extra}{pf}")
+        cap = f",r{c.maxnreg}" if c.maxnreg else ""
+        parts.append(f"{launch.kernel}[{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}{cap}]{extra}{pf}")
     return " + ".join(parts)
 
 

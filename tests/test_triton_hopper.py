@@ -170,7 +170,7 @@ def _run_varlen(variant, q_lens, k_lens, Hq, Hkv, D, causal, dtype, device, seed
 def no_overrides():
     saved = dict(configs.OVERRIDES)
     yield
-    for name in ("prefill", "prefill_variant"):
+    for name in ("prefill", "prefill_variant", "paged"):
         configs.set_override(name, saved.get(name))
 
 
@@ -244,6 +244,14 @@ def test_prefill_override_register_cap(no_overrides, monkeypatch):
     configs.set_override("prefill", (128, 64, 8, 3))
     cfg = configs.prefill_config(128, torch.bfloat16, True, 16, 8192, cuda)
     assert cfg.launch_options() == {"num_warps": 8, "num_stages": 3}
+    # the paged kernel's tile takes the same fifth number
+    configs.set_override("paged", (128, 32, 8, 4, 128))
+    cfg = configs.paged_config(128, torch.bfloat16, True, 2048, 2, cuda)
+    assert (cfg.block_m, cfg.block_n, cfg.packed) == (128, 32, False)
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 4, "maxnreg": 128}
+    configs.set_override("paged", (128, 32, 8, 4))
+    assert configs.paged_config(128, torch.bfloat16, True, 2048, 2, cuda).launch_options() == {
+        "num_warps": 8, "num_stages": 4}
 
 
 def test_override_rejects_unknown_variant(no_overrides):

@@ -19,6 +19,14 @@ from dataclasses import dataclass
 import torch
 
 
+def _launch_options(cfg) -> dict:
+    """num_warps / num_stages (and maxnreg when set) of a tile, as a launch takes them."""
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg is not None:
+        opts["maxnreg"] = cfg.maxnreg
+    return opts
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int
@@ -30,11 +38,7 @@ class PrefillConfig:
     maxnreg: int | None = None
 
     def launch_options(self) -> dict:
-        """num_warps / num_stages (and maxnreg when set), as a launch takes them."""
-        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if self.maxnreg is not None:
-            opts["maxnreg"] = self.maxnreg
-        return opts
+        return _launch_options(self)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ _PREFILL_SM90 = {
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
 # "prefill": (BM, BN, WARPS, STAGES[, MAXNREG]), "decode": (BN, WARPS, STAGES), "decode_splits": int,
-# "paged": (BM, BN, WARPS, STAGES), "prefill_variant": one of PREFILL_VARIANTS;
+# "paged": (BM, BN, WARPS, STAGES[, MAXNREG]), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
@@ -278,6 +282,10 @@ class PagedConfig:
     # a decode-like tile (a few rows, several programs resident per SM) rather than a
     # prefill-like one (about one per SM): decides how eagerly KV is split
     packed: bool = True
+    maxnreg: int | None = None  # as PrefillConfig.maxnreg
+
+    def launch_options(self) -> dict:
+        return _launch_options(self)
 
     def block_q(self, group: int) -> int:
         """Query positions per program: every row holds one of them for one head."""
@@ -315,8 +323,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
             return PagedConfig(max(min_m, _next_pow2(rows)), 16, 4, 1)
         return PagedConfig(max(min_m, 32), 16, 4, 1, False)
     if "paged" in OVERRIDES:
-        bm, bn, w, s = OVERRIDES["paged"]
-        return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS)
+        bm, bn, w, s, *cap = OVERRIDES["paged"]
+        return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS, *cap)
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         return PagedConfig(max(min_m, _next_pow2(rows)), dec.block_n, dec.num_warps, dec.num_stages)

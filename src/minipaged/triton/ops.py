@@ -508,8 +508,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     PREFETCH=configs.paged_prefetch(),
                     HEADS_FASTEST=heads_fastest,
                     FP8_F16=fp8 and configs.paged_fp8_f16(q.dtype),
-                    num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages,
+                    **cfg.launch_options(),
                 )
             else:
                 tiles = num_seqs * triton.cdiv(run_q, block_q)
@@ -537,8 +536,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                     MAX_Q=launch.max_q,
                     INVARIANT_SEGMENT=configs.invariant_segment_tiles(q.device) if batch_invariant else 0,
                     HEADS_FASTEST=batch_invariant,
-                    num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages,
+                    **cfg.launch_options(),
                     **_INVARIANT_FP if batch_invariant else {},
                 )
             break
