@@ -28,6 +28,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # share their compiled Triton variants, so a shard rarely compiles what another
 # one compiles too.
 _SHARD_RUN = 4
+# Tests that alone take minutes of Triton compiling on the GPU machine (the hypothesis
+# cross-check of the Triton paged op draws hundreds of constexpr combinations): with three or
+# more shards they get the last shard to themselves, so they hold back no other test.
+_SHARD_ALONE = ("tests/test_crosscheck.py::test_paged_cuda[triton-",)
+
+
+def shard_of(nodeids: list[str], count: int) -> list[int]:
+    """The shard (0..count-1) of each test id: runs of _SHARD_RUN neighbours dealt in turn,
+    and, from three shards up, the _SHARD_ALONE tests (when selected) on the last shard, alone."""
+    alone = count >= 3 and any(nodeid.startswith(_SHARD_ALONE) for nodeid in nodeids)
+    out, j = [], 0
+    for nodeid in nodeids:
+        if alone and nodeid.startswith(_SHARD_ALONE):
+            out.append(count - 1)
+            continue
+        out.append((j // _SHARD_RUN) % (count - 1 if alone else count))
+        j += 1
+    return out
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
@@ -45,8 +63,9 @@ def pytest_collection_modifyitems(config, items):
         index, count = (int(x) for x in spec.split("/"))
         if not 0 <= index < count:
             raise pytest.UsageError(f"MINIPAGED_TEST_SHARD={spec!r}: want i/n with 0 <= i < n")
-        keep = [it for j, it in enumerate(items) if (j // _SHARD_RUN) % count == index]
-        drop = [it for j, it in enumerate(items) if (j // _SHARD_RUN) % count != index]
+        shards = shard_of([it.nodeid for it in items], count)
+        keep = [it for it, sh in zip(items, shards) if sh == index]
+        drop = [it for it, sh in zip(items, shards) if sh != index]
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
     # A gpu test that silently skips would read as passed: fail loudly instead
