@@ -254,6 +254,22 @@ def test_prefill_override_register_cap(no_overrides, monkeypatch):
         "num_warps": 8, "num_stages": 4}
 
 
+def test_fallback_tiles_keep_their_register_cap():
+    # a tile that does not fit shrinks step by step (stages, keys, rows, then one stage) and keeps
+    # every field it does not shrink: the register cap, and a paged tile's kind
+    from minipaged.triton.ops import _smaller
+
+    steps, cfg = [], configs.PrefillConfig(128, 64, 8, 3, 128)
+    while cfg is not None:
+        steps.append(cfg)
+        cfg = _smaller(cfg)
+    assert [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in steps] == [
+        (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 1)]
+    assert {c.maxnreg for c in steps} == {128}
+    paged = _smaller(configs.PagedConfig(64, 32, 4, 2, False, 128), min_block_m=64)
+    assert paged == configs.PagedConfig(64, 32, 4, 1, False, 128)
+
+
 def test_override_rejects_unknown_variant(no_overrides):
     with pytest.raises(ValueError, match="prefill_variant"):
         configs.set_override("prefill_variant", "tma_fast")

@@ -19,16 +19,20 @@ from dataclasses import dataclass
 import torch
 
 
-def _launch_options(cfg) -> dict:
-    """num_warps / num_stages (and maxnreg when set) of a tile, as a launch takes them."""
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.maxnreg is not None:
-        opts["maxnreg"] = cfg.maxnreg
-    return opts
+class _Launched:
+    """A tile whose dataclass has num_warps, num_stages and maxnreg (None: the compiler's
+    choice of registers)."""
+
+    def launch_options(self) -> dict:
+        """num_warps / num_stages (and maxnreg when set), as a launch takes them."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(_Launched):
     block_m: int
     block_n: int
     num_warps: int
@@ -36,9 +40,6 @@ class PrefillConfig:
     # a register cap per thread (triton's `maxnreg`), so that two programs fit on an SM; None: the
     # compiler's choice
     maxnreg: int | None = None
-
-    def launch_options(self) -> dict:
-        return _launch_options(self)
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
 
 
 @dataclass(frozen=True)
-class PagedConfig:
+class PagedConfig(_Launched):
     block_m: int   # rows of one tl.dot: packed (query position, head of the GQA group) pairs
     block_n: int   # keys per KV tile
     num_warps: int
@@ -283,9 +284,6 @@ class PagedConfig:
     # prefill-like one (about one per SM): decides how eagerly KV is split
     packed: bool = True
     maxnreg: int | None = None  # as PrefillConfig.maxnreg
-
-    def launch_options(self) -> dict:
-        return _launch_options(self)
 
     def block_q(self, group: int) -> int:
         """Query positions per program: every row holds one of them for one head."""

@@ -8,7 +8,7 @@ decode and write_kv_cache can be captured in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -51,15 +51,18 @@ def _device_scope(t: torch.Tensor):
     return _NO_SCOPE
 
 
-def _smaller(cfg: PrefillConfig) -> PrefillConfig | None:
+def _smaller(cfg: PrefillConfig | PagedConfig, min_block_m: int = 32) -> PrefillConfig | PagedConfig | None:
+    """The next tile to try after `cfg` ran out of shared memory or registers: one stage fewer,
+    then half the keys, then half the rows (one warpgroup), then one stage; every other field
+    (the tile kind, a register cap) kept."""
     if cfg.num_stages > 2:
-        return PrefillConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_n > 32:
-        return PrefillConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
-    if cfg.block_m > 32:
-        return PrefillConfig(cfg.block_m // 2, cfg.block_n, 4, cfg.num_stages)
+        return replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.block_m > min_block_m:
+        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4)
     if cfg.num_stages > 1:
-        return PrefillConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1)
+        return replace(cfg, num_stages=1)
     return None
 
 
@@ -328,19 +331,6 @@ PAGED_GATHER: int | None = None
 _paged_fallback: dict = {}
 
 
-def _smaller_paged(cfg: PagedConfig, group: int) -> PagedConfig | None:
-    min_m = max(16, triton.next_power_of_2(group))
-    if cfg.num_stages > 2:
-        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1, cfg.packed)
-    if cfg.block_n > 32:
-        return PagedConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages, cfg.packed)
-    if cfg.block_m > max(32, min_m):
-        return PagedConfig(cfg.block_m // 2, cfg.block_n, 4, cfg.num_stages, cfg.packed)
-    if cfg.num_stages > 1:
-        return PagedConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 1, cfg.packed)
-    return None
-
-
 _paged_plans: dict = {}
 # The batch-invariant paged launch and its segment reduction fold segments with the same
 # function (softmax._merge_segment); without FMA contraction each multiply and add rounds
@@ -541,7 +531,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                 )
             break
         except OutOfResources:
-            smaller = None if batch_invariant else _smaller_paged(cfg, group)
+            smaller = None if batch_invariant else _smaller(cfg, max(32, triton.next_power_of_2(group)))
             if smaller is None:
                 raise
             _paged_fallback[fb_key] = cfg = smaller
