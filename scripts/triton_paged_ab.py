@@ -5,8 +5,8 @@ rows), and alternative tiles, all through configs.set_override.
 
     PYTHONPATH=src python scripts/triton_paged_ab.py --json bench/results/nvidia-h200/triton_paged_ab.json
 
-Cases (bf16, Hq/Hkv/D 16/8/128, the `minipaged bench --op paged` grid), each at page sizes
-16, 1 and 128: chunked prefill B=8 q=512 L=4608 and B=1 q=2048 L=32768, speculative
+Cases (bf16, Hq/Hkv/D 16/8/128 or --heads, the `minipaged bench --op paged` grid), each at
+page sizes 16, 1 and 128: chunked prefill B=8 q=512 L=4608 and B=1 q=2048 L=32768, speculative
 verification B=32 q=4 L=4096, a mixed batch (one q=2048 chunk + 63 decodes, L=4096).
 Anchors in the same run: the dense varlen prefill on the same K/V made contiguous
 (chunked; target paged >= 0.9x of it), plain decode at the same B and L (spec; target
@@ -255,7 +255,7 @@ def precompile(variants: list[str], jobs: int, timeout_s: float) -> dict[tuple, 
         while pending and len(running) < jobs:
             v = pending.pop(0)
             running[v] = (subprocess.Popen([sys.executable, __file__, *smoke, "--pages", *map(str, PAGES),
-                                            "--compile-child", v],
+                                            "--heads", f"{HQ}/{HKV}", "--compile-child", v],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.time())
         for v, (p, _) in list(running.items()):
             if p.poll() is None and time.time() < deadline:
@@ -454,7 +454,7 @@ def _write(path: str, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    global REPS, PAGES
+    global REPS, PAGES, HQ, HKV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", nargs="*", help="substrings of the variant names to run")
@@ -462,6 +462,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile children")
     ap.add_argument("--compile-timeout", type=float, default=240.0)
     ap.add_argument("--pages", type=int, nargs="*", help="page sizes (default 16 1 128)")
+    ap.add_argument("--heads", help="query/KV heads, e.g. 32/8 (default 16/8; the smoke run's 4/2)")
     ap.add_argument("--pool-order", action="store_true",
                     help="also run every case on the same pages renumbered into pool order (_pool_order)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
@@ -474,6 +475,10 @@ def main(argv=None) -> int:
         REPS = max(20, args.reps)
     if args.pages:
         PAGES = list(args.pages)
+    if args.heads:
+        HQ, HKV = (int(x) for x in args.heads.split("/"))
+        if HQ % HKV:
+            ap.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
     if args.compile_child:
         return _compile_child(args.compile_child)
     result = run(args)

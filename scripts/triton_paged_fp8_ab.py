@@ -30,8 +30,12 @@ from minipaged.benchmark import cases as bench_cases
 from minipaged.benchmark.timing import time_fn
 from minipaged.triton import configs, ops
 
-# name -> overrides (the long kernel and the mixed mode are pinned to the defaults' values)
-VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1}}
+# name -> overrides (the long kernel and the mixed mode are pinned to the defaults' values); the
+# 64-row one-warpgroup tile that 16-bit pages take on sm_90 (configs._PAGED_LONG_SM90_D128)
+_TILE64 = (64, 64, 4, 3)
+VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1},
+            "widen 64-row": {"paged_fp8_f16": 0, "paged": _TILE64},
+            "f16 dots 64-row": {"paged_fp8_f16": 1, "paged": _TILE64}}
 
 
 def _with(overrides: dict, fn):
