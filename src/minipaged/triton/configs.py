@@ -305,7 +305,9 @@ def _next_pow2(n: int) -> int:
 # step as the two of a 128-row program do (its loop has two CTA barriers per key tile), so one's
 # softmax overlaps the other's MMAs. On the H200 it took 0.98x / 0.976x the time of the 128-row
 # tile on the chunked-prefill rows (bench/results/nvidia-h200/triton_paged_tiles_4ed51f6/).
-# Larger groups and FP8 pages keep the 128-row tile until measured.
+# Larger groups and FP8 pages keep the 128-row tile, measured faster there: a 64-row tile holds only
+# 16 / 8 query positions at G 4 / 8, and over FP8 pages it widens each K/V tile for half as many
+# queries (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
 
 
