@@ -1,5 +1,6 @@
 """Backend selection: precedence, env vars, errors, and a light import."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,6 +25,25 @@ def test_available_backends_lists_all_with_reasons():
         assert isinstance(ok, bool) and isinstance(why, str) and why
     assert avail["torch"][0]
     assert not avail["cuda"][0]
+
+
+def test_available_backends_without_device_counts_the_interpreter(monkeypatch):
+    """No device given means any device here: on a machine without a GPU, triton under
+    TRITON_INTERPRET=1 is available (it runs on CPU tensors); without the interpreter it is not,
+    and the reason names what each device lacks."""
+    monkeypatch.setattr(registry, "_cuda_available", lambda: False)
+    monkeypatch.setattr(registry, "_availability", {})
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ok, why = mp.available_backends()["triton"]
+    assert ok and "TRITON_INTERPRET" in why
+    assert mp.get_backend("triton").is_available() == (ok, why)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ok, why = mp.available_backends()["triton"]
+    assert not ok and "cuda:" in why and "cpu:" in why and "TRITON_INTERPRET" in why
+    assert mp.available_backends()["cuda"][0] is False
+    assert mp.available_backends()["torch"][0] is True
 
 
 def test_auto_on_cpu_is_torch():
@@ -147,3 +167,41 @@ def test_auto_on_cuda_prefers_cuda_then_triton_then_torch(fake_availability):
     _reset_registry_caches()
     assert all(registry.resolve(op, "cuda").name != "cuda-wmma" for op in ops)
     assert registry.resolve("prefill", "cpu").name == "torch"
+
+
+def _merge_inputs():
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(2, 3, 8, generator=g)
+    lse = torch.randn(2, 3, generator=g)
+    return o, lse, o.flip(0), lse.flip(0)
+
+
+def test_merge_backend_follows_the_selection_rules(monkeypatch):
+    """merge_attention_states picks its backend as the other ops do: unknown names list the valid
+    ones, use_backend() and MINIPAGED_BACKEND count, and a cuda backend (whose merge is the Triton
+    kernel) asked for on CPU tensors raises instead of falling back."""
+    args = _merge_inputs()
+    with pytest.raises(ValueError, match="unknown backend 'bogus'.*valid names"):
+        mp.merge_attention_states(*args, backend="bogus")
+    with pytest.raises(TypeError, match="backend name must be a str"):
+        mp.merge_attention_states(*args, backend=3)
+    for name in ("cuda", "cuda-wmma"):
+        with pytest.raises(mp.BackendUnavailableError, match=name):
+            mp.merge_attention_states(*args, backend=name)
+        with mp.use_backend(name), pytest.raises(mp.BackendUnavailableError, match="use_backend"):
+            mp.merge_attention_states(*args)
+    monkeypatch.setenv("MINIPAGED_BACKEND", "cuda")
+    with pytest.raises(mp.BackendUnavailableError, match="MINIPAGED_BACKEND"):
+        mp.merge_attention_states(*args)
+    # the argument wins over the variable, and torch agrees with an fp64 merge
+    o, lse = mp.merge_attention_states(*args, backend="torch")
+    o_a, lse_a, o_b, lse_b = (x.double() for x in args)
+    want_lse = torch.logaddexp(lse_a, lse_b)
+    want = torch.exp(lse_a - want_lse)[..., None] * o_a + torch.exp(lse_b - want_lse)[..., None] * o_b
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-6, rtol=0)
+    torch.testing.assert_close(o.double(), want, atol=1e-6, rtol=0)
+    # triton without the interpreter cannot run CPU tensors: named, it raises
+    monkeypatch.setenv("MINIPAGED_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(mp.BackendUnavailableError, match="triton"):
+        mp.merge_attention_states(*args)

@@ -701,7 +701,10 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
     Args:
         o_a, o_b: [..., Hq, D], same shape, dtype and device.
         lse_a, lse_b: float32 [..., Hq] (o's shape without its last dim).
-        backend: "torch" or "triton" (None: triton on CUDA tensors when it can run there, else torch).
+        backend: a backend name, chosen as for the other ops (argument > use_backend() >
+            MINIPAGED_BACKEND > auto). "cuda" and "cuda-wmma" run the Triton merge kernel (they
+            have none of their own); auto runs triton on CUDA tensors when it can run there,
+            else torch.
 
     Returns:
         (o [..., Hq, D] in o_a's dtype, lse float32 [..., Hq]).
@@ -722,14 +725,14 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
         if x.shape != o_a.shape[:-1]:
             raise ValueError(f"{name} must have shape {tuple(o_a.shape[:-1])} (o_a's shape without its last dim), "
                              f"got {tuple(x.shape)}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    name = None if backend is None else backend.strip().lower()  # spelled as the other ops take it
-    if name == "auto":
-        name = None
-    if name not in (None, "torch", "triton"):
-        raise ValueError(f"merge_attention_states runs on backend 'torch' or 'triton', got {backend!r}")
-    if name is None:
+    name, source = registry.requested_name(None, backend)
+    if name in ("cuda", "cuda-wmma"):
+        # the hand-written backends have no merge kernel of their own: theirs is Triton's
+        ok, why = registry.all_backends()[name].is_available(o_a.device.type)
+        if not ok:
+            raise registry.BackendUnavailableError(f"backend {name!r} ({source}) is unavailable: {why}")
+        name = "triton"
+    elif name == registry.AUTO:
         name = "triton" if o_a.is_cuda and registry.all_backends()["triton"].is_available("cuda")[0] else "torch"
     b = registry.all_backends()[name]
     if name == "triton":

@@ -85,9 +85,17 @@ class Backend:
     description: str = ""
 
     def is_available(self, device: str | None = None) -> tuple[bool, str]:
-        """(ok, reason) for running on `device` ("cpu"/"cuda"; None: the best device here)."""
+        """(ok, reason) for running on `device` ("cpu"/"cuda"; None: on any device here, the GPU
+        first: triton under TRITON_INTERPRET=1 on a CPU-only machine is available)."""
         if device is None:
-            device = "cuda" if _cuda_available() and "cuda" in self.devices else self.devices[0]
+            order = sorted(self.devices, key=lambda d: d != "cuda" or not _cuda_available())
+            results = [(d, self.is_available(d)) for d in order]
+            for _, hit in results:
+                if hit[0]:
+                    return hit
+            if len(results) == 1:
+                return results[0][1]
+            return False, "; ".join(f"{d}: {why}" for d, (_, why) in results)
         device = str(device).split(":")[0]
         if device not in self.devices:
             return False, f"runs on {', '.join(self.devices)}, not {device}"
