@@ -219,8 +219,8 @@ def test_merge_empty_sides_and_dtypes():
 
 
 def _merge_backends(device):
-    # merge_attention_states has torch and triton kernels (the cuda backends route to them)
-    return [b for b in ("torch", "triton") if b in _backends(device)]
+    # merge_attention_states has torch and triton kernels; the cuda backends run triton's
+    return _backends(device)
 
 
 def _check_merge_ignores_empty_sides(backend, device, dtype):
@@ -255,7 +255,7 @@ def test_merge_ignores_the_o_of_empty_sides(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cuda-wmma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_merge_ignores_the_o_of_empty_sides_gpu(backend, dtype):
     if not torch.cuda.is_available() or backend not in _merge_backends("cuda"):
