@@ -78,6 +78,11 @@ def _main(argv, capsys):
     (["--num-blocks", str(2**62)], ["--num-blocks", "2147483647"]),
     (["--max-new-tokens", "1" + "0" * 400], ["--max-new-tokens", "401-digit"]),
     (["--seed", str(2**64)], ["--seed"]),
+    (["--device", "cpu:1"], ["--device", "cpu:1"]),
+    # the random 0.6B model's length limit (4096), and a cache too small for one prompt
+    (["--prompt-len", "5000"], ["--prompt-len", "5000", "max_model_len=4096"]),
+    (["--prompt-len", str(2**31 - 1)], ["--prompt-len", "max_model_len"]),
+    (["--prompt-len", "100", "--num-blocks", "2"], ["--num-blocks 2", "11 blocks of 16"]),
 ])
 def test_generate_rejects_bad_flags_before_building_the_model(argv, words, capsys, no_work):
     rc, _, err = _main(["generate", *argv], capsys)
@@ -229,3 +234,36 @@ def test_cli_subprocess_usage_errors(argv, env, words, tmp_path):
                           env=full_env, timeout=120, cwd=str(tmp_path))
     _assert_usage_error(proc.returncode, proc.stderr, *words)
     assert not list(tmp_path.iterdir())  # nothing written into the caller's folder
+
+
+_TINY_CONFIG = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "tie_word_embeddings": True}
+
+
+def _tiny_folder(path, weights: bytes | None = None):
+    import json
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_TINY_CONFIG))
+    if weights is not None:
+        (path / "model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_generate_checks_a_folder_before_building_the_model(tmp_path, capsys, no_work):
+    """A checkpoint folder without tokenizer files cannot serve --prompt (transformers may hand
+    back an empty tokenizer instead of failing), and --prompt-len is held to its own limit."""
+    folder = _tiny_folder(tmp_path / "m")
+    rc, _, err = _main(["generate", "--model", folder, "--prompt", "hello", "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "--prompt", "tokenizer", folder)
+    rc, _, err = _main(["generate", "--model", folder, "--prompt-len", "129", "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "--prompt-len 129", "max_model_len=128")
+
+
+def test_generate_damaged_checkpoint_is_one_error_line(tmp_path, capsys):
+    folder = _tiny_folder(tmp_path / "m", weights=b"\xff" * 100)
+    rc, _, err = _main(["generate", "--model", folder, "--prompt-len", "4", "--max-new-tokens", "2",
+                        "--batch", "1", "--device", "cpu", "--backend", "torch"], capsys)
+    _assert_usage_error(rc, err, "model.safetensors", "cannot be read as safetensors")

@@ -100,6 +100,39 @@ def test_generate_rejects_bad_token_ids(tiny_engine, prompt, exc):
     assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
 
 
+def test_generate_reads_prompts_from_any_iterable(tiny_engine):
+    """A generator of prompts is read once: its prompts are generated, not silently dropped."""
+    want = tiny_engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
+    assert len(want) == 2 and all(len(o) == 2 for o in want)
+    assert tiny_engine.generate((p for p in [[1, 2, 3], [4, 5]]), max_new_tokens=2) == want
+    assert tiny_engine.generate(iter([[1, 2, 3], [4, 5]]), max_new_tokens=2) == want
+
+
+@pytest.mark.parametrize("stop", [5, "5", 2.0])
+def test_generate_rejects_a_stop_token_that_is_not_a_list(tiny_engine, stop):
+    with pytest.raises(TypeError, match="stop_token_ids"):
+        tiny_engine.generate([[1, 2, 3]], max_new_tokens=2, stop_token_ids=stop)
+    assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    (dict(seed="x"), TypeError, "seed"),
+    (dict(seed=1.5), TypeError, "seed"),
+    (dict(seed=None), TypeError, "seed"),
+    (dict(max_model_len=TINY["max_position_embeddings"] + 1), ValueError, "max_model_len"),
+])
+def test_engine_rejects_bad_arguments_by_name(kw, exc, words):
+    with pytest.raises(exc, match=words):
+        Engine(TINY, dtype=torch.float32, device="cpu", backend="torch", num_blocks=8, **kw)
+
+
+def test_engine_max_num_batched_tokens_none_is_the_default():
+    eng = Engine(TINY, dtype=torch.float32, device="cpu", backend="torch", num_blocks=16,
+                 max_num_batched_tokens=None)
+    assert eng.max_num_batched_tokens == 8192
+    assert len(eng.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+
+
 def test_generate_accepts_numpy_and_tensor_ints(tiny_engine):
     import numpy as np
 

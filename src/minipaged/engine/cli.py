@@ -45,8 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chunks or prefix-cache hits; slower")
 
 
+# Files of a Hugging Face tokenizer: without one of them AutoTokenizer may still return an
+# empty tokenizer (vocab of 1, eos id 0) instead of raising.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES)
+
+
 def _load_tokenizer(model_dir: str | None):
-    if model_dir is None:
+    if model_dir is None or not _has_tokenizer(model_dir):
         return None
     try:
         from transformers import AutoTokenizer
@@ -103,6 +112,11 @@ def validate(args: argparse.Namespace) -> None:
     if args.model is not None and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r}: no such folder (a local Qwen3 checkpoint "
                                 "folder with config.json and *.safetensors)")
+    if args.prompt is not None and not _has_tokenizer(args.model):
+        raise ValueError(f"--prompt needs a tokenizer in --model {args.model!r} "
+                         f"(one of {', '.join(_TOKENIZER_FILES)})")
+    if args.prompt is None:
+        _check_lengths(args)
 
     device = _device(args.device)
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" \
@@ -142,6 +156,28 @@ def validate(args: argparse.Namespace) -> None:
                              "bf16 tl.dot gives wrong results; use --dtype float16 or float32")
 
 
+def _check_lengths(args: argparse.Namespace) -> None:
+    """--prompt-len against the model's length limit and, when given, --num-blocks: as the engine
+    would find them, but before its weights are built."""
+    from .config import Qwen3Config, qwen3_0_6b_config
+
+    try:
+        cfg = qwen3_0_6b_config() if args.model is None else Qwen3Config.from_any(args.model)
+    except Exception:  # noqa: BLE001 - a bad config.json is reported by the engine with its context
+        return
+    max_len = min(cfg.max_position_embeddings, 4096)  # Engine's default max_model_len
+    if args.prompt_len > max_len:
+        raise ValueError(f"--prompt-len {args.prompt_len} exceeds the model's max_model_len={max_len}")
+    if args.num_blocks is not None:
+        # as Scheduler.check_fits: the last sampled token needs no slot
+        peak = min(args.prompt_len + max(args.max_new_tokens, 1) - 1, max_len)
+        need = -(-peak // args.block_size)
+        if need > args.num_blocks:
+            raise ValueError(f"--num-blocks {args.num_blocks}: a prompt of {args.prompt_len} tokens with "
+                             f"--max-new-tokens {args.max_new_tokens} needs up to {need} blocks of "
+                             f"{args.block_size} tokens")
+
+
 # the registry ops Engine calls (paged is used once the engine has chunked prefill)
 _ENGINE_OPS = ("prefill_varlen", "decode", "paged", "write_kv_cache")
 
@@ -155,7 +191,7 @@ def _device(name: str | None):
         dev = torch.device(name)
     except (RuntimeError, ValueError):
         dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index is not None):
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -211,7 +211,7 @@ class Engine:
         max_num_seqs: most sequences running at once.
         max_model_len: longest prompt + output (default min(max_position_embeddings, 4096)).
         max_num_batched_tokens: token budget of one step: every running decode, then
-            prompt chunks (a longer prompt is prefilled over several steps). Default 8192.
+            prompt chunks (a longer prompt is prefilled over several steps). Default 8192 (None: the default).
         enable_prefix_caching: share the cached full blocks of a new prompt's longest
             cached prefix instead of recomputing them (default True).
         kv_cache_dtype: None (the model dtype) or "fp8": float8_e4m3fn pages, half the
@@ -246,7 +246,7 @@ class Engine:
         num_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = 8192,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cuda_graph: bool | None = None,
@@ -265,6 +265,10 @@ class Engine:
             raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
         _check_block_size(block_size)
         _positive_int("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
                           ("max_num_batched_tokens", max_num_batched_tokens)):
             if val is not None:
@@ -318,6 +322,9 @@ class Engine:
         state = check_state_dict(state, cfg)
         self.config = cfg
 
+        if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -412,8 +419,11 @@ class Engine:
         temperature, top_p = check_sampling(temperature, top_p)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") or any(
-                isinstance(p, (numbers.Number, str, bytes)) or not hasattr(p, "__iter__") for p in prompts):
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+            raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
+                            "e.g. [[151644, 872], [9707]]")
+        prompts = list(prompts)  # a generator is read once, here
+        if any(isinstance(p, (numbers.Number, str, bytes)) or not hasattr(p, "__iter__") for p in prompts):
             raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
                             "e.g. [[151644, 872], [9707]]")
         vocab = self.config.vocab_size
@@ -421,6 +431,9 @@ class Engine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+        if stop_token_ids is not None and (isinstance(stop_token_ids, (str, bytes, numbers.Number))
+                                           or not hasattr(stop_token_ids, "__iter__")):
+            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
         stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")

@@ -74,11 +74,17 @@ def load_checkpoint(folder: str, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
     wanted_with_lm_head = set(wanted) | {"lm_head.weight"}
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _normalise_key(key)
-                if name in wanted_with_lm_head:
-                    state[name] = f.get_tensor(key)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _normalise_key(key)
+                    if name in wanted_with_lm_head:
+                        state[name] = f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            if isinstance(e, (OSError, MemoryError)):
+                raise
+            raise ValueError(f"checkpoint file {path!r} cannot be read as safetensors "
+                             f"({type(e).__name__}: {e})") from e
     return state
 
 
