@@ -80,6 +80,13 @@ VARIANTS = {
     # ring stage (bench/results/nvidia-h200/paged_ws3_1ad5ff9/)
     "v2 tile 128,64,8,4": ("long", {**_NEW, "paged": (128, 64, 8, 4)}),
     "v2 tile 128,64,8,5": ("long", {**_NEW, "paged": (128, 64, 8, 5)}),
+    # packed tiles of the speculative row at G = 8 (--heads 64/8: 4 positions x 8 heads = 32 rows;
+    # the default is the decode kernel's 64 keys, 4 warps, 2 stages)
+    "spec tile 32,32,4,2": ("spec", {"paged": (32, 32, 4, 2)}),
+    "spec tile 32,64,8,2": ("spec", {"paged": (32, 64, 8, 2)}),
+    "spec tile 32,64,4,3": ("spec", {"paged": (32, 64, 4, 3)}),
+    "spec tile 32,128,4,2": ("spec", {"paged": (32, 128, 4, 2)}),
+    "spec tile 32,128,8,2": ("spec", {"paged": (32, 128, 8, 2)}),
     "short 32,64,4,2": ("mixed", {**_NEW, "paged_short": (32, 64, 4, 2)}),
     "short 16,32,4,2": ("mixed", {**_NEW, "paged_short": (16, 32, 4, 2)}),
 }
