@@ -82,6 +82,7 @@ VARIANTS = {
     "v2 tile 128,64,8,5": ("long", {**_NEW, "paged": (128, 64, 8, 5)}),
     # packed tiles of the speculative row at G = 8 (--heads 64/8: 4 positions x 8 heads = 32 rows;
     # the default is the decode kernel's 64 keys, 4 warps, 2 stages)
+    "spec tile 32,64,4,2": ("spec", {"paged": (32, 64, 4, 2)}),  # the packed default at G 8 before 128-key packed tiles
     "spec tile 32,32,4,2": ("spec", {"paged": (32, 32, 4, 2)}),
     "spec tile 32,64,8,2": ("spec", {"paged": (32, 64, 8, 2)}),
     "spec tile 32,64,4,3": ("spec", {"paged": (32, 64, 4, 3)}),

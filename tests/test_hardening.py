@@ -349,7 +349,8 @@ def test_info_lists_paged_and_the_interpreter_dtypes(interpret):
     out = subprocess.run([sys.executable, "-m", "minipaged.cli", "info"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "paged         : torch on cpu (from MINIPAGED_DECODE_BACKEND=torch)" in out.stdout
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the device `info` resolves for
+    assert f"paged         : torch on {device} (from MINIPAGED_DECODE_BACKEND=torch)" in out.stdout
     triton_cpu = next(line for line in out.stdout.splitlines() if line.startswith("triton") and " cpu " in line)
     dtypes = triton_cpu.split("64,128")[0]
     assert "float16, float32" in dtypes and "bfloat16" not in dtypes, triton_cpu

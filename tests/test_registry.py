@@ -42,7 +42,6 @@ def test_available_backends_without_device_counts_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ok, why = mp.available_backends()["triton"]
     assert not ok and "cuda:" in why and "cpu:" in why and "TRITON_INTERPRET" in why
-    assert mp.available_backends()["cuda"][0] is False
     assert mp.available_backends()["torch"][0] is True
 
 

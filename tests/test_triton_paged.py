@@ -214,7 +214,7 @@ def test_paged_without_lse_returns_tensor_interpreter():
 def test_paged_long_tile_on_sm90(monkeypatch):
     """Long chunks at D 128 over 16-bit pages with groups up to 2 take the one-warpgroup 64-row
     tile on sm_90 (two programs per SM); FP8 pages, larger groups and other GPUs keep the
-    128-row prefill tile; short runs stay packed."""
+    128-row prefill tile; short runs stay packed, 32-row packed tiles with 128 keys per step."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cap = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: cap["cap"])
@@ -230,8 +230,16 @@ def test_paged_long_tile_on_sm90(monkeypatch):
     assert tile(kv_fp8=True)[:3] == (128, 64, 8)
     assert tile(group=4)[:3] == (128, 64, 8)
     assert tile(maxq=4)[4] is True
+    # packed tiles of 32 rows read 128 keys per step there (16-bit pages); other sizes the decode tile's 64
+    assert tile(group=8, maxq=4) == (32, 128, 4, 2, True)
+    assert tile(group=2, maxq=16) == (32, 128, 4, 2, True)
+    assert tile(group=2, maxq=4) == (16, 64, 4, 2, True)
+    assert tile(group=8, maxq=8) == (64, 64, 4, 2, True)
+    assert tile(group=8, maxq=4, kv_fp8=True)[:2] == (32, 64)
+    assert tile(group=8, maxq=4, D=64)[:2] == (32, 64)
     cap["cap"] = (8, 0)
     assert tile()[:3] == (128, 64, 8)
+    assert tile(group=8, maxq=4)[:2] == (32, 64)
 
 
 def test_paged_num_splits_rule(monkeypatch):
@@ -399,6 +407,7 @@ GPU_PAGED = [
     ([4096], [32768], 16, 8, 128, 16),                  # 4k chunk over 28k cached
     ([2048, 1, 4, 513], [30000, 32768, 17000, 600], 16, 8, 128, 16),
     ([1, 1, 4], [32768, 9000, 32768], 32, 8, 128, 1),   # GQA 4, page 1
+    ([4, 1, 3, 0, 4], [4096, 4000, 33, 5, 129], 64, 8, 128, 16),  # GQA 8: a 32-row packed tile
     ([7, 300, 1], [5000, 300, 64], 16, 2, 64, 256),     # GQA 8, page 256
     ([97, 64, 1, 5], [1500, 64, 1, 4], 8, 8, 64, 32),   # Hq == Hkv
     ([3, 1000], [777, 1000], 16, 16, 128, 64),

@@ -309,6 +309,10 @@ def _next_pow2(n: int) -> int:
 # 16 / 8 query positions at G 4 / 8, and over FP8 pages it widens each K/V tile for half as many
 # queries (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
+# Packed tiles of this many rows (e.g. a speculative run of 4 tokens at GQA group 8) read 128 keys
+# per step on sm_90 (D 128, 16-bit pages), not the decode kernel's 64: fewer softmax steps per key
+# for their larger score tiles (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
+_PACKED_WIDE_KEYS_ROWS = 32
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, group: int,
@@ -327,7 +331,11 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
         return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS, *cap)
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
-        return PagedConfig(max(min_m, _next_pow2(rows)), dec.block_n, dec.num_warps, dec.num_stages)
+        block_m = max(min_m, _next_pow2(rows))
+        if (block_m == _PACKED_WIDE_KEYS_ROWS and head_dim == 128 and dtype.itemsize == 2 and not kv_fp8
+                and torch.cuda.get_device_capability(device)[0] == 9):
+            return PagedConfig(block_m, 128, dec.num_warps, dec.num_stages)
+        return PagedConfig(block_m, dec.block_n, dec.num_warps, dec.num_stages)
     if (head_dim == 128 and dtype.itemsize == 2 and not kv_fp8 and group <= 2
             and torch.cuda.get_device_capability(device)[0] == 9):
         return PagedConfig(*_PAGED_LONG_SM90_D128, False)
