@@ -730,7 +730,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
         # the hand-written backends have no merge kernel of their own: theirs is Triton's
         ok, why = registry.all_backends()[name].is_available(o_a.device.type)
         if not ok:
-            raise registry.BackendUnavailableError(f"backend {name!r} ({source}) is unavailable: {why}")
+            raise registry.BackendUnavailableError(f"backend {name!r} (from {source}) is unavailable: {why}")
         name = "triton"
     elif name == registry.AUTO:
         name = "triton" if o_a.is_cuda and registry.all_backends()["triton"].is_available("cuda")[0] else "torch"

@@ -160,12 +160,13 @@ def _check_lengths(args: argparse.Namespace) -> None:
     """--prompt-len against the model's length limit and, when given, --num-blocks: as the engine
     would find them, but before its weights are built."""
     from .config import Qwen3Config, qwen3_0_6b_config
+    from .engine import default_max_model_len
 
     try:
         cfg = qwen3_0_6b_config() if args.model is None else Qwen3Config.from_any(args.model)
     except Exception:  # noqa: BLE001 - a bad config.json is reported by the engine with its context
         return
-    max_len = min(cfg.max_position_embeddings, 4096)  # Engine's default max_model_len
+    max_len = default_max_model_len(cfg)
     if args.prompt_len > max_len:
         raise ValueError(f"--prompt-len {args.prompt_len} exceeds the model's max_model_len={max_len}")
     if args.num_blocks is not None:

@@ -38,6 +38,11 @@ def resolve_device(device: Any) -> torch.device:
     return dev
 
 
+def default_max_model_len(cfg: Qwen3Config) -> int:
+    """The engine's max_model_len when none is given: the model's positions, at most 4096."""
+    return min(cfg.max_position_embeddings, 4096)
+
+
 def _positive_int(name: str, val: Any) -> int:
     if isinstance(val, bool) or not isinstance(val, int) or val < 1:
         raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -325,7 +330,7 @@ class Engine:
         if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 4096))
+        self.max_model_len = int(max_model_len or default_max_model_len(cfg))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching

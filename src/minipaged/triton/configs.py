@@ -310,8 +310,9 @@ def _next_pow2(n: int) -> int:
 # queries (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
 # Packed tiles of this many rows (e.g. a speculative run of 4 tokens at GQA group 8) read 128 keys
-# per step on sm_90 (D 128, 16-bit pages), not the decode kernel's 64: fewer softmax steps per key
-# for their larger score tiles (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
+# per step on sm_90 (D 128, 16-bit pages), not the decode kernel's 64: measured faster for that
+# row; other packed sizes were not measured with 128 keys
+# (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PACKED_WIDE_KEYS_ROWS = 32
 
 
