@@ -161,6 +161,7 @@ def _check_lengths(args: argparse.Namespace) -> None:
     would find them, but before its weights are built."""
     from .config import Qwen3Config, qwen3_0_6b_config
     from .engine import default_max_model_len
+    from .scheduler import peak_cached_tokens
 
     try:
         cfg = qwen3_0_6b_config() if args.model is None else Qwen3Config.from_any(args.model)
@@ -170,9 +171,7 @@ def _check_lengths(args: argparse.Namespace) -> None:
     if args.prompt_len > max_len:
         raise ValueError(f"--prompt-len {args.prompt_len} exceeds the model's max_model_len={max_len}")
     if args.num_blocks is not None:
-        # as Scheduler.check_fits: the last sampled token needs no slot
-        peak = min(args.prompt_len + max(args.max_new_tokens, 1) - 1, max_len)
-        need = -(-peak // args.block_size)
+        need = -(-peak_cached_tokens(args.prompt_len, args.max_new_tokens, max_len) // args.block_size)
         if need > args.num_blocks:
             raise ValueError(f"--num-blocks {args.num_blocks}: a prompt of {args.prompt_len} tokens with "
                              f"--max-new-tokens {args.max_new_tokens} needs up to {need} blocks of "

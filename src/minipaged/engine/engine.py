@@ -38,6 +38,10 @@ def resolve_device(device: Any) -> torch.device:
     return dev
 
 
+# Engine(max_num_batched_tokens=...) when not given (or None), and the CLI's default
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
 def default_max_model_len(cfg: Qwen3Config) -> int:
     """The engine's max_model_len when none is given: the model's positions, at most 4096."""
     return min(cfg.max_position_embeddings, 4096)
@@ -251,7 +255,7 @@ class Engine:
         num_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = 8192,
+        max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cuda_graph: bool | None = None,
@@ -271,7 +275,7 @@ class Engine:
         _check_block_size(block_size)
         _positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
@@ -424,11 +428,10 @@ class Engine:
         temperature, top_p = check_sampling(temperature, top_p)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
-                            "e.g. [[151644, 872], [9707]]")
-        prompts = list(prompts)  # a generator is read once, here
-        if any(isinstance(p, (numbers.Number, str, bytes)) or not hasattr(p, "__iter__") for p in prompts):
+        # a generator is read once, here
+        prompts = None if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
+        if prompts is None or any(isinstance(p, (numbers.Number, str, bytes)) or not hasattr(p, "__iter__")
+                                  for p in prompts):
             raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
                             "e.g. [[151644, 872], [9707]]")
         vocab = self.config.vocab_size

@@ -73,6 +73,12 @@ class StepPlan:
         return [c.seq for c in self.chunks if c.samples]
 
 
+def peak_cached_tokens(prompt_len: int, max_new_tokens: int, max_model_len: int) -> int:
+    """Most K/V slots a request ever holds. The last sampled token is never fed back, so it
+    needs no slot."""
+    return min(prompt_len + max(max_new_tokens, 1) - 1, max_model_len)
+
+
 class Scheduler:
     def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  enable_prefix_caching: bool = True) -> None:
@@ -94,11 +100,9 @@ class Scheduler:
         """Raise if `seq` could never run to completion, even alone in the cache."""
         if seq.prompt_len == 0:
             raise ValueError("empty prompt: a prompt needs at least one token")
-        # The last sampled token is never fed back, so it needs no slot.
-        peak = seq.prompt_len + max(seq.max_new_tokens, 1) - 1
         if seq.prompt_len > self.max_model_len:
             raise ValueError(f"prompt of {seq.prompt_len} tokens exceeds max_model_len={self.max_model_len}")
-        peak = min(peak, self.max_model_len)
+        peak = peak_cached_tokens(seq.prompt_len, seq.max_new_tokens, self.max_model_len)
         need = self.blocks_for(peak)
         if need > self.cache.num_blocks:
             raise ValueError(

@@ -330,15 +330,15 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     if "paged" in OVERRIDES:
         bm, bn, w, s, *cap = OVERRIDES["paged"]
         return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS, *cap)
+    # the measured sm_90 tiles: D 128 over 16-bit pages
+    sm90_d128 = (head_dim == 128 and dtype.itemsize == 2 and not kv_fp8
+                 and torch.cuda.get_device_capability(device)[0] == 9)
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         block_m = max(min_m, _next_pow2(rows))
-        if (block_m == _PACKED_WIDE_KEYS_ROWS and head_dim == 128 and dtype.itemsize == 2 and not kv_fp8
-                and torch.cuda.get_device_capability(device)[0] == 9):
-            return PagedConfig(block_m, 128, dec.num_warps, dec.num_stages)
-        return PagedConfig(block_m, dec.block_n, dec.num_warps, dec.num_stages)
-    if (head_dim == 128 and dtype.itemsize == 2 and not kv_fp8 and group <= 2
-            and torch.cuda.get_device_capability(device)[0] == 9):
+        block_n = 128 if sm90_d128 and block_m == _PACKED_WIDE_KEYS_ROWS else dec.block_n
+        return PagedConfig(block_m, block_n, dec.num_warps, dec.num_stages)
+    if sm90_d128 and group <= 2:
         return PagedConfig(*_PAGED_LONG_SM90_D128, False)
     pre = prefill_config(head_dim, dtype, causal, 1 << 30, 1 << 30, device)  # the long-prompt entry
     return PagedConfig(max(pre.block_m, min_m), pre.block_n, pre.num_warps, pre.num_stages, False)
