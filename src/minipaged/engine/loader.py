@@ -80,9 +80,9 @@ def load_checkpoint(folder: str, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
                     name = _normalise_key(key)
                     if name in wanted_with_lm_head:
                         state[name] = f.get_tensor(key)
+        except (OSError, MemoryError):
+            raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            if isinstance(e, (OSError, MemoryError)):
-                raise
             raise ValueError(f"checkpoint file {path!r} cannot be read as safetensors "
                              f"({type(e).__name__}: {e})") from e
     return state
