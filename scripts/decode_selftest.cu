@@ -11,6 +11,8 @@
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D)
+//   ./decode_selftest roofline [reps] the fastest plain read of each grid row's bytes, timed
+//                                    the same way: the bound no decode kernel beats here
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -53,6 +55,7 @@
 
 #include "params.h"
 #include "ptx/fp8.cuh"
+#include "ptx/misc.cuh"
 #include "selftest_common.h"
 
 using minipaged::DType;
@@ -754,6 +757,192 @@ int time_mode(int reps) {
   return g_failures ? 1 : 0;
 }
 
+
+// ------------------------------------------------------------------ roofline
+// The fastest read of a decode row's bytes that this harness can time: a contiguous buffer
+// streamed by every SM with U independent 16-byte loads in flight per thread, no math. A
+// decode kernel reads the same bytes scattered over pages, after dependent reads of
+// context_lens and the block table, and (when it splits) merges in a second kernel; each of
+// those is added here one at a time, so the gaps between the rows price them.
+//   depth: dependent cold loads before the stream (chain[0] -> chain[chain[0]] -> ...),
+//          as context_lens / block-table reads precede the first K/V load;
+//   the merge: a second kernel, launched with programmatic dependent launch like the decode's
+//          reduction, that reads split partials written by the first one (Hq rows of
+//          kRoofSplits partials of D+1 floats) and writes an Hq x D output.
+constexpr int kRoofThreads = 256, kRoofSplits = 32, kRoofD = 128;
+
+template <int U>
+__global__ void __launch_bounds__(kRoofThreads) roof_read_kernel(const uint4* __restrict__ buf, size_t n16,
+                                                                  const int* __restrict__ chain, int depth,
+                                                                  int zero, float* __restrict__ partial,
+                                                                  unsigned* sink) {
+  int idx = 0;
+  for (int i = 0; i < depth; ++i) idx = __ldcg(chain + idx);
+  const size_t stride = size_t(gridDim.x) * kRoofThreads;
+  size_t i = blockIdx.x * size_t(kRoofThreads) + threadIdx.x + size_t(idx) * zero;  // zero == 0 at run time
+  uint32_t acc = 0;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = minipaged::ld_stream_16(buf + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n16; i += stride) {
+    const uint4 v = minipaged::ld_stream_16(buf + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  minipaged::griddep_launch_dependents();
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
+  const int rows = 16 * kRoofSplits;
+  if (blockIdx.x < rows && threadIdx.x <= kRoofD) partial[blockIdx.x * (kRoofD + 1) + threadIdx.x] = float(acc & 7);
+}
+
+__global__ void __launch_bounds__(kRoofD) roof_merge_kernel(const float* __restrict__ partial, float* __restrict__ out) {
+  minipaged::griddep_wait();
+  const float* rows = partial + size_t(blockIdx.x) * kRoofSplits * (kRoofD + 1);
+  float lse[kRoofSplits], part[kRoofSplits];
+#pragma unroll
+  for (int s = 0; s < kRoofSplits; ++s) {  // every load of the merge in one round trip
+    lse[s] = rows[s * (kRoofD + 1) + kRoofD];
+    part[s] = rows[s * (kRoofD + 1) + threadIdx.x];
+  }
+  float m = lse[0];
+#pragma unroll
+  for (int s = 1; s < kRoofSplits; ++s) m = fmaxf(m, lse[s]);
+  float num = 0.f, den = 0.f;
+#pragma unroll
+  for (int s = 0; s < kRoofSplits; ++s) {
+    const float w = exp2f(lse[s] - m);
+    num += w * part[s];
+    den += w;
+  }
+  out[blockIdx.x * kRoofD + threadIdx.x] = num / den;
+}
+
+int roofline_mode(int reps) {
+  reps = std::max(reps, 50);
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const size_t fbytes = 256u << 20;
+  uint4* fbuf;
+  unsigned* sink;
+  CHECK_CUDA(cudaMalloc(&fbuf, fbytes));
+  CHECK_CUDA(cudaMemset(fbuf, 0, fbytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  int* chain;  // chain[0] = 1024, chain[1024] = 2048, chain[2048] = 0: one cache line (and 4 KB) apart
+  {
+    std::vector<int> h(4096, 0);
+    h[0] = 1024, h[1024] = 2048;
+    CHECK_CUDA(cudaMalloc(&chain, h.size() * 4));
+    CHECK_CUDA(cudaMemcpy(chain, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  }
+  float *partial, *out;
+  CHECK_CUDA(cudaMalloc(&partial, size_t(16) * kRoofSplits * (kRoofD + 1) * 4));
+  CHECK_CUDA(cudaMemset(partial, 0, size_t(16) * kRoofSplits * (kRoofD + 1) * 4));
+  CHECK_CUDA(cudaMalloc(&out, 16 * kRoofD * 4));
+  // The K+V bytes of the grid's rows (Hkv 8, D 128): 16-bit and FP8 caches.
+  struct Row {
+    const char* name;
+    double bytes;
+  };
+  const double per_token = 2.0 * 8 * 128;  // K+V elements per cached token
+  const Row rows[] = {{"B=1 L=4k fp8", per_token * 4096},        {"B=1 L=4k", per_token * 4096 * 2},
+                      {"B=1 L=32k fp8", per_token * 32768},      {"B=1 L=32k / B=8 L=4k", per_token * 32768 * 2},
+                      {"B=32 L=4k", per_token * 131072 * 2},     {"B=64 L=8k fp8", per_token * 524288},
+                      {"B=256 L=1k / B=64 L=8k fp8", per_token * 262144 * 4}, {"B=64 L=8k", per_token * 524288 * 2}};
+  size_t max_bytes = 0;
+  for (const Row& r : rows) max_bytes = std::max(max_bytes, size_t(r.bytes));
+  uint4* buf;
+  CHECK_CUDA(cudaMalloc(&buf, max_bytes));
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(buf), max_bytes / 2, 5);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  {
+    int* dummy;
+    CHECK_CUDA(cudaMalloc(&dummy, 4));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    empty_kernel<<<1, 32, 0, st>>>(dummy);
+    CHECK_CUDA(cudaStreamEndCapture(st, &g));
+    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+    const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+    std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
+    CHECK_CUDA(cudaGraphExecDestroy(ge));
+    CHECK_CUDA(cudaGraphDestroy(g));
+    CHECK_CUDA(cudaFree(dummy));
+  }
+  std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
+  std::printf("%-28s %9s %-34s %9s %9s %9s %8s\n", "row (K+V bytes)", "MB", "read", "med us", "p20 us", "p80 us",
+              "TB/s");
+  using KernelFn = void (*)(const uint4*, size_t, const int*, int, int, float*, unsigned*);
+  struct Cfg {
+    int u;
+    KernelFn fn;
+  };
+  const Cfg cfgs[] = {{2, roof_read_kernel<2>}, {4, roof_read_kernel<4>}, {8, roof_read_kernel<8>},
+                      {16, roof_read_kernel<16>}};
+  for (const Row& r : rows) {
+    const size_t n16 = size_t(r.bytes) / 16;
+    // 1. The best plain read over loads in flight per thread and CTAs per SM.
+    auto time_read = [&](const Cfg& c, int ctas_per_sm, int depth, bool merge) {
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      c.fn<<<g_num_sms * ctas_per_sm, kRoofThreads, 0, st>>>(buf, n16, chain, depth, 0, partial, sink);
+      CHECK_CUDA(cudaGetLastError());
+      if (merge) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(16);
+        cfg.blockDim = dim3(kRoofD);
+        cfg.stream = st;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CHECK_CUDA(cudaLaunchKernelEx(&cfg, roof_merge_kernel, static_cast<const float*>(partial), out));
+      }
+      CHECK_CUDA(cudaStreamEndCapture(st, &g));
+      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+      CHECK_CUDA(cudaGraphExecDestroy(ge));
+      CHECK_CUDA(cudaGraphDestroy(g));
+      return t;
+    };
+    auto print = [&](const char* what, const Timing& t) {
+      std::printf("%-28s %9.2f %-34s %9.2f %9.2f %9.2f %8.3f\n", r.name, r.bytes / 1e6, what, t.med, t.p20, t.p80,
+                  r.bytes / (t.med * 1e-6) / 1e12);
+      std::fflush(stdout);
+    };
+    Timing best{1e30, 0, 0};
+    const Cfg* best_c = nullptr;
+    int best_k = 0;
+    for (const Cfg& c : cfgs)
+      for (int k : {1, 2, 4, 8}) {
+        const Timing t = time_read(c, k, 0, false);
+        char what[64];
+        std::snprintf(what, sizeof what, "contiguous, %d loads x %d CTAs/SM", c.u, k);
+        print(what, t);
+        if (t.med < best.med) best = t, best_c = &c, best_k = k;
+      }
+    char what[64];
+    std::snprintf(what, sizeof what, "BEST %d loads x %d CTAs/SM", best_c->u, best_k);
+    print(what, best);
+    // 2. The best read behind 1 and 2 dependent cold loads, then with the merge kernel.
+    for (int depth : {1, 2}) {
+      std::snprintf(what, sizeof what, "best + %d dependent load%s", depth, depth > 1 ? "s" : "");
+      print(what, time_read(*best_c, best_k, depth, false));
+    }
+    print("best + merge kernel (PDL)", time_read(*best_c, best_k, 0, true));
+    print("best + 2 dependent + merge (PDL)", time_read(*best_c, best_k, 2, true));
+  }
+  for (void* ptr : {(void*)fbuf, (void*)sink, (void*)chain, (void*)partial, (void*)out, (void*)buf})
+    CHECK_CUDA(cudaFree(ptr));
+  CHECK_CUDA(cudaStreamDestroy(st));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -765,6 +954,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&g_counters, kMaxCounters * 4));
   CHECK_CUDA(cudaMemset(g_counters, 0, kMaxCounters * 4));
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
+  if (mode == "roofline") return roofline_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
   if (mode == "small") {
     g_replays = 10;
@@ -800,7 +990,7 @@ int main(int argc, char** argv) {
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
   } else {
-    std::fprintf(stderr, "usage: %s check|small|time [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check|small|time|roofline [reps]\n", argv[0]);
     return 2;
   }
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);

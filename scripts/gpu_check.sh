@@ -225,7 +225,8 @@ for s in $stages; do
           nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
       fi
       export OMP_NUM_THREADS=16
-      # DECODE_SELFTEST_STEPS: any of check sanitize time (default all three)
+      # DECODE_SELFTEST_STEPS: any of check sanitize time roofline (default the first three);
+      # roofline times the plainest read of each grid row's bytes in the same harness.
       steps=" ${DECODE_SELFTEST_STEPS:-check sanitize time} "
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
         run decode_selftest_check "$bin/decode_selftest" check
@@ -238,7 +239,9 @@ for s in $stages; do
         done
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
-        run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100};;
+        run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100}
+      [[ $steps == *" roofline "* ]] && STAGE_TIMEOUT_decode_selftest_roofline=${STAGE_TIMEOUT_decode_selftest_roofline:-150} \
+        run decode_selftest_roofline "$bin/decode_selftest" roofline ${DECODE_SELFTEST_REPS:-100};;
     decode_ab)
       # A/B of decode_selftest builds (names under $bin in DECODE_AB_BINS, e.g. one built with
       # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each; DECODE_AB_ROUNDS
