@@ -1,7 +1,8 @@
 """A/B of the Triton prefill kernels on sm_90: the pointer kernel (prefill._attn_fwd, its
 config table) against each Hopper variant of prefill_tma ("tma": TMA descriptors; "tma_ws":
-the same with the compiler's warp-specialised key loop), each at its table tile and a few
-alternative tiles. Issue #16, item 4.
+the same with the compiler's warp-specialised key loop; "gluon": prefill_gluon's hand-split
+loader and consumer warpgroups), each at its table tile and a few alternative tiles. Issue #16,
+item 4.
 
     PYTHONPATH=src python scripts/triton_hopper_ab.py --json bench/results/nvidia-h200/triton_hopper_ab.json
 
@@ -58,6 +59,10 @@ TILES = {
     ("tma", 64): [None, (128, 64, 8, 3)],
     ("tma_ws", 128): [None, (128, 64, 4, 3), (128, 64, 4, 2)],
     ("tma_ws", 64): [None, (128, 128, 4, 2), (128, 64, 4, 3)],
+    # gluon: BM is fixed at two consumers' 64 rows; BN and the ring depth vary (3 stages of
+    # 128-key tiles at D=128 are 225 KB of the 227 KB)
+    ("gluon", 128): [None, (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4)],
+    ("gluon", 64): [None, (128, 128, 4, 3)],
 }
 CHECK_ROWS = 256
 DEVICE = "cuda"

@@ -1,5 +1,5 @@
 """The Hopper variants of the Triton prefill (prefill_tma: TMA descriptors, optionally a
-warp-specialised key loop) against an fp64 oracle written here, independently of both the
+warp-specialised key loop; prefill_gluon, GPU only) against an fp64 oracle written here, independently of both the
 kernels and minipaged.testing.
 
 CPU (TRITON_INTERPRET=1, fp16/fp32: the interpreter's bf16 tl.dot is wrong): the interpreter
@@ -270,6 +270,19 @@ def test_fallback_tiles_keep_their_register_cap():
     assert paged == configs.PagedConfig(64, 32, 4, 1, False, 128)
 
 
+def test_gluon_refused_without_an_sm90_gpu(no_overrides):
+    # Gluon kernels do not run under the interpreter (nor off sm_90): forcing one is a clear
+    # error before any launch; the default selection never picks it there
+    q = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="gluon.*sm_90"):
+        prefill_tma.try_prefill(q, q, q, True, 0.125, variant="gluon")
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match="gluon.*sm_90"):
+        prefill_tma.try_prefill_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu,
+                                       32, 32, True, 0.125, variant="gluon")
+    assert configs.prefill_variant(torch.float16, torch.device("cpu")) != "gluon"
+
+
 def test_override_rejects_unknown_variant(no_overrides):
     with pytest.raises(ValueError, match="prefill_variant"):
         configs.set_override("prefill_variant", "tma_fast")
@@ -288,6 +301,7 @@ def test_override_rejects_unknown_variant(no_overrides):
 # cases stay in the suite so a fix (ours or the compiler's) shows up as XPASS.
 GPU_VARIANTS = [
     "tma",
+    "gluon",
     pytest.param("tma_ws", marks=pytest.mark.xfail(
         reason="tma_ws wrong on sm_90 with triton 3.6 (causal and D=64; A/B run 2026-12-01)", strict=False)),
 ]

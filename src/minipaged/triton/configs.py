@@ -164,8 +164,11 @@ def prefill_config(head_dim: int, dtype: torch.dtype, causal: bool, batch_heads:
 # How the prefill kernel moves its tiles (issue #16): "pointer" is prefill._attn_fwd (pointer
 # loads, software-pipelined by the compiler), "tma" is prefill_tma._attn_fwd_tma with tensor
 # descriptors (TMA loads and stores), "tma_ws" the same with the key loop warp-specialised by
-# the compiler (a producer warpgroup issuing TMA, two consumer warpgroups).
-PREFILL_VARIANTS = ("pointer", "tma", "tma_ws")
+# the compiler (a producer warpgroup issuing TMA, two consumer warpgroups), "gluon" is
+# prefill_gluon._attn_fwd_gluon, the same split written by hand in Gluon (a loader warp, two
+# consumer warpgroups that run independently, Q K^T of the next tile issued before the P V
+# of this one): sm_90 GPUs only, no interpreter.
+PREFILL_VARIANTS = ("pointer", "tma", "tma_ws", "gluon")
 
 # >>> The one switch: the variant prefill uses on sm_90 when nothing is overridden. <<<
 # "pointer" until scripts/triton_hopper_ab.py, run on the H200, shows a Hopper variant ahead of
@@ -183,6 +186,9 @@ _PREFILL_SM90_HOPPER = {
     ("tma", 128): PrefillConfig(128, 64, 8, 3),      # 129 KB, the pointer kernel's tile
     ("tma_ws", 64): PrefillConfig(128, 128, 4, 3),   # 129 KB
     ("tma_ws", 128): PrefillConfig(128, 128, 4, 2),  # 193 KB; 3 stages would need 257 KB
+    # gluon: BLOCK_M is two consumers' 64 rows, num_stages the K and V ring depth
+    ("gluon", 64): PrefillConfig(128, 128, 4, 2),     # 81 KB
+    ("gluon", 128): PrefillConfig(128, 128, 4, 2),    # 161 KB
 }
 # The pointer kernel's unmasked key loop rescales acc and l only when some row's max grew by
 # more than this many log2 units in the tile (softmax._softmax_step_lazy); 0: every tile, as

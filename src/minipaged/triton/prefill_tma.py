@@ -188,6 +188,12 @@ def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: i
         ensure_allocator()
     grid = (num_programs_bh, triton.cdiv(max_seqlen_q, cfg.block_m))
     try:
+        if variant == "gluon":
+            from . import prefill_gluon
+
+            prefill_gluon.launch(args, num_programs_bh, max_seqlen_q, is_varlen, causal, head_dim, return_lse,
+                                 block_n=cfg.block_n, stages=cfg.num_stages)
+            return True
         _attn_fwd_tma[grid](
             *args,
             IS_VARLEN=is_varlen,
@@ -221,6 +227,14 @@ def _resolve(variant, q, k, v) -> tuple[str | None, bool]:
         raise ValueError(f"variant must be one of {configs.PREFILL_VARIANTS}, got {variant!r}")
     if variant == "pointer" or (not explicit and q.shape[-1] not in configs.HOPPER_PREFILL_HEAD_DIMS):
         return None, explicit
+    if variant == "gluon":
+        from . import prefill_gluon
+
+        if not prefill_gluon.usable(q):
+            if explicit:
+                raise ValueError("variant 'gluon' needs an sm_90 GPU, float16/bfloat16 inputs, head_dim 64 or 128 "
+                                 "and a triton with Gluon (no interpreter)")
+            return None, explicit
     ok = usable(q, k, v) or (explicit and q.dtype == torch.float32 and all(_aligned(t) for t in (q, k, v)))
     if not ok:
         if explicit:

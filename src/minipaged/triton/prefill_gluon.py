@@ -1,0 +1,341 @@
+"""Hopper prefill in Gluon, Triton's explicit-layout dialect (issue #16, item 4).
+
+Triton's own compiler runs the two warpgroups of a 128-row program in lock step: one CTA
+barrier per key tile, so both warpgroups do their softmax at the same time while the tensor
+cores idle. Gluon, shipped in the same Triton package, lets the kernel say what to overlap;
+the compiler still picks registers and instructions. This kernel is FlashAttention-3's
+schedule written in it:
+
+  * three partitions per CTA: a one-warp loader issuing TMA copies of K and V tiles into
+    STAGES-deep rings guarded by mbarriers (ready: the copy landed; empty: both consumers
+    are done with it), and two consumer warpgroups of 64 query rows each;
+  * the consumers run independently (no CTA barrier in the key loop), so one warpgroup's
+    softmax runs while the other's wgmma keep the tensor cores busy;
+  * inside a consumer, Q K_j^T of tile j is issued before P_{j-1} V_{j-1}, and the softmax of
+    tile j runs while P V is in flight (the accumulator is rescaled after it lands).
+
+Semantics are prefill._attn_fwd's (read its docstring): bottom-right causal, rows that see
+no key store zeros (and lse -inf), GQA by head index, dense or varlen from the same
+arguments (prefill.dense_args / varlen_args). Each program builds tensor descriptors over its
+own (sequence, head) rows, so TMA clips ragged tiles at the sequence end.
+
+Gluon needs an sm_90 GPU (no interpreter): `usable()` says whether this Triton has it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds lack them
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    _HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    _HAVE_GLUON = False
+
+# Query rows per consumer warpgroup (one wgmma M) and consumers per CTA.
+ROWS_PER_WG = 64
+NUM_CONSUMERS = 2
+BLOCK_M = ROWS_PER_WG * NUM_CONSUMERS
+
+
+def available() -> bool:
+    """Whether the installed triton has the Gluon Hopper ops this kernel is written in."""
+    return _HAVE_GLUON
+
+
+if _HAVE_GLUON:
+
+    @gluon.jit
+    def _key_tiles(q_len, k_len, rows0, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(tiles, unmasked tiles) of keys the 64 rows from rows0 see: rows past q_len are
+        never stored, so they do not extend the range."""
+        rows_end = gl.minimum(rows0 + 64, q_len)
+        if IS_CAUSAL:
+            diag = k_len - q_len
+            end = gl.minimum(rows_end + diag, k_len)
+            full = gl.minimum(rows0 + diag + 1, k_len)
+        else:
+            end = k_len
+            full = k_len
+        end = gl.where(rows_end > rows0, gl.maximum(end, 0), 0)
+        full = gl.minimum(gl.maximum(full, 0), end)
+        return gl.cdiv(end, BLOCK_N), full // BLOCK_N
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale_log2, cols, rows, k_len, diag, MASKED: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """Online-softmax update of one [64, BLOCK_N] score tile in the log2 domain.
+        -> (p fp32, m, l, alpha). MASKED tiles may leave a row with nothing seen (m -inf):
+        it subtracts 0 instead, keeping exp2 away from -inf - -inf."""
+        if MASKED:
+            if IS_CAUSAL:
+                s = gl.where((cols[None, :] < k_len) & (cols[None, :] <= rows[:, None] + diag), s * qk_scale_log2,
+                             float("-inf"))
+            else:
+                s = gl.where(cols[None, :] < k_len, s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_sub[:, None])
+            alpha = gl.exp2(m_i - m_sub)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+            p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+        """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see."""
+        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2) = args
+        q_desc, _, _ = descs
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+        dtype: gl.constexpr = k_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        rows0 = m_start + WG * 64
+        n_tiles, n_full = _key_tiles(q_len, k_len, rows0, IS_CAUSAL, BLOCK_N)
+        n_other, _ = _key_tiles(q_len, k_len, m_start + (1 - WG) * 64, IS_CAUSAL, BLOCK_N)
+        n_loaded = gl.maximum(n_tiles, n_other)
+        diag = k_len - q_len
+        rows = rows0 + gl.arange(0, 64, layout=row_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+        q_tile = q_smem.index(WG)
+        mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [rows0, 0], q_bar.index(WG), q_tile)
+
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([64], gl.float32, layout=row_s)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        p = gl.convert_layout(gl.zeros([64, BLOCK_N], dtype, layout=s_layout), p_layout)
+        mbarrier.wait(q_bar.index(WG), 0)
+
+        # Tile 0: its scores alone (nothing to overlap with yet).
+        if n_tiles > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(0))
+            if n_full > 0:
+                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, False,
+                                                IS_CAUSAL)
+            else:
+                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, True,
+                                                IS_CAUSAL)
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+
+        # Tile j: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j while P V runs.
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(st))
+            if j < n_full:
+                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                diag, False, IS_CAUSAL)
+            else:
+                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                diag, True, IS_CAUSAL)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+
+        if n_tiles > 0:
+            last = (n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(v_empty.index(last))
+
+        # Tiles only the other warpgroup sees: release them so the loader's rings turn.
+        for j in range(n_tiles, n_loaded):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(st), ph)
+            mbarrier.arrive(k_empty.index(st))
+            mbarrier.wait(v_ready.index(st), ph)
+            mbarrier.arrive(v_empty.index(st))
+
+        # Rows that saw no key have l == 0 and acc == 0: they store exact zeros.
+        l_o = gl.convert_layout(l_i, row_o)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        out = (acc / l_safe[:, None]).to(dtype)
+        rows_o = rows0 + gl.arange(0, 64, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        # 64-bit row offsets formed per row, before the broadcast to [64, D] (the 2-D int64
+        # form with a mask does not lower under triton 3.6)
+        row_ptr = o_base + rows_o.to(gl.int64) * stride_om
+        gl.store(row_ptr[:, None] + offs_d[None, :], out, mask=rows_o[:, None] < q_len)
+        if RETURN_LSE:
+            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+                           * 0.6931471805599453)
+            gl.store(lse_base + rows.to(gl.int64) * stride_lm, lse, mask=rows < q_len)
+
+    @gluon.jit
+    def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+        _consumer(args, 0, IS_CAUSAL, RETURN_LSE)
+
+    @gluon.jit
+    def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+        _consumer(args, 1, IS_CAUSAL, RETURN_LSE)
+
+    @gluon.jit
+    def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+        """One warp: K and V tiles of every key tile either warpgroup sees, into the rings."""
+        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2) = args
+        _, k_desc, v_desc = descs
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        n0, _ = _key_tiles(q_len, k_len, m_start, IS_CAUSAL, BLOCK_N)
+        n1, _ = _key_tiles(q_len, k_len, m_start + 64, IS_CAUSAL, BLOCK_N)
+        for j in range(gl.maximum(n0, n1)):
+            st = j % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the
+            # first STAGES waits pass at once
+            ph = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(st), ph)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), ph)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def _attn_fwd_gluon(
+        Q, K, V, O, LSE,
+        cu_seqlens_q, cu_seqlens_k,
+        seqlen_q, seqlen_k,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        stride_lb, stride_lh, stride_lm,
+        num_q_heads, kv_group,
+        qk_scale_log2,
+        IS_VARLEN: gl.constexpr,
+        IS_CAUSAL: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        RETURN_LSE: gl.constexpr,
+        LOADER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        LOADER_WARPS: gl.constexpr = 1,
+    ):
+        # bottom query tiles (most keys under a causal mask) start first
+        pid_bh = gl.program_id(0)
+        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+        seq = pid_bh // num_q_heads
+        head = pid_bh % num_q_heads
+        kv_head = head // kv_group
+        if IS_VARLEN:
+            q_start = gl.load(cu_seqlens_q + seq).to(gl.int64)
+            q_len = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
+            k_start = gl.load(cu_seqlens_k + seq).to(gl.int64)
+            k_len = gl.load(cu_seqlens_k + seq + 1) - gl.load(cu_seqlens_k + seq)
+        else:
+            q_start = 0
+            q_len = seqlen_q
+            k_start = 0
+            k_len = seqlen_k
+        m_start = pid_m * 128
+        seq64 = seq.to(gl.int64)
+        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(gl.int64) * stride_qh
+        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(gl.int64) * stride_kh
+        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(gl.int64) * stride_vh
+        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(gl.int64) * stride_oh
+        lse_base = LSE + seq64 * stride_lb + q_start * stride_lm + head.to(gl.int64) * stride_lh
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        # a zero extent is not a valid TMA bound: empty ranges get one row that is never read
+        q_desc = tma.make_tensor_descriptor(q_base, [gl.maximum(q_len, 1), HEAD_DIM], [stride_qm, 1],
+                                            [64, HEAD_DIM], smem_layout)
+        k_desc = tma.make_tensor_descriptor(k_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_kn, 1],
+                                            [BLOCK_N, HEAD_DIM], smem_layout)
+        v_desc = tma.make_tensor_descriptor(v_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_vn, 1],
+                                            [BLOCK_N, HEAD_DIM], smem_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], smem_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
+
+        # every partition takes the same arguments (worker partitions must share one signature);
+        # constexprs go as their own arguments: inside a tuple they would become run-time flags
+        args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready,
+                v_empty, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2)
+        gl.warp_specialize([
+            (_consumer0, (args, IS_CAUSAL, RETURN_LSE)),
+            (_consumer1, (args, IS_CAUSAL, RETURN_LSE)),
+            (_loader, (args, IS_CAUSAL, RETURN_LSE)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+# Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
+# the loader's warpgroup gives its registers to the consumers.
+_MAXNREG = 168
+_LOADER_REGS = 24
+_CONSUMER_REGS = 240
+
+
+def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool, causal: bool,
+           head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2) -> None:
+    """Run _attn_fwd_gluon over prefill.dense_args / varlen_args. The caller checked
+    usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU."""
+    grid = (num_programs_bh, triton.cdiv(max_seqlen_q, BLOCK_M))
+    _attn_fwd_gluon[grid](
+        *args,
+        IS_VARLEN=is_varlen,
+        IS_CAUSAL=causal,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        RETURN_LSE=return_lse,
+        LOADER_REGS=_LOADER_REGS,
+        CONSUMER_REGS=_CONSUMER_REGS,
+        num_warps=4,
+        maxnreg=_MAXNREG,
+    )
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether this kernel can run for q's device and dtype (the layout check is the TMA one)."""
+    if not _HAVE_GLUON or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[-1] not in (64, 128):
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] == 9
