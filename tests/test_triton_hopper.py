@@ -283,6 +283,23 @@ def test_gluon_refused_without_an_sm90_gpu(no_overrides):
     assert configs.prefill_variant(torch.float16, torch.device("cpu")) != "gluon"
 
 
+def test_gluon_default_size_rule(no_overrides, monkeypatch):
+    # on sm_90 the Gluon default takes D 128 problems of GLUON_MIN_AVG_KEYS keys per sequence
+    # and up; the rest keep the pointer kernel (the GPU itself is faked: only the rule runs)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(configs, "SM90_PREFILL_VARIANT", "gluon")
+    dev = torch.device("cuda")
+    n = configs.GLUON_MIN_AVG_KEYS
+    assert configs.prefill_variant(torch.bfloat16, dev, 128, n) == "gluon"
+    assert configs.prefill_variant(torch.float16, dev, 128, 4 * n) == "gluon"
+    assert configs.prefill_variant(torch.bfloat16, dev, 128, n - 1) == "pointer"
+    assert configs.prefill_variant(torch.bfloat16, dev, 64, 4 * n) == "pointer"
+    assert configs.prefill_variant(torch.float32, dev, 128, 4 * n) == "pointer"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert configs.prefill_variant(torch.bfloat16, dev, 128, 4 * n) == "pointer"
+
+
 def test_override_rejects_unknown_variant(no_overrides):
     with pytest.raises(ValueError, match="prefill_variant"):
         configs.set_override("prefill_variant", "tma_fast")
@@ -358,3 +375,6 @@ def test_gpu_default_selection(no_overrides):
     want = configs.SM90_PREFILL_VARIANT if major == 9 else "pointer"
     assert configs.prefill_variant(torch.bfloat16, dev) == want
     assert configs.prefill_variant(torch.float32, dev) == "pointer"
+    if major == 9 and want == "gluon":
+        assert configs.prefill_variant(torch.bfloat16, dev, 128, 8192) == "gluon"
+        assert configs.prefill_variant(torch.bfloat16, dev, 128, 1024) == "pointer"

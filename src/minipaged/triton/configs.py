@@ -175,7 +175,14 @@ PREFILL_VARIANTS = ("pointer", "tma", "tma_ws", "gluon")
 # the pointer kernel on the standard prefill grid (causal and not, D 64 and 128, dense and
 # varlen); then set it to that variant's name. Other GPUs, fp32, and layouts that TMA cannot
 # address (prefill_tma.usable) always take the pointer kernel.
-SM90_PREFILL_VARIANT = "pointer"
+SM90_PREFILL_VARIANT = "gluon"
+# The Gluon kernel runs by default on sm_90 for D 128 and at least this many keys per sequence
+# on average (dense: Nk; varlen: packed keys / sequences, known on the host). Below, its per-program
+# descriptors and 128-row blocks lose to the pointer kernel's short-prompt tiles (B=1 N=1k causal
+# 0.83x, a batch of 8 prompts averaging 1.6k keys 0.89x; 4k and up 1.08-1.26x:
+# bench/results/nvidia-h200/triton_gluon_984f7c1/). D 64 is untimed.
+GLUON_MIN_AVG_KEYS = 2048
+GLUON_HEAD_DIMS = (128,)
 
 # (variant, head_dim) -> tile for 16-bit inputs on sm_90, causal or not. Shared memory from the
 # sm_90 compile (scripts/triton_sm90_compile.py); none of these is measured yet.
@@ -212,15 +219,23 @@ def prefill_lazy_rescale() -> int:
 HOPPER_PREFILL_HEAD_DIMS = (64, 128)
 
 
-def prefill_variant(dtype: torch.dtype, device: torch.device) -> str:
-    """Which prefill kernel to launch (before the layout check prefill_tma.usable)."""
+def prefill_variant(dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
+                    avg_keys: float | None = None) -> str:
+    """Which prefill kernel to launch (before the layout check prefill_tma.usable). With the
+    problem's head_dim and average keys per sequence, the Gluon default also applies its size
+    rule; without them, the sm_90 default itself."""
     if "prefill_variant" in OVERRIDES:
         # forced (tuning, tests): also under the interpreter, which runs descriptors too
         return OVERRIDES["prefill_variant"]
     if interpreting() or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return "pointer"
     major, _ = torch.cuda.get_device_capability(device)
-    return SM90_PREFILL_VARIANT if major == 9 else "pointer"
+    if major != 9:
+        return "pointer"
+    if SM90_PREFILL_VARIANT == "gluon" and head_dim is not None and (
+            head_dim not in GLUON_HEAD_DIMS or avg_keys is None or avg_keys < GLUON_MIN_AVG_KEYS):
+        return "pointer"
+    return SM90_PREFILL_VARIANT
 
 
 def prefill_hopper_config(variant: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> PrefillConfig:

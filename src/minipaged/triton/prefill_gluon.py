@@ -260,49 +260,52 @@ if _HAVE_GLUON:
             k_start = 0
             k_len = seqlen_k
         m_start = pid_m * 128
-        seq64 = seq.to(gl.int64)
-        q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(gl.int64) * stride_qh
-        k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(gl.int64) * stride_kh
-        v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(gl.int64) * stride_vh
-        o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(gl.int64) * stride_oh
-        lse_base = LSE + seq64 * stride_lb + q_start * stride_lm + head.to(gl.int64) * stride_lh
+        # a program past its sequence's rows (varlen grids are sized by the longest) exits before
+        # building descriptors or forking partitions
+        if m_start < q_len:
+            seq64 = seq.to(gl.int64)
+            q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(gl.int64) * stride_qh
+            k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(gl.int64) * stride_kh
+            v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(gl.int64) * stride_vh
+            o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(gl.int64) * stride_oh
+            lse_base = LSE + seq64 * stride_lb + q_start * stride_lm + head.to(gl.int64) * stride_lh
 
-        dtype: gl.constexpr = Q.dtype.element_ty
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        # a zero extent is not a valid TMA bound: empty ranges get one row that is never read
-        q_desc = tma.make_tensor_descriptor(q_base, [gl.maximum(q_len, 1), HEAD_DIM], [stride_qm, 1],
-                                            [64, HEAD_DIM], smem_layout)
-        k_desc = tma.make_tensor_descriptor(k_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_kn, 1],
-                                            [BLOCK_N, HEAD_DIM], smem_layout)
-        v_desc = tma.make_tensor_descriptor(v_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_vn, 1],
-                                            [BLOCK_N, HEAD_DIM], smem_layout)
+            dtype: gl.constexpr = Q.dtype.element_ty
+            smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            # a zero extent is not a valid TMA bound: empty ranges get one row that is never read
+            q_desc = tma.make_tensor_descriptor(q_base, [gl.maximum(q_len, 1), HEAD_DIM], [stride_qm, 1],
+                                                [64, HEAD_DIM], smem_layout)
+            k_desc = tma.make_tensor_descriptor(k_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_kn, 1],
+                                                [BLOCK_N, HEAD_DIM], smem_layout)
+            v_desc = tma.make_tensor_descriptor(v_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_vn, 1],
+                                                [BLOCK_N, HEAD_DIM], smem_layout)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], smem_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        for i in gl.static_range(2):
-            mbarrier.init(q_bar.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(v_empty.index(i), count=2)
+            q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], smem_layout)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+            bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+            for i in gl.static_range(2):
+                mbarrier.init(q_bar.index(i), count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+                mbarrier.init(v_empty.index(i), count=2)
 
-        # every partition takes the same arguments (worker partitions must share one signature);
-        # constexprs go as their own arguments: inside a tuple they would become run-time flags
-        args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2)
-        gl.warp_specialize([
-            (_consumer0, (args, IS_CAUSAL, RETURN_LSE)),
-            (_consumer1, (args, IS_CAUSAL, RETURN_LSE)),
-            (_loader, (args, IS_CAUSAL, RETURN_LSE)),
-        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+            # every partition takes the same arguments (worker partitions must share one signature);
+            # constexprs go as their own arguments: inside a tuple they would become run-time flags
+            args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready,
+                    v_empty, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2)
+            gl.warp_specialize([
+                (_consumer0, (args, IS_CAUSAL, RETURN_LSE)),
+                (_consumer1, (args, IS_CAUSAL, RETURN_LSE)),
+                (_loader, (args, IS_CAUSAL, RETURN_LSE)),
+            ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 # Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;

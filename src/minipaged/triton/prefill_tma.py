@@ -215,14 +215,15 @@ def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: i
     return True
 
 
-def _resolve(variant, q, k, v) -> tuple[str | None, bool]:
+def _resolve(variant, q, k, v, avg_keys: float) -> tuple[str | None, bool]:
     """(variant to run or None for the pointer kernel, whether the caller forced it). A forced
-    variant must suit the layout; fp32 is allowed then (the interpreter tests run it)."""
+    variant must suit the layout; fp32 is allowed then (the interpreter tests run it).
+    avg_keys: keys per sequence on average, for the default's size rule."""
     from . import configs
 
     explicit = variant is not None
     if variant is None:
-        variant = configs.prefill_variant(q.dtype, q.device)
+        variant = configs.prefill_variant(q.dtype, q.device, q.shape[-1], avg_keys)
     if variant not in configs.PREFILL_VARIANTS:
         raise ValueError(f"variant must be one of {configs.PREFILL_VARIANTS}, got {variant!r}")
     if variant == "pointer" or (not explicit and q.shape[-1] not in configs.HOPPER_PREFILL_HEAD_DIMS):
@@ -250,7 +251,7 @@ def try_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     kernel should run instead: the selected variant is "pointer", the layout does not suit TMA,
     the tile does not fit, or there is nothing to compute. `variant` forces one (tests, A/B);
     then an unsuitable layout or a tile that does not fit raises."""
-    variant, strict = _resolve(variant, q, k, v)
+    variant, strict = _resolve(variant, q, k, v, k.shape[2])
     if variant is None:
         return None
     batch, num_q_heads, seqlen_q, head_dim = q.shape
@@ -272,7 +273,7 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        return_lse: bool = False, variant: str | None = None):
     """Varlen prefill (ops.prefill_varlen's signature) through a Hopper variant, or None; see
     try_prefill."""
-    variant, strict = _resolve(variant, q, k, v)
+    variant, strict = _resolve(variant, q, k, v, k.shape[0] / max(cu_seqlens_q.shape[0] - 1, 1))
     if variant is None:
         return None
     total_q, num_q_heads, head_dim = q.shape
