@@ -425,6 +425,44 @@ def test_paged_gpu(case, dtype, causal):
     _run(*case, causal, dtype, "cuda", seed=len(case[0]))
 
 
+# The default sm_90 route for long chunks: prefill_gluon's kernel (D 128, 16-bit pages of >= 16
+# tokens, longest chunk >= configs.GLUON_PAGED_MIN_Q). The file's fixture pins v2; these lift it.
+GLUON_PAGED = [
+    # q_lens, context_lens, Hq, Hkv, page
+    ([256] * 128, [256 + r for r in range(128)], 16, 8, 16),       # every residue of (ctx - q) mod 128
+    ([300, 1, 4, 513, 0], [3000, 4096, 17, 600, 5], 16, 8, 16),    # long chunks beside decode rows
+    ([1000, 257], [1000, 9000], 64, 8, 32),                         # GQA 8
+    ([700], [4097], 16, 16, 64),                                    # Hq == Hkv
+    ([400, 300], [1999, 300], 16, 8, 128),                          # a page per key tile
+    ([333, 1024], [5000, 1031], 16, 2, 256),                        # pages larger than a tile
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", GLUON_PAGED, ids=lambda c: f"S{len(c[0])}-q{max(c[0])}-L{max(c[1])}-"
+                         f"{c[2]}-{c[3]}-p{c[4]}")
+def test_paged_gpu_gluon(case, dtype, causal, monkeypatch):
+    from minipaged.triton import prefill_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
+        pytest.skip("the Gluon route is for sm_90 with a triton that has Gluon")
+    ran = []
+    launch = prefill_gluon.launch_paged
+    monkeypatch.setattr(prefill_gluon, "launch_paged", lambda *a, **k: ran.append(1) or launch(*a, **k))
+    q_lens, ctxs, hq, hkv, page = case
+    with _overrides(paged_long_kernel=None, paged_mixed=None):
+        out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
+        assert ran, "the long chunks did not take the Gluon kernel"
+        q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, 128, page, dtype, "cuda",
+                                                   seed=len(q_lens))
+        first = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), causal, 0.088, True)
+        again = ops.paged(q, kc, vc, tables, cu_q, ctx, max(q_lens), causal, 0.088, True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), "not bitwise repeatable"
+
+
 @gpu
 @needs_cuda
 def test_paged_gpu_every_residue():

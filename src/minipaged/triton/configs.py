@@ -183,6 +183,10 @@ SM90_PREFILL_VARIANT = "gluon"
 # bench/results/nvidia-h200/triton_gluon_984f7c1/). D 64 is untimed.
 GLUON_MIN_AVG_KEYS = 2048
 GLUON_HEAD_DIMS = (128,)
+# Paged long chunks on sm_90 (D 128, 16-bit caches of >= 16-token pages, no forced tile): the
+# long launch runs prefill_gluon._paged_fwd_gluon when its longest chunk has at least this many
+# new tokens (two of the kernel's 128-row blocks; a choice, not a measured crossover).
+GLUON_PAGED_MIN_Q = 256
 
 # (variant, head_dim) -> tile for 16-bit inputs on sm_90, causal or not. Shared memory from the
 # sm_90 compile (scripts/triton_sm90_compile.py); none of these is measured yet.

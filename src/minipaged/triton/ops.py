@@ -342,7 +342,8 @@ _INVARIANT_FP = {"enable_fp_fusion": False}
 class _PagedLaunch:
     """One kernel launch of a paged call (see configs: paged long chunks and mixed batches)."""
 
-    kernel: str          # "v1" (paged._paged_kernel), "v2" (paged._paged_long_kernel) or "decode"
+    kernel: str          # "v1" (paged._paged_kernel), "v2" (paged._paged_long_kernel), "gluon"
+    #                      (prefill_gluon._paged_fwd_gluon, sm_90 long chunks) or "decode"
     cfg: PagedConfig     # "decode": block_m is the kernel's BLOCK_H, the rest its DecodeConfig
     min_q: int = 0       # sequences of at most min_q tokens are another launch's (0: none)
     max_q: int = 0       # sequences of more than max_q tokens are another launch's (0: none)
@@ -357,14 +358,28 @@ def _v2_usable(q, k_cache, v_cache, block_tables, num_seqs: int) -> bool:
             and num_seqs <= configs.PAGED_SEARCH ** 2)
 
 
+def _gluon_paged_usable(q, k_cache, v_cache, block_tables, max_seqlen_q: int) -> bool:
+    if q.shape[-1] not in configs.GLUON_HEAD_DIMS or max_seqlen_q < configs.GLUON_PAGED_MIN_Q:
+        return False
+    if configs.interpreting() or "paged_long_kernel" in configs.OVERRIDES:
+        return False
+    from . import prefill_gluon
+
+    return prefill_gluon.paged_usable(q, k_cache, v_cache, block_tables)
+
+
 def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: int, num_seqs: int,
                     max_seqlen_q: int, group: int, device: torch.device, v2_ok: bool,
-                    config: PagedConfig | None, kv_fp8: bool = False) -> tuple[_PagedLaunch, ...]:
+                    config: PagedConfig | None, kv_fp8: bool = False,
+                    gluon_ok: bool = False) -> tuple[_PagedLaunch, ...]:
     cfg = config or paged_config(head_dim, dtype, causal, max_seqlen_q, group, device, kv_fp8)
     if cfg.packed:
         # every query run fits one packed tile (decode, speculative verification)
         return (_PagedLaunch("v1", cfg),)
-    kernel = configs.paged_long_kernel() if v2_ok else "v1"
+    if gluon_ok and config is None and not kv_fp8:
+        kernel = "gluon"
+    else:
+        kernel = configs.paged_long_kernel() if v2_ok else "v1"
     if configs.paged_mixed_mode() == "split":
         short = configs.paged_short_config(head_dim, dtype, group, device)
         short_q = short.block_q(group)
@@ -421,13 +436,15 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
     v2_ok = (config is not None or max_seqlen_q * group > 32) and _v2_usable(q, k_cache, v_cache,
                                                                           block_tables, num_seqs)
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
+    gluon_ok = (v2_ok and config is None and num_splits is None and not fp8
+                and _gluon_paged_usable(q, k_cache, v_cache, block_tables, max_seqlen_q))
     plan_key = (q.device, q.dtype, fp8, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
-                max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, configs.overrides_version,
+                max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, gluon_ok, configs.overrides_version,
                 configs.interpreting())
     plan = None if config is not None else _paged_plans.get(plan_key)
     if plan is None:
         plan = _paged_launches(head_dim, q.dtype, bool(causal), total_q, num_seqs, max_seqlen_q, group,
-                               q.device, v2_ok, config, fp8)
+                               q.device, v2_ok, config, fp8, gluon_ok)
         if config is None:
             _paged_plans[plan_key] = plan
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
@@ -447,6 +464,14 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
     if launch.kernel == "decode":
         _paged_decode_launch(launch, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                              lse_arg, lse_strides, lse is not None, k_s, v_s, fp8, scale, num_splits)
+        return
+    if launch.kernel == "gluon":
+        # no split-KV: a long chunk's 128-row blocks of every head fill the GPU on their own
+        from . import prefill_gluon
+
+        prefill_gluon.launch_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse_arg,
+                                   lse_strides, lse is not None, max_seqlen_q, launch.min_q, causal,
+                                   float(scale) * _LOG2E)
         return
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -30,7 +30,9 @@ import triton
 try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds lack them
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
@@ -89,10 +91,13 @@ if _HAVE_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
-        """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see."""
+    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
+        """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see.
+        PAGE > 0 (paged K/V): the rows of the last tile past the context are cache slots of
+        the last page (or the last page again), maybe NaN: they are zeroed in V before P V."""
         (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2) = args
+         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
+         q_row, q_col, table_row, kv_col) = args
         q_desc, _, _ = descs
         STAGES: gl.constexpr = k_smem.type.shape[0]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -116,7 +121,7 @@ if _HAVE_GLUON:
 
         q_tile = q_smem.index(WG)
         mbarrier.expect(q_bar.index(WG), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [rows0, 0], q_bar.index(WG), q_tile)
+        tma.async_copy_global_to_shared(q_desc, [q_row + rows0, q_col], q_bar.index(WG), q_tile)
 
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
@@ -163,6 +168,10 @@ if _HAVE_GLUON:
         if n_tiles > 0:
             last = (n_tiles - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            if PAGE > 0:
+                if n_tiles * BLOCK_N > k_len:
+                    # both warpgroups may rewrite these rows, with the same values
+                    _zero_rows_from(v_smem.index(last), k_len - (n_tiles - 1) * BLOCK_N)
             o_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_empty.index(last))
@@ -192,21 +201,55 @@ if _HAVE_GLUON:
             gl.store(lse_base + rows.to(gl.int64) * stride_lm, lse, mask=rows < q_len)
 
     @gluon.jit
-    def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
-        _consumer(args, 0, IS_CAUSAL, RETURN_LSE)
+    def _zero_rows_from(tile, first):
+        """Rows [first, BLOCK_N) of a [BLOCK_N, D] shared tile set to zero, visible to wgmma."""
+        BLOCK_N: gl.constexpr = tile.type.shape[0]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        vals = tile.load(layout)
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        tile.store(gl.where(rows[:, None] < first, vals, gl.zeros_like(vals)))
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
-    def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
-        _consumer(args, 1, IS_CAUSAL, RETURN_LSE)
+    def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
+        _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
-    def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
-        """One warp: K and V tiles of every key tile either warpgroup sees, into the rings."""
+    def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
+        _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE)
+
+    @gluon.jit
+    def _load_tile(desc, table_row, last_page, key0, kv_col, bar, dst, PAGE: gl.constexpr):
+        """The BLOCK_N keys from key0 into dst: one TMA box when the keys are contiguous
+        (PAGE 0: a dense sequence; PAGE >= BLOCK_N: one page), else one box per page."""
+        BLOCK_N: gl.constexpr = dst.type.shape[0]
+        if PAGE == 0:
+            tma.async_copy_global_to_shared(desc, [key0, kv_col], bar, dst)
+        elif PAGE >= BLOCK_N:
+            block = gl.load(table_row + gl.minimum(key0 // PAGE, last_page))
+            tma.async_copy_global_to_shared(desc, [block * PAGE + key0 % PAGE, kv_col], bar, dst)
+        else:
+            for c in gl.static_range(BLOCK_N // PAGE):
+                block = gl.load(table_row + gl.minimum(key0 // PAGE + c, last_page))
+                tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(c * PAGE, PAGE))
+
+    @gluon.jit
+    def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
+        """One warp: K and V tiles of every key tile either warpgroup sees, into the rings.
+        Paged (PAGE > 0): page indices are clamped to the last page the context uses, so
+        table entries past it are never read."""
         (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2) = args
+         o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
+         q_row, q_col, table_row, kv_col) = args
         _, k_desc, v_desc = descs
         STAGES: gl.constexpr = k_smem.type.shape[0]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+        tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_smem.dtype.primitive_bitwidth // 8
+        last_page = 0
+        if PAGE > 0:
+            last_page = gl.maximum(gl.cdiv(k_len, PAGE) - 1, 0)
         n0, _ = _key_tiles(q_len, k_len, m_start, IS_CAUSAL, BLOCK_N)
         n1, _ = _key_tiles(q_len, k_len, m_start + 64, IS_CAUSAL, BLOCK_N)
         for j in range(gl.maximum(n0, n1)):
@@ -215,11 +258,47 @@ if _HAVE_GLUON:
             # first STAGES waits pass at once
             ph = ((j // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(k_ready.index(st), tile_bytes)
+            _load_tile(k_desc, table_row, last_page, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE)
             mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+            mbarrier.expect(v_ready.index(st), tile_bytes)
+            _load_tile(v_desc, table_row, last_page, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE)
+
+    @gluon.jit
+    def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
+             qk_scale_log2, q_row, q_col, table_row, kv_col, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+             LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Shared memory, barriers and the three partitions of one program (dense or paged)."""
+        dtype: gl.constexpr = q_desc.dtype
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], smem_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
+        # every partition takes the same arguments (worker partitions must share one signature);
+        # constexprs go as their own arguments: inside a tuple they would become run-time flags
+        args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
+                q_row, q_col, table_row, kv_col)
+        gl.warp_specialize([
+            (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
+            (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
+            (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
     def _attn_fwd_gluon(
@@ -280,32 +359,47 @@ if _HAVE_GLUON:
             v_desc = tma.make_tensor_descriptor(v_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_vn, 1],
                                                 [BLOCK_N, HEAD_DIM], smem_layout)
 
-            q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], smem_layout)
-            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-            bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-            q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-            for i in gl.static_range(2):
-                mbarrier.init(q_bar.index(i), count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-                mbarrier.init(v_empty.index(i), count=2)
+            _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
+                 qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES, LOADER_WARPS,
+                 LOADER_REGS, CONSUMER_REGS)
 
-            # every partition takes the same arguments (worker partitions must share one signature);
-            # constexprs go as their own arguments: inside a tuple they would become run-time flags
-            args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2)
-            gl.warp_specialize([
-                (_consumer0, (args, IS_CAUSAL, RETURN_LSE)),
-                (_consumer1, (args, IS_CAUSAL, RETURN_LSE)),
-                (_loader, (args, IS_CAUSAL, RETURN_LSE)),
-            ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+    @gluon.jit
+    def _paged_fwd_gluon(
+        q_desc, k_desc, v_desc, O, LSE, block_tables, cu_seqlens_q, context_lens,
+        stride_ot, stride_oh, stride_lt, stride_lh, stride_table,
+        num_q_heads, kv_group, min_q,
+        qk_scale_log2,
+        IS_CAUSAL: gl.constexpr,
+        PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        RETURN_LSE: gl.constexpr,
+        LOADER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+    ):
+        """Long chunks over a paged cache: the new tokens of sequence s (q_len > min_q) attend
+        to its context_lens[s] cached keys, bottom-right causal. Program (s * Hq + head, block)
+        owns 128 query rows of one head; descriptors come from the host: q [Tq, Hq * D],
+        K / V cache [blocks * PAGE, Hkv * D] (one box per page, or per tile for pages of a
+        tile or more)."""
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        pid_bh = gl.program_id(0)
+        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+        seq = pid_bh // num_q_heads
+        head = pid_bh % num_q_heads
+        kv_head = head // kv_group
+        q_start = gl.load(cu_seqlens_q + seq)
+        q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
+        m_start = pid_m * 128
+        if (m_start < q_len) & (q_len > min_q):
+            ctx = gl.load(context_lens + seq)
+            o_base = O + q_start.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
+            lse_base = LSE + q_start.to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh
+            table_row = block_tables + seq.to(gl.int64) * stride_table
+            _run(q_desc, k_desc, v_desc, o_base, stride_ot, lse_base, stride_lt, q_len, ctx, m_start,
+                 qk_scale_log2, q_start, head * HEAD_DIM, table_row, kv_head * HEAD_DIM, IS_CAUSAL, RETURN_LSE,
+                 PAGE, BLOCK_N, STAGES, 1, LOADER_REGS, CONSUMER_REGS)
 
 
 # Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
@@ -342,3 +436,56 @@ def usable(q: torch.Tensor) -> bool:
     if q.shape[-1] not in (64, 128):
         return False
     return torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def paged_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
+    """Whether launch_paged can serve these tensors: usable(q), 16-bit caches of q's dtype in the
+    contiguous [blocks, page, Hkv, D] layout with pages of at least 16 tokens, and q [Tq, Hq, D]
+    whose rows flatten to Hq * D (all 16-byte aligned, as TMA needs)."""
+    if not usable(q) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return False
+    _, page, hkv, d = k_cache.shape
+    want = (page * hkv * d, hkv * d, d, 1)
+    if page < 16 or k_cache.stride() != want or v_cache.stride() != want:
+        return False
+    if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16:
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache))
+
+
+def _layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, lse_arg: torch.Tensor,
+                 lse_strides: tuple, return_lse: bool, max_seqlen_q: int, min_q: int, causal: bool,
+                 qk_scale_log2: float, block_n: int = 128, stages: int = 2) -> None:
+    """_paged_fwd_gluon over sequences of more than min_q new tokens (paged_usable held):
+    q / out [Tq, Hq, D], caches [blocks, page, Hkv, D], lse [Tq, Hq] float32 (lse_arg any
+    tensor and lse_strides (0, 0) without it)."""
+    total_q, num_q_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads, _ = k_cache.shape
+    box = min(page, block_n)
+    q_desc = TensorDescriptor(q, [total_q, num_q_heads * head_dim], [q.stride(0), 1], [64, head_dim], _layout())
+    kv_shape = [num_blocks * page, num_kv_heads * head_dim]
+    kv_strides = [num_kv_heads * head_dim, 1]
+    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, [box, head_dim], _layout())
+    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, [box, head_dim], _layout())
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    grid = (num_seqs * num_q_heads, triton.cdiv(max_seqlen_q, BLOCK_M))
+    _paged_fwd_gluon[grid](
+        q_desc, k_desc, v_desc, out, lse_arg, block_tables, cu_seqlens_q, context_lens,
+        out.stride(0), out.stride(1), *lse_strides, block_tables.stride(0),
+        num_q_heads, num_q_heads // num_kv_heads, min_q,
+        qk_scale_log2,
+        IS_CAUSAL=causal,
+        PAGE=page,
+        BLOCK_N=block_n,
+        STAGES=stages,
+        RETURN_LSE=return_lse,
+        LOADER_REGS=_LOADER_REGS,
+        CONSUMER_REGS=_CONSUMER_REGS,
+        num_warps=4,
+        maxnreg=_MAXNREG,
+    )
