@@ -471,7 +471,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
 
         prefill_gluon.launch_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse_arg,
                                    lse_strides, lse is not None, max_seqlen_q, launch.min_q, causal,
-                                   float(scale) * _LOG2E)
+                                   float(scale) * _LOG2E, configs.PAGED_SEARCH)
         return
     total_q, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

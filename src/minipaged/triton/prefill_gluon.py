@@ -365,11 +365,30 @@ if _HAVE_GLUON:
 
 
     @gluon.jit
+    def _slot_seq(cu_seqlens_q, num_seqs, slot, SEARCH: gl.constexpr):
+        """The sequence owning `slot` of the compact block space, in which sequence s owns slots
+        from cu[s] // 128 + s on (starts grow strictly with s): the last s whose start is at most
+        slot, found with two vector loads of SEARCH starts (num_seqs <= SEARCH^2)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        k = gl.arange(0, SEARCH, layout=layout)
+        step = gl.cdiv(num_seqs, SEARCH)
+        s1 = k * step
+        ok1 = s1 < num_seqs
+        start1 = gl.load(cu_seqlens_q + s1, mask=ok1, other=0) // 128 + s1
+        coarse = gl.sum((ok1 & (start1 <= slot)).to(gl.int32), axis=0) - 1
+        s2 = coarse * step + k
+        ok2 = (k < step) & (s2 < num_seqs)
+        start2 = gl.load(cu_seqlens_q + s2, mask=ok2, other=0) // 128 + s2
+        return coarse * step + gl.sum((ok2 & (start2 <= slot)).to(gl.int32), axis=0) - 1
+
+    @gluon.jit
     def _paged_fwd_gluon(
         q_desc, k_desc, v_desc, O, LSE, block_tables, cu_seqlens_q, context_lens,
         stride_ot, stride_oh, stride_lt, stride_lh, stride_table,
-        num_q_heads, kv_group, min_q,
+        num_seqs, num_q_heads, kv_group, min_q,
         qk_scale_log2,
+        COMPACT: gl.constexpr,
+        SEARCH: gl.constexpr,
         IS_CAUSAL: gl.constexpr,
         PAGE: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -379,19 +398,25 @@ if _HAVE_GLUON:
         CONSUMER_REGS: gl.constexpr,
     ):
         """Long chunks over a paged cache: the new tokens of sequence s (q_len > min_q) attend
-        to its context_lens[s] cached keys, bottom-right causal. Program (s * Hq + head, block)
-        owns 128 query rows of one head; descriptors come from the host: q [Tq, Hq * D],
-        K / V cache [blocks * PAGE, Hkv * D] (one box per page, or per tile for pages of a
-        tile or more)."""
+        to its context_lens[s] cached keys, bottom-right causal. Program (head, slot) owns 128
+        query rows of one head: slot -> (sequence, block) directly (slot % S, slot // S) or,
+        COMPACT, through a space of about Tq / 128 + S slots (a mixed batch's decode rows then
+        cost no programs). Slots run backwards, so late blocks (the most keys) start first.
+        Descriptors come from the host: q [Tq, Hq * D], K / V cache [blocks * PAGE, Hkv * D]
+        (one box per page, or per tile for pages of a tile or more)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        pid_bh = gl.program_id(0)
-        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
-        seq = pid_bh // num_q_heads
-        head = pid_bh % num_q_heads
+        head = gl.program_id(0)
+        slot = gl.num_programs(1) - 1 - gl.program_id(1)
         kv_head = head // kv_group
-        q_start = gl.load(cu_seqlens_q + seq)
+        if COMPACT:
+            seq = _slot_seq(cu_seqlens_q, num_seqs, slot, SEARCH)
+            q_start = gl.load(cu_seqlens_q + seq)
+            m_start = (slot - q_start // 128 - seq) * 128
+        else:
+            seq = slot % num_seqs
+            q_start = gl.load(cu_seqlens_q + seq)
+            m_start = slot // num_seqs * 128
         q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
-        m_start = pid_m * 128
         if (m_start < q_len) & (q_len > min_q):
             ctx = gl.load(context_lens + seq)
             o_base = O + q_start.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
@@ -460,8 +485,9 @@ def _layout():
 def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, lse_arg: torch.Tensor,
                  lse_strides: tuple, return_lse: bool, max_seqlen_q: int, min_q: int, causal: bool,
-                 qk_scale_log2: float, block_n: int = 128, stages: int = 2) -> None:
-    """_paged_fwd_gluon over sequences of more than min_q new tokens (paged_usable held):
+                 qk_scale_log2: float, search: int, block_n: int = 128, stages: int = 2) -> None:
+    """_paged_fwd_gluon over sequences of more than min_q new tokens (paged_usable held;
+    num_seqs <= search^2, search a power of two of at least 128):
     q / out [Tq, Hq, D], caches [blocks, page, Hkv, D], lse [Tq, Hq] float32 (lse_arg any
     tensor and lse_strides (0, 0) without it)."""
     total_q, num_q_heads, head_dim = q.shape
@@ -473,12 +499,16 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, [box, head_dim], _layout())
     v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, [box, head_dim], _layout())
     num_seqs = cu_seqlens_q.shape[0] - 1
-    grid = (num_seqs * num_q_heads, triton.cdiv(max_seqlen_q, BLOCK_M))
+    direct = num_seqs * triton.cdiv(max_seqlen_q, BLOCK_M)
+    compact = total_q // BLOCK_M + num_seqs
+    grid = (num_q_heads, min(direct, compact))
     _paged_fwd_gluon[grid](
         q_desc, k_desc, v_desc, out, lse_arg, block_tables, cu_seqlens_q, context_lens,
         out.stride(0), out.stride(1), *lse_strides, block_tables.stride(0),
-        num_q_heads, num_q_heads // num_kv_heads, min_q,
+        num_seqs, num_q_heads, num_q_heads // num_kv_heads, min_q,
         qk_scale_log2,
+        COMPACT=compact < direct,
+        SEARCH=search,
         IS_CAUSAL=causal,
         PAGE=page,
         BLOCK_N=block_n,
