@@ -555,6 +555,23 @@ Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fb
   return {q(0.5), q(0.2), q(0.8)};
 }
 
+// Times and prints the graph of one empty kernel: the floor under every timed row.
+void print_graph_floor(cudaStream_t st, int reps, const uint4* fbuf, size_t fbytes, unsigned* sink) {
+  int* dummy;
+  CHECK_CUDA(cudaMalloc(&dummy, 4));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  empty_kernel<<<1, 32, 0, st>>>(dummy);
+  CHECK_CUDA(cudaStreamEndCapture(st, &g));
+  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+  std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
+  CHECK_CUDA(cudaGraphExecDestroy(ge));
+  CHECK_CUDA(cudaGraphDestroy(g));
+  CHECK_CUDA(cudaFree(dummy));
+}
+
 int time_mode(int reps) {
   reps = std::max(reps, 50);
   // DECODE_TIME_HEADS="hq,hkv,D" times another head layout (default 16,8,128, the grid's).
@@ -578,21 +595,7 @@ int time_mode(int reps) {
   CHECK_CUDA(cudaMalloc(&fbuf, fbytes));
   CHECK_CUDA(cudaMemset(fbuf, 0, fbytes));
   CHECK_CUDA(cudaMalloc(&sink, 4));
-  {
-    int* dummy;
-    CHECK_CUDA(cudaMalloc(&dummy, 4));
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    empty_kernel<<<1, 32, 0, st>>>(dummy);
-    CHECK_CUDA(cudaStreamEndCapture(st, &g));
-    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-    const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
-    std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
-    CHECK_CUDA(cudaGraphExecDestroy(ge));
-    CHECK_CUDA(cudaGraphDestroy(g));
-    CHECK_CUDA(cudaFree(dummy));
-  }
+  print_graph_floor(st, reps, fbuf, fbytes, sink);
   std::printf("heads Hq/Hkv/D %d/%d/%d, page %d\n", hq, hkv, D, bs);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
   std::printf("%-12s %-22s %6s %6s %9s %9s %9s %8s  %s\n", "case", "config", "splits", "CTAs", "med us", "p20 us",
@@ -857,21 +860,7 @@ int roofline_mode(int reps) {
   CHECK_CUDA(cudaMalloc(&buf, max_bytes));
   fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(buf), max_bytes / 2, 5);
   CHECK_CUDA(cudaDeviceSynchronize());
-  {
-    int* dummy;
-    CHECK_CUDA(cudaMalloc(&dummy, 4));
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    empty_kernel<<<1, 32, 0, st>>>(dummy);
-    CHECK_CUDA(cudaStreamEndCapture(st, &g));
-    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-    const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
-    std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
-    CHECK_CUDA(cudaGraphExecDestroy(ge));
-    CHECK_CUDA(cudaGraphDestroy(g));
-    CHECK_CUDA(cudaFree(dummy));
-  }
+  print_graph_floor(st, reps, fbuf, fbytes, sink);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
   std::printf("%-28s %9s %-34s %9s %9s %9s %8s\n", "row (K+V bytes)", "MB", "read", "med us", "p20 us", "p80 us",
               "TB/s");
