@@ -19,7 +19,12 @@ no key store zeros (and lse -inf), GQA by head index, dense or varlen from the s
 arguments (prefill.dense_args / varlen_args). Each program builds tensor descriptors over its
 own (sequence, head) rows, so TMA clips ragged tiles at the sequence end.
 
-Gluon needs an sm_90 GPU (no interpreter): `usable()` says whether this Triton has it.
+The same partitions serve paged long chunks (_paged_fwd_gluon, ops.paged's long launch on
+sm_90): host descriptors over q and the caches, one TMA box per page through the block table,
+and V rows past the context zeroed in the last tile (they are other cache slots).
+
+Gluon kernels run on sm_90 GPUs only, never under the interpreter: `available()` says whether
+the installed triton has Gluon, `usable()` / `paged_usable()` whether a call can take them.
 """
 
 from __future__ import annotations
