@@ -225,33 +225,19 @@ if _HAVE_GLUON:
         _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
-    def _tile_pages(table_row, last_page, key0, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Cache blocks of the pages of the key tile at key0 (PAGE < BLOCK_N: one vector load of
-        BLOCK_N / PAGE table entries, clamped to the context's last page; else one entry)."""
-        if PAGE == 0:
-            return 0
-        elif PAGE >= BLOCK_N:
-            return gl.load(table_row + gl.minimum(key0 // PAGE, last_page))
-        else:
-            layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-            c = gl.arange(0, BLOCK_N // PAGE, layout=layout)
-            return gl.load(table_row + gl.minimum(key0 // PAGE + c, last_page))
-
-    @gluon.jit
-    def _load_tile(desc, pages, key0, kv_col, bar, dst, PAGE: gl.constexpr):
+    def _load_tile(desc, table_row, last_page, key0, kv_col, bar, dst, PAGE: gl.constexpr):
         """The BLOCK_N keys from key0 into dst: one TMA box when the keys are contiguous
         (PAGE 0: a dense sequence; PAGE >= BLOCK_N: one page), else one box per page."""
         BLOCK_N: gl.constexpr = dst.type.shape[0]
         if PAGE == 0:
             tma.async_copy_global_to_shared(desc, [key0, kv_col], bar, dst)
         elif PAGE >= BLOCK_N:
-            tma.async_copy_global_to_shared(desc, [pages * PAGE + key0 % PAGE, kv_col], bar, dst)
+            block = gl.load(table_row + gl.minimum(key0 // PAGE, last_page))
+            tma.async_copy_global_to_shared(desc, [block * PAGE + key0 % PAGE, kv_col], bar, dst)
         else:
-            layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-            c = gl.arange(0, BLOCK_N // PAGE, layout=layout)
-            for i in gl.static_range(BLOCK_N // PAGE):
-                block = gl.sum(gl.where(c == i, pages, 0), axis=0)
-                tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(i * PAGE, PAGE))
+            for c in gl.static_range(BLOCK_N // PAGE):
+                block = gl.load(table_row + gl.minimum(key0 // PAGE + c, last_page))
+                tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(c * PAGE, PAGE))
 
     @gluon.jit
     def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
@@ -271,8 +257,6 @@ if _HAVE_GLUON:
             last_page = gl.maximum(gl.cdiv(k_len, PAGE) - 1, 0)
         n0, _ = _key_tiles(q_len, k_len, m_start, IS_CAUSAL, BLOCK_N)
         n1, _ = _key_tiles(q_len, k_len, m_start + 64, IS_CAUSAL, BLOCK_N)
-        # the next tile's table entries are requested before this tile's ring slots free up
-        pages = _tile_pages(table_row, last_page, 0, PAGE, BLOCK_N)
         for j in range(gl.maximum(n0, n1)):
             st = j % STAGES
             # a fresh barrier counts as having completed the phase before its first: the
@@ -280,12 +264,10 @@ if _HAVE_GLUON:
             ph = ((j // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(st), ph)
             mbarrier.expect(k_ready.index(st), tile_bytes)
-            _load_tile(k_desc, pages, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE)
-            next_pages = _tile_pages(table_row, last_page, (j + 1) * BLOCK_N, PAGE, BLOCK_N)
+            _load_tile(k_desc, table_row, last_page, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE)
             mbarrier.wait(v_empty.index(st), ph)
             mbarrier.expect(v_ready.index(st), tile_bytes)
-            _load_tile(v_desc, pages, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE)
-            pages = next_pages
+            _load_tile(v_desc, table_row, last_page, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE)
 
     @gluon.jit
     def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
