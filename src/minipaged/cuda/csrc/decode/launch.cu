@@ -22,6 +22,13 @@
 #include "decode/scalar.cuh"
 #include "params.h"
 
+// MINIPAGED_DECODE_BENCH_TILINGS=0 compiles only the kernels a default plan can pick (and
+// their fused builds): the benchmarking tilings then fall back to the default. CI's compile
+// test uses it to spend its minutes on the kernels that ship; every real build keeps them all.
+#ifndef MINIPAGED_DECODE_BENCH_TILINGS
+#define MINIPAGED_DECODE_BENCH_TILINGS 1
+#endif
+
 namespace minipaged {
 namespace {
 
@@ -147,16 +154,20 @@ DecodePlan select_fp8(const DecodeParams& p) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tiling = p.variant & 0xff;
   const bool fused = p.variant & kVariantFused;
+#if MINIPAGED_DECODE_BENCH_TILINGS
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
+#endif
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
   if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
+#if MINIPAGED_DECODE_BENCH_TILINGS
   // These three have no fused build: the bit is ignored (plan.fused stays false).
   if (group == 2) {
     if (tiling == 6) return info<T, D, 2, TPT, 2, false, 3, true>();
     if (tiling == 7) return info<T, D, 2, TPT, 2, false, 4, true>();
     if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();
   }
+#endif
   return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
@@ -179,7 +190,9 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // Tiling 12: the scalar kernel's default tiling even where 0 would pick tensor cores.
   const int tiling = requested == 12 ? 0 : requested;
   if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
+#if MINIPAGED_DECODE_BENCH_TILINGS
   if (tiling == 11) return info_mma<T, D, 2>();
+#endif
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
   // tensor-core kernel wins; at G=2 the scalar kernel stays ahead with few
@@ -202,6 +215,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
         // (bench/results/nvidia-h200/decode_tilings.md); 17 is the previous
         // default (a row over 16 threads, rows double-buffered in registers).
         switch (tiling) {
+#if MINIPAGED_DECODE_BENCH_TILINGS
           case 1: return info<T, D, 2, 8, 4>();
           case 2: return info<T, D, 2, 16, 2>();
           case 3: return info<T, D, 2, 16, 4>();
@@ -221,16 +235,21 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 15: return info_f<T, D, 2, 16, 1, false, 0, false, 3>(fused);
           case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
           case 17: return info_f<T, D, 2, 16, 2, true>(fused);
+#endif
           default: return info_f<T, D, 2, 8, 2, false, 3>(fused);
         }
       case 4:
+#if MINIPAGED_DECODE_BENCH_TILINGS
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
         if (tiling == 9) return info<T, D, 4, 16, 2, true>();
+#endif
         return info_f<T, D, 4, 16, 2>(fused);
       default:
+#if MINIPAGED_DECODE_BENCH_TILINGS
         // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
         // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
         if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>();
+#endif
         return info_f<T, D, 8, 16, 2>(fused);
     }
   } else {
