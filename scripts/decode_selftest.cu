@@ -528,7 +528,28 @@ struct Timing {
   double med, p20, p80;
 };
 
-Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fbuf, size_t fn, unsigned* sink) {
+// The zeroed 256 MB buffer the timed modes read between replays, and the word its flush
+// kernel may write (never, for zeros) so that the reads are kept.
+struct L2Flush {
+  uint4* buf = nullptr;
+  size_t n16 = (256u << 20) / 16;
+  unsigned* sink = nullptr;
+};
+
+L2Flush make_l2_flush() {
+  L2Flush f;
+  CHECK_CUDA(cudaMalloc(&f.buf, f.n16 * 16));
+  CHECK_CUDA(cudaMemset(f.buf, 0, f.n16 * 16));
+  CHECK_CUDA(cudaMalloc(&f.sink, 4));
+  return f;
+}
+
+void free_l2_flush(const L2Flush& f) {
+  CHECK_CUDA(cudaFree(f.buf));
+  CHECK_CUDA(cudaFree(f.sink));
+}
+
+Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const L2Flush& fl) {
   std::vector<cudaEvent_t> a(reps), b(reps);
   for (int i = 0; i < reps; ++i) {
     CHECK_CUDA(cudaEventCreate(&a[i]));
@@ -536,7 +557,7 @@ Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fb
   }
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(ge, st));
   for (int i = 0; i < reps; ++i) {
-    flush_kernel<<<g_num_sms * 8, 512, 0, st>>>(fbuf, fn, sink);
+    flush_kernel<<<g_num_sms * 8, 512, 0, st>>>(fl.buf, fl.n16, fl.sink);
     CHECK_CUDA(cudaEventRecord(a[i], st));
     CHECK_CUDA(cudaGraphLaunch(ge, st));
     CHECK_CUDA(cudaEventRecord(b[i], st));
@@ -556,7 +577,7 @@ Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const uint4* fb
 }
 
 // Times and prints the graph of one empty kernel: the floor under every timed row.
-void print_graph_floor(cudaStream_t st, int reps, const uint4* fbuf, size_t fbytes, unsigned* sink) {
+void print_graph_floor(cudaStream_t st, int reps, const L2Flush& fl) {
   int* dummy;
   CHECK_CUDA(cudaMalloc(&dummy, 4));
   cudaGraph_t g;
@@ -565,7 +586,7 @@ void print_graph_floor(cudaStream_t st, int reps, const uint4* fbuf, size_t fbyt
   empty_kernel<<<1, 32, 0, st>>>(dummy);
   CHECK_CUDA(cudaStreamEndCapture(st, &g));
   CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-  const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+  const Timing t = time_graph(ge, st, reps, fl);
   std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
   CHECK_CUDA(cudaGraphExecDestroy(ge));
   CHECK_CUDA(cudaGraphDestroy(g));
@@ -589,13 +610,8 @@ int time_mode(int reps) {
   const Shape shapes[] = {{1, 4096}, {1, 32768}, {8, 4096}, {32, 4096}, {64, 8192}, {256, 1024}};
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const size_t fbytes = 256u << 20;
-  uint4* fbuf;
-  unsigned* sink;
-  CHECK_CUDA(cudaMalloc(&fbuf, fbytes));
-  CHECK_CUDA(cudaMemset(fbuf, 0, fbytes));
-  CHECK_CUDA(cudaMalloc(&sink, 4));
-  print_graph_floor(st, reps, fbuf, fbytes, sink);
+  const L2Flush fl = make_l2_flush();
+  print_graph_floor(st, reps, fl);
   std::printf("heads Hq/Hkv/D %d/%d/%d, page %d\n", hq, hkv, D, bs);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
   std::printf("%-12s %-22s %6s %6s %9s %9s %9s %8s  %s\n", "case", "config", "splits", "CTAs", "med us", "p20 us",
@@ -736,7 +752,7 @@ int time_mode(int reps) {
       CHECK_CUDA(minipaged::launch_decode(p, plan, st));
       CHECK_CUDA(cudaStreamEndCapture(st, &g));
       CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-      const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+      const Timing t = time_graph(ge, st, reps, fl);
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
@@ -752,8 +768,7 @@ int time_mode(int reps) {
                       (void*)dctx})
       CHECK_CUDA(cudaFree(ptr));
   }
-  CHECK_CUDA(cudaFree(fbuf));
-  CHECK_CUDA(cudaFree(sink));
+  free_l2_flush(fl);
   CHECK_CUDA(cudaFree(dscale));
   CHECK_CUDA(cudaStreamDestroy(st));
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
@@ -827,12 +842,7 @@ int roofline_mode(int reps) {
   reps = std::max(reps, 50);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const size_t fbytes = 256u << 20;
-  uint4* fbuf;
-  unsigned* sink;
-  CHECK_CUDA(cudaMalloc(&fbuf, fbytes));
-  CHECK_CUDA(cudaMemset(fbuf, 0, fbytes));
-  CHECK_CUDA(cudaMalloc(&sink, 4));
+  const L2Flush fl = make_l2_flush();
   int* chain;  // chain[0] = 1024, chain[1024] = 2048, chain[2048] = 0: one cache line (and 4 KB) apart
   {
     std::vector<int> h(4096, 0);
@@ -860,7 +870,7 @@ int roofline_mode(int reps) {
   CHECK_CUDA(cudaMalloc(&buf, max_bytes));
   fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(buf), max_bytes / 2, 5);
   CHECK_CUDA(cudaDeviceSynchronize());
-  print_graph_floor(st, reps, fbuf, fbytes, sink);
+  print_graph_floor(st, reps, fl);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row\n", reps);
   std::printf("%-28s %9s %-34s %9s %9s %9s %8s\n", "row (K+V bytes)", "MB", "read", "med us", "p20 us", "p80 us",
               "TB/s");
@@ -878,7 +888,7 @@ int roofline_mode(int reps) {
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      c.fn<<<g_num_sms * ctas_per_sm, kRoofThreads, 0, st>>>(buf, n16, chain, depth, 0, partial, sink);
+      c.fn<<<g_num_sms * ctas_per_sm, kRoofThreads, 0, st>>>(buf, n16, chain, depth, 0, partial, fl.sink);
       CHECK_CUDA(cudaGetLastError());
       if (merge) {
         cudaLaunchConfig_t cfg = {};
@@ -894,7 +904,7 @@ int roofline_mode(int reps) {
       }
       CHECK_CUDA(cudaStreamEndCapture(st, &g));
       CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-      const Timing t = time_graph(ge, st, reps, fbuf, fbytes / 16, sink);
+      const Timing t = time_graph(ge, st, reps, fl);
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
       return t;
@@ -926,7 +936,8 @@ int roofline_mode(int reps) {
     print("best + merge kernel (PDL)", time_read(*best_c, best_k, 0, true));
     print("best + 2 dependent + merge (PDL)", time_read(*best_c, best_k, 2, true));
   }
-  for (void* ptr : {(void*)fbuf, (void*)sink, (void*)chain, (void*)partial, (void*)out, (void*)buf})
+  free_l2_flush(fl);
+  for (void* ptr : {(void*)chain, (void*)partial, (void*)out, (void*)buf})
     CHECK_CUDA(cudaFree(ptr));
   CHECK_CUDA(cudaStreamDestroy(st));
   return 0;

@@ -358,14 +358,14 @@ def _v2_usable(q, k_cache, v_cache, block_tables, num_seqs: int) -> bool:
             and num_seqs <= configs.PAGED_SEARCH ** 2)
 
 
-def _gluon_paged_usable(q, k_cache, v_cache, block_tables, max_seqlen_q: int) -> bool:
+def _gluon_paged_usable(q, k_cache, v_cache, max_seqlen_q: int) -> bool:
     if q.shape[-1] not in configs.GLUON_HEAD_DIMS or max_seqlen_q < configs.GLUON_PAGED_MIN_Q:
         return False
     if configs.interpreting() or "paged_long_kernel" in configs.OVERRIDES:
         return False
     from . import prefill_gluon
 
-    return prefill_gluon.paged_usable(q, k_cache, v_cache, block_tables)
+    return prefill_gluon.paged_usable(q, k_cache, v_cache)
 
 
 def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: int, num_seqs: int,
@@ -376,7 +376,7 @@ def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: in
     if cfg.packed:
         # every query run fits one packed tile (decode, speculative verification)
         return (_PagedLaunch("v1", cfg),)
-    if gluon_ok and config is None and not kv_fp8:
+    if gluon_ok:  # paged() rules out a forced tile or split and FP8 pages
         kernel = "gluon"
     else:
         kernel = configs.paged_long_kernel() if v2_ok else "v1"
@@ -437,7 +437,7 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
                                                                           block_tables, num_seqs)
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     gluon_ok = (v2_ok and config is None and num_splits is None and not fp8
-                and _gluon_paged_usable(q, k_cache, v_cache, block_tables, max_seqlen_q))
+                and _gluon_paged_usable(q, k_cache, v_cache, max_seqlen_q))
     plan_key = (q.device, q.dtype, fp8, total_q, num_q_heads, head_dim, page_size, num_kv_heads, num_seqs,
                 max_seqlen_q, block_tables.shape[1], bool(causal), v2_ok, gluon_ok, configs.overrides_version,
                 configs.interpreting())

@@ -43,10 +43,9 @@ try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds
 except ImportError:  # pragma: no cover - depends on the installed triton
     _HAVE_GLUON = False
 
-# Query rows per consumer warpgroup (one wgmma M) and consumers per CTA.
-ROWS_PER_WG = 64
-NUM_CONSUMERS = 2
-BLOCK_M = ROWS_PER_WG * NUM_CONSUMERS
+# Query rows per program: two consumer warpgroups of 64 rows (one wgmma M each); the kernels
+# spell these 64 and 128 as literals.
+BLOCK_M = 128
 
 
 def available() -> bool:
@@ -272,8 +271,8 @@ if _HAVE_GLUON:
     @gluon.jit
     def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
              qk_scale_log2, q_row, q_col, table_row, kv_col, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-             LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr):
         """Shared memory, barriers and the three partitions of one program (dense or paged)."""
         dtype: gl.constexpr = q_desc.dtype
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -303,7 +302,7 @@ if _HAVE_GLUON:
             (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
             (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
             (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE)),
-        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
     def _attn_fwd_gluon(
@@ -325,7 +324,6 @@ if _HAVE_GLUON:
         RETURN_LSE: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
-        LOADER_WARPS: gl.constexpr = 1,
     ):
         # bottom query tiles (most keys under a causal mask) start first
         pid_bh = gl.program_id(0)
@@ -364,8 +362,9 @@ if _HAVE_GLUON:
             v_desc = tma.make_tensor_descriptor(v_base, [gl.maximum(k_len, 1), HEAD_DIM], [stride_vn, 1],
                                                 [BLOCK_N, HEAD_DIM], smem_layout)
 
+            # PAGE 0: no block table (cu_seqlens_k only fills its pointer slot; it is never read)
             _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
-                 qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES, LOADER_WARPS,
+                 qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES,
                  LOADER_REGS, CONSUMER_REGS)
 
 
@@ -429,7 +428,7 @@ if _HAVE_GLUON:
             table_row = block_tables + seq.to(gl.int64) * stride_table
             _run(q_desc, k_desc, v_desc, o_base, stride_ot, lse_base, stride_lt, q_len, ctx, m_start,
                  qk_scale_log2, q_start, head * HEAD_DIM, table_row, kv_head * HEAD_DIM, IS_CAUSAL, RETURN_LSE,
-                 PAGE, BLOCK_N, STAGES, 1, LOADER_REGS, CONSUMER_REGS)
+                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS)
 
 
 # Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
@@ -468,7 +467,7 @@ def usable(q: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(q.device)[0] == 9
 
 
-def paged_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
+def paged_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether launch_paged can serve these tensors: usable(q), 16-bit caches of q's dtype in the
     contiguous [blocks, page, Hkv, D] layout with pages of at least 16 tokens, and q [Tq, Hq, D]
     whose rows flatten to Hq * D (all 16-byte aligned, as TMA needs)."""
