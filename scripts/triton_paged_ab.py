@@ -62,6 +62,12 @@ VARIANTS = {
     # q_len 1 rows through the decode kernel (packed-query mode), the chunk through v2
     "v2+decode": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "decode"}),
     "v2 no-prefetch": ("long", {**_NEW, "paged_prefetch": 0}),
+    # the Gluon long-chunk kernel (the default on sm_90 for D 128, pages >= 16, chunks >= 256):
+    # its consumers taking turns at the tensor cores, its loader reading a tile's table entries
+    # a tile ahead, and both (configs.gluon_pingpong / gluon_table_ahead)
+    "gluon pp": ("long", {"gluon_pingpong": 1}),
+    "gluon ta": ("long", {"gluon_table_ahead": 1}),
+    "gluon pp+ta": ("long", {"gluon_pingpong": 1, "gluon_table_ahead": 1}),
     # the defaults but programs of KV head 0 first, then head 1, ... (the order before
     # configs.PAGED_HEADS_FASTEST)
     "v2 heads-slowest": ("long", {"paged_heads_fastest": 0}),
@@ -326,6 +332,18 @@ def _anchors(case: str, page: int, inputs, dense, truth, lowp) -> dict:
         cu_k = cu_seqlens(ctxs, DEVICE)
         timed("dense varlen", lambda: ops.prefill_varlen(q, k, v, cu, cu_k, max_q, max(ctxs), True, scale, False),
               False, slice(None))
+    if kind != "spec" and DEVICE == "cuda":
+        # FlashInfer's paged prefill on the same pages, when it is importable (never a dependency)
+        from minipaged.benchmark import anchors
+
+        ok, _ = anchors.flashinfer_available(q.device)
+        if ok:
+            try:
+                prep = anchors.prepare_flashinfer_paged(q, kc, vc, bt, cu, cl, causal=True, scale=scale)
+                # not checked: the spare slots here are NaN-poisoned, which FlashInfer need not mask
+                timed("flashinfer paged", prep.fn, False)
+            except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported
+                res["flashinfer paged"] = {"status": "failed", "error": f"{type(e).__name__}: {str(e)[:300]}"}
     if kind == "spec":
         # the same sequences, one query each (the last of each run): plain decode
         last = (cu[1:] - 1).long()
@@ -451,6 +469,9 @@ def _summary(rows) -> list[str]:
                     note = f"mixed/(chunk+decodes) = {t / parts:.3f} (target <= 1.1; parts {parts:.1f} us)"
                     if "graph_us" in e:
                         note += f"; as a graph {e['graph_us']:.1f} us"
+            fi = an.get("flashinfer paged", {})
+            if kind != "spec" and fi.get("status") == "ok":
+                note += f"; FlashInfer/paged = {fi['median_us'] / t:.3f}"
             lines.append(f"{case} {tag} {v}: {t:.1f} us  {note}  [{e['launches']}]")
     return lines
 
