@@ -1,8 +1,7 @@
 """A/B of the Triton prefill kernels on sm_90: the pointer kernel (prefill._attn_fwd, its
 config table) against each Hopper variant of prefill_tma ("tma": TMA descriptors; "tma_ws":
 the same with the compiler's warp-specialised key loop; "gluon": prefill_gluon's hand-split
-loader and consumer warpgroups; "gluon_pp": the same, its consumers taking turns at the tensor
-cores), each at its table tile and a few alternative tiles. Issue #16,
+loader and consumer warpgroups), each at its table tile and a few alternative tiles. Issue #16,
 item 4.
 
     PYTHONPATH=src python scripts/triton_hopper_ab.py --json bench/results/nvidia-h200/triton_hopper_ab.json
@@ -64,9 +63,6 @@ TILES = {
     # 128-key tiles at D=128 are 225 KB of the 227 KB)
     ("gluon", 128): [None, (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4)],
     ("gluon", 64): [None, (128, 128, 4, 3)],
-    # gluon with its consumers taking turns at the tensor cores (configs.gluon_pingpong)
-    ("gluon_pp", 128): [None],
-    ("gluon_pp", 64): [None],
 }
 CHECK_ROWS = 256
 DEVICE = "cuda"
@@ -105,10 +101,8 @@ def _call(variant, tile, args, varlen, causal, scale):
             configs.set_override("prefill_lazy_rescale", 8 if variant == "pointer_lazy" else None)
             return (ops.prefill_varlen(*args, causal, scale) if varlen else ops.prefill(*args, causal, scale))
         fn = prefill_tma.try_prefill_varlen if varlen else prefill_tma.try_prefill
-        configs.set_override("gluon_pingpong", 1 if variant == "gluon_pp" else None)
-        return fn(*args, causal, scale, False, variant="gluon" if variant == "gluon_pp" else variant)
+        return fn(*args, causal, scale, False, variant=variant)
     finally:
-        configs.set_override("gluon_pingpong", None)
         configs.set_override("prefill", None)
         configs.set_override("prefill_variant", None)
         configs.set_override("prefill_lazy_rescale", None)

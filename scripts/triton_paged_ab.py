@@ -62,12 +62,10 @@ VARIANTS = {
     # q_len 1 rows through the decode kernel (packed-query mode), the chunk through v2
     "v2+decode": ("mixed", {"paged_long_kernel": "v2", "paged_mixed": "decode"}),
     "v2 no-prefetch": ("long", {**_NEW, "paged_prefetch": 0}),
-    # the Gluon long-chunk kernel (the default on sm_90 for D 128, pages >= 16, chunks >= 256):
-    # its consumers taking turns at the tensor cores, its loader reading a tile's table entries
-    # a tile ahead, and both (configs.gluon_pingpong / gluon_table_ahead)
-    "gluon pp": ("long", {"gluon_pingpong": 1}),
-    "gluon ta": ("long", {"gluon_table_ahead": 1}),
-    "gluon pp+ta": ("long", {"gluon_pingpong": 1, "gluon_table_ahead": 1}),
+    # the Gluon long-chunk kernel (the default on sm_90 for D 128, pages >= 16, chunks >= 256)
+    # with its loader reading the table entries of each page copy, for K and again for V, as
+    # when it was first measured (configs.gluon_table_ahead off)
+    "gluon no-ahead": ("long", {"gluon_table_ahead": 0}),
     # the defaults but programs of KV head 0 first, then head 1, ... (the order before
     # configs.PAGED_HEADS_FASTEST)
     "v2 heads-slowest": ("long", {"paged_heads_fastest": 0}),

@@ -134,17 +134,7 @@ def _dense_case(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed):
     return q, k, v
 
 
-def _forced(variant):
-    """The variant name try_prefill takes; "gluon_pp" sets the ping-pong override (the
-    no_overrides fixture releases it)."""
-    if variant == "gluon_pp":
-        configs.set_override("gluon_pingpong", 1)
-        return "gluon"
-    return variant
-
-
 def _run_dense(variant, B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, seed=0):
-    label, variant = variant, _forced(variant)
     q, k, v = _dense_case(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed + 7919 * Nq + Nk)
     scale = 1.0 / math.sqrt(D)
     res = prefill_tma.try_prefill(q, k, v, causal, scale, True, variant=variant)
@@ -153,7 +143,7 @@ def _run_dense(variant, B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, seed=0):
     assert out.shape == (B, Hq, Nq, D) and out.dtype == dtype and lse.shape == (B, Hq, Nq)
     truth, truth_lse = _dense_oracle(q, k, v, causal, scale, torch.float64)
     lowp, _ = _dense_oracle(q, k, v, causal, scale, dtype)
-    _check(f"{label} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {dtype}", out, lse, truth,
+    _check(f"{variant} B{B} Hq{Hq} Hkv{Hkv} Nq{Nq} Nk{Nk} D{D} causal={causal} {dtype}", out, lse, truth,
            truth_lse, lowp)
     # return_lse=False returns the same output alone
     out2 = prefill_tma.try_prefill(q, k, v, causal, scale, False, variant=variant)
@@ -161,7 +151,6 @@ def _run_dense(variant, B, Hq, Hkv, Nq, Nk, D, causal, dtype, device, seed=0):
 
 
 def _run_varlen(variant, q_lens, k_lens, Hq, Hkv, D, causal, dtype, device, seed=0):
-    label, variant = variant, _forced(variant)
     gen = torch.Generator().manual_seed(seed + sum(q_lens) * 31 + sum(k_lens))
     tq, tk = sum(q_lens), sum(k_lens)
     q = _poisoned(_randn((tq, Hq, D), dtype, device, gen), 0)
@@ -174,14 +163,14 @@ def _run_varlen(variant, q_lens, k_lens, Hq, Hkv, D, causal, dtype, device, seed
                                               variant=variant)
     truth, truth_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, torch.float64)
     lowp, _ = _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, dtype)
-    _check(f"{label} varlen q{q_lens} k{k_lens} D{D} causal={causal} {dtype}", out, lse, truth, truth_lse, lowp)
+    _check(f"{variant} varlen q{q_lens} k{k_lens} D{D} causal={causal} {dtype}", out, lse, truth, truth_lse, lowp)
 
 
 @pytest.fixture
 def no_overrides():
     saved = dict(configs.OVERRIDES)
     yield
-    for name in ("prefill", "prefill_variant", "paged", "gluon_pingpong"):
+    for name in ("prefill", "prefill_variant", "paged"):
         configs.set_override(name, saved.get(name))
 
 
@@ -330,14 +319,13 @@ def test_override_rejects_unknown_variant(no_overrides):
 GPU_VARIANTS = [
     "tma",
     "gluon",
-    "gluon_pp",  # gluon with its consumer warpgroups taking turns (configs.gluon_pingpong)
     pytest.param("tma_ws", marks=pytest.mark.xfail(
         reason="tma_ws wrong on sm_90 with triton 3.6 (causal and D=64; A/B run 2026-12-01)", strict=False)),
 ]
 
 
 def _gpu_block_n(variant, D, dtype):
-    return configs.prefill_hopper_config(variant.removesuffix("_pp"), D, dtype, torch.device("cuda")).block_n
+    return configs.prefill_hopper_config(variant, D, dtype, torch.device("cuda")).block_n
 
 
 @gpu

@@ -440,12 +440,12 @@ GLUON_PAGED = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("options", ["default", "pingpong+table_ahead"])
+@pytest.mark.parametrize("table_ahead", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("case", GLUON_PAGED, ids=lambda c: f"S{len(c[0])}-q{max(c[0])}-L{max(c[1])}-"
                          f"{c[2]}-{c[3]}-p{c[4]}")
-def test_paged_gpu_gluon(case, dtype, causal, options, monkeypatch):
+def test_paged_gpu_gluon(case, dtype, causal, table_ahead, monkeypatch):
     from minipaged.triton import prefill_gluon
 
     if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
@@ -454,9 +454,8 @@ def test_paged_gpu_gluon(case, dtype, causal, options, monkeypatch):
     launch = prefill_gluon.launch_paged
     monkeypatch.setattr(prefill_gluon, "launch_paged", lambda *a, **k: ran.append(1) or launch(*a, **k))
     q_lens, ctxs, hq, hkv, page = case
-    # the consumers taking turns at the tensor cores and the table read a tile ahead (configs)
-    extra = {} if options == "default" else {"gluon_pingpong": 1, "gluon_table_ahead": 1}
-    with _overrides(paged_long_kernel=None, paged_mixed=None, **extra):
+    # both loaders: the block-table entries read a tile ahead, or per page copy
+    with _overrides(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(table_ahead)):
         out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
         assert ran, "the long chunks did not take the Gluon kernel"
         q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, 128, page, dtype, "cuda",

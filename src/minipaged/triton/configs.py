@@ -93,7 +93,7 @@ _PREFILL_SM90 = {
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
 # "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12;
-# the Gluon kernels: "gluon_pingpong" and "gluon_table_ahead", 0 or 1.
+# the Gluon paged loader: "gluon_table_ahead", 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -104,8 +104,7 @@ def set_override(name: str, value) -> None:
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
     if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "paged",
-                    "prefill_variant", "prefill_lazy_rescale", "gluon_pingpong", "gluon_table_ahead",
-                    *_PAGED_OVERRIDES):
+                    "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
              "paged_mixed": PAGED_MIXED_MODES}
@@ -115,8 +114,7 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_pingpong",
-                  "gluon_table_ahead"):
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_table_ahead"):
         OVERRIDES[name] = bool(int(value))
     elif name == "prefill_lazy_rescale":
         if not 0 <= int(value) <= _MAX_LAZY_RESCALE:
@@ -190,16 +188,10 @@ GLUON_HEAD_DIMS = (128,)
 # long launch runs prefill_gluon._paged_fwd_gluon when its longest chunk has at least this many
 # new tokens (two of the kernel's 128-row blocks; a choice, not a measured crossover).
 GLUON_PAGED_MIN_Q = 256
-# The Gluon kernels' two consumer warpgroups take turns issuing their wgmma (ping-pong,
-# prefill_gluon._turn_wait), and the paged loader reads a tile's block-table entries in one
-# vector load a tile ahead. Both are off until the H200 A/B (scripts/triton_hopper_ab.py
-# gluon_pp, scripts/triton_paged_ab.py "gluon ...") shows them faster.
-GLUON_PINGPONG = False
-GLUON_PAGED_TABLE_AHEAD = False
-
-
-def gluon_pingpong() -> bool:
-    return OVERRIDES.get("gluon_pingpong", GLUON_PINGPONG)
+# The Gluon paged loader reads a key tile's block-table entries once for K and V, a tile
+# ahead, every lane holding them all (prefill_gluon._tile_pages); False: one scalar load per
+# page copy, for K and again for V (the kernel measured at 27d67dc).
+GLUON_PAGED_TABLE_AHEAD = True
 
 
 def gluon_table_ahead() -> bool:

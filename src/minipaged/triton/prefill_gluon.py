@@ -95,15 +95,11 @@ if _HAVE_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                  PINGPONG: gl.constexpr):
+    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
         """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see.
         PAGE > 0 (paged K/V): the rows of the last tile past the context are cache slots of
-        the last page (or the last page again), maybe NaN: they are zeroed in V before P V.
-        PINGPONG: the two warpgroups take turns issuing their wgmma (step s of one after step s
-        of the other, _turn), so one's softmax runs under the other's GEMMs; a warpgroup with
-        fewer key tiles passes its remaining turns empty, releasing the tiles it skips."""
-        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        the last page (or the last page again), maybe NaN: they are zeroed in V before P V."""
+        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
          o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
          q_row, q_col, table_row, kv_col) = args
         q_desc, _, _ = descs
@@ -141,9 +137,7 @@ if _HAVE_GLUON:
         # Tile 0: its scores alone (nothing to overlap with yet).
         if n_tiles > 0:
             mbarrier.wait(k_ready.index(0), 0)
-            _turn_wait(turn, WG, 0, PINGPONG)
             s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             mbarrier.arrive(k_empty.index(0))
             if n_full > 0:
@@ -159,14 +153,9 @@ if _HAVE_GLUON:
             st = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            if PINGPONG:  # both tiles here before taking the turn, so it is never held for data
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                _turn_wait(turn, WG, j, PINGPONG)
             s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if not PINGPONG:
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             mbarrier.arrive(k_empty.index(st))
             if j < n_full:
@@ -187,23 +176,12 @@ if _HAVE_GLUON:
                 if n_tiles * BLOCK_N > k_len:
                     # both warpgroups may rewrite these rows, with the same values
                     _zero_rows_from(v_smem.index(last), k_len - (n_tiles - 1) * BLOCK_N)
-            _turn_wait(turn, WG, n_tiles, PINGPONG)
             o_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(v_empty.index(last))
 
-        # Tiles only the other warpgroup sees: release them so the loader's rings turn (and
-        # pass the turns of the other's steps, step j + 1 before tile j: the other's step j + 1
-        # needs this release of tile j - 1 first).
-        if PINGPONG:
-            if (n_tiles == 0) & (n_loaded > 0):
-                _turn_wait(turn, WG, 0, PINGPONG)
-                _turn_pass(turn, WG, PINGPONG)
+        # Tiles only the other warpgroup sees: release them so the loader's rings turn.
         for j in range(n_tiles, n_loaded):
-            if PINGPONG:
-                _turn_wait(turn, WG, j + 1, PINGPONG)
-                _turn_pass(turn, WG, PINGPONG)
             st = j % STAGES
             ph = (j // STAGES) & 1
             mbarrier.wait(k_ready.index(st), ph)
@@ -238,77 +216,64 @@ if _HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
-    def _turn_wait(turn, WG: gl.constexpr, step, PINGPONG: gl.constexpr):
-        """Wait for this warpgroup's turn at `step` (0, 1, ...). Warpgroup 0 goes first: its step
-        s follows warpgroup 1's step s - 1, and warpgroup 1's step s follows warpgroup 0's step s.
-        turn[w] completes one phase per step of the other warpgroup, which is never more than
-        one phase ahead of the waiter, so the parity names the phase."""
-        if PINGPONG:
-            if WG == 0:
-                if step > 0:
-                    mbarrier.wait(turn.index(0), (step - 1) & 1)
-            else:
-                mbarrier.wait(turn.index(1), step & 1)
-
-    @gluon.jit
-    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-
-    @gluon.jit
     def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   PINGPONG: gl.constexpr, TABLE_AHEAD: gl.constexpr):
-        _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE, PINGPONG)
+                   TABLE_AHEAD: gl.constexpr):
+        _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
     def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   PINGPONG: gl.constexpr, TABLE_AHEAD: gl.constexpr):
-        _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE, PINGPONG)
+                   TABLE_AHEAD: gl.constexpr):
+        _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
     def _tile_pages(table_row, last_page, key0, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
         """Cache blocks of the pages of the key tile at key0, clamped to the context's last page:
-        PAGE < BLOCK_N, one vector load of BLOCK_N / PAGE table entries; else one entry."""
+        one entry, or (PAGE < BLOCK_N) the tile's BLOCK_N / PAGE entries held whole by every
+        lane, so that _pick_page is a select in registers, not a shuffle across the warp."""
         if PAGE >= BLOCK_N:
             return gl.load(table_row + gl.minimum(key0 // PAGE, last_page))
         else:
-            layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+            layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // PAGE], [32], [1], [0])
             c = gl.arange(0, BLOCK_N // PAGE, layout=layout)
             return gl.load(table_row + gl.minimum(key0 // PAGE + c, last_page))
 
     @gluon.jit
-    def _load_tile(desc, pages, table_row, last_page, key0, kv_col, bar, dst, PAGE: gl.constexpr,
-                   TABLE_AHEAD: gl.constexpr):
+    def _pick_page(pages, i: gl.constexpr):
+        c = gl.arange(0, pages.type.shape[0], layout=pages.type.layout)
+        return gl.sum(gl.where(c == i, pages, 0), axis=0)
+
+    @gluon.jit
+    def _load_tile(desc, pages, key0, kv_col, bar, dst, PAGE: gl.constexpr, TABLE_AHEAD: gl.constexpr, table_row,
+                   last_page):
         """The BLOCK_N keys from key0 into dst: one TMA box when the keys are contiguous
-        (PAGE 0: a dense sequence; PAGE >= BLOCK_N: one page), else one box per page. Paged:
-        TABLE_AHEAD, `pages` holds the tile's blocks (_tile_pages); else each is read here."""
+        (PAGE 0: a dense sequence; PAGE >= BLOCK_N: one page), else one box per page, from
+        the tile's blocks in `pages` (_tile_pages)."""
         BLOCK_N: gl.constexpr = dst.type.shape[0]
         if PAGE == 0:
             tma.async_copy_global_to_shared(desc, [key0, kv_col], bar, dst)
-        elif PAGE >= BLOCK_N:
-            if TABLE_AHEAD:
-                block = pages
-            else:
-                block = gl.load(table_row + gl.minimum(key0 // PAGE, last_page))
-            tma.async_copy_global_to_shared(desc, [block * PAGE + key0 % PAGE, kv_col], bar, dst)
-        else:
-            layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-            c = gl.arange(0, BLOCK_N // PAGE, layout=layout)
-            for i in gl.static_range(BLOCK_N // PAGE):
-                if TABLE_AHEAD:
-                    block = gl.sum(gl.where(c == i, pages, 0), axis=0)
+        elif not TABLE_AHEAD:
+            COPIES: gl.constexpr = (BLOCK_N + PAGE - 1) // PAGE
+            for i in gl.static_range(COPIES):
+                block = gl.load(table_row + gl.minimum(key0 // PAGE + i, last_page))
+                if PAGE >= BLOCK_N:
+                    tma.async_copy_global_to_shared(desc, [block * PAGE + key0 % PAGE, kv_col], bar, dst)
                 else:
-                    block = gl.load(table_row + gl.minimum(key0 // PAGE + i, last_page))
-                tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(i * PAGE, PAGE))
+                    tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(i * PAGE, PAGE))
+        elif PAGE >= BLOCK_N:
+            tma.async_copy_global_to_shared(desc, [pages * PAGE + key0 % PAGE, kv_col], bar, dst)
+        else:
+            for i in gl.static_range(BLOCK_N // PAGE):
+                tma.async_copy_global_to_shared(desc, [_pick_page(pages, i) * PAGE, kv_col], bar,
+                                                dst.slice(i * PAGE, PAGE))
 
     @gluon.jit
     def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                PINGPONG: gl.constexpr, TABLE_AHEAD: gl.constexpr):
+                TABLE_AHEAD: gl.constexpr):
         """One warp: K and V tiles of every key tile either warpgroup sees, into the rings.
         Paged (PAGE > 0): page indices are clamped to the last page the context uses, so
-        table entries past it are never read; TABLE_AHEAD, a tile's entries are read once for
-        K and V, requested a tile ahead (before the loader waits for the ring slots)."""
-        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        table entries past it are never read. A tile's entries are read once for its K and V,
+        a tile ahead: the next tile's are requested before the wait for this tile's V slot."""
+        (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
          o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
          q_row, q_col, table_row, kv_col) = args
         _, k_desc, v_desc = descs
@@ -316,8 +281,8 @@ if _HAVE_GLUON:
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
         tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_smem.dtype.primitive_bitwidth // 8
-        last_page = 0
         pages = 0
+        last_page = 0
         if PAGE > 0:
             last_page = gl.maximum(gl.cdiv(k_len, PAGE) - 1, 0)
             if TABLE_AHEAD:
@@ -331,23 +296,23 @@ if _HAVE_GLUON:
             ph = ((j // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(st), ph)
             mbarrier.expect(k_ready.index(st), tile_bytes)
-            _load_tile(k_desc, pages, table_row, last_page, j * BLOCK_N, kv_col, k_ready.index(st),
-                       k_smem.index(st), PAGE, TABLE_AHEAD)
+            _load_tile(k_desc, pages, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE, TABLE_AHEAD,
+                       table_row, last_page)
             next_pages = pages
             if PAGE > 0:
                 if TABLE_AHEAD:
                     next_pages = _tile_pages(table_row, last_page, (j + 1) * BLOCK_N, PAGE, BLOCK_N)
             mbarrier.wait(v_empty.index(st), ph)
             mbarrier.expect(v_ready.index(st), tile_bytes)
-            _load_tile(v_desc, pages, table_row, last_page, j * BLOCK_N, kv_col, v_ready.index(st),
-                       v_smem.index(st), PAGE, TABLE_AHEAD)
+            _load_tile(v_desc, pages, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE, TABLE_AHEAD,
+                       table_row, last_page)
             pages = next_pages
 
     @gluon.jit
     def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
              qk_scale_log2, q_row, q_col, table_row, kv_col, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, TABLE_AHEAD: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, TABLE_AHEAD: gl.constexpr):
         """Shared memory, barriers and the three partitions of one program (dense or paged)."""
         dtype: gl.constexpr = q_desc.dtype
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -361,10 +326,8 @@ if _HAVE_GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         for i in gl.static_range(2):
             mbarrier.init(q_bar.index(i), count=1)
-            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -372,13 +335,13 @@ if _HAVE_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         # every partition takes the same arguments (worker partitions must share one signature);
         # constexprs go as their own arguments: inside a tuple they would become run-time flags
-        args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
                 q_row, q_col, table_row, kv_col)
         gl.warp_specialize([
-            (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, PINGPONG, TABLE_AHEAD)),
-            (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, PINGPONG, TABLE_AHEAD)),
-            (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, PINGPONG, TABLE_AHEAD)),
+            (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
+            (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
+            (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
@@ -401,7 +364,6 @@ if _HAVE_GLUON:
         RETURN_LSE: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
-        PINGPONG: gl.constexpr,
     ):
         # bottom query tiles (most keys under a causal mask) start first
         pid_bh = gl.program_id(0)
@@ -442,7 +404,7 @@ if _HAVE_GLUON:
             # PAGE 0: no block table (cu_seqlens_k only fills its pointer slot; it is never read)
             _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
                  qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES,
-                 LOADER_REGS, CONSUMER_REGS, PINGPONG, False)
+                 LOADER_REGS, CONSUMER_REGS, True)
 
 
     @gluon.jit
@@ -477,7 +439,6 @@ if _HAVE_GLUON:
         RETURN_LSE: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
-        PINGPONG: gl.constexpr,
         TABLE_AHEAD: gl.constexpr,
     ):
         """Long chunks over a paged cache: the new tokens of sequence s (q_len > min_q) attend
@@ -507,7 +468,7 @@ if _HAVE_GLUON:
             table_row = block_tables + seq.to(gl.int64) * stride_table
             _run(q_desc, k_desc, v_desc, o_base, stride_ot, lse_base, stride_lt, q_len, ctx, m_start,
                  qk_scale_log2, q_start, head * HEAD_DIM, table_row, kv_head * HEAD_DIM, IS_CAUSAL, RETURN_LSE,
-                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, PINGPONG, TABLE_AHEAD)
+                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD)
 
 
 # Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
@@ -518,14 +479,9 @@ _CONSUMER_REGS = 240
 
 
 def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool, causal: bool,
-           head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2, pingpong: bool | None = None) -> None:
+           head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2) -> None:
     """Run _attn_fwd_gluon over prefill.dense_args / varlen_args. The caller checked
-    usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU.
-    pingpong None: configs.gluon_pingpong()."""
-    from . import configs
-
-    if pingpong is None:
-        pingpong = configs.gluon_pingpong()
+    usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU."""
     grid = (num_programs_bh, triton.cdiv(max_seqlen_q, BLOCK_M))
     _attn_fwd_gluon[grid](
         *args,
@@ -537,7 +493,7 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
         RETURN_LSE=return_lse,
         LOADER_REGS=_LOADER_REGS,
         CONSUMER_REGS=_CONSUMER_REGS,
-        PINGPONG=pingpong,
+        TABLE_AHEAD=table_ahead,
         num_warps=4,
         maxnreg=_MAXNREG,
     )
@@ -575,15 +531,13 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, lse_arg: torch.Tensor,
                  lse_strides: tuple, return_lse: bool, max_seqlen_q: int, min_q: int, causal: bool,
                  qk_scale_log2: float, search: int, block_n: int = 128, stages: int = 2,
-                 pingpong: bool | None = None, table_ahead: bool | None = None) -> None:
+                 table_ahead: bool | None = None) -> None:
     """_paged_fwd_gluon over sequences of more than min_q new tokens (paged_usable held;
     num_seqs <= search^2, search a power of two of at least 128):
     q / out [Tq, Hq, D], caches [blocks, page, Hkv, D], lse [Tq, Hq] float32 (lse_arg any
-    tensor and lse_strides (0, 0) without it). pingpong / table_ahead None: configs'."""
+    tensor and lse_strides (0, 0) without it). table_ahead None: configs.gluon_table_ahead()."""
     from . import configs
 
-    if pingpong is None:
-        pingpong = configs.gluon_pingpong()
     if table_ahead is None:
         table_ahead = configs.gluon_table_ahead()
     total_q, num_q_heads, head_dim = q.shape
@@ -612,7 +566,6 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         RETURN_LSE=return_lse,
         LOADER_REGS=_LOADER_REGS,
         CONSUMER_REGS=_CONSUMER_REGS,
-        PINGPONG=pingpong,
         TABLE_AHEAD=table_ahead,
         num_warps=4,
         maxnreg=_MAXNREG,
