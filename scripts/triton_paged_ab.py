@@ -66,6 +66,8 @@ VARIANTS = {
     # with its loader reading the table entries of each page copy, for K and again for V, as
     # when it was first measured (configs.gluon_table_ahead off)
     "gluon no-ahead": ("long", {"gluon_table_ahead": 0}),
+    # ... and with its loader split in two warps, one for K and one for V
+    "gluon split": ("long", {"gluon_split_loader": 1}),
     # the defaults but programs of KV head 0 first, then head 1, ... (the order before
     # configs.PAGED_HEADS_FASTEST)
     "v2 heads-slowest": ("long", {"paged_heads_fastest": 0}),

@@ -283,6 +283,47 @@ def test_gluon_refused_without_an_sm90_gpu(no_overrides):
     assert configs.prefill_variant(torch.float16, torch.device("cpu")) != "gluon"
 
 
+@pytest.mark.parametrize("table_ahead, split_loader", [(None, None), (False, True)])
+def test_gluon_launches_bind_the_kernel_parameters(monkeypatch, table_ahead, split_loader):
+    # The Gluon kernels only run on sm_90, so CPU CI cannot launch them; this binds each launch
+    # wrapper's call against its kernel's own parameter list (a missing, extra or misspelt
+    # argument fails here rather than on the GPU).
+    import inspect
+
+    from minipaged.triton import prefill, prefill_gluon
+
+    if not prefill_gluon.available():
+        pytest.skip("this triton has no Gluon")
+    bound = {}
+
+    class Kernel:
+        def __init__(self, kernel):
+            self.signature, self.name = inspect.signature(kernel.fn), kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            def call(*args, num_warps, maxnreg, **kwargs):
+                bound[self.name] = (grid, self.signature.bind(*args, **kwargs).arguments)
+            return call
+
+    for name in ("_attn_fwd_gluon", "_paged_fwd_gluon"):
+        monkeypatch.setattr(prefill_gluon, name, Kernel(getattr(prefill_gluon, name)))
+    q, k = torch.zeros(2, 16, 300, 128, dtype=torch.bfloat16), torch.zeros(2, 8, 700, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(2, 16, 300)
+    prefill_gluon.launch(prefill.dense_args(q, k, k, out, lse, 0.1), 32, 300, False, True, 128, True)
+    grid, args = bound["_attn_fwd_gluon"]
+    assert grid == (32, 3) and args["IS_CAUSAL"] and args["RETURN_LSE"] and args["seqlen_k"] == 700
+    qp = torch.zeros(40, 16, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(3, 20, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 30, 40], dtype=torch.int32)
+    prefill_gluon.launch_paged(qp, cache, cache, tables, cu, cu, qp, qp, (0, 0), False, 29, 1, True, 0.1, 128,
+                               table_ahead=table_ahead, split_loader=split_loader)
+    grid, args = bound["_paged_fwd_gluon"]
+    assert grid == (16, 3) and args["PAGE"] == 16 and args["num_seqs"] == 3 and args["kv_group"] == 2
+    assert args["TABLE_AHEAD"] == (configs.gluon_table_ahead() if table_ahead is None else table_ahead)
+    assert args["SPLIT_LOADER"] == (configs.gluon_split_loader() if split_loader is None else split_loader)
+
+
 def test_gluon_default_size_rule(no_overrides, monkeypatch):
     # on sm_90 the Gluon default takes D 128 problems of GLUON_MIN_AVG_KEYS keys per sequence
     # and up; the rest keep the pointer kernel (the GPU itself is faked: only the rule runs)

@@ -440,12 +440,12 @@ GLUON_PAGED = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("table_ahead", [True, False])
+@pytest.mark.parametrize("loader", ["ahead", "per-copy", "split"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("case", GLUON_PAGED, ids=lambda c: f"S{len(c[0])}-q{max(c[0])}-L{max(c[1])}-"
                          f"{c[2]}-{c[3]}-p{c[4]}")
-def test_paged_gpu_gluon(case, dtype, causal, table_ahead, monkeypatch):
+def test_paged_gpu_gluon(case, dtype, causal, loader, monkeypatch):
     from minipaged.triton import prefill_gluon
 
     if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
@@ -454,8 +454,10 @@ def test_paged_gpu_gluon(case, dtype, causal, table_ahead, monkeypatch):
     launch = prefill_gluon.launch_paged
     monkeypatch.setattr(prefill_gluon, "launch_paged", lambda *a, **k: ran.append(1) or launch(*a, **k))
     q_lens, ctxs, hq, hkv, page = case
-    # both loaders: the block-table entries read a tile ahead, or per page copy
-    with _overrides(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(table_ahead)):
+    # each loader: the block-table entries read a tile ahead, or per page copy; one warp for K
+    # and V, or one for each
+    with _overrides(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(loader != "per-copy"),
+                    gluon_split_loader=int(loader == "split")):
         out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
         assert ran, "the long chunks did not take the Gluon kernel"
         q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, 128, page, dtype, "cuda",

@@ -93,7 +93,7 @@ _PREFILL_SM90 = {
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
 # "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12;
-# the Gluon paged loader: "gluon_table_ahead", 0 or 1.
+# the Gluon paged loader: "gluon_table_ahead" and "gluon_split_loader", 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -104,7 +104,8 @@ def set_override(name: str, value) -> None:
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
     if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "paged",
-                    "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", *_PAGED_OVERRIDES):
+                    "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", "gluon_split_loader",
+                    *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
              "paged_mixed": PAGED_MIXED_MODES}
@@ -114,7 +115,8 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_table_ahead"):
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_table_ahead",
+                  "gluon_split_loader"):
         OVERRIDES[name] = bool(int(value))
     elif name == "prefill_lazy_rescale":
         if not 0 <= int(value) <= _MAX_LAZY_RESCALE:
@@ -192,10 +194,17 @@ GLUON_PAGED_MIN_Q = 256
 # ahead, every lane holding them all (prefill_gluon._tile_pages); False: one scalar load per
 # page copy, for K and again for V (the kernel measured at 27d67dc).
 GLUON_PAGED_TABLE_AHEAD = True
+# The same loader as two warps, one for K and one for V, each issuing half the page copies (the
+# three warps the warpgroup round-up leaves idle hold them for free); off until measured.
+GLUON_PAGED_SPLIT_LOADER = False
 
 
 def gluon_table_ahead() -> bool:
     return OVERRIDES.get("gluon_table_ahead", GLUON_PAGED_TABLE_AHEAD)
+
+
+def gluon_split_loader() -> bool:
+    return OVERRIDES.get("gluon_split_loader", GLUON_PAGED_SPLIT_LOADER)
 
 
 # (variant, head_dim) -> tile for 16-bit inputs on sm_90, causal or not. Shared memory from the

@@ -217,12 +217,12 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   TABLE_AHEAD: gl.constexpr):
+                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
         _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
     def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   TABLE_AHEAD: gl.constexpr):
+                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
         _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE)
 
     @gluon.jit
@@ -267,12 +267,12 @@ if _HAVE_GLUON:
                                                 dst.slice(i * PAGE, PAGE))
 
     @gluon.jit
-    def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                TABLE_AHEAD: gl.constexpr):
-        """One warp: K and V tiles of every key tile either warpgroup sees, into the rings.
-        Paged (PAGE > 0): page indices are clamped to the last page the context uses, so
-        table entries past it are never read. A tile's entries are read once for its K and V,
-        a tile ahead: the next tile's are requested before the wait for this tile's V slot."""
+    def _loader_rings(args, DO_K: gl.constexpr, DO_V: gl.constexpr, PAGE: gl.constexpr,
+                      TABLE_AHEAD: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """K tiles (DO_K) and / or V tiles (DO_V) of every key tile either warpgroup sees, into
+        their rings. Paged (PAGE > 0): page indices are clamped to the last page the context
+        uses, so table entries past it are never read; TABLE_AHEAD, a tile's entries are read
+        once, a tile ahead (the next tile's are requested before the wait for a ring slot)."""
         (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
          o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
          q_row, q_col, table_row, kv_col) = args
@@ -294,25 +294,39 @@ if _HAVE_GLUON:
             # a fresh barrier counts as having completed the phase before its first: the
             # first STAGES waits pass at once
             ph = ((j // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(st), ph)
-            mbarrier.expect(k_ready.index(st), tile_bytes)
-            _load_tile(k_desc, pages, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE, TABLE_AHEAD,
-                       table_row, last_page)
+            if DO_K:
+                mbarrier.wait(k_empty.index(st), ph)
+                mbarrier.expect(k_ready.index(st), tile_bytes)
+                _load_tile(k_desc, pages, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE,
+                           TABLE_AHEAD, table_row, last_page)
             next_pages = pages
             if PAGE > 0:
                 if TABLE_AHEAD:
                     next_pages = _tile_pages(table_row, last_page, (j + 1) * BLOCK_N, PAGE, BLOCK_N)
-            mbarrier.wait(v_empty.index(st), ph)
-            mbarrier.expect(v_ready.index(st), tile_bytes)
-            _load_tile(v_desc, pages, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE, TABLE_AHEAD,
-                       table_row, last_page)
+            if DO_V:
+                mbarrier.wait(v_empty.index(st), ph)
+                mbarrier.expect(v_ready.index(st), tile_bytes)
+                _load_tile(v_desc, pages, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE,
+                           TABLE_AHEAD, table_row, last_page)
             pages = next_pages
+
+    @gluon.jit
+    def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
+                TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
+        """One warp loading K and V (or, SPLIT_LOADER, K only)."""
+        _loader_rings(args, True, not SPLIT_LOADER, PAGE, TABLE_AHEAD, IS_CAUSAL)
+
+    @gluon.jit
+    def _loader_v(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
+                  TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
+        """SPLIT_LOADER: a second warp loading V, so each warp issues half the page copies."""
+        _loader_rings(args, False, True, PAGE, TABLE_AHEAD, IS_CAUSAL)
 
     @gluon.jit
     def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
              qk_scale_log2, q_row, q_col, table_row, kv_col, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, TABLE_AHEAD: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
         """Shared memory, barriers and the three partitions of one program (dense or paged)."""
         dtype: gl.constexpr = q_desc.dtype
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -338,11 +352,19 @@ if _HAVE_GLUON:
         args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
                 q_row, q_col, table_row, kv_col)
-        gl.warp_specialize([
-            (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
-            (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
-            (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        if SPLIT_LOADER:
+            gl.warp_specialize([
+                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_loader_v, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+            ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
     def _attn_fwd_gluon(
@@ -404,7 +426,7 @@ if _HAVE_GLUON:
             # PAGE 0: no block table (cu_seqlens_k only fills its pointer slot; it is never read)
             _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
                  qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES,
-                 LOADER_REGS, CONSUMER_REGS, True)
+                 LOADER_REGS, CONSUMER_REGS, True, False)
 
 
     @gluon.jit
@@ -440,6 +462,7 @@ if _HAVE_GLUON:
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         TABLE_AHEAD: gl.constexpr,
+        SPLIT_LOADER: gl.constexpr,
     ):
         """Long chunks over a paged cache: the new tokens of sequence s (q_len > min_q) attend
         to its context_lens[s] cached keys, bottom-right causal. Program (head, slot) owns 128
@@ -468,7 +491,7 @@ if _HAVE_GLUON:
             table_row = block_tables + seq.to(gl.int64) * stride_table
             _run(q_desc, k_desc, v_desc, o_base, stride_ot, lse_base, stride_lt, q_len, ctx, m_start,
                  qk_scale_log2, q_start, head * HEAD_DIM, table_row, kv_head * HEAD_DIM, IS_CAUSAL, RETURN_LSE,
-                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD)
+                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD, SPLIT_LOADER)
 
 
 # Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
@@ -493,7 +516,6 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
         RETURN_LSE=return_lse,
         LOADER_REGS=_LOADER_REGS,
         CONSUMER_REGS=_CONSUMER_REGS,
-        TABLE_AHEAD=table_ahead,
         num_warps=4,
         maxnreg=_MAXNREG,
     )
@@ -531,15 +553,17 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, lse_arg: torch.Tensor,
                  lse_strides: tuple, return_lse: bool, max_seqlen_q: int, min_q: int, causal: bool,
                  qk_scale_log2: float, search: int, block_n: int = 128, stages: int = 2,
-                 table_ahead: bool | None = None) -> None:
+                 table_ahead: bool | None = None, split_loader: bool | None = None) -> None:
     """_paged_fwd_gluon over sequences of more than min_q new tokens (paged_usable held;
     num_seqs <= search^2, search a power of two of at least 128):
     q / out [Tq, Hq, D], caches [blocks, page, Hkv, D], lse [Tq, Hq] float32 (lse_arg any
-    tensor and lse_strides (0, 0) without it). table_ahead None: configs.gluon_table_ahead()."""
+    tensor and lse_strides (0, 0) without it). table_ahead / split_loader None: configs'."""
     from . import configs
 
     if table_ahead is None:
         table_ahead = configs.gluon_table_ahead()
+    if split_loader is None:
+        split_loader = configs.gluon_split_loader()
     total_q, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
     box = min(page, block_n)
@@ -567,6 +591,7 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         LOADER_REGS=_LOADER_REGS,
         CONSUMER_REGS=_CONSUMER_REGS,
         TABLE_AHEAD=table_ahead,
+        SPLIT_LOADER=split_loader,
         num_warps=4,
         maxnreg=_MAXNREG,
     )
