@@ -195,8 +195,10 @@ GLUON_PAGED_MIN_Q = 256
 # page copy, for K and again for V (the kernel measured at 27d67dc).
 GLUON_PAGED_TABLE_AHEAD = True
 # The same loader as two warps, one for K and one for V, each issuing half the page copies (the
-# three warps the warpgroup round-up leaves idle hold them for free); off until measured.
-GLUON_PAGED_SPLIT_LOADER = False
+# three warps the warpgroup round-up leaves idle hold them for free). At page 16 one warp's
+# copies were the bottleneck: 264.9 against 281.2 us on the B=8 q=512 chunk row, 801.2 against
+# 834.6 at 2k over 32k; a tie at page 32 (bench/results/nvidia-h200/gluon_loader_cf84eb6/).
+GLUON_PAGED_SPLIT_LOADER = True
 
 
 def gluon_table_ahead() -> bool:
