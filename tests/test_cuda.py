@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from minipaged import reference
+from sanitizer import run_under_sanitizer
 
 pytestmark = pytest.mark.gpu
 
@@ -775,30 +775,8 @@ _SANITIZE_SCRIPT = _SANITIZE_PAGED_CASES + textwrap.dedent(
 def test_compute_sanitizer(ops, tmp_path, tool):
     # one process per tool (torch start-up under the sanitizer is the slow part);
     # decode and write_kv run first so a prefill failure cannot hide theirs.
-    _run_under_sanitizer(tool, tmp_path / "sanitize.py", _SANITIZE_SCRIPT,
+    run_under_sanitizer(tool, tmp_path / "sanitize.py", _SANITIZE_SCRIPT,
                          "decode,write_kv,paged,prefill_fast,prefill_wmma")
-
-
-def _run_under_sanitizer(tool, script, text, *script_args):
-    """Run `text` as a Python script under compute-sanitizer `tool`; it must finish and be clean."""
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-            cand = home and os.path.join(home, "bin", "compute-sanitizer")
-            if cand and os.path.exists(cand):
-                sanitizer = cand
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer not found")
-    script.write_text(text)
-    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sanitizer, "--tool", tool, sys.executable, str(script), *script_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert "sanitize script done" in log, log[-4000:]
-    # memcheck / synccheck end with "ERROR SUMMARY: 0 errors", racecheck with
-    # "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
-    clean = "ERROR SUMMARY: 0 errors" in log or "0 hazards displayed (0 errors, 0 warnings)" in log
-    assert clean and proc.returncode == 0, log[-4000:]
 
 
 # --------------------------------------------------------------------------- paged attention / lse
@@ -1219,7 +1197,7 @@ _SANITIZE_PAGED_WS = _SANITIZE_PAGED_CASES + textwrap.dedent(
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_compute_sanitizer_paged_ws(ops, tmp_path, tool):
-    _run_under_sanitizer(tool, tmp_path / "sanitize_paged_ws.py", _SANITIZE_PAGED_WS)
+    run_under_sanitizer(tool, tmp_path / "sanitize_paged_ws.py", _SANITIZE_PAGED_WS)
 
 
 # =========================================================================== paged decode routing

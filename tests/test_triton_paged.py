@@ -467,6 +467,47 @@ def test_paged_gpu_gluon(case, dtype, causal, loader, monkeypatch):
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), "not bitwise repeatable"
 
 
+_SANITIZE_GLUON = """
+import torch
+from minipaged.testing import cu_seqlens, paged_kv, randn
+from minipaged.triton import configs, ops, prefill_gluon, prefill_tma
+dev, dt = "cuda", torch.bfloat16
+g = torch.Generator().manual_seed(0)
+# paged long chunks through each loader: ragged last pages, a block whose second warpgroup has
+# no rows (q 300), a decode row beside them; NaN in spare slots, -1 past the used table entries
+for page, split, ahead in ((16, 1, 1), (16, 0, 0), (128, 1, 1)):
+    configs.set_override("gluon_split_loader", split)
+    configs.set_override("gluon_table_ahead", ahead)
+    q_lens, ctxs = [300, 1, 257], [1000, 77, 300]
+    kv = paged_kv(ctxs, 2, 128, page, dt, dev, gen=g, spare_blocks=2, poison=True)
+    q = randn((sum(q_lens), 4, 128), dt, dev, g)
+    out, lse = ops.paged(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens, dev), kv.context_lens,
+                         max(q_lens), True, 0.1, True)
+    assert torch.isfinite(out).all() and prefill_gluon.paged_usable(q, kv.k_cache, kv.v_cache)
+# the dense kernel, forced: Nq != Nk and a ragged last tile
+q = randn((1, 4, 300, 128), dt, dev, g)
+k = randn((1, 2, 700, 128), dt, dev, g)
+out, lse = prefill_tma.try_prefill(q, k, k, True, 0.1, True, variant="gluon")
+assert torch.isfinite(out).all()
+torch.cuda.synchronize()
+print("sanitize script done")
+"""
+
+
+@gpu
+@needs_cuda
+def test_paged_gpu_gluon_memcheck(tmp_path):
+    # compute-sanitizer memcheck over the Gluon kernels (sm_90); racecheck does not model the
+    # TMA copies and mbarriers they synchronise through
+    from sanitizer import run_under_sanitizer
+
+    from minipaged.triton import prefill_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
+        pytest.skip("the Gluon kernels are for sm_90 with a triton that has Gluon")
+    run_under_sanitizer("memcheck", tmp_path / "sanitize_gluon.py", _SANITIZE_GLUON)
+
+
 @gpu
 @needs_cuda
 def test_paged_gpu_every_residue():
