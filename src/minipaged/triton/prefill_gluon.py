@@ -21,7 +21,8 @@ own (sequence, head) rows, so TMA clips ragged tiles at the sequence end.
 
 The same partitions serve paged long chunks (_paged_fwd_gluon, ops.paged's long launch on
 sm_90): host descriptors over q and the caches, one TMA box per page through the block table,
-and V rows past the context zeroed in the last tile (they are other cache slots).
+and V rows past the context zeroed in the last tile (they are other cache slots). At small pages
+a tile is many copies, so the loader can run as two warps, one per ring (SPLIT_LOADER).
 
 Gluon kernels run on sm_90 GPUs only, never under the interpreter: `available()` says whether
 the installed triton has Gluon, `usable()` / `paged_usable()` whether a call can take them.
@@ -494,8 +495,8 @@ if _HAVE_GLUON:
                  PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD, SPLIT_LOADER)
 
 
-# Registers: 4 + 4 + 1 warps round up to 12 (three warpgroups) at `maxnreg` each on launch;
-# the loader's warpgroup gives its registers to the consumers.
+# Registers: 4 + 4 + 1 (or + 1 + 1, split loader) warps round up to 12 (three warpgroups) at
+# `maxnreg` each on launch; the loaders' warpgroup gives its registers to the consumers.
 _MAXNREG = 168
 _LOADER_REGS = 24
 _CONSUMER_REGS = 240
