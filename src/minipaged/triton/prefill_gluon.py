@@ -268,6 +268,16 @@ if _HAVE_GLUON:
                                                 dst.slice(i * PAGE, PAGE))
 
     @gluon.jit
+    def _fill_slot(desc, empty, ready, dst, phase, pages, key0, kv_col, PAGE: gl.constexpr, TABLE_AHEAD: gl.constexpr,
+                   table_row, last_page):
+        """Wait until both consumers released ring slot `dst` (phase), then copy the key tile at
+        key0 into it, completing on `ready`."""
+        tile_bytes: gl.constexpr = dst.type.shape[0] * dst.type.shape[1] * dst.dtype.primitive_bitwidth // 8
+        mbarrier.wait(empty, phase)
+        mbarrier.expect(ready, tile_bytes)
+        _load_tile(desc, pages, key0, kv_col, ready, dst, PAGE, TABLE_AHEAD, table_row, last_page)
+
+    @gluon.jit
     def _loader_rings(args, DO_K: gl.constexpr, DO_V: gl.constexpr, PAGE: gl.constexpr,
                       TABLE_AHEAD: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """K tiles (DO_K) and / or V tiles (DO_V) of every key tile either warpgroup sees, into
@@ -280,8 +290,6 @@ if _HAVE_GLUON:
         _, k_desc, v_desc = descs
         STAGES: gl.constexpr = k_smem.type.shape[0]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-        HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-        tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_smem.dtype.primitive_bitwidth // 8
         pages = 0
         last_page = 0
         if PAGE > 0:
@@ -296,19 +304,15 @@ if _HAVE_GLUON:
             # first STAGES waits pass at once
             ph = ((j // STAGES) & 1) ^ 1
             if DO_K:
-                mbarrier.wait(k_empty.index(st), ph)
-                mbarrier.expect(k_ready.index(st), tile_bytes)
-                _load_tile(k_desc, pages, j * BLOCK_N, kv_col, k_ready.index(st), k_smem.index(st), PAGE,
-                           TABLE_AHEAD, table_row, last_page)
+                _fill_slot(k_desc, k_empty.index(st), k_ready.index(st), k_smem.index(st), ph, pages, j * BLOCK_N,
+                           kv_col, PAGE, TABLE_AHEAD, table_row, last_page)
             next_pages = pages
             if PAGE > 0:
                 if TABLE_AHEAD:
                     next_pages = _tile_pages(table_row, last_page, (j + 1) * BLOCK_N, PAGE, BLOCK_N)
             if DO_V:
-                mbarrier.wait(v_empty.index(st), ph)
-                mbarrier.expect(v_ready.index(st), tile_bytes)
-                _load_tile(v_desc, pages, j * BLOCK_N, kv_col, v_ready.index(st), v_smem.index(st), PAGE,
-                           TABLE_AHEAD, table_row, last_page)
+                _fill_slot(v_desc, v_empty.index(st), v_ready.index(st), v_smem.index(st), ph, pages, j * BLOCK_N,
+                           kv_col, PAGE, TABLE_AHEAD, table_row, last_page)
             pages = next_pages
 
     @gluon.jit
