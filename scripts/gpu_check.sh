@@ -8,7 +8,8 @@
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
-# with SIGINT, so pytest still prints its summary and bench keeps its JSON.
+# with SIGINT, so pytest still prints its summary and bench keeps its JSON (then SIGABRT, which
+# makes Python print its stacks, then SIGKILL).
 # The device copy has no .git: pass MINIPAGED_GIT_COMMIT=<sha> for the records.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,8 +31,22 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
   local cap_var="STAGE_TIMEOUT_$name"
   local cap=${!cap_var:-600}
   echo "=== $name (cap ${cap}s): $*"
-  timeout -s INT -k 15 "$cap" "$@" > "$WORK/logs/$name.log" 2>&1
+  # at the cap: SIGINT (pytest prints its summary and writes its JUnit file), 15 s later SIGABRT
+  # (Python's faulthandler prints every thread's stack: a process that ignored the SIGINT, e.g.
+  # blocked in C code, still says where), 5 s later SIGKILL; rc 124 as timeout(1) gives
+  # (a background job starts with SIGINT ignored in a script; the trap restores it)
+  ( trap - INT; exec "$@" ) > "$WORK/logs/$name.log" 2>&1 &
+  local pid=$!
+  # (the watcher's sleeps die with it, so none outlives the stage holding the call's output open)
+  ( trap 'kill ${nap:-} 2>/dev/null; exit 0' TERM
+    nap_for() { sleep "$1" & nap=$!; wait $nap; }
+    nap_for "$cap"; touch "$WORK/logs/$name.capped"; kill -INT "$pid" 2>/dev/null || exit 0; nap_for 15
+    kill -ABRT "$pid" 2>/dev/null || exit 0; nap_for 5; kill -KILL "$pid" 2>/dev/null ) > /dev/null 2>&1 &
+  local watcher=$!
+  wait "$pid"
   local rc=$?
+  kill "$watcher" 2>/dev/null
+  if [ -e "$WORK/logs/$name.capped" ]; then rc=124; rm -f "$WORK/logs/$name.capped"; fi
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   tail -n 25 "$WORK/logs/$name.log"
   [ $rc -eq 0 ] || status=1
