@@ -14,6 +14,8 @@ interpreter; 16, 32, 64 and 128 on the GPU), Nq > Nk, empty sequences, and
 decode contexts one past a page or a KV tile.
 """
 
+import os
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -191,6 +193,9 @@ _EXAMPLES = {
 
 def _make_test(op: str, device: str):
     def body(backend, dtype, case):
+        if os.environ.get("MINIPAGED_LOG_EXAMPLES"):
+            # each drawn case before it runs: a case that hangs the GPU is the last one printed
+            print(f"\n[{op} {backend} {dtype}] {case}", flush=True)
         _RUNNERS[op](backend, dtype, device, case)
 
     test = given(case=_STRATEGIES[op])(body)
