@@ -1,4 +1,4 @@
-import sys; sys.path.insert(0,'/tmp/sim')
+import os, sys; sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ws_sim import item_geometry
 SMS=132
 def bound(qls, filt, maxq, bm=128):
