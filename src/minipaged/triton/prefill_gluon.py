@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from .prefill import _head_bases, _program_rows
+
 try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds lack them
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -392,31 +394,18 @@ if _HAVE_GLUON:
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
-        # bottom query tiles (most keys under a causal mask) start first
-        pid_bh = gl.program_id(0)
-        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
-        seq = pid_bh // num_q_heads
-        head = pid_bh % num_q_heads
-        kv_head = head // kv_group
-        if IS_VARLEN:
-            q_start = gl.load(cu_seqlens_q + seq).to(gl.int64)
-            q_len = gl.load(cu_seqlens_q + seq + 1) - gl.load(cu_seqlens_q + seq)
-            k_start = gl.load(cu_seqlens_k + seq).to(gl.int64)
-            k_len = gl.load(cu_seqlens_k + seq + 1) - gl.load(cu_seqlens_k + seq)
-        else:
-            q_start = 0
-            q_len = seqlen_q
-            k_start = 0
-            k_len = seqlen_k
+        # the same (sequence, head, query tile) per program and row bases as the pointer kernel
+        seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
+            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
         m_start = pid_m * 128
         # a program past its sequence's rows (varlen grids are sized by the longest) exits before
         # building descriptors or forking partitions
         if m_start < q_len:
             seq64 = seq.to(gl.int64)
-            q_base = Q + seq64 * stride_qb + q_start * stride_qm + head.to(gl.int64) * stride_qh
-            k_base = K + seq64 * stride_kb + k_start * stride_kn + kv_head.to(gl.int64) * stride_kh
-            v_base = V + seq64 * stride_vb + k_start * stride_vn + kv_head.to(gl.int64) * stride_vh
-            o_base = O + seq64 * stride_ob + q_start * stride_om + head.to(gl.int64) * stride_oh
+            q_base, k_base, v_base, o_base = _head_bases(Q, K, V, O, seq64, head, kv_head, q_start, k_start,
+                                                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                                                         stride_kn, stride_vb, stride_vh, stride_vn, stride_ob,
+                                                         stride_oh, stride_om)
             lse_base = LSE + seq64 * stride_lb + q_start * stride_lm + head.to(gl.int64) * stride_lh
 
             smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
