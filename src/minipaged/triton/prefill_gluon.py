@@ -254,20 +254,19 @@ if _HAVE_GLUON:
         BLOCK_N: gl.constexpr = dst.type.shape[0]
         if PAGE == 0:
             tma.async_copy_global_to_shared(desc, [key0, kv_col], bar, dst)
-        elif not TABLE_AHEAD:
+        else:
             COPIES: gl.constexpr = (BLOCK_N + PAGE - 1) // PAGE
             for i in gl.static_range(COPIES):
-                block = gl.load(table_row + gl.minimum(key0 // PAGE + i, last_page))
+                if not TABLE_AHEAD:
+                    block = gl.load(table_row + gl.minimum(key0 // PAGE + i, last_page))
+                elif PAGE >= BLOCK_N:
+                    block = pages
+                else:
+                    block = _pick_page(pages, i)
                 if PAGE >= BLOCK_N:
                     tma.async_copy_global_to_shared(desc, [block * PAGE + key0 % PAGE, kv_col], bar, dst)
                 else:
                     tma.async_copy_global_to_shared(desc, [block * PAGE, kv_col], bar, dst.slice(i * PAGE, PAGE))
-        elif PAGE >= BLOCK_N:
-            tma.async_copy_global_to_shared(desc, [pages * PAGE + key0 % PAGE, kv_col], bar, dst)
-        else:
-            for i in gl.static_range(BLOCK_N // PAGE):
-                tma.async_copy_global_to_shared(desc, [_pick_page(pages, i) * PAGE, kv_col], bar,
-                                                dst.slice(i * PAGE, PAGE))
 
     @gluon.jit
     def _fill_slot(desc, empty, ready, dst, phase, pages, key0, kv_col, PAGE: gl.constexpr, TABLE_AHEAD: gl.constexpr,
@@ -359,6 +358,8 @@ if _HAVE_GLUON:
         args = ((q_desc, k_desc, v_desc), k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
                 q_row, q_col, table_row, kv_col)
+        # the partition list is spelt out twice: the Gluon front end cannot hold the partition
+        # functions in a list built up in jit code
         if SPLIT_LOADER:
             gl.warp_specialize([
                 (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
