@@ -63,6 +63,19 @@ TILES = {
     # 128-key tiles at D=128 are 225 KB of the 227 KB)
     ("gluon", 128): [None, (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4)],
     ("gluon", 64): [None, (128, 128, 4, 3)],
+    # the Gluon kernel's ablation steps (GLUON_STEPS), at its table tile
+    ("gluon_serial_noregs", 128): [None],
+    ("gluon_serial", 128): [None],
+    ("gluon_noregs", 128): [None],
+}
+# Gluon ablation variants: the overrides each sets on top of variant "gluon". serial: each tile's
+# Q K^T, softmax and P V in turn (no intra-warpgroup overlap); noregs: every partition keeps the
+# launch's 168 registers (no setmaxnreg reallocation from the loader to the consumers).
+_NOREGS = "168,168"
+GLUON_STEPS = {
+    "gluon_serial_noregs": {"gluon_overlap": 0, "gluon_regs": _NOREGS},
+    "gluon_serial": {"gluon_overlap": 0},
+    "gluon_noregs": {"gluon_regs": _NOREGS},
 }
 CHECK_ROWS = 256
 DEVICE = "cuda"
@@ -95,6 +108,11 @@ def _call(variant, tile, args, varlen, causal, scale):
     from minipaged.triton import configs, ops, prefill_tma
 
     configs.set_override("prefill", tile)
+    steps = GLUON_STEPS.get(variant, {})
+    for name, value in steps.items():
+        configs.set_override(name, value)
+    if steps:
+        variant = "gluon"
     try:
         if variant in ("pointer", "pointer_lazy"):
             configs.set_override("prefill_variant", "pointer")
@@ -106,6 +124,8 @@ def _call(variant, tile, args, varlen, causal, scale):
         configs.set_override("prefill", None)
         configs.set_override("prefill_variant", None)
         configs.set_override("prefill_lazy_rescale", None)
+        for name in steps:
+            configs.set_override(name, None)
 
 
 def _combo_key(variant, tile, d, causal, varlen):

@@ -312,6 +312,7 @@ def test_gluon_launches_bind_the_kernel_parameters(monkeypatch, table_ahead, spl
     prefill_gluon.launch(prefill.dense_args(q, k, k, out, lse, 0.1), 32, 300, False, True, 128, True)
     grid, args = bound["_attn_fwd_gluon"]
     assert grid == (32, 3) and args["IS_CAUSAL"] and args["RETURN_LSE"] and args["seqlen_k"] == 700
+    assert args["OVERLAP"] and (args["CONSUMER_REGS"], args["LOADER_REGS"]) == (240, 24)
     qp = torch.zeros(40, 16, 128, dtype=torch.bfloat16)
     cache = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16)
     tables = torch.zeros(3, 20, dtype=torch.int32)
@@ -406,6 +407,31 @@ def test_gpu_dense(variant, dtype, causal, shape, no_overrides):
 def test_gpu_varlen(variant, D, causal, no_overrides):
     _run_varlen(variant, [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, D, causal,
                 torch.bfloat16, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("steps", [{"gluon_overlap": 0}, {"gluon_overlap": 0, "gluon_regs": "168,168"},
+                                   {"gluon_regs": "168,168"}], ids=["serial", "serial-noregs", "noregs"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_ablation_steps(steps, causal, no_overrides):
+    # the schedules scripts/triton_hopper_ab.py times one step at a time must be correct too:
+    # every residue of (Nk - Nq) mod BLOCK_N, Nq > Nk (rows without keys), varlen with empties
+    from minipaged.triton import prefill_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
+        pytest.skip("Gluon runs on sm_90 with a triton that has it")
+    try:
+        for name, value in steps.items():
+            configs.set_override(name, value)
+        for r in range(0, 128, 7):
+            _run_dense("gluon", 1, 2, 1, 97, 97 + r, 128, causal, torch.bfloat16, "cuda", seed=r)
+        _run_dense("gluon", 1, 4, 2, 1023, 97, 64, causal, torch.float16, "cuda")
+        _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
+        _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
+                    torch.bfloat16, "cuda")
+    finally:
+        for name in steps:
+            configs.set_override(name, None)
 
 
 @gpu

@@ -440,7 +440,7 @@ GLUON_PAGED = [
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("loader", ["ahead", "per-copy", "split"])
+@pytest.mark.parametrize("loader", ["ahead", "per-copy", "split", "split-serial"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("case", GLUON_PAGED, ids=lambda c: f"S{len(c[0])}-q{max(c[0])}-L{max(c[1])}-"
@@ -457,7 +457,8 @@ def test_paged_gpu_gluon(case, dtype, causal, loader, monkeypatch):
     # each loader: the block-table entries read a tile ahead, or per page copy; one warp for K
     # and V, or one for each
     with _overrides(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(loader != "per-copy"),
-                    gluon_split_loader=int(loader == "split")):
+                    gluon_split_loader=int(loader.startswith("split")),
+                    gluon_overlap=None if loader != "split-serial" else 0):
         out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
         assert ran, "the long chunks did not take the Gluon kernel"
         q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, 128, page, dtype, "cuda",

@@ -98,10 +98,13 @@ if _HAVE_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr):
+    def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
+                  OVERLAP: gl.constexpr):
         """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see.
         PAGE > 0 (paged K/V): the rows of the last tile past the context are cache slots of
-        the last page (or the last page again), maybe NaN: they are zeroed in V before P V."""
+        the last page (or the last page again), maybe NaN: they are zeroed in V before P V.
+        OVERLAP False (ablation only): each tile's Q K^T, softmax and P V in turn, every wgmma
+        waited for at once."""
         (descs, k_smem, v_smem, q_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
          o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start, qk_scale_log2,
          q_row, q_col, table_row, kv_col) = args
@@ -137,51 +140,75 @@ if _HAVE_GLUON:
         p = gl.convert_layout(gl.zeros([64, BLOCK_N], dtype, layout=s_layout), p_layout)
         mbarrier.wait(q_bar.index(WG), 0)
 
-        # Tile 0: its scores alone (nothing to overlap with yet).
-        if n_tiles > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(0))
-            if n_full > 0:
-                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, False,
-                                                IS_CAUSAL)
-            else:
-                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, True,
-                                                IS_CAUSAL)
-            p = gl.convert_layout(p32.to(dtype), p_layout)
+        if OVERLAP:
+            # Tile 0: its scores alone (nothing to overlap with yet).
+            if n_tiles > 0:
+                mbarrier.wait(k_ready.index(0), 0)
+                s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(0))
+                if n_full > 0:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, False,
+                                                    IS_CAUSAL)
+                else:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, True,
+                                                    IS_CAUSAL)
+                p = gl.convert_layout(p32.to(dtype), p_layout)
 
-        # Tile j: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j while P V runs.
-        for j in range(1, n_tiles):
-            st = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(st))
-            if j < n_full:
-                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                diag, False, IS_CAUSAL)
-            else:
-                p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                diag, True, IS_CAUSAL)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.convert_layout(p32.to(dtype), p_layout)
+            # Tile j: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j while P V runs.
+            for j in range(1, n_tiles):
+                st = j % STAGES
+                prev = (j - 1) % STAGES
+                mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(st))
+                if j < n_full:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                    diag, False, IS_CAUSAL)
+                else:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                    diag, True, IS_CAUSAL)
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p = gl.convert_layout(p32.to(dtype), p_layout)
 
-        if n_tiles > 0:
-            last = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-            if PAGE > 0:
-                if n_tiles * BLOCK_N > k_len:
-                    # both warpgroups may rewrite these rows, with the same values
-                    _zero_rows_from(v_smem.index(last), k_len - (n_tiles - 1) * BLOCK_N)
-            o_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(v_empty.index(last))
+            if n_tiles > 0:
+                last = (n_tiles - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+                if PAGE > 0:
+                    if n_tiles * BLOCK_N > k_len:
+                        # both warpgroups may rewrite these rows, with the same values
+                        _zero_rows_from(v_smem.index(last), k_len - (n_tiles - 1) * BLOCK_N)
+                o_tok = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(v_empty.index(last))
+        else:
+            for j in range(n_tiles):
+                st = j % STAGES
+                ph = (j // STAGES) & 1
+                mbarrier.wait(k_ready.index(st), ph)
+                s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(st))
+                if j < n_full:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                    diag, False, IS_CAUSAL)
+                else:
+                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
+                                                    diag, True, IS_CAUSAL)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p = gl.convert_layout(p32.to(dtype), p_layout)
+                mbarrier.wait(v_ready.index(st), ph)
+                if PAGE > 0:
+                    if (j == n_tiles - 1) & (n_tiles * BLOCK_N > k_len):
+                        _zero_rows_from(v_smem.index(st), k_len - j * BLOCK_N)
+                o_tok = warpgroup_mma(p, v_smem.index(st), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(v_empty.index(st))
 
         # Tiles only the other warpgroup sees: release them so the loader's rings turn.
         for j in range(n_tiles, n_loaded):
@@ -220,13 +247,13 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _consumer0(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
-        _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE)
+                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(args, 0, IS_CAUSAL, RETURN_LSE, PAGE, OVERLAP)
 
     @gluon.jit
     def _consumer1(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
-        _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE)
+                   TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(args, 1, IS_CAUSAL, RETURN_LSE, PAGE, OVERLAP)
 
     @gluon.jit
     def _tile_pages(table_row, last_page, key0, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -318,13 +345,13 @@ if _HAVE_GLUON:
 
     @gluon.jit
     def _loader(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
+                TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr, OVERLAP: gl.constexpr):
         """One warp loading K and V (or, SPLIT_LOADER, K only)."""
         _loader_rings(args, True, not SPLIT_LOADER, PAGE, TABLE_AHEAD, IS_CAUSAL)
 
     @gluon.jit
     def _loader_v(args, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
-                  TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
+                  TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr, OVERLAP: gl.constexpr):
         """SPLIT_LOADER: a second warp loading V, so each warp issues half the page copies."""
         _loader_rings(args, False, True, PAGE, TABLE_AHEAD, IS_CAUSAL)
 
@@ -332,7 +359,8 @@ if _HAVE_GLUON:
     def _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
              qk_scale_log2, q_row, q_col, table_row, kv_col, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr):
+             CONSUMER_REGS: gl.constexpr, TABLE_AHEAD: gl.constexpr, SPLIT_LOADER: gl.constexpr,
+             OVERLAP: gl.constexpr):
         """Shared memory, barriers and the three partitions of one program (dense or paged)."""
         dtype: gl.constexpr = q_desc.dtype
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -362,16 +390,16 @@ if _HAVE_GLUON:
         # functions in a list built up in jit code
         if SPLIT_LOADER:
             gl.warp_specialize([
-                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
-                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
-                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
-                (_loader_v, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
+                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
+                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
+                (_loader_v, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
             ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
-                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
-                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER)),
+                (_consumer0, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
+                (_consumer1, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
+                (_loader, (args, IS_CAUSAL, RETURN_LSE, PAGE, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
@@ -394,6 +422,7 @@ if _HAVE_GLUON:
         RETURN_LSE: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
+        OVERLAP: gl.constexpr,
     ):
         # the same (sequence, head, query tile) per program and row bases as the pointer kernel
         seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
@@ -421,7 +450,7 @@ if _HAVE_GLUON:
             # PAGE 0: no block table (cu_seqlens_k only fills its pointer slot; it is never read)
             _run(q_desc, k_desc, v_desc, o_base, stride_om, lse_base, stride_lm, q_len, k_len, m_start,
                  qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES,
-                 LOADER_REGS, CONSUMER_REGS, True, False)
+                 LOADER_REGS, CONSUMER_REGS, True, False, OVERLAP)
 
 
     @gluon.jit
@@ -458,6 +487,7 @@ if _HAVE_GLUON:
         CONSUMER_REGS: gl.constexpr,
         TABLE_AHEAD: gl.constexpr,
         SPLIT_LOADER: gl.constexpr,
+        OVERLAP: gl.constexpr,
     ):
         """Long chunks over a paged cache: the new tokens of sequence s (q_len > min_q) attend
         to its context_lens[s] cached keys, bottom-right causal. Program (head, slot) owns 128
@@ -486,7 +516,7 @@ if _HAVE_GLUON:
             table_row = block_tables + seq.to(gl.int64) * stride_table
             _run(q_desc, k_desc, v_desc, o_base, stride_ot, lse_base, stride_lt, q_len, ctx, m_start,
                  qk_scale_log2, q_start, head * HEAD_DIM, table_row, kv_head * HEAD_DIM, IS_CAUSAL, RETURN_LSE,
-                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD, SPLIT_LOADER)
+                 PAGE, BLOCK_N, STAGES, LOADER_REGS, CONSUMER_REGS, TABLE_AHEAD, SPLIT_LOADER, OVERLAP)
 
 
 # Registers: 4 + 4 + 1 (or + 1 + 1, split loader) warps round up to 12 (three warpgroups) at
@@ -500,6 +530,9 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
            head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2) -> None:
     """Run _attn_fwd_gluon over prefill.dense_args / varlen_args. The caller checked
     usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU."""
+    from . import configs
+
+    consumer_regs, loader_regs = configs.gluon_regs(_CONSUMER_REGS, _LOADER_REGS)
     grid = (num_programs_bh, triton.cdiv(max_seqlen_q, BLOCK_M))
     _attn_fwd_gluon[grid](
         *args,
@@ -509,8 +542,9 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
         BLOCK_N=block_n,
         STAGES=stages,
         RETURN_LSE=return_lse,
-        LOADER_REGS=_LOADER_REGS,
-        CONSUMER_REGS=_CONSUMER_REGS,
+        LOADER_REGS=loader_regs,
+        CONSUMER_REGS=consumer_regs,
+        OVERLAP=configs.gluon_overlap(),
         num_warps=4,
         maxnreg=_MAXNREG,
     )
@@ -559,6 +593,7 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         table_ahead = configs.gluon_table_ahead()
     if split_loader is None:
         split_loader = configs.gluon_split_loader()
+    consumer_regs, loader_regs = configs.gluon_regs(_CONSUMER_REGS, _LOADER_REGS)
     total_q, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
     box = min(page, block_n)
@@ -583,10 +618,11 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=block_n,
         STAGES=stages,
         RETURN_LSE=return_lse,
-        LOADER_REGS=_LOADER_REGS,
-        CONSUMER_REGS=_CONSUMER_REGS,
+        LOADER_REGS=loader_regs,
+        CONSUMER_REGS=consumer_regs,
         TABLE_AHEAD=table_ahead,
         SPLIT_LOADER=split_loader,
+        OVERLAP=configs.gluon_overlap(),
         num_warps=4,
         maxnreg=_MAXNREG,
     )
