@@ -391,6 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-timeout", type=float, default=300, help="seconds for all the precompiling")
     ap.add_argument("--tiles", help="alternative tiles of every variant instead of TILES' lists, as "
                     "'BM,BN,W,S;BM,BN,W,S', a fifth number a register cap (maxnreg); the table's tile always runs first")
+    ap.add_argument("--table-tile-only", default="", help="comma-separated variants timed at their table tile alone")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter run of tiny shapes (plumbing only)")
     ap.add_argument("--compile-child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -414,6 +415,9 @@ def main(argv=None) -> int:
         for v in args.variants.split(","):
             for d in (int(x) for x in args.head_dims.split(",")):
                 TILES[(v, d)] = [None, *alt]
+    for v in filter(None, args.table_tile_only.split(",")):
+        for d in (int(x) for x in args.head_dims.split(",")):
+            TILES[(v, d)] = [None]
     result = run(args)
     print("\n## summary (speed-up over the pointer kernel at its table tile)")
     for label, s in result["summary"].items():
