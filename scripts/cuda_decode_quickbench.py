@@ -13,7 +13,6 @@ script only exists to tune the kernel (variants, split counts).
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 

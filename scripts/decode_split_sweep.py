@@ -3,7 +3,6 @@
 which split count each backend would need."""
 
 import json
-import os
 import sys
 
 import torch

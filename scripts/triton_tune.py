@@ -11,7 +11,6 @@ timed call, as `minipaged bench`), the benchmark's random inputs
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch

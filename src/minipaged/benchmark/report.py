@@ -260,7 +260,6 @@ def crosscheck_table(rows: list[dict], dtype=None, markdown: bool = False) -> st
              "  ".join(h.ljust(w) for h, w in zip(header, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
-    failed = [r for r in rows if not r.get("ok") and r.get("kind") != "anchor"]
     failed_anchors = [r for r in rows if not r.get("ok") and r.get("kind") == "anchor"]
     lines.append(crosscheck_verdict(rows))
     if failed_anchors:
