@@ -90,6 +90,17 @@ def make_call(name: str, q, k, v, scale: float):
     if name in ("cuda", "triton", "torch"):
         import minipaged as mp
         return lambda: mp.prefill_attention(q, k, v, causal=True, scale=scale, backend=name)
+    if name == "triton-l2":  # triton with the Gluon kernel's programs in L2 sections
+        import minipaged as mp
+        from minipaged.triton import configs
+
+        def sectioned():
+            configs.set_override("gluon_l2_sections", 1)
+            try:
+                return mp.prefill_attention(q, k, v, causal=True, scale=scale, backend="triton")
+            finally:
+                configs.set_override("gluon_l2_sections", None)
+        return sectioned
     from minipaged.benchmark import anchors
     if name == anchors.FI_RAGGED:
         return anchors.prepare_flashinfer_ragged(q, k, v, causal=True, scale=scale).fn

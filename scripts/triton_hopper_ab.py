@@ -67,6 +67,7 @@ TILES = {
     ("gluon_serial_noregs", 128): [None],
     ("gluon_serial", 128): [None],
     ("gluon_noregs", 128): [None],
+    ("gluon_l2", 128): [None],
 }
 # Gluon ablation variants: the overrides each sets on top of variant "gluon". serial: each tile's
 # Q K^T, softmax and P V in turn (no intra-warpgroup overlap); noregs: every partition keeps the
@@ -76,6 +77,8 @@ GLUON_STEPS = {
     "gluon_serial_noregs": {"gluon_overlap": 0, "gluon_regs": _NOREGS},
     "gluon_serial": {"gluon_overlap": 0},
     "gluon_noregs": {"gluon_regs": _NOREGS},
+    # not a step: the programs in L2 sections when a grid's K/V exceed the L2 (16k and varlen rows)
+    "gluon_l2": {"gluon_l2_sections": 1},
 }
 CHECK_ROWS = 256
 DEVICE = "cuda"

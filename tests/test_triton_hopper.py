@@ -435,6 +435,31 @@ def test_gpu_gluon_ablation_steps(steps, causal, no_overrides):
 
 
 @gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_l2_sections(causal, no_overrides, monkeypatch):
+    # the sectioned program order, made to apply to small problems by a small L2: sections that
+    # end mid-batch (16 heads in sections of 6), and, varlen, sections across sequence boundaries
+    from minipaged.triton import prefill_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
+        pytest.skip("Gluon runs on sm_90 with a triton that has it")
+    launched = []
+    launch = prefill_gluon.launch
+    monkeypatch.setattr(prefill_gluon, "launch", lambda *a, **k: launched.append(k["section_hb"]) or launch(*a, **k))
+    configs.set_override("gluon_l2_sections", 1)
+    try:
+        monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: 7 << 20)
+        _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
+        _run_dense("gluon", 2, 16, 8, 1000, 1100, 128, causal, torch.float16, "cuda")
+        monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: int(3.2 * (1 << 20)))
+        _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
+                    torch.bfloat16, "cuda")
+    finally:
+        configs.set_override("gluon_l2_sections", None)
+    assert launched and set(launched) == {6, 12}, launched
+
+
+@gpu
 def test_gpu_default_selection(no_overrides):
     # the sm_90 default is the single constant, and a forced variant runs on any 16-bit input
     dev = torch.device("cuda")

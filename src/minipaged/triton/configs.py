@@ -94,7 +94,8 @@ _PREFILL_SM90 = {
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
 # "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12;
 # the Gluon paged loader: "gluon_table_ahead" and "gluon_split_loader", 0 or 1; the Gluon kernels'
-# ablation steps: "gluon_overlap" 0 or 1, "gluon_regs": (consumer, loader) registers per thread.
+# ablation steps: "gluon_overlap" 0 or 1, "gluon_regs": (consumer, loader) registers per thread;
+# "gluon_l2_sections" 0 or 1.
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -106,7 +107,7 @@ def set_override(name: str, value) -> None:
     global overrides_version
     if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "paged",
                     "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", "gluon_split_loader",
-                    "gluon_overlap", "gluon_regs", *_PAGED_OVERRIDES):
+                    "gluon_overlap", "gluon_regs", "gluon_l2_sections", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
              "paged_mixed": PAGED_MIXED_MODES}
@@ -117,7 +118,7 @@ def set_override(name: str, value) -> None:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
     elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_table_ahead",
-                  "gluon_split_loader", "gluon_overlap"):
+                  "gluon_split_loader", "gluon_overlap", "gluon_l2_sections"):
         OVERRIDES[name] = bool(int(value))
     elif name == "prefill_lazy_rescale":
         if not 0 <= int(value) <= _MAX_LAZY_RESCALE:
@@ -214,6 +215,16 @@ def gluon_overlap() -> bool:
     """Whether the Gluon consumers issue the next tile's Q K^T before this tile's P V (always, but
     for the ablation's serial step)."""
     return OVERRIDES.get("gluon_overlap", True)
+
+
+# The Gluon dense kernel's programs in L2 sections (prefill_gluon.l2_section: whole GQA groups
+# whose K/V fit in half the L2, one section after the other) when a grid's K/V exceed the L2, as
+# the CUDA kernel's CfgWsL2. Off until timed on the H200.
+GLUON_L2_SECTIONS = False
+
+
+def gluon_l2_sections() -> bool:
+    return OVERRIDES.get("gluon_l2_sections", GLUON_L2_SECTIONS)
 
 
 def gluon_regs(consumer: int, loader: int) -> tuple[int, int]:

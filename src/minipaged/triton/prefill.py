@@ -36,8 +36,14 @@ def _program_rows(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, k
     sequence x head, axis 1 the query tile, reversed so that the bottom tiles (the most
     keys under a causal mask) start first. -> (seq, head, kv_head, pid_m, q_start, q_len,
     k_start, k_len); starts are rows of the packed varlen tensors (0 when dense)."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    return _rows_of(tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1), cu_seqlens_q, cu_seqlens_k,
+                    seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
+
+
+@triton.jit
+def _rows_of(pid_bh, pid_m, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group,
+             IS_VARLEN: tl.constexpr):
+    """_program_rows for the (sequence x head, query tile) pair (pid_bh, pid_m)."""
     seq = pid_bh // num_q_heads
     head = pid_bh % num_q_heads
     kv_head = head // kv_group

@@ -30,10 +30,12 @@ the installed triton has Gluon, `usable()` / `paged_usable()` whether a call can
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
-from .prefill import _head_bases, _program_rows
+from .prefill import _head_bases, _program_rows, _rows_of
 
 try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds lack them
     from triton.experimental import gluon
@@ -423,10 +425,19 @@ if _HAVE_GLUON:
         LOADER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         OVERLAP: gl.constexpr,
+        section_hb,
+        L2_SECTIONS: gl.constexpr,
     ):
-        # the same (sequence, head, query tile) per program and row bases as the pointer kernel
-        seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
-            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
+        # the same (sequence, head, query tile) per program and row bases as the pointer kernel;
+        # L2_SECTIONS: the programs in launch order walk the (sequence, head) pairs in sections of
+        # section_hb (whole GQA groups), a section's tiles before the next section's
+        if L2_SECTIONS:
+            pid_bh, pid_m = _section_item(section_hb)
+            seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _rows_of(
+                pid_bh, pid_m, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
+        else:
+            seq, head, kv_head, pid_m, q_start, q_len, k_start, k_len = _program_rows(
+                cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, num_q_heads, kv_group, IS_VARLEN)
         m_start = pid_m * 128
         # a program past its sequence's rows (varlen grids are sized by the longest) exits before
         # building descriptors or forking partitions
@@ -452,6 +463,20 @@ if _HAVE_GLUON:
                  qk_scale_log2, 0, 0, cu_seqlens_k, 0, IS_CAUSAL, RETURN_LSE, 0, BLOCK_N, STAGES,
                  LOADER_REGS, CONSUMER_REGS, True, False, OVERLAP)
 
+
+    @gluon.jit
+    def _section_item(section_hb):
+        """(pair, query tile) of this program when the grid's pairs run in sections of section_hb:
+        launch-order index w (axis 0 fastest) -> within its section, every pair's last (under
+        causal the heaviest) tile first, pairs fastest."""
+        num_pairs = gl.num_programs(0)
+        m_blocks = gl.num_programs(1)
+        w = gl.program_id(1) * num_pairs + gl.program_id(0)
+        first = w // (section_hb * m_blocks) * section_hb
+        size = gl.minimum(section_hb, num_pairs - first)
+        within = w - first * m_blocks
+        rank = within // size
+        return first + within - rank * size, m_blocks - 1 - rank
 
     @gluon.jit
     def _slot_seq(cu_seqlens_q, num_seqs, slot, SEARCH: gl.constexpr):
@@ -526,10 +551,43 @@ _LOADER_REGS = 24
 _CONSUMER_REGS = 240
 
 
+def l2_section(num_seqs: int, num_q_heads: int, num_kv_heads: int, max_seqlen_k: int, total_keys: int,
+               head_dim: int, l2_bytes: int) -> int:
+    """(sequence, head) pairs per section of the sectioned program order: whole GQA groups whose
+    K and V (max_seqlen_k 16-bit keys each) fit in half of l2_bytes, in sections of equal size;
+    0 when all K/V (total_keys keys per KV head) fit in the L2 (the plain order then)."""
+    group = num_q_heads // num_kv_heads
+    kv_pairs = num_seqs * num_kv_heads
+    per_kv_head = 2 * max_seqlen_k * head_dim * 2
+    if l2_bytes <= 0 or 2 * total_keys * num_kv_heads * head_dim * 2 <= l2_bytes:
+        return 0
+    fit = max(1, l2_bytes // 2 // per_kv_head)
+    sections = triton.cdiv(kv_pairs, fit)
+    return triton.cdiv(kv_pairs, sections) * group
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
+
+
+def section_for(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, total_keys: int) -> int:
+    """launch()'s section_hb for a call on q's device: l2_section when configs turns the
+    sectioned order on, else 0."""
+    from . import configs
+
+    if not configs.gluon_l2_sections() or not q.is_cuda:
+        return 0
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    num_q_heads = q.shape[1] if q.dim() == 4 else q.shape[-2]
+    return l2_section(num_seqs, num_q_heads, num_kv_heads, max_seqlen_k, total_keys, q.shape[-1], _l2_bytes(index))
+
+
 def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool, causal: bool,
-           head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2) -> None:
+           head_dim: int, return_lse: bool, block_n: int = 128, stages: int = 2, section_hb: int = 0) -> None:
     """Run _attn_fwd_gluon over prefill.dense_args / varlen_args. The caller checked
-    usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU."""
+    usable(): 16-bit tensors with 16-byte aligned bases and strides, on an sm_90 GPU.
+    section_hb > 0: the programs in L2 sections of that many (sequence, head) pairs (l2_section)."""
     from . import configs
 
     consumer_regs, loader_regs = configs.gluon_regs(_CONSUMER_REGS, _LOADER_REGS)
@@ -545,6 +603,8 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
         LOADER_REGS=loader_regs,
         CONSUMER_REGS=consumer_regs,
         OVERLAP=configs.gluon_overlap(),
+        section_hb=section_hb,
+        L2_SECTIONS=section_hb > 0,
         num_warps=4,
         maxnreg=_MAXNREG,
     )
