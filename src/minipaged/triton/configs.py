@@ -219,8 +219,9 @@ def gluon_overlap() -> bool:
 
 # The Gluon dense kernel's programs in L2 sections (prefill_gluon.l2_section: whole GQA groups
 # whose K/V fit in half the L2, one section after the other) when a grid's K/V exceed the L2, as
-# the CUDA kernel's CfgWsL2. Off until timed on the H200.
-GLUON_L2_SECTIONS = False
+# the CUDA kernel's CfgWsL2. At B=1 N=16k under sustained load on the H200: 593.8 against 577.8
+# TFLOP/s and 3-5% less energy per call (bench/results/nvidia-h200/gluon_ablation_fff05a4/).
+GLUON_L2_SECTIONS = True
 
 
 def gluon_l2_sections() -> bool:
