@@ -185,7 +185,9 @@ SM90_PREFILL_VARIANT = "gluon"
 # on average (dense: Nk; varlen: packed keys / sequences, known on the host). Below, its per-program
 # descriptors and 128-row blocks lose to the pointer kernel's short-prompt tiles (B=1 N=1k causal
 # 0.83x, a batch of 8 prompts averaging 1.6k keys 0.89x; 4k and up 1.08-1.26x:
-# bench/results/nvidia-h200/triton_gluon_984f7c1/). D 64 is untimed.
+# bench/results/nvidia-h200/triton_gluon_984f7c1/). At D 64 it loses on dense rows (causal B=1
+# 1k-16k 0.81-0.96x the pointer kernel) and wins only chunks over long prefixes, so D 64 stays on
+# the pointer kernel (bench/results/nvidia-h200/gluon_ablation_fff05a4/).
 GLUON_MIN_AVG_KEYS = 2048
 GLUON_HEAD_DIMS = (128,)
 # Paged long chunks on sm_90 (D 128, 16-bit caches of >= 16-token pages, no forced tile): the

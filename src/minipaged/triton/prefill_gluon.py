@@ -14,6 +14,12 @@ schedule written in it:
   * inside a consumer, Q K_j^T of tile j is issued before P_{j-1} V_{j-1}, and the softmax of
     tile j runs while P V is in flight (the accumulator is rescaled after it lands).
 
+When a grid's K/V exceed the L2 (B=1 at 16k keys), the programs run in sections of whole GQA
+groups whose K/V fit in half of it, one section after the other (L2_SECTIONS, as the CUDA kernel's
+CfgWsL2): in the plain order each wave of programs sweeps every head's keys and evicts what the
+next wave reads. OVERLAP and the partitions' register split are knobs for the ablation
+(scripts/triton_hopper_ab.py, bench/results/prefill_ablation.md run 15), not for tuning.
+
 Semantics are prefill._attn_fwd's (read its docstring): bottom-right causal, rows that see
 no key store zeros (and lse -inf), GQA by head index, dense or varlen from the same
 arguments (prefill.dense_args / varlen_args). Each program builds tensor descriptors over its
