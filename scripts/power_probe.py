@@ -9,7 +9,9 @@ after, and the SM clock and clock-event reasons sampled every couple of millisec
 thread. It reports per backend: calls, median time of the first 20 and of the last half,
 TFLOP/s, joules per call, mean power, mean SM clock, and the share of samples with the
 SW power cap / HW slowdown / thermal reasons set. Backends run in alternation (A B A B) so a
-drift of the board's state shows up as a difference between the two rounds.
+drift of the board's state shows up as a difference between the two rounds. Backends: cuda,
+triton, torch, triton-l2 / triton-plain (the Gluon kernel's L2 sections forced on / off), the
+SDPA anchors and flashinfer-ragged.
 
     python3 scripts/power_probe.py [--n 16384] [--seconds 2] [--backends cuda,flashinfer-ragged]
                                    [--json out.json]
@@ -90,17 +92,17 @@ def make_call(name: str, q, k, v, scale: float):
     if name in ("cuda", "triton", "torch"):
         import minipaged as mp
         return lambda: mp.prefill_attention(q, k, v, causal=True, scale=scale, backend=name)
-    if name == "triton-l2":  # triton with the Gluon kernel's programs in L2 sections
+    if name in ("triton-l2", "triton-plain"):  # triton with the Gluon kernel's L2 sections forced on / off
         import minipaged as mp
         from minipaged.triton import configs
 
-        def sectioned():
-            configs.set_override("gluon_l2_sections", 1)
+        def forced():
+            configs.set_override("gluon_l2_sections", int(name == "triton-l2"))
             try:
                 return mp.prefill_attention(q, k, v, causal=True, scale=scale, backend="triton")
             finally:
                 configs.set_override("gluon_l2_sections", None)
-        return sectioned
+        return forced
     from minipaged.benchmark import anchors
     if name == anchors.FI_RAGGED:
         return anchors.prepare_flashinfer_ragged(q, k, v, causal=True, scale=scale).fn

@@ -68,6 +68,7 @@ TILES = {
     ("gluon_serial", 128): [None],
     ("gluon_noregs", 128): [None],
     ("gluon_l2", 128): [None],
+    ("gluon_plain_order", 128): [None],
 }
 # Gluon ablation variants: the overrides each sets on top of variant "gluon". serial: each tile's
 # Q K^T, softmax and P V in turn (no intra-warpgroup overlap); noregs: every partition keeps the
@@ -77,8 +78,10 @@ GLUON_STEPS = {
     "gluon_serial_noregs": {"gluon_overlap": 0, "gluon_regs": _NOREGS},
     "gluon_serial": {"gluon_overlap": 0},
     "gluon_noregs": {"gluon_regs": _NOREGS},
-    # not a step: the programs in L2 sections when a grid's K/V exceed the L2 (16k and varlen rows)
+    # the programs in L2 sections when a grid's K/V exceed the L2 (16k and varlen rows; the default
+    # since f4d9723), and the plain order
     "gluon_l2": {"gluon_l2_sections": 1},
+    "gluon_plain_order": {"gluon_l2_sections": 0},
 }
 CHECK_ROWS = 256
 DEVICE = "cuda"
