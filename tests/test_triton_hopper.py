@@ -325,6 +325,26 @@ def test_gluon_launches_bind_the_kernel_parameters(monkeypatch, table_ahead, spl
     assert args["SPLIT_LOADER"] == (configs.gluon_split_loader() if split_loader is None else split_loader)
 
 
+def test_gluon_l2_section_sizes():
+    # sections hold whole GQA groups whose K/V fit in half the L2, in near-equal sections; none
+    # when all K/V fit (the plain order)
+    from minipaged.triton.prefill_gluon import l2_section
+
+    mb = 1 << 20
+    assert l2_section(1, 16, 8, 16384, 16384, 128, 60 * mb) == 6      # 8 MB per KV head: 3 + 3 + 2
+    assert l2_section(1, 16, 8, 8192, 8192, 128, 60 * mb) == 0        # 32 MB of K/V fit
+    assert l2_section(1, 16, 8, 16384, 16384, 128, 0) == 0            # L2 size unknown
+    assert l2_section(1, 64, 8, 65536, 65536, 128, 60 * mb) == 8      # 32 MB per KV head: one each
+    # varlen: the check counts the keys there are, the section size the longest sequence
+    assert l2_section(8, 16, 8, 4096, 13057, 128, 60 * mb) == 0
+    assert l2_section(4, 16, 8, 10240, 19456, 128, 60 * mb) == 12
+    for seqs, hq, hkv, keys, l2 in [(1, 16, 8, 16384, 60), (3, 32, 4, 30000, 50), (5, 8, 8, 9000, 20)]:
+        hb = l2_section(seqs, hq, hkv, keys, seqs * keys, 128, l2 * mb)
+        group = hq // hkv
+        assert hb % group == 0 and 0 < hb <= seqs * hq
+        assert hb // group * 2 * keys * 128 * 2 <= max(l2 * mb // 2, 2 * keys * 128 * 2)
+
+
 def test_gluon_default_size_rule(no_overrides, monkeypatch):
     # on sm_90 the Gluon default takes D 128 problems of GLUON_MIN_AVG_KEYS keys per sequence
     # and up; the rest keep the pointer kernel (the GPU itself is faked: only the rule runs)
