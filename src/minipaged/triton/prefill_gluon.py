@@ -106,6 +106,18 @@ if _HAVE_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _tile_softmax(s, m_i, l_i, qk_scale_log2, j, n_full, offs_n, rows, k_len, diag, IS_CAUSAL: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+        """_softmax of key tile j: its mask is needed from tile n_full on."""
+        if j < n_full:
+            p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len, diag,
+                                            False, IS_CAUSAL)
+        else:
+            p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len, diag,
+                                            True, IS_CAUSAL)
+        return p32, m_i, l_i, alpha
+
+    @gluon.jit
     def _consumer(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
                   OVERLAP: gl.constexpr):
         """One warpgroup: rows [m_start + 64 WG, +64) of this program, every key tile they see.
@@ -155,12 +167,8 @@ if _HAVE_GLUON:
                 s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(0))
-                if n_full > 0:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, False,
-                                                    IS_CAUSAL)
-                else:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, offs_n, rows, k_len, diag, True,
-                                                    IS_CAUSAL)
+                p32, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale_log2, 0, n_full, offs_n, rows, k_len,
+                                                     diag, IS_CAUSAL, BLOCK_N)
                 p = gl.convert_layout(p32.to(dtype), p_layout)
 
             # Tile j: issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; softmax S_j while P V runs.
@@ -173,12 +181,8 @@ if _HAVE_GLUON:
                 o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(st))
-                if j < n_full:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                    diag, False, IS_CAUSAL)
-                else:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                    diag, True, IS_CAUSAL)
+                p32, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale_log2, j, n_full, offs_n, rows, k_len,
+                                                     diag, IS_CAUSAL, BLOCK_N)
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -202,12 +206,8 @@ if _HAVE_GLUON:
                 s_tok = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(st))
-                if j < n_full:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                    diag, False, IS_CAUSAL)
-                else:
-                    p32, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale_log2, j * BLOCK_N + offs_n, rows, k_len,
-                                                    diag, True, IS_CAUSAL)
+                p32, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale_log2, j, n_full, offs_n, rows, k_len,
+                                                     diag, IS_CAUSAL, BLOCK_N)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p = gl.convert_layout(p32.to(dtype), p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
