@@ -10,7 +10,9 @@
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
 # with SIGINT, so pytest still prints its summary and bench keeps its JSON (then SIGABRT, which
 # makes Python print its stacks, then SIGKILL).
-# The device copy has no .git: pass MINIPAGED_GIT_COMMIT=<sha> for the records.
+# The device copy has no .git: pass MINIPAGED_GIT_COMMIT=<sha> for the records. FlashInfer (the
+# bench's FA3 and decode anchors) comes in when the call carries .anchors (see below; gpu.txt says
+# whether it imported).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/minipaged_out}
@@ -55,6 +57,16 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$WORK/logs/gpu.txt"
+# FlashInfer, the bench's FA3 and decode anchors: when the call carried .anchors/flashinfer (the
+# run tool's carry) and it does not import yet, make it importable here, so that no later export
+# of PYTHONPATH in the calling command can drop it (FLASHINFER=0: leave it out). Say which.
+if [ "${FLASHINFER:-1}" = 1 ] && [ -f .anchors/flashinfer/env.sh ] && [ -f .anchors/flashinfer/fi_bundle.tar.xz ] &&
+   ! python3 -c "import flashinfer" > /dev/null 2>&1; then
+  # shellcheck disable=SC1091
+  source .anchors/flashinfer/env.sh .anchors/flashinfer/fi_bundle.tar.xz > "$WORK/logs/fi_env.log" 2>&1
+fi
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >> "$WORK/logs/gpu.txt" 2>/dev/null ||
+  echo "flashinfer: not importable (no FA3 / FlashInfer decode anchors in this call)" | tee -a "$WORK/logs/gpu.txt"
 
 for s in $stages; do
   case $s in
@@ -214,8 +226,8 @@ for s in $stages; do
            python3 scripts/decode_diag.py ncu;;
     bench_fp8|bench_fp8_decode|bench_fp8_paged)
       # FP8 KV caches (issue #15): the standard decode grid with fp8 rows next to the bf16 ones (every
-      # anchor that exists here: SDPA, copy, FlashInfer when importable -- source .anchors/flashinfer/env.sh
-      # first; its fp8 decode is not in the bundle, JIT-builds once and is timed after every other decode
+      # anchor that exists here: SDPA, copy, FlashInfer when importable -- carry .anchors, which the
+      # top of this script sources; its fp8 decode is not in the bundle, JIT-builds once and is timed after every other decode
       # row), then the paged grid with fp8 rows and no anchors (the fp8 rows' reference is the same
       # backend's bf16 row). The caps keep bench_fp8 + fp8_accuracy inside one 10-minute call.
       [ $s = bench_fp8_paged ] || STAGE_TIMEOUT_bench_fp8_decode=${STAGE_TIMEOUT_bench_fp8_decode:-270} \
