@@ -168,9 +168,10 @@ def _run_varlen(variant, q_lens, k_lens, Hq, Hkv, D, causal, dtype, device, seed
 
 @pytest.fixture
 def no_overrides():
+    # every override a test sets (or releases) comes back as it was, even on failure
     saved = dict(configs.OVERRIDES)
     yield
-    for name in ("prefill", "prefill_variant", "paged"):
+    for name in set(configs.OVERRIDES) | set(saved):
         configs.set_override(name, saved.get(name))
 
 
@@ -440,18 +441,14 @@ def test_gpu_gluon_ablation_steps(steps, causal, no_overrides):
 
     if torch.cuda.get_device_capability()[0] != 9 or not prefill_gluon.available():
         pytest.skip("Gluon runs on sm_90 with a triton that has it")
-    try:
-        for name, value in steps.items():
-            configs.set_override(name, value)
-        for r in range(0, 128, 7):
-            _run_dense("gluon", 1, 2, 1, 97, 97 + r, 128, causal, torch.bfloat16, "cuda", seed=r)
-        _run_dense("gluon", 1, 4, 2, 1023, 97, 64, causal, torch.float16, "cuda")
-        _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
-        _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
-                    torch.bfloat16, "cuda")
-    finally:
-        for name in steps:
-            configs.set_override(name, None)
+    for name, value in steps.items():
+        configs.set_override(name, value)
+    for r in range(0, 128, 7):
+        _run_dense("gluon", 1, 2, 1, 97, 97 + r, 128, causal, torch.bfloat16, "cuda", seed=r)
+    _run_dense("gluon", 1, 4, 2, 1023, 97, 64, causal, torch.float16, "cuda")
+    _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
+    _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
+                torch.bfloat16, "cuda")
 
 
 @gpu
@@ -467,15 +464,12 @@ def test_gpu_gluon_l2_sections(causal, no_overrides, monkeypatch):
     launch = prefill_gluon.launch
     monkeypatch.setattr(prefill_gluon, "launch", lambda *a, **k: launched.append(k["section_hb"]) or launch(*a, **k))
     configs.set_override("gluon_l2_sections", 1)
-    try:
-        monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: 7 << 20)
-        _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
-        _run_dense("gluon", 2, 16, 8, 1000, 1100, 128, causal, torch.float16, "cuda")
-        monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: int(3.2 * (1 << 20)))
-        _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
-                    torch.bfloat16, "cuda")
-    finally:
-        configs.set_override("gluon_l2_sections", None)
+    monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: 7 << 20)
+    _run_dense("gluon", 1, 16, 8, 2048, 2048, 128, causal, torch.bfloat16, "cuda")
+    _run_dense("gluon", 2, 16, 8, 1000, 1100, 128, causal, torch.float16, "cuda")
+    monkeypatch.setattr(prefill_gluon, "_l2_bytes", lambda index: int(3.2 * (1 << 20)))
+    _run_varlen("gluon", [17, 0, 97, 1023, 0, 5, 300], [17, 50, 0, 1023, 0, 129, 257], 16, 8, 128, causal,
+                torch.bfloat16, "cuda")
     assert launched and set(launched) == {6, 12}, launched
 
 

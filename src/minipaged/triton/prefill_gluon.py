@@ -577,7 +577,8 @@ def _l2_bytes(device_index: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
 
 
-def section_for(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, total_keys: int) -> int:
+def section_for(q: torch.Tensor, num_seqs: int, num_q_heads: int, num_kv_heads: int, max_seqlen_k: int,
+                total_keys: int) -> int:
     """launch()'s section_hb for a call on q's device: l2_section when configs turns the
     sectioned order on, else 0."""
     from . import configs
@@ -585,7 +586,6 @@ def section_for(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k:
     if not configs.gluon_l2_sections() or not q.is_cuda:
         return 0
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    num_q_heads = q.shape[1] if q.dim() == 4 else q.shape[-2]
     return l2_section(num_seqs, num_q_heads, num_kv_heads, max_seqlen_k, total_keys, q.shape[-1], _l2_bytes(index))
 
 

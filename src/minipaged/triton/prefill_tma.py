@@ -175,10 +175,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: int, args: tuple,
             is_varlen: bool, causal: bool, head_dim: int, return_lse: bool, strict: bool,
-            kv_shape: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bool:
+            heads_and_keys: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> bool:
     """Launch one Hopper variant; False when it does not fit (and strict is off).
-    kv_shape: (sequences, KV heads, max keys per sequence, keys in all), for the Gluon kernel's
-    L2 sections."""
+    heads_and_keys: (sequences, q heads, KV heads, max keys per sequence, keys in all), for the
+    Gluon kernel's L2 sections (prefill_gluon.section_for)."""
     from triton.runtime.errors import OutOfResources
 
     from . import configs
@@ -196,7 +196,7 @@ def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: i
 
             prefill_gluon.launch(args, num_programs_bh, max_seqlen_q, is_varlen, causal, head_dim, return_lse,
                                  block_n=cfg.block_n, stages=cfg.num_stages,
-                                 section_hb=prefill_gluon.section_for(q, *kv_shape))
+                                 section_hb=prefill_gluon.section_for(q, *heads_and_keys))
             return True
         _attn_fwd_tma[grid](
             *args,
@@ -266,7 +266,7 @@ def try_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     args = dense_args(q, k, v, out, lse, scale)
     with _device_scope(q):
         if not _launch(variant, q, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim,
-                       lse is not None, strict, (batch, k.shape[1], k.shape[2], batch * k.shape[2])):
+                       lse is not None, strict, (batch, num_q_heads, k.shape[1], k.shape[2], batch * k.shape[2])):
             return None
     return out if lse is None else (out, lse)
 
@@ -291,7 +291,8 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
     with _device_scope(q):
         if not _launch(variant, q, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
-                       head_dim, lse is not None, strict, (num_seqs, k.shape[1], int(max_seqlen_k), k.shape[0])):
+                       head_dim, lse is not None, strict,
+                       (num_seqs, num_q_heads, k.shape[1], int(max_seqlen_k), k.shape[0])):
             return None
     return out if lse is None else (out, lse)
 
