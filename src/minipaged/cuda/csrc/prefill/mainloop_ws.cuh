@@ -1295,6 +1295,31 @@ inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
 // is > 0 (ws_selftest's WS_L2_MB; nothing else sets it).
 inline int64_t g_ws_l2_bytes_override = 0;
 
+// > 0 (ws_selftest only): launch non-multicast configs as clusters of this many CTAs too, to
+// price the cluster launch by itself.
+inline int g_ws_force_cluster = 0;
+
+// How many clusters of `size` CTAs of Cfg's kernel the device can hold at once (ws_selftest).
+template <class Cfg, bool kCausal>
+int ws_max_active_clusters(int size) {
+  auto kernel = prefill_ws_kernel<Cfg, kCausal>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
+    return -1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(size) * 64);
+  cfg.blockDim = dim3(Cfg::kThreads);
+  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(size);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = -1;
+  return cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess ? n : -1;
+}
+
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
 cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
@@ -1348,10 +1373,10 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     if (items > INT_MAX) return cudaErrorInvalidConfiguration;
     grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
   }
-  if constexpr (Cfg::kMulticast) {
+  if (Cfg::kMulticast || (g_ws_force_cluster > 1 && !Cfg::kPersistent && grid.x % g_ws_force_cluster == 0)) {
     // CTAs 2i and 2i + 1 of the linear order are heads 2g and 2g + 1 of one batch and m-block, in
     // the plain order (x = head) and in the sectioned one (whole even GQA groups per section).
-    if (!ws_multicast_supported(pp)) return cudaErrorInvalidValue;
+    if (Cfg::kMulticast && !ws_multicast_supported(pp)) return cudaErrorInvalidValue;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(Cfg::kThreads);
@@ -1359,7 +1384,7 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.x = Cfg::kMulticast ? 2u : unsigned(g_ws_force_cluster);
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
