@@ -12,6 +12,10 @@
 
 #include "ptx/wgmma.cuh"
 
+#ifndef MINIPAGED_WS_MC_DIAG
+#define MINIPAGED_WS_MC_DIAG 0
+#endif
+
 namespace minipaged {
 
 #if MINIPAGED_WGMMA_DEVICE
@@ -109,7 +113,11 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) 
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
+#if MINIPAGED_WS_MC_DIAG == 1
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+#else
       "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+#endif
       "r"(cta)
       : "memory");
 }
