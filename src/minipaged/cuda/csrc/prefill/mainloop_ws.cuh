@@ -469,8 +469,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       mbar_init(k_full(s), kFillArrivals);
       mbar_init(v_full(s), kFillArrivals);
       // kMulticast: the peer's consumer warps release the slot too
-      mbar_init(k_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast && MINIPAGED_WS_MC_DIAG != 2 ? 2 : 1));
-      mbar_init(v_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast && MINIPAGED_WS_MC_DIAG != 2 ? 2 : 1));
+      mbar_init(k_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast ? 2 : 1));
+      mbar_init(v_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast ? 2 : 1));
     }
     if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
 #pragma unroll
@@ -823,7 +823,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     if (lane == 0) {
       mbar_arrive(bar);
       if constexpr (Cfg::kMulticast) {
-        if (MINIPAGED_WS_MC_DIAG != 2 && t + kStages < n_tiles) mbar_arrive_cluster(bar, pair_rank ^ 1u);
+        if (t + kStages < n_tiles) mbar_arrive_cluster(bar, pair_rank ^ 1u);
       }
     }
   };

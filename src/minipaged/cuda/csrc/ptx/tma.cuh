@@ -12,10 +12,6 @@
 
 #include "ptx/wgmma.cuh"
 
-#ifndef MINIPAGED_WS_MC_DIAG
-#define MINIPAGED_WS_MC_DIAG 0
-#endif
-
 namespace minipaged {
 
 #if MINIPAGED_WGMMA_DEVICE
@@ -108,16 +104,15 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-// One arrival on the mbarrier at the same offset as `bar` in CTA `cta` of the cluster.
+// One arrival on the mbarrier at the same offset as `bar` in CTA `cta` of the cluster, with the
+// default (CTA-scope) release: what it orders is the arriving warp's finished wgmma reads of a
+// slot before the peer's TMA refills it. A cluster-scope release here cost the multicast prefill
+// 28% (bench/results/nvidia-h200/ws_multicast_bf743e7/).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-#if MINIPAGED_WS_MC_DIAG == 1
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-#else
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-#endif
       "r"(cta)
       : "memory");
 }
