@@ -66,8 +66,7 @@ static std::string case_name(const Case& c) {
 enum Sched {
   kSerial = 0, kPipe, kOverlap, kPingPong, kPingPongOverlap, kPingPongOverlap3,
   kPersistentPPOverlap, kPersistentPingPong, kPersistentOverlap, kPersistentStagedO, kPersistentDynamic,
-  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kWideMirror, kWgmmaSmall,
-  kWideMulticast, kWideSectionsMulticast, kWideSectionsMulticast3, kWideSectionsCluster, kNumSched
+  kPersistentDynamicStagedO, kWidePPOverlap, kWidePingPong, kWidePersistentDynamicStagedO, kWidePPOverlap3, kWideSections, kWideMirror, kWgmmaSmall, kNumSched
 };
 static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", "pingpong", "pp+overlap",
                                                    "pp+overlap 3-stage", "persistent pp+overlap",
@@ -77,11 +76,7 @@ static const char* const kSchedNames[kNumSched] = {"serial", "pipe", "overlap", 
                                                    "wide pingpong", "wide persistent dyn+stagedO",
                                                    "wide pp+overlap 3-stage", "wide pp+overlap L2 sections",
                                                    "wide pp+overlap mirrored pairs",
-                                                   "one-warpgroup wgmma (not WS)",
-                                                   "wide pp+overlap multicast pairs",
-                                                   "wide pp+ov L2 sections multicast",
-                                                   "wide pp+ov L2 sect. multicast 3-stage",
-                                                   "wide pp+ov L2 sections, cluster 2"};
+                                                   "one-warpgroup wgmma (not WS)"};
 static int g_sched = kPingPongOverlap;  // the schedule launch_ws runs
 // > 0: the persistent grid is sized for this many SMs, so check/small cases with a handful of
 // work items still send several items through one CTA (ring and q_full/q_empty phases carried
@@ -141,45 +136,6 @@ static cudaError_t launch_t(const PrefillParams& p, cudaStream_t stream) {
       return mf::launch_prefill_ws<
           WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, true>, kCausal>(
           p, stream);
-    case kWideMulticast:
-    case kWideSectionsMulticast: {
-      // head pairs of an even GQA group at D = 128; any other case runs the same order without
-      // the pairing (so the check list's odd groups and D = 64 still run through this entry)
-      constexpr bool kMc = D == 128;
-      const bool sections = g_sched == kWideSectionsMulticast;
-      if (kMc && mf::ws_multicast_supported(p)) {
-        if (sections)
-          return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false,
-                                             true, false, false, kMc>,
-                                       kCausal>(p, stream);
-        return mf::launch_prefill_ws<
-            WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, false, false, false, kMc>,
-            kCausal>(p, stream);
-      }
-      if (sections)
-        return mf::launch_prefill_ws<
-            WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
-      return mf::launch_prefill_ws<WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true>, kCausal>(
-          p, stream);
-    }
-    case kWideSectionsMulticast3: {
-      constexpr bool kMc = D == 128;
-      if (kMc && mf::ws_multicast_supported(p))
-        return mf::launch_prefill_ws<WsCfg<T, D, 128, 3, true, true, true, false, false, false, false, true, false,
-                                           true, false, false, kMc>,
-                                     kCausal>(p, stream);
-      return mf::launch_prefill_ws<
-          WsCfg<T, D, 128, 3, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
-    }
-    case kWideSectionsCluster: {
-      // the L2-sectioned kernel, unchanged, launched as clusters of two CTAs: what the cluster launch
-      // alone costs
-      mf::g_ws_force_cluster = 2;
-      const cudaError_t err = mf::launch_prefill_ws<
-          WsCfg<T, D, 128, 2, true, true, true, false, false, false, false, true, false, true>, kCausal>(p, stream);
-      mf::g_ws_force_cluster = 0;
-      return err;
-    }
     case kWgmmaSmall:
       // what prefill/dispatch.cuh runs below half a wave of 128-row blocks (CfgWgmmaSmall), for
       // the dispatch threshold
@@ -382,9 +338,7 @@ static int cmd_check() {
       // two pairs' K/V (B=3 Hkv=1: sections of 2 and 1 pairs), the device's (one section)
       const int64_t per_kv_pair = int64_t(2) * c.nk * c.d * 2;
       const int64_t check_l2[3] = {1, 4 * per_kv_pair + 1, 0};
-      if (g_sched == kWideSections || g_sched == kWideSectionsMulticast || g_sched == kWideSectionsMulticast3 ||
-          g_sched == kWideSectionsCluster)
-        minipaged::fast::g_ws_l2_bytes_override = check_l2[sched_n % 3];
+      if (g_sched == kWideSections) minipaged::fast::g_ws_l2_bytes_override = check_l2[sched_n % 3];
       // the residue sweep prints failures only; the first schedule prints every named case
       if (!run_case(c, /*verbose=*/c.nq != 150 && g_sched == 0)) ++sched_fails;
     }
@@ -505,21 +459,6 @@ static int cmd_ab(int n, int rounds, int reps) {
   const int d = env_int("WS_AB_D", 128);    // head dim
   const Case c{DType::kBFloat16, 1, hq, std::max(1, hq / 2), n, n, d, true};
   std::printf("ab: %s, median of %d per cell, cold L2 (TFLOP/s)\n", case_name(c).c_str(), reps);
-  {
-    namespace mf = minipaged::fast;
-    using Bf = __nv_bfloat16;
-    std::printf("max active clusters: 2-CTA multicast %d, 2-CTA plain %d (of %d SMs)\n",
-                mf::ws_max_active_clusters<WsCfg<Bf, 128, 128, 2, true, true, true, false, false, false, false, true,
-                                                 false, true, false, false, true>, true>(2),
-                mf::ws_max_active_clusters<WsCfg<Bf, 128, 128, 2, true, true, true, false, false, false, false, true,
-                                                 false, true>, true>(2),
-                [] {
-                  int dev = 0, sms = 0;
-                  cudaGetDevice(&dev);
-                  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-                  return sms;
-                }());
-  }
   for (int r = 0; r < rounds; ++r)
     for (g_sched = 0; g_sched < kNumSched; ++g_sched) {
       if (!sched_selected(g_sched)) continue;

@@ -135,7 +135,7 @@ namespace fast {
 template <typename T_, int kD_, int kBlockN_ = 128, int kStages_ = 2, bool kPingPong_ = true, bool kOverlap_ = true,
           bool kPipelined_ = true, bool kPaged_ = false, bool kPersistent_ = false, bool kDynamic_ = false,
           bool kStagedO_ = false, bool kWide_ = false, bool kKvInterleave_ = kPaged_, bool kL2Sections_ = false,
-          bool kKv8_ = false, bool kMirror_ = false, bool kMulticast_ = false>
+          bool kKv8_ = false, bool kMirror_ = false>
 struct WsCfg {
   using T = T_;
   static constexpr int kD = kD_;
@@ -195,19 +195,6 @@ struct WsCfg {
   static constexpr bool kMirror = kMirror_;
   static_assert(!kMirror || (!kPersistent_ && !kL2Sections_ && (kPingPong_ || kOverlap_ || kPipelined_)),
                 "mirrored pairs: a grid (dense, varlen or paged), a pipelined schedule");
-  // kMulticast: the CTAs of query heads 2g and 2g + 1 (one KV head when the GQA group is even),
-  // same batch and m-block, run as a cluster of two and share every K and V tile. Each CTA's
-  // producer loads one of the tile's two 64-column blocks and multicasts it into both CTAs' ring
-  // slots, so the L2 serves each tile once per pair instead of once per CTA: at B=1 N=16k causal
-  // that is 4.3 of the 8.5 GB the L2 moves per call, under a power cap where energy per call is
-  // time per call. A slot is refilled only when the consumers of both CTAs released it: each
-  // consumer warp arrives on its own CTA's empty barrier and on the peer's (skipped for the last
-  // kStages tiles, which nobody refills, so no CTA can still be signalled by its peer once it
-  // exits). Both CTAs of a pair have the same m-block and sequence, hence the same tiles and the
-  // same early exits. Dense/varlen grids (plain or kL2Sections order), D = 128, 16-bit K/V.
-  static constexpr bool kMulticast = kMulticast_;
-  static_assert(!kMulticast || (!kPaged_ && !kPersistent_ && !kMirror_ && !kKv8_ && kD_ == 128),
-                "multicast pairs: the dense/varlen grid, D = 128, 16-bit K/V");
   // FP8 pages (e4m3 caches, PrefillParams::kv_fp8): warp 0 of the producer warpgroup loads each
   // key tile's pages as bytes into a staging ring of kStStages K and V byte tiles (one TMA box
   // per page, [keys][kD bytes], no swizzle); warps 1-3 widen them to T in registers and store
@@ -468,9 +455,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), kFillArrivals);
       mbar_init(v_full(s), kFillArrivals);
-      // kMulticast: the peer's consumer warps release the slot too
-      mbar_init(k_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast ? 2 : 1));
-      mbar_init(v_empty(s), Cfg::kConsumerWarps * (Cfg::kMulticast ? 2 : 1));
+      mbar_init(k_empty(s), Cfg::kConsumerWarps);
+      mbar_init(v_empty(s), Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kPaged) mbar_init(v_tail(), 1);
 #pragma unroll
@@ -490,15 +476,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
     }
     mbar_fence_init();
   }
-  // the last CTA-wide barrier: the roles diverge below (kMulticast: cluster-wide, so the peer's
-  // barriers are initialised before the first multicast or remote arrival reaches them)
-  if constexpr (Cfg::kMulticast) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
-  // kMulticast: this CTA's rank in its pair (the 64-column block its producer loads) and the peer's
-  const uint32_t pair_rank = Cfg::kMulticast ? cluster_ctarank() : 0u;
+  __syncthreads();  // the last CTA-wide barrier: the roles diverge below
 
   const int warp_group = warp / 4;
   // The item's Q (one thread of the producer): per 64-column block the block's rows, or under
@@ -705,29 +683,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           // i.e. phase parity (r - 1) & 1; round 0 passes on the fresh barrier.
           const uint32_t parity = ((tg / kStages) & 1) ^ 1;
           const int row = k_begin + tile_n0(t);
-          // (kMulticast: the whole tile still lands here, half of it from the peer's producer)
           mbar_wait(k_empty(s), parity);
           mbar_arrive_expect_tx(k_full(s), Cfg::kTileBytes);
-          if constexpr (Cfg::kMulticast) {
-            const int cb = int(pair_rank);
-            tma_load_4d_multicast(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b,
-                                  uint16_t(3));
-          } else {
 #pragma unroll
-            for (int cb = 0; cb < kCB; ++cb)
-              tma_load_4d(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b);
-          }
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(k_slot(s) + cb * (kBlockN * 128), &wp.tm_k, k_full(s), cb * 64, row, kv_head, k_b);
           mbar_wait(v_empty(s), parity);
           mbar_arrive_expect_tx(v_full(s), Cfg::kTileBytes);
-          if constexpr (Cfg::kMulticast) {
-            const int cb = int(pair_rank);
-            tma_load_4d_multicast(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b,
-                                  uint16_t(3));
-          } else {
 #pragma unroll
-            for (int cb = 0; cb < kCB; ++cb)
-              tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
-          }
+          for (int cb = 0; cb < kCB; ++cb)
+            tma_load_4d(v_slot(s) + cb * (kBlockN * 128), &wp.tm_v, v_full(s), cb * 64, row, kv_head, k_b);
         }
       };
       // Persistent: work item w, unless its m-block is past its sequence or
@@ -817,15 +782,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   };
   // One arrival per warp, after the warp's wgmma_wait: the warpgroup's MMA
   // that read the slot has retired, so the producer may overwrite it.
-  // kMulticast: and one on the peer's barrier for tile t, unless no later tile refills its slot.
-  auto release = [&](uint32_t bar, int t) {
+  auto release = [&](uint32_t bar) {
     __syncwarp();
-    if (lane == 0) {
-      mbar_arrive(bar);
-      if constexpr (Cfg::kMulticast) {
-        if (t + kStages < n_tiles) mbar_arrive_cluster(bar, pair_rank ^ 1u);
-      }
-    }
+    if (lane == 0) mbar_arrive(bar);
   };
   // Ping-pong: a warpgroup waits for its turn before a GEMM phase and hands
   // the turn to the other after issuing it. Every consumer warpgroup runs
@@ -934,7 +893,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
   // Persistent: after the item's last QK^T retired, Q goes back to the producer.
   auto q_done = [&](int t) {
     if constexpr (Cfg::kPersistent) {
-      if (t == n_tiles - 1) release(q_empty(), n_tiles);  // (never multicast: persistent)
+      if (t == n_tiles - 1) release(q_empty());
     }
   };
 
@@ -1018,7 +977,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         issue_qk(t);
         wgmma_wait<0>();
         fence_operand(acc_s);
-        release(k_empty(slot(t)), t);
+        release(k_empty(slot(t)));
         q_done(t);
         softmax_any(t);
         finish_tile();
@@ -1026,7 +985,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         issue_pv(t);
         wgmma_wait<0>();
         fence_o();
-        release(v_empty(slot(t)), t);
+        release(v_empty(slot(t)));
       }
     } else {
       // kMirror: warpgroup 1 runs the phases of the tiles above its keys (t < t_first) empty,
@@ -1037,9 +996,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
       if constexpr (Cfg::kMirror) {
         for (int t = 0; t < t0; ++t) {
           mbar_wait(k_full(slot(t)), phase(t));
-          release(k_empty(slot(t)), t);
+          release(k_empty(slot(t)));
           mbar_wait(v_full(slot(t)), phase(t));
-          release(v_empty(slot(t)), t);
+          release(v_empty(slot(t)));
           sched_wait();
           sched_signal(false);
         }
@@ -1052,7 +1011,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         sched_signal(false);
         wgmma_wait<0>();
         fence_operand(acc_s);
-        release(k_empty(slot(t0)), t0);
+        release(k_empty(slot(t0)));
         q_done(t0);
         softmax_any(t0);
         finish_tile();
@@ -1067,20 +1026,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
           if constexpr (Cfg::kOverlap) {
             wgmma_wait<1>();  // groups retire in order: QK^T(t) is done, PV(t-1) may not be
             fence_operand(acc_s);
-            release(k_empty(slot(t)), t);
+            release(k_empty(slot(t)));
             q_done(t);
             softmax_any(t);
             wgmma_wait<0>();
             fence_o();
             fence_operand(p_frag);
-            release(v_empty(slot(t - 1)), t - 1);
+            release(v_empty(slot(t - 1)));
           } else {
             wgmma_wait<0>();
             fence_operand(acc_s);
             fence_o();
             fence_operand(p_frag);
-            release(k_empty(slot(t)), t);
-            release(v_empty(slot(t - 1)), t - 1);
+            release(k_empty(slot(t)));
+            release(v_empty(slot(t - 1)));
             q_done(t);
             softmax_any(t);
           }
@@ -1093,7 +1052,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
         sched_signal(true);
         wgmma_wait<0>();
         fence_o();
-        release(v_empty(slot(n_tiles - 1)), n_tiles - 1);
+        release(v_empty(slot(n_tiles - 1)));
       } else {
         sched_wait();
         sched_signal(true);
@@ -1273,12 +1232,6 @@ inline bool ws_supported(const PrefillParams& p) {
   return p.block_tables == nullptr && rows_q > 0 && rows_k > 0 && tensor_map_encoder() != nullptr;
 }
 
-// WsCfg::kMulticast pairs query heads 2g and 2g + 1 on one KV head: the GQA group must be even.
-inline bool ws_multicast_supported(const PrefillParams& p) {
-  return p.head_dim == 128 && p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 &&
-         (p.num_q_heads / p.num_kv_heads) % 2 == 0;
-}
-
 // kL2Sections: (batch, q head) pairs per section, as many whole GQA groups as
 // keep the K/V of the section's KV heads (max_seqlen_k keys each) within half
 // of l2_bytes, in sections of equal size; every pair if that fits.
@@ -1294,31 +1247,6 @@ inline int ws_l2_section(const PrefillParams& p, int64_t l2_bytes) {
 // The L2 size ws_l2_section assumes: PrefillParams::l2_bytes (else the device's) unless this
 // is > 0 (ws_selftest's WS_L2_MB; nothing else sets it).
 inline int64_t g_ws_l2_bytes_override = 0;
-
-// > 0 (ws_selftest only): launch non-multicast configs as clusters of this many CTAs too, to
-// price the cluster launch by itself.
-inline int g_ws_force_cluster = 0;
-
-// How many clusters of `size` CTAs of Cfg's kernel the device can hold at once (ws_selftest).
-template <class Cfg, bool kCausal>
-int ws_max_active_clusters(int size) {
-  auto kernel = prefill_ws_kernel<Cfg, kCausal>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
-    return -1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(size) * 64);
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(size);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = -1;
-  return cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess ? n : -1;
-}
 
 // The kernel with Cfg on PrefillParams (dense or varlen); maps built per call.
 template <class Cfg, bool kCausal>
@@ -1372,24 +1300,6 @@ cudaError_t launch_prefill_ws(const PrefillParams& pp, cudaStream_t stream) {
     const int64_t items = int64_t(m_blocks) * pp.batch * pp.num_q_heads;
     if (items > INT_MAX) return cudaErrorInvalidConfiguration;
     grid = dim3(unsigned(std::min<int64_t>(items, sm_count(pp))), 1, 1);
-  }
-  if (Cfg::kMulticast || (g_ws_force_cluster > 1 && !Cfg::kPersistent && grid.x % g_ws_force_cluster == 0)) {
-    // CTAs 2i and 2i + 1 of the linear order are heads 2g and 2g + 1 of one batch and m-block, in
-    // the plain order (x = head) and in the sectioned one (whole even GQA groups per section).
-    if (Cfg::kMulticast && !ws_multicast_supported(pp)) return cudaErrorInvalidValue;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kMulticast ? 2u : unsigned(g_ws_force_cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, wp);
   }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(wp);
   return cudaGetLastError();

@@ -86,43 +86,6 @@ __device__ __forceinline__ void tma_load_5d(uint32_t smem_dst, const void* tmap,
       : "memory");
 }
 
-// ---- thread-block clusters (a CTA pair sharing K/V tiles, WsCfg::kMulticast) ----
-// 4-D tile load multicast to every CTA of cta_mask: the box lands at the same
-// shared-memory offset in each, and each one's mbarrier at `bar`'s offset
-// counts the bytes. The issuing CTA is one of the destinations or not, as the
-// mask says.
-__device__ __forceinline__ void tma_load_4d_multicast(uint32_t smem_dst, const void* tmap, uint32_t bar, int c0,
-                                                      int c1, int c2, int c3, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_dst),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// One arrival on the mbarrier at the same offset as `bar` in CTA `cta` of the cluster, with the
-// default (CTA-scope) release: what it orders is the arriving warp's finished wgmma reads of a
-// slot before the peer's TMA refills it. A cluster-scope release here cost the multicast prefill
-// 28% (bench/results/nvidia-h200/ws_multicast_bf743e7/).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-}
-// Every thread of every CTA of the cluster (all of them still running): the
-// mbarrier initialisations of each CTA become visible to the others before any
-// multicast or remote arrival can reach them.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 // ---- generic-proxy shared-memory writes read later by TMA/wgmma ----
 // 16 zero bytes at a shared address (16-byte aligned).
 __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
