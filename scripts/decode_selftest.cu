@@ -13,6 +13,7 @@
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D)
 //   ./decode_selftest roofline [reps] the fastest plain read of each grid row's bytes, timed
 //                                    the same way: the bound no decode kernel beats here
+//                                    (16-byte loads, and whole pages through a bulk-copy ring)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
