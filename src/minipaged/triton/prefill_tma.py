@@ -173,12 +173,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: int, args: tuple,
-            is_varlen: bool, causal: bool, head_dim: int, return_lse: bool, strict: bool,
-            heads_and_keys: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> bool:
+def _launch(variant: str, q: torch.Tensor, heads_and_keys: tuple[int, int, int, int, int], max_seqlen_q: int,
+            args: tuple, is_varlen: bool, causal: bool, head_dim: int, return_lse: bool, strict: bool) -> bool:
     """Launch one Hopper variant; False when it does not fit (and strict is off).
-    heads_and_keys: (sequences, q heads, KV heads, max keys per sequence, keys in all), for the
-    Gluon kernel's L2 sections (prefill_gluon.section_for)."""
+    heads_and_keys: (sequences, q heads, KV heads, max keys per sequence, keys in all): the grid's
+    (sequence, head) axis, and the Gluon kernel's L2 sections (prefill_gluon.section_for)."""
     from triton.runtime.errors import OutOfResources
 
     from . import configs
@@ -189,6 +188,7 @@ def _launch(variant: str, q: torch.Tensor, num_programs_bh: int, max_seqlen_q: i
         return False
     if q.is_cuda:
         ensure_allocator()
+    num_programs_bh = heads_and_keys[0] * heads_and_keys[1]
     grid = (num_programs_bh, triton.cdiv(max_seqlen_q, cfg.block_m))
     try:
         if variant == "gluon":
@@ -265,8 +265,8 @@ def try_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     lse = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     args = dense_args(q, k, v, out, lse, scale)
     with _device_scope(q):
-        if not _launch(variant, q, batch * num_q_heads, seqlen_q, args, False, bool(causal), head_dim,
-                       lse is not None, strict, (batch, num_q_heads, k.shape[1], k.shape[2], batch * k.shape[2])):
+        if not _launch(variant, q, (batch, num_q_heads, k.shape[1], k.shape[2], batch * k.shape[2]), seqlen_q, args,
+                       False, bool(causal), head_dim, lse is not None, strict):
             return None
     return out if lse is None else (out, lse)
 
@@ -290,9 +290,8 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
     with _device_scope(q):
-        if not _launch(variant, q, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
-                       head_dim, lse is not None, strict,
-                       (num_seqs, num_q_heads, k.shape[1], int(max_seqlen_k), k.shape[0])):
+        if not _launch(variant, q, (num_seqs, num_q_heads, k.shape[1], int(max_seqlen_k), k.shape[0]),
+                       int(max_seqlen_q), args, True, bool(causal), head_dim, lse is not None, strict):
             return None
     return out if lse is None else (out, lse)
 
