@@ -48,6 +48,8 @@ CASES = {
     "chunked B=8 q=512 L=4608": ([512] * 8, [4608] * 8),
     "chunked B=1 q=2048 L=32768": ([2048], [32768]),
     "spec B=32 q=4 L=4096": ([4] * 32, [4096] * 32),
+    # a decode step through paged_attention (one packed tile per sequence), against decode itself
+    "spec B=64 q=1 L=8192": ([1] * 64, [8192] * 64),
     "mixed q=2048 + 63 decodes L=4096": ([2048] + [1] * 63, [4096] * 64),
 }
 PAGES = [16, 1, 128]
@@ -94,6 +96,16 @@ VARIANTS = {
     "spec tile 32,64,4,3": ("spec", {"paged": (32, 64, 4, 3)}),
     "spec tile 32,128,4,2": ("spec", {"paged": (32, 128, 4, 2)}),
     "spec tile 32,128,8,2": ("spec", {"paged": (32, 128, 8, 2)}),
+    # packed tiles (spec and decode-shaped calls) through v1 (the default) or the long-chunk
+    # kernel's loop (configs.paged_packed_kernel), at the default tile (16 rows at G 2: 64 keys,
+    # 4 warps, 2 stages) and wider / deeper ones
+    "spec v1": ("spec", {}),
+    "spec v2": ("spec", {"paged_packed_kernel": "v2"}),
+    "spec v2 tile 16,128,4,2": ("spec", {"paged_packed_kernel": "v2", "paged": (16, 128, 4, 2)}),
+    "spec v2 tile 16,64,4,3": ("spec", {"paged_packed_kernel": "v2", "paged": (16, 64, 4, 3)}),
+    "spec v2 tile 16,32,4,3": ("spec", {"paged_packed_kernel": "v2", "paged": (16, 32, 4, 3)}),
+    "spec v2 no-prefetch": ("spec", {"paged_packed_kernel": "v2", "paged_prefetch": 0}),
+    "spec v1 tile 16,128,4,2": ("spec", {"paged": (16, 128, 4, 2)}),
     "short 32,64,4,2": ("mixed", {**_NEW, "paged_short": (32, 64, 4, 2)}),
     "short 16,32,4,2": ("mixed", {**_NEW, "paged_short": (16, 32, 4, 2)}),
 }
@@ -269,7 +281,7 @@ def precompile(variants: list[str], jobs: int, timeout_s: float) -> dict[tuple, 
         while pending and len(running) < jobs:
             v = pending.pop(0)
             running[v] = (subprocess.Popen([sys.executable, __file__, *smoke, "--pages", *map(str, PAGES),
-                                            "--heads", f"{HQ}/{HKV}", "--compile-child", v],
+                                            "--heads", f"{HQ}/{HKV}", "--cases", *CASES, "--compile-child", v],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.time())
         for v, (p, _) in list(running.items()):
             if p.poll() is None and time.time() < deadline:
@@ -483,10 +495,11 @@ def _write(path: str, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    global REPS, PAGES, HQ, HKV
+    global REPS, PAGES, HQ, HKV, CASES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", nargs="*", help="substrings of the variant names to run")
+    ap.add_argument("--cases", nargs="*", help="substrings of the case names to run (default all)")
     ap.add_argument("--reps", type=int, default=REPS, help="timed calls per measurement (>= 20)")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile children")
     ap.add_argument("--compile-timeout", type=float, default=240.0)
@@ -508,6 +521,10 @@ def main(argv=None) -> int:
         HQ, HKV = (int(x) for x in args.heads.split("/"))
         if HQ % HKV:
             ap.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
+    if args.cases:
+        CASES = {c: v for c, v in CASES.items() if any(x in c for x in args.cases)}
+        if not CASES:
+            ap.error(f"--cases {args.cases}: no case matches")
     if args.compile_child:
         return _compile_child(args.compile_child)
     result = run(args)

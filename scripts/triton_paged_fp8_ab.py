@@ -1,12 +1,13 @@
 """A/B of Triton's paged long-chunk kernel (v2) over FP8 pages: tiles widened to q's dtype (the
 default) against fp16 dots (configs.paged_fp8_f16: a bf16 q moved into fp16's range once per
-program, e4m3 -> fp16 one cvt per pair), on the paged grid's chunked and mixed rows, with the
-same rows over the 16-bit cache in the same run (issue #13/#15).
+program, e4m3 -> fp16 one cvt per pair), on the paged grid's chunked and mixed rows (--kinds), with
+the same rows over the 16-bit cache in the same run (issue #13/#15); on the spec row, the packed
+tiles through v1 or v2's loop (configs.paged_packed_kernel), timed as CUDA-graph replays.
 
     PYTHONPATH=src python scripts/triton_paged_fp8_ab.py --json out.json
 
 Each variant is first checked on a ragged batch (q_len 0..300, contexts to 4097, NaN-poisoned
-unused slots) and at q magnitudes 1 and 1e5 against the fp64 oracle on the dequantised cache;
+unused slots) and a batch of decodes and speculative runs (packed tiles), and at q magnitudes 1 and 1e5 against the fp64 oracle on the dequantised cache;
 one that fails is reported and not timed. Timing: minipaged.benchmark.timing.time_fn, cold L2,
 median of --reps. --smoke runs the plumbing on CPU under the interpreter (fp16, tiny shapes,
 the fp16-dot path forced); it measures nothing.
@@ -35,7 +36,11 @@ from minipaged.triton import configs, ops
 _TILE64 = (64, 64, 4, 3)
 VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1},
             "widen 64-row": {"paged_fp8_f16": 0, "paged": _TILE64},
-            "f16 dots 64-row": {"paged_fp8_f16": 1, "paged": _TILE64}}
+            "f16 dots 64-row": {"paged_fp8_f16": 1, "paged": _TILE64},
+            # packed tiles (the spec row): v1 (the default; it widens to q's dtype) or v2's loop
+            "packed v1": {},
+            "packed v2 widen": {"paged_packed_kernel": "v2", "paged_fp8_f16": 0},
+            "packed v2 f16 dots": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1}}
 
 
 def _with(overrides: dict, fn):
@@ -66,11 +71,12 @@ def _call(inp, max_q: int, lse: bool):
 def _check(variant: str, dtype, device) -> str:
     """'' if the variant matches the oracle on a ragged fp8 batch at two q magnitudes, else why."""
     big = device.type == "cuda"
-    q_lens = (300, 1, 97, 0, 17, 40) if big else (40, 1, 17, 0)
-    ctxs = (1000, 4097, 97, 16, 200, 40) if big else (90, 30, 17, 5)
-    case = testing.PagedCase("mixed", q_lens, ctxs, 16 if big else 4, 8 if big else 2, 128 if big else 64, 16)
+    # a ragged batch with a long chunk, and one of decodes and speculative runs only (packed tiles)
+    batches = [((300, 1, 97, 0, 17, 40), (1000, 4097, 97, 16, 200, 40)) if big else ((40, 1, 17, 0), (90, 30, 17, 5)),
+               ((4, 1, 0, 3, 4, 1), (4097, 97, 16, 3, 40, 0)) if big else ((4, 1, 0, 3), (37, 17, 5, 2))]
     try:
-        for q_mult in (1.0, 1e5 if big else 3e3):
+        for (q_lens, ctxs), q_mult in [(b, m) for b in batches for m in (1.0, 1e5 if big else 3e3)]:
+            case = testing.PagedCase("mixed", q_lens, ctxs, 16 if big else 4, 8 if big else 2, 128 if big else 64, 16)
             _, inp = _inputs(case, dtype, device, seed=5, poison=True, q_mult=q_mult)
             q, kc, vc, bt, cu, cl, ks, vs = inp
             keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(kc, ks), bench_cases.dequantize_fp8(vc, vs),
@@ -90,18 +96,24 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    ap.add_argument("--only", nargs="*", help="substrings of the variant names to run (default all)")
+    ap.add_argument("--kinds", nargs="*", default=["chunked", "mixed"],
+                    help="kinds of the paged grid's rows to time (chunked, spec, mixed)")
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if not args.only or any(x in v for x in args.only)]
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     if args.smoke:
-        rows = [testing.PagedCase("chunked", (40, 40), (70, 70), 4, 2, 64, 16)]
+        rows = [testing.PagedCase("chunked", (40, 40), (70, 70), 4, 2, 64, 16),
+                testing.PagedCase("spec", (4, 4), (37, 20), 4, 2, 64, 16)]
+        rows = [c for c in rows if c.kind in args.kinds]
     else:
-        rows = [c for c in bench_cases.standard_paged_cases() if c.kind in ("chunked", "mixed")]
+        rows = [c for c in bench_cases.standard_paged_cases() if c.kind in args.kinds]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
                "failed": {}, "rows": []}
     ok = []
-    for v in VARIANTS:
+    for v in variants:
         why = _check(v, dtype, device)
         print(f"check {v}: {'ok' if not why else why}", flush=True)
         if why:
@@ -113,13 +125,16 @@ def main() -> int:
         row = {"case": label}
         timings = {}
         inp16, inp8 = _inputs(case, dtype, device, seed=0, poison=False)
-        for inp, names in ((inp16, ["16-bit"]), (inp8, ok)):
+        # the 16-bit cache: the defaults, and on packed rows also through v2
+        base16 = {"16-bit": {}, **({"16-bit packed v2": {"paged_packed_kernel": "v2"}} if case.kind == "spec" else {})}
+        for inp, names in ((inp16, list(base16)), (inp8, ok)):
             for name in names:
-                over = {} if name == "16-bit" else VARIANTS[name]
+                over = base16[name] if name in base16 else VARIANTS[name]
                 max_q = max(case.q_lens)
+                # spec rows are microseconds long: CUDA-graph replays, as minipaged bench times them
                 t = time_fn(lambda over=over, inp=inp, max_q=max_q: _with(over, lambda: _call(inp, max_q, False)),
-                            device=device,
-                            reps=args.reps, min_reps=min(10, args.reps), max_time_s=2.0)
+                            device=device, reps=args.reps, min_reps=min(10, args.reps), max_time_s=2.0,
+                            cuda_graph=case.kind == "spec" and device.type == "cuda")
                 timings[name] = t.median_ms * 1e3
         row["us"] = timings
         base = timings["16-bit"]

@@ -1074,3 +1074,80 @@ def test_paged_gpu_mixed_graph_and_determinism():
     q_lens, ctxs = GPU_MIXED[0]
     q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
     _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max(q_lens))
+
+
+# ----------------------------------------------------------------- packed tiles through v2 (CPU)
+#
+# configs.paged_packed_kernel "v2": batches whose every query run fits one packed tile
+# (decodes, speculative runs) through the long-chunk kernel's leaner loop instead of v1.
+
+PACKED = [
+    # q_lens, context_lens, Hq, Hkv, D, page: decodes and speculative runs (empty runs, q_len >
+    # ctx, context 0, contexts on and off page and tile edges)
+    ([1, 4, 0, 3, 1, 4, 2], [17, 64, 5, 2, 0, 97, 16], 4, 2, 64, 16),
+    ([1, 2, 1, 3], [40, 1, 33, 120], 8, 1, 64, 1),             # group 8, one key per page
+    ([4, 1, 6], [300, 256, 257], 2, 2, 128, 256),              # group 1, page > KV tile
+    ([1, 1, 1, 1, 1], [31, 16, 47, 0, 9], 16, 1, 64, 8),       # MQA decodes, pages < KV tile
+]
+
+
+def _packed_v2(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, seed=0, **kw):
+    with _overrides(paged_packed_kernel="v2"):
+        plan = _plan(q_lens, Hq=Hq, Hkv=Hkv, D=D, page=page)
+        assert [(x.kernel, x.cfg.packed) for x in plan] == [("v2", True)], plan
+        with _nan_scratch():
+            return _mixed(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, "cpu", seed=seed, **kw)
+
+
+@cpu_only
+def test_paged_packed_kernel_plans():
+    """Packed batches take v1 by default and v2 under the knob; v2 only where its layout
+    holds, and never for a forced packed tile."""
+    assert configs.PAGED_PACKED_KERNEL == "v1"
+    assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]
+    with _overrides(paged_packed_kernel="v2"):
+        assert [x.kernel for x in _plan([4, 1, 4])] == ["v2"]
+        assert [x.kernel for x in _plan([4, 1, 4], contiguous=False)] == ["v1"]
+        forced = ops._paged_launches(64, torch.float16, True, 9, 3, 4, 2, torch.device("cpu"), True,
+                                     PagedConfig(16, 16, 4, 1))
+        assert [x.kernel for x in forced] == ["v1"]
+    with pytest.raises(ValueError, match="paged_packed_kernel"):
+        configs.set_override("paged_packed_kernel", "v3")
+
+
+@cpu_only
+@pytest.mark.parametrize("case", PACKED, ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p256", "g16-D64-p8"])
+def test_paged_packed_v2_interpreter(case):
+    _packed_v2(*case, True, torch.float16, seed=21)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_packed_v2_not_causal_interpreter(dtype):
+    _packed_v2(*PACKED[0], False, dtype, seed=22)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [2, 5])
+def test_paged_packed_v2_forced_splits_interpreter(splits):
+    _packed_v2(*PACKED[0], True, torch.float16, seed=23, num_splits=splits)
+
+
+@cpu_only
+def test_paged_packed_v2_every_residue_interpreter():
+    """Every residue of (context_len - q_len) mod BLOCK_N for speculative runs of 4."""
+    bn = configs.paged_config(64, torch.float16, True, 4, 2, torch.device("cpu")).block_n
+    q_lens = [4] * bn
+    ctxs = [4 + r + bn * (r % 3) for r in range(bn)]
+    assert sorted((c - q) % bn for c, q in zip(ctxs, q_lens)) == list(range(bn))
+    _packed_v2(q_lens, ctxs, 4, 2, 64, 8, True, torch.float16, seed=24)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_packed_v2_fp8_interpreter(splits):
+    """fp8 caches (per-head scales) through v2's packed launch, with its fp16 dots forced (the
+    default only for a bf16 q, which the interpreter cannot run)."""
+    kw = {} if splits is None else {"num_splits": splits}
+    with _overrides(paged_fp8_f16=1):
+        _packed_v2(*PACKED[0], True, torch.float16, seed=25, fp8=True, **kw)

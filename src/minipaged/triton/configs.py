@@ -95,7 +95,7 @@ _PREFILL_SM90 = {
 # "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12;
 # the Gluon paged loader: "gluon_table_ahead" and "gluon_split_loader", 0 or 1; the Gluon kernels'
 # ablation steps: "gluon_overlap" 0 or 1, "gluon_regs": (consumer, loader) registers per thread;
-# "gluon_l2_sections" 0 or 1.
+# "gluon_l2_sections" 0 or 1; "paged_packed_kernel": "v1" or "v2".
 OVERRIDES: dict[str, object] = {}
 # bumped by set_override so that cached launch plans are recomputed
 overrides_version = 0
@@ -110,7 +110,7 @@ def set_override(name: str, value) -> None:
                     "gluon_overlap", "gluon_regs", "gluon_l2_sections", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
     named = {"prefill_variant": PREFILL_VARIANTS, "paged_long_kernel": PAGED_LONG_KERNELS,
-             "paged_mixed": PAGED_MIXED_MODES}
+             "paged_mixed": PAGED_MIXED_MODES, "paged_packed_kernel": PAGED_LONG_KERNELS}
     if value is None:
         OVERRIDES.pop(name, None)
     elif name in named:
@@ -480,13 +480,24 @@ PAGED_HEADS_FASTEST = True
 # at any group <= 16 and a speculative run of 16 // group tokens
 _PAGED_SHORT_ROWS = 16
 _PAGED_OVERRIDES = ("paged_long_kernel", "paged_mixed", "paged_short", "paged_prefetch", "paged_heads_fastest",
-                    "paged_fp8_f16")
+                    "paged_fp8_f16", "paged_packed_kernel")
 # v2 finds a program's sequence in two vector loads of SEARCH slot starts: S <= SEARCH^2
 PAGED_SEARCH = 128
 
 
 def paged_long_kernel() -> str:
     return OVERRIDES.get("paged_long_kernel", PAGED_LONG_KERNEL)
+
+
+# Packed tiles (decode-like and speculative calls: every query run in one tile) through "v1"
+# (paged._paged_kernel, the page offset of every key recomputed per tile in 64-bit arithmetic)
+# or "v2" (paged._paged_long_kernel: offsets built once, block ids a tile ahead, FP8_F16 dots over
+# FP8 pages). v2 needs the contiguous cache layout (ops._v2_usable); v1 serves the rest.
+PAGED_PACKED_KERNEL = "v1"
+
+
+def paged_packed_kernel() -> str:
+    return OVERRIDES.get("paged_packed_kernel", PAGED_PACKED_KERNEL)
 
 
 def paged_mixed_mode() -> str:

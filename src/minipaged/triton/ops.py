@@ -374,8 +374,10 @@ def _paged_launches(head_dim: int, dtype: torch.dtype, causal: bool, total_q: in
                     gluon_ok: bool = False) -> tuple[_PagedLaunch, ...]:
     cfg = config or paged_config(head_dim, dtype, causal, max_seqlen_q, group, device, kv_fp8)
     if cfg.packed:
-        # every query run fits one packed tile (decode, speculative verification)
-        return (_PagedLaunch("v1", cfg),)
+        # every query run fits one packed tile (decode, speculative verification); a forced tile
+        # (config) stays on v1
+        packed_v2 = config is None and v2_ok and configs.paged_packed_kernel() == "v2"
+        return (_PagedLaunch("v2" if packed_v2 else "v1", cfg),)
     if gluon_ok:  # paged() rules out a forced tile or split and FP8 pages
         kernel = "gluon"
     else:
@@ -432,9 +434,10 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
         return _result(out.zero_(), lse)
     # Launches depend on shapes only; cached so that a step of short queries pays a dict
     # lookup, not the heuristics (decode-sized kernels are host-bound).
-    # up to 32 (position, head) rows a batch always gets a packed tile (v1): skip the layout check
-    v2_ok = (config is not None or max_seqlen_q * group > 32) and _v2_usable(q, k_cache, v_cache,
-                                                                          block_tables, num_seqs)
+    # up to 32 (position, head) rows a batch always gets a packed tile: skip the layout check
+    # unless packed tiles may run v2
+    v2_ok = ((config is not None or max_seqlen_q * group > 32 or configs.paged_packed_kernel() == "v2")
+             and _v2_usable(q, k_cache, v_cache, block_tables, num_seqs))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     gluon_ok = (v2_ok and config is None and num_splits is None and not fp8
                 and _gluon_paged_usable(q, k_cache, v_cache, max_seqlen_q))
