@@ -230,16 +230,21 @@ def test_paged_long_tile_on_sm90(monkeypatch):
     assert tile(kv_fp8=True)[:3] == (128, 64, 8)
     assert tile(group=4)[:3] == (128, 64, 8)
     assert tile(maxq=4)[4] is True
-    # packed tiles of 32 rows read 128 keys per step there (16-bit pages); other sizes the decode tile's 64
+    # packed tiles of 32 rows read 128 keys per step there (16-bit pages), of 16 rows 32 keys in
+    # 3 stages; other sizes and FP8 pages the decode tile's 64
     assert tile(group=8, maxq=4) == (32, 128, 4, 2, True)
     assert tile(group=2, maxq=16) == (32, 128, 4, 2, True)
-    assert tile(group=2, maxq=4) == (16, 64, 4, 2, True)
+    assert tile(group=2, maxq=4) == (16, 32, 4, 3, True)
+    assert tile(group=2, maxq=1) == (16, 32, 4, 3, True)
+    assert tile(group=2, maxq=4, kv_fp8=True) == (16, 64, 4, 2, True)
+    assert tile(group=2, maxq=4, D=64)[:2] == (16, 64)
     assert tile(group=8, maxq=8) == (64, 64, 4, 2, True)
     assert tile(group=8, maxq=4, kv_fp8=True)[:2] == (32, 64)
     assert tile(group=8, maxq=4, D=64)[:2] == (32, 64)
     cap["cap"] = (8, 0)
     assert tile()[:3] == (128, 64, 8)
     assert tile(group=8, maxq=4)[:2] == (32, 64)
+    assert tile(group=2, maxq=4)[:2] == (16, 64)
 
 
 def test_paged_num_splits_rule(monkeypatch):
@@ -729,7 +734,7 @@ def test_paged_launch_plans():
     assert (configs.PAGED_LONG_KERNEL, configs.PAGED_MIXED) == ("v2", "decode")
     with _overrides(paged_long_kernel=None, paged_mixed=None):
         assert kinds(_plan([40, 1])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
-    assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]                      # spec: one packed launch
+    assert kinds(_plan([4, 1, 4])) == [("v2", 0, 0, True)]                      # spec: one packed launch
     with _overrides(paged_long_kernel="v2", paged_mixed="split"):
         assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks
         assert kinds(_plan([40, 1, 0, 4])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
@@ -752,7 +757,7 @@ def test_paged_launch_plans():
         assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]
         assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]   # no room for a decode
         assert kinds(_plan([40, 40, 1])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
-        assert kinds(_plan([4, 1, 4])) == [("v1", 0, 0, True)]       # no long chunk: one packed launch
+        assert kinds(_plan([4, 1, 4])) == [("v2", 0, 0, True)]       # no long chunk: one packed launch
         dec = _plan([40, 1], Hq=16, Hkv=2)[1].cfg                      # group 8
         assert (dec.block_m, dec.block_n) == (16, configs.decode_config(64, torch.float16,
                                                                         torch.device("cpu")).block_n)
@@ -947,7 +952,7 @@ def test_paged_decode_mode_v1_and_fallbacks_interpreter():
         assert [x.kernel for x in _plan([40, 1], contiguous=False)] == ["v1", "decode"]
         # 40 + 40 + 2 tokens in 3 sequences: none can be a decode
         assert [x.kernel for x in _plan([40, 40, 2])] == ["v2"]
-        assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]               # packed: one launch
+        assert [x.kernel for x in _plan([4, 1, 4])] == ["v2"]               # packed: one launch
 
 
 # ----------------------------------------------------------------- long chunks and mixed batches: GPU
@@ -1078,8 +1083,8 @@ def test_paged_gpu_mixed_graph_and_determinism():
 
 # ----------------------------------------------------------------- packed tiles through v2 (CPU)
 #
-# configs.paged_packed_kernel "v2": batches whose every query run fits one packed tile
-# (decodes, speculative runs) through the long-chunk kernel's leaner loop instead of v1.
+# configs.paged_packed_kernel "v2" (the default): batches whose every query run fits one packed
+# tile (decodes, speculative runs) through the long-chunk kernel's leaner loop instead of v1.
 
 PACKED = [
     # q_lens, context_lens, Hq, Hkv, D, page: decodes and speculative runs (empty runs, q_len >
@@ -1101,10 +1106,11 @@ def _packed_v2(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, seed=0, **kw):
 
 @cpu_only
 def test_paged_packed_kernel_plans():
-    """Packed batches take v1 by default and v2 under the knob; v2 only where its layout
+    """Packed batches take v2 by default and v1 under the knob; v2 only where its layout
     holds, and never for a forced packed tile."""
-    assert configs.PAGED_PACKED_KERNEL == "v1"
-    assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]
+    assert configs.PAGED_PACKED_KERNEL == "v2"
+    with _overrides(paged_packed_kernel="v1"):
+        assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]
     with _overrides(paged_packed_kernel="v2"):
         assert [x.kernel for x in _plan([4, 1, 4])] == ["v2"]
         assert [x.kernel for x in _plan([4, 1, 4], contiguous=False)] == ["v1"]
@@ -1119,6 +1125,15 @@ def test_paged_packed_kernel_plans():
 @pytest.mark.parametrize("case", PACKED, ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p256", "g16-D64-p8"])
 def test_paged_packed_v2_interpreter(case):
     _packed_v2(*case, True, torch.float16, seed=21)
+
+
+@cpu_only
+@pytest.mark.parametrize("case", PACKED, ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p256", "g16-D64-p8"])
+def test_paged_packed_v1_interpreter(case):
+    """v1 still serves packed tiles over caches v2 cannot take (and under the knob)."""
+    with _overrides(paged_packed_kernel="v1"), _nan_scratch():
+        assert [x.kernel for x in _plan(case[0], Hq=case[2], Hkv=case[3], D=case[4], page=case[5])] == ["v1"]
+        _mixed(*case, True, torch.float16, "cpu", seed=26)
 
 
 @cpu_only

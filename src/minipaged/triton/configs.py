@@ -384,9 +384,13 @@ def _next_pow2(n: int) -> int:
 _PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
 # Packed tiles of this many rows (e.g. a speculative run of 4 tokens at GQA group 8) read 128 keys
 # per step on sm_90 (D 128, 16-bit pages), not the decode kernel's 64: measured faster for that
-# row; other packed sizes were not measured with 128 keys
-# (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
+# row (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PACKED_WIDE_KEYS_ROWS = 32
+# 16-row packed tiles (decodes and runs of up to 8 tokens at G 2) on sm_90 (D 128, 16-bit pages):
+# 32 keys in 3 stages, through v2: 133.1 / 492.5 us on the spec row / a B=64 L=8k decode step
+# through paged, against 133.3 / 610.6 for the decode kernel's 64 keys in 2 stages and 136.9 /
+# 496.5 for 128 keys (bench/results/nvidia-h200/triton_packed_702270f/); FP8 pages keep 64 keys.
+_PACKED_NARROW_SM90_D128 = (16, 32, 4, 3)
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, group: int,
@@ -409,6 +413,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         block_m = max(min_m, _next_pow2(rows))
+        if sm90_d128 and block_m == _PACKED_NARROW_SM90_D128[0]:
+            return PagedConfig(*_PACKED_NARROW_SM90_D128)
         block_n = 128 if sm90_d128 and block_m == _PACKED_WIDE_KEYS_ROWS else dec.block_n
         return PagedConfig(block_m, block_n, dec.num_warps, dec.num_stages)
     if sm90_d128 and group <= 2:
@@ -492,8 +498,12 @@ def paged_long_kernel() -> str:
 # Packed tiles (decode-like and speculative calls: every query run in one tile) through "v1"
 # (paged._paged_kernel, the page offset of every key recomputed per tile in 64-bit arithmetic)
 # or "v2" (paged._paged_long_kernel: offsets built once, block ids a tile ahead, FP8_F16 dots over
-# FP8 pages). v2 needs the contiguous cache layout (ops._v2_usable); v1 serves the rest.
-PAGED_PACKED_KERNEL = "v1"
+# FP8 pages). v2 needs the contiguous cache layout (ops._v2_usable); v1 serves the rest. On the
+# H200 (bf16 16/8/128, page 16, graph replays, cold L2) v2 took 133.3 against 169.5 us on the
+# speculative row (B=32 q=4 L=4k; decode 134.9 us) and 610.6 against 628.7 us on a decode step of
+# B=64 L=8k through paged at the same tile; over FP8 pages 133.1 against 174.1 us on the spec row
+# (bench/results/nvidia-h200/triton_packed_702270f/).
+PAGED_PACKED_KERNEL = "v2"
 
 
 def paged_packed_kernel() -> str:
