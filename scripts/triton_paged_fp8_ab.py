@@ -40,7 +40,10 @@ VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1},
             # packed tiles (the spec row): v1 (the default; it widens to q's dtype) or v2's loop
             "packed v1": {},
             "packed v2 widen": {"paged_packed_kernel": "v2", "paged_fp8_f16": 0},
-            "packed v2 f16 dots": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1}}
+            "packed v2 f16 dots": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1},
+            # the 16-bit pages' 16-row sm_90 tile (configs._PACKED_NARROW_SM90_D128)
+            "packed v2 f16 dots 16,32,4,3": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1,
+                                             "paged": (16, 32, 4, 3)}}
 
 
 def _with(overrides: dict, fn):
