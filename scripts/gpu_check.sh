@@ -94,6 +94,10 @@ for s in $stages; do
       # processes that run at once (one GPU, 16 cores: the Triton JIT and the fp64
       # oracles are CPU-bound), by test (MINIPAGED_TEST_SHARD, tests/conftest.py), so one
       # slow file no longer holds a shard; logs tests_shard<i>.log.
+      # The extension is built once here first (a no-op when cached): a shard that reaches a CUDA
+      # test would otherwise build it while the others wait on its lock, all under their caps.
+      # TESTS_PAR_BUILD=0 skips that for Triton-only selections.
+      [ "${TESTS_PAR_BUILD:-1}" = 1 ] && run build python3 -c "from minipaged.cuda import build; build.load()"
       n=${TEST_SHARDS:-4}
       for ((i = 0; i < n; i++)); do
         MINIPAGED_TEST_SHARD="$i/$n" TESTS_LOG=tests_shard$i bash "$0" tests > "$WORK/logs/tests_shard$i.out" 2>&1 &

@@ -386,10 +386,11 @@ _PAGED_LONG_SM90_D128 = (64, 64, 4, 3)
 # per step on sm_90 (D 128, 16-bit pages), not the decode kernel's 64: measured faster for that
 # row (bench/results/nvidia-h200/triton_paged_groups_a40847b/).
 _PACKED_WIDE_KEYS_ROWS = 32
-# 16-row packed tiles (decodes and runs of up to 8 tokens at G 2) on sm_90 (D 128, 16-bit pages):
+# 16-row packed tiles (decodes and runs of up to 8 tokens at G 2) on sm_90 (D 128, 16-bit q):
 # 32 keys in 3 stages, through v2: 133.1 / 492.5 us on the spec row / a B=64 L=8k decode step
 # through paged, against 133.3 / 610.6 for the decode kernel's 64 keys in 2 stages and 136.9 /
-# 496.5 for 128 keys (bench/results/nvidia-h200/triton_packed_702270f/); FP8 pages keep 64 keys.
+# 496.5 for 128 keys; over FP8 pages 107.7 against 132.9 us on the spec row (fp16 dots)
+# (bench/results/nvidia-h200/triton_packed_702270f/).
 _PACKED_NARROW_SM90_D128 = (16, 32, 4, 3)
 
 
@@ -413,8 +414,9 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         block_m = max(min_m, _next_pow2(rows))
-        if sm90_d128 and block_m == _PACKED_NARROW_SM90_D128[0]:
-            return PagedConfig(*_PACKED_NARROW_SM90_D128)
+        if (block_m == _PACKED_NARROW_SM90_D128[0] and head_dim == 128 and dtype.itemsize == 2
+                and torch.cuda.get_device_capability(device)[0] == 9):
+            return PagedConfig(*_PACKED_NARROW_SM90_D128)  # 16-bit and FP8 pages
         block_n = 128 if sm90_d128 and block_m == _PACKED_WIDE_KEYS_ROWS else dec.block_n
         return PagedConfig(block_m, block_n, dec.num_warps, dec.num_stages)
     if sm90_d128 and group <= 2:
