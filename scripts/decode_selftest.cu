@@ -67,7 +67,6 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
-constexpr int kStrided = minipaged::kDecodeVariantStridedSplits;  // tensor-core kernel: splits take every S-th tile
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -385,8 +384,6 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
-  v.insert(v.end(), {0 | kStrided, 10 | kStrided});  // the tensor-core kernels with strided splits
-  if (pr.fp8) v.push_back(18 | kStrided);
   return v;
 }
 
@@ -427,9 +424,9 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
     }
     char buf[320];
     std::snprintf(buf, sizeof buf,
-                  "%-26s tiling %2d%s: %ld runs vs fp64 (max err %.2e, ref max %.2f): %ld bad; fused vs two-launch "
+                  "%-26s tiling %2d: %ld runs vs fp64 (max err %.2e, ref max %.2f): %ld bad; fused vs two-launch "
                   "bitwise in %ld runs: %ld differ; counters left non-zero: %ld  [splits %s]",
-                  pr.name.c_str(), t & 0xff, t & kStrided ? " strided" : "", runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
+                  pr.name.c_str(), t, runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
                   splits_seen.c_str());
     report(bad_ref == 0 && bad_bits == 0 && bad_counters == 0, buf);
     // o without lse must be the same bits as o with it.
@@ -700,12 +697,10 @@ int time_mode(int reps) {
     std::vector<int> configs;
     if (fp8) {
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, kNoReduce};  // 10: tensor cores; 18/19: 32 tokens per warp
-      configs.insert(configs.end(), {0 | kStrided, 18 | kStrided});
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
       configs.push_back(kNoReduce);
-      configs.insert(configs.end(), {0 | kStrided, 10 | kStrided});
     }
     for (int v : configs)
     for (int forced : time_splits) {
@@ -765,8 +760,8 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
-                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "", v & kStrided ? " strided" : "");
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
                   p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);

@@ -157,11 +157,6 @@ struct DecodeParams {
   const int32_t* cu_seqlens_q;
 };
 
-// DecodeParams::variant bit, benchmarking (decode/mma.cuh): split s of S takes the
-// tensor-core kernel's tiles s, s + S, s + 2S, ... of the context instead of one
-// contiguous run, so that at any moment the splits of a sequence read neighbouring tiles.
-constexpr int kDecodeVariantStridedSplits = 0x1000;
-
 // The kernels one decode call runs and how, chosen once by decode_plan.
 struct DecodePlan {
   void (*kernel)(const DecodeParams) = nullptr;  // nullptr: no kernel for this head_dim / dtype

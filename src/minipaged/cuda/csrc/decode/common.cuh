@@ -76,7 +76,6 @@ struct Piece {
 struct DecodeSlice {
   int split, kvh, b, h0, ng;
   int start, end;  // token range; empty when the split starts past the context
-  int ctx;         // the sequence's context length (clamped to capacity)
   int capacity;    // max_blocks * block_size: what the block table can address
   int row;
 };
@@ -98,7 +97,6 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   // walking off the block table.
   s.capacity = p.max_blocks * p.block_size;
   const int ctx = min(p.context_lens[s.b], s.capacity);
-  s.ctx = ctx;
   s.start = s.split * p.tokens_per_split;
   s.end = min(ctx, s.start + p.tokens_per_split);
   s.row = s.b;

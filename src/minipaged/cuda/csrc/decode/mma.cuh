@@ -150,12 +150,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, kRows);
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
-  // Tile t covers tokens [start + t * step, + kTile): one contiguous run per split, or with
-  // kDecodeVariantStridedSplits every num_splits-th tile of the whole context.
-  const bool strided = (p.variant & kDecodeVariantStridedSplits) != 0 && p.num_splits > 1;
-  const int start = strided ? slice.split * kTile : slice.start;
-  const int end = strided ? slice.ctx : slice.end;
-  const int step = strided ? p.num_splits * kTile : kTile;
+  const int start = slice.start, end = slice.end;
 
   const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
@@ -174,15 +169,15 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   constexpr bool kEarlyTable = MINIPAGED_DECODE_EARLY_TABLE != 0;
   [[maybe_unused]] int first_pages[STAGES > 1 ? STAGES - 1 : 1];
   if constexpr (kEarlyTable) {
-    const int table_end = strided ? slice.capacity : min(slice.capacity, start + p.tokens_per_split);
+    const int table_end = min(slice.capacity, start + p.tokens_per_split);
 #pragma unroll
     for (int st = 0; st + 1 < STAGES; ++st) {
-      const int tok0 = start + st * step + r0;
+      const int tok0 = start + st * kTile + r0;
       first_pages[st] = page_runs && tok0 < table_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
   }
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
-  const int n_tiles = end > start ? (end - start + step - 1) / step : 0;
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
   const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
   const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
   const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + c * kEPC;
@@ -207,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   auto copy_page_run = [&](int t, int stage, int page_entry) {
     const uint32_t kdst = ring + stage * S::kStageBytes;
     const uint32_t vdst = kdst + S::kTileBytes;
-    const int tok0 = start + t * step + r0;
+    const int tok0 = start + t * kTile + r0;
     const int page = tok0 < end ? page_entry : 0;
     const int in_page = tok0 & bs_mask;
     const KV* kp = kbase + (mul_wide(page, k_block_stride) + in_page * k_token_stride);
@@ -217,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       copy_row(kdst, vdst, r0 + it, kp + it * k_token_stride, vp + it * v_token_stride, tok0 + it < end);
   };
   auto load_tile = [&](int t, int stage) {
-    const int tok0 = start + t * step + r0;
+    const int tok0 = start + t * kTile + r0;
     if (page_runs) {
       copy_page_run(t, stage, tok0 < end ? __ldg(bt + (tok0 >> log2_bs)) : 0);
     } else {
@@ -332,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
       }
     }
-    const int tok0 = start + t * step + warp * WT;
+    const int tok0 = start + t * kTile + warp * WT;
     float alpha[2];
     bool max_moved = false;
 #pragma unroll
