@@ -650,8 +650,19 @@ int time_mode(int reps) {
   }
   // 16-bit rows (every tiling, both reductions), then fp8 rows (default, fused, cp.async tilings 6-8,
   // the tensor-core kernel with both reductions, and with 32 tokens per warp: 18, 19).
+  // DECODE_TIME_SHAPES (a comma list of B*1000000+L, e.g. 1032768 for B=1 L=32k) and
+  // DECODE_TIME_KV (16 or 8: the 16-bit or the fp8 rows only) narrow the grid, and
+  // DECODE_TIME_VARIANTS (a comma list of exact variant values) replaces each row's configs:
+  // what an ncu run of one kernel needs (scripts/gpu_check.sh decode_ncu).
+  const std::vector<int> shape_keys = env_ints("DECODE_TIME_SHAPES");
+  const std::vector<int> kv_bits = env_ints("DECODE_TIME_KV");
+  const std::vector<int> exact_variants = env_ints("DECODE_TIME_VARIANTS");
   for (const bool fp8 : {false, true})
   for (const Shape& sh : shapes) {
+    if (!kv_bits.empty() && kv_bits[0] != (fp8 ? 8 : 16)) continue;
+    if (!shape_keys.empty() &&
+        std::find(shape_keys.begin(), shape_keys.end(), sh.B * 1000000 + sh.L) == shape_keys.end())
+      continue;
     const int B = sh.B, L = sh.L, per_seq = L / bs;
     const int num_blocks = B * per_seq;
     const int64_t row = int64_t(hkv) * D;
@@ -702,6 +713,7 @@ int time_mode(int reps) {
       configs.push_back(kNoPDL);
       configs.push_back(kNoReduce);
     }
+    if (!exact_variants.empty()) configs = exact_variants;
     for (int v : configs)
     for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;

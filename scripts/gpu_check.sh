@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -289,6 +289,18 @@ for s in $stages; do
           export STAGE_TIMEOUT_time${r}_$b=${STAGE_TIMEOUT_decode_ab_time:-110}
           DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
+      done;;
+    decode_ncu)
+      # Nsight Compute, full set, of one split-kernel launch per decode_selftest row: DECODE_NCU_ROWS
+      # is a list of KV:SHAPE[:VARIANT] (KV 16 or 8 (fp8), SHAPE B*1000000+L as DECODE_TIME_SHAPES,
+      # VARIANT the exact variant, default 0), e.g. "16:1032768 8:1032768". The second launch is
+      # profiled (the first is the selftest's eager check). The prebuilt binary comes in .gpubin/.
+      for row in ${DECODE_NCU_ROWS:-16:1032768 8:1032768}; do
+        IFS=: read -r kv shape variant <<< "$row"
+        export STAGE_TIMEOUT_decode_ncu_${kv}_${shape}=${STAGE_TIMEOUT_decode_ncu:-120}
+        DECODE_TIME_KV=$kv DECODE_TIME_SHAPES=$shape DECODE_TIME_VARIANTS=${variant:-0} \
+          run decode_ncu_${kv}_${shape} ncu --clock-control none --set full -k regex:paged_decode \
+          --launch-skip 1 --launch-count 1 "$bin/decode_selftest" time 50
       done;;
     *) echo "unknown stage $s"; status=1;;
   esac
