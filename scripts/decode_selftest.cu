@@ -54,6 +54,7 @@
 #include <string>
 #include <vector>
 
+#include "decode/trace.cuh"
 #include "params.h"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
@@ -595,6 +596,51 @@ void print_graph_floor(cudaStream_t st, int reps, const L2Flush& fl) {
   CHECK_CUDA(cudaFree(dummy));
 }
 
+#if MINIPAGED_DECODE_TRACE
+// One traced graph replay after a flush (a build with -DMINIPAGED_DECODE_TRACE=1): the split
+// kernel's marks (decode/trace.cuh) as quantiles over its CTAs, in us from the first CTA's
+// entry, then the merge kernel's, and how many CTAs each SM ran.
+void print_trace(cudaGraphExec_t ge, cudaStream_t st, const L2Flush& fl, int split_ctas, int merge_ctas) {
+  using minipaged::kTraceMaxCtas;
+  static std::vector<unsigned long long> sp(size_t(kTraceMaxCtas) * minipaged::kTrMarks),
+      mg(size_t(kTraceMaxCtas) * minipaged::kRtMarks);
+  flush_kernel<<<g_num_sms * 8, 512, 0, st>>>(fl.buf, fl.n16, fl.sink);
+  CHECK_CUDA(cudaGraphLaunch(ge, st));
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  CHECK_CUDA(minipaged::decode_trace_read(sp.data(), mg.data()));
+  split_ctas = std::min(split_ctas, kTraceMaxCtas);
+  merge_ctas = std::min(merge_ctas, kTraceMaxCtas);
+  unsigned long long t0 = ~0ull;
+  for (int c = 0; c < split_ctas; ++c) t0 = std::min(t0, sp[size_t(c) * minipaged::kTrMarks + minipaged::kTrEntry]);
+  auto quantiles = [&](const char* name, const std::vector<unsigned long long>& v, int n, int stride, int mark) {
+    std::vector<double> x;
+    for (int c = 0; c < n; ++c) x.push_back((double(v[size_t(c) * stride + mark]) - double(t0)) * 1e-3);
+    std::sort(x.begin(), x.end());
+    auto q = [&](double f) { return x[std::min<size_t>(x.size() - 1, size_t(f * (x.size() - 1) + 0.5))]; };
+    std::printf("  trace %-18s min %7.2f  p10 %7.2f  p50 %7.2f  p90 %7.2f  max %7.2f us\n", name, x.front(), q(0.1),
+                q(0.5), q(0.9), x.back());
+  };
+  quantiles("split entry", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrEntry);
+  quantiles("split first tile", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrFirstTile);
+  quantiles("split last tile", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrLastTile);
+  quantiles("split loop done", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrLoopDone);
+  quantiles("split exit", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrExit);
+  if (merge_ctas > 0) {
+    quantiles("merge entry", mg, merge_ctas, minipaged::kRtMarks, minipaged::kRtEntry);
+    quantiles("merge waited", mg, merge_ctas, minipaged::kRtMarks, minipaged::kRtWaited);
+    quantiles("merge exit", mg, merge_ctas, minipaged::kRtMarks, minipaged::kRtExit);
+  }
+  std::vector<int> per_sm(1024, 0);
+  for (int c = 0; c < split_ctas; ++c) ++per_sm[sp[size_t(c) * minipaged::kTrMarks + minipaged::kTrSm] & 1023];
+  std::vector<int> hist(64, 0);
+  for (int n : per_sm) ++hist[std::min(n, 63)];
+  std::printf("  trace SMs by split CTAs run:");
+  for (int k = 1; k < 64; ++k)
+    if (hist[k] > 0) std::printf(" %d SMs x %d", hist[k], k);
+  std::printf("\n");
+}
+#endif
+
 int time_mode(int reps) {
   reps = std::max(reps, 50);
   // DECODE_TIME_HEADS="hq,hkv,D" times another head layout (default 16,8,128, the grid's).
@@ -767,8 +813,6 @@ int time_mode(int reps) {
       CHECK_CUDA(cudaStreamEndCapture(st, &g));
       CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
       const Timing t = time_graph(ge, st, reps, fl);
-      CHECK_CUDA(cudaGraphExecDestroy(ge));
-      CHECK_CUDA(cudaGraphDestroy(g));
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
@@ -777,6 +821,12 @@ int time_mode(int reps) {
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
                   p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
+#if MINIPAGED_DECODE_TRACE
+      print_trace(ge, st, fl, p.num_splits * hkv * gchunks * B,
+                  p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * B : 0);
+#endif
+      CHECK_CUDA(cudaGraphExecDestroy(ge));
+      CHECK_CUDA(cudaGraphDestroy(g));
     }
     for (void* ptr : {(void*)dk, (void*)dv, (void*)dq, (void*)dout, (void*)dlse, (void*)dpart, (void*)dtable,
                       (void*)dctx})

@@ -463,4 +463,12 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   return cudaLaunchKernelEx(&cfg, k.reduce, p);
 }
 
+#if MINIPAGED_DECODE_TRACE
+cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge) {
+  cudaError_t err = cudaMemcpyFromSymbol(split, g_decode_trace, sizeof(g_decode_trace));
+  if (err == cudaSuccess) err = cudaMemcpyFromSymbol(merge, g_reduce_trace, sizeof(g_reduce_trace));
+  return err;
+}
+#endif
+
 }  // namespace minipaged

@@ -28,6 +28,7 @@
 
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
+#include "decode/trace.cuh"
 #include "params.h"
 #include "ptx/cp_async.cuh"
 #include "ptx/fp8.cuh"
@@ -146,6 +147,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
+  decode_trace(kTrEntry);
+  decode_trace(kTrSm);
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, kRows);
@@ -290,6 +293,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     const int stage = t % STAGES;
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed for everyone; tile t-1's stage is free
+    if (t == 0) decode_trace(kTrFirstTile);
+    if (t == n_tiles - 1) decode_trace(kTrLastTile);
     if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
     cp_async_commit();
 
@@ -401,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     }
   }
   cp_async_wait<0>();
+  decode_trace(kTrLoopDone);
   griddep_launch_dependents();
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
@@ -435,6 +441,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     static_assert(kWarps * D >= kMaxSplits, "sm_o holds kRows rows of split weights");
     if (p.num_splits > 1) fused_split_reduce<T, D, kThreads>(p, slice, sm_o, sm_m, sm_l);
   }
+  decode_trace(kTrExit);
 }
 
 }  // namespace decode_mma

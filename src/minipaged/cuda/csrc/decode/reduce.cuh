@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "decode/common.cuh"
+#include "decode/trace.cuh"
 #include "ptx/misc.cuh"
 
 namespace minipaged {
@@ -60,7 +61,10 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   }
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
+  reduce_trace(kRtEntry);
+  reduce_trace(kRtSm);
   griddep_wait();
+  reduce_trace(kRtWaited);
   const int h = blockIdx.x;
   const int b = blockIdx.y;
   const int tid = threadIdx.x;
@@ -131,6 +135,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
     store4(op, o, inv);
   }
+  reduce_trace(kRtExit);
 }
 
 // Split rows one chain of decode_reduce_kernel covers: thread (r, col) of

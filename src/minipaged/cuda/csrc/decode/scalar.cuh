@@ -26,6 +26,7 @@
 
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
+#include "decode/trace.cuh"
 #include "ptx/cp_async.cuh"
 #include "ptx/misc.cuh"
 
@@ -67,6 +68,8 @@ paged_decode_kernel(const DecodeParams p) {
   __shared__ float sm_l[kWarps][G];
   __shared__ float sm_acc[kWarps][G][D];
   extern __shared__ uint4 stage_smem[];  // [STAGES][U][VEC][2][threads], STAGES >= 2 only
+  decode_trace(kTrEntry);
+  decode_trace(kTrSm);
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -237,6 +240,7 @@ paged_decode_kernel(const DecodeParams p) {
   };
 
   int tok_base = start + warp * TOK_WARP;
+  [[maybe_unused]] const int start_tok = tok_base;  // decode_trace's first-iteration test
   int page[U];  // pages of the next token groups to be loaded
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
@@ -301,7 +305,9 @@ paged_decode_kernel(const DecodeParams p) {
       // Next iteration's pages, while this iteration's rows are in flight.
       fetch_pages(tok_base + TOK_CTA, page);
     }
+    if (tok_base + TOK_CTA >= end) decode_trace(kTrLastTile);  // thread 0's rows of it landed
     consume(tok_base, kr, vr);
+    if (tok_base == start_tok) decode_trace(kTrFirstTile);
     if constexpr (PIPE && STAGES < 2) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -314,6 +320,7 @@ paged_decode_kernel(const DecodeParams p) {
     }
   }
   if constexpr (STAGES >= 2) cp_async_wait<0>();  // no copy may outlive the block
+  decode_trace(kTrLoopDone);
   // Let the reduction grid launch while this one drains; it still waits for
   // this grid's completion (griddep_wait) before reading partials.
   griddep_launch_dependents();
@@ -365,6 +372,7 @@ paged_decode_kernel(const DecodeParams p) {
     static_assert(kWarps * D >= kMaxSplits, "sm_acc holds G rows of split weights");
     if (p.num_splits > 1) fused_split_reduce<T, D, kWarps * 32>(p, slice, &sm_acc[0][0][0], &sm_m[0][0], &sm_l[0][0]);
   }
+  decode_trace(kTrExit);
 }
 
 }  // namespace
