@@ -44,6 +44,17 @@
 #ifndef MINIPAGED_DECODE_EARLY_TABLE
 #define MINIPAGED_DECODE_EARLY_TABLE 1
 #endif
+// 1: the prologue requests a tile for every ring stage, not STAGES - 1: at the start of a call,
+// when every CTA waits on its first tile, STAGES tiles per CTA are in flight instead of
+// STAGES - 1 (the loop then refills from the second tile on). 0: the old order, for A/B runs.
+#ifndef MINIPAGED_DECODE_FULL_PROLOGUE
+#define MINIPAGED_DECODE_FULL_PROLOGUE 1
+#endif
+// 1: the warp merge stores only the query-head rows the CTA owns (ng of the 16 MMA rows) in
+// shared memory. 0: all 16 (the old epilogue), for A/B runs.
+#ifndef MINIPAGED_DECODE_REAL_ROWS
+#define MINIPAGED_DECODE_REAL_ROWS 1
+#endif
 
 namespace minipaged {
 namespace decode_mma {
@@ -170,11 +181,14 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   // context_lens (and of the packed-query skip); an entry past the context is read but never
   // followed (its rows are past `end`).
   constexpr bool kEarlyTable = MINIPAGED_DECODE_EARLY_TABLE != 0;
-  [[maybe_unused]] int first_pages[STAGES > 1 ? STAGES - 1 : 1];
+  // Tiles the prologue requests (MINIPAGED_DECODE_FULL_PROLOGUE).
+  constexpr bool kFullPrologue = MINIPAGED_DECODE_FULL_PROLOGUE != 0 && STAGES >= 2;
+  constexpr int kPrologueTiles = kFullPrologue ? STAGES : STAGES - 1;
+  [[maybe_unused]] int first_pages[kPrologueTiles > 0 ? kPrologueTiles : 1];
   if constexpr (kEarlyTable) {
     const int table_end = min(slice.capacity, start + p.tokens_per_split);
 #pragma unroll
-    for (int st = 0; st + 1 < STAGES; ++st) {
+    for (int st = 0; st < kPrologueTiles; ++st) {
       const int tok0 = start + st * kTile + r0;
       first_pages[st] = page_runs && tok0 < table_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
@@ -244,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     cp_async_commit();
   }
 #pragma unroll
-  for (int st = 0; st + 1 < STAGES; ++st) {
+  for (int st = 0; st < kPrologueTiles; ++st) {
     if (st < n_tiles) {
       if (kEarlyTable && page_runs)
         copy_page_run(st, st, first_pages[st]);
@@ -261,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int tq = (lane & 3) * 2;  // fragment column pair
   uint32_t q_frag[D / 16][4];
   float row_scale[2] = {1.f, 1.f};  // what undoes bf16_rows_to_f16 on rows g, g + 8
-  cp_async_wait<STAGES - 1>();  // the Q group has landed
+  cp_async_wait<kPrologueTiles>();  // the Q group has landed
   __syncthreads();
   if constexpr (FP8) {
     const auto q_off = [](int row, int chunk) { return swz<D>(row, chunk); };
@@ -291,12 +305,20 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t % STAGES;
-    cp_async_wait<STAGES - 2>();
+    // Groups complete in commit order: tile t's is done once at most the STAGES - 2 tiles
+    // requested after it (STAGES - 1 at t = 0 after a full prologue) are pending.
+    if (kFullPrologue && t == 0)
+      cp_async_wait<STAGES - 1>();
+    else
+      cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed for everyone; tile t-1's stage is free
     if (t == 0) decode_trace(kTrFirstTile);
     if (t == n_tiles - 1) decode_trace(kTrLastTile);
-    if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
-    cp_async_commit();
+    // Refill tile t-1's stage with tile t + STAGES - 1 (a full prologue already requested it at t = 0).
+    if (!kFullPrologue || t > 0) {
+      if (t + STAGES - 1 < n_tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+      cp_async_commit();
+    }
 
     const uint32_t k_stage = k_lm + stage * S::kStageBytes;
     const uint32_t v_stage = v_lm + stage * S::kStageBytes;
@@ -413,12 +435,16 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][D]
   float* sm_m = sm_o + kWarps * kRows * D;              // [kWarps][kRows]
   float* sm_l = sm_m + kWarps * kRows;                  // [kWarps][kRows]
+  constexpr bool kRealRows = MINIPAGED_DECODE_REAL_ROWS != 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lsum = l[h];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const int row = g + 8 * h;
+    // Rows past the CTA's ng heads are padding the merge never reads: at G = 2 storing them
+    // was 8x the shared-memory stores, every one an 8-way bank conflict (rows D floats apart).
+    if (kRealRows && row >= ng) continue;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       float2 v = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
