@@ -182,7 +182,9 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   // followed (its rows are past `end`).
   constexpr bool kEarlyTable = MINIPAGED_DECODE_EARLY_TABLE != 0;
   // Tiles the prologue requests (MINIPAGED_DECODE_FULL_PROLOGUE).
-  constexpr bool kFullPrologue = MINIPAGED_DECODE_FULL_PROLOGUE != 0 && STAGES >= 2;
+  // 16-bit caches only: an FP8 tile's longer compute makes the CTA work through its STAGES
+  // landed tiles with one request in flight, which measured 0.3-0.6% slower on the H200.
+  constexpr bool kFullPrologue = MINIPAGED_DECODE_FULL_PROLOGUE != 0 && STAGES >= 2 && !FP8;
   constexpr int kPrologueTiles = kFullPrologue ? STAGES : STAGES - 1;
   [[maybe_unused]] int first_pages[kPrologueTiles > 0 ? kPrologueTiles : 1];
   if constexpr (kEarlyTable) {
