@@ -10,7 +10,11 @@
 //   ./decode_selftest small          a few tiny cases, for compute-sanitizer
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
-//                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D)
+//                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D;
+//                                    DECODE_TIME_SPLITS, _SHAPES, _KV, _VARIANTS: see time_mode)
+//   built with -DMINIPAGED_DECODE_TRACE=1, `time` also prints one traced replay per row: when
+//   the CTAs start, land their first and last K/V tiles, finish, and when the merge runs
+//   (decode/trace.cuh; quantiles over CTAs, and how many CTAs each SM ran)
 //   ./decode_selftest roofline [reps] the fastest plain read of each grid row's bytes, timed
 //                                    the same way: the bound no decode kernel beats here
 //                                    (16-byte loads, and whole pages through a bulk-copy ring)
