@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -290,6 +290,21 @@ for s in $stages; do
           DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
       done;;
+    decode_trace)
+      # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
+      # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the
+      # merge) and how many CTAs each SM ran. DECODE_TRACE_VARIANTS: the exact variants (default 0);
+      # DECODE_TIME_SHAPES / DECODE_TIME_KV narrow the grid. Prebuilt as .gpubin/decode_selftest_trace
+      # (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 -DMINIPAGED_DECODE_BENCH_TILINGS=0), else built here.
+      mkdir -p "$bin"
+      if [ ! -x "$bin/decode_selftest_trace" ]; then
+        STAGE_TIMEOUT_decode_trace_build=${STAGE_TIMEOUT_decode_trace_build:-150} run decode_trace_build \
+          nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 -DMINIPAGED_DECODE_BENCH_TILINGS=0 scripts/decode_selftest.cu \
+          $csrc/decode/launch.cu -o "$bin/decode_selftest_trace" -lgomp
+      fi
+      export OMP_NUM_THREADS=16
+      DECODE_TIME_VARIANTS=${DECODE_TRACE_VARIANTS:-0} STAGE_TIMEOUT_decode_trace=${STAGE_TIMEOUT_decode_trace:-120} \
+        run decode_trace "$bin/decode_selftest_trace" time ${DECODE_SELFTEST_REPS:-50};;
     decode_ncu)
       # Nsight Compute, full set, of one split-kernel launch per decode_selftest row: DECODE_NCU_ROWS
       # is a list of KV:SHAPE[:VARIANT] (KV 16 or 8 (fp8), SHAPE B*1000000+L as DECODE_TIME_SHAPES,
