@@ -5,7 +5,7 @@ spills (ptxas -v, the ptxas bundled with triton), and with --same-as REV whether
 specialisations compile to the same PTX and TTGIR as decode.py at git revision REV (line
 info off, so only the code counts).
 
-    PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR]
+    PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR] [--fp8-tiles]
 
 Run it with the GPU machine's triton as well (an unpacked 3.6 wheel first on PYTHONPATH).
 """
@@ -32,7 +32,7 @@ _I32 = ("block_tables", "context_lens", "cu_seqlens_q")
 _F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
 
 
-def _compile(fn, q_dt, kv_dt, cx, warps, stages):
+def _compile(fn, q_dt, kv_dt, cx, warps, stages, **options):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
@@ -40,7 +40,7 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages):
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # 16-byte aligned pointers and strides divisible by 16, except the block-table row
     div = set(types) | {n for n in fn.arg_names if n.startswith("stride_") and n != "stride_table"}
-    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), warps, stages)
+    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), warps, stages, **options)
 
 
 def variants(plain_only: bool = False):
@@ -139,16 +139,52 @@ def same_as(rev: str, here: str) -> int:
     return diffs
 
 
+# The FP8 decode's default mode (four planes, configs.decode_fp8_words = 2) at other tiles and
+# register caps: (BLOCK_N, warps, stages, maxnreg or None). Its word loads get one buffer of
+# prefetch whatever num_stages says, so the K/V bytes in flight per SM are (programs per SM) x
+# one tile; a 64-key fp8 tile is half the bytes of the 16-bit one at the same residency.
+FP8_TILES = [(64, 4, 2, None), (64, 4, 3, None), (64, 4, 2, 102), (128, 4, 2, None), (128, 4, 2, 168),
+             (128, 4, 2, 128), (128, 4, 3, 168), (128, 8, 2, None)]
+
+
+def fp8_tiles() -> int:
+    """Registers, spills, shared memory, loop length and the resulting K/V bytes in flight per SM
+    (one prefetched tile per resident program) of the FP8 planes decode at FP8_TILES, bf16 q."""
+    k = decode._decode_kernel
+    base = dict(HEAD_DIM=128, BLOCK_H=16, PAGE=16, SPLIT=False, DOT_PRECISION="tf32", RETURN_LSE=False,
+                KV_FP8=True, FP8_F16=True, FP8_WORDS=2, HW_CVT=True)
+    failures = 0
+    for bn, warps, stages, cap in FP8_TILES:
+        name = f"fp8 planes {bn}x{warps}x{stages}" + (f" maxnreg {cap}" if cap else "")
+        try:
+            kern = _compile(k, "bf16", "fp8", dict(base, BLOCK_N=bn), warps, stages,
+                            **({"maxnreg": cap} if cap else {}))
+        except Exception as e:  # a tile that does not compile is a result
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            continue
+        usage = _ptxas(kern.asm["ptx"])
+        regs, smem = usage.get("regs"), kern.metadata.shared
+        programs = min(65536 // (regs * 32 * warps), (228 * 1024) // (smem + 1024)) if isinstance(regs, int) else 0
+        print(f"ok   {name}: regs={regs} spill_bytes={usage.get('spill_bytes')} shared={smem} "
+              f"sass_loops={sass_loops(kern.asm['cubin'])} programs/SM={programs} "
+              f"KV KB in flight/SM={programs * bn * 128 * 2 // 1024}", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--same-as", help="git revision whose decode.py the plain variants must equal")
     ap.add_argument("--dump", help="keep <name>.ptx/.ttgir here")
     ap.add_argument("--emit", help=argparse.SUPPRESS)
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fp8-tiles", action="store_true", help="only the FP8 planes tiles of FP8_TILES")
     args = ap.parse_args(argv)
     if args.emit:
         return 1 if emit(args.emit, args.plain_only) else 0
     print(f"triton {triton.__version__}, target sm_90")
+    if args.fp8_tiles:
+        return 1 if fp8_tiles() else 0
     with tempfile.TemporaryDirectory() as tmp:
         here = args.dump or tmp
         failures = emit(here, False)

@@ -103,7 +103,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
-                    "'default-words', '128x4x2', '128x4x2-f16', ... (BLOCK_N x WARPS x STAGES; -f16: "
+                    "'default-words', '128x4x2', '128x4x2-f16', '128x4x2x168-planes', ... (BLOCK_N x WARPS x STAGES "
+                    "[x MAXNREG]; -f16: "
                     "decode_fp8_f16; -words / -planes: and decode_fp8_words 1 / 2; neither: tiles widened to q's dtype)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -255,6 +255,37 @@ def test_prefill_override_register_cap(no_overrides, monkeypatch):
         "num_warps": 8, "num_stages": 4}
 
 
+def test_decode_override_register_cap_reaches_the_launch(no_overrides, monkeypatch):
+    # the decode override's fourth number (the FP8 tile A/B's register cap) is in the tile's
+    # launch options and in the decode kernel's launch; without it the launch carries none
+    from minipaged.triton import ops
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    cuda = torch.device("cuda")
+    configs.set_override("decode", (128, 4, 2, 168))
+    cfg = configs.decode_config(128, torch.bfloat16, cuda)
+    assert (cfg.block_n, cfg.launch_options()) == (128, {"num_warps": 4, "num_stages": 2, "maxnreg": 168})
+    configs.set_override("decode", (64, 4, 2))
+    assert configs.decode_config(128, torch.bfloat16, cuda).launch_options() == {"num_warps": 4, "num_stages": 2}
+
+    launched = []
+
+    class _Kernel:  # records what a launch passes instead of compiling
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs))
+
+    monkeypatch.setattr(ops, "_decode_kernel", _Kernel())
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    cache = torch.randn(3, 16, 2, 64, dtype=torch.float16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    out = torch.empty_like(q)
+    for tile, want in (((64, 4, 2, 168), 168), ((64, 4, 2), None)):
+        ops._launch_decode_kernel(2, 1, 16, configs.DecodeConfig(*tile), q, cache, cache, table, lens, out, out,
+                                  (0, 0), out, out, out, out, False, 0.125, False)
+        grid, kwargs = launched[-1]
+        assert grid == (2, 2, 1) and kwargs["num_warps"] == 4 and kwargs.get("maxnreg") == want
+
+
 def test_fallback_tiles_keep_their_register_cap():
     # a tile that does not fit shrinks step by step (stages, keys, rows, then one stage) and keeps
     # every field it does not shrink: the register cap, and a paged tile's kind

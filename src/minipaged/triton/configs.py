@@ -43,10 +43,14 @@ class PrefillConfig(_Launched):
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(_Launched):
     block_n: int
     num_warps: int
     num_stages: int
+    # a register cap per thread (triton's `maxnreg`): more programs resident per SM, so more
+    # K/V tiles in flight; None: the compiler's choice. Set only through the "decode" override
+    # (BLOCK_N, WARPS, STAGES, MAXNREG) so far.
+    maxnreg: int | None = None
 
 
 def interpreting() -> bool:
@@ -87,7 +91,7 @@ _PREFILL_SM90 = {
 }
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
-# "prefill": (BM, BN, WARPS, STAGES[, MAXNREG]), "decode": (BN, WARPS, STAGES), "decode_splits": int,
+# "prefill": (BM, BN, WARPS, STAGES[, MAXNREG]), "decode": (BN, WARPS, STAGES[, MAXNREG]), "decode_splits": int,
 # "paged": (BM, BN, WARPS, STAGES[, MAXNREG]), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),

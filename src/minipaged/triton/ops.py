@@ -251,8 +251,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         FP8_WORDS=words,
         HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **cfg.launch_options(),
     )
 
 
