@@ -5,7 +5,7 @@ spills (ptxas -v, the ptxas bundled with triton), and with --same-as REV whether
 specialisations compile to the same PTX and TTGIR as decode.py at git revision REV (line
 info off, so only the code counts).
 
-    PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR] [--fp8-tiles]
+    PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR] [--inflight]
 
 Run it with the GPU machine's triton as well (an unpacked 3.6 wheel first on PYTHONPATH).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,36 +140,47 @@ def same_as(rev: str, here: str) -> int:
     return diffs
 
 
-# The FP8 decode's default mode (four planes, configs.decode_fp8_words = 2) at other tiles and
-# register caps: (BLOCK_N, warps, stages, maxnreg or None). Its word loads get one buffer of
-# prefetch whatever num_stages says, so the K/V bytes in flight per SM are (programs per SM) x
-# one tile; a 64-key fp8 tile is half the bytes of the 16-bit one at the same residency.
-FP8_TILES = [(64, 4, 2, None), (64, 4, 3, None), (64, 4, 2, 102), (128, 4, 2, None), (128, 4, 2, 168),
-             (128, 4, 2, 128), (128, 4, 3, 168), (128, 8, 2, None)]
+# Decode tiles by the K/V bytes they keep in flight: (cache, BLOCK_N, warps, stages, maxnreg or
+# None, TABLE_AHEAD). With the block ids read in the same iteration (TABLE_AHEAD off, the
+# default) the software pipeliner gives the K/V loads one buffer whatever num_stages says; read
+# a tile ahead, num_stages - 1. "fp8" is the default FP8 mode (four planes, decode_fp8_words 2).
+INFLIGHT_TILES = [
+    ("bf16", 64, 4, 2, None, False), ("bf16", 64, 4, 3, None, True),
+    ("fp8", 64, 4, 2, None, False), ("fp8", 64, 4, 3, None, False), ("fp8", 64, 4, 2, 102, False),
+    ("fp8", 128, 4, 2, None, False), ("fp8", 128, 4, 2, 168, False), ("fp8", 128, 4, 2, 128, False),
+    ("fp8", 128, 4, 3, 168, False), ("fp8", 128, 8, 2, None, False),
+    ("fp8", 64, 4, 2, None, True), ("fp8", 64, 4, 3, None, True), ("fp8", 64, 4, 4, None, True),
+    ("fp8", 64, 4, 3, 128, True), ("fp8", 64, 4, 4, 128, True), ("fp8", 128, 4, 3, 168, True),
+]
 
 
-def fp8_tiles() -> int:
-    """Registers, spills, shared memory, loop length and the resulting K/V bytes in flight per SM
-    (one prefetched tile per resident program) of the FP8 planes decode at FP8_TILES, bf16 q."""
+def inflight_tiles() -> int:
+    """Registers, spills, shared memory, loop length, K/V buffers per operand (from the TTGIR)
+    and the resulting K/V bytes in flight per SM of the decode at INFLIGHT_TILES, bf16 q."""
     k = decode._decode_kernel
-    base = dict(HEAD_DIM=128, BLOCK_H=16, PAGE=16, SPLIT=False, DOT_PRECISION="tf32", RETURN_LSE=False,
-                KV_FP8=True, FP8_F16=True, FP8_WORDS=2, HW_CVT=True)
     failures = 0
-    for bn, warps, stages, cap in FP8_TILES:
-        name = f"fp8 planes {bn}x{warps}x{stages}" + (f" maxnreg {cap}" if cap else "")
+    for kv, bn, warps, stages, cap, ahead in INFLIGHT_TILES:
+        cx = dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_N=bn, PAGE=16, SPLIT=False, DOT_PRECISION="tf32",
+                  RETURN_LSE=False, TABLE_AHEAD=ahead, KV_FP8=kv == "fp8")
+        if kv == "fp8":
+            cx.update(FP8_F16=True, FP8_WORDS=2, HW_CVT=True)
+        name = f"{kv} {bn}x{warps}x{stages}" + (f" maxnreg {cap}" if cap else "") + (" table ahead" if ahead else "")
         try:
-            kern = _compile(k, "bf16", "fp8", dict(base, BLOCK_N=bn), warps, stages,
-                            **({"maxnreg": cap} if cap else {}))
+            kern = _compile(k, "bf16", kv, cx, warps, stages, **({"maxnreg": cap} if cap else {}))
         except Exception as e:  # a tile that does not compile is a result
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             continue
         usage = _ptxas(kern.asm["ptx"])
         regs, smem = usage.get("regs"), kern.metadata.shared
+        # the full-tile loop's K (or word) buffers: memdesc<N x BLOCK_N x ...>
+        elem = "i32" if kv == "fp8" else "bf16"
+        bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x\d+x{elem}", kern.asm["ttgir"])] or [0])
         programs = min(65536 // (regs * 32 * warps), (228 * 1024) // (smem + 1024)) if isinstance(regs, int) else 0
+        tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024
         print(f"ok   {name}: regs={regs} spill_bytes={usage.get('spill_bytes')} shared={smem} "
-              f"sass_loops={sass_loops(kern.asm['cubin'])} programs/SM={programs} "
-              f"KV KB in flight/SM={programs * bn * 128 * 2 // 1024}", flush=True)
+              f"sass_loops={sass_loops(kern.asm['cubin'])} buffers={bufs} programs/SM={programs} "
+              f"KV KB in flight/SM={programs * bufs * tile_kb}", flush=True)
     return failures
 
 
@@ -178,13 +190,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", help="keep <name>.ptx/.ttgir here")
     ap.add_argument("--emit", help=argparse.SUPPRESS)
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--fp8-tiles", action="store_true", help="only the FP8 planes tiles of FP8_TILES")
+    ap.add_argument("--inflight", action="store_true", help="only the tiles of INFLIGHT_TILES: K/V bytes in flight")
     args = ap.parse_args(argv)
     if args.emit:
         return 1 if emit(args.emit, args.plain_only) else 0
     print(f"triton {triton.__version__}, target sm_90")
-    if args.fp8_tiles:
-        return 1 if fp8_tiles() else 0
+    if args.inflight:
+        return 1 if inflight_tiles() else 0
     with tempfile.TemporaryDirectory() as tmp:
         here = args.dump or tmp
         failures = emit(here, False)

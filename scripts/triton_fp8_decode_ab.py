@@ -48,9 +48,12 @@ MODES = ("widen", "f16", "words", "planes")
 
 
 def _set_mode(mode: str | None) -> None:
-    """The overrides of fp8 mode `mode` (None: release them)."""
-    configs.set_override("decode_fp8_f16", None if mode is None else int(mode != "widen"))
-    configs.set_override("decode_fp8_words", None if mode is None else {"words": 1, "planes": 2}.get(mode, 0))
+    """The overrides of fp8 mode `mode` (None: release them). A "+ahead" suffix also reads the
+    full tiles' block ids a tile ahead (configs.decode_table_ahead), on either cache."""
+    base, _, flag = (mode or "").partition("+")
+    configs.set_override("decode_fp8_f16", None if mode is None else int(base != "widen"))
+    configs.set_override("decode_fp8_words", None if mode is None else {"words": 1, "planes": 2}.get(base, 0))
+    configs.set_override("decode_table_ahead", None if mode is None else int(flag == "ahead"))
 
 
 def _fp8(k_cache, v_cache):
@@ -104,7 +107,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
                     "'default-words', '128x4x2', '128x4x2-f16', '128x4x2x168-planes', ... (BLOCK_N x WARPS x STAGES "
-                    "[x MAXNREG]; -f16: "
+                    "[x MAXNREG]; a '+ahead' suffix: and configs.decode_table_ahead, e.g. '64x4x4-planes+ahead', "
+                    "'64x4x3-widen+ahead' for the 16-bit rows; -f16: "
                     "decode_fp8_f16; -words / -planes: and decode_fp8_words 1 / 2; neither: tiles widened to q's dtype)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -117,11 +121,11 @@ def main() -> int:
             tile, _, mode = v.partition("-")
             return (None if tile == "default" else tuple(int(x) for x in tile.split("x")), mode or "widen")
         variants = [parse(v) for v in args.variants.split(",") if v]
-        bad = [m for _, m in variants if m not in MODES]
+        bad = [m for _, m in variants if m.partition("+")[0] not in MODES or m.partition("+")[2] not in ("", "ahead")]
         if bad:
             ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}")
     if args.smoke:
-        variants = [(None, m) for m in MODES]
+        variants = [(None, m) for m in MODES] + [(None, "planes+ahead")]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "dtype": str(dtype), "rows": [], "failed": {}}
@@ -138,8 +142,9 @@ def main() -> int:
         base = _time(case, None, False, dtype, device, args.reps)
         row = {"case": case.label, "16bit_default_us": base, "16bit": {}, "fp8": {}}
         for tile, mode, name in ok:
-            if mode == "widen":  # the 16-bit rows do not depend on the fp8 mode
-                row["16bit"][name] = base if tile is None else _time(case, tile, False, dtype, device, args.reps)
+            if mode.partition("+")[0] == "widen":  # the 16-bit rows depend on no fp8 mode, only on "+ahead"
+                row["16bit"][name] = (base if tile is None and mode == "widen"
+                                      else _time(case, tile, False, dtype, device, args.reps, mode))
             row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, mode)
         best = min(row["fp8"], key=row["fp8"].get)
         print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +

@@ -264,6 +264,25 @@ def test_decode_splits_interpreter(splits, monkeypatch):
 
 
 @cpu_only
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", CPU_DECODE, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}")
+def test_decode_table_ahead_same_bits_interpreter(case, splits, monkeypatch):
+    """configs.decode_table_ahead: the full tiles' block ids read a tile ahead and carried (pages
+    smaller and larger than the key tile, empty splits, empty contexts, -1 table entries past
+    each context). Same tiles, same order: the bits of the default path, and each checked
+    against the fp64 oracle by _run_decode."""
+    from minipaged.triton import configs
+
+    base = _run_decode(*case, torch.float16, "cpu", splits=splits, monkeypatch=monkeypatch)
+    configs.set_override("decode_table_ahead", 1)
+    try:
+        ahead = _run_decode(*case, torch.float16, "cpu", splits=splits, monkeypatch=monkeypatch)
+    finally:
+        configs.set_override("decode_table_ahead", None)
+    assert torch.equal(base, ahead)
+
+
+@cpu_only
 def test_decode_head_dim_256_interpreter():
     _run_decode([19, 40], 4, 2, 256, 16, torch.float32, "cpu")
 

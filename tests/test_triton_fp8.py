@@ -333,6 +333,18 @@ def test_fp8_decode_word_tiles_interpreter(q_mult, words):
     _f16_dots(torch.float16, q_mult, seed=15, words=words)
 
 
+@cpu_only
+@pytest.mark.parametrize("words", [0, 2], ids=["f16", "planes"])
+def test_fp8_decode_table_ahead_interpreter(words):
+    """configs.decode_table_ahead on fp8 caches: the planes loop and the fp16-dot loop with the
+    block ids read a tile ahead, decode and a mixed paged batch's decode rows, against the oracle."""
+    configs.set_override("decode_table_ahead", 1)
+    try:
+        _f16_dots(torch.float16, 1.0, seed=17, words=words)
+    finally:
+        configs.set_override("decode_table_ahead", None)
+
+
 @triton.jit
 def _widen_words_kernel(W, OUT, HW_CVT: tl.constexpr):
     rows = tl.arange(0, 8)

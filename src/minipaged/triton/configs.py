@@ -96,7 +96,7 @@ _PREFILL_SM90 = {
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
 # "paged_prefetch": 0 or 1; "paged_heads_fastest": 0 or 1; "paged_fp8_f16": 0 or 1; "decode_fp8_f16": 0 or 1;
-# "decode_fp8_words": 0, 1 (words) or 2 (planes); "prefill_lazy_rescale": 0..12;
+# "decode_fp8_words": 0, 1 (words) or 2 (planes); "decode_table_ahead": 0 or 1; "prefill_lazy_rescale": 0..12;
 # the Gluon paged loader: "gluon_table_ahead" and "gluon_split_loader", 0 or 1; the Gluon kernels'
 # ablation steps: "gluon_overlap" 0 or 1, "gluon_regs": (consumer, loader) registers per thread;
 # "gluon_l2_sections" 0 or 1; "paged_packed_kernel": "v1" or "v2".
@@ -109,7 +109,8 @@ def set_override(name: str, value) -> None:
     """Force (value) or release (None) one config for tuning runs; see OVERRIDES.
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
-    if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "paged",
+    if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "decode_table_ahead",
+                    "paged",
                     "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", "gluon_split_loader",
                     "gluon_overlap", "gluon_regs", "gluon_l2_sections", *_PAGED_OVERRIDES):
         raise ValueError(f"unknown override {name!r}")
@@ -121,7 +122,8 @@ def set_override(name: str, value) -> None:
         if value not in named[name]:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
-    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "paged_fp8_f16", "gluon_table_ahead",
+    elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "decode_table_ahead", "paged_fp8_f16",
+                  "gluon_table_ahead",
                   "gluon_split_loader", "gluon_overlap", "gluon_l2_sections"):
         OVERRIDES[name] = bool(int(value))
     elif name == "prefill_lazy_rescale":
@@ -567,6 +569,16 @@ DECODE_FP8_WORDS = 2
 
 def decode_fp8_words() -> int:
     return int(OVERRIDES.get("decode_fp8_words", DECODE_FP8_WORDS))
+
+
+# The decode kernel's full tiles read their block ids a tile ahead (decode.py, TABLE_AHEAD), so
+# the software pipeliner may keep num_stages - 1 K/V tiles in flight instead of one. Off until
+# timed on the H200 (bench/results/nvidia-h200/triton_fp8_inflight_offline/ has the compiles).
+DECODE_TABLE_AHEAD = False
+
+
+def decode_table_ahead() -> bool:
+    return OVERRIDES.get("decode_table_ahead", DECODE_TABLE_AHEAD)
 
 
 @functools.lru_cache(maxsize=None)

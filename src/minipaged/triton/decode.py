@@ -47,6 +47,12 @@ for 1 (scripts/triton_decode_sm90.py). The ragged last tile takes the whole-tile
 HW_CVT: the widening by cvt.rn.f16x2.e4m3x2 (two elements per instruction); off (the
 interpreter, which runs no PTX), by integer ops on the bits, exact and NaN-preserving too.
 
+TABLE_AHEAD (constexpr, default off; configs.decode_table_ahead): the full tiles' block ids are
+read one tile ahead and carried, so no K/V load waits on a table load of its own iteration.
+With the table read in the same iteration the software pipeliner keeps one tile in flight
+whatever num_stages says (one shared buffer per operand in the sm_90 TTGIR); ahead, it can keep
+num_stages - 1. Same tiles, same order: the results are the same bits.
+
 PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, mixed mode
 "decode"). Program b serves sequence b of the paged call only if its q_len
 cu_seqlens_q[b+1] - cu_seqlens_q[b] is 1, and then its query, output and lse row is the
@@ -84,6 +90,28 @@ def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_to
         else:
             block = tl.load(table_row + toks // PAGE).to(tl.int64)
         return block * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
+
+
+@triton.jit
+def _tile_block_ids(table_row, start_n, offs_n, limit, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """The block ids of the keys start_n + offs_n (int64): one scalar when PAGE >= BLOCK_N, else
+    one per key. MASKED: 0 unless start_n < limit, with nothing read."""
+    if PAGE >= BLOCK_N:
+        if MASKED:
+            return tl.load(table_row + start_n // PAGE, mask=start_n < limit, other=0).to(tl.int64)
+        return tl.load(table_row + start_n // PAGE).to(tl.int64)
+    else:
+        if MASKED:
+            return tl.load(table_row + (start_n + offs_n) // PAGE, mask=(offs_n * 0 + start_n) < limit,
+                           other=0).to(tl.int64)
+        return tl.load(table_row + (start_n + offs_n) // PAGE).to(tl.int64)
+
+
+@triton.jit
+def _tile_offsets(blocks, start_n, offs_n, stride_block, stride_tok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_kv_tile_offsets from block ids already read (_tile_block_ids)."""
+    return blocks * stride_block + ((start_n + offs_n) % PAGE).to(tl.int64) * stride_tok
 
 
 @triton.jit
@@ -180,6 +208,7 @@ def _decode_kernel(
     FP8_F16: tl.constexpr = False,
     FP8_WORDS: tl.constexpr = 0,
     HW_CVT: tl.constexpr = False,
+    TABLE_AHEAD: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -240,11 +269,21 @@ def _decode_kernel(
         a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
         a3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
+        if TABLE_AHEAD:
+            blocks = _tile_block_ids(table_row, n_begin, offs_n, full_end, PAGE, BLOCK_N, True)
         for start_n in range(n_begin, full_end, BLOCK_N):
-            k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
-            v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+            if TABLE_AHEAD:
+                cur = blocks
+                # the last iteration re-reads its own tile's ids: every index stays in range
+                blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n,
+                                         full_end, PAGE, BLOCK_N, False)
+                k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
+                v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
+            else:
+                k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                         stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
+                v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                         stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
             k0, k1, k2, k3 = _e4m3_word_planes(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
             v0, v1, v2, v3 = _e4m3_word_planes(tl.load(v_words + (v_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
             a0, a1, a2, a3, l_i, m_i = _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3,
@@ -255,11 +294,20 @@ def _decode_kernel(
     else:
         full_lo = n_begin
 
+    if TABLE_AHEAD:
+        blocks = _tile_block_ids(table_row, full_lo, offs_n, full_end, PAGE, BLOCK_N, True)
     for start_n in range(full_lo, full_end, BLOCK_N):
-        k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                 stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
-        v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                 stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+        if TABLE_AHEAD:
+            cur = blocks
+            blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n,
+                                     full_end, PAGE, BLOCK_N, False)
+            k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
+            v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
+        else:
+            k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
+            v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
         if FP8_WORDS == 1:
             k = _e4m3_words_to_f16(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,
                                    HW_CVT)

@@ -250,6 +250,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         FP8_F16=_fp8_f16(fp8, q),
         FP8_WORDS=words,
         HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
+        TABLE_AHEAD=configs.decode_table_ahead(),
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
         **cfg.launch_options(),
     )
