@@ -115,6 +115,28 @@ def _tile_offsets(blocks, start_n, offs_n, stride_block, stride_tok, PAGE: tl.co
 
 
 @triton.jit
+def _full_tile_offsets(table_row, blocks, start_n, full_end, offs_n,
+                       stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_AHEAD: tl.constexpr):
+    """K and V offsets of the full tile at start_n, and the block ids to carry to the next one:
+    with TABLE_AHEAD `blocks` holds this tile's ids, read an iteration earlier, and the next
+    tile's are read now (the last iteration re-reads its own, so every index stays inside the
+    context); without, the ids are read here and `blocks` passes through unused."""
+    if TABLE_AHEAD:
+        cur = blocks
+        blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n, full_end,
+                                 PAGE, BLOCK_N, False)
+        k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
+        v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
+    else:
+        k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                 stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
+        v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
+                                 stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+    return k_off, v_off, blocks
+
+
+@triton.jit
 def _e4m3_byte_to_f16(b):
     """e4m3fn byte b (int32, 0..255) -> its fp16 value: the exponent and mantissa bits shifted
     into fp16's fields give the value times 2^-8 (exponent bias 7 against 15; subnormals too),
@@ -269,21 +291,11 @@ def _decode_kernel(
         a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
         a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
         a3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], dtype=tl.float32)
-        if TABLE_AHEAD:
-            blocks = _tile_block_ids(table_row, n_begin, offs_n, full_end, PAGE, BLOCK_N, True)
+        blocks = _tile_block_ids(table_row, n_begin, offs_n, full_end, PAGE, BLOCK_N, True) if TABLE_AHEAD else 0
         for start_n in range(n_begin, full_end, BLOCK_N):
-            if TABLE_AHEAD:
-                cur = blocks
-                # the last iteration re-reads its own tile's ids: every index stays in range
-                blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n,
-                                         full_end, PAGE, BLOCK_N, False)
-                k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
-                v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
-            else:
-                k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                         stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
-                v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                         stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+            k_off, v_off, blocks = _full_tile_offsets(table_row, blocks, start_n, full_end, offs_n,
+                                                      stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                                      PAGE, BLOCK_N, TABLE_AHEAD)
             k0, k1, k2, k3 = _e4m3_word_planes(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
             v0, v1, v2, v3 = _e4m3_word_planes(tl.load(v_words + (v_off // 4)[:, None] + offs_w[None, :]), HW_CVT)
             a0, a1, a2, a3, l_i, m_i = _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3,
@@ -294,20 +306,11 @@ def _decode_kernel(
     else:
         full_lo = n_begin
 
-    if TABLE_AHEAD:
-        blocks = _tile_block_ids(table_row, full_lo, offs_n, full_end, PAGE, BLOCK_N, True)
+    blocks = _tile_block_ids(table_row, full_lo, offs_n, full_end, PAGE, BLOCK_N, True) if TABLE_AHEAD else 0
     for start_n in range(full_lo, full_end, BLOCK_N):
-        if TABLE_AHEAD:
-            cur = blocks
-            blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n,
-                                     full_end, PAGE, BLOCK_N, False)
-            k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
-            v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
-        else:
-            k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
-            v_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
-                                     stride_vblock, stride_vtok, PAGE, BLOCK_N, False)
+        k_off, v_off, blocks = _full_tile_offsets(table_row, blocks, start_n, full_end, offs_n,
+                                                  stride_kblock, stride_ktok, stride_vblock, stride_vtok,
+                                                  PAGE, BLOCK_N, TABLE_AHEAD)
         if FP8_WORDS == 1:
             k = _e4m3_words_to_f16(tl.load(k_words + (k_off // 4)[:, None] + offs_w[None, :]), BLOCK_N, HEAD_DIM,
                                    HW_CVT)
