@@ -123,7 +123,7 @@ def main() -> int:
         variants = [parse(v) for v in args.variants.split(",") if v]
         bad = [m for _, m in variants if m.partition("+")[0] not in MODES or m.partition("+")[2] not in ("", "ahead")]
         if bad:
-            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}")
+            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}, optionally with '+ahead'")
     if args.smoke:
         variants = [(None, m) for m in MODES] + [(None, "planes+ahead")]
     t0 = time.time()

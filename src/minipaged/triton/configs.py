@@ -414,14 +414,13 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
     if "paged" in OVERRIDES:
         bm, bn, w, s, *cap = OVERRIDES["paged"]
         return PagedConfig(max(bm, min_m), bn, w, s, rows <= _PACKED_MAX_ROWS, *cap)
-    # the measured sm_90 tiles: D 128 over 16-bit pages
-    sm90_d128 = (head_dim == 128 and dtype.itemsize == 2 and not kv_fp8
-                 and torch.cuda.get_device_capability(device)[0] == 9)
+    # the measured sm_90 tiles: D 128 with a 16-bit q (sm90_d128: over 16-bit pages too)
+    sm90_d128_q16 = head_dim == 128 and dtype.itemsize == 2 and torch.cuda.get_device_capability(device)[0] == 9
+    sm90_d128 = sm90_d128_q16 and not kv_fp8
     if rows <= _PACKED_MAX_ROWS:
         dec = decode_config(head_dim, dtype, device)
         block_m = max(min_m, _next_pow2(rows))
-        if (block_m == _PACKED_NARROW_SM90_D128[0] and head_dim == 128 and dtype.itemsize == 2
-                and torch.cuda.get_device_capability(device)[0] == 9):
+        if sm90_d128_q16 and block_m == _PACKED_NARROW_SM90_D128[0]:
             return PagedConfig(*_PACKED_NARROW_SM90_D128)  # 16-bit and FP8 pages
         block_n = 128 if sm90_d128 and block_m == _PACKED_WIDE_KEYS_ROWS else dec.block_n
         return PagedConfig(block_m, block_n, dec.num_warps, dec.num_stages)
