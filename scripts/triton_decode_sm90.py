@@ -45,7 +45,7 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages, **options):
 
 
 def variants(plain_only: bool = False):
-    """(name, fn, q dtype, cache dtype, constexprs, warps, stages): the sm_90 decode tile
+    """(name, fn, q dtype, cache dtype, constexprs, warps, stages[, compile options]): the sm_90 decode tile
     (configs.decode_config: BLOCK_N 64, 4 warps, 2 stages) at the benchmark's heads."""
     k, r = decode._decode_kernel, decode._decode_reduce
     base = dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_N=64, PAGE=16, SPLIT=False, DOT_PRECISION="tf32",
@@ -78,6 +78,15 @@ def variants(plain_only: bool = False):
              4, 2),
             ("packed_fp8_planes_split", k, "bf16", "fp8", dict(base, KV_FP8=True, SPLIT=True, PACKED_Q=True,
                                                                FP8_F16=True, FP8_WORDS=2, HW_CVT=True), 4, 2),
+            # configs.decode_config's sm_90 FP8 tile: ids ahead, 3 stages, 128 registers; with the
+            # planes, and the fp16-dot loop a misaligned cache falls back to
+            *[(f"sm90_fp8_{name}", k, q_dt, "fp8", dict(base, KV_FP8=True, FP8_F16=True, TABLE_AHEAD=True,
+                                                       **{"HW_CVT": True, **cx}), 4, 3, {"maxnreg": 128})
+              for name, q_dt, cx in (("planes", "bf16", dict(FP8_WORDS=2)),
+                                     ("planes_split_lse", "bf16", dict(FP8_WORDS=2, SPLIT=True, RETURN_LSE=True)),
+                                     ("planes_fp16_p1", "fp16", dict(FP8_WORDS=2, PAGE=1)),
+                                     ("f16_split_lse", "bf16", dict(FP8_WORDS=0, HW_CVT=False, SPLIT=True,
+                                                                   RETURN_LSE=True)))],
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),
@@ -94,9 +103,9 @@ def _ptxas(ptx: str) -> dict:
 def emit(out_dir: str, plain_only: bool) -> int:
     os.makedirs(out_dir, exist_ok=True)
     failures = 0
-    for name, fn, q_dt, kv_dt, cx, w, s in variants(plain_only):
+    for name, fn, q_dt, kv_dt, cx, w, s, *options in variants(plain_only):
         try:
-            k = _compile(fn, q_dt, kv_dt, cx, w, s)
+            k = _compile(fn, q_dt, kv_dt, cx, w, s, **(options[0] if options else {}))
         except Exception as e:  # a variant that does not compile is a result
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)

@@ -286,6 +286,47 @@ def test_decode_override_register_cap_reaches_the_launch(no_overrides, monkeypat
         assert grid == (2, 2, 1) and kwargs["num_warps"] == 4 and kwargs.get("maxnreg") == want
 
 
+def test_fp8_decode_tile_on_sm90(no_overrides, monkeypatch):
+    # FP8 pages at D 128 on sm_90 take the measured tile (ids ahead, 3 stages, 128 registers)
+    # only with the planes loop; every other case keeps the 16-bit tile, and the ids-ahead
+    # override beats the tile's own choice
+    from minipaged.triton import ops
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    cuda = torch.device("cuda")
+    plain = configs.DecodeConfig(64, 4, 2)
+    fp8 = configs.decode_config(128, torch.bfloat16, cuda, kv_fp8=True)
+    assert fp8 == configs.DecodeConfig(64, 4, 3, 128, True)
+    assert fp8.launch_options() == {"num_warps": 4, "num_stages": 3, "maxnreg": 128}
+    assert configs.decode_table_ahead(fp8) and not configs.decode_table_ahead(plain)
+    assert not configs.decode_table_ahead(configs.PagedConfig(16, 64, 4, 2, True))
+    assert configs.decode_config(128, torch.bfloat16, cuda) == plain
+    assert configs.decode_config(64, torch.bfloat16, cuda, kv_fp8=True) == plain
+    assert configs.decode_config(128, torch.float32, cuda, kv_fp8=True) == configs.DecodeConfig(32, 8, 2)
+    configs.set_override("decode_table_ahead", 0)
+    assert not configs.decode_table_ahead(fp8)
+    configs.set_override("decode_table_ahead", None)
+    configs.set_override("decode_fp8_words", 1)
+    assert configs.decode_config(128, torch.bfloat16, cuda, kv_fp8=True) == plain
+    configs.set_override("decode_fp8_words", None)
+    capability[0] = (8, 9)
+    assert configs.decode_config(128, torch.bfloat16, cuda, kv_fp8=True) == plain
+
+    # the decode plan is cached per cache dtype too: an fp8 call after a 16-bit one of the
+    # same shapes gets its own tile
+    asked = []
+    monkeypatch.setattr(ops, "decode_config", lambda d, dt, dev, kv_fp8=False: asked.append(kv_fp8) or plain)
+    ops._decode_plans.clear()
+    q = torch.randn(2, 4, 128, dtype=torch.bfloat16)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16):
+        ops._decode_plan(q, torch.zeros(3, 16, 2, 128, dtype=cache_dtype), table)
+    ops._decode_plans.clear()
+    assert asked == [False, True]
+
+
 def test_fallback_tiles_keep_their_register_cap():
     # a tile that does not fit shrinks step by step (stages, keys, rows, then one stage) and keeps
     # every field it does not shrink: the register cap, and a paged tile's kind

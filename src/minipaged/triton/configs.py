@@ -48,9 +48,12 @@ class DecodeConfig(_Launched):
     num_warps: int
     num_stages: int
     # a register cap per thread (triton's `maxnreg`): more programs resident per SM, so more
-    # K/V tiles in flight; None: the compiler's choice. Set only through the "decode" override
-    # (BLOCK_N, WARPS, STAGES, MAXNREG) so far.
+    # K/V tiles in flight; None: the compiler's choice. The "decode" override sets it as its
+    # fourth number (BLOCK_N, WARPS, STAGES, MAXNREG).
     maxnreg: int | None = None
+    # the full tiles read their block ids a tile ahead (decode.py, TABLE_AHEAD), so that the
+    # pipeliner keeps num_stages - 1 K/V tiles in flight; the "decode_table_ahead" override wins
+    table_ahead: bool = False
 
 
 def interpreting() -> bool:
@@ -310,7 +313,8 @@ def prefill_hopper_config(variant: str, head_dim: int, dtype: torch.dtype, devic
     return cfg
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp8: bool = False) -> DecodeConfig:
+    """The decode kernel's tile for q of `dtype` over a 16-bit cache, or an e4m3 one (kv_fp8)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     if "decode" in OVERRIDES:
@@ -320,8 +324,19 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> De
         return DecodeConfig(32, 8, 2)
     if head_dim >= 256:
         return DecodeConfig(32, 4, 2)
+    if (kv_fp8 and head_dim == 128 and decode_fp8_f16() and decode_fp8_words() == 2
+            and torch.cuda.get_device_capability(device)[0] == 9):
+        return _DECODE_FP8_SM90_D128
     # two stages beat three at every measured batch (triton_config_notes.md)
     return DecodeConfig(64, 4, 2)
+
+
+# FP8 pages, the planes loop, on sm_90 at D 128: the block ids a tile ahead give two K/V
+# buffers per program, and the 128-register cap keeps 4 programs per SM (the split planner's
+# target; at 3 the B=64 L=8k grid takes two waves). 128 KB of fp8 in flight per SM instead of
+# 64: B=64 L=8k at 0.56x the 16-bit time instead of 0.66x, B=1 L=32k at 0.71x instead of 0.78x
+# (bench/results/nvidia-h200/triton_fp8_ab_e0cf24e/; the compiles: triton_fp8_inflight_offline/).
+_DECODE_FP8_SM90_D128 = DecodeConfig(64, 4, 3, maxnreg=128, table_ahead=True)
 
 
 # Split-KV target: about this many programs per SM; the best measured split count
@@ -570,14 +585,10 @@ def decode_fp8_words() -> int:
     return int(OVERRIDES.get("decode_fp8_words", DECODE_FP8_WORDS))
 
 
-# The decode kernel's full tiles read their block ids a tile ahead (decode.py, TABLE_AHEAD), so
-# the software pipeliner may keep num_stages - 1 K/V tiles in flight instead of one. Off until
-# timed on the H200 (bench/results/nvidia-h200/triton_fp8_inflight_offline/ has the compiles).
-DECODE_TABLE_AHEAD = False
-
-
-def decode_table_ahead() -> bool:
-    return OVERRIDES.get("decode_table_ahead", DECODE_TABLE_AHEAD)
+def decode_table_ahead(cfg) -> bool:
+    """Whether the decode launch of tile `cfg` reads its block ids a tile ahead (a DecodeConfig's
+    table_ahead; never for the paged tiles that launch the decode kernel) unless overridden."""
+    return OVERRIDES.get("decode_table_ahead", getattr(cfg, "table_ahead", False))
 
 
 @functools.lru_cache(maxsize=None)

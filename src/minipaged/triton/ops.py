@@ -154,13 +154,13 @@ _decode_plans: dict = {}
 
 
 def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor):
-    key = (q.device, q.dtype, *q.shape, *k_cache.shape[1:3], block_tables.shape[1],
+    key = (q.device, q.dtype, k_cache.dtype, *q.shape, *k_cache.shape[1:3], block_tables.shape[1],
            configs.overrides_version, configs.interpreting())
     plan = _decode_plans.get(key)
     if plan is None:
         batch, num_q_heads, head_dim = q.shape
         page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        cfg = decode_config(head_dim, q.dtype, q.device)
+        cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn)
         capacity = block_tables.shape[1] * page_size
         num_splits = decode_num_splits(batch, num_kv_heads, capacity, cfg.block_n, q.device)
         block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
@@ -250,7 +250,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         FP8_F16=_fp8_f16(fp8, q),
         FP8_WORDS=words,
         HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
-        TABLE_AHEAD=configs.decode_table_ahead(),
+        TABLE_AHEAD=configs.decode_table_ahead(cfg),
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
         **cfg.launch_options(),
     )
