@@ -49,11 +49,14 @@ MODES = ("widen", "f16", "words", "planes")
 
 def _set_mode(mode: str | None) -> None:
     """The overrides of fp8 mode `mode` (None: release them). A "+ahead" suffix also reads the
-    full tiles' block ids a tile ahead (configs.decode_table_ahead), on either cache."""
-    base, _, flag = (mode or "").partition("+")
+    full tiles' block ids a tile ahead (configs.decode_table_ahead), on either cache; a "+sN" suffix
+    forces N KV splits per (sequence, KV head)."""
+    base, *flags = (mode or "").split("+")
+    splits = [int(f[1:]) for f in flags if f[:1] == "s"]
     configs.set_override("decode_fp8_f16", None if mode is None else int(base != "widen"))
     configs.set_override("decode_fp8_words", None if mode is None else {"words": 1, "planes": 2}.get(base, 0))
-    configs.set_override("decode_table_ahead", None if mode is None else int(flag == "ahead"))
+    configs.set_override("decode_table_ahead", None if mode is None else int("ahead" in flags))
+    configs.set_override("decode_splits", splits[0] if splits else None)
 
 
 def _fp8(k_cache, v_cache):
@@ -104,16 +107,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cases", help="only these rows of the grid, by label, comma-separated ('B=1 L=32768')")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
                     "'default-words', '128x4x2', '128x4x2-f16', '128x4x2x168-planes', ... (BLOCK_N x WARPS x STAGES "
-                    "[x MAXNREG]; a '+ahead' suffix: and configs.decode_table_ahead, e.g. '64x4x4-planes+ahead', "
+                    "[x MAXNREG]; a '+ahead' suffix: and configs.decode_table_ahead, e.g. '64x4x4-planes+ahead', '+s32': 32 splits, "
                     "'64x4x3-widen+ahead' for the 16-bit rows; -f16: "
                     "decode_fp8_f16; -words / -planes: and decode_fp8_words 1 / 2; neither: tiles widened to q's dtype)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
+    if args.cases:
+        grid = [c for c in grid if c.label in args.cases.split(",")]
     variants = ([(t, "widen") for t in TILES] + [(t, "f16") for t in F16_TILES]
                 + [(None, "words"), ((128, 4, 2), "words"), (None, "planes"), ((128, 4, 2), "planes")])
     if args.variants:
@@ -121,11 +127,14 @@ def main() -> int:
             tile, _, mode = v.partition("-")
             return (None if tile == "default" else tuple(int(x) for x in tile.split("x")), mode or "widen")
         variants = [parse(v) for v in args.variants.split(",") if v]
-        bad = [m for _, m in variants if m.partition("+")[0] not in MODES or m.partition("+")[2] not in ("", "ahead")]
+        def known(mode):
+            base, *flags = mode.split("+")
+            return base in MODES and all(f == "ahead" or (f[:1] == "s" and f[1:].isdigit()) for f in flags)
+        bad = [m for _, m in variants if not known(m)]
         if bad:
-            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}, optionally with '+ahead'")
+            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}, optionally with '+ahead' and '+s<splits>'")
     if args.smoke:
-        variants = [(None, m) for m in MODES] + [(None, "planes+ahead")]
+        variants = [(None, m) for m in MODES] + [(None, "planes+ahead"), (None, "planes+ahead+s2")]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "dtype": str(dtype), "rows": [], "failed": {}}
