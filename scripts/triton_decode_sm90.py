@@ -160,6 +160,9 @@ INFLIGHT_TILES = [
     ("fp8", 128, 4, 3, 168, False), ("fp8", 128, 8, 2, None, False),
     ("fp8", 64, 4, 2, None, True), ("fp8", 64, 4, 3, None, True), ("fp8", 64, 4, 4, None, True),
     ("fp8", 64, 4, 3, 128, True), ("fp8", 64, 4, 4, 128, True), ("fp8", 128, 4, 3, 168, True),
+    # five programs per SM (a cap of at most 102 registers; shared memory holds five at 3 stages)
+    ("fp8", 64, 4, 3, 102, True), ("fp8", 64, 4, 3, 96, True), ("fp8", 32, 4, 5, 102, True),
+    ("fp8", 32, 4, 4, 128, True), ("bf16", 32, 4, 3, 102, True), ("bf16", 32, 4, 4, 102, True),
 ]
 
 
