@@ -87,6 +87,11 @@ def variants(plain_only: bool = False):
                                      ("planes_fp16_p1", "fp16", dict(FP8_WORDS=2, PAGE=1)),
                                      ("f16_split_lse", "bf16", dict(FP8_WORDS=0, HW_CVT=False, SPLIT=True,
                                                                    RETURN_LSE=True)))],
+            # its batched 16-bit tile: 32 keys, ids ahead, 3 stages, 102 registers
+            *[(f"sm90_batched_{name}", k, q_dt, q_dt, dict(base, BLOCK_N=32, TABLE_AHEAD=True, **cx), 4, 3,
+               {"maxnreg": 102})
+              for name, q_dt, cx in (("plain", "bf16", {}), ("split_lse", "bf16", dict(SPLIT=True, RETURN_LSE=True)),
+                                     ("fp16_p1", "fp16", dict(PAGE=1)))],
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),

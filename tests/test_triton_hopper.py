@@ -286,7 +286,7 @@ def test_decode_override_register_cap_reaches_the_launch(no_overrides, monkeypat
         assert grid == (2, 2, 1) and kwargs["num_warps"] == 4 and kwargs.get("maxnreg") == want
 
 
-def test_fp8_decode_tile_on_sm90(no_overrides, monkeypatch):
+def test_decode_tiles_on_sm90(no_overrides, monkeypatch):
     # FP8 pages at D 128 on sm_90 take the measured tile (ids ahead, 3 stages, 128 registers)
     # only with the planes loop; every other case keeps the 16-bit tile, and the ids-ahead
     # override beats the tile's own choice
@@ -303,6 +303,13 @@ def test_fp8_decode_tile_on_sm90(no_overrides, monkeypatch):
     assert configs.decode_table_ahead(fp8) and not configs.decode_table_ahead(plain)
     assert not configs.decode_table_ahead(configs.PagedConfig(16, 64, 4, 2, True))
     assert configs.decode_config(128, torch.bfloat16, cuda) == plain
+    # 16-bit pages: the 32-key, five-program tile from 64 sequences x KV heads up (fp8 keeps its own)
+    batched = configs.DecodeConfig(32, 4, 3, 102, True)
+    assert configs.decode_config(128, torch.bfloat16, cuda, num_programs=63) == plain
+    assert configs.decode_config(128, torch.bfloat16, cuda, num_programs=64) == batched
+    assert configs.decode_config(128, torch.float16, cuda, num_programs=1024) == batched
+    assert configs.decode_config(128, torch.bfloat16, cuda, kv_fp8=True, num_programs=1024) == fp8
+    assert configs.decode_config(64, torch.bfloat16, cuda, num_programs=1024) == plain
     assert configs.decode_config(64, torch.bfloat16, cuda, kv_fp8=True) == plain
     assert configs.decode_config(128, torch.float32, cuda, kv_fp8=True) == configs.DecodeConfig(32, 8, 2)
     configs.set_override("decode_table_ahead", 0)
@@ -313,18 +320,20 @@ def test_fp8_decode_tile_on_sm90(no_overrides, monkeypatch):
     configs.set_override("decode_fp8_words", None)
     capability[0] = (8, 9)
     assert configs.decode_config(128, torch.bfloat16, cuda, kv_fp8=True) == plain
+    assert configs.decode_config(128, torch.bfloat16, cuda, num_programs=1024) == plain
 
     # the decode plan is cached per cache dtype too: an fp8 call after a 16-bit one of the
     # same shapes gets its own tile
     asked = []
-    monkeypatch.setattr(ops, "decode_config", lambda d, dt, dev, kv_fp8=False: asked.append(kv_fp8) or plain)
+    monkeypatch.setattr(ops, "decode_config",
+                        lambda d, dt, dev, kv_fp8=False, num_programs=0: asked.append((kv_fp8, num_programs)) or plain)
     ops._decode_plans.clear()
     q = torch.randn(2, 4, 128, dtype=torch.bfloat16)
     table = torch.zeros(2, 3, dtype=torch.int32)
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16):
         ops._decode_plan(q, torch.zeros(3, 16, 2, 128, dtype=cache_dtype), table)
     ops._decode_plans.clear()
-    assert asked == [False, True]
+    assert asked == [(False, 4), (True, 4)]
 
 
 def test_fallback_tiles_keep_their_register_cap():

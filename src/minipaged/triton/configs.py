@@ -313,8 +313,10 @@ def prefill_hopper_config(variant: str, head_dim: int, dtype: torch.dtype, devic
     return cfg
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp8: bool = False) -> DecodeConfig:
-    """The decode kernel's tile for q of `dtype` over a 16-bit cache, or an e4m3 one (kv_fp8)."""
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp8: bool = False,
+                  num_programs: int = 0) -> DecodeConfig:
+    """The decode kernel's tile for q of `dtype` over a 16-bit cache, or an e4m3 one (kv_fp8);
+    num_programs: the launch's sequences x KV heads (0: not known, as for the paged tiles)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     if "decode" in OVERRIDES:
@@ -327,6 +329,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp
     if (kv_fp8 and head_dim == 128 and decode_fp8_f16() and decode_fp8_words() == 2
             and torch.cuda.get_device_capability(device)[0] == 9):
         return _DECODE_FP8_SM90_D128
+    if (not kv_fp8 and head_dim == 128 and num_programs >= _DECODE_BATCHED_MIN_PROGRAMS
+            and torch.cuda.get_device_capability(device)[0] == 9):
+        return _DECODE_BATCHED_SM90_D128
     # two stages beat three at every measured batch (triton_config_notes.md)
     return DecodeConfig(64, 4, 2)
 
@@ -337,6 +342,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp
 # 64: B=64 L=8k at 0.56x the 16-bit time instead of 0.66x, B=1 L=32k at 0.71x instead of 0.78x
 # (bench/results/nvidia-h200/triton_fp8_ab_e0cf24e/; the compiles: triton_fp8_inflight_offline/).
 _DECODE_FP8_SM90_D128 = DecodeConfig(64, 4, 3, maxnreg=128, table_ahead=True)
+
+# 16-bit pages on sm_90 at D 128, from 8 sequences of 8 KV heads up: 32-key tiles, the ids
+# ahead (two 16 KB buffers) and a 102-register cap (no spill) give 5 programs per SM, 160 KB in
+# flight against 128 KB for the 64-key tile; 0.97-0.98x its time at B=8-64, but 1.06x at B=1
+# L=4k, where each of the 66 splits is two tiles (bench/results/nvidia-h200/triton_decode_tiles_8afc205/).
+_DECODE_BATCHED_SM90_D128 = DecodeConfig(32, 4, 3, maxnreg=102, table_ahead=True)
+_DECODE_BATCHED_MIN_PROGRAMS = 64
 
 
 # Split-KV target: about this many programs per SM; the best measured split count

@@ -160,7 +160,8 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
     if plan is None:
         batch, num_q_heads, head_dim = q.shape
         page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn)
+        cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn,
+                            batch * num_kv_heads)
         capacity = block_tables.shape[1] * page_size
         num_splits = decode_num_splits(batch, num_kv_heads, capacity, cfg.block_n, q.device)
         block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
