@@ -49,13 +49,16 @@ MODES = ("widen", "f16", "words", "planes")
 
 def _set_mode(mode: str | None) -> None:
     """The overrides of fp8 mode `mode` (None: release them). A "+ahead" suffix also reads the
-    full tiles' block ids a tile ahead (configs.decode_table_ahead), on either cache; a "+sN" suffix
+    full tiles' block ids a tile ahead (configs.decode_table_ahead), on either cache, and "+noahead" in
+    the same iteration (neither: the tile's own table_ahead, False for a forced tile); a "+sN" suffix
     forces N KV splits per (sequence, KV head)."""
     base, *flags = (mode or "").split("+")
     splits = [int(f[1:]) for f in flags if f[:1] == "s"]
     configs.set_override("decode_fp8_f16", None if mode is None else int(base != "widen"))
     configs.set_override("decode_fp8_words", None if mode is None else {"words": 1, "planes": 2}.get(base, 0))
-    configs.set_override("decode_table_ahead", None if mode is None else int("ahead" in flags))
+    # neither suffix: the tile's own choice (configs.decode_config's tiles carry one)
+    ahead = 1 if "ahead" in flags else 0 if "noahead" in flags else None
+    configs.set_override("decode_table_ahead", None if mode is None else ahead)
     configs.set_override("decode_splits", splits[0] if splits else None)
 
 
@@ -108,6 +111,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cases", help="only these rows of the grid, by label, comma-separated ('B=1 L=32768')")
+    ap.add_argument("--no-fp8", action="store_true", help="time the 16-bit cache only (the 'widen' variants)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--variants", help="only these, comma-separated: 'default', 'default-f16', "
                     "'default-words', '128x4x2', '128x4x2-f16', '128x4x2x168-planes', ... (BLOCK_N x WARPS x STAGES "
@@ -129,10 +133,11 @@ def main() -> int:
         variants = [parse(v) for v in args.variants.split(",") if v]
         def known(mode):
             base, *flags = mode.split("+")
-            return base in MODES and all(f == "ahead" or (f[:1] == "s" and f[1:].isdigit()) for f in flags)
+            return base in MODES and all(f in ("ahead", "noahead") or (f[:1] == "s" and f[1:].isdigit())
+                                         for f in flags)
         bad = [m for _, m in variants if not known(m)]
         if bad:
-            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}, optionally with '+ahead' and '+s<splits>'")
+            ap.error(f"unknown fp8 mode(s) {bad}: want one of {MODES}, optionally with '+ahead' or '+noahead' and '+s<splits>'")
     if args.smoke:
         variants = [(None, m) for m in MODES] + [(None, "planes+ahead"), (None, "planes+ahead+s2")]
     t0 = time.time()
@@ -154,7 +159,13 @@ def main() -> int:
             if mode.partition("+")[0] == "widen":  # the 16-bit rows depend on no fp8 mode, only on "+ahead"
                 row["16bit"][name] = (base if tile is None and mode == "widen"
                                       else _time(case, tile, False, dtype, device, args.reps, mode))
-            row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, mode)
+            if not args.no_fp8:
+                row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, mode)
+        if args.no_fp8:
+            print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
+                  "  ".join(f"{k}: {v:.1f} ({v / base:.3f}x)" for k, v in row["16bit"].items()), flush=True)
+            results["rows"].append(row)
+            continue
         best = min(row["fp8"], key=row["fp8"].get)
         print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
               "  ".join(f"{k}: 16-bit {row['16bit'].get(k, float('nan')):.1f} fp8 {v:.1f} ({v / base:.2f}x)"
