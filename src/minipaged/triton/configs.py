@@ -338,15 +338,15 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp
 
 # FP8 pages, the planes loop, on sm_90 at D 128: the block ids a tile ahead give two K/V
 # buffers per program, and the 128-register cap keeps 4 programs per SM (the split planner's
-# target; at 3 the B=64 L=8k grid takes two waves). 128 KB of fp8 in flight per SM instead of
-# 64: B=64 L=8k at 0.56x the 16-bit time instead of 0.66x, B=1 L=32k at 0.71x instead of 0.78x
-# (bench/results/nvidia-h200/triton_fp8_ab_e0cf24e/; the compiles: triton_fp8_inflight_offline/).
+# target; at 3 the largest grid rows take two waves), so an SM holds twice the fp8 bytes in
+# flight of the 16-bit tile (bench/results/nvidia-h200/triton_fp8_ab_e0cf24e/; the compiles:
+# triton_fp8_inflight_offline/).
 _DECODE_FP8_SM90_D128 = DecodeConfig(64, 4, 3, maxnreg=128, table_ahead=True)
 
 # 16-bit pages on sm_90 at D 128, from 8 sequences of 8 KV heads up: 32-key tiles, the ids
-# ahead (two 16 KB buffers) and a 102-register cap (no spill) give 5 programs per SM, 160 KB in
-# flight against 128 KB for the 64-key tile; 0.97-0.98x its time at B=8-64, but 1.06x at B=1
-# L=4k, where each of the 66 splits is two tiles (bench/results/nvidia-h200/triton_decode_tiles_8afc205/).
+# ahead (two 16 KB buffers) and a 102-register cap (no spill) fit 5 programs per SM, more bytes
+# in flight than the 64-key tile's 4. Below, each split is too few 32-key tiles and the 64-key
+# tile is faster (bench/results/nvidia-h200/triton_decode_tiles_8afc205/).
 _DECODE_BATCHED_SM90_D128 = DecodeConfig(32, 4, 3, maxnreg=102, table_ahead=True)
 _DECODE_BATCHED_MIN_PROGRAMS = 64
 
