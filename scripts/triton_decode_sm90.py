@@ -165,10 +165,18 @@ INFLIGHT_TILES = [
     ("fp8", 128, 4, 3, 168, False), ("fp8", 128, 8, 2, None, False),
     ("fp8", 64, 4, 2, None, True), ("fp8", 64, 4, 3, None, True), ("fp8", 64, 4, 4, None, True),
     ("fp8", 64, 4, 3, 128, True), ("fp8", 64, 4, 4, 128, True), ("fp8", 128, 4, 3, 168, True),
-    # five programs per SM (a cap of at most 102 registers; shared memory holds five at 3 stages)
-    ("fp8", 64, 4, 3, 102, True), ("fp8", 64, 4, 3, 96, True), ("fp8", 32, 4, 5, 102, True),
+    # caps meant for five programs per SM: 102 registers still gives four (the allocation unit is
+    # 256 registers per warp), 96 gives five
+    ("fp8", 64, 4, 3, 102, True), ("fp8", 64, 4, 3, 96, True), ("fp8", 32, 4, 5, 102, True), ("fp8", 32, 4, 5, 96, True),
     ("fp8", 32, 4, 4, 128, True), ("bf16", 32, 4, 3, 102, True), ("bf16", 32, 4, 4, 102, True),
+    ("bf16", 32, 4, 3, 96, True), ("bf16", 32, 4, 3, 128, True), ("bf16", 32, 4, 3, None, True),
 ]
+
+
+def _warp_regs(regs_per_thread: int) -> int:
+    """Registers one warp holds on sm_90: allocated in units of 256 per warp, so a 102-register
+    thread costs a warp 104 x 32 and 5 programs of 4 warps need at most 96 per thread."""
+    return -(-regs_per_thread * 32 // 256) * 256
 
 
 def inflight_tiles() -> int:
@@ -193,7 +201,7 @@ def inflight_tiles() -> int:
         # the full-tile loop's K (or word) buffers: memdesc<N x BLOCK_N x ...>
         elem = "i32" if kv == "fp8" else "bf16"
         bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x\d+x{elem}", kern.asm["ttgir"])] or [0])
-        programs = min(65536 // (regs * 32 * warps), (228 * 1024) // (smem + 1024)) if isinstance(regs, int) else 0
+        programs = min(65536 // (_warp_regs(regs) * warps), (228 * 1024) // (smem + 1024)) if isinstance(regs, int) else 0
         tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024
         print(f"ok   {name}: regs={regs} spill_bytes={usage.get('spill_bytes')} shared={smem} "
               f"sass_loops={sass_loops(kern.asm['cubin'])} buffers={bufs} programs/SM={programs} "
