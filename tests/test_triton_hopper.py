@@ -303,7 +303,7 @@ def test_decode_tiles_on_sm90(no_overrides, monkeypatch):
     assert configs.decode_table_ahead(fp8) and not configs.decode_table_ahead(plain)
     assert not configs.decode_table_ahead(configs.PagedConfig(16, 64, 4, 2, True))
     assert configs.decode_config(128, torch.bfloat16, cuda) == plain
-    # 16-bit pages: the 32-key, five-program tile from 64 sequences x KV heads up (fp8 keeps its own)
+    # 16-bit pages: the 32-key tile with its ids ahead from 64 sequences x KV heads up (fp8 keeps its own)
     batched = configs.DecodeConfig(32, 4, 3, 102, True)
     assert configs.decode_config(128, torch.bfloat16, cuda, num_programs=63) == plain
     assert configs.decode_config(128, torch.bfloat16, cuda, num_programs=64) == batched

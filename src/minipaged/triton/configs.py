@@ -343,10 +343,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp
 # triton_fp8_inflight_offline/).
 _DECODE_FP8_SM90_D128 = DecodeConfig(64, 4, 3, maxnreg=128, table_ahead=True)
 
-# 16-bit pages on sm_90 at D 128, from 8 sequences of 8 KV heads up: 32-key tiles, the ids
-# ahead (two 16 KB buffers) and a 102-register cap (no spill) fit 5 programs per SM, more bytes
-# in flight than the 64-key tile's 4. Below, each split is too few 32-key tiles and the 64-key
-# tile is faster (bench/results/nvidia-h200/triton_decode_tiles_8afc205/).
+# 16-bit pages on sm_90 at D 128, from 8 sequences of 8 KV heads up: 32-key tiles with the ids
+# ahead keep two 16 KB buffers per program (4 programs per SM, as 64/4/2; the 102-register cap it
+# was measured with changes no occupancy), so a program always has a tile on its way. Below,
+# each split is too few 32-key tiles and the 64-key tile is faster
+# (bench/results/nvidia-h200/triton_decode_tiles_8afc205/).
 _DECODE_BATCHED_SM90_D128 = DecodeConfig(32, 4, 3, maxnreg=102, table_ahead=True)
 _DECODE_BATCHED_MIN_PROGRAMS = 64
 
