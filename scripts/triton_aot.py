@@ -59,6 +59,14 @@ def compile_sm90(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, n
                           options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
+def programs_per_sm(regs_per_thread: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident programs of a kernel per sm_90 SM: registers are allocated in units of 256 per
+    warp (a 102-register thread costs its warp 104 x 32), shared memory in 228 KB with 1 KB
+    reserved per program."""
+    warp_regs = -(-regs_per_thread * 32 // 256) * 256
+    return min(65536 // (warp_regs * num_warps), (228 * 1024) // (shared_bytes + 1024))
+
+
 def tool(name: str) -> str | None:
     """`name` (ptxas, nvdisasm) from the triton package, or None."""
     import triton.backends.nvidia as nv

@@ -25,7 +25,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 import triton  # noqa: E402
-from triton_aot import ELEM, compile_sm90, divisible16, ptxas_usage, sass_loops, signature  # noqa: E402
+from triton_aot import ELEM, compile_sm90, divisible16, programs_per_sm, ptxas_usage, sass_loops, signature  # noqa: E402
 
 from minipaged.triton import decode  # noqa: E402
 
@@ -173,12 +173,6 @@ INFLIGHT_TILES = [
 ]
 
 
-def _warp_regs(regs_per_thread: int) -> int:
-    """Registers one warp holds on sm_90: allocated in units of 256 per warp, so a 102-register
-    thread costs a warp 104 x 32 and 5 programs of 4 warps need at most 96 per thread."""
-    return -(-regs_per_thread * 32 // 256) * 256
-
-
 def inflight_tiles() -> int:
     """Registers, spills, shared memory, loop length, K/V buffers per operand (from the TTGIR)
     and the resulting K/V bytes in flight per SM of the decode at INFLIGHT_TILES, bf16 q."""
@@ -201,7 +195,7 @@ def inflight_tiles() -> int:
         # the full-tile loop's K (or word) buffers: memdesc<N x BLOCK_N x ...>
         elem = "i32" if kv == "fp8" else "bf16"
         bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x\d+x{elem}", kern.asm["ttgir"])] or [0])
-        programs = min(65536 // (_warp_regs(regs) * warps), (228 * 1024) // (smem + 1024)) if isinstance(regs, int) else 0
+        programs = programs_per_sm(regs, warps, smem) if isinstance(regs, int) else 0
         tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024
         print(f"ok   {name}: regs={regs} spill_bytes={usage.get('spill_bytes')} shared={smem} "
               f"sass_loops={sass_loops(kern.asm['cubin'])} buffers={bufs} programs/SM={programs} "

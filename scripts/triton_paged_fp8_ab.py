@@ -43,7 +43,16 @@ VARIANTS = {"widen": {"paged_fp8_f16": 0}, "f16 dots": {"paged_fp8_f16": 1},
             "packed v2 f16 dots": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1},
             # the 16-bit pages' 16-row sm_90 tile (configs._PACKED_NARROW_SM90_D128)
             "packed v2 f16 dots 16,32,4,3": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1,
-                                             "paged": (16, 32, 4, 3)}}
+                                             "paged": (16, 32, 4, 3)},
+            # more fp8 bytes in flight at 4 programs per SM (scripts/triton_paged_sm90.py --inflight;
+            # bench/results/nvidia-h200/triton_paged_fp8_inflight_offline/): 16,32,4,3 holds two
+            # 8 KB K+V buffers per program, 64 KB per SM; these hold 128, 128 and 192 KB
+            "packed v2 f16 dots 16,32,4,5": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1,
+                                             "paged": (16, 32, 4, 5)},
+            "packed v2 f16 dots 16,64,4,3,128": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1,
+                                                 "paged": (16, 64, 4, 3, 128)},
+            "packed v2 f16 dots 16,64,4,4,128": {"paged_packed_kernel": "v2", "paged_fp8_f16": 1,
+                                                 "paged": (16, 64, 4, 4, 128)}}
 
 
 def _with(overrides: dict, fn):

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton_aot import ELEM, compile_sm90, compiled_info, divisible16, report_line, signature  # noqa: E402
+from triton_aot import (ELEM, compile_sm90, compiled_info, divisible16, programs_per_sm, report_line,  # noqa: E402
+                        signature)
 
 from minipaged.triton.paged import _paged_kernel, _paged_long_kernel  # noqa: E402
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
@@ -31,13 +33,13 @@ _I32 = ("block_tables", "cu_seqlens_q", "context_lens", "cu_seqlens_k")
 _F32 = ("LSE", "O_partial", "LSE_partial", "K_scale", "V_scale")
 
 
-def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages):
+def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages, **options):
     types = {**{n: ELEM[q_dt] for n in _DATA}, **{n: ELEM[kv_dt] for n in _CACHE},
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # what the launcher sees for the benchmark's tensors: 16-byte aligned pointers, strides
     # divisible by 16 except the block-table row (max_blocks is any number)
     div = set(types) | {n for n in fn.arg_names if n.startswith("stride_") and n != "stride_table"}
-    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), num_warps, num_stages)
+    return compile_sm90(fn, signature(fn, cx, types), cx, divisible16(fn, cx, div), num_warps, num_stages, **options)
 
 
 def variants():
@@ -82,12 +84,50 @@ def variants():
     return out
 
 
+# The 16-row packed tile (decodes and speculative runs, configs._PACKED_NARROW_SM90_D128) through
+# the long-chunk loop, by the K/V bytes it keeps in flight: (cache, BLOCK_N, stages, maxnreg or None).
+# "fp8" is the default FP8 mode under a bf16 q (configs.paged_fp8_f16: fp16 dots).
+PACKED_INFLIGHT_TILES = [
+    ("bf16", 32, 3, None), ("bf16", 32, 5, None), ("bf16", 64, 3, None),
+    ("fp8", 32, 3, None), ("fp8", 32, 5, None), ("fp8", 64, 3, None), ("fp8", 64, 3, 128), ("fp8", 64, 4, 128),
+]
+
+
+def packed_inflight() -> int:
+    """Registers, spills, shared memory, loop lengths, K/V buffers (from the TTGIR) and K/V bytes
+    in flight per SM of the packed tiles in PACKED_INFLIGHT_TILES (Hq/Hkv/D 16/8/128, page 16)."""
+    failures = 0
+    for kv, bn, stages, cap in PACKED_INFLIGHT_TILES:
+        cx = dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_Q=8, BLOCK_N=bn, STRIDE_TOK=8 * 128, IS_CAUSAL=True, SPLIT=False,
+                  RETURN_LSE=False, DOT_PRECISION="tf32", KV_FP8=kv == "fp8", FP8_F16=kv == "fp8", DIRECT=True,
+                  SEARCH=128, MIN_Q=0, PREFETCH=True, HEADS_FASTEST=True, PAGE=16)
+        name = f"packed16 {kv} {bn}x4x{stages}" + (f" maxnreg {cap}" if cap else "")
+        try:
+            k = compile_one(_paged_long_kernel, "bf16", kv, cx, 4, stages, **({"maxnreg": cap} if cap else {}))
+        except Exception as e:  # a tile that does not compile is a result
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            continue
+        info = compiled_info(k, 4, stages, loops=True)
+        elem = "f8E4M3FN" if kv == "fp8" else "bf16"
+        bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x128x{elem}", k.asm["ttgir"])] or [0])
+        regs = info.get("regs")
+        programs = programs_per_sm(regs, 4, k.metadata.shared) if isinstance(regs, int) else 0
+        tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024  # K and V
+        print(report_line(name, info) + f" buffers={bufs} programs/SM={programs} "
+              f"KV KB in flight/SM={programs * bufs * tile_kb}", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="substring of the variant names")
     ap.add_argument("--dump", help="write <name>.ttgir/.ptx here")
+    ap.add_argument("--inflight", action="store_true", help="only the packed tiles of PACKED_INFLIGHT_TILES")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target sm_90")
+    if args.inflight:
+        return 1 if packed_inflight() else 0
     failures = 0
     for name, fn, q_dt, kv_dt, cx, w, s in variants():
         if args.only and args.only not in name:
