@@ -50,8 +50,9 @@ interpreter, which runs no PTX), by integer ops on the bits, exact and NaN-prese
 TABLE_AHEAD (constexpr; configs.decode_table_ahead: the sm_90 D 128 tiles of FP8 pages, and of
 16-bit pages at batch): the full tiles' block ids are read one tile ahead and carried, so no
 K/V load waits on a table load of its own iteration. With the table read in the same iteration
-the software pipeliner keeps one tile in flight whatever num_stages says (one shared buffer per operand in the sm_90 TTGIR); ahead, it can keep
-num_stages - 1. Same tiles, same order: the results are the same bits.
+the software pipeliner keeps one tile in flight whatever num_stages says (one shared buffer per
+operand in the sm_90 TTGIR); ahead, it can keep num_stages - 1. Same tiles, same order: the
+results are the same bits.
 
 PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, mixed mode
 "decode"). Program b serves sequence b of the paged call only if its q_len
