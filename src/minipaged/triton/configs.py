@@ -326,12 +326,11 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, kv_fp
         return DecodeConfig(32, 8, 2)
     if head_dim >= 256:
         return DecodeConfig(32, 4, 2)
-    if (kv_fp8 and head_dim == 128 and decode_fp8_f16() and decode_fp8_words() == 2
-            and torch.cuda.get_device_capability(device)[0] == 9):
-        return _DECODE_FP8_SM90_D128
-    if (not kv_fp8 and head_dim == 128 and num_programs >= _DECODE_BATCHED_MIN_PROGRAMS
-            and torch.cuda.get_device_capability(device)[0] == 9):
-        return _DECODE_BATCHED_SM90_D128
+    if head_dim == 128 and torch.cuda.get_device_capability(device)[0] == 9:
+        if kv_fp8 and decode_fp8_f16() and decode_fp8_words() == 2:
+            return _DECODE_FP8_SM90_D128
+        if not kv_fp8 and num_programs >= _DECODE_BATCHED_MIN_PROGRAMS:
+            return _DECODE_BATCHED_SM90_D128
     # two stages beat three at every measured batch (triton_config_notes.md)
     return DecodeConfig(64, 4, 2)
 

@@ -79,18 +79,23 @@ from .softmax import (
 
 
 @triton.jit
+def _tile_offsets(blocks, toks, stride_block, stride_tok, PAGE: tl.constexpr):
+    """Offsets of the keys `toks` in a cache whose pages are `blocks` (a scalar or one id per key)."""
+    return blocks * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
+
+
+@triton.jit
 def _kv_tile_offsets(table_row, start_n, offs_n, tok_ok, stride_block, stride_tok,
                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     toks = start_n + offs_n
     if PAGE >= BLOCK_N:
         block = tl.load(table_row + start_n // PAGE).to(tl.int64)
-        return block * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
     else:
         if MASKED:
             block = tl.load(table_row + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
         else:
             block = tl.load(table_row + toks // PAGE).to(tl.int64)
-        return block * stride_block + (toks % PAGE).to(tl.int64) * stride_tok
+    return _tile_offsets(block, toks, stride_block, stride_tok, PAGE)
 
 
 @triton.jit
@@ -110,12 +115,6 @@ def _tile_block_ids(table_row, start_n, offs_n, limit, PAGE: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _tile_offsets(blocks, start_n, offs_n, stride_block, stride_tok, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_kv_tile_offsets from block ids already read (_tile_block_ids)."""
-    return blocks * stride_block + ((start_n + offs_n) % PAGE).to(tl.int64) * stride_tok
-
-
-@triton.jit
 def _full_tile_offsets(table_row, blocks, start_n, full_end, offs_n,
                        stride_kblock, stride_ktok, stride_vblock, stride_vtok,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_AHEAD: tl.constexpr):
@@ -127,8 +126,8 @@ def _full_tile_offsets(table_row, blocks, start_n, full_end, offs_n,
         cur = blocks
         blocks = _tile_block_ids(table_row, tl.minimum(start_n + BLOCK_N, full_end - BLOCK_N), offs_n, full_end,
                                  PAGE, BLOCK_N, False)
-        k_off = _tile_offsets(cur, start_n, offs_n, stride_kblock, stride_ktok, PAGE, BLOCK_N)
-        v_off = _tile_offsets(cur, start_n, offs_n, stride_vblock, stride_vtok, PAGE, BLOCK_N)
+        k_off = _tile_offsets(cur, start_n + offs_n, stride_kblock, stride_ktok, PAGE)
+        v_off = _tile_offsets(cur, start_n + offs_n, stride_vblock, stride_vtok, PAGE)
     else:
         k_off = _kv_tile_offsets(table_row, start_n, offs_n, offs_n < BLOCK_N,
                                  stride_kblock, stride_ktok, PAGE, BLOCK_N, False)
