@@ -162,15 +162,12 @@ def main() -> int:
             if not args.no_fp8:
                 row["fp8"][name] = _time(case, tile, True, dtype, device, args.reps, mode)
         if args.no_fp8:
-            print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
-                  "  ".join(f"{k}: {v:.1f} ({v / base:.3f}x)" for k, v in row["16bit"].items()), flush=True)
-            results["rows"].append(row)
-            continue
-        best = min(row["fp8"], key=row["fp8"].get)
-        print(f"{case.label:14s} 16-bit default {base:8.1f} us | " +
-              "  ".join(f"{k}: 16-bit {row['16bit'].get(k, float('nan')):.1f} fp8 {v:.1f} ({v / base:.2f}x)"
-                        for k, v in row["fp8"].items()) +
-              f" | best fp8 {best} {row['fp8'][best] / base:.2f}x", flush=True)
+            cells = "  ".join(f"{k}: {v:.1f} ({v / base:.3f}x)" for k, v in row["16bit"].items())
+        else:
+            best = min(row["fp8"], key=row["fp8"].get)
+            cells = ("  ".join(f"{k}: 16-bit {row['16bit'].get(k, float('nan')):.1f} fp8 {v:.1f} ({v / base:.2f}x)"
+                               for k, v in row["fp8"].items()) + f" | best fp8 {best} {row['fp8'][best] / base:.2f}x")
+        print(f"{case.label:14s} 16-bit default {base:8.1f} us | {cells}", flush=True)
         results["rows"].append(row)
     print(f"took {time.time() - t0:.1f} s")
     if args.json:
