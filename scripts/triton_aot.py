@@ -67,6 +67,15 @@ def programs_per_sm(regs_per_thread: int, num_warps: int, shared_bytes: int) -> 
     return min(65536 // (warp_regs * num_warps), (228 * 1024) // (shared_bytes + 1024))
 
 
+def kv_in_flight(k, regs, num_warps: int, block_n: int, elem: str, tile_bytes: int) -> str:
+    """'buffers=.. programs/SM=.. KV KB in flight/SM=..' of compiled kernel `k`: its K/V tile
+    buffers are the leading dimension of the TTGIR's memdesc<N x block_n x .. x elem> (the
+    pipeliner's ring), tile_bytes one K plus one V tile."""
+    bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{block_n}x\d+x{elem}", k.asm["ttgir"])] or [0])
+    programs = programs_per_sm(regs, num_warps, k.metadata.shared) if isinstance(regs, int) else 0
+    return f"buffers={bufs} programs/SM={programs} KV KB in flight/SM={programs * bufs * tile_bytes // 1024}"
+
+
 def tool(name: str) -> str | None:
     """`name` (ptxas, nvdisasm) from the triton package, or None."""
     import triton.backends.nvidia as nv

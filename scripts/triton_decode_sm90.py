@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 import triton  # noqa: E402
-from triton_aot import ELEM, compile_sm90, divisible16, programs_per_sm, ptxas_usage, sass_loops, signature  # noqa: E402
+from triton_aot import ELEM, compile_sm90, divisible16, kv_in_flight, ptxas_usage, sass_loops, signature  # noqa: E402
 
 from minipaged.triton import decode  # noqa: E402
 
@@ -192,14 +191,11 @@ def inflight_tiles() -> int:
             continue
         usage = _ptxas(kern.asm["ptx"])
         regs, smem = usage.get("regs"), kern.metadata.shared
-        # the full-tile loop's K (or word) buffers: memdesc<N x BLOCK_N x ...>
-        elem = "i32" if kv == "fp8" else "bf16"
-        bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x\d+x{elem}", kern.asm["ttgir"])] or [0])
-        programs = programs_per_sm(regs, warps, smem) if isinstance(regs, int) else 0
-        tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024
+        # the full-tile loop's K (or word) buffers
+        inflight = kv_in_flight(kern, regs, warps, bn, "i32" if kv == "fp8" else "bf16",
+                                bn * 128 * 2 * (1 if kv == "fp8" else 2))
         print(f"ok   {name}: regs={regs} spill_bytes={usage.get('spill_bytes')} shared={smem} "
-              f"sass_loops={sass_loops(kern.asm['cubin'])} buffers={bufs} programs/SM={programs} "
-              f"KV KB in flight/SM={programs * bufs * tile_kb}", flush=True)
+              f"sass_loops={sass_loops(kern.asm['cubin'])} {inflight}", flush=True)
     return failures
 
 

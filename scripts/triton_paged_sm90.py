@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton_aot import (ELEM, compile_sm90, compiled_info, divisible16, programs_per_sm, report_line,  # noqa: E402
-                        signature)
+from triton_aot import ELEM, compile_sm90, compiled_info, divisible16, kv_in_flight, report_line, signature  # noqa: E402
 
 from minipaged.triton.paged import _paged_kernel, _paged_long_kernel  # noqa: E402
 from minipaged.triton.prefill import _attn_fwd  # noqa: E402
@@ -109,13 +107,9 @@ def packed_inflight() -> int:
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             continue
         info = compiled_info(k, 4, stages, loops=True)
-        elem = "f8E4M3FN" if kv == "fp8" else "bf16"
-        bufs = max([int(n) for n in re.findall(rf"memdesc<(\d+)x{bn}x128x{elem}", k.asm["ttgir"])] or [0])
-        regs = info.get("regs")
-        programs = programs_per_sm(regs, 4, k.metadata.shared) if isinstance(regs, int) else 0
-        tile_kb = bn * 128 * 2 * (1 if kv == "fp8" else 2) // 1024  # K and V
-        print(report_line(name, info) + f" buffers={bufs} programs/SM={programs} "
-              f"KV KB in flight/SM={programs * bufs * tile_kb}", flush=True)
+        inflight = kv_in_flight(k, info.get("regs"), 4, bn, "f8E4M3FN" if kv == "fp8" else "bf16",
+                                bn * 128 * 2 * (1 if kv == "fp8" else 2))
+        print(f"{report_line(name, info)} {inflight}", flush=True)
     return failures
 
 
