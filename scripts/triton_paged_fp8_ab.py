@@ -110,7 +110,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
     ap.add_argument("--only", nargs="*", help="substrings of the variant names to run (default all)")
     ap.add_argument("--kinds", nargs="*", default=["chunked", "mixed"],
-                    help="kinds of the paged grid's rows to time (chunked, spec, mixed)")
+                    help="kinds of the paged grid's rows to time (chunked, spec, mixed), or decode: "
+                         "decode steps through paged_attention (B=8 L=4k, B=64 L=8k), which run the packed tile")
     args = ap.parse_args()
     variants = [v for v in VARIANTS if not args.only or any(x in v for x in args.only)]
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -121,6 +122,8 @@ def main() -> int:
         rows = [c for c in rows if c.kind in args.kinds]
     else:
         rows = [c for c in bench_cases.standard_paged_cases() if c.kind in args.kinds]
+        if "decode" in args.kinds:
+            rows += [testing.PagedCase("decode", (1,) * b, (n,) * b, **bench_cases.QWEN3_HEADS) for b, n in ((8, 4096), (64, 8192))]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
                "failed": {}, "rows": []}
@@ -138,15 +141,16 @@ def main() -> int:
         timings = {}
         inp16, inp8 = _inputs(case, dtype, device, seed=0, poison=False)
         # the 16-bit cache: the defaults, and on packed rows also through v2
-        base16 = {"16-bit": {}, **({"16-bit packed v2": {"paged_packed_kernel": "v2"}} if case.kind == "spec" else {})}
+        base16 = {"16-bit": {}, **({"16-bit packed v2": {"paged_packed_kernel": "v2"}}
+                                    if case.kind in ("spec", "decode") else {})}
         for inp, names in ((inp16, list(base16)), (inp8, ok)):
             for name in names:
                 over = base16[name] if name in base16 else VARIANTS[name]
                 max_q = max(case.q_lens)
-                # spec rows are microseconds long: CUDA-graph replays, as minipaged bench times them
+                # spec and decode rows are microseconds long: CUDA-graph replays, as minipaged bench times them
                 t = time_fn(lambda over=over, inp=inp, max_q=max_q: _with(over, lambda: _call(inp, max_q, False)),
                             device=device, reps=args.reps, min_reps=min(10, args.reps), max_time_s=2.0,
-                            cuda_graph=case.kind == "spec" and device.type == "cuda")
+                            cuda_graph=case.kind in ("spec", "decode") and device.type == "cuda")
                 timings[name] = t.median_ms * 1e3
         row["us"] = timings
         base = timings["16-bit"]
