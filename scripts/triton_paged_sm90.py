@@ -41,7 +41,7 @@ def compile_one(fn, q_dt, kv_dt, cx, num_warps, num_stages, **options):
 
 
 def variants():
-    """(name, fn, q dtype, cache dtype, constexprs, warps, stages): what ops.paged launches
+    """(name, fn, q dtype, cache dtype, constexprs, warps, stages[, compile options]): what ops.paged launches
     for the benchmark's heads (Hq/Hkv/D 16/8/128) and the A/B script's alternatives."""
     out = [("dense_varlen_causal", _attn_fwd, "bf16", "bf16",
             dict(IS_VARLEN=True, IS_CAUSAL=True, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
@@ -79,6 +79,20 @@ def variants():
                 8, 3))
     out.append(("v2_long_p64_d64", _paged_long_kernel, "bf16", "bf16",
                 dict(v2, PAGE=64, HEAD_DIM=64, STRIDE_TOK=8 * 64), 8, 3))
+    # FP8 pages' own 16-row packed tile (configs._PACKED_NARROW_FP8_SM90_D128: 64 keys, 4 warps,
+    # 3 stages, capped at 128 registers) in what ops.paged launches with it: v2 over pages of 1,
+    # 16 and 128, split with lse (decodes at small batch), non-causal, an fp16 q (which widens
+    # instead of converting to fp16), and v1 (caches whose layout v2 cannot take)
+    fp8_packed = dict(v2, BLOCK_M=16, BLOCK_Q=8, BLOCK_N=64, KV_FP8=True, FP8_F16=True, PAGE=16)
+    cap = {"maxnreg": 128}
+    for page in (1, 16, 128):
+        out.append((f"fp8_packed_p{page}", _paged_long_kernel, "bf16", "fp8", dict(fp8_packed, PAGE=page), 4, 3, cap))
+    out.append(("fp8_packed_split_lse", _paged_long_kernel, "bf16", "fp8",
+                dict(fp8_packed, SPLIT=True, RETURN_LSE=True), 4, 3, cap))
+    out.append(("fp8_packed_full", _paged_long_kernel, "bf16", "fp8", dict(fp8_packed, IS_CAUSAL=False), 4, 3, cap))
+    out.append(("fp8_packed_fp16", _paged_long_kernel, "fp16", "fp8", dict(fp8_packed, FP8_F16=False), 4, 3, cap))
+    out.append(("fp8_packed_v1_split", _paged_kernel, "bf16", "fp8",
+                dict(v1, PAGE=16, BLOCK_M=16, BLOCK_Q=8, BLOCK_N=64, GATHER=1, KV_FP8=True, SPLIT=True), 4, 3, cap))
     return out
 
 
@@ -123,11 +137,11 @@ def main(argv=None) -> int:
     if args.inflight:
         return 1 if packed_inflight() else 0
     failures = 0
-    for name, fn, q_dt, kv_dt, cx, w, s in variants():
+    for name, fn, q_dt, kv_dt, cx, w, s, *opts in variants():
         if args.only and args.only not in name:
             continue
         try:
-            k = compile_one(fn, q_dt, kv_dt, cx, w, s)
+            k = compile_one(fn, q_dt, kv_dt, cx, w, s, **(opts[0] if opts else {}))
         except Exception as e:  # a variant that does not compile is a result
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)

@@ -231,12 +231,16 @@ def test_paged_long_tile_on_sm90(monkeypatch):
     assert tile(group=4)[:3] == (128, 64, 8)
     assert tile(maxq=4)[4] is True
     # packed tiles of 32 rows read 128 keys per step there (16-bit pages), of 16 rows 32 keys in
-    # 3 stages (16-bit and FP8 pages); other sizes the decode tile's 64
+    # 3 stages (16-bit pages; FP8 pages 64 keys capped at 128 registers, the same bytes in
+    # flight); other sizes the decode tile's 64
     assert tile(group=8, maxq=4) == (32, 128, 4, 2, True)
     assert tile(group=2, maxq=16) == (32, 128, 4, 2, True)
     assert tile(group=2, maxq=4) == (16, 32, 4, 3, True)
     assert tile(group=2, maxq=1) == (16, 32, 4, 3, True)
-    assert tile(group=2, maxq=4, kv_fp8=True) == (16, 32, 4, 3, True)
+    assert tile(group=2, maxq=4, kv_fp8=True) == (16, 64, 4, 3, True)
+    assert configs.paged_config(128, torch.bfloat16, True, 1, 2, dev, True).maxnreg == 128
+    assert configs.paged_config(128, torch.bfloat16, True, 1, 2, dev, False).maxnreg is None
+    assert tile(group=8, maxq=2, kv_fp8=True, dtype=torch.float16) == (16, 64, 4, 3, True)
     assert tile(group=2, maxq=4, dtype=torch.float32) == (16, 32, 8, 2, True)   # the fp32 decode tile
     assert tile(group=2, maxq=4, D=64)[:2] == (16, 64)
     assert tile(group=8, maxq=8) == (64, 64, 4, 2, True)

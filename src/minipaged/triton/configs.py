@@ -425,6 +425,12 @@ _PACKED_WIDE_KEYS_ROWS = 32
 # 496.5 for 128 keys; over FP8 pages 107.7 against 132.9 us on the spec row (fp16 dots)
 # (bench/results/nvidia-h200/triton_packed_702270f/).
 _PACKED_NARROW_SM90_D128 = (16, 32, 4, 3)
+# FP8 pages' own 16-row tile: at 32 keys a stage holds 8 KB of fp8, so 4 programs per SM keep
+# 64 KB in flight against 128 KB of 16-bit; 64 keys capped at 128 registers keep 4 programs and
+# 128 KB (scripts/triton_paged_sm90.py --inflight). fp8 over the 16-bit time on the H200: 0.80 ->
+# 0.70 on the spec row, 0.79 -> 0.66 on a B=64 L=8k decode step through paged, 0.84 -> 0.79 at
+# B=8 L=4k (bench/results/nvidia-h200/triton_paged_fp8_packed_6cebbae/)
+_PACKED_NARROW_FP8_SM90_D128 = (16, 64, 4, 3, True, 128)
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int, group: int,
@@ -448,7 +454,7 @@ def paged_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: 
         dec = decode_config(head_dim, dtype, device)
         block_m = max(min_m, _next_pow2(rows))
         if sm90_d128_q16 and block_m == _PACKED_NARROW_SM90_D128[0]:
-            return PagedConfig(*_PACKED_NARROW_SM90_D128)  # 16-bit and FP8 pages
+            return PagedConfig(*(_PACKED_NARROW_FP8_SM90_D128 if kv_fp8 else _PACKED_NARROW_SM90_D128))
         block_n = 128 if sm90_d128 and block_m == _PACKED_WIDE_KEYS_ROWS else dec.block_n
         return PagedConfig(block_m, block_n, dec.num_warps, dec.num_stages)
     if sm90_d128 and group <= 2:
