@@ -1079,6 +1079,26 @@ def test_paged_gpu_mixed_fp8(splits):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("page", [16, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_gpu_packed_fp8(dtype, page, splits):
+    """FP8 pages through the packed tile alone (every query run fits it: decodes and speculative
+    runs; on sm_90 at D 128 FP8's own 64-key tile): ragged contexts that end on many residues
+    of 64 keys (4097, 97, 1023, 71, 130, 32768), a sequence with no context and no query, and
+    one with a single token."""
+    q_lens = [4, 1, 0, 3, 8, 2, 1, 4, 4]
+    ctxs = [4097, 1, 0, 97, 16, 71, 32768, 1023, 130]
+    if torch.cuda.get_device_capability()[0] == 9:
+        cfg = configs.paged_config(128, dtype, True, max(q_lens), 2, torch.device("cuda"), True)
+        assert (cfg.block_m, cfg.block_n, cfg.maxnreg) == (16, 64, 128)
+    kw = {} if splits is None else {"num_splits": splits}
+    with _nan_scratch():
+        _mixed(q_lens, ctxs, 16, 8, 128, page, True, dtype, "cuda", seed=31, fp8=True, **kw)
+
+
+@gpu
+@needs_cuda
 def test_paged_gpu_mixed_graph_and_determinism():
     """The two-launch mixed batch captures into a CUDA graph and is bitwise repeatable."""
     q_lens, ctxs = GPU_MIXED[0]
