@@ -852,10 +852,10 @@ def _check_lse(lse, lse64, what):
         assert err <= 2e-3, f"{what}: lse max err {err:.3e}"
 
 
-def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None, variant=0):
+def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None, variant=0, num_splits=0):
     max_q = max_q if max_q is not None else int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     _poison_allocator(q.numel())
-    o, lse = ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, True, variant=variant)
+    o, lse = ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, True, variant=variant, num_splits=num_splits)
     o64, lse64 = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale)
     o_lp, _ = _paged_oracle(q, kc, vc, bt, cu, cl, causal, scale, low_precision=True)
     assert o.dtype == q.dtype and o.shape == q.shape
@@ -864,8 +864,8 @@ def _check_paged(ops, q, kc, vc, bt, cu, cl, causal, scale, what, max_q=None, va
     empty = torch.isneginf(lse64)
     assert (o[empty] == 0).all(), f"{what}: rows that see no key must be exact zeros"
     # without lse: the same output, bit for bit
-    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, variant=variant), o), \
-        f"{what}: o depends on return_lse"
+    assert torch.equal(ops.paged(q, kc, vc, bt, cu, cl, max_q, causal, scale, variant=variant, num_splits=num_splits),
+                       o), f"{what}: o depends on return_lse"
     return o, lse
 
 
@@ -1237,6 +1237,38 @@ def test_paged_routed_spec_and_chunks(ops, heads, D, block_size):
         _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
                      f"routed {heads} D{D} bs{block_size} causal={causal}", variant=ROUTED)
     _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, variant=ROUTED)[0])
+
+
+# Speculative runs (q_len 2..16) and decode rows, at contexts that end on many residues of the
+# packed kernel's 32-key tiles and of its split sizes, a q_len 5 over 3 keys (rows that see no
+# key), an empty sequence and a context of 32k
+SPEC_Q = [4, 1, 0, 3, 8, 2, 16, 4, 5, 4]
+SPEC_CTX = [4097, 1, 0, 97, 16, 71, 1023, 130, 3, 32768]
+
+
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 7, 64, 256])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_spec_kv_splits(ops, dtype, block_size, splits):
+    # the packed kernel's KV splits (0: the planner's count, which splits this batch too) against
+    # the fp64 oracle, causal and not, at G 2 and 8, D 128 and 64; bit for bit repeatable
+    for heads, D in (((16, 8), 128), ((32, 4), 64)):
+        q, kc, vc, bt, cu, cl = _paged_case(SPEC_Q, SPEC_CTX, *heads, D, block_size, dtype, seed=splits + block_size)
+        for causal in (True, False):
+            _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                         f"spec splits={splits} {heads} D{D} bs{block_size} causal={causal}", num_splits=splits)
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 16, True, 0.125, True, num_splits=splits)[1], n=5)
+
+
+@pytest.mark.parametrize("B, ctx", [(1, 32768), (1, 4096), (4, 1000), (32, 4096)])
+def test_paged_spec_batches_split_by_default(ops, B, ctx):
+    # the serving shapes of speculative verification (q_len 4), which the planner splits: one
+    # sequence at 32k keys used to be 8 CTAs on 132 SMs; the split count must not change o
+    # beyond rounding (against 1 split and the oracle)
+    q, kc, vc, bt, cu, cl = _paged_case([4] * B, [ctx] * B, 16, 8, 128, 16, torch.bfloat16, seed=B)
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"spec B={B} L={ctx}")
+    o1, lse1 = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"spec B={B} L={ctx} 1 split", num_splits=1)
+    assert (lse - lse1).abs().max().item() < 1e-4
 
 
 def _rows_of(cu, pick):

@@ -443,6 +443,22 @@ def test_fp8_paged_every_tile_residue(dtype):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("splits", [0, 3, 64])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_paged_spec_kv_splits(dtype, page, splits):
+    """The packed kernel's KV splits over FP8 pages (0: the planner's count): speculative runs
+    and decode rows, q_len > context, an empty sequence, contexts up to 32k; bit for bit
+    repeatable."""
+    q_lens, ctxs = [4, 1, 0, 3, 8, 16, 5, 4], [4097, 1, 0, 97, 71, 1023, 3, 32768]
+    out, _, args = _run_paged(q_lens, ctxs, 16, 8, 128, page, dtype, seed=40 + splits, num_splits=splits)
+    q, kc, vc, tables, cu, ctx, ks, vs, *_ = args
+    again = _ops().paged(q, kc, vc, tables, cu, ctx, 16, True, 1.0 / math.sqrt(128), False, ks, vs, num_splits=splits)
+    assert torch.equal(again, out)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("page", [8, 16, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_paged_tma_key_tile_residues(dtype, page):

@@ -549,6 +549,19 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.kv_fp8 = fp8;
     p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
+    // KV splits of the packed short-query launches and their workspace, from this call's
+    // torch allocator (a graph keeps the pointer; a forced num_splits applies here as well
+    // as to the decode rows).
+    at::Tensor pack_workspace;
+    const minipaged::PackSplitPlan pack = minipaged::paged_pack_split_plan(p, static_cast<int>(num_splits));
+    if (pack.splits > 1 && o.numel() > 0) {
+      pack_workspace = q.new_empty({pack.workspace_floats}, q.options().dtype(at::kFloat));
+      p.pack_splits = pack.splits;
+      p.pack_split_keys = pack.split_keys;
+      p.pack_rows = pack.rows;
+      p.pack_partial_o = pack_workspace.data_ptr<float>();
+      p.pack_partial_lse = p.pack_partial_o + pack.workspace_floats / (p.head_dim + 1) * p.head_dim;
+    }
     if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0) {
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
       // Decode routing (off by default; paged variant 4): launch_prefill_paged

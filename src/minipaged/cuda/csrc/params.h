@@ -87,7 +87,35 @@ struct PrefillParams {
   // binding passes a per-stream pair to sm_90 prefill calls). nullptr: the
   // dispatch never picks those configs.
   int* sched_counters;
+  // Paged only, the GQA-packed short-query kernel (prefill/dispatch.cuh CfgPack): KV splits,
+  // flash-decoding for speculative runs. With pack_splits > 1 every (sequence, KV head,
+  // m-block) CTA of a packed launch becomes pack_splits CTAs; split s takes keys
+  // [s * pack_split_keys, (s + 1) * pack_split_keys) and writes its rows' normalised
+  // partial O and log2-sum-exp, which the launch's merge kernel combines into o and lse.
+  // Partials of packed row r of (sequence b, KV head h) and split s sit at row
+  // ((b * num_kv_heads + h) * pack_rows + r) * pack_splits + s of pack_partial_o
+  // [.., D] and pack_partial_lse; a packed launch whose m-blocks cover more than pack_rows
+  // rows does not split. The binding fills these from paged_pack_split_plan.
+  // 0 or 1: no split (tiled kernels ignore these fields).
+  int pack_splits;
+  int pack_split_keys;  // a multiple of every packed config's kBlockN
+  int pack_rows;
+  float* pack_partial_o;
+  float* pack_partial_lse;
 };
+
+// KV splits of the GQA-packed paged kernel for the short query runs of p (see
+// PrefillParams::pack_splits), from host-known values only (a CUDA graph replays
+// it with other q_lens): enough CTAs to fill the GPU once, each at least
+// kPackMinSplitKeys keys of the table's capacity. splits <= 1: no split and no
+// workspace. Defined in prefill/paged.cu.
+struct PackSplitPlan {
+  int splits = 1;
+  int split_keys = 0;
+  int rows = 0;                 // PrefillParams::pack_rows
+  int64_t workspace_floats = 0; // pack_partial_o then pack_partial_lse
+};
+PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits);
 
 // All return cudaSuccess or the launch error; they never synchronize.
 cudaError_t launch_prefill_wmma(const PrefillParams& p, cudaStream_t stream);

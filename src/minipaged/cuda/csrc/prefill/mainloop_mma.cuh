@@ -209,9 +209,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   int head = blockIdx.x;
   const int batch = blockIdx.y;
+  // A splitting packed launch (PrefillParams::pack_splits; its launcher leaves 1 in p when it
+  // does not split): blockIdx.z = m-block slot * splits + split.
+  int splits = 1, split = 0;
+  if constexpr (kPack) {
+    if (p.pack_splits > 1) splits = p.pack_splits, split = blockIdx.z % splits;
+  }
   // Reverse order: under causal masking the last query blocks carry the most
   // keys, so they are dispatched first and the short ones fill the tail.
-  const int m_block = gridDim.z - 1 - blockIdx.z;
+  const int m_block = gridDim.z / splits - 1 - blockIdx.z / splits;
   const int m_start = m_block * kBlockM;
 
   const SeqInfo seq = seq_info<kPaged, MinSeqlenQ<Cfg>::value>(p, batch);
@@ -251,6 +257,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int diag = (kKV8 && !p.causal) ? (1 << 30) : seqlen_k - seqlen_q;
   int n_end = seqlen_k;
   if (kCausal) n_end = min(n_end, qrow(m_start + m_rows - 1) + 1 + diag);
+  // Keys [k_lo, k_hi) are this CTA's: all it may see, or its split's share of them. A split
+  // leaves its rows' normalised partial O and log2-sum-exp (-inf where a row saw no key)
+  // for the merge kernel, which alone writes o and lse.
+  int k_lo = 0, k_hi = n_end;
+  auto partial_row = [&](int r) {
+    return ((int64_t(batch) * p.num_kv_heads + kv_head) * p.pack_rows + m_start + r) * splits + split;
+  };
+  if constexpr (kPack) {
+    if (splits > 1) {
+      k_lo = split * p.pack_split_keys;
+      k_hi = min(n_end, k_lo + p.pack_split_keys);
+      if (k_hi <= k_lo) {
+        // The merge reads no partial O of a split whose log2-sum-exp is -inf.
+        for (int r = tid; r < m_rows; r += Cfg::kThreads) p.pack_partial_lse[partial_row(r)] = -INFINITY;
+        return;
+      }
+    }
+  }
   if (n_end <= 0) {
     // No row of this block sees any key: exact zeros.
     for (int idx = tid; idx < m_rows * Cfg::kChunks; idx += Cfg::kThreads) {
@@ -267,7 +291,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     return;
   }
-  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
+  const int n_tiles = (k_hi - k_lo + kBlockN - 1) / kBlockN;
 
   constexpr uint32_t kRowBytes = kD * 2;
   constexpr uint32_t kStageBytes = kv_stage_bytes<Cfg>();
@@ -277,9 +301,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                      NoLoader>
       pager;
   const int32_t* table = kPaged ? p.block_tables + batch * p.block_table_stride : nullptr;
-  if constexpr (kPaged) pager.fetch(p, table, (n_tiles - 1) * kBlockN, seqlen_k, tid);
+  if constexpr (kPaged) pager.fetch(p, table, k_lo + (n_tiles - 1) * kBlockN, seqlen_k, tid);
   auto load_kv = [&](int t, int stage) {
-    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const int n0 = k_lo + (n_tiles - 1 - t) * kBlockN;
     const uint32_t k_dst = smem_base + stage * kStageBytes;
     if constexpr (kKV8) {
       pager.issue(k_dst, k_dst + Cfg::kTileBytes8, static_cast<const uint8_t*>(p.k) + kv_head * p.k_head_stride,
@@ -406,7 +430,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     const uint32_t k_stage = k_lm + stage * kStageBytes;
     const uint32_t v_stage = v_lm + stage * kStageBytes;
-    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const int n0 = k_lo + (n_tiles - 1 - t) * kBlockN;
 
     // ---- S = Q K^T ----
     float acc_s[kMT][kNT][4];
@@ -516,13 +540,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // visible to the first row of the block (hence to all of its rows).
   int t = 0;
   for (; t < n_tiles; ++t) {
-    const int n0 = (n_tiles - 1 - t) * kBlockN;
+    const int n0 = k_lo + (n_tiles - 1 - t) * kBlockN;
     const bool full = n0 + kBlockN <= seqlen_k && (!kCausal || n0 + kBlockN - 1 <= qrow(m_start) + diag);
     if (full) break;
     tile_step(t, MaskOn{});
   }
   for (; t < n_tiles; ++t) tile_step(t, MaskOff{});
   cp_async_wait<0>();  // drain the trailing (empty) group
+
+  if constexpr (kPack) {
+    if (splits > 1) {
+      // fp32 partials straight from the fragments: O / l (FP8: times v_scale, O's columns in
+      // fp8_o_dim's order), and the row's log2-sum-exp in the scaled scores' units.
+      const float v_scale = kKV8 ? p.v_scale[kv_head] : 1.f;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float l = sm.row_total(mt, h);
+          const int r = warp_row0 + mt * 16 + g + h * 8;
+          if (r >= m_rows) continue;
+          const int64_t prow = partial_row(r);
+          const float inv = l > 0.f ? v_scale / l : 0.f;
+          float* po = p.pack_partial_o + prow * kD;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            const float o0 = acc_o[mt][dt][2 * h] * inv, o1 = acc_o[mt][dt][2 * h + 1] * inv;
+            if constexpr (kKV8) {
+              po[fp8_o_dim<kD>(dt, tq)] = o0;
+              po[fp8_o_dim<kD>(dt, tq + 1)] = o1;
+            } else {
+              *reinterpret_cast<float2*>(po + dt * 8 + tq) = make_float2(o0, o1);
+            }
+          }
+          if ((lane & 3) == 0)
+            p.pack_partial_lse[prow] = l > 0.f ? sm.row_ref(mt, h, scale_log2) + log2f(l) : -INFINITY;
+        }
+      return;
+    }
+  }
 
   // ---- epilogue: O / l, staged through shared memory for 16-byte stores ----
   // The warp writes only its own rows of the Q area. When that area is stage
@@ -567,12 +623,70 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
 }
 
+// Merges the KV splits of a packed launch (PrefillParams::pack_splits) into o and lse: one
+// CTA per (KV head, sequence, m-block) of the split kernel's grid, which skips the same
+// sequences. Per row, in split order (the result does not depend on which split finished
+// first): w_s = 2^(lse_s - max_s lse_s), o = sum_s w_s o_s / sum_s w_s; a row that no split
+// saw a key of gets exact zeros and lse -inf.
+constexpr int kPackMergeThreads = 128;
+template <class Cfg>
+__global__ void __launch_bounds__(kPackMergeThreads) pack_split_merge_kernel(const PrefillParams p) {
+  using T = typename Cfg::T;
+  constexpr int kLanes = Cfg::kD / 4;  // float4 columns of a row
+  const int kv_head = blockIdx.x, batch = blockIdx.y;
+  const int m_start = (gridDim.z - 1 - blockIdx.z) * Cfg::kBlockM;
+  const SeqInfo seq = seq_info<true, MinSeqlenQ<Cfg>::value>(p, batch);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int total_rows = seq.seqlen_q * group;
+  if (m_start >= total_rows) return;
+  const int m_rows = min(Cfg::kBlockM, total_rows - m_start);
+  const int S = p.pack_splits;
+  for (int idx = threadIdx.x; idx < m_rows * kLanes; idx += kPackMergeThreads) {
+    const int r = idx / kLanes, c = idx % kLanes;
+    const int pr = m_start + r;
+    const int64_t row0 = ((int64_t(batch) * p.num_kv_heads + kv_head) * p.pack_rows + pr) * S;
+    const float* lse = p.pack_partial_lse + row0;
+    float mx = -INFINITY;
+    for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[s]);
+    float total = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != -INFINITY) {
+      for (int s = 0; s < S; ++s) {
+        const float w = exp2f(lse[s] - mx);
+        if (w > 0.f) {  // an empty split's O was never written
+          const float4 v = reinterpret_cast<const float4*>(p.pack_partial_o + (row0 + s) * Cfg::kD)[c];
+          total += w;
+          acc.x = fmaf(w, v.x, acc.x), acc.y = fmaf(w, v.y, acc.y);
+          acc.z = fmaf(w, v.z, acc.z), acc.w = fmaf(w, v.w, acc.w);
+        }
+      }
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const int q_row = seq.q_begin + pr / group, head = kv_head * group + pr % group;
+    T* o = static_cast<T*>(p.o) + int64_t(q_row) * p.o_row_stride + head * p.o_head_stride + c * 4;
+    *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
+    if (c == 0 && p.lse != nullptr)
+      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + int64_t(q_row) * p.lse_row_stride] =
+          total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
 template <class Cfg, bool kCausal, bool kPaged = false, bool kPack = false>
-cudaError_t launch_prefill_cfg(const PrefillParams& p, cudaStream_t stream) {
+cudaError_t launch_prefill_cfg(const PrefillParams& params, cudaStream_t stream) {
+  PrefillParams p = params;
   const int64_t rows = int64_t(p.max_seqlen_q) * (kPack ? p.num_q_heads / p.num_kv_heads : 1);
   const int64_t m_blocks = (rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if (m_blocks == 0 || p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (m_blocks > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  // KV splits: only where the caller's workspace holds this grid's rows.
+  int splits = 1;
+  if constexpr (kPack) {
+    if (p.pack_splits > 1 && p.pack_partial_o != nullptr && p.pack_partial_lse != nullptr &&
+        p.pack_split_keys > 0 && p.pack_split_keys % Cfg::kBlockN == 0 && m_blocks * Cfg::kBlockM <= p.pack_rows &&
+        m_blocks * p.pack_splits <= 65535)
+      splits = p.pack_splits;
+  }
+  p.pack_splits = splits;
   auto kernel = prefill_fast_kernel<Cfg, kCausal, kPaged, kPack>;
   constexpr int kSmem = Cfg::kSmemBytes;
   if (kSmem > 48 * 1024) {
@@ -580,8 +694,15 @@ cudaError_t launch_prefill_cfg(const PrefillParams& p, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(kPack ? p.num_kv_heads : p.num_q_heads, p.batch, unsigned(m_blocks));
+  const dim3 grid(kPack ? p.num_kv_heads : p.num_q_heads, p.batch, unsigned(m_blocks * splits));
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  if constexpr (kPack) {
+    if (splits > 1) {
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      pack_split_merge_kernel<Cfg><<<dim3(p.num_kv_heads, p.batch, unsigned(m_blocks)), kPackMergeThreads, 0, stream>>>(p);
+    }
+  }
   return cudaGetLastError();
 }
 

@@ -21,6 +21,7 @@
 // for the rest (launch_paged_split, prefill/dispatch.cuh); on an sm_90a build
 // the tiled kernel of 16-bit caches with pages of >= 8 tokens is the
 // warp-specialised TMA kernel (prefill/mainloop_ws.cuh).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -76,6 +77,51 @@ cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool paged_decode_routing(const PrefillParams& p) { return fast::paged_decode_routing_ok(p); }
+
+// Packed KV splits (PrefillParams::pack_splits). A packed CTA owns one (sequence, KV head)
+// and is bound by its K/V stream: without splits a speculative batch of B sequences ran
+// B * Hkv CTAs (8 at B=1) however long the context. Split until the packed grid fills the
+// GPU once at the packed configs' 4 resident CTAs per SM (CfgPack, 56 KB each), with at
+// least kPackMinSplitKeys keys of the table's capacity per split (the decode kernels' sizing:
+// the capacity is what the host knows; shorter contexts leave their last splits empty).
+namespace {
+constexpr int kPackCtasPerSm = 4;
+constexpr int64_t kPackMinSplitKeys = 128;
+constexpr int kPackMaxSplits = 256;
+}  // namespace
+
+PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits) {
+  using namespace fast;
+  // Every packed config shares CfgPack's rows and keys per tile, whatever T, D and FP8.
+  using Pack = CfgPack<__half, 128>;
+  static_assert(Pack::kBlockM == Fp8KV<CfgPack<__nv_bfloat16, 64>>::kBlockM &&
+                    Pack::kBlockN == Fp8KV<CfgPack<__nv_bfloat16, 64>>::kBlockN,
+                "one packed row block and key tile for every packed config");
+  PackSplitPlan plan;
+  const bool pack_variant = p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting;
+  if (!pack_variant || p.num_kv_heads <= 0 || p.num_q_heads < 2 * p.num_kv_heads || p.batch <= 0 ||
+      p.max_seqlen_q <= 0 || p.max_blocks <= 0 || p.block_size <= 0 || paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
+    return plan;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int64_t rows = int64_t(std::min(p.max_seqlen_q, kPackMaxSeqlenQ)) * group;
+  const int64_t m_blocks = (rows + Pack::kBlockM - 1) / Pack::kBlockM;
+  const int64_t ctas = int64_t(p.batch) * p.num_kv_heads * m_blocks;
+  const int64_t capacity = int64_t(p.max_blocks) * p.block_size;
+  int64_t splits = requested_splits > 0
+                       ? requested_splits
+                       : std::min(kPackCtasPerSm * sm_count(p) / ctas, (capacity + kPackMinSplitKeys - 1) / kPackMinSplitKeys);
+  splits = std::min<int64_t>(splits, kPackMaxSplits);
+  if (splits <= 1) return plan;
+  const int64_t tiles = (capacity + Pack::kBlockN - 1) / Pack::kBlockN;
+  const int64_t split_keys = (tiles + splits - 1) / splits * Pack::kBlockN;
+  splits = (capacity + split_keys - 1) / split_keys;
+  if (splits <= 1 || m_blocks * splits > 65535) return plan;
+  plan.splits = static_cast<int>(splits);
+  plan.split_keys = static_cast<int>(split_keys);
+  plan.rows = static_cast<int>(m_blocks * Pack::kBlockM);
+  plan.workspace_floats = int64_t(p.batch) * p.num_kv_heads * plan.rows * splits * (p.head_dim + 1);
+  return plan;
+}
 
 cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t stream) {
   using namespace fast;
