@@ -33,9 +33,11 @@ using CfgSmall = PrefillCfg<T, D, 64, 4, 1, true, 2>;
 template <typename T, int D>
 using CfgLarge = PrefillCfg<T, D, 32, 4, 2, false, 2>;
 // Paged, short queries with the GQA group packed into the rows (kPackGQA):
-// 2 warps x 16 rows, BLOCK_N 32, 3 stages (56 KB at D=128, 4 CTAs per SM). A
-// decode-like CTA is bound by its K/V stream, so it is kept small: more CTAs
-// per SM keep more tiles in flight, and fewer padding rows cost MMAs.
+// 2 warps x 16 rows, BLOCK_N 32, 3 stages (56 KB at D=128: 3 CTAs per SM on sm_90,
+// whose 228 KB do not hold a fourth with its 1 KB reserve). A decode-like CTA is bound by
+// its K/V stream, so it is kept small: more CTAs per SM keep more tiles in flight, and
+// fewer padding rows cost MMAs. Its keys split across CTAs where the grid would not fill
+// the GPU (PrefillParams::pack_splits, paged_pack_split_plan in prefill/paged.cu).
 template <typename T, int D>
 using CfgPack = PrefillCfg<T, D, 32, 2, 1, true, 3>;
 // Longest query run that takes the packed kernel (max_seqlen_q): speculative

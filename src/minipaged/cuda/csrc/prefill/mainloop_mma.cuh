@@ -624,51 +624,80 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 }
 
 // Merges the KV splits of a packed launch (PrefillParams::pack_splits) into o and lse: one
-// CTA per (KV head, sequence, m-block) of the split kernel's grid, which skips the same
-// sequences. Per row, in split order (the result does not depend on which split finished
-// first): w_s = 2^(lse_s - max_s lse_s), o = sum_s w_s o_s / sum_s w_s; a row that no split
-// saw a key of gets exact zeros and lse -inf.
-constexpr int kPackMergeThreads = 128;
+// CTA per packed row of the split kernel's grid (x: row in the sequence's packed row space,
+// y: sequence, z: KV head), which skips the same sequences. The row's splits are read in
+// parallel: thread (chain, col) sums splits chain, chain + kChains, ... of one float4 column,
+// so a row of S splits takes S / kChains dependent loads per thread, not S. Fixed order
+// throughout (the result does not depend on which split finished first):
+// w_s = 2^(lse_s - max_s lse_s), o = sum_s w_s o_s / sum_s w_s; a row that no split saw a key
+// of gets exact zeros and lse -inf.
+constexpr int kPackMergeThreads = 256;
+constexpr int kPackMaxSplits = kPackMergeThreads;  // one split's weight per thread
 template <class Cfg>
 __global__ void __launch_bounds__(kPackMergeThreads) pack_split_merge_kernel(const PrefillParams p) {
   using T = typename Cfg::T;
-  constexpr int kLanes = Cfg::kD / 4;  // float4 columns of a row
-  const int kv_head = blockIdx.x, batch = blockIdx.y;
-  const int m_start = (gridDim.z - 1 - blockIdx.z) * Cfg::kBlockM;
+  constexpr int kLanes = Cfg::kD / 4;                   // float4 columns of a row
+  constexpr int kChains = kPackMergeThreads / kLanes;   // splits read at once per column
+  constexpr int kWarps = kPackMergeThreads / 32;
+  __shared__ float sm_w[kPackMaxSplits];
+  __shared__ float sm_warp[kWarps];
+  __shared__ float4 sm_acc[kChains][kLanes];
+  const int pr = blockIdx.x, batch = blockIdx.y, kv_head = blockIdx.z;
   const SeqInfo seq = seq_info<true, MinSeqlenQ<Cfg>::value>(p, batch);
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int total_rows = seq.seqlen_q * group;
-  if (m_start >= total_rows) return;
-  const int m_rows = min(Cfg::kBlockM, total_rows - m_start);
+  if (pr >= seq.seqlen_q * group) return;
   const int S = p.pack_splits;
-  for (int idx = threadIdx.x; idx < m_rows * kLanes; idx += kPackMergeThreads) {
-    const int r = idx / kLanes, c = idx % kLanes;
-    const int pr = m_start + r;
-    const int64_t row0 = ((int64_t(batch) * p.num_kv_heads + kv_head) * p.pack_rows + pr) * S;
-    const float* lse = p.pack_partial_lse + row0;
-    float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[s]);
-    float total = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mx != -INFINITY) {
-      for (int s = 0; s < S; ++s) {
-        const float w = exp2f(lse[s] - mx);
-        if (w > 0.f) {  // an empty split's O was never written
-          const float4 v = reinterpret_cast<const float4*>(p.pack_partial_o + (row0 + s) * Cfg::kD)[c];
-          total += w;
-          acc.x = fmaf(w, v.x, acc.x), acc.y = fmaf(w, v.y, acc.y);
-          acc.z = fmaf(w, v.z, acc.z), acc.w = fmaf(w, v.w, acc.w);
-        }
-      }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t row0 = ((int64_t(batch) * p.num_kv_heads + kv_head) * p.pack_rows + pr) * S;
+
+  // The row's max log2-sum-exp, then each split's weight and their sum.
+  const float x = tid < S ? p.pack_partial_lse[row0 + tid] : -INFINITY;
+  float mx = x;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) sm_warp[warp] = mx;
+  __syncthreads();
+  mx = sm_warp[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_warp[w]);
+  const float w = x == -INFINITY ? 0.f : exp2f(x - mx);
+  sm_w[tid] = w;
+  float sum = w;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();  // sm_w is complete and every thread has read the max from sm_warp
+  if (lane == 0) sm_warp[warp] = sum;
+
+  const int chain = tid / kLanes, col = tid % kLanes;
+  const float4* po = reinterpret_cast<const float4*>(p.pack_partial_o + row0 * Cfg::kD) + col;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = chain; s < S; s += kChains) {
+    const float ws = sm_w[s];
+    if (ws > 0.f) {  // an empty split's O was never written
+      const float4 v = po[int64_t(s) * kLanes];
+      acc.x = fmaf(ws, v.x, acc.x), acc.y = fmaf(ws, v.y, acc.y);
+      acc.z = fmaf(ws, v.z, acc.z), acc.w = fmaf(ws, v.w, acc.w);
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const int q_row = seq.q_begin + pr / group, head = kv_head * group + pr % group;
-    T* o = static_cast<T*>(p.o) + int64_t(q_row) * p.o_row_stride + head * p.o_head_stride + c * 4;
-    *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
-    if (c == 0 && p.lse != nullptr)
-      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + int64_t(q_row) * p.lse_row_stride] =
-          total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
   }
+  sm_acc[chain][col] = acc;
+  __syncthreads();
+  if (chain != 0) return;
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) total += sm_warp[i];
+#pragma unroll
+  for (int c = 1; c < kChains; ++c) {
+    const float4 v = sm_acc[c][col];
+    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int q_row = seq.q_begin + pr / group, head = kv_head * group + pr % group;
+  T* o = static_cast<T*>(p.o) + int64_t(q_row) * p.o_row_stride + head * p.o_head_stride + col * 4;
+  *reinterpret_cast<uint2*>(o) = make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
+  if (col == 0 && p.lse != nullptr)
+    p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + int64_t(q_row) * p.lse_row_stride] =
+        total > 0.f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;
 }
 
 template <class Cfg, bool kCausal, bool kPaged = false, bool kPack = false>
@@ -682,8 +711,8 @@ cudaError_t launch_prefill_cfg(const PrefillParams& params, cudaStream_t stream)
   int splits = 1;
   if constexpr (kPack) {
     if (p.pack_splits > 1 && p.pack_partial_o != nullptr && p.pack_partial_lse != nullptr &&
-        p.pack_split_keys > 0 && p.pack_split_keys % Cfg::kBlockN == 0 && m_blocks * Cfg::kBlockM <= p.pack_rows &&
-        m_blocks * p.pack_splits <= 65535)
+        p.pack_splits <= kPackMaxSplits && p.pack_split_keys > 0 && p.pack_split_keys % Cfg::kBlockN == 0 &&
+        m_blocks * Cfg::kBlockM <= p.pack_rows && m_blocks * p.pack_splits <= 65535 && p.num_kv_heads <= 65535)
       splits = p.pack_splits;
   }
   p.pack_splits = splits;
@@ -700,7 +729,8 @@ cudaError_t launch_prefill_cfg(const PrefillParams& params, cudaStream_t stream)
     if (splits > 1) {
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      pack_split_merge_kernel<Cfg><<<dim3(p.num_kv_heads, p.batch, unsigned(m_blocks)), kPackMergeThreads, 0, stream>>>(p);
+      const dim3 merge_grid(unsigned(m_blocks * Cfg::kBlockM), p.batch, p.num_kv_heads);
+      pack_split_merge_kernel<Cfg><<<merge_grid, kPackMergeThreads, 0, stream>>>(p);
     }
   }
   return cudaGetLastError();

@@ -81,13 +81,41 @@ bool paged_decode_routing(const PrefillParams& p) { return fast::paged_decode_ro
 // Packed KV splits (PrefillParams::pack_splits). A packed CTA owns one (sequence, KV head)
 // and is bound by its K/V stream: without splits a speculative batch of B sequences ran
 // B * Hkv CTAs (8 at B=1) however long the context. Split until the packed grid fills the
-// GPU once at the packed configs' 4 resident CTAs per SM (CfgPack, 56 KB each), with at
-// least kPackMinSplitKeys keys of the table's capacity per split (the decode kernels' sizing:
-// the capacity is what the host knows; shorter contexts leave their last splits empty).
+// GPU once at the packed kernel's resident CTAs per SM, with at least kPackMinSplitKeys keys
+// of the table's capacity per split (the decode kernels' sizing: the capacity is what the
+// host knows; shorter contexts leave their last splits empty).
 namespace {
-constexpr int kPackCtasPerSm = 4;
 constexpr int64_t kPackMinSplitKeys = 128;
-constexpr int kPackMaxSplits = 256;
+
+// Resident CTAs per SM of the packed kernel for this call's dtype, head dim and cache, from
+// the occupancy calculator (shared memory bounds the 16-bit one: 3 of 57 KB on sm_90, not 4),
+// once per device and kernel.
+template <class Cfg>
+int pack_ctas_per_sm() {
+  static int cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 1;
+  if (cached[device] == 0) {
+    auto kernel = fast::prefill_fast_kernel<fast::WithMinSeqlenQ<Cfg, 2>, true, true, true>;
+    int blocks = 0;
+    if (Cfg::kSmemBytes > 48 * 1024)
+      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      blocks = 1;
+    }
+    cached[device] = blocks > 0 ? blocks : 1;
+  }
+  return cached[device];
+}
+
+template <typename T>
+int pack_ctas_per_sm(const PrefillParams& p) {
+  using fast::CfgPack;
+  using fast::Fp8KV;
+  if (p.kv_fp8) return p.head_dim == 128 ? pack_ctas_per_sm<Fp8KV<CfgPack<T, 128>>>() : pack_ctas_per_sm<Fp8KV<CfgPack<T, 64>>>();
+  return p.head_dim == 128 ? pack_ctas_per_sm<CfgPack<T, 128>>() : pack_ctas_per_sm<CfgPack<T, 64>>();
+}
 }  // namespace
 
 PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits) {
@@ -107,9 +135,12 @@ PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits
   const int64_t m_blocks = (rows + Pack::kBlockM - 1) / Pack::kBlockM;
   const int64_t ctas = int64_t(p.batch) * p.num_kv_heads * m_blocks;
   const int64_t capacity = int64_t(p.max_blocks) * p.block_size;
-  int64_t splits = requested_splits > 0
-                       ? requested_splits
-                       : std::min(kPackCtasPerSm * sm_count(p) / ctas, (capacity + kPackMinSplitKeys - 1) / kPackMinSplitKeys);
+  if (p.head_dim != 64 && p.head_dim != 128) return plan;
+  int64_t splits = requested_splits;
+  if (splits <= 0) {
+    const int per_sm = p.dtype == DType::kBFloat16 ? pack_ctas_per_sm<__nv_bfloat16>(p) : pack_ctas_per_sm<__half>(p);
+    splits = std::min(per_sm * sm_count(p) / ctas, (capacity + kPackMinSplitKeys - 1) / kPackMinSplitKeys);
+  }
   splits = std::min<int64_t>(splits, kPackMaxSplits);
   if (splits <= 1) return plan;
   const int64_t tiles = (capacity + Pack::kBlockN - 1) / Pack::kBlockN;
