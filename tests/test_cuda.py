@@ -742,6 +742,22 @@ _SANITIZE_SCRIPT = _SANITIZE_PAGED_CASES + textwrap.dedent(
         paged_cases(ops, dev, dt, [(4, 2, 128, 16, [0, 1, 4, 70], [5, 1, 67, 150]),
                                    (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
                                    (2, 2, 64, 256, [90, 2], [30, 300])])
+        # speculative runs through the packed kernel's KV splits and their merge: the plan's
+        # count, then forced counts that leave splits past a context empty
+        spec = [(16, 8, 128, 16, [4, 3, 0, 5], [300, 4, 0, 3]), (8, 1, 64, 1, [2, 16], [40, 700])]
+        paged_cases(ops, dev, dt, spec)
+        paged_cases(ops, dev, dt, spec, num_splits=7)
+        # the same over FP8 pages (q is bf16, the scales per KV head)
+        for Hq, Hkv, D, bs, q_lens, ctx in spec:
+            nb = sum((c + bs - 1) // bs for c in ctx) + 1
+            k8 = torch.randn(nb, bs, Hkv, D, device=dev).to(torch.float8_e4m3fn)
+            bt = torch.randint(0, nb, (len(ctx), (max(ctx) + bs - 1) // bs), device=dev, dtype=torch.int32)
+            sc = torch.full((Hkv,), 0.5, device=dev)
+            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+            q = torch.randn(sum(q_lens), Hq, D, device=dev, dtype=dt)
+            cl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+            for splits in (0, 7):
+                ops.paged(q, k8, k8, bt, cu, cl, max(q_lens), True, 0.1, True, sc, sc, num_splits=splits)
         q = torch.randn(3, 4, 128, device=dev, dtype=dt)  # pure decode batch through paged, with lse
         kc = torch.randn(8, 16, 2, 128, device=dev, dtype=dt)
         bt = torch.arange(8, dtype=torch.int32, device=dev).view(2, 4)[[0, 1, 0]].contiguous()
