@@ -58,12 +58,6 @@ def main() -> int:
                 "cuda": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw),
                 "cuda 1 split": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw,
                                                        num_splits=1),
-                **({} if cache == "fp8" else {
-                    # the packed configs that keep more K/V in flight per CTA (dispatch.cuh)
-                    "cuda 4 stages": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False,
-                                                            variant=0x10),
-                    "cuda 64 keys": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False,
-                                                           variant=0x20)}),
                 "triton": lambda: triton_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw),
             }
             for name, fn in fns.items():

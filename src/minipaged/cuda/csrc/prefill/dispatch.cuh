@@ -172,19 +172,8 @@ constexpr bool kPagedNewPathsByDefault = true;
 // on (with the variant-3 paths), variant 3 gives the unrouted default.
 constexpr bool kPagedDecodeRoutingByDefault = true;
 constexpr int kPagedVariantDecodeRouting = 4;
-// Paged variant bits above the choices 0-4 (benchmarking): the routed 16-bit packed launch
-// (speculative runs) in a config that keeps more K/V in flight per CTA, to measure against
-// CfgPack. kPagedVariantPackDeep: 4 stages of 32 keys (74 KB, 3 CTAs per SM at D 128);
-// kPagedVariantPackWide: 3 stages of 64 keys (104 KB, 2 CTAs per SM).
-constexpr int kPagedVariantPackDeep = 0x10;
-constexpr int kPagedVariantPackWide = 0x20;
-inline int paged_variant(const PrefillParams& p) { return p.variant & 0xF; }
-template <typename T, int D>
-using CfgPackDeep = PrefillCfg<T, D, 32, 2, 1, true, 4>;
-template <typename T, int D>
-using CfgPackWide = PrefillCfg<T, D, 64, 2, 1, true, 3>;
 inline bool paged_decode_routing_on(const PrefillParams& p) {
-  return paged_variant(p) == kPagedVariantDecodeRouting || (paged_variant(p) == 0 && kPagedDecodeRoutingByDefault);
+  return p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedDecodeRoutingByDefault);
 }
 // Everything the routing needs besides the switch, from host-known values:
 // the decode grid's z extent, and an lse layout the decode kernels write
@@ -219,8 +208,7 @@ inline bool ws_mirror_pays(int64_t ctas, int64_t sms) {
 #endif
 
 inline bool paged_new_paths(const PrefillParams& p) {
-  return paged_variant(p) == 3 || paged_variant(p) == kPagedVariantDecodeRouting ||
-         (paged_variant(p) == 0 && kPagedNewPathsByDefault);
+  return p.variant == 3 || p.variant == kPagedVariantDecodeRouting || (p.variant == 0 && kPagedNewPathsByDefault);
 }
 
 // The prefill half of a routed batch: q_len >= 2 only (the decode kernels own
@@ -273,8 +261,7 @@ template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
   // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence,
   // 3 the default choice with the new paths on.
-  const int variant = paged_variant(p);
-  const bool pack_ok = (variant == 0 || variant == 3 || variant == kPagedVariantDecodeRouting) &&
+  const bool pack_ok = (p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting) &&
                        p.num_q_heads >= 2 * p.num_kv_heads;
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
@@ -282,15 +269,11 @@ cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
   auto tiled = [&](const PrefillParams& q) { return dispatch_paged_tiled<T, D, kCausal>(q, stream); };
   if (paged_decode_routing_ok(p)) {
     auto packed_min2 = [&](const PrefillParams& q) {
-      if (p.variant & kPagedVariantPackDeep)
-        return launch_prefill_cfg<WithMinSeqlenQ<CfgPackDeep<T, D>, 2>, kCausal, true, true>(q, stream);
-      if (p.variant & kPagedVariantPackWide)
-        return launch_prefill_cfg<WithMinSeqlenQ<CfgPackWide<T, D>, 2>, kCausal, true, true>(q, stream);
       return launch_prefill_cfg<WithMinSeqlenQ<CfgPack<T, D>, 2>, kCausal, true, true>(q, stream);
     };
     return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
   }
-  if (variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
+  if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok || !paged_new_paths(p)) return tiled(p);
   return launch_paged_split(p, packed, tiled);
 }

@@ -34,7 +34,7 @@ template <typename T, int D>
 cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
   using namespace fast;
   // Causal is a runtime flag of the FP8 kernels (kCausal = true, p.causal).
-  const bool pack_ok = (paged_variant(p) == 0 || paged_variant(p) == kPagedVariantDecodeRouting) &&
+  const bool pack_ok = (p.variant == 0 || p.variant == kPagedVariantDecodeRouting) &&
                        p.num_q_heads >= 2 * p.num_kv_heads;
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
@@ -56,7 +56,7 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
     };
     return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
   }
-  if (paged_variant(p) == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
+  if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok) return tiled(p);
   return launch_paged_split(p, packed, tiled);
 }
@@ -126,8 +126,7 @@ PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits
                     Pack::kBlockN == Fp8KV<CfgPack<__nv_bfloat16, 64>>::kBlockN,
                 "one packed row block and key tile for every packed config");
   PackSplitPlan plan;
-  const int variant = paged_variant(p);
-  const bool pack_variant = variant == 0 || variant == 3 || variant == kPagedVariantDecodeRouting;
+  const bool pack_variant = p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting;
   if (!pack_variant || p.num_kv_heads <= 0 || p.num_q_heads < 2 * p.num_kv_heads || p.batch <= 0 ||
       p.max_seqlen_q <= 0 || p.max_blocks <= 0 || p.block_size <= 0 || paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
     return plan;
