@@ -96,6 +96,59 @@ def test_parse_ptxas_reads_a_real_report(compiled):
     assert any("write_kv_kernel" in k["kernel"] for k in kernels)
 
 
+# The packed kernel's KV split arithmetic (prefill/pack_split.h), compiled as plain C++: one
+# line per shape on stdin ("ctas capacity resident requested"), "splits split_keys" out.
+_PACK_SPLIT_MAIN = r"""
+#include <cstdio>
+#include "prefill/pack_split.h"
+int main() {
+  long long ctas, capacity, resident;
+  int requested;
+  while (std::scanf("%lld %lld %lld %d", &ctas, &capacity, &resident, &requested) == 4) {
+    const minipaged::PackSplitCount c = minipaged::pack_split_count(ctas, capacity, resident, requested, 32, 128, 256);
+    std::printf("%d %d\n", c.splits, c.split_keys);
+  }
+}
+"""
+
+
+def test_pack_split_plan_arithmetic(tmp_path):
+    """Every split the plan makes covers whole 32-key tiles, starts inside the table, and together
+    they cover it; unforced plans fill the resident CTA slots at most once with >= 128 keys a
+    split (the shapes of the H200 rows: 8 CTAs at B=1, 256 at B=32; 396 resident slots)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    (tmp_path / "main.cpp").write_text(_PACK_SPLIT_MAIN)
+    exe = tmp_path / "pack_split"
+    proc = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{CSRC}", str(tmp_path / "main.cpp"), "-o", str(exe)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shapes = [(c, cap, res, req) for c in (1, 8, 104, 256, 512, 4096) for cap in (16, 33, 128, 4112, 32784, 131072)
+              for res in (0, 396, 528) for req in (0, 1, 2, 3, 7, 64, 256, 1000)]
+    out = subprocess.run([str(exe)], input="".join(f"{a} {b} {c} {d}\n" for a, b, c, d in shapes),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    for (ctas, cap, res, req), line in zip(shapes, out):
+        splits, keys = map(int, line.split())
+        what = f"ctas={ctas} capacity={cap} resident={res} requested={req}: {splits} x {keys}"
+        if splits == 1:
+            assert keys == 0, what
+            continue
+        assert 2 <= splits <= 256 and keys % 32 == 0 and keys > 0, what
+        assert (splits - 1) * keys < cap <= splits * keys, what      # no empty split past the table
+        if req > 0:
+            assert splits <= req, what
+        else:
+            assert ctas * splits <= res and keys >= 128, what
+    # the rows the H200 timed (3 resident 16-bit CTAs per SM x 132 SMs)
+    want = {(8, 4112, 396, 0): (33, 128), (8, 32784, 396, 0): (49, 672), (256, 4112, 396, 0): (1, 0),
+            (8, 32784, 396, 7): (7, 4704)}
+    got = subprocess.run([str(exe)], input="".join(f"{a} {b} {c} {d}\n" for a, b, c, d in want),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    for shape, line in zip(want, got):
+        assert tuple(map(int, line.split())) == want[shape], (shape, line)
+
+
 def _torch_include_dirs():
     from torch.utils import cpp_extension
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "prefill/dispatch.cuh"
+#include "prefill/pack_split.h"
 
 namespace minipaged {
 namespace {
@@ -136,21 +137,17 @@ PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits
   const int64_t ctas = int64_t(p.batch) * p.num_kv_heads * m_blocks;
   const int64_t capacity = int64_t(p.max_blocks) * p.block_size;
   if (p.head_dim != 64 && p.head_dim != 128) return plan;
-  int64_t splits = requested_splits;
-  if (splits <= 0) {
-    const int per_sm = p.dtype == DType::kBFloat16 ? pack_ctas_per_sm<__nv_bfloat16>(p) : pack_ctas_per_sm<__half>(p);
-    splits = std::min(per_sm * sm_count(p) / ctas, (capacity + kPackMinSplitKeys - 1) / kPackMinSplitKeys);
-  }
-  splits = std::min<int64_t>(splits, kPackMaxSplits);
-  if (splits <= 1) return plan;
-  const int64_t tiles = (capacity + Pack::kBlockN - 1) / Pack::kBlockN;
-  const int64_t split_keys = (tiles + splits - 1) / splits * Pack::kBlockN;
-  splits = (capacity + split_keys - 1) / split_keys;
-  if (splits <= 1 || m_blocks * splits > 65535) return plan;
-  plan.splits = static_cast<int>(splits);
-  plan.split_keys = static_cast<int>(split_keys);
+  int64_t resident = 0;  // the occupancy query only when the count is not forced
+  if (requested_splits <= 0)
+    resident = int64_t(p.dtype == DType::kBFloat16 ? pack_ctas_per_sm<__nv_bfloat16>(p) : pack_ctas_per_sm<__half>(p)) *
+               sm_count(p);
+  const PackSplitCount count =
+      pack_split_count(ctas, capacity, resident, requested_splits, Pack::kBlockN, kPackMinSplitKeys, kPackMaxSplits);
+  if (count.splits <= 1 || m_blocks * count.splits > 65535) return plan;
+  plan.splits = count.splits;
+  plan.split_keys = count.split_keys;
   plan.rows = static_cast<int>(m_blocks * Pack::kBlockM);
-  plan.workspace_floats = int64_t(p.batch) * p.num_kv_heads * plan.rows * splits * (p.head_dim + 1);
+  plan.workspace_floats = int64_t(p.batch) * p.num_kv_heads * plan.rows * count.splits * (p.head_dim + 1);
   return plan;
 }
 
