@@ -63,7 +63,7 @@ def test_decode_bytes_counts_only_real_tokens():
 def test_paged_flops_and_bytes_by_hand():
     """The standard paged cases' counts, computed here from the definitions."""
     hq, hkv, d, es = 16, 8, 128, 2
-    chunked, long_chunk, spec, mixed = cs.standard_paged_cases()
+    chunked, long_chunk, spec, spec1, mixed = cs.standard_paged_cases()
     # 8 x 512 new over 4096 cached: row i sees 4096 + i + 1 keys
     pairs = 512 * 4096 + 512 * 513 // 2
     assert pairs == 2228480
@@ -73,14 +73,16 @@ def test_paged_flops_and_bytes_by_hand():
     # 4 speculative tokens over a 4096 context: 4093 + 4094 + 4095 + 4096 pairs
     assert spec.flops == 4 * hq * d * 32 * (4093 + 4094 + 4095 + 4096)
     assert spec.bytes(es) == 2 * hkv * d * es * 32 * 4096 + 2 * hq * d * es * 32 * 4
+    assert spec1.flops == 4 * hq * d * (32765 + 32766 + 32767 + 32768)
+    assert spec1.bytes(es) == 2 * hkv * d * es * 32768 + 2 * hq * d * es * 4
     # one 2k chunk over 2k cached + 63 decodes, each decode row sees its whole context
     assert mixed.flops == 4 * hq * d * (2048 * 2048 + 2048 * 2049 // 2 + 63 * 4096)
     assert mixed.bytes(es) == 2 * hkv * d * es * 64 * 4096 + 2 * hq * d * es * (2048 + 63)
-    assert (chunked.decode_like, spec.decode_like, mixed.decode_like) == (False, True, False)
+    assert (chunked.decode_like, spec.decode_like, spec1.decode_like, mixed.decode_like) == (False, True, True, False)
     assert mixed.chunk_seqs == [0] and mixed.decode_seqs == list(range(1, 64))
     assert [c.label for c in cs.standard_paged_cases()] == [
         "chunked B=8 q=512 L=4608", "chunked B=1 q=2048 L=32768", "spec B=32 q=4 L=4096",
-        "mixed q=2048 L=4096 + 63 decodes L=4096"]
+        "spec B=1 q=4 L=32768", "mixed q=2048 L=4096 + 63 decodes L=4096"]
 
 
 def test_paged_flops_match_the_mask_on_ragged_sequences():

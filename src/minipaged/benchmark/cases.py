@@ -24,13 +24,16 @@ QUICK_HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
 def standard_paged_cases() -> list[PagedCase]:
     """paged_attention, Qwen3 heads, block size 16, pages scattered at random:
     chunked prefill (8 x 512 new over 4k cached; 1 x 2k new over 30k cached),
-    speculative verification (B=32, 4 new tokens, 4k context) and a mixed batch
-    (one 2k chunk over 2k cached + 63 decodes at 4k context) in one launch."""
+    speculative verification (B=32, 4 new tokens, 4k context; and one sequence at 32k,
+    the latency-bound serving case, whose grid is a few CTAs unless the keys are split)
+    and a mixed batch (one 2k chunk over 2k cached + 63 decodes at 4k context) in one
+    launch."""
     h = QWEN3_HEADS
     return [
         PagedCase("chunked", (512,) * 8, (4096 + 512,) * 8, **h),
         PagedCase("chunked", (2048,), (30720 + 2048,), **h),
         PagedCase("spec", (4,) * 32, (4096,) * 32, **h),
+        PagedCase("spec", (4,), (32768,), **h),
         PagedCase("mixed", (2048,) + (1,) * 63, (4096,) * 64, **h),
     ]
 
