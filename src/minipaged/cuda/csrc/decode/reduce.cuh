@@ -8,6 +8,7 @@
 #include "decode/common.cuh"
 #include "decode/trace.cuh"
 #include "ptx/misc.cuh"
+#include "split_merge.cuh"
 
 namespace minipaged {
 namespace {
@@ -88,14 +89,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     pre[i] = s < S ? po[static_cast<int64_t>(s) * LANES] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const float x = tid < S ? p.partial_lse[row0 + tid] : -INFINITY;
-  float mx = x;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) sm_warp[warp] = mx;
-  __syncthreads();
-  mx = sm_warp[0];
-#pragma unroll
-  for (int w = 1; w < kRedWarps; ++w) mx = fmaxf(mx, sm_warp[w]);
+  const float mx = block_max<kRedWarps>(x, sm_warp);
   const float mref = mx == -INFINITY ? 0.f : mx;
   const float w = fast_exp2(x - mref);  // 0 for empty splits and tid >= S
   sm_w[tid] = w;

@@ -46,6 +46,7 @@
 #include "ptx/ldmatrix.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/mma.cuh"
+#include "split_merge.cuh"
 
 namespace minipaged {
 namespace fast {
@@ -652,14 +653,7 @@ __global__ void __launch_bounds__(kPackMergeThreads) pack_split_merge_kernel(con
 
   // The row's max log2-sum-exp, then each split's weight and their sum.
   const float x = tid < S ? p.pack_partial_lse[row0 + tid] : -INFINITY;
-  float mx = x;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) sm_warp[warp] = mx;
-  __syncthreads();
-  mx = sm_warp[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_warp[w]);
+  const float mx = block_max<kWarps>(x, sm_warp);
   const float w = x == -INFINITY ? 0.f : exp2f(x - mx);
   sm_w[tid] = w;
   float sum = w;
