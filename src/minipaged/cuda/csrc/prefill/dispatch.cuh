@@ -257,12 +257,18 @@ cudaError_t dispatch_paged_tiled(const PrefillParams& p, cudaStream_t stream) {
 #endif
 }
 
+// Whether the 16-bit paged dispatch sends short query runs (q_len <= kPackMaxSeqlenQ) to the
+// GQA-packed kernel: a GQA group of at least 2, and a variant that packs by the tuned rule
+// (benchmarking: 1 never packs, 2 packs every sequence, 3 the default choice with the new
+// paths on). The packed KV split plan (paged_pack_split_plan) sizes for the same launches.
+inline bool paged_pack_ok(const PrefillParams& p) {
+  return (p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting) &&
+         p.num_q_heads >= 2 * p.num_kv_heads;
+}
+
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
-  // variant (benchmarking): 1 never packs GQA groups, 2 packs every sequence,
-  // 3 the default choice with the new paths on.
-  const bool pack_ok = (p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting) &&
-                       p.num_q_heads >= 2 * p.num_kv_heads;
+  const bool pack_ok = paged_pack_ok(p);
   auto packed = [&](const PrefillParams& q) {
     return launch_prefill_cfg<CfgPack<T, D>, kCausal, true, true>(q, stream);
   };

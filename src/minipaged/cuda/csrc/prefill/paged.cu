@@ -127,16 +127,15 @@ PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits
                     Pack::kBlockN == Fp8KV<CfgPack<__nv_bfloat16, 64>>::kBlockN,
                 "one packed row block and key tile for every packed config");
   PackSplitPlan plan;
-  const bool pack_variant = p.variant == 0 || p.variant == 3 || p.variant == kPagedVariantDecodeRouting;
-  if (!pack_variant || p.num_kv_heads <= 0 || p.num_q_heads < 2 * p.num_kv_heads || p.batch <= 0 ||
-      p.max_seqlen_q <= 0 || p.max_blocks <= 0 || p.block_size <= 0 || paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
+  // (the FP8 dispatch packs under variants 0 and 4 only: a variant-3 FP8 call gets an unused plan)
+  if (p.num_kv_heads <= 0 || !paged_pack_ok(p) || p.batch <= 0 || p.max_seqlen_q <= 0 || p.max_blocks <= 0 ||
+      p.block_size <= 0 || (p.head_dim != 64 && p.head_dim != 128) || paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
     return plan;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int64_t rows = int64_t(std::min(p.max_seqlen_q, kPackMaxSeqlenQ)) * group;
   const int64_t m_blocks = (rows + Pack::kBlockM - 1) / Pack::kBlockM;
   const int64_t ctas = int64_t(p.batch) * p.num_kv_heads * m_blocks;
   const int64_t capacity = int64_t(p.max_blocks) * p.block_size;
-  if (p.head_dim != 64 && p.head_dim != 128) return plan;
   int64_t resident = 0;  // the occupancy query only when the count is not forced
   if (requested_splits <= 0)
     resident = int64_t(p.dtype == DType::kBFloat16 ? pack_ctas_per_sm<__nv_bfloat16>(p) : pack_ctas_per_sm<__half>(p)) *
