@@ -153,12 +153,27 @@ static cudaError_t dispatch_new(const PrefillParams& p, cudaStream_t s) {
 }
 
 // The decode routing (on by default; PrefillParams variant 4 forces it): the
-// q_len == 1 rows through the decode kernels (DecodeParams::cu_seqlens_q,
-// split-K plan and workspace as binding.cpp allocates them), the q_len >= 2
-// rows through launch_prefill_paged, one stream, no sync. kSplits: the decode
-// split count (0: decode_plan's heuristic).
-static float* g_routed_ws = nullptr;
-static int64_t g_routed_ws_floats = 0;
+// q_len == 1 rows and the short runs through the decode kernels
+// (launch_paged_routed_decodes, the sequence binding.cpp runs, with split
+// workspaces from the two buffers below), the rest through launch_prefill_paged,
+// one stream, no sync. kSplits: the decode split count (0: decode_plan's heuristic).
+struct RoutedWorkspace {
+  float* buffer[2] = {nullptr, nullptr};  // one per decode launch of a call
+  int64_t floats[2] = {0, 0};
+  int next = 0;
+  // Grows during the warm-up calls only (cudaFree syncs).
+  static float* allocate(int64_t n, void* ctx) {
+    auto* self = static_cast<RoutedWorkspace*>(ctx);
+    const int i = self->next++ % 2;
+    if (n > self->floats[i]) {
+      if (self->buffer[i]) CHECK_CUDA(cudaFree(self->buffer[i]));
+      CHECK_CUDA(cudaMalloc(&self->buffer[i], n * sizeof(float)));
+      self->floats[i] = n;
+    }
+    return self->buffer[i];
+  }
+};
+static RoutedWorkspace g_routed_ws;
 static int g_cc_major = 0;
 static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int splits, bool force = true) {
   PrefillParams q = p;
@@ -169,20 +184,9 @@ static cudaError_t routed_call(const PrefillParams& p, cudaStream_t s, int split
   }
   // binding.cpp's order: the prefill half first (it validates strides and alignment), then the decodes.
   const cudaError_t perr = minipaged::launch_prefill_paged(q, s);
-  if (perr != cudaSuccess || minipaged::paged_min_seqlen_q(q) >= 2) return perr;  // no q_len 1 row
-  minipaged::DecodeParams d = minipaged::paged_decode_params(q, g_cc_major);
-  const minipaged::DecodePlan plan = minipaged::decode_plan(d, splits);
-  const int64_t floats = minipaged::decode_workspace_floats(d);
-  if (floats > g_routed_ws_floats) {  // grows during the warm-up calls only (cudaFree syncs)
-    if (g_routed_ws) CHECK_CUDA(cudaFree(g_routed_ws));
-    CHECK_CUDA(cudaMalloc(&g_routed_ws, floats * sizeof(float)));
-    g_routed_ws_floats = floats;
-  }
-  if (floats > 0) {
-    d.partial_o = g_routed_ws;
-    d.partial_lse = g_routed_ws + int64_t(d.batch) * d.num_q_heads * d.num_splits * d.head_dim;
-  }
-  return minipaged::launch_decode(d, plan, s);
+  if (perr != cudaSuccess) return perr;
+  g_routed_ws.next = 0;
+  return minipaged::launch_paged_routed_decodes(q, g_cc_major, splits, &RoutedWorkspace::allocate, &g_routed_ws, s);
 }
 template <int kSplits>
 static cudaError_t routed(const PrefillParams& p, cudaStream_t s) {

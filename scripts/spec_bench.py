@@ -1,11 +1,11 @@
-"""Speculative verification through paged_attention on `cuda`: q_len 4 per sequence (GQA-packed
-kernel) with the planner's KV splits against one split (the kernel as it was before it split),
-next to `cuda` decode (q_len 1, the last query of each run) on the same cache and triton's
-paged; 16-bit and FP8 pages. Hq/Hkv/D 16/8/128,
-page 16, pages scattered, CUDA-graph replays, cold L2, median. Every timed call is first
-checked against the fp64 oracle (minipaged.testing.assert_close).
+"""Speculative verification through paged_attention on `cuda`: q_len 4 (and the --q-lens given)
+per sequence, the default route (the tensor-core decode kernel where paged_spec_decode_ok) against
+the GQA-packed prefill kernel with its KV splits (paged variant 3, the unrouted default), next to
+`cuda` decode (q_len 1, the last query of each run) on the same cache and triton's paged; 16-bit
+and FP8 pages. Hq/Hkv/D 16/8/128, page 16, pages scattered, CUDA-graph replays, cold L2, median.
+Every timed call is first checked against the fp64 oracle (minipaged.testing.assert_close).
 
-    PYTHONPATH=src python scripts/spec_bench.py [--json out.json] [--reps 50]
+    PYTHONPATH=src python scripts/spec_bench.py [--json out.json] [--reps 50] [--q-lens 4,16]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from minipaged.cuda import ops as cuda_ops
 from minipaged.triton import ops as triton_ops
 
 ROWS = [(1, 4096), (1, 32768), (4, 4096), (8, 4096), (32, 4096), (64, 4096), (128, 1024)]
-Q_LEN = 4
+PACKED = 3  # paged variant: short runs on the GQA-packed prefill kernel (csrc/prefill/dispatch.cuh)
 
 
 def _bytes(case: testing.PagedCase, kv_elem: int) -> int:
@@ -35,17 +35,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--q-lens", default="4", help="comma-separated q_len per sequence")
     args = ap.parse_args()
     dtype, dev = torch.bfloat16, torch.device("cuda")
-    out = {"device": torch.cuda.get_device_name(), "q_len": Q_LEN, "rows": [], "failed": []}
+    q_lens = [int(x) for x in args.q_lens.split(",")]
+    out = {"device": torch.cuda.get_device_name(), "q_lens": q_lens, "rows": [], "failed": []}
     t0 = time.time()
-    for B, L in ROWS:
+    for Q_LEN, (B, L) in ((ql, r) for ql in q_lens for r in ROWS):
         case = testing.PagedCase("spec", (Q_LEN,) * B, (L,) * B, **bench_cases.QWEN3_HEADS)
         q, kc, vc, bt, cu, cl = testing.make_paged_inputs(case, dtype, dev, seed=B, poison=False)
         kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
         scale = case.head_dim ** -0.5
         qd = q[Q_LEN - 1::Q_LEN].contiguous()  # one query per sequence: the decode step
-        row = {"B": B, "L": L, "us": {}, "TBps": {}}
+        row = {"q_len": Q_LEN, "B": B, "L": L, "us": {}, "TBps": {}}
         for cache, (k_, v_, kw) in {"16-bit": (kc, vc, {}), "fp8": (kc8, vc8, {"k_scale": ks, "v_scale": vs})}.items():
             if cache == "fp8":
                 keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(k_, ks), bench_cases.dequantize_fp8(v_, vs),
@@ -56,16 +58,16 @@ def main() -> int:
             lowp, _ = testing.paged_ref(q, keys, vals, cu, lowp=True)
             fns = {
                 "cuda": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw),
-                "cuda 1 split": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw,
-                                                       num_splits=1),
+                "cuda packed": lambda: cuda_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw,
+                                                      variant=PACKED),
                 "triton": lambda: triton_ops.paged(q, k_, v_, bt, cu, cl, Q_LEN, True, scale, False, **kw),
             }
             for name, fn in fns.items():
                 label = f"{cache} {name}"
                 try:
-                    testing.assert_close(fn(), truth, lowp, f"B={B} L={L} {label}")
+                    testing.assert_close(fn(), truth, lowp, f"q={Q_LEN} B={B} L={L} {label}")
                 except Exception as e:  # noqa: BLE001 - reported, not timed
-                    out["failed"].append(f"B={B} L={L} {label}: {type(e).__name__}: {str(e)[:300]}")
+                    out["failed"].append(f"q={Q_LEN} B={B} L={L} {label}: {type(e).__name__}: {str(e)[:300]}")
                     print(out["failed"][-1], flush=True)
                     continue
                 t = time_fn(fn, device=dev, reps=args.reps, min_reps=10, max_time_s=2.0, cuda_graph=True)
@@ -74,7 +76,7 @@ def main() -> int:
             dec = lambda: cuda_ops.decode(qd, k_, v_, bt, cl, scale, False, **kw)  # noqa: E731
             t = time_fn(dec, device=dev, reps=args.reps, min_reps=10, max_time_s=2.0, cuda_graph=True)
             row["us"][f"{cache} cuda decode*"] = t.median_ms * 1e3
-        print(f"B={B:4d} L={L:6d} " + "  ".join(f"{k} {v:7.1f}" for k, v in row["us"].items()), flush=True)
+        print(f"q={Q_LEN:2d} B={B:4d} L={L:6d} " + "  ".join(f"{k} {v:7.1f}" for k, v in row["us"].items()), flush=True)
         out["rows"].append(row)
     print(f"took {time.time() - t0:.1f} s")
     if args.json:

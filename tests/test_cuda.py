@@ -1287,6 +1287,60 @@ def test_paged_spec_batches_split_by_default(ops, B, ctx):
     assert (lse - lse1).abs().max().item() < 1e-4
 
 
+# Speculative runs through the tensor-core decode kernel (csrc/prefill/dispatch.cuh
+# paged_spec_decode_ok: max_seqlen_q x G <= 32 (query, head) rows per KV head, 16 per CTA).
+# Each GQA width at the longest run it takes, one CTA (G8, G16) or two (G2, G4, G3: 30 rows of
+# 16 + 14); q_len 0, 1, 2..max in one batch, runs longer than their context (3 over 1 key, 2
+# over none: rows that see no key), contexts on many residues of the 64-key tiles and 4097.
+SPEC_DECODE_HEADS = {"G2": ((16, 8), 16), "G4": ((16, 4), 8), "G8": ((32, 4), 4), "G16": ((32, 2), 2),
+                     "G3": ((24, 8), 10)}
+
+
+@pytest.mark.parametrize("layout", SPEC_DECODE_HEADS.keys())
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_paged_spec_decode_rows(ops, layout, D, block_size, splits):
+    heads, max_q = SPEC_DECODE_HEADS[layout]
+    S_q = [max_q, 2, 0, 1, max_q - 1, 3, max_q, 2, max_q]
+    S_ctx = [4097, 2, 5, 1, 97, 1, 300, 0, max_q + 63]
+    dtype = torch.bfloat16 if D == 128 else torch.float16
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, D, block_size, dtype, seed=block_size + D + splits)
+    for causal in (True, False):
+        _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
+                     f"spec decode {layout} D{D} bs{block_size} s{splits} causal={causal}", max_q=max_q,
+                     num_splits=splits)
+    _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, max_q, True, 0.0883, True, num_splits=splits)[0])
+
+
+def test_paged_spec_decode_cuda_graph_replay(ops):
+    # which sequences are short runs, and how long, is read on the device: a pure speculative batch
+    # captured once and replayed with other q_lens (same total and max_seqlen_q bound) matches an
+    # eager call and the oracle
+    S_ctx = [600, 4097, 33, 9, 1, 900, 2000, 70]
+    variants = ([4, 4, 4, 4, 4, 4, 4, 4], [8, 2, 1, 0, 8, 5, 2, 6], [2, 3, 8, 8, 1, 1, 7, 2])
+    q, kc, vc, bt, cu, cl = _paged_case(variants[0], S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=23)
+    static_q, static_cu = q.clone(), cu.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o, static_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
+    for trial, S_q in enumerate(variants):
+        assert sum(S_q) == q.shape[0]
+        static_q.copy_(torch.randn_like(q.float()).to(q.dtype))
+        static_cu.copy_(torch.tensor([0] + list(torch.tensor(S_q).cumsum(0).tolist()), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
+        assert torch.equal(static_o, eager_o) and torch.equal(static_lse, eager_lse), f"replay {trial}"
+        _check_paged(ops, static_q, kc, vc, bt, static_cu, cl, True, 0.0883, f"spec graph q_lens {S_q}", max_q=8)
+
+
 def _rows_of(cu, pick):
     ql = (cu[1:] - cu[:-1]).tolist()
     seqs = [s for s, n in enumerate(ql) if pick(n)]

@@ -135,8 +135,10 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
 
     -> o [Tq,Hq,D], or (o, lse [Tq,Hq]). With max_seqlen_q == 1 and one row per
     sequence it runs the decode kernels (num_splits/variant apply there as in decode).
-    Short query runs (q_len <= 16, GQA-packed) split their keys as decode does
-    (csrc/prefill/paged.cu paged_pack_split_plan); num_splits > 0 forces that count too.
+    Short query runs (q_len 2..16, speculative verification) run the tensor-core decode kernel
+    with their (query, head) pairs as its rows where max_seqlen_q x G <= 32
+    (csrc/prefill/dispatch.cuh paged_spec_decode_ok), else the GQA-packed prefill kernel; both
+    split their keys as decode does, and num_splits > 0 forces that count too.
     Otherwise variant (benchmarking) picks the paged paths: 0 the tuned choice, 1 never
     pack GQA groups, 2 always, 3 the newer paths forced on, PAGED_DECODE_ROUTING (4) also
     routes the q_len == 1 rows to the decode kernels (num_splits then sets their split

@@ -354,10 +354,21 @@ at::Tensor decode_split_workspace(const at::Tensor& q, minipaged::DecodeParams& 
   const int64_t floats = minipaged::decode_workspace_floats(p);
   if (floats == 0) return {};
   at::Tensor workspace = q.new_empty({floats}, q.options().dtype(at::kFloat));
-  p.partial_o = workspace.data_ptr<float>();
-  p.partial_lse = p.partial_o + static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_splits * p.head_dim;
+  minipaged::decode_set_workspace(p, workspace.data_ptr<float>());
   return workspace;
 }
+
+// The split workspaces of a routed paged call's decode launches (launch_paged_routed_decodes),
+// from torch's caching allocator, held until the launches are enqueued.
+struct RoutedWorkspaces {
+  const at::Tensor* like;
+  std::vector<at::Tensor> held;
+  static float* allocate(int64_t floats, void* ctx) {
+    auto* self = static_cast<RoutedWorkspaces*>(ctx);
+    self->held.push_back(self->like->new_empty({floats}, self->like->options().dtype(at::kFloat)));
+    return self->held.back().data_ptr<float>();
+  }
+};
 
 cudaError_t zeroed_counters(CounterPool pool, int device, cudaStream_t stream, int64_t count, int32_t** out) {
   struct Entry {
@@ -484,9 +495,10 @@ OutLse decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 // Paged attention for any query length. A pure decode batch (every q_len 1:
 // max_seqlen_q == 1 and one query row per sequence) runs the decode kernels, so
 // that paged == decode exactly there; everything else runs the prefill kernels
-// with the paged K/V loader, except, with the decode routing on (variant 4;
-// off by default, prefill/dispatch.cuh), the q_len == 1 rows of a mixed
-// batch, which run the decode kernels (a second launch on the stream).
+// with the paged K/V loader, except, with the decode routing (on by default;
+// variant 4 forces it, prefill/dispatch.cuh), the q_len == 1 rows of a mixed
+// batch and its short runs (paged_spec_decode), which run the decode kernels
+// (more launches on the stream).
 OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
              int64_t max_seqlen_q, bool causal, double scale, bool return_lse, int64_t num_splits,
@@ -564,17 +576,17 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     }
     if (o.numel() > 0 && seqs > 0 && max_seqlen_q > 0) {
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-      // Decode routing (off by default; paged variant 4): launch_prefill_paged
-      // keeps the q_len >= 2 rows (and checks strides and alignment before
-      // anything runs), then the q_len == 1 rows run the decode kernels with
-      // their split-K plan and workspace, as the decode op would, on the same
-      // stream. Which sequence is which is decided on the device.
+      // Decode routing: launch_prefill_paged keeps the rows the decode kernels
+      // do not take (and checks strides and alignment before anything runs),
+      // then the q_len == 1 rows, and the short runs where paged_spec_decode,
+      // run the decode kernels with their split-K plans and workspaces, as the
+      // decode op would, on the same stream. Which sequence is which is decided
+      // on the device.
       err = minipaged::launch_prefill_paged(p, stream);
-      if (err == cudaSuccess && minipaged::paged_decode_routing(p) && minipaged::paged_min_seqlen_q(p) <= 1) {
-        minipaged::DecodeParams d = minipaged::paged_decode_params(p, cc_major(q.get_device()));
-        const minipaged::DecodePlan plan = minipaged::decode_plan(d, static_cast<int>(num_splits));
-        const at::Tensor workspace = decode_split_workspace(q, d);
-        err = minipaged::launch_decode(d, plan, stream);
+      if (err == cudaSuccess) {
+        RoutedWorkspaces workspaces{&q, {}};
+        err = minipaged::launch_paged_routed_decodes(p, cc_major(q.get_device()), static_cast<int>(num_splits),
+                                                     &RoutedWorkspaces::allocate, &workspaces, stream);
         if (err != cudaSuccess) launcher = "launch_decode (paged decode routing)";
       }
     }

@@ -183,6 +183,16 @@ struct DecodeParams {
   // `variant` says (the only instantiations that read this field).
   // nullptr: plain decode, row b is sequence b.
   const int32_t* cu_seqlens_q;
+  // Short query runs (speculative verification; the paged routing, paged_spec_decode_params):
+  // with max_seqlen_q >= 2 and cu_seqlens_q, sequence b is handled iff 2 <= q_len <= max_seqlen_q
+  // (q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]). The (query i, head j) pairs of one KV group,
+  // q_len * G of them, are the rows r = i * G + j of the tensor-core kernel, kRows per CTA; query i
+  // (q/o/lse row cu_seqlens_q[b] + i) sees keys [0, context_len - q_len + i + 1) when causal
+  // (bottom-right, as paged attention) and every key otherwise. The split workspace holds
+  // max_seqlen_q query rows per sequence: partial row ((b * max_seqlen_q + i) * Hq + head) *
+  // num_splits + split. 0: one query per sequence (every field above as described there).
+  int max_seqlen_q;
+  bool causal;
 };
 
 // The kernels one decode call runs and how, chosen once by decode_plan.
@@ -275,11 +285,47 @@ inline DecodeParams paged_decode_params(const PrefillParams& p, int cc_major) {
   return d;
 }
 
+// Query rows per sequence in a decode call's split workspace and reduction grid.
+inline int decode_query_rows(const DecodeParams& d) { return d.max_seqlen_q >= 2 ? d.max_seqlen_q : 1; }
+
 // Floats of split workspace (partial_o then partial_lse) a planned decode needs; 0 without splits.
 inline int64_t decode_workspace_floats(const DecodeParams& d) {
   if (d.num_splits <= 1) return 0;
-  return static_cast<int64_t>(d.batch) * d.num_q_heads * d.num_splits * (d.head_dim + 1);
+  return static_cast<int64_t>(d.batch) * decode_query_rows(d) * d.num_q_heads * d.num_splits * (d.head_dim + 1);
 }
+
+// Points d's partial_o / partial_lse into `workspace` (decode_workspace_floats(d) floats).
+inline void decode_set_workspace(DecodeParams& d, float* workspace) {
+  d.partial_o = workspace;
+  d.partial_lse = workspace + static_cast<int64_t>(d.batch) * decode_query_rows(d) * d.num_q_heads * d.num_splits *
+                                  d.head_dim;
+}
+
+// The decode parameters of the short runs (q_len 2..max_seqlen_q) of paged p, for the
+// tensor-core decode kernel (DecodeParams::max_seqlen_q); as paged_decode_params otherwise.
+inline DecodeParams paged_spec_decode_params(const PrefillParams& p, int cc_major, int max_seqlen_q) {
+  DecodeParams d = paged_decode_params(p, cc_major);
+  d.max_seqlen_q = max_seqlen_q;
+  d.causal = p.causal;
+  return d;
+}
+
+// Whether the routed launches of paged p (paged_decode_routing) give its short query runs
+// (q_len 2..16) to the tensor-core decode kernel (paged_spec_decode_params) instead of the
+// GQA-packed prefill kernel; launch_prefill_paged then leaves them alone. Defined in
+// prefill/paged.cu, from host-known values.
+bool paged_spec_decode(const PrefillParams& p);
+
+// Everything a routed paged call (paged_decode_routing(p)) launches after launch_prefill_paged(p),
+// on the same stream: the decode kernels for its q_len == 1 rows, where some sequence can have
+// q_len 1, and for its short runs, where paged_spec_decode(p); each with decode_plan's split plan
+// (requested_splits as there) and a split workspace of `floats` floats from workspace(floats,
+// ctx), which must stay valid until the launches have run (in stream order) and may return
+// nullptr for cudaErrorMemoryAllocation. The one owner of that sequence for binding.cpp and the
+// selftests. Defined in prefill/paged.cu.
+using DecodeWorkspaceFn = float* (*)(int64_t floats, void* ctx);
+cudaError_t launch_paged_routed_decodes(const PrefillParams& p, int cc_major, int requested_splits,
+                                        DecodeWorkspaceFn workspace, void* ctx, cudaStream_t stream);
 
 // Scatter new K/V rows into the paged caches: row t goes to slot
 // slot_mapping[t] = block * block_size + offset; a negative slot is skipped.

@@ -73,16 +73,22 @@ struct Piece {
 // [h0, h0 + ng) of KV head kvh's group. Shared by both decode kernels.
 // row: the q / o / lse row of the sequence (b, or cu_seqlens_q[b] with packed
 // queries; -1 there for a sequence that is not a decode row: the CTA returns).
+// MQ (DecodeParams::max_seqlen_q, the tensor-core kernel only): the CTA owns
+// rows [r0, r0 + ng) of the sequence's q_len x G (query, head) rows of KV head
+// kvh instead (h0 is the group's first head, row its first q row, -1 for a
+// sequence whose q_len is not 2..max_seqlen_q); ctx is the context length.
 struct DecodeSlice {
   int split, kvh, b, h0, ng;
   int start, end;  // token range; empty when the split starts past the context
   int capacity;    // max_blocks * block_size: what the block table can address
   int row;
+  int q_len, r0, ctx;  // MQ only
 };
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
 // paged decode routing runs; false compiles to the plain decode as before.
-template <bool PQ = false>
+// MQ: short query runs (DecodeParams::max_seqlen_q); implies packed queries.
+template <bool PQ = false, bool MQ = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
   DecodeSlice s;
   s.split = blockIdx.x;
@@ -91,8 +97,10 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   const int gchunk = blockIdx.y - s.kvh * num_gchunks;
   s.b = blockIdx.z;
   const int group = p.num_q_heads / p.num_kv_heads;
-  s.h0 = s.kvh * group + gchunk * heads_per_cta;
-  s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
+  if constexpr (!MQ) {
+    s.h0 = s.kvh * group + gchunk * heads_per_cta;
+    s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
+  }
   // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
   // walking off the block table.
   s.capacity = p.max_blocks * p.block_size;
@@ -100,7 +108,16 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   s.start = s.split * p.tokens_per_split;
   s.end = min(ctx, s.start + p.tokens_per_split);
   s.row = s.b;
-  if constexpr (PQ) {
+  if constexpr (MQ) {
+    const int q0 = p.cu_seqlens_q[s.b];
+    s.q_len = p.cu_seqlens_q[s.b + 1] - q0;
+    s.h0 = s.kvh * group;
+    s.r0 = gchunk * heads_per_cta;
+    const bool short_run = s.q_len >= 2 && s.q_len <= p.max_seqlen_q;
+    s.ng = short_run ? min(heads_per_cta, s.q_len * group - s.r0) : 0;
+    s.ctx = ctx;
+    s.row = s.ng > 0 ? q0 : -1;
+  } else if constexpr (PQ) {
     const int q0 = p.cu_seqlens_q[s.b];
     s.row = p.cu_seqlens_q[s.b + 1] - q0 == 1 ? q0 : -1;
   }
@@ -108,10 +125,29 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
 }
 
 // Whether a packed-query CTA of this slice has nothing to do (not a decode row).
-template <bool PQ>
+template <bool PQ, bool MQ = false>
 __device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
-  if constexpr (PQ) return s.row < 0;
+  if constexpr (PQ || MQ) return s.row < 0;
   return false;
+}
+
+// Where row `row` (0..ng) of a slice's merged output goes: its q / o / lse row and query head,
+// and its split-workspace row before the split index.
+template <bool MQ>
+__device__ __forceinline__ void decode_out_row(const DecodeParams& p, const DecodeSlice& s, int row, int& out_row,
+                                               int& head, int64_t& split_row) {
+  if constexpr (MQ) {
+    const int group = p.num_q_heads / p.num_kv_heads;
+    const int pr = s.r0 + row;
+    const int qi = pr / group;
+    head = s.h0 + (pr - qi * group);
+    out_row = s.row + qi;
+    split_row = (static_cast<int64_t>(s.b) * p.max_seqlen_q + qi) * p.num_q_heads + head;
+  } else {
+    head = s.h0 + row;
+    out_row = s.row;
+    split_row = static_cast<int64_t>(s.b) * p.num_q_heads + head;
+  }
 }
 
 // Last step of both decode kernels: combine the online-softmax states that the
@@ -124,10 +160,12 @@ __device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
 // head's v_scale (V was accumulated as stored), partials included, so the
 // split reduction needs no change. dim_of(c) is the output dim that column c
 // of sm_o holds (the tensor-core kernel keeps FP8 outputs in a permuted order).
+// MQ: the rows are a short run's (query, head) rows (decode_out_row).
 struct IdentityDim {
   __device__ __forceinline__ int operator()(int c) const { return c; }
 };
-template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim>
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim,
+          bool MQ = false>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                       const float* sm_m,  // [kNumWarps][kRowsPerCta]
                                                       const float* sm_l,  // [kNumWarps][kRowsPerCta]
@@ -151,14 +189,16 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     }
     float out = L > 0.f ? O / L : 0.f;
     if constexpr (kScaleOut) out *= out_scale;
-    const int h = slice.h0 + row;
+    int out_row, h;
+    int64_t split_row;
+    decode_out_row<MQ>(p, slice, row, out_row, h, split_row);
     if (p.num_splits == 1) {
-      T* op = static_cast<T*>(p.o) + slice.row * p.o_batch_stride + h * p.o_head_stride;
+      T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
       if (p.lse != nullptr && d == 0)
-        p.lse[slice.row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
+        p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
-      const int64_t prow = (static_cast<int64_t>(slice.b) * p.num_q_heads + h) * p.num_splits + slice.split;
+      const int64_t prow = split_row * p.num_splits + slice.split;
       p.partial_o[prow * D + d] = out;
       if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
     }

@@ -89,12 +89,13 @@ DecodePlan info_f(bool fused) {
 }
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
-// tokens per warp per tile.
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
+// tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q).
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
+          bool MQ = false>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT>;
-  k.reduce = decode_reduce_kernel<T, D, PQ>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ>;
+  k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
   k.group_tile = decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps * WT;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT>::kBytes;
@@ -315,9 +316,32 @@ DecodePlan tensor_core_g2(const DecodeParams& p) {
   return {};
 }
 
+// Short query runs (DecodeParams::max_seqlen_q): the tensor-core kernel of a decode of the
+// same cache, in its multi-query instantiation, whatever the group size: 3 stages of 16-bit
+// tiles; on FP8 caches 32 tokens per warp and 3 stages at G = 2, D = 128 (the G = 2 FP8
+// decode's tiling), else 4 stages of 16 (the G >= 3 one).
+template <typename T, int D>
+DecodePlan select_multi_query(const DecodeParams& p) {
+  if (!p.kv_fp8) return info_mma<T, D, 3, false, false, false, 16, true>();
+  if constexpr (D == 128) {
+    if (p.num_q_heads == 2 * p.num_kv_heads) return info_mma<T, D, 3, true, false, false, 32, true>();
+  }
+  return info_mma<T, D, 4, true, false, false, 16, true>();
+}
+
 DecodePlan select_kernel(const DecodeParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return {};
   const bool d128 = p.head_dim == 128;
+  if (p.max_seqlen_q >= 2) {
+    if (p.cu_seqlens_q == nullptr || p.num_kv_heads <= 0 || (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr)))
+      return {};
+    switch (p.dtype) {
+      case DType::kFloat16: return d128 ? select_multi_query<__half, 128>(p) : select_multi_query<__half, 64>(p);
+      case DType::kBFloat16:
+        return d128 ? select_multi_query<__nv_bfloat16, 128>(p) : select_multi_query<__nv_bfloat16, 64>(p);
+    }
+    return {};
+  }
   if (p.cu_seqlens_q != nullptr) {
     if (p.num_kv_heads <= 0 || (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) return {};
     switch (p.dtype) {
@@ -371,13 +395,20 @@ int blocks_per_sm(const DecodePlan& k) {
   return n;
 }
 
+// CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group, or with short query
+// runs the chunks of max_seqlen_q x G (query, head) rows.
+int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
+  const int64_t group = p.num_q_heads / std::max(p.num_kv_heads, 1);
+  const int64_t g = std::max(k.group_tile, 1);
+  const int64_t rows = group * decode_query_rows(p);
+  return (rows + g - 1) / g;
+}
+
 // Sets p.num_splits / p.tokens_per_split for kernel k (requested_splits > 0: that many).
 void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
-  const int group = p.num_q_heads / std::max(p.num_kv_heads, 1);
   // Resident blocks per SM (cached), which also raises the shared-memory limit.
   const int resident = k.kernel != nullptr ? blocks_per_sm(k) : 1;
-  const int g = std::max(k.group_tile, 1);
-  const int64_t gchunks = (group + g - 1) / g;
+  const int64_t gchunks = row_chunks(p, k);
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
   int64_t splits = 1;
   if (requested_splits > 0) {
@@ -409,7 +440,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
 }  // namespace
 
 DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
-  const DecodePlan tc = tensor_core_g2(p);
+  const DecodePlan tc = p.max_seqlen_q >= 2 ? DecodePlan{} : tensor_core_g2(p);
   if (tc.kernel != nullptr) {
     DecodeParams t = p;
     plan_splits(t, tc, requested_splits);
@@ -438,10 +469,12 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
-  if (p.batch > 65535) return cudaErrorInvalidConfiguration;
+  if (p.max_seqlen_q >= 2 && p.cu_seqlens_q == nullptr) return cudaErrorInvalidValue;
+  const int64_t reduce_rows = int64_t(p.batch) * decode_query_rows(p);
+  const int64_t gchunks = row_chunks(p, k);
+  if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  const int gchunks = (p.num_q_heads / p.num_kv_heads + k.group_tile - 1) / k.group_tile;
-  const dim3 grid(p.num_splits, p.num_kv_heads * gchunks, p.batch);
+  const dim3 grid(p.num_splits, static_cast<unsigned>(p.num_kv_heads * gchunks), p.batch);
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
@@ -450,7 +483,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   // the reduction keeps the ordering. Captured into CUDA graphs as a
   // programmatic edge.
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_q_heads, p.batch);
+  cfg.gridDim = dim3(p.num_q_heads, static_cast<unsigned>(reduce_rows));
   cfg.blockDim = dim3(kReduceThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];

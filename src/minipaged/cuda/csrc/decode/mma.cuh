@@ -103,10 +103,6 @@ constexpr int kFusedMinBlocksFp8 = 1;
 constexpr int kFusedMinBlocksFp8 = 3;
 #endif
 
-// FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
-// (fused_split_reduce) instead of a second kernel.
-// PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
-// a CTA of a sequence that is not a decode row returns before any load.
 // The A fragments of a bf16 tile (rows g: words 0, 2; rows g + 8: words 1, 3;
 // KS k steps) -> f16 fragments of the same rows, row r times 2^e_r with e_r
 // from the row's largest finite |q| (ptx/fp8.cuh; the quad of lanes holding a
@@ -133,7 +129,17 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
     for (int w = 0; w < 4; ++w) a[kk][w] = bf16x2_to_f16x2(a[kk][w], scale[w & 1]);
 }
 
-template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16>
+// FUSED: the last CTA of each (sequence, KV head, head chunk) merges the splits
+// (fused_split_reduce) instead of a second kernel.
+// PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
+// a CTA of a sequence that is not a decode row returns before any load.
+// MQ: short query runs (DecodeParams::max_seqlen_q, speculative verification routed
+// from paged attention): the 16 MMA rows are (query, head) pairs of one KV group,
+// q_len x G of them per sequence over ceil(max_seqlen_q x G / 16) CTAs, each row
+// masked at its own query's last key. The K/V stream, the tile loop and its cost
+// are a decode's: the rows a decode leaves as padding carry the extra queries.
+template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
+          bool MQ = false>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && FP8), "32 tokens per warp: FP8 caches only");
@@ -161,8 +167,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   decode_trace(kTrEntry);
   decode_trace(kTrSm);
 
-  static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  const DecodeSlice slice = decode_slice<PQ>(p, kRows);
+  static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
+  const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
 
@@ -195,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       first_pages[st] = page_runs && tok0 < table_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
   }
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  if (decode_slice_skipped<PQ, MQ>(slice)) return;  // CTA-uniform, before any barrier
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
   const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
   const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
@@ -250,12 +256,20 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   };
 
   // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
+  // MQ: row r is head r % G of query r / G of the CTA's rows from slice.r0.
+  const int group = p.num_q_heads / p.num_kv_heads;
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
     for (int idx = tid; idx < kRows * (D / 8); idx += kThreads) {
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
-      cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
+      if constexpr (MQ) {
+        const int pr = slice.r0 + row, qi = pr / group;
+        const T* src = valid ? qp + qi * p.q_batch_stride + (pr - qi * group) * p.q_head_stride + ch * 8 : qp;
+        cp_async_16(s_q + swz<D>(row, ch), src, valid);
+      } else {
+        cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
+      }
     }
     cp_async_commit();
   }
@@ -304,6 +318,18 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 units) of rows g, g + 8
   float l[2] = {0.f, 0.f};              // this thread's share of the row sums
+  // Keys rows g, g + 8 see: the split's, and with MQ and causal, those up to their query's
+  // place at the end of the context (bottom-right).
+  int row_end[2] = {end, end};
+  if constexpr (MQ) {
+    if (p.causal) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int qi = (slice.r0 + g + 8 * h) / group;
+        row_end[h] = min(end, slice.ctx - slice.q_len + qi + 1);
+      }
+    }
+  }
 
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t % STAGES;
@@ -368,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         for (int e = 0; e < 2; ++e) {
           const int tok = tok0 + nt * 8 + tq + e;
           float& x = s[nt][2 * h + e];
-          x = tok < end ? x * row_scale_log2[h] : -INFINITY;
+          x = tok < (MQ ? row_end[h] : end) ? x * row_scale_log2[h] : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -460,9 +486,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   __syncthreads();
 
   if constexpr (FP8) {
-    merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
+    merge_warps_and_store<T, kWarps, kRows, D, true, FragDimOf<D>, MQ>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
+                                                                      FragDimOf<D>{});
   } else {
-    merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
+    merge_warps_and_store<T, kWarps, kRows, D, false, IdentityDim, MQ>(p, slice, sm_m, sm_l, sm_o);
   }
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.

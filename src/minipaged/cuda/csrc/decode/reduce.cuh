@@ -47,7 +47,10 @@ __device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
 
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.
-template <typename T, int D, bool PQ = false>
+// MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
+// query i) as b * max_seqlen_q + i, merged into row cu_seqlens_q[b] + i when
+// sequence b is a short run of more than i queries.
+template <typename T, int D, bool PQ = false, bool MQ = false>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
@@ -57,7 +60,11 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __shared__ float4 sm_o[ROWS][LANES];
   // cu_seqlens_q is an input of the call, not an output of the split kernel:
   // it is read before the wait.
-  if constexpr (PQ) {
+  if constexpr (MQ) {
+    const int seq = blockIdx.y / p.max_seqlen_q;
+    const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+    if (q_len < 2 || q_len > p.max_seqlen_q || static_cast<int>(blockIdx.y) - seq * p.max_seqlen_q >= q_len) return;
+  } else if constexpr (PQ) {
     if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
   }
   // Launched early (programmatic dependent launch): wait until the split
@@ -123,7 +130,12 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     // Packed queries: the row is looked up here, not kept live through the
     // loop (one register more spills at sm_80's 32-register cap).
     int out_row = b;
-    if constexpr (PQ) out_row = p.cu_seqlens_q[b];
+    if constexpr (MQ) {
+      const int seq = b / p.max_seqlen_q;
+      out_row = p.cu_seqlens_q[seq] + (b - seq * p.max_seqlen_q);
+    } else if constexpr (PQ) {
+      out_row = p.cu_seqlens_q[b];
+    }
     if (p.lse != nullptr && col == 0)
       p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
     T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;

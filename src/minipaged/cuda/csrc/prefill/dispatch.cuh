@@ -214,16 +214,21 @@ inline bool paged_new_paths(const PrefillParams& p) {
 // The prefill half of a routed batch: q_len >= 2 only (the decode kernels own
 // the q_len == 1 rows); nothing to launch when no sequence can be that long.
 // pack_ok: rows of 2..kPackMaxSeqlenQ go to `packed_min2` (a packed config
-// that skips q_len 1), longer ones to `tiled`.
+// that skips q_len 1), or with spec_decode (paged_spec_decode_ok) to the decode
+// kernels as well, longer ones to `tiled`.
 template <class Packed, class Tiled>
-cudaError_t launch_paged_routed_rest(const PrefillParams& p, bool pack_ok, Packed packed_min2, Tiled tiled) {
+cudaError_t launch_paged_routed_rest(const PrefillParams& p, bool pack_ok, bool spec_decode, Packed packed_min2,
+                                     Tiled tiled) {
   if (p.max_seqlen_q <= 1) return cudaSuccess;
   if (pack_ok && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ) {
-    PrefillParams ps = p;
-    ps.qlen_filter = kPackMaxSeqlenQ;
-    ps.max_seqlen_q = std::min(p.max_seqlen_q, kPackMaxSeqlenQ);
-    const cudaError_t err = packed_min2(ps);
-    if (err != cudaSuccess || p.max_seqlen_q <= kPackMaxSeqlenQ) return err;
+    if (!spec_decode) {
+      PrefillParams ps = p;
+      ps.qlen_filter = kPackMaxSeqlenQ;
+      ps.max_seqlen_q = std::min(p.max_seqlen_q, kPackMaxSeqlenQ);
+      const cudaError_t err = packed_min2(ps);
+      if (err != cudaSuccess) return err;
+    }
+    if (p.max_seqlen_q <= kPackMaxSeqlenQ) return cudaSuccess;
     PrefillParams pl = p;
     pl.qlen_filter = -kPackMaxSeqlenQ;
     return tiled(pl);
@@ -266,6 +271,28 @@ inline bool paged_pack_ok(const PrefillParams& p) {
          p.num_q_heads >= 2 * p.num_kv_heads;
 }
 
+// Speculative runs through the decode kernels: where a routed batch packs its short runs
+// (q_len 2..kPackMaxSeqlenQ), the tensor-core decode kernel takes them instead of the packed
+// prefill kernel (DecodeParams::max_seqlen_q; launch_paged_routed_decodes in prefill/paged.cu
+// launches it). It streams K/V as a decode of the same cache does, so a short run costs about
+// a decode step; the packed kernel's 2-warp CTAs with 32-key tiles were latency-bound from
+// B=32 (bench/results/nvidia-h200/). Up to kSpecDecodeMaxRows (query, head) rows per KV head:
+// each 16 rows are one CTA that streams the sequence's K/V, so longer runs of wide groups keep
+// the packed kernel, whose 32-row blocks share one stream. The decode grid's extents bound
+// batch x max_seqlen_q.
+constexpr bool kPagedSpecDecodeByDefault = true;
+constexpr int kSpecDecodeMaxRows = 32;
+inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
+inline bool paged_spec_decode_ok(const PrefillParams& p) {
+  if (!kPagedSpecDecodeByDefault || !paged_decode_routing_ok(p) || !paged_pack_ok(p) || p.num_kv_heads <= 0)
+    return false;
+  const int64_t max_q = paged_spec_decode_max_q(p);
+  const int64_t group = p.num_q_heads / p.num_kv_heads;
+  return max_q >= 2 && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ && max_q * group <= kSpecDecodeMaxRows &&
+         int64_t(p.batch) * max_q <= 65535 && (p.head_dim == 64 || p.head_dim == 128) &&
+         (!p.kv_fp8 || (p.k_scale != nullptr && p.v_scale != nullptr));
+}
+
 template <typename T, int D, bool kCausal>
 cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
   const bool pack_ok = paged_pack_ok(p);
@@ -277,7 +304,7 @@ cudaError_t dispatch_paged(const PrefillParams& p, cudaStream_t stream) {
     auto packed_min2 = [&](const PrefillParams& q) {
       return launch_prefill_cfg<WithMinSeqlenQ<CfgPack<T, D>, 2>, kCausal, true, true>(q, stream);
     };
-    return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
+    return launch_paged_routed_rest(p, pack_ok, paged_spec_decode_ok(p), packed_min2, tiled);
   }
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok || !paged_new_paths(p)) return tiled(p);

@@ -7,10 +7,11 @@
 // exact zeros and lse -inf for a row that sees no key.
 // Pure decode batches (every q_len 1) are routed to launch_decode by the
 // binding, which owns the split-KV workspace. With the decode routing
-// (paged_decode_routing, off by default) the q_len == 1 rows of any batch go to
-// launch_decode too (the caller's second launch) and this launcher keeps the
-// q_len >= 2 rows: 2..16 on the packed kernel where GQA packing applies, the
-// rest on the tiled kernel.
+// (paged_decode_routing, on by default) the q_len == 1 rows of any batch go to
+// launch_decode too (launch_paged_routed_decodes, the caller's second launch), and
+// so do, where GQA packing applies, the short runs of 2..16 queries
+// (paged_spec_decode: the tensor-core decode kernel, else the packed kernel);
+// this launcher keeps the rest, on the tiled kernel.
 // FP8 caches (p.kv_fp8): short queries run the GQA-packed mma.sync block with
 // FP8 K/V tiles (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch; longer ones
 // the warp-specialised TMA kernel that widens e4m3 pages in shared memory
@@ -27,6 +28,7 @@
 
 #include "prefill/dispatch.cuh"
 #include "prefill/pack_split.h"
+#include "params.h"
 
 namespace minipaged {
 namespace {
@@ -55,7 +57,7 @@ cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
     auto packed_min2 = [&](const PrefillParams& q) {
       return launch_prefill_cfg<WithMinSeqlenQ<Fp8KV<CfgPack<T, D>>, 2>, true, true, true>(q, stream);
     };
-    return launch_paged_routed_rest(p, pack_ok, packed_min2, tiled);
+    return launch_paged_routed_rest(p, pack_ok, paged_spec_decode_ok(p), packed_min2, tiled);
   }
   if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
   if (!pack_ok) return tiled(p);
@@ -78,6 +80,28 @@ cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool paged_decode_routing(const PrefillParams& p) { return fast::paged_decode_routing_ok(p); }
+bool paged_spec_decode(const PrefillParams& p) { return fast::paged_spec_decode_ok(p); }
+
+cudaError_t launch_paged_routed_decodes(const PrefillParams& p, int cc_major, int requested_splits,
+                                        DecodeWorkspaceFn workspace, void* ctx, cudaStream_t stream) {
+  if (!fast::paged_decode_routing_ok(p) || p.batch <= 0 || p.max_seqlen_q <= 0) return cudaSuccess;
+  auto run = [&](DecodeParams d) {
+    const DecodePlan plan = decode_plan(d, requested_splits);
+    const int64_t floats = decode_workspace_floats(d);
+    if (floats > 0) {
+      float* buffer = workspace(floats, ctx);
+      if (buffer == nullptr) return cudaErrorMemoryAllocation;
+      decode_set_workspace(d, buffer);
+    }
+    return launch_decode(d, plan, stream);
+  };
+  if (paged_min_seqlen_q(p) <= 1) {
+    const cudaError_t err = run(paged_decode_params(p, cc_major));
+    if (err != cudaSuccess) return err;
+  }
+  if (fast::paged_spec_decode_ok(p)) return run(paged_spec_decode_params(p, cc_major, fast::paged_spec_decode_max_q(p)));
+  return cudaSuccess;
+}
 
 // Packed KV splits (PrefillParams::pack_splits). A packed CTA owns one (sequence, KV head)
 // and is bound by its K/V stream: without splits a speculative batch of B sequences ran
@@ -128,8 +152,10 @@ PackSplitPlan paged_pack_split_plan(const PrefillParams& p, int requested_splits
                 "one packed row block and key tile for every packed config");
   PackSplitPlan plan;
   // (the FP8 dispatch packs under variants 0 and 4 only: a variant-3 FP8 call gets an unused plan)
-  if (p.num_kv_heads <= 0 || !paged_pack_ok(p) || p.batch <= 0 || p.max_seqlen_q <= 0 || p.max_blocks <= 0 ||
-      p.block_size <= 0 || (p.head_dim != 64 && p.head_dim != 128) || paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
+  // (no plan either where the decode kernels take the short runs: paged_spec_decode_ok)
+  if (p.num_kv_heads <= 0 || !paged_pack_ok(p) || paged_spec_decode_ok(p) || p.batch <= 0 || p.max_seqlen_q <= 0 ||
+      p.max_blocks <= 0 || p.block_size <= 0 || (p.head_dim != 64 && p.head_dim != 128) ||
+      paged_min_seqlen_q(p) > kPackMaxSeqlenQ)
     return plan;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int64_t rows = int64_t(std::min(p.max_seqlen_q, kPackMaxSeqlenQ)) * group;
