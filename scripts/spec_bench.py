@@ -6,6 +6,10 @@ and FP8 pages. Hq/Hkv/D 16/8/128, page 16, pages scattered, CUDA-graph replays, 
 Every timed call is first checked against the fp64 oracle (minipaged.testing.assert_close).
 
     PYTHONPATH=src python scripts/spec_bench.py [--json out.json] [--reps 50] [--q-lens 4,16]
+        [--rows 32x4096,1x32768] [--profile N]
+
+--profile N: no timing; each row's `cuda` spec call and `cuda` decode run N times each, eagerly
+(16-bit pages), for a profiler (ncu -k regex:decode) to take the kernels one by one.
 """
 
 from __future__ import annotations
@@ -36,17 +40,26 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--q-lens", default="4", help="comma-separated q_len per sequence")
+    ap.add_argument("--rows", help="comma-separated BxL rows (default: the standard set)")
+    ap.add_argument("--profile", type=int, default=0)
     args = ap.parse_args()
+    rows = [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")] if args.rows else ROWS
     dtype, dev = torch.bfloat16, torch.device("cuda")
     q_lens = [int(x) for x in args.q_lens.split(",")]
     out = {"device": torch.cuda.get_device_name(), "q_lens": q_lens, "rows": [], "failed": []}
     t0 = time.time()
-    for Q_LEN, (B, L) in ((ql, r) for ql in q_lens for r in ROWS):
+    for Q_LEN, (B, L) in ((ql, r) for ql in q_lens for r in rows):
         case = testing.PagedCase("spec", (Q_LEN,) * B, (L,) * B, **bench_cases.QWEN3_HEADS)
         q, kc, vc, bt, cu, cl = testing.make_paged_inputs(case, dtype, dev, seed=B, poison=False)
         kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
         scale = case.head_dim ** -0.5
         qd = q[Q_LEN - 1::Q_LEN].contiguous()  # one query per sequence: the decode step
+        if args.profile:
+            for _ in range(args.profile):
+                cuda_ops.paged(q, kc, vc, bt, cu, cl, Q_LEN, True, scale, False)
+                cuda_ops.decode(qd, kc, vc, bt, cl, scale, False)
+            torch.cuda.synchronize()
+            continue
         row = {"q_len": Q_LEN, "B": B, "L": L, "us": {}, "TBps": {}}
         for cache, (k_, v_, kw) in {"16-bit": (kc, vc, {}), "fp8": (kc8, vc8, {"k_scale": ks, "v_scale": vs})}.items():
             if cache == "fp8":

@@ -1288,12 +1288,12 @@ def test_paged_spec_batches_split_by_default(ops, B, ctx):
 
 
 # Speculative runs through the tensor-core decode kernel (csrc/prefill/dispatch.cuh
-# paged_spec_decode_ok: max_seqlen_q x G <= 32 (query, head) rows per KV head, 16 per CTA).
-# Each GQA width at the longest run it takes, one CTA (G8, G16) or two (G2, G4, G3: 30 rows of
-# 16 + 14); q_len 0, 1, 2..max in one batch, runs longer than their context (3 over 1 key, 2
-# over none: rows that see no key), contexts on many residues of the 64-key tiles and 4097.
-SPEC_DECODE_HEADS = {"G2": ((16, 8), 16), "G4": ((16, 4), 8), "G8": ((32, 4), 4), "G16": ((32, 2), 2),
-                     "G3": ((24, 8), 10)}
+# paged_spec_decode_ok: max_seqlen_q x G <= 16 (query, head) rows per KV head, one CTA). Each
+# GQA width at the longest run it takes (G3: 15 of the 16 rows); q_len 0, 1, 2..max in one
+# batch, runs longer than their context (2-3 over 1 key, 2 over none: rows that see no key),
+# contexts on many residues of the 64-key tiles and 4097. Longer runs (test_paged_spec_kv_splits'
+# q_len 16 at G 2) take the packed prefill kernel.
+SPEC_DECODE_HEADS = {"G2": ((16, 8), 8), "G4": ((16, 4), 4), "G8": ((32, 4), 2), "G3": ((24, 8), 5)}
 
 
 @pytest.mark.parametrize("layout", SPEC_DECODE_HEADS.keys())
@@ -1302,7 +1302,7 @@ SPEC_DECODE_HEADS = {"G2": ((16, 8), 16), "G4": ((16, 4), 8), "G8": ((32, 4), 4)
 @pytest.mark.parametrize("splits", [0, 1, 5])
 def test_paged_spec_decode_rows(ops, layout, D, block_size, splits):
     heads, max_q = SPEC_DECODE_HEADS[layout]
-    S_q = [max_q, 2, 0, 1, max_q - 1, 3, max_q, 2, max_q]
+    S_q = [max_q, 2, 0, 1, max_q - 1, min(3, max_q), max_q, 2, max_q]
     S_ctx = [4097, 2, 5, 1, 97, 1, 300, 0, max_q + 63]
     dtype = torch.bfloat16 if D == 128 else torch.float16
     q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, D, block_size, dtype, seed=block_size + D + splits)

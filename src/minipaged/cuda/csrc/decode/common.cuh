@@ -74,15 +74,15 @@ struct Piece {
 // row: the q / o / lse row of the sequence (b, or cu_seqlens_q[b] with packed
 // queries; -1 there for a sequence that is not a decode row: the CTA returns).
 // MQ (DecodeParams::max_seqlen_q, the tensor-core kernel only): the CTA owns
-// rows [r0, r0 + ng) of the sequence's q_len x G (query, head) rows of KV head
-// kvh instead (h0 is the group's first head, row its first q row, -1 for a
-// sequence whose q_len is not 2..max_seqlen_q); ctx is the context length.
+// the ng = q_len x G (query, head) rows of KV head kvh's group instead (h0 is
+// the group's first head, row the sequence's first q row, -1 for a sequence
+// whose q_len is not 2..max_seqlen_q); ctx is the context length.
 struct DecodeSlice {
   int split, kvh, b, h0, ng;
   int start, end;  // token range; empty when the split starts past the context
   int capacity;    // max_blocks * block_size: what the block table can address
   int row;
-  int q_len, r0, ctx;  // MQ only
+  int q_len, ctx;  // MQ only
 };
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
@@ -112,9 +112,9 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
     const int q0 = p.cu_seqlens_q[s.b];
     s.q_len = p.cu_seqlens_q[s.b + 1] - q0;
     s.h0 = s.kvh * group;
-    s.r0 = gchunk * heads_per_cta;
+    // one CTA per (sequence, KV head): launch_decode checks max_seqlen_q x G <= heads_per_cta
     const bool short_run = s.q_len >= 2 && s.q_len <= p.max_seqlen_q;
-    s.ng = short_run ? min(heads_per_cta, s.q_len * group - s.r0) : 0;
+    s.ng = short_run ? s.q_len * group : 0;
     s.ctx = ctx;
     s.row = s.ng > 0 ? q0 : -1;
   } else if constexpr (PQ) {
@@ -138,9 +138,8 @@ __device__ __forceinline__ void decode_out_row(const DecodeParams& p, const Deco
                                                int& head, int64_t& split_row) {
   if constexpr (MQ) {
     const int group = p.num_q_heads / p.num_kv_heads;
-    const int pr = s.r0 + row;
-    const int qi = pr / group;
-    head = s.h0 + (pr - qi * group);
+    const int qi = row / group;
+    head = s.h0 + (row - qi * group);
     out_row = s.row + qi;
     split_row = (static_cast<int64_t>(s.b) * p.max_seqlen_q + qi) * p.num_q_heads + head;
   } else {

@@ -395,13 +395,13 @@ int blocks_per_sm(const DecodePlan& k) {
   return n;
 }
 
-// CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group, or with short query
-// runs the chunks of max_seqlen_q x G (query, head) rows.
+// CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group (short query runs:
+// one, launch_decode checks that their rows fit).
 int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
+  if (p.max_seqlen_q >= 2) return 1;
   const int64_t group = p.num_q_heads / std::max(p.num_kv_heads, 1);
   const int64_t g = std::max(k.group_tile, 1);
-  const int64_t rows = group * decode_query_rows(p);
-  return (rows + g - 1) / g;
+  return (group + g - 1) / g;
 }
 
 // Sets p.num_splits / p.tokens_per_split for kernel k (requested_splits > 0: that many).
@@ -469,7 +469,10 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
-  if (p.max_seqlen_q >= 2 && p.cu_seqlens_q == nullptr) return cudaErrorInvalidValue;
+  // Short query runs: every (query, head) row of a KV group in one CTA of the tensor-core kernel.
+  if (p.max_seqlen_q >= 2 &&
+      (p.cu_seqlens_q == nullptr || int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > decode_mma::kRows))
+    return cudaErrorInvalidValue;
   const int64_t reduce_rows = int64_t(p.batch) * decode_query_rows(p);
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;

@@ -134,10 +134,10 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
 // MQ: short query runs (DecodeParams::max_seqlen_q, speculative verification routed
-// from paged attention): the 16 MMA rows are (query, head) pairs of one KV group,
-// q_len x G of them per sequence over ceil(max_seqlen_q x G / 16) CTAs, each row
-// masked at its own query's last key. The K/V stream, the tile loop and its cost
-// are a decode's: the rows a decode leaves as padding carry the extra queries.
+// from paged attention): the 16 MMA rows are the q_len x G (query, head) pairs of
+// one KV group, each masked at its own query's last key. The K/V stream and the
+// tile loop are a decode's: the rows a decode leaves as padding carry the extra
+// queries.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
           bool MQ = false>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   };
 
   // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
-  // MQ: row r is head r % G of query r / G of the CTA's rows from slice.r0.
+  // MQ: row r is head r % G of query r / G.
   const int group = p.num_q_heads / p.num_kv_heads;
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
       if constexpr (MQ) {
-        const int pr = slice.r0 + row, qi = pr / group;
-        const T* src = valid ? qp + qi * p.q_batch_stride + (pr - qi * group) * p.q_head_stride + ch * 8 : qp;
+        const int qi = row / group;
+        const T* src = valid ? qp + qi * p.q_batch_stride + (row - qi * group) * p.q_head_stride + ch * 8 : qp;
         cp_async_16(s_q + swz<D>(row, ch), src, valid);
       } else {
         cp_async_16(s_q + swz<D>(row, ch), valid ? qp + row * p.q_head_stride + ch * 8 : qp, valid);
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     if (p.causal) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int qi = (slice.r0 + g + 8 * h) / group;
+        const int qi = (g + 8 * h) / group;
         row_end[h] = min(end, slice.ctx - slice.q_len + qi + 1);
       }
     }

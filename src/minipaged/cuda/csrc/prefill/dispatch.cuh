@@ -275,13 +275,12 @@ inline bool paged_pack_ok(const PrefillParams& p) {
 // (q_len 2..kPackMaxSeqlenQ), the tensor-core decode kernel takes them instead of the packed
 // prefill kernel (DecodeParams::max_seqlen_q; launch_paged_routed_decodes in prefill/paged.cu
 // launches it). It streams K/V as a decode of the same cache does, so a short run costs about
-// a decode step; the packed kernel's 2-warp CTAs with 32-key tiles were latency-bound from
-// B=32 (bench/results/nvidia-h200/). Up to kSpecDecodeMaxRows (query, head) rows per KV head:
-// each 16 rows are one CTA that streams the sequence's K/V, so longer runs of wide groups keep
-// the packed kernel, whose 32-row blocks share one stream. The decode grid's extents bound
-// batch x max_seqlen_q.
+// a decode step. Up to kSpecDecodeMaxRows (query, head) rows per KV head, one CTA of 16 MMA
+// rows (q_len <= 8 at G = 2): longer runs keep the packed kernel, whose 32-row blocks share
+// one K/V stream; two decode CTAs per KV head, each streaming it, measured slower at q_len 16
+// (bench/results/nvidia-h200/). The decode grid's extents bound batch x max_seqlen_q.
 constexpr bool kPagedSpecDecodeByDefault = true;
-constexpr int kSpecDecodeMaxRows = 32;
+constexpr int kSpecDecodeMaxRows = 16;
 inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
 inline bool paged_spec_decode_ok(const PrefillParams& p) {
   if (!kPagedSpecDecodeByDefault || !paged_decode_routing_ok(p) || !paged_pack_ok(p) || p.num_kv_heads <= 0)
