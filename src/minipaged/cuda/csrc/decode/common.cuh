@@ -159,12 +159,10 @@ __device__ __forceinline__ void decode_out_row(const DecodeParams& p, const Deco
 // head's v_scale (V was accumulated as stored), partials included, so the
 // split reduction needs no change. dim_of(c) is the output dim that column c
 // of sm_o holds (the tensor-core kernel keeps FP8 outputs in a permuted order).
-// MQ: the rows are a short run's (query, head) rows (decode_out_row).
 struct IdentityDim {
   __device__ __forceinline__ int operator()(int c) const { return c; }
 };
-template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim,
-          bool MQ = false>
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                       const float* sm_m,  // [kNumWarps][kRowsPerCta]
                                                       const float* sm_l,  // [kNumWarps][kRowsPerCta]
@@ -190,7 +188,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     if constexpr (kScaleOut) out *= out_scale;
     int out_row, h;
     int64_t split_row;
-    decode_out_row<MQ>(p, slice, row, out_row, h, split_row);
+    decode_out_row<false>(p, slice, row, out_row, h, split_row);
     if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
@@ -200,6 +198,71 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
       const int64_t prow = split_row * p.num_splits + slice.split;
       p.partial_o[prow * D + d] = out;
       if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
+    }
+  }
+}
+
+// merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 16
+// rows, not a decode's 1-2 real ones, so the per-element loop there (every warp's max, weight
+// and sum recomputed per element, one dependent chain after another) became a long tail of
+// every CTA. Here the first ng threads turn each row's warp maxima into weights (in place in
+// sm_m) and sums (sm_l's first row) and find its output place once; then every (row, column)
+// element is an independent, unrolled step. The arithmetic is merge_warps_and_store's,
+// operation for operation.
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut, class DimOf>
+__device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p, const DecodeSlice& slice,
+                                                           float* sm_m,        // [kNumWarps][kRowsPerCta]
+                                                           float* sm_l,        // [kNumWarps][kRowsPerCta]
+                                                           const float* sm_o,  // [kNumWarps][kRowsPerCta][D]
+                                                           float out_scale, DimOf dim_of) {
+  constexpr int kThreads = kNumWarps * 32;
+  static_assert(kRowsPerCta * D % kThreads == 0 && kRowsPerCta <= kThreads, "whole passes");
+  __shared__ int64_t sm_dst[kRowsPerCta];  // o element offset of the row (one split) or its partial row
+  const int tid = threadIdx.x;
+  if (tid < slice.ng) {
+    const int row = tid;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
+    const float mref = mx == -INFINITY ? 0.f : mx;
+    float L = 0.f;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) {
+      const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
+      L += sm_l[w * kRowsPerCta + row] * c;
+      sm_m[w * kRowsPerCta + row] = c;
+    }
+    sm_l[row] = L;
+    int out_row, h;
+    int64_t split_row;
+    decode_out_row<true>(p, slice, row, out_row, h, split_row);
+    if (p.num_splits == 1) {
+      sm_dst[row] = out_row * p.o_batch_stride + h * p.o_head_stride;
+      if (p.lse != nullptr) p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
+    } else {
+      const int64_t prow = split_row * p.num_splits + slice.split;
+      sm_dst[row] = prow * D;
+      p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kRowsPerCta * D / kThreads; ++i) {
+    const int idx = tid + i * kThreads;
+    const int row = idx / D;  // warp-uniform: a row is D >= 32 consecutive threads
+    const int col = idx - row * D;
+    if (row < slice.ng) {
+      float O = 0.f;
+#pragma unroll
+      for (int w = 0; w < kNumWarps; ++w) O += sm_o[(w * kRowsPerCta + row) * D + col] * sm_m[w * kRowsPerCta + row];
+      const float L = sm_l[row];
+      float out = L > 0.f ? O / L : 0.f;
+      if constexpr (kScaleOut) out *= out_scale;
+      const int d = dim_of(col);
+      if (p.num_splits == 1)
+        static_cast<T*>(p.o)[sm_dst[row] + d] = Convert<T>::from_float(out);
+      else
+        p.partial_o[sm_dst[row] + d] = out;
     }
   }
 }

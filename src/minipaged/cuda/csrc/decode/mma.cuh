@@ -485,11 +485,16 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   }
   __syncthreads();
 
-  if constexpr (FP8) {
-    merge_warps_and_store<T, kWarps, kRows, D, true, FragDimOf<D>, MQ>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
-                                                                      FragDimOf<D>{});
+  if constexpr (MQ) {
+    if constexpr (FP8) {
+      merge_query_rows_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
+    } else {
+      merge_query_rows_and_store<T, kWarps, kRows, D, false>(p, slice, sm_m, sm_l, sm_o, 1.f, IdentityDim{});
+    }
+  } else if constexpr (FP8) {
+    merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
   } else {
-    merge_warps_and_store<T, kWarps, kRows, D, false, IdentityDim, MQ>(p, slice, sm_m, sm_l, sm_o);
+    merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
   }
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.
