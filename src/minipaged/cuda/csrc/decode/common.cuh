@@ -209,11 +209,12 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
 // sm_m) and sums (sm_l's first row) and find its output place once; then every (row, column)
 // element is an independent, unrolled step. The arithmetic is merge_warps_and_store's,
 // operation for operation.
-template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut, class DimOf>
+// kOStride: floats between the rows of sm_o (D or more).
+template <typename T, int kNumWarps, int kRowsPerCta, int D, int kOStride, bool kScaleOut, class DimOf>
 __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                            float* sm_m,        // [kNumWarps][kRowsPerCta]
                                                            float* sm_l,        // [kNumWarps][kRowsPerCta]
-                                                           const float* sm_o,  // [kNumWarps][kRowsPerCta][D]
+                                                           const float* sm_o,  // [kNumWarps][kRowsPerCta][kOStride]
                                                            float out_scale, DimOf dim_of) {
   constexpr int kThreads = kNumWarps * 32;
   static_assert(kRowsPerCta * D % kThreads == 0 && kRowsPerCta <= kThreads, "whole passes");
@@ -254,7 +255,8 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
     if (row < slice.ng) {
       float O = 0.f;
 #pragma unroll
-      for (int w = 0; w < kNumWarps; ++w) O += sm_o[(w * kRowsPerCta + row) * D + col] * sm_m[w * kRowsPerCta + row];
+      for (int w = 0; w < kNumWarps; ++w)
+        O += sm_o[(w * kRowsPerCta + row) * kOStride + col] * sm_m[w * kRowsPerCta + row];
       const float L = sm_l[row];
       float out = L > 0.f ? O / L : 0.f;
       if constexpr (kScaleOut) out *= out_scale;

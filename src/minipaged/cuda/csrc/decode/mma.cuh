@@ -55,6 +55,18 @@
 #ifndef MINIPAGED_DECODE_REAL_ROWS
 #define MINIPAGED_DECODE_REAL_ROWS 1
 #endif
+// Short query runs (MQ) only, each 0 for A/B runs:
+// LAZY_RESCALE 1: a row keeps its running max until a tile exceeds it by more than
+// kLazyRescaleLog2 (P then stays at most 2^8, which f16 and bf16 hold, and l and O are fp32),
+// so the O rescale runs on the few tiles that move a max that far, not on most early tiles as
+// with 8-16 real rows. PAD 1: the merge buffer's rows are D + 8 floats apart, so a warp's O
+// stores (8 rows at once) hit different banks instead of one.
+#ifndef MINIPAGED_MQ_LAZY_RESCALE
+#define MINIPAGED_MQ_LAZY_RESCALE 1
+#endif
+#ifndef MINIPAGED_MQ_PAD
+#define MINIPAGED_MQ_PAD 1
+#endif
 
 namespace minipaged {
 namespace decode_mma {
@@ -62,6 +74,7 @@ namespace decode_mma {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
+constexpr float kLazyRescaleLog2 = 8.f;
 
 // WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
 // barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
@@ -399,6 +412,9 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if constexpr (MQ && MINIPAGED_MQ_LAZY_RESCALE != 0) {
+        if (m[h] != -INFINITY && mx - m[h] <= kLazyRescaleLog2) mx = m[h];  // the quad agrees
+      }
       // A row that has seen only masked tokens keeps reference 0: ex2(-inf) = 0.
       const float mref = mx == -INFINITY ? 0.f : mx;
       alpha[h] = fast_exp2(m[h] - mref);
@@ -460,8 +476,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   griddep_launch_dependents();
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
-  float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][D]
-  float* sm_m = sm_o + kWarps * kRows * D;              // [kWarps][kRows]
+  constexpr int kOStride = MQ && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows
+  static_assert(kWarps * kRows * (kOStride + 2) * 4 <= S::kRingBytes, "the merge buffers reuse the ring");
+  float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][kOStride]
+  float* sm_m = sm_o + kWarps * kRows * kOStride;       // [kWarps][kRows]
   float* sm_l = sm_m + kWarps * kRows;                  // [kWarps][kRows]
   constexpr bool kRealRows = MINIPAGED_DECODE_REAL_ROWS != 0;
 #pragma unroll
@@ -476,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       float2 v = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
-      *reinterpret_cast<float2*>(sm_o + (warp * kRows + row) * D + dt * 8 + tq) = v;
+      *reinterpret_cast<float2*>(sm_o + (warp * kRows + row) * kOStride + dt * 8 + tq) = v;
     }
     if ((lane & 3) == 0) {
       sm_m[warp * kRows + row] = m[h];
@@ -487,9 +505,11 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   if constexpr (MQ) {
     if constexpr (FP8) {
-      merge_query_rows_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
+      merge_query_rows_and_store<T, kWarps, kRows, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
+                                                                      FragDimOf<D>{});
     } else {
-      merge_query_rows_and_store<T, kWarps, kRows, D, false>(p, slice, sm_m, sm_l, sm_o, 1.f, IdentityDim{});
+      merge_query_rows_and_store<T, kWarps, kRows, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
+                                                                       IdentityDim{});
     }
   } else if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
