@@ -55,15 +55,10 @@
 #ifndef MINIPAGED_DECODE_REAL_ROWS
 #define MINIPAGED_DECODE_REAL_ROWS 1
 #endif
-// Short query runs (MQ) only, each 0 for A/B runs:
-// LAZY_RESCALE 1: a row keeps its running max until a tile exceeds it by more than
-// kLazyRescaleLog2 (P then stays at most 2^8, which f16 and bf16 hold, and l and O are fp32),
-// so the O rescale runs on the few tiles that move a max that far, not on most early tiles as
-// with 8-16 real rows. PAD 1: the merge buffer's rows are D + 8 floats apart, so a warp's O
-// stores (8 rows at once) hit different banks instead of one.
-#ifndef MINIPAGED_MQ_LAZY_RESCALE
-#define MINIPAGED_MQ_LAZY_RESCALE 1
-#endif
+// Short query runs (MQ) only, 1: the merge buffer's rows are D + 8 floats apart, so a warp's
+// O stores (8 real rows at once, not a decode's 1-2) spread over the banks instead of hitting
+// one 8 ways: 1-2% off the H200 spec rows at B=128 L=1k and B=32 L=4k
+// (bench/results/nvidia-h200/cuda_spec_decode_2731244/). 0: unpadded, for A/B runs.
 #ifndef MINIPAGED_MQ_PAD
 #define MINIPAGED_MQ_PAD 1
 #endif
@@ -74,7 +69,6 @@ namespace decode_mma {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
-constexpr float kLazyRescaleLog2 = 8.f;
 
 // WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
 // barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
@@ -412,9 +406,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if constexpr (MQ && MINIPAGED_MQ_LAZY_RESCALE != 0) {
-        if (m[h] != -INFINITY && mx - m[h] <= kLazyRescaleLog2) mx = m[h];  // the quad agrees
-      }
       // A row that has seen only masked tokens keeps reference 0: ex2(-inf) = 0.
       const float mref = mx == -INFINITY ? 0.f : mx;
       alpha[h] = fast_exp2(m[h] - mref);
