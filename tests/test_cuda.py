@@ -742,7 +742,8 @@ _SANITIZE_SCRIPT = _SANITIZE_PAGED_CASES + textwrap.dedent(
         paged_cases(ops, dev, dt, [(4, 2, 128, 16, [0, 1, 4, 70], [5, 1, 67, 150]),
                                    (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
                                    (2, 2, 64, 256, [90, 2], [30, 300])])
-        # speculative runs through the packed kernel's KV splits and their merge: the plan's
+        # speculative runs and their KV splits and merges, through the tensor-core decode kernel
+        # (G 2, q_len <= 5: 10 rows) and the packed prefill kernel (G 8, q_len 16): the plan's
         # count, then forced counts that leave splits past a context empty
         spec = [(16, 8, 128, 16, [4, 3, 0, 5], [300, 4, 0, 3]), (8, 1, 64, 1, [2, 16], [40, 700])]
         paged_cases(ops, dev, dt, spec)
