@@ -1314,34 +1314,6 @@ def test_paged_spec_decode_rows(ops, layout, D, block_size, splits):
     _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, max_q, True, 0.0883, True, num_splits=splits)[0])
 
 
-def test_paged_spec_decode_cuda_graph_replay(ops):
-    # which sequences are short runs, and how long, is read on the device: a pure speculative batch
-    # captured once and replayed with other q_lens (same total and max_seqlen_q bound) matches an
-    # eager call and the oracle
-    S_ctx = [600, 4097, 33, 9, 1, 900, 2000, 70]
-    variants = ([4, 4, 4, 4, 4, 4, 4, 4], [8, 2, 1, 0, 8, 5, 2, 6], [2, 3, 8, 8, 1, 1, 7, 2])
-    q, kc, vc, bt, cu, cl = _paged_case(variants[0], S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=23)
-    static_q, static_cu = q.clone(), cu.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_o, static_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
-    for trial, S_q in enumerate(variants):
-        assert sum(S_q) == q.shape[0]
-        static_q.copy_(torch.randn_like(q.float()).to(q.dtype))
-        static_cu.copy_(torch.tensor([0] + list(torch.tensor(S_q).cumsum(0).tolist()), dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_o, eager_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 8, True, 0.0883, True)
-        assert torch.equal(static_o, eager_o) and torch.equal(static_lse, eager_lse), f"replay {trial}"
-        _check_paged(ops, static_q, kc, vc, bt, static_cu, cl, True, 0.0883, f"spec graph q_lens {S_q}", max_q=8)
-
-
 def _rows_of(cu, pick):
     ql = (cu[1:] - cu[:-1]).tolist()
     seqs = [s for s, n in enumerate(ql) if pick(n)]
@@ -1386,32 +1358,45 @@ def test_paged_routed_decode_rows_match_decode_op(ops, heads, D):
     assert torch.equal(od, o[rows]) and torch.equal(ld, lse[rows])
 
 
-def test_paged_routed_cuda_graph_replay(ops):
-    # which sequences are decode rows is read on the device: a captured call replayed with other
-    # q_lens (same total, same max_seqlen_q bound) must match an eager call on them
-    S_ctx = [600, 4097, 33, 0, 1, 900, 2000, 70]
-    variants = ([1, 1, 40, 1, 1, 5, 1, 1], [40, 1, 1, 1, 5, 1, 1, 1], [2, 3, 1, 1, 1, 1, 42, 0])
-    q, kc, vc, bt, cu, cl = _paged_case(variants[0], S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=21)
+# Which sequences are decode rows or short runs, and how long, is read on the device: a call
+# captured once and replayed with other q_lens (same total, same max_seqlen_q bound) must match
+# an eager call on them and the oracle. "routed": decode rows, short runs and chunks (max 64: the
+# short runs take the packed kernel); "spec": a speculative batch (max 8 at G 2: the decode
+# kernel's short-run rows, with decode rows and an empty sequence in the later replays).
+GRAPH_REPLAYS = {
+    "routed": ([600, 4097, 33, 0, 1, 900, 2000, 70], 64, ROUTED, 21,
+               ([1, 1, 40, 1, 1, 5, 1, 1], [40, 1, 1, 1, 5, 1, 1, 1], [2, 3, 1, 1, 1, 1, 42, 0])),
+    "spec": ([600, 4097, 33, 9, 1, 900, 2000, 70], 8, 0, 23,
+             ([4, 4, 4, 4, 4, 4, 4, 4], [8, 2, 1, 0, 8, 5, 2, 6], [2, 3, 8, 8, 1, 1, 7, 2])),
+}
+
+
+@pytest.mark.parametrize("which", GRAPH_REPLAYS.keys())
+def test_paged_routed_cuda_graph_replay(ops, which):
+    S_ctx, max_q, variant, seed, variants = GRAPH_REPLAYS[which]
+    q, kc, vc, bt, cu, cl = _paged_case(variants[0], S_ctx, 16, 8, 128, 16, torch.bfloat16, seed=seed)
     static_q, static_cu = q.clone(), cu.clone()
+    call = lambda: ops.paged(static_q, kc, vc, bt, static_cu, cl, max_q, True, 0.0883, True,  # noqa: E731
+                             variant=variant)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_o, static_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+        static_o, static_lse = call()
     for trial, S_q in enumerate(variants):
         assert sum(S_q) == q.shape[0]
         static_q.copy_(torch.randn_like(q.float()).to(q.dtype))
         static_cu.copy_(torch.tensor([0] + list(torch.tensor(S_q).cumsum(0).tolist()), dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        eager_o, eager_lse = ops.paged(static_q, kc, vc, bt, static_cu, cl, 64, True, 0.0883, True, variant=ROUTED)
+        eager_o, eager_lse = call()
         assert torch.equal(static_o, eager_o) and torch.equal(static_lse, eager_lse), f"replay {trial}"
-        _check_paged(ops, static_q, kc, vc, bt, static_cu, cl, True, 0.0883, f"routed graph q_lens {S_q}",
-                     max_q=64, variant=ROUTED)
+        _check_paged(ops, static_q, kc, vc, bt, static_cu, cl, True, 0.0883, f"{which} graph q_lens {S_q}",
+                     max_q=max_q, variant=variant)
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 2)], ids=["G1", "G2", "G8"])
