@@ -276,9 +276,11 @@ inline bool paged_pack_ok(const PrefillParams& p) {
 // prefill kernel (DecodeParams::max_seqlen_q; launch_paged_routed_decodes in prefill/paged.cu
 // launches it). It streams K/V as a decode of the same cache does, so a short run costs about
 // a decode step. Up to kSpecDecodeMaxRows (query, head) rows per KV head, one CTA of 16 MMA
-// rows (q_len <= 8 at G = 2): longer runs keep the packed kernel, whose 32-row blocks share
-// one K/V stream; two decode CTAs per KV head, each streaming it, measured slower at q_len 16
-// (bench/results/nvidia-h200/). The decode grid's extents bound batch x max_seqlen_q.
+// rows (q_len <= 8 at G = 2; a batch whose max_seqlen_q is larger keeps the packed kernel for
+// all its short runs): the packed kernel's 32-row blocks share one K/V stream, and two decode
+// CTAs per KV head, each streaming it, measured slower at q_len 16
+// (bench/results/nvidia-h200/cuda_spec_decode_2731244/). The decode grid's extents bound
+// batch x max_seqlen_q.
 constexpr bool kPagedSpecDecodeByDefault = true;
 constexpr int kSpecDecodeMaxRows = 16;
 inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
