@@ -255,3 +255,52 @@ def test_paged_min_seqlen_q_bounds_every_q_len(tmp_path):
         assert 0 <= got <= min(q_lens), (q_lens, max_q, got)
         if (max_q == max(q_lens) and len(set(q_lens)) == 1) or len(q_lens) == 1:
             assert got == min(q_lens), (q_lens, max_q, got)
+
+
+# The decode split workspace with short query runs (params.h): decode_workspace_floats and
+# decode_set_workspace against the layout the kernels index, partial row
+# ((b * max_seqlen_q + i) * Hq + head) * num_splits + split of partial_o [.., D] then partial_lse.
+_WORKSPACE_PROBE = r"""
+#include <cstdio>
+#include "params.h"
+int main() {
+  int batch, hq, hkv, d, splits, max_q;
+  while (std::scanf("%d %d %d %d %d %d", &batch, &hq, &hkv, &d, &splits, &max_q) == 6) {
+    minipaged::PrefillParams p{};
+    p.batch = batch, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = d, p.causal = true;
+    minipaged::DecodeParams dp = max_q >= 2 ? minipaged::paged_spec_decode_params(p, 9, max_q)
+                                            : minipaged::paged_decode_params(p, 9);
+    dp.num_splits = splits;
+    float* base = reinterpret_cast<float*>(4096);
+    minipaged::decode_set_workspace(dp, base);
+    std::printf("%d %lld %lld %lld %d\n", minipaged::decode_query_rows(dp),
+                static_cast<long long>(minipaged::decode_workspace_floats(dp)),
+                static_cast<long long>(dp.partial_o - base), static_cast<long long>(dp.partial_lse - base),
+                dp.max_seqlen_q == (max_q >= 2 ? max_q : 0) && dp.causal == (max_q >= 2));
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_decode_workspace_layout_with_short_runs(tmp_path):
+    src = tmp_path / "workspace.cu"
+    src.write_text(_WORKSPACE_PROBE)
+    exe = tmp_path / "workspace"
+    proc = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [(b, hq, hkv, d, s, q) for b in (1, 3, 64) for hq, hkv in ((16, 8), (32, 4), (8, 8)) for d in (64, 128)
+            for s in (1, 2, 33, 256) for q in (0, 1, 2, 5, 16)]
+    feed = "".join(" ".join(map(str, r)) + "\n" for r in rows)
+    out = subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(rows)
+    for (b, hq, hkv, d, s, q), line in zip(rows, out):
+        q_rows, floats, o_off, lse_off, fields_ok = map(int, line.split())
+        assert fields_ok == 1, (b, hq, q)
+        want_rows = q if q >= 2 else 1
+        partial_rows = b * want_rows * hq * s  # one per (sequence, query, head, split)
+        assert q_rows == want_rows
+        assert floats == (0 if s == 1 else partial_rows * (d + 1)), (b, hq, d, s, q, floats)
+        assert o_off == 0 and lse_off == partial_rows * d, (b, hq, d, s, q, lse_off)
