@@ -96,6 +96,23 @@ def test_parse_ptxas_reads_a_real_report(compiled):
     assert any("write_kv_kernel" in k["kernel"] for k in kernels)
 
 
+def _build_probe(tmp_path, name, source, compiler, *flags):
+    """Compiles a host-only probe (`source`, a main reading stdin) against csrc; its path."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source)
+    exe = tmp_path / name
+    proc = subprocess.run([compiler, *flags, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
+
+
+def _run_probe(exe, rows):
+    """One stdin line per row (its fields space-separated) -> the probe's stdout lines."""
+    feed = "".join(" ".join(map(str, r)) + "\n" for r in rows)
+    return subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout.splitlines()
+
+
 # The packed kernel's KV split arithmetic (prefill/pack_split.h), compiled as plain C++: one
 # line per shape on stdin ("ctas capacity resident requested"), "splits split_keys" out.
 _PACK_SPLIT_MAIN = r"""
@@ -119,15 +136,12 @@ def test_pack_split_plan_arithmetic(tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    (tmp_path / "main.cpp").write_text(_PACK_SPLIT_MAIN)
-    exe = tmp_path / "pack_split"
-    proc = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{CSRC}", str(tmp_path / "main.cpp"), "-o", str(exe)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # -x c++: the probe is plain C++ under the .cu name the helper gives it
+    exe = _build_probe(tmp_path, "pack_split", _PACK_SPLIT_MAIN, cxx, "-x", "c++", "-O1")
     shapes = [(c, cap, res, req) for c in (1, 8, 104, 256, 512, 4096) for cap in (16, 33, 128, 4112, 32784, 131072)
               for res in (0, 396, 528) for req in (0, 1, 2, 3, 7, 64, 256, 1000)]
-    out = subprocess.run([str(exe)], input="".join(f"{a} {b} {c} {d}\n" for a, b, c, d in shapes),
-                         capture_output=True, text=True, check=True).stdout.split("\n")
+    out = _run_probe(exe, shapes)
+    assert len(out) == len(shapes)
     for (ctas, cap, res, req), line in zip(shapes, out):
         splits, keys = map(int, line.split())
         what = f"ctas={ctas} capacity={cap} resident={res} requested={req}: {splits} x {keys}"
@@ -143,8 +157,8 @@ def test_pack_split_plan_arithmetic(tmp_path):
     # the rows the H200 timed (3 resident 16-bit CTAs per SM x 132 SMs)
     want = {(8, 4112, 396, 0): (33, 128), (8, 32784, 396, 0): (49, 672), (256, 4112, 396, 0): (1, 0),
             (8, 32784, 396, 7): (7, 4704)}
-    got = subprocess.run([str(exe)], input="".join(f"{a} {b} {c} {d}\n" for a, b, c, d in want),
-                         capture_output=True, text=True, check=True).stdout.split("\n")
+    got = _run_probe(exe, want)
+    assert len(got) == len(want)
     for shape, line in zip(want, got):
         assert tuple(map(int, line.split())) == want[shape], (shape, line)
 
@@ -233,12 +247,7 @@ def test_paged_min_seqlen_q_bounds_every_q_len(tmp_path):
     # be exact where the launches are skipped: a uniform batch and a single sequence.
     import random
 
-    src = tmp_path / "bound.cu"
-    src.write_text(_BOUND_PROBE)
-    exe = tmp_path / "bound"
-    proc = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    exe = _build_probe(tmp_path, "bound", _BOUND_PROBE, NVCC)
     rng = random.Random(7)
     batches = [[1], [0], [2048], [512] * 8, [4] * 32, [128] * 63, [2048] + [1] * 63, [1, 300, 16, 17, 4],
                [0, 0, 5], [17, 17, 16]]
@@ -248,8 +257,7 @@ def test_paged_min_seqlen_q_bounds_every_q_len(tmp_path):
     for q_lens in batches:
         for extra in (0, 1, 1000):  # max_seqlen_q may exceed every real q_len
             rows.append((q_lens, max(q_lens) + extra))
-    feed = "".join(f"{len(q)} {sum(q)} {m}\n" for q, m in rows)
-    out = subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout.split()
+    out = _run_probe(exe, [(len(q), sum(q), m) for q, m in rows])
     assert len(out) == len(rows)
     for (q_lens, max_q), got in zip(rows, map(int, out)):
         assert 0 <= got <= min(q_lens), (q_lens, max_q, got)
@@ -285,16 +293,10 @@ int main() {
 
 @needs_nvcc
 def test_decode_workspace_layout_with_short_runs(tmp_path):
-    src = tmp_path / "workspace.cu"
-    src.write_text(_WORKSPACE_PROBE)
-    exe = tmp_path / "workspace"
-    proc = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    exe = _build_probe(tmp_path, "workspace", _WORKSPACE_PROBE, NVCC)
     rows = [(b, hq, hkv, d, s, q) for b in (1, 3, 64) for hq, hkv in ((16, 8), (32, 4), (8, 8)) for d in (64, 128)
             for s in (1, 2, 33, 256) for q in (0, 1, 2, 5, 16)]
-    feed = "".join(" ".join(map(str, r)) + "\n" for r in rows)
-    out = subprocess.run([str(exe)], input=feed, capture_output=True, text=True, check=True).stdout.splitlines()
+    out = _run_probe(exe, rows)
     assert len(out) == len(rows)
     for (b, hq, hkv, d, s, q), line in zip(rows, out):
         q_rows, floats, o_off, lse_off, fields_ok = map(int, line.split())
