@@ -214,6 +214,19 @@ for s in $stages; do
         run time8_$b "$bin/$b" time8 ${WS8_REPS:-20}
       done;;
     spec_bench) run spec_bench python3 scripts/spec_bench.py ${SPEC_BENCH_ARGS:-} --json "$WORK/bench/spec_bench.json";;
+    spec_ncu)
+      # Where the multi-query decode kernel spends the time a decode does not: ncu's warp-state
+      # sampling per SASS instruction of one spec launch and one decode launch on the same cache
+      # (spec_bench --profile 2: spec, decode, spec, decode; the first pair is skipped), exported
+      # as CSV (bench/spec_ncu_sass.csv) next to the details page. SPEC_NCU_ARGS: spec_bench's
+      # --rows / --q-lens (default 128x1024, q_len 8).
+      STAGE_TIMEOUT_spec_ncu=${STAGE_TIMEOUT_spec_ncu:-240} run spec_ncu ncu --clock-control none \
+        --section SourceCounters --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
+        --section LaunchStats -k regex:paged_decode_mma --launch-skip 2 --launch-count 2 -f -o "$WORK/bench/spec_ncu" \
+        python3 scripts/spec_bench.py --profile 2 ${SPEC_NCU_ARGS:---rows 128x1024 --q-lens 8}
+      run spec_ncu_details ncu --import "$WORK/bench/spec_ncu.ncu-rep" --page details
+      ncu --import "$WORK/bench/spec_ncu.ncu-rep" --page source --print-source sass --csv \
+        > "$WORK/bench/spec_ncu_sass.csv" 2> "$WORK/logs/spec_ncu_sass.err";;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py ${TRITON_AB_ARGS:-} --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py ${TRITON_FP8_AB_ARGS:-} --json "$WORK/bench/triton_fp8_decode_ab.json";;
     triton_paged_fp8_ab) run triton_paged_fp8_ab python3 scripts/triton_paged_fp8_ab.py ${TRITON_PAGED_FP8_AB_ARGS:-} --json "$WORK/bench/triton_paged_fp8_ab.json";;
