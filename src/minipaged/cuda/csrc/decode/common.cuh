@@ -2,6 +2,7 @@
 // their split reduction (reduce.cuh).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include "params.h"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
+#include "ptx/mma.cuh"
 
 namespace minipaged {
 
@@ -83,7 +85,16 @@ struct DecodeSlice {
   int capacity;    // max_blocks * block_size: what the block table can address
   int row;
   int q_len, ctx;  // MQ only
+  int group;        // query heads per KV head
+  float inv_group;  // MQ only: 1 / group, for query_of_row
 };
+
+// The query of MQ row `row` (row / group for 0 <= row < 16, 1 <= group <= 16) without an
+// integer division, which costs a CTA about twenty instructions each time: (row + 1/2) / group
+// lies at least 1/32 from an integer, far more than the rounding of the product.
+__device__ __forceinline__ int query_of_row(int row, float inv_group) {
+  return static_cast<int>((static_cast<float>(row) + 0.5f) * inv_group);
+}
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
 // paged decode routing runs; false compiles to the plain decode as before.
@@ -97,6 +108,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   const int gchunk = blockIdx.y - s.kvh * num_gchunks;
   s.b = blockIdx.z;
   const int group = p.num_q_heads / p.num_kv_heads;
+  s.group = group;
   if constexpr (!MQ) {
     s.h0 = s.kvh * group + gchunk * heads_per_cta;
     s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
@@ -112,6 +124,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
     const int q0 = p.cu_seqlens_q[s.b];
     s.q_len = p.cu_seqlens_q[s.b + 1] - q0;
     s.h0 = s.kvh * group;
+    s.inv_group = 1.f / static_cast<float>(group);
     // one CTA per (sequence, KV head): launch_decode checks max_seqlen_q x G <= heads_per_cta
     const bool short_run = s.q_len >= 2 && s.q_len <= p.max_seqlen_q;
     s.ng = short_run ? s.q_len * group : 0;
@@ -137,9 +150,8 @@ template <bool MQ>
 __device__ __forceinline__ void decode_out_row(const DecodeParams& p, const DecodeSlice& s, int row, int& out_row,
                                                int& head, int64_t& split_row) {
   if constexpr (MQ) {
-    const int group = p.num_q_heads / p.num_kv_heads;
-    const int qi = row / group;
-    head = s.h0 + (row - qi * group);
+    const int qi = query_of_row(row, s.inv_group);
+    head = s.h0 + (row - qi * s.group);
     out_row = s.row + qi;
     split_row = (static_cast<int64_t>(s.b) * p.max_seqlen_q + qi) * p.num_q_heads + head;
   } else {
@@ -203,21 +215,26 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
 }
 
 // merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 16
-// rows, not a decode's 1-2 real ones, so the per-element loop there (every warp's max, weight
-// and sum recomputed per element, one dependent chain after another) became a long tail of
-// every CTA. Here the first ng threads turn each row's warp maxima into weights (in place in
-// sm_m) and sums (sm_l's first row) and find its output place once; then every (row, column)
-// element is an independent, unrolled step. The arithmetic is merge_warps_and_store's,
-// operation for operation.
-// kOStride: floats between the rows of sm_o (D or more).
+// rows, not a decode's 1-2 real ones, so the epilogue's cost grows with the rows and, at low
+// occupancy, every CTA's life with it. The first ng threads turn each row's warp maxima into
+// weights (in place in sm_m) and sums (sm_l's first row) and find its output place once. Then
+// warp w merges rows w, w + kNumWarps, ...: each lane takes D / 32 consecutive columns, one
+// vector load per warp's partial row, one reciprocal of the row sum, one vector store (columns
+// in the output's order) or, where dim_of permutes them (FP8 caches), a store per element. The
+// per-element arithmetic (per-warp weights summed in warp order, scaled by the row's 1 / L) is
+// merge_warps_and_store's with the division taken once per row.
+// kOStride: floats between the rows of sm_o (D or more, a multiple of D / 32).
 template <typename T, int kNumWarps, int kRowsPerCta, int D, int kOStride, bool kScaleOut, class DimOf>
 __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                            float* sm_m,        // [kNumWarps][kRowsPerCta]
                                                            float* sm_l,        // [kNumWarps][kRowsPerCta]
                                                            const float* sm_o,  // [kNumWarps][kRowsPerCta][kOStride]
                                                            float out_scale, DimOf dim_of) {
-  constexpr int kThreads = kNumWarps * 32;
-  static_assert(kRowsPerCta * D % kThreads == 0 && kRowsPerCta <= kThreads, "whole passes");
+  constexpr int kCols = D / 32;  // consecutive columns per lane
+  static_assert(kCols == 2 || kCols == 4, "D 64 or 128");
+  static_assert(kOStride % kCols == 0 && kRowsPerCta <= kNumWarps * 32, "vector rows; one pre-pass thread per row");
+  using Vec = std::conditional_t<kCols == 4, float4, float2>;
+  constexpr bool kPermuted = !std::is_same_v<DimOf, IdentityDim>;
   __shared__ int64_t sm_dst[kRowsPerCta];  // o element offset of the row (one split) or its partial row
   const int tid = threadIdx.x;
   if (tid < slice.ng) {
@@ -247,24 +264,52 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
     }
   }
   __syncthreads();
+  const int warp = tid >> 5;
+  const int col0 = (tid & 31) * kCols;
+  // Vector stores of the output need its rows kCols elements aligned (the bindings allocate o
+  // contiguous, so they are); partial rows are D floats from the workspace's aligned base.
+  const bool o_vec = ((reinterpret_cast<uintptr_t>(p.o) | static_cast<uintptr_t>(p.o_batch_stride) * sizeof(T) |
+                       static_cast<uintptr_t>(p.o_head_stride) * sizeof(T)) &
+                      (kCols * sizeof(T) - 1)) == 0;
+  for (int row = warp; row < slice.ng; row += kNumWarps) {  // warp-uniform
+    float O[kCols];
 #pragma unroll
-  for (int i = 0; i < kRowsPerCta * D / kThreads; ++i) {
-    const int idx = tid + i * kThreads;
-    const int row = idx / D;  // warp-uniform: a row is D >= 32 consecutive threads
-    const int col = idx - row * D;
-    if (row < slice.ng) {
-      float O = 0.f;
+    for (int j = 0; j < kCols; ++j) O[j] = 0.f;
 #pragma unroll
-      for (int w = 0; w < kNumWarps; ++w)
-        O += sm_o[(w * kRowsPerCta + row) * kOStride + col] * sm_m[w * kRowsPerCta + row];
-      const float L = sm_l[row];
-      float out = L > 0.f ? O / L : 0.f;
-      if constexpr (kScaleOut) out *= out_scale;
-      const int d = dim_of(col);
-      if (p.num_splits == 1)
-        static_cast<T*>(p.o)[sm_dst[row] + d] = Convert<T>::from_float(out);
-      else
-        p.partial_o[sm_dst[row] + d] = out;
+    for (int w = 0; w < kNumWarps; ++w) {
+      const float c = sm_m[w * kRowsPerCta + row];
+      const Vec v = *reinterpret_cast<const Vec*>(sm_o + (w * kRowsPerCta + row) * kOStride + col0);
+      const float* e = reinterpret_cast<const float*>(&v);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) O[j] += e[j] * c;
+    }
+    const float L = sm_l[row];
+    float inv = L > 0.f ? 1.f / L : 0.f;
+    if constexpr (kScaleOut) inv *= out_scale;
+    float out[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) out[j] = O[j] * inv;
+    const int64_t dst = sm_dst[row];
+    if (p.num_splits == 1) {
+      T* op = static_cast<T*>(p.o) + dst;
+      if (!kPermuted && o_vec) {
+        if constexpr (kCols == 4) {
+          *reinterpret_cast<uint2*>(op + col0) = make_uint2(pack2<T>(out[0], out[1]), pack2<T>(out[2], out[3]));
+        } else {
+          *reinterpret_cast<uint32_t*>(op + col0) = pack2<T>(out[0], out[1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) op[dim_of(col0 + j)] = Convert<T>::from_float(out[j]);
+      }
+    } else {
+      float* pp = p.partial_o + dst;
+      if constexpr (!kPermuted) {
+        *reinterpret_cast<Vec*>(pp + col0) = *reinterpret_cast<const Vec*>(out);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) pp[dim_of(col0 + j)] = out[j];
+      }
     }
   }
 }

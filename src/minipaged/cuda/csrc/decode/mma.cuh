@@ -264,14 +264,14 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   // Prologue: Q rows (heads past the group are zeros), then STAGES-1 tiles.
   // MQ: row r is head r % G of query r / G.
-  const int group = p.num_q_heads / p.num_kv_heads;
+  const int group = slice.group;
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
     for (int idx = tid; idx < kRows * (D / 8); idx += kThreads) {
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
       if constexpr (MQ) {
-        const int qi = row / group;
+        const int qi = query_of_row(row, slice.inv_group);
         const T* src = valid ? qp + qi * p.q_batch_stride + (row - qi * group) * p.q_head_stride + ch * 8 : qp;
         cp_async_16(s_q + swz<D>(row, ch), src, valid);
       } else {
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     if (p.causal) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int qi = (g + 8 * h) / group;
+        const int qi = query_of_row(g + 8 * h, slice.inv_group);
         row_end[h] = min(end, slice.ctx - slice.q_len + qi + 1);
       }
     }
