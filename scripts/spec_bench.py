@@ -2,11 +2,12 @@
 per sequence, the default route (the tensor-core decode kernel where paged_spec_decode_ok) against
 the GQA-packed prefill kernel with its KV splits (paged variant 3, the unrouted default), next to
 `cuda` decode (q_len 1, the last query of each run) on the same cache and triton's paged; 16-bit
-and FP8 pages. Hq/Hkv/D 16/8/128, page 16, pages scattered, CUDA-graph replays, cold L2, median.
+and FP8 pages. Hq/Hkv/D 16/8/128 (--heads another Hq/Hkv), page 16, pages scattered, CUDA-graph
+replays, cold L2, median.
 Every timed call is first checked against the fp64 oracle (minipaged.testing.assert_close).
 
     PYTHONPATH=src python scripts/spec_bench.py [--json out.json] [--reps 50] [--q-lens 4,16]
-        [--rows 32x4096,1x32768] [--profile N]
+        [--rows 32x4096,1x32768] [--heads 32/4] [--profile N]
 
 --profile N: no timing; each row's `cuda` spec call and `cuda` decode run N times each, eagerly
 (16-bit pages), for a profiler (ncu -k regex:decode) to take the kernels one by one.
@@ -41,15 +42,19 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--q-lens", default="4", help="comma-separated q_len per sequence")
     ap.add_argument("--rows", help="comma-separated BxL rows (default: the standard set)")
+    ap.add_argument("--heads", help="Hq/Hkv (default: Qwen3's 16/8), head_dim 128")
     ap.add_argument("--profile", type=int, default=0)
     args = ap.parse_args()
+    heads = dict(bench_cases.QWEN3_HEADS)
+    if args.heads:
+        heads["num_q_heads"], heads["num_kv_heads"] = (int(x) for x in args.heads.split("/"))
     rows = [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")] if args.rows else ROWS
     dtype, dev = torch.bfloat16, torch.device("cuda")
     q_lens = [int(x) for x in args.q_lens.split(",")]
-    out = {"device": torch.cuda.get_device_name(), "q_lens": q_lens, "rows": [], "failed": []}
+    out = {"device": torch.cuda.get_device_name(), "q_lens": q_lens, "heads": heads, "rows": [], "failed": []}
     t0 = time.time()
     for Q_LEN, (B, L) in ((ql, r) for ql in q_lens for r in rows):
-        case = testing.PagedCase("spec", (Q_LEN,) * B, (L,) * B, **bench_cases.QWEN3_HEADS)
+        case = testing.PagedCase("spec", (Q_LEN,) * B, (L,) * B, **heads)
         q, kc, vc, bt, cu, cl = testing.make_paged_inputs(case, dtype, dev, seed=B, poison=False)
         kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc, spread=True)
         scale = case.head_dim ** -0.5

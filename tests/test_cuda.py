@@ -743,9 +743,11 @@ _SANITIZE_SCRIPT = _SANITIZE_PAGED_CASES + textwrap.dedent(
                                    (2, 1, 64, 1, [3, 65, 0], [70, 65, 0]),
                                    (2, 2, 64, 256, [90, 2], [30, 300])])
         # speculative runs and their KV splits and merges, through the tensor-core decode kernel
-        # (G 2, q_len <= 5: 10 rows) and the packed prefill kernel (G 8, q_len 16): the plan's
-        # count, then forced counts that leave splits past a context empty
-        spec = [(16, 8, 128, 16, [4, 3, 0, 5], [300, 4, 0, 3]), (8, 1, 64, 1, [2, 16], [40, 700])]
+        # (G 2, q_len <= 5: 10 rows, one row block; G 4, q_len <= 8: 32 rows, two) and the packed
+        # prefill kernel (G 8, q_len 16): the plan's count, then forced counts that leave splits
+        # past a context empty
+        spec = [(16, 8, 128, 16, [4, 3, 0, 5], [300, 4, 0, 3]), (16, 4, 64, 1, [8, 2, 5], [40, 700, 3]),
+                (8, 1, 64, 1, [2, 16], [40, 700])]
         paged_cases(ops, dev, dt, spec)
         paged_cases(ops, dev, dt, spec, num_splits=7)
         # the same over FP8 pages (q is bf16, the scales per KV head)
@@ -1267,13 +1269,16 @@ SPEC_CTX = [4097, 1, 0, 97, 16, 71, 1023, 130, 3, 32768]
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_paged_spec_kv_splits(ops, dtype, block_size, splits):
-    # the packed kernel's KV splits (0: the planner's count, which splits this batch too) against
-    # the fp64 oracle, causal and not, at G 2 and 8, D 128 and 64; bit for bit repeatable
-    for heads, D in (((16, 8), 128), ((32, 4), 64)):
+    # KV splits (0: the planner's count, which splits this batch too) against the fp64 oracle,
+    # causal and not, bit for bit repeatable: at G 2 D 128 the decode kernel's two row blocks
+    # (16 x 2 rows) by default and the packed kernel under variant 3; at G 8 D 64 (16 x 8 rows)
+    # the packed kernel
+    for heads, D, variant in (((16, 8), 128, 0), ((16, 8), 128, 3), ((32, 4), 64, 0)):
         q, kc, vc, bt, cu, cl = _paged_case(SPEC_Q, SPEC_CTX, *heads, D, block_size, dtype, seed=splits + block_size)
         for causal in (True, False):
             _check_paged(ops, q, kc, vc, bt, cu, cl, causal, 1 / math.sqrt(D),
-                         f"spec splits={splits} {heads} D{D} bs{block_size} causal={causal}", num_splits=splits)
+                         f"spec splits={splits} {heads} D{D} bs{block_size} v{variant} causal={causal}",
+                         num_splits=splits, variant=variant)
     _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 16, True, 0.125, True, num_splits=splits)[1], n=5)
 
 
@@ -1289,12 +1294,14 @@ def test_paged_spec_batches_split_by_default(ops, B, ctx):
 
 
 # Speculative runs through the tensor-core decode kernel (csrc/prefill/dispatch.cuh
-# paged_spec_decode_ok: max_seqlen_q x G <= 16 (query, head) rows per KV head, one CTA). Each
-# GQA width at the longest run it takes (G3: 15 of the 16 rows); q_len 0, 1, 2..max in one
-# batch, runs longer than their context (2-3 over 1 key, 2 over none: rows that see no key),
-# contexts on many residues of the 64-key tiles and 4097. Longer runs (test_paged_spec_kv_splits'
-# q_len 16 at G 2) take the packed prefill kernel.
-SPEC_DECODE_HEADS = {"G2": ((16, 8), 8), "G4": ((16, 4), 4), "G8": ((32, 4), 2), "G3": ((24, 8), 5)}
+# paged_spec_decode_ok: max_seqlen_q x G <= 32 (query, head) rows per KV head, one CTA; up to
+# 16 in one MMA row block, more in two). Each GQA width at the longest run it takes (G3: 30 of
+# the 32 rows; G16: one query per row block) and, "-16", at the longest one block takes;
+# q_len 0, 1, 2..max in one batch, runs longer than their context (2-3 over 1 key, 2 over none:
+# rows that see no key), contexts on many residues of the 64-key tiles and 4097. Longer runs
+# (test_paged_spec_kv_splits' q_len 16 at G 8) take the packed prefill kernel.
+SPEC_DECODE_HEADS = {"G2": ((16, 8), 16), "G4": ((16, 4), 8), "G8": ((32, 4), 4), "G3": ((24, 8), 10),
+                     "G16": ((16, 1), 2), "G2-16": ((16, 8), 8), "G8-16": ((32, 4), 2)}
 
 
 @pytest.mark.parametrize("layout", SPEC_DECODE_HEADS.keys())

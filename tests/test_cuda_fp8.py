@@ -447,25 +447,31 @@ def test_fp8_paged_every_tile_residue(dtype):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_paged_spec_kv_splits(dtype, page, splits):
-    """The packed kernel's KV splits over FP8 pages (0: the planner's count): speculative runs
-    and decode rows, q_len > context, an empty sequence, contexts up to 32k; bit for bit
-    repeatable."""
+    """KV splits over FP8 pages (0: the planner's count): speculative runs and decode rows,
+    q_len > context, an empty sequence, contexts up to 32k; bit for bit repeatable. At G 2 the
+    decode kernel's two row blocks take the runs (16 x 2 rows), at G 8 the packed kernel
+    (16 x 8)."""
     q_lens, ctxs = [4, 1, 0, 3, 8, 16, 5, 4], [4097, 1, 0, 97, 71, 1023, 3, 32768]
-    out, _, args = _run_paged(q_lens, ctxs, 16, 8, 128, page, dtype, seed=40 + splits, num_splits=splits)
-    q, kc, vc, tables, cu, ctx, ks, vs, *_ = args
-    again = _ops().paged(q, kc, vc, tables, cu, ctx, 16, True, 1.0 / math.sqrt(128), False, ks, vs, num_splits=splits)
-    assert torch.equal(again, out)
+    for Hq, Hkv in ((16, 8), (32, 4)):
+        out, _, args = _run_paged(q_lens, ctxs, Hq, Hkv, 128, page, dtype, seed=40 + splits, num_splits=splits)
+        q, kc, vc, tables, cu, ctx, ks, vs, *_ = args
+        again = _ops().paged(q, kc, vc, tables, cu, ctx, 16, True, 1.0 / math.sqrt(128), False, ks, vs,
+                             num_splits=splits)
+        assert torch.equal(again, out)
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("heads,max_q", [((16, 8), 8), ((16, 4), 4), ((32, 4), 2)], ids=["G2", "G4", "G8"])
+@pytest.mark.parametrize("heads,max_q", [((16, 8), 8), ((16, 4), 4), ((32, 4), 2), ((16, 8), 16), ((16, 4), 8),
+                                         ((32, 4), 4), ((24, 8), 10)],
+                         ids=["G2", "G4", "G8", "G2-32", "G4-32", "G8-32", "G3-30"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("splits", [0, 1, 5])
 def test_fp8_paged_spec_decode_rows(heads, max_q, D, splits):
-    """Speculative runs over FP8 pages through the tensor-core decode kernel (32 tokens per warp
-    at G 2 D 128, 16 elsewhere): q_len 0, 1, 2..max in one batch (max x G = 16 rows), runs
-    longer than their context; bit for bit repeatable."""
+    """Speculative runs over FP8 pages through the tensor-core decode kernel: up to 16 rows in
+    one MMA row block (32 tokens per warp at G 2 D 128, 16 elsewhere), up to 32 in two (32
+    tokens per warp): q_len 0, 1, 2..max in one batch (max x G rows), runs longer than their
+    context; bit for bit repeatable."""
     q_lens, ctxs = [max_q, 2, 0, 1, max_q - 1, min(3, max_q), max_q, 2], [4097, 2, 5, 1, 97, 1, 300, 0]
     dtype = torch.bfloat16 if D == 128 else torch.float16
     for causal in (True, False):

@@ -186,7 +186,7 @@ struct DecodeParams {
   // Short query runs (speculative verification; the paged routing, paged_spec_decode_params):
   // with max_seqlen_q >= 2 and cu_seqlens_q, sequence b is handled iff 2 <= q_len <= max_seqlen_q
   // (q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]). The (query i, head j) pairs of one KV group,
-  // q_len * G <= 16 of them, are the rows r = i * G + j of one tensor-core kernel CTA; query i
+  // q_len * G <= 32 of them, are the rows r = i * G + j of one tensor-core kernel CTA; query i
   // (q/o/lse row cu_seqlens_q[b] + i) sees keys [0, context_len - q_len + i + 1) when causal
   // (bottom-right, as paged attention) and every key otherwise. The split workspace holds
   // max_seqlen_q query rows per sequence: partial row ((b * max_seqlen_q + i) * Hq + head) *

@@ -89,7 +89,7 @@ struct DecodeSlice {
   float inv_group;  // MQ only: 1 / group, for query_of_row
 };
 
-// The query of MQ row `row` (row / group for 0 <= row < 16, 1 <= group <= 16) without an
+// The query of MQ row `row` (row / group for 0 <= row < 32, 1 <= group <= 16) without an
 // integer division, which costs a CTA about twenty instructions each time: (row + 1/2) / group
 // lies at least 1/32 from an integer, far more than the rounding of the product.
 __device__ __forceinline__ int query_of_row(int row, float inv_group) {
@@ -214,43 +214,51 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
   }
 }
 
-// merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 16
+// merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 32
 // rows, not a decode's 1-2 real ones, so the epilogue's cost grows with the rows and, at low
-// occupancy, every CTA's life with it. The first ng threads turn each row's warp maxima into
-// weights (in place in sm_m) and sums (sm_l's first row) and find its output place once. Then
-// warp w merges rows w, w + kNumWarps, ...: each lane takes D / 32 consecutive columns, one
-// vector load per warp's partial row, one reciprocal of the row sum, one vector store (columns
-// in the output's order) or, where dim_of permutes them (FP8 caches), a store per element. The
-// per-element arithmetic (per-warp weights summed in warp order, scaled by the row's 1 / L) is
-// merge_warps_and_store's with the division taken once per row.
+// occupancy, every CTA's life with it. Row r's partials are those of warps r / kRowsPerBlock +
+// kRowBlocks * j (the warps of its row block) at row r % kRowsPerBlock. The first ng threads
+// turn each row's warp maxima into weights (in place in sm_m) and sums (in sm_l, at the row's
+// first partial) and find its output place once. Then warp w merges rows w, w + kNumWarps, ...:
+// each lane takes D / 32 consecutive columns, one vector load per partial row, one reciprocal
+// of the row sum per row, one vector store (columns in the output's order) or, where dim_of
+// permutes them (FP8 caches), a store per element. The per-element arithmetic (per-warp weights
+// summed in warp order, scaled by the row's 1 / L) is merge_warps_and_store's with the division
+// taken once per row.
 // kOStride: floats between the rows of sm_o (D or more, a multiple of D / 32).
-template <typename T, int kNumWarps, int kRowsPerCta, int D, int kOStride, bool kScaleOut, class DimOf>
+template <typename T, int kNumWarps, int kRowsPerBlock, int kRowBlocks, int D, int kOStride, bool kScaleOut,
+          class DimOf>
 __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p, const DecodeSlice& slice,
-                                                           float* sm_m,        // [kNumWarps][kRowsPerCta]
-                                                           float* sm_l,        // [kNumWarps][kRowsPerCta]
-                                                           const float* sm_o,  // [kNumWarps][kRowsPerCta][kOStride]
+                                                           float* sm_m,        // [kNumWarps][kRowsPerBlock]
+                                                           float* sm_l,        // [kNumWarps][kRowsPerBlock]
+                                                           const float* sm_o,  // [kNumWarps][kRowsPerBlock][kOStride]
                                                            float out_scale, DimOf dim_of) {
   constexpr int kCols = D / 32;  // consecutive columns per lane
+  constexpr int kRows = kRowBlocks * kRowsPerBlock;
+  constexpr int kPartials = kNumWarps / kRowBlocks;  // warps per row block
   static_assert(kCols == 2 || kCols == 4, "D 64 or 128");
-  static_assert(kOStride % kCols == 0 && kRowsPerCta <= kNumWarps * 32, "vector rows; one pre-pass thread per row");
+  static_assert(kOStride % kCols == 0 && kRows <= kNumWarps * 32 && kNumWarps % kRowBlocks == 0,
+                "vector rows; one pre-pass thread per row; whole row blocks");
   using Vec = std::conditional_t<kCols == 4, float4, float2>;
   constexpr bool kPermuted = !std::is_same_v<DimOf, IdentityDim>;
-  __shared__ int64_t sm_dst[kRowsPerCta];  // o element offset of the row (one split) or its partial row
+  // sm_m / sm_l / sm_o slot of row r's j-th partial
+  const auto slot = [](int r, int j) { return (r / kRowsPerBlock + kRowBlocks * j) * kRowsPerBlock + r % kRowsPerBlock; };
+  __shared__ int64_t sm_dst[kRows];  // o element offset of the row (one split) or its partial row
   const int tid = threadIdx.x;
   if (tid < slice.ng) {
     const int row = tid;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
+    for (int j = 0; j < kPartials; ++j) mx = fmaxf(mx, sm_m[slot(row, j)]);
     const float mref = mx == -INFINITY ? 0.f : mx;
     float L = 0.f;
 #pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
-      L += sm_l[w * kRowsPerCta + row] * c;
-      sm_m[w * kRowsPerCta + row] = c;
+    for (int j = 0; j < kPartials; ++j) {
+      const float c = fast_exp2(sm_m[slot(row, j)] - mref);
+      L += sm_l[slot(row, j)] * c;
+      sm_m[slot(row, j)] = c;
     }
-    sm_l[row] = L;
+    sm_l[slot(row, 0)] = L;
     int out_row, h;
     int64_t split_row;
     decode_out_row<true>(p, slice, row, out_row, h, split_row);
@@ -276,19 +284,20 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
 #pragma unroll
     for (int j = 0; j < kCols; ++j) O[j] = 0.f;
 #pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float c = sm_m[w * kRowsPerCta + row];
-      const Vec v = *reinterpret_cast<const Vec*>(sm_o + (w * kRowsPerCta + row) * kOStride + col0);
+    for (int j = 0; j < kPartials; ++j) {
+      const int sl = slot(row, j);
+      const float c = sm_m[sl];
+      const Vec v = *reinterpret_cast<const Vec*>(sm_o + sl * kOStride + col0);
       const float* e = reinterpret_cast<const float*>(&v);
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) O[j] += e[j] * c;
+      for (int k = 0; k < kCols; ++k) O[k] += e[k] * c;
     }
-    const float L = sm_l[row];
+    const float L = sm_l[slot(row, 0)];
     float inv = L > 0.f ? 1.f / L : 0.f;
     if constexpr (kScaleOut) inv *= out_scale;
     float out[kCols];
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) out[j] = O[j] * inv;
+    for (int k = 0; k < kCols; ++k) out[k] = O[k] * inv;
     const int64_t dst = sm_dst[row];
     if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + dst;
@@ -300,7 +309,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) op[dim_of(col0 + j)] = Convert<T>::from_float(out[j]);
+        for (int k = 0; k < kCols; ++k) op[dim_of(col0 + k)] = Convert<T>::from_float(out[k]);
       }
     } else {
       float* pp = p.partial_o + dst;
@@ -308,7 +317,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
         *reinterpret_cast<Vec*>(pp + col0) = *reinterpret_cast<const Vec*>(out);
       } else {
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) pp[dim_of(col0 + j)] = out[j];
+        for (int k = 0; k < kCols; ++k) pp[dim_of(col0 + k)] = out[k];
       }
     }
   }

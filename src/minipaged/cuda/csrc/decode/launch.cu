@@ -89,16 +89,17 @@ DecodePlan info_f(bool fused) {
 }
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
-// tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q).
+// tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q), RB row blocks
+// of 16 (query, head) rows.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false>
+          bool MQ = false, int RB = 1>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB>;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
-  k.group_tile = decode_mma::kRows;
-  k.tokens_per_iter = decode_mma::kWarps * WT;
-  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT>::kBytes;
+  k.group_tile = RB * decode_mma::kRows;
+  k.tokens_per_iter = decode_mma::kWarps / RB * WT;
+  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT, RB>::kBytes;
   k.fused = FUSED;
   return k;
 }
@@ -319,9 +320,14 @@ DecodePlan tensor_core_g2(const DecodeParams& p) {
 // Short query runs (DecodeParams::max_seqlen_q): the tensor-core kernel of a decode of the
 // same cache, in its multi-query instantiation, whatever the group size: 3 stages of 16-bit
 // tiles; on FP8 caches 32 tokens per warp and 3 stages at G = 2, D = 128 (the G = 2 FP8
-// decode's tiling), else 4 stages of 16 (the G >= 3 one).
+// decode's tiling), else 4 stages of 16 (the G >= 3 one). Over 16 rows (max_seqlen_q x G, up
+// to 32): two row blocks, each warp 32 tokens of a 64-token tile, so a stage holds the bytes
+// of a decode's (16-bit: 3 stages) or of the G = 2 FP8 decode's half (FP8: 6 stages).
 template <typename T, int D>
 DecodePlan select_multi_query(const DecodeParams& p) {
+  if (int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > decode_mma::kRows)
+    return p.kv_fp8 ? info_mma<T, D, 6, true, false, false, 32, true, 2>()
+                    : info_mma<T, D, 3, false, false, false, 32, true, 2>();
   if (!p.kv_fp8) return info_mma<T, D, 3, false, false, false, 16, true>();
   if constexpr (D == 128) {
     if (p.num_q_heads == 2 * p.num_kv_heads) return info_mma<T, D, 3, true, false, false, 32, true>();
@@ -471,7 +477,8 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
   // Short query runs: every (query, head) row of a KV group in one CTA of the tensor-core kernel.
   if (p.max_seqlen_q >= 2 &&
-      (p.cu_seqlens_q == nullptr || int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > decode_mma::kRows))
+      (p.cu_seqlens_q == nullptr ||
+       (k.kernel != nullptr && int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > k.group_tile)))
     return cudaErrorInvalidValue;
   const int64_t reduce_rows = int64_t(p.batch) * decode_query_rows(p);
   const int64_t gchunks = row_chunks(p, k);

@@ -72,12 +72,14 @@ constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 
 // WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
 // barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
-template <int D, int STAGES, bool FP8 = false, int WT = 16>
+// RB: MMA row blocks per CTA (2: short query runs of up to 32 rows; the warps split the rows
+// before the tokens, so a tile is kWarps / RB * WT tokens).
+template <int D, int STAGES, bool FP8 = false, int WT = 16, int RB = 1>
 struct Smem {
-  static constexpr int kTileElems = kWarps * WT * D;
+  static constexpr int kTileElems = kWarps / RB * WT * D;
   static constexpr int kTileBytes = kTileElems * (FP8 ? 1 : 2);
   static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
-  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kQBytes = RB * kRows * D * 2;
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static_assert(kMergeBytes <= kRingBytes, "the merge buffers reuse the ring");
@@ -145,13 +147,17 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // one KV group, each masked at its own query's last key. The K/V stream and the
 // tile loop are a decode's: the rows a decode leaves as padding carry the extra
 // queries.
+// RB = 2 (MQ only): 32 rows, two MMA row blocks. Warp w computes row block w % 2 over token
+// slice w / 2 of each tile, so every K/V tile is read from shared memory by two warps and a
+// warp's registers hold one row block, as in a decode (two blocks per warp would spill).
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false>
+          bool MQ = false, int RB = 1>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
     paged_decode_mma_kernel(const DecodeParams p) {
-  static_assert(WT == 16 || (WT == 32 && FP8), "32 tokens per warp: FP8 caches only");
-  using S = Smem<D, STAGES, FP8, WT>;
-  constexpr int kTile = kWarps * WT;  // tokens per pipeline stage
+  static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
+  static_assert(RB == 1 || (RB == 2 && MQ), "two row blocks: short query runs only");
+  using S = Smem<D, STAGES, FP8, WT, RB>;
+  constexpr int kTile = kWarps / RB * WT;  // tokens per pipeline stage
   using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
   using MT = std::conditional_t<FP8, __half, T>;      // the MMA operand type
   constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
@@ -171,6 +177,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
+  const int rb = warp % RB;  // the warp's MMA row block
+  const int tw = warp / RB;  // and its WT-token slice of every tile
   decode_trace(kTrEntry);
   decode_trace(kTrSm);
 
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int group = slice.group;
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
-    for (int idx = tid; idx < kRows * (D / 8); idx += kThreads) {
+    for (int idx = tid; idx < RB * kRows * (D / 8); idx += kThreads) {
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
       if constexpr (MQ) {
@@ -300,20 +308,24 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   float row_scale[2] = {1.f, 1.f};  // what undoes bf16_rows_to_f16 on rows g, g + 8
   cp_async_wait<kPrologueTiles>();  // the Q group has landed
   __syncthreads();
+  // Row block rb starts 16 rows in: the swizzle repeats every 8 rows.
+  const uint32_t s_q_rb = s_q + static_cast<uint32_t>(rb * kRows * D * 2);
   if constexpr (FP8) {
     const auto q_off = [](int row, int chunk) { return swz<D>(row, chunk); };
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) fp8_q_frag(s_q, g, kk, lane & 3, q_off, q_frag[kk]);
+    for (int kk = 0; kk < D / 16; ++kk) fp8_q_frag(s_q_rb, g, kk, lane & 3, q_off, q_frag[kk]);
     if constexpr (std::is_same_v<T, __nv_bfloat16>) bf16_rows_to_f16(q_frag, row_scale);
   } else {
-    const uint32_t q_lm = s_q + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
+    const uint32_t q_lm = s_q_rb + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
   }
-  // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1.
-  const uint32_t k_lm = ring + swz<D>(warp * 16 + lm_row8 + lm_bit4 * 8, lm_bit3);
+  // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1 (WT = 32: and
+  // 16-31, 16 rows on).
+  const uint32_t k_lm = ring + swz<D>(tw * WT + lm_row8 + lm_bit4 * 8, lm_bit3);
   // V (B operand of P V, transposed): tokens 0-7 / 8-15 x chunk 2dp / 2dp+1.
-  const uint32_t v_lm = ring + S::kTileBytes + swz<D>(warp * 16 + lm_row8 + lm_bit3 * 8, lm_bit4);
+  const uint32_t v_lm = ring + S::kTileBytes + swz<D>(tw * WT + lm_row8 + lm_bit3 * 8, lm_bit4);
+  constexpr uint32_t kKeyBlockBytes = 16 * D * 2;  // 16 rows of a 16-bit tile
 
   float scale_log2 = p.scale * kLog2e;
   if constexpr (FP8) scale_log2 *= p.k_scale[kvh];
@@ -332,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     if (p.causal) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int qi = query_of_row(g + 8 * h, slice.inv_group);
+        const int qi = query_of_row(rb * kRows + g + 8 * h, slice.inv_group);
         row_end[h] = min(end, slice.ctx - slice.q_len + qi + 1);
       }
     }
@@ -369,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       for (int blk = 0; blk < D / 64; ++blk) {
         uint4 kw[kNT];  // keys g, g + 8, ... of this warp
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) kw[nt] = lds128(kt + fp8_tile_k_off<D>(warp * WT + nt * 8 + g, blk * 4 + (lane & 3)));
+        for (int nt = 0; nt < kNT; ++nt) kw[nt] = lds128(kt + fp8_tile_k_off<D>(tw * WT + nt * 8 + g, blk * 4 + (lane & 3)));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -383,13 +395,16 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     } else {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, k_stage ^ uint32_t(kk << 5));
-        mma_16816<T>(s[0], q_frag[kk], bk[0], bk[1]);
-        mma_16816<T>(s[1], q_frag[kk], bk[2], bk[3]);
+#pragma unroll
+        for (int kb = 0; kb < WT / 16; ++kb) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, (k_stage + kb * kKeyBlockBytes) ^ uint32_t(kk << 5));
+          mma_16816<T>(s[2 * kb], q_frag[kk], bk[0], bk[1]);
+          mma_16816<T>(s[2 * kb + 1], q_frag[kk], bk[2], bk[3]);
+        }
       }
     }
-    const int tok0 = start + t * kTile + warp * WT;
+    const int tok0 = start + t * kTile + tw * WT;
     float alpha[2];
     bool max_moved = false;
 #pragma unroll
@@ -444,21 +459,24 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
         a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
         uint32_t vw[4][D / 32];
-        fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, warp * WT + kb * 16, g, lane & 3, vw);
+        fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, tw * WT + kb * 16, g, lane & 3, vw);
         fp8_pv<D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
       }
     } else {
-      uint32_t a[4];
-      a[0] = pack2<MT>(s[0][0], s[0][1]);
-      a[1] = pack2<MT>(s[0][2], s[0][3]);
-      a[2] = pack2<MT>(s[1][0], s[1][1]);
-      a[3] = pack2<MT>(s[1][2], s[1][3]);
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_stage ^ uint32_t(dp << 5));
-        mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
-        mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      for (int kb = 0; kb < WT / 16; ++kb) {
+        uint32_t a[4];
+        a[0] = pack2<MT>(s[2 * kb][0], s[2 * kb][1]);
+        a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
+        a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
+        a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, (v_stage + kb * kKeyBlockBytes) ^ uint32_t(dp << 5));
+          mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+          mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+        }
       }
     }
   }
@@ -481,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     const int row = g + 8 * h;
     // Rows past the CTA's ng heads are padding the merge never reads: at G = 2 storing them
     // was 8x the shared-memory stores, every one an 8-way bank conflict (rows D floats apart).
-    if (kRealRows && row >= ng) continue;
+    if (kRealRows && rb * kRows + row >= ng) continue;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       float2 v = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
@@ -496,11 +514,11 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   if constexpr (MQ) {
     if constexpr (FP8) {
-      merge_query_rows_and_store<T, kWarps, kRows, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
-                                                                      FragDimOf<D>{});
+      merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
+                                                                          p.v_scale[kvh], FragDimOf<D>{});
     } else {
-      merge_query_rows_and_store<T, kWarps, kRows, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
-                                                                       IdentityDim{});
+      merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
+                                                                           IdentityDim{});
     }
   } else if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});

@@ -275,14 +275,14 @@ inline bool paged_pack_ok(const PrefillParams& p) {
 // (q_len 2..kPackMaxSeqlenQ), the tensor-core decode kernel takes them instead of the packed
 // prefill kernel (DecodeParams::max_seqlen_q; launch_paged_routed_decodes in prefill/paged.cu
 // launches it). It streams K/V as a decode of the same cache does, so a short run costs about
-// a decode step. Up to kSpecDecodeMaxRows (query, head) rows per KV head, one CTA of 16 MMA
-// rows (q_len <= 8 at G = 2; a batch whose max_seqlen_q is larger keeps the packed kernel for
-// all its short runs): the packed kernel's 32-row blocks share one K/V stream, and two decode
-// CTAs per KV head, each streaming it, measured slower at q_len 16
-// (bench/results/nvidia-h200/cuda_spec_decode_2731244/). The decode grid's extents bound
-// batch x max_seqlen_q.
+// a decode step. Up to kSpecDecodeMaxRows (query, head) rows per KV head, all in one CTA: 16
+// rows in one MMA row block, up to 32 in two (q_len <= 16 at G = 2, <= 8 at G = 4, <= 4 at
+// G = 8; a batch whose max_seqlen_q x G is larger keeps the packed kernel for all its short
+// runs). Two decode CTAs per KV head, each streaming its K/V, measured slower than the packed
+// kernel at q_len 16 (bench/results/nvidia-h200/cuda_spec_decode_2731244/); one CTA with two
+// row blocks reads the stream once. The decode grid's extents bound batch x max_seqlen_q.
 constexpr bool kPagedSpecDecodeByDefault = true;
-constexpr int kSpecDecodeMaxRows = 16;
+constexpr int kSpecDecodeMaxRows = 32;
 inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
 inline bool paged_spec_decode_ok(const PrefillParams& p) {
   if (!kPagedSpecDecodeByDefault || !paged_decode_routing_ok(p) || !paged_pack_ok(p) || p.num_kv_heads <= 0)
