@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--q-lens", default="4", help="comma-separated q_len per sequence")
     ap.add_argument("--rows", help="comma-separated BxL rows (default: the standard set)")
     ap.add_argument("--heads", help="Hq/Hkv (default: Qwen3's 16/8), head_dim 128")
+    ap.add_argument("--columns", help="comma-separated column labels to time (default: all), e.g. 'fp8 cuda'")
     ap.add_argument("--profile", type=int, default=0)
     args = ap.parse_args()
     heads = dict(bench_cases.QWEN3_HEADS)
@@ -51,6 +52,8 @@ def main() -> int:
     rows = [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")] if args.rows else ROWS
     dtype, dev = torch.bfloat16, torch.device("cuda")
     q_lens = [int(x) for x in args.q_lens.split(",")]
+    columns = set(args.columns.split(",")) if args.columns else None
+    wanted = lambda label: columns is None or label in columns  # noqa: E731
     out = {"device": torch.cuda.get_device_name(), "q_lens": q_lens, "heads": heads, "rows": [], "failed": []}
     t0 = time.time()
     for Q_LEN, (B, L) in ((ql, r) for ql in q_lens for r in rows):
@@ -67,6 +70,8 @@ def main() -> int:
             continue
         row = {"q_len": Q_LEN, "B": B, "L": L, "us": {}, "TBps": {}}
         for cache, (k_, v_, kw) in {"16-bit": (kc, vc, {}), "fp8": (kc8, vc8, {"k_scale": ks, "v_scale": vs})}.items():
+            if not any(wanted(f"{cache} {name}") for name in ("cuda", "cuda packed", "triton", "cuda decode*")):
+                continue
             if cache == "fp8":
                 keys, vals = testing.gather_kv(bench_cases.dequantize_fp8(k_, ks), bench_cases.dequantize_fp8(v_, vs),
                                                bt, cl)
@@ -82,6 +87,8 @@ def main() -> int:
             }
             for name, fn in fns.items():
                 label = f"{cache} {name}"
+                if not wanted(label):
+                    continue
                 try:
                     testing.assert_close(fn(), truth, lowp, f"q={Q_LEN} B={B} L={L} {label}")
                 except Exception as e:  # noqa: BLE001 - reported, not timed
@@ -91,9 +98,10 @@ def main() -> int:
                 t = time_fn(fn, device=dev, reps=args.reps, min_reps=10, max_time_s=2.0, cuda_graph=True)
                 row["us"][label] = t.median_ms * 1e3
                 row["TBps"][label] = _bytes(case, 1 if cache == "fp8" else 2) / (t.median_ms * 1e-3) / 1e12
-            dec = lambda: cuda_ops.decode(qd, k_, v_, bt, cl, scale, False, **kw)  # noqa: E731
-            t = time_fn(dec, device=dev, reps=args.reps, min_reps=10, max_time_s=2.0, cuda_graph=True)
-            row["us"][f"{cache} cuda decode*"] = t.median_ms * 1e3
+            if wanted(f"{cache} cuda decode*"):
+                dec = lambda: cuda_ops.decode(qd, k_, v_, bt, cl, scale, False, **kw)  # noqa: E731
+                t = time_fn(dec, device=dev, reps=args.reps, min_reps=10, max_time_s=2.0, cuda_graph=True)
+                row["us"][f"{cache} cuda decode*"] = t.median_ms * 1e3
         print(f"q={Q_LEN:2d} B={B:4d} L={L:6d} " + "  ".join(f"{k} {v:7.1f}" for k, v in row["us"].items()), flush=True)
         out["rows"].append(row)
     print(f"took {time.time() - t0:.1f} s")

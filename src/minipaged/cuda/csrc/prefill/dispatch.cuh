@@ -283,13 +283,19 @@ inline bool paged_pack_ok(const PrefillParams& p) {
 // row blocks reads the stream once. The decode grid's extents bound batch x max_seqlen_q.
 constexpr bool kPagedSpecDecodeByDefault = true;
 constexpr int kSpecDecodeMaxRows = 32;
+// FP8 pages: the rows the decode kernel takes (A/B builds set 16 to keep two-block runs on the
+// packed kernel, whose conversion of each K/V element is not repeated per row block).
+#ifndef MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS
+#define MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS 32
+#endif
 inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
 inline bool paged_spec_decode_ok(const PrefillParams& p) {
   if (!kPagedSpecDecodeByDefault || !paged_decode_routing_ok(p) || !paged_pack_ok(p) || p.num_kv_heads <= 0)
     return false;
   const int64_t max_q = paged_spec_decode_max_q(p);
   const int64_t group = p.num_q_heads / p.num_kv_heads;
-  return max_q >= 2 && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ && max_q * group <= kSpecDecodeMaxRows &&
+  const int64_t max_rows = p.kv_fp8 ? MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS : kSpecDecodeMaxRows;
+  return max_q >= 2 && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ && max_q * group <= max_rows &&
          int64_t(p.batch) * max_q <= 65535 && (p.head_dim == 64 || p.head_dim == 128) &&
          (!p.kv_fp8 || (p.k_scale != nullptr && p.v_scale != nullptr));
 }
