@@ -283,19 +283,27 @@ inline bool paged_pack_ok(const PrefillParams& p) {
 // row blocks reads the stream once. The decode grid's extents bound batch x max_seqlen_q.
 constexpr bool kPagedSpecDecodeByDefault = true;
 constexpr int kSpecDecodeMaxRows = 32;
-// FP8 pages: the rows the decode kernel takes (A/B builds set 16 to keep two-block runs on the
-// packed kernel, whose conversion of each K/V element is not repeated per row block).
+// FP8 pages: past one MMA row block, each block's warps widen the same K/V bytes, which bounds
+// the kernel once every SM holds its two CTAs. Within one wave of them (B x Hkv <= 2 x SMs) it
+// took 0.48-0.80x the packed kernel's time on the H200, beyond it 1.17-1.23x
+// (bench/results/nvidia-h200/cuda_spec_rows32_a48beea/): there FP8 runs of more than
+// MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS rows keep the packed kernel, which widens each element once
+// per 32 rows (A/B builds set 32: the decode kernel at any batch).
 #ifndef MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS
-#define MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS 32
+#define MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS 16
 #endif
+constexpr int kSpecDecodeFp8CtasPerSm = 2;
+inline int64_t paged_spec_decode_max_rows(const PrefillParams& p) {
+  const bool one_wave = int64_t(p.batch) * p.num_kv_heads <= int64_t(kSpecDecodeFp8CtasPerSm) * p.num_sms;
+  return p.kv_fp8 && !one_wave ? MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS : kSpecDecodeMaxRows;
+}
 inline int paged_spec_decode_max_q(const PrefillParams& p) { return std::min(p.max_seqlen_q, kPackMaxSeqlenQ); }
 inline bool paged_spec_decode_ok(const PrefillParams& p) {
   if (!kPagedSpecDecodeByDefault || !paged_decode_routing_ok(p) || !paged_pack_ok(p) || p.num_kv_heads <= 0)
     return false;
   const int64_t max_q = paged_spec_decode_max_q(p);
   const int64_t group = p.num_q_heads / p.num_kv_heads;
-  const int64_t max_rows = p.kv_fp8 ? MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS : kSpecDecodeMaxRows;
-  return max_q >= 2 && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ && max_q * group <= max_rows &&
+  return max_q >= 2 && paged_min_seqlen_q(p) <= kPackMaxSeqlenQ && max_q * group <= paged_spec_decode_max_rows(p) &&
          int64_t(p.batch) * max_q <= 65535 && (p.head_dim == 64 || p.head_dim == 128) &&
          (!p.kv_fp8 || (p.k_scale != nullptr && p.v_scale != nullptr));
 }
