@@ -306,3 +306,45 @@ def test_decode_workspace_layout_with_short_runs(tmp_path):
         assert q_rows == want_rows
         assert floats == (0 if s == 1 else partial_rows * (d + 1)), (b, hq, d, s, q, floats)
         assert o_off == 0 and lse_off == partial_rows * d, (b, hq, d, s, q, lse_off)
+
+
+# Which speculative batches the tensor-core decode kernel takes (prefill/dispatch.cuh
+# paged_spec_decode_ok), from the host-known values: "batch Hq Hkv D max_q total_q SMs fp8" in,
+# 1 / 0 out.
+_SPEC_ROUTE_PROBE = r"""
+#include <cstdio>
+#include "prefill/dispatch.cuh"
+int main() {
+  long long batch, hq, hkv, d, max_q, total_q, sms, fp8;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &batch, &hq, &hkv, &d, &max_q, &total_q, &sms,
+                    &fp8) == 8) {
+    static float scales[64];
+    minipaged::PrefillParams p{};
+    p.batch = batch, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = d, p.max_seqlen_q = max_q;
+    p.total_q = total_q, p.num_sms = sms, p.kv_fp8 = fp8 != 0, p.causal = true;
+    if (fp8) p.k_scale = scales, p.v_scale = scales;
+    std::printf("%d\n", minipaged::fast::paged_spec_decode_ok(p) ? 1 : 0);
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_paged_spec_decode_route_rows(tmp_path):
+    # Short runs of up to 32 (query, head) rows per KV head take the decode kernel (one MMA row
+    # block to 16, two to 32); over FP8 pages runs of more than 16 rows only while the batch's
+    # CTAs (B x Hkv) fit one wave of two per SM, the packed kernel beyond (the H200 A/B in
+    # bench/results/nvidia-h200/cuda_spec_rows32_a48beea/). Uniform batches of q_len max_q.
+    exe = _build_probe(tmp_path, "spec_route", _SPEC_ROUTE_PROBE, NVCC)
+    rows = [(b, hq, hkv, d, q, b * q, sms, fp8) for b in (1, 32, 33, 64, 128) for hq, hkv in
+            ((16, 8), (32, 8), (64, 8), (24, 8), (16, 1), (8, 8)) for d in (64, 128, 96) for q in (1, 2, 4, 8, 16, 17)
+            for sms in (132, 0) for fp8 in (0, 1)]
+    out = _run_probe(exe, rows)
+    assert len(out) == len(rows)
+    for (b, hq, hkv, d, q, total, sms, fp8), got in zip(rows, map(int, out)):
+        g = hq // hkv
+        rows_per_kv_head = min(q, 16) * g
+        cap = 16 if fp8 and b * hkv > 2 * sms else 32
+        want = g >= 2 and d in (64, 128) and 2 <= q <= 16 and rows_per_kv_head <= cap
+        assert got == int(want), (b, hq, hkv, d, q, sms, fp8, got)
