@@ -285,7 +285,7 @@ constexpr bool kPagedSpecDecodeByDefault = true;
 constexpr int kSpecDecodeMaxRows = 32;
 // FP8 pages: past one MMA row block, each block's warps widen the same K/V bytes, which bounds
 // the kernel once every SM holds its two CTAs. Within one wave of them (B x Hkv <= 2 x SMs) it
-// took 0.48-0.80x the packed kernel's time on the H200, beyond it 1.17-1.23x
+// took 0.49-0.80x the packed kernel's time on the H200, beyond it 1.17-1.24x
 // (bench/results/nvidia-h200/cuda_spec_rows32_a48beea/): there FP8 runs of more than
 // MINIPAGED_SPEC_DECODE_FP8_MAX_ROWS rows keep the packed kernel, which widens each element once
 // per 32 rows (A/B builds set 32: the decode kernel at any batch).
