@@ -9,7 +9,9 @@
 //   O += P V     P re-packed to 16-bit in registers, V through ldmatrix.trans
 // Each of the 4 warps owns WT = 16 tokens of every 64-token tile (32 of 128 in
 // the FP8 benchmarking tilings) and keeps its own running max / sum / O; the
-// warps are merged once at the end, as in the scalar kernel. K/V rows are
+// warps are merged once at the end, as in the scalar kernel. Short query runs of
+// more than 16 rows (MQ, RB = 2) split the warps over two row blocks first: each
+// block's two warps own 32 tokens of every 64-token tile. K/V rows are
 // gathered through the block table with cp.async into a STAGES-deep ring of
 // XOR-swizzled shared tiles (one barrier per tile); every row is addressed on
 // its own, and a run of rows inside one page shares its table entry.
@@ -449,27 +451,19 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         acc_o[dt][3] *= alpha[1];
       }
     }
-    if constexpr (FP8) {
 #pragma unroll
-      for (int kb = 0; kb < WT / 16; ++kb) {
-        // The m16n8 C fragments of two 8-token halves form an m16n8k16 A fragment.
-        uint32_t a[4];
-        a[0] = pack2<MT>(s[2 * kb][0], s[2 * kb][1]);
-        a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
-        a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
-        a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+    for (int kb = 0; kb < WT / 16; ++kb) {
+      // The m16n8 C fragments of two 8-token halves form an m16n8k16 A fragment.
+      uint32_t a[4];
+      a[0] = pack2<MT>(s[2 * kb][0], s[2 * kb][1]);
+      a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
+      a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
+      a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+      if constexpr (FP8) {
         uint32_t vw[4][D / 32];
         fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, tw * WT + kb * 16, g, lane & 3, vw);
         fp8_pv<D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
-      }
-    } else {
-#pragma unroll
-      for (int kb = 0; kb < WT / 16; ++kb) {
-        uint32_t a[4];
-        a[0] = pack2<MT>(s[2 * kb][0], s[2 * kb][1]);
-        a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
-        a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
-        a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
+      } else {
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t bv[4];
