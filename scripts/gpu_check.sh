@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [spec_bench]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -214,6 +214,29 @@ for s in $stages; do
         run time8_$b "$bin/$b" time8 ${WS8_REPS:-20}
       done;;
     spec_bench) run spec_bench python3 scripts/spec_bench.py ${SPEC_BENCH_ARGS:-} --json "$WORK/bench/spec_bench.json";;
+    spec_fp8_ab)
+      # FP8 speculative runs over 16 rows per KV head, three extension builds (built at once, then
+      # timed in two alternating rounds): the default (the packed kernel past one wave of decode
+      # CTAs), the decode kernel's two row blocks at any batch, and the same widening each tile
+      # once (MINIPAGED_MQ_FP8_WIDEN_ONCE; its FP8 spec tests run first, against the fp64 oracle).
+      # SPEC_FP8_AB_ARGS: spec_bench's --heads / --q-lens / --rows (default 16/8, q_len 16).
+      ab_flags=("" "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32"
+                "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32 -DMINIPAGED_MQ_FP8_WIDEN_ONCE=1")
+      for i in 0 1 2; do
+        MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" STAGE_TIMEOUT_spec_fp8_ab_build$i=400 \
+          run spec_fp8_ab_build$i python3 -c "from minipaged.cuda import build; build.load()" &
+      done
+      wait
+      MINIPAGED_NVCC_FLAGS="${ab_flags[2]}" STAGE_TIMEOUT_spec_fp8_ab_tests=${STAGE_TIMEOUT_spec_fp8_ab_tests:-240} \
+        run spec_fp8_ab_tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider -k spec tests/test_cuda_fp8.py
+      for round in 1 2; do
+        for i in 0 1 2; do
+          MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" STAGE_TIMEOUT_spec_fp8_ab_r${round}_b$i=90 \
+            run spec_fp8_ab_r${round}_b$i python3 scripts/spec_bench.py --columns "fp8 cuda" \
+            ${SPEC_FP8_AB_ARGS:---q-lens 16 --rows 1x4096,1x32768,8x4096,32x4096,64x4096,128x1024} \
+            --json "$WORK/bench/spec_fp8_ab_r${round}_b$i.json"
+        done
+      done;;
     spec_ncu)
       # Where the multi-query decode kernel spends the time a decode does not: ncu's warp-state
       # sampling per SASS instruction of one spec launch and one decode launch on the same cache
