@@ -223,7 +223,8 @@ for s in $stages; do
       ab_flags=("" "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32"
                 "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32 -DMINIPAGED_MQ_FP8_WIDEN_ONCE=1")
       for i in 0 1 2; do
-        MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" STAGE_TIMEOUT_spec_fp8_ab_build$i=400 \
+        export STAGE_TIMEOUT_spec_fp8_ab_build$i=400
+        MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" \
           run spec_fp8_ab_build$i python3 -c "from minipaged.cuda import build; build.load()" &
       done
       wait
@@ -231,7 +232,8 @@ for s in $stages; do
         run spec_fp8_ab_tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider -k spec tests/test_cuda_fp8.py
       for round in 1 2; do
         for i in 0 1 2; do
-          MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" STAGE_TIMEOUT_spec_fp8_ab_r${round}_b$i=90 \
+          export STAGE_TIMEOUT_spec_fp8_ab_r${round}_b$i=90
+          MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" \
             run spec_fp8_ab_r${round}_b$i python3 scripts/spec_bench.py --columns "fp8 cuda" \
             ${SPEC_FP8_AB_ARGS:---q-lens 16 --rows 1x4096,1x32768,8x4096,32x4096,64x4096,128x1024} \
             --json "$WORK/bench/spec_fp8_ab_r${round}_b$i.json"
