@@ -14,6 +14,7 @@
 #include <cfloat>
 #include <cmath>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -336,42 +337,50 @@ DecodePlan select_multi_query(const DecodeParams& p) {
   return info_mma<T, D, 4, true, false, false, 16, true>();
 }
 
-DecodePlan select_kernel(const DecodeParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128) return {};
+// select(TypeTag<T>{}, std::integral_constant<int, D>{}) for p's element type and head dim (64 or
+// 128; select_kernel checks it): the one switch from runtime dtype and head dim to the
+// templates of every selector below.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+template <class Select>
+DecodePlan by_dtype_and_dim(const DecodeParams& p, Select select) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
   const bool d128 = p.head_dim == 128;
-  if (p.max_seqlen_q >= 2) {
-    if (p.cu_seqlens_q == nullptr || p.num_kv_heads <= 0 || (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr)))
-      return {};
-    switch (p.dtype) {
-      case DType::kFloat16: return d128 ? select_multi_query<__half, 128>(p) : select_multi_query<__half, 64>(p);
-      case DType::kBFloat16:
-        return d128 ? select_multi_query<__nv_bfloat16, 128>(p) : select_multi_query<__nv_bfloat16, 64>(p);
-    }
-    return {};
-  }
-  if (p.cu_seqlens_q != nullptr) {
-    if (p.num_kv_heads <= 0 || (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) return {};
-    switch (p.dtype) {
-      case DType::kFloat16: return d128 ? select_packed<__half, 128>(p) : select_packed<__half, 64>(p);
-      case DType::kBFloat16:
-        return d128 ? select_packed<__nv_bfloat16, 128>(p) : select_packed<__nv_bfloat16, 64>(p);
-    }
-    return {};
-  }
-  if (p.kv_fp8) {
-    if (p.k_scale == nullptr || p.v_scale == nullptr) return {};
-    switch (p.dtype) {
-      case DType::kFloat16: return d128 ? select_fp8<__half, 128>(p) : select_fp8<__half, 64>(p);
-      case DType::kBFloat16: return d128 ? select_fp8<__nv_bfloat16, 128>(p) : select_fp8<__nv_bfloat16, 64>(p);
-    }
-    return {};
-  }
   switch (p.dtype) {
-    case DType::kFloat16: return d128 ? select_for_dim<__half, 128>(p) : select_for_dim<__half, 64>(p);
+    case DType::kFloat16: return d128 ? select(TypeTag<__half>{}, D128{}) : select(TypeTag<__half>{}, D64{});
     case DType::kBFloat16:
-      return d128 ? select_for_dim<__nv_bfloat16, 128>(p) : select_for_dim<__nv_bfloat16, 64>(p);
+      return d128 ? select(TypeTag<__nv_bfloat16>{}, D128{}) : select(TypeTag<__nv_bfloat16>{}, D64{});
   }
   return {};
+}
+
+DecodePlan select_kernel(const DecodeParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return {};
+  const bool scales_missing = p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr);
+  if (p.max_seqlen_q >= 2) {
+    if (p.cu_seqlens_q == nullptr || p.num_kv_heads <= 0 || scales_missing) return {};
+    return by_dtype_and_dim(p, [&](auto t, auto d) {
+      return select_multi_query<typename decltype(t)::type, decltype(d)::value>(p);
+    });
+  }
+  if (p.cu_seqlens_q != nullptr) {
+    if (p.num_kv_heads <= 0 || scales_missing) return {};
+    return by_dtype_and_dim(p, [&](auto t, auto d) {
+      return select_packed<typename decltype(t)::type, decltype(d)::value>(p);
+    });
+  }
+  if (p.kv_fp8) {
+    if (scales_missing) return {};
+    return by_dtype_and_dim(p, [&](auto t, auto d) {
+      return select_fp8<typename decltype(t)::type, decltype(d)::value>(p);
+    });
+  }
+  return by_dtype_and_dim(p, [&](auto t, auto d) {
+    return select_for_dim<typename decltype(t)::type, decltype(d)::value>(p);
+  });
 }
 
 // Resident blocks per SM for a kernel on the current device (cached: the
