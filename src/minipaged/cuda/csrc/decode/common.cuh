@@ -242,7 +242,9 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
   using Vec = std::conditional_t<kCols == 4, float4, float2>;
   constexpr bool kPermuted = !std::is_same_v<DimOf, IdentityDim>;
   // sm_m / sm_l / sm_o slot of row r's j-th partial
-  const auto slot = [](int r, int j) { return (r / kRowsPerBlock + kRowBlocks * j) * kRowsPerBlock + r % kRowsPerBlock; };
+  const auto slot = [](int r, int j) {
+    return (r / kRowsPerBlock + kRowBlocks * j) * kRowsPerBlock + r % kRowsPerBlock;
+  };
   __shared__ int64_t sm_dst[kRows];  // o element offset of the row (one split) or its partial row
   const int tid = threadIdx.x;
   if (tid < slice.ng) {
