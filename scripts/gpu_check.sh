@@ -53,6 +53,7 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
   tail -n 25 "$WORK/logs/$name.log"
   [ $rc -eq 0 ] || status=1
   tar -czf "$OUT/results.tgz" -C "$WORK" logs bench 2>/dev/null
+  return $rc  # (a stage run in the background reports through its job's exit status)
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
@@ -226,8 +227,9 @@ for s in $stages; do
         export STAGE_TIMEOUT_spec_fp8_ab_build$i=400
         MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" \
           run spec_fp8_ab_build$i python3 -c "from minipaged.cuda import build; build.load()" &
+        build_pids[$i]=$!
       done
-      wait
+      for i in 0 1 2; do wait "${build_pids[$i]}" || status=1; done
       MINIPAGED_NVCC_FLAGS="${ab_flags[2]}" STAGE_TIMEOUT_spec_fp8_ab_tests=${STAGE_TIMEOUT_spec_fp8_ab_tests:-240} \
         run spec_fp8_ab_tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider -k spec tests/test_cuda_fp8.py
       for round in 1 2; do
