@@ -216,24 +216,22 @@ for s in $stages; do
       done;;
     spec_bench) run spec_bench python3 scripts/spec_bench.py ${SPEC_BENCH_ARGS:-} --json "$WORK/bench/spec_bench.json";;
     spec_fp8_ab)
-      # FP8 speculative runs over 16 rows per KV head, three extension builds (built at once, then
-      # timed in two alternating rounds): the default (the packed kernel past one wave of decode
-      # CTAs), the decode kernel's two row blocks at any batch, and the same widening each tile
-      # once (MINIPAGED_MQ_FP8_WIDEN_ONCE; its FP8 spec tests run first, against the fp64 oracle).
+      # FP8 speculative runs over 16 rows per KV head, two extension builds (built at once, then
+      # timed in two alternating rounds): the default (the decode kernel's two row blocks within
+      # one wave of its CTAs, the packed kernel past it) and the decode kernel at any batch.
       # SPEC_FP8_AB_ARGS: spec_bench's --heads / --q-lens / --rows (default 16/8, q_len 16).
-      ab_flags=("" "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32"
-                "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32 -DMINIPAGED_MQ_FP8_WIDEN_ONCE=1")
-      for i in 0 1 2; do
+      ab_flags=("" "-DMINIPAGED_SPEC_DECODE_FP8_MAX_ROWS=32")
+      for i in 0 1; do
         export STAGE_TIMEOUT_spec_fp8_ab_build$i=400
         MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" \
           run spec_fp8_ab_build$i python3 -c "from minipaged.cuda import build; build.load()" &
         build_pids[$i]=$!
       done
-      for i in 0 1 2; do wait "${build_pids[$i]}" || status=1; done
-      MINIPAGED_NVCC_FLAGS="${ab_flags[2]}" STAGE_TIMEOUT_spec_fp8_ab_tests=${STAGE_TIMEOUT_spec_fp8_ab_tests:-240} \
+      for i in 0 1; do wait "${build_pids[$i]}" || status=1; done
+      MINIPAGED_NVCC_FLAGS="${ab_flags[1]}" STAGE_TIMEOUT_spec_fp8_ab_tests=${STAGE_TIMEOUT_spec_fp8_ab_tests:-240} \
         run spec_fp8_ab_tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider -k spec tests/test_cuda_fp8.py
       for round in 1 2; do
-        for i in 0 1 2; do
+        for i in 0 1; do
           export STAGE_TIMEOUT_spec_fp8_ab_r${round}_b$i=90
           MINIPAGED_NVCC_FLAGS="${ab_flags[$i]}" \
             run spec_fp8_ab_r${round}_b$i python3 scripts/spec_bench.py --columns "fp8 cuda" \

@@ -74,21 +74,6 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 
 
 @needs_nvcc
-def test_mq_fp8_widen_once_build_compiles_without_spills(tmp_path):
-    # The A/B build MINIPAGED_MQ_FP8_WIDEN_ONCE=1 (decode/mma.cuh; off by default, so the fixture
-    # above never compiles it): its FP8 two-row-block kernels (4 stages, 32 tokens per warp) must
-    # build, spill nothing and leave registers for 2 CTAs of 128 threads per SM.
-    rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
-                                       EXTRA_FLAGS + ["-DMINIPAGED_MQ_FP8_WIDEN_ONCE=1"])
-    assert rc == 0, log[-4000:]
-    widened = [k for k in build.parse_ptxas(log) if "paged_decode_mma_kernel" in k["kernel"]
-               and "Li4ELb1ELb0ELb0ELi32ELb1ELi2E" in k["kernel"]]
-    assert len(widened) == 4, [k["kernel"] for k in widened]  # f16 / bf16 q x D 64 / 128
-    for k in widened:
-        assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] <= 255, k
-
-
-@needs_nvcc
 @pytest.mark.parametrize("source", ["prefill/fast.cu", "prefill/paged.cu"])
 def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
     # In an sm_90a build the dispatcher references the wgmma kernels, so they are

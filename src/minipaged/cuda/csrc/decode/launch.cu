@@ -327,8 +327,7 @@ DecodePlan tensor_core_g2(const DecodeParams& p) {
 template <typename T, int D>
 DecodePlan select_multi_query(const DecodeParams& p) {
   if (int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > decode_mma::kRows)
-    // (MINIPAGED_MQ_FP8_WIDEN_ONCE: 4 stages, which with the f16 staging tiles keep 2 CTAs per SM)
-    return p.kv_fp8 ? info_mma<T, D, MINIPAGED_MQ_FP8_WIDEN_ONCE ? 4 : 6, true, false, false, 32, true, 2>()
+    return p.kv_fp8 ? info_mma<T, D, 6, true, false, false, 32, true, 2>()
                     : info_mma<T, D, 3, false, false, false, 32, true, 2>();
   if (!p.kv_fp8) return info_mma<T, D, 3, false, false, false, 16, true>();
   if constexpr (D == 128) {

@@ -64,14 +64,6 @@
 #ifndef MINIPAGED_MQ_PAD
 #define MINIPAGED_MQ_PAD 1
 #endif
-// Two row blocks over FP8 pages (MQ, RB = 2), 1: all threads widen each landed tile once into an
-// f16 staging tile, which both blocks' warps then read as a 16-bit tile (one more barrier per
-// tile). 0 (default): each warp widens its fragments in registers, so every byte is widened
-// twice, once per block; on the H200 that bounded the kernel at full occupancy
-// (bench/results/nvidia-h200/cuda_spec_rows32_a48beea/). Not yet measured: an A/B build.
-#ifndef MINIPAGED_MQ_FP8_WIDEN_ONCE
-#define MINIPAGED_MQ_FP8_WIDEN_ONCE 0
-#endif
 
 namespace minipaged {
 namespace decode_mma {
@@ -93,11 +85,8 @@ struct Smem {
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static_assert(kMergeBytes <= kRingBytes, "the merge buffers reuse the ring");
-  // MINIPAGED_MQ_FP8_WIDEN_ONCE: an f16 K tile and V tile after Q.
-  static constexpr bool kWiden = FP8 && RB == 2 && MINIPAGED_MQ_FP8_WIDEN_ONCE != 0;
-  static constexpr int kStagingTileBytes = kWiden ? kTileElems * 2 : 0;
   // +256: the base is rounded up to 256 bytes for the XOR address stepping.
-  static constexpr int kBytes = kRingBytes + kQBytes + 2 * kStagingTileBytes + 256;
+  static constexpr int kBytes = kRingBytes + kQBytes + 256;
 };
 
 // Byte offset of (row, 16-byte chunk) in a [rows][D] 16-bit tile: chunks are
@@ -179,10 +168,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   constexpr int kCopyIters = kTile / kRowStep;
   constexpr int kDT = D / 8;                     // n-tiles of O per warp
   static_assert(kTile % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
-  // FP8 operands widened in registers per warp (kRegFp8), or once per tile into S's f16 staging
-  // tiles (S::kWiden), which the 16-bit ldmatrix paths then read.
-  constexpr bool kWiden = S::kWiden;
-  constexpr bool kRegFp8 = FP8 && !kWiden;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -190,7 +175,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   unsigned char* smem = smem_raw + pad;
   const uint32_t ring = raw + pad;
   const uint32_t s_q = ring + S::kRingBytes;
-  const uint32_t s_stage = s_q + S::kQBytes;  // S::kWiden: the f16 K tile, then the V tile
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -328,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   __syncthreads();
   // Row block rb starts 16 rows in: the swizzle repeats every 8 rows.
   const uint32_t s_q_rb = s_q + static_cast<uint32_t>(rb * kRows * D * 2);
-  if constexpr (kRegFp8) {
+  if constexpr (FP8) {
     const auto q_off = [](int row, int chunk) { return swz<D>(row, chunk); };
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) fp8_q_frag(s_q_rb, g, kk, lane & 3, q_off, q_frag[kk]);
@@ -337,15 +321,12 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
     const uint32_t q_lm = s_q_rb + swz<D>(lm_row8 + lm_bit3 * 8, lm_bit4);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lm ^ uint32_t(kk << 5));
-    if constexpr (FP8 && std::is_same_v<T, __nv_bfloat16>) bf16_rows_to_f16(q_frag, row_scale);
   }
   // K (B operand of Q K^T): this warp's tokens 0-7 / 8-15 x chunk 2kk / 2kk+1 (WT = 32: and
   // 16-31, 16 rows on).
-  const uint32_t kv16 = kWiden ? s_stage : ring;  // where the 16-bit K and V tiles are read
-  const uint32_t k_lm = kv16 + swz<D>(tw * WT + lm_row8 + lm_bit4 * 8, lm_bit3);
+  const uint32_t k_lm = ring + swz<D>(tw * WT + lm_row8 + lm_bit4 * 8, lm_bit3);
   // V (B operand of P V, transposed): tokens 0-7 / 8-15 x chunk 2dp / 2dp+1.
-  const uint32_t v_lm = kv16 + (kWiden ? S::kStagingTileBytes : S::kTileBytes) +
-                        swz<D>(tw * WT + lm_row8 + lm_bit3 * 8, lm_bit4);
+  const uint32_t v_lm = ring + S::kTileBytes + swz<D>(tw * WT + lm_row8 + lm_bit3 * 8, lm_bit4);
   constexpr uint32_t kKeyBlockBytes = 16 * D * 2;  // 16 rows of a 16-bit tile
 
   float scale_log2 = p.scale * kLog2e;
@@ -388,36 +369,15 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       cp_async_commit();
     }
 
-    if constexpr (kWiden) {
-      // Every thread widens 16-byte e4m3 chunks of tile t into the f16 staging tiles (the
-      // barrier above also means every warp is done reading tile t - 1 from them).
-      constexpr int kChunks16 = D / 16;
-      constexpr int kKeyItems = kTile * kChunks16;
-      static_assert(kKeyItems % kThreads == 0, "K and V items split at a pass");
-      const uint32_t src = ring + stage * S::kStageBytes;
-#pragma unroll
-      for (int i = 0; i < 2 * kKeyItems / kThreads; ++i) {
-        const bool is_v = i >= kKeyItems / kThreads;
-        const int item = tid + i * kThreads - (is_v ? kKeyItems : 0);
-        const int r = item / kChunks16, c = item % kChunks16;
-        const uint4 w = lds128(is_v ? src + S::kTileBytes + fp8_tile_v_off<D>(r, c) : src + fp8_tile_k_off<D>(r, c));
-        const uint32_t dst = s_stage + (is_v ? S::kStagingTileBytes : 0);
-        sts128(dst + swz<D>(r, 2 * c), make_uint4(fp8x2_to_f16x2<0>(w.x), fp8x2_to_f16x2<1>(w.x),
-                                                  fp8x2_to_f16x2<0>(w.y), fp8x2_to_f16x2<1>(w.y)));
-        sts128(dst + swz<D>(r, 2 * c + 1), make_uint4(fp8x2_to_f16x2<0>(w.z), fp8x2_to_f16x2<1>(w.z),
-                                                      fp8x2_to_f16x2<0>(w.w), fp8x2_to_f16x2<1>(w.w)));
-      }
-      __syncthreads();
-    }
-    const uint32_t k_stage = k_lm + (kWiden ? 0u : stage * S::kStageBytes);
-    const uint32_t v_stage = v_lm + (kWiden ? 0u : stage * S::kStageBytes);
+    const uint32_t k_stage = k_lm + stage * S::kStageBytes;
+    const uint32_t v_stage = v_lm + stage * S::kStageBytes;
     constexpr int kNT = WT / 8;  // 8-key n-tiles of S per warp
     float s[kNT][4];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-    if constexpr (kRegFp8) {
+    if constexpr (FP8) {
       const uint32_t kt = ring + stage * S::kStageBytes;
 #pragma unroll
       for (int blk = 0; blk < D / 64; ++blk) {
@@ -441,8 +401,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         for (int kb = 0; kb < WT / 16; ++kb) {
           uint32_t bk[4];
           ldmatrix_x4(bk, (k_stage + kb * kKeyBlockBytes) ^ uint32_t(kk << 5));
-          mma_16816<MT>(s[2 * kb], q_frag[kk], bk[0], bk[1]);
-          mma_16816<MT>(s[2 * kb + 1], q_frag[kk], bk[2], bk[3]);
+          mma_16816<T>(s[2 * kb], q_frag[kk], bk[0], bk[1]);
+          mma_16816<T>(s[2 * kb + 1], q_frag[kk], bk[2], bk[3]);
         }
       }
     }
@@ -499,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       a[1] = pack2<MT>(s[2 * kb][2], s[2 * kb][3]);
       a[2] = pack2<MT>(s[2 * kb + 1][0], s[2 * kb + 1][1]);
       a[3] = pack2<MT>(s[2 * kb + 1][2], s[2 * kb + 1][3]);
-      if constexpr (kRegFp8) {
+      if constexpr (FP8) {
         uint32_t vw[4][D / 32];
         fp8_load_v_rows<D>(ring + stage * S::kStageBytes + S::kTileBytes, tw * WT + kb * 16, g, lane & 3, vw);
         fp8_pv<D>(vw, [&](int dt, uint32_t b0, uint32_t b1) { mma_16816<MT>(acc_o[dt], a, b0, b1); });
@@ -508,8 +468,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t bv[4];
           ldmatrix_x4_trans(bv, (v_stage + kb * kKeyBlockBytes) ^ uint32_t(dp << 5));
-          mma_16816<MT>(acc_o[2 * dp], a, bv[0], bv[1]);
-          mma_16816<MT>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+          mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+          mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
         }
       }
     }
@@ -547,12 +507,9 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   __syncthreads();
 
   if constexpr (MQ) {
-    if constexpr (kRegFp8) {
+    if constexpr (FP8) {
       merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
                                                                           p.v_scale[kvh], FragDimOf<D>{});
-    } else if constexpr (FP8) {  // widened once: O's columns are in the output's order
-      merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
-                                                                          p.v_scale[kvh], IdentityDim{});
     } else {
       merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
                                                                            IdentityDim{});
