@@ -72,7 +72,6 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
-constexpr int kTailShift = 16;   // variant bits 16+: tail splits of the last T sequences (decode/launch.cu)
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -303,7 +302,6 @@ struct Result {
   std::vector<uint16_t> o;
   std::vector<float> lse;
   int splits = 0;
-  int split_from = 0;  // DecodeParams::split_from of the plan (tail splits)
   bool fused = false;
 };
 
@@ -329,7 +327,6 @@ bool run(const Setup& s, int variant, int splits, bool with_lse, cudaStream_t st
   CHECK_CUDA(cudaGetLastError());
   fetch(s, r, st);
   r.splits = p.num_splits;
-  r.split_from = p.split_from;
   r.fused = plan.fused && p.num_splits > 1;
   return true;
 }
@@ -437,26 +434,6 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
                   pr.name.c_str(), t, runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
                   splits_seen.c_str());
     report(bad_ref == 0 && bad_bits == 0 && bad_counters == 0, buf);
-    // Tail splits (variant bits 16+: the last T sequences split S ways, the others whole), where
-    // the batch has two sequences or more: against the reference, and the plan must take them.
-    if (s.B >= 2) {
-      long tail_runs = 0, tail_bad = 0, tail_unplanned = 0;
-      double tail_worst = 0;
-      for (const int T : {1, std::max(1, s.B / 2), s.B - 1})
-        for (const int S : {2, 3, 7}) {
-          Result r;
-          run(s, t | (T << kTailShift), S, true, st, r);
-          double e;
-          tail_bad += compare_ref(s, r, true, &e) != 0;
-          tail_worst = std::max(tail_worst, e);
-          // (a short table clamps S; one split leaves nothing to split)
-          tail_unplanned += r.split_from != (r.splits >= 2 ? s.B - T : 0);
-          ++tail_runs;
-        }
-      std::snprintf(buf, sizeof buf, "%-26s tiling %2d: %ld tail-split runs vs fp64 (max err %.2e): %ld bad, %ld not planned",
-                    pr.name.c_str(), t, tail_runs, tail_worst, tail_bad, tail_unplanned);
-      report(tail_bad == 0 && tail_unplanned == 0, buf);
-    }
     // o without lse must be the same bits as o with it.
     {
       Result a, b;
@@ -730,10 +707,6 @@ int time_mode(int reps) {
   const std::vector<int> shape_keys = env_ints("DECODE_TIME_SHAPES");
   const std::vector<int> kv_bits = env_ints("DECODE_TIME_KV");
   const std::vector<int> exact_variants = env_ints("DECODE_TIME_VARIANTS");
-  // DECODE_TIME_TAILS (a comma list of T * 100 + S): each row also timed with tail splits, the
-  // last T sequences split S ways and the others whole (the default tiling; rows where the
-  // batch is not larger than T are skipped).
-  const std::vector<int> time_tails = env_ints("DECODE_TIME_TAILS");
   for (const bool fp8 : {false, true})
   for (const Shape& sh : shapes) {
     if (!kv_bits.empty() && kv_bits[0] != (fp8 ? 8 : 16)) continue;
@@ -791,12 +764,8 @@ int time_mode(int reps) {
       configs.push_back(kNoReduce);
     }
     if (!exact_variants.empty()) configs = exact_variants;
-    // (variant, forced split count) pairs: every config at every split count, then the tail splits.
-    std::vector<std::pair<int, int>> runs;
     for (int v : configs)
-      for (int forced : time_splits) runs.emplace_back(v, forced);
-    for (const int ts : time_tails) runs.emplace_back((ts / 100) << kTailShift, ts % 100);
-    for (const auto& [v, forced] : runs) {
+    for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;
       minipaged::DecodeParams p{};
       p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
@@ -811,7 +780,6 @@ int time_mode(int reps) {
       minipaged::DecodePlan plan = minipaged::decode_plan(p, forced);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
       if (forced != 0 && p.num_splits != forced) continue;  // clamped to the heuristic's range
-      if ((v >> kTailShift) != 0 && p.split_from == 0) continue;  // no tail splits planned
       const int64_t rows = int64_t(B) * hq * p.num_splits;
       p.partial_o = dpart, p.partial_lse = dpart + rows * D;
       const int64_t nc = minipaged::decode_split_counter_count(p, plan);
@@ -851,21 +819,15 @@ int time_mode(int reps) {
       const Timing t = time_graph(ge, st, reps, fl);
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
-      // with tail splits, sequences before split_from run one CTA per head chunk and are not merged
-      const int split_seqs = B - p.split_from;
-      const int ctas = (p.split_from + p.num_splits * split_seqs) * hkv * gchunks;
       char cfg[48];
-      if (p.split_from > 0) {
-        std::snprintf(cfg, sizeof cfg, "tiling %d tail %d/%d", v & 0xff, split_seqs, p.num_splits);
-      } else {
-        std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
-                      v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
-      }
-      std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
-                  t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
+      std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
+                  p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
 #if MINIPAGED_DECODE_TRACE
-      print_trace(ge, st, fl, ctas, p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * split_seqs : 0);
+      print_trace(ge, st, fl, p.num_splits * hkv * gchunks * B,
+                  p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * B : 0);
 #endif
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));

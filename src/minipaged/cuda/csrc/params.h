@@ -156,14 +156,6 @@ struct DecodeParams {
   int max_blocks;      // block_tables.shape[1]
   int num_splits;      // filled by decode_plan()
   int tokens_per_split;
-  // Tail splits (filled by decode_plan; 0: every sequence has num_splits splits). > 0:
-  // sequences b < split_from run whole, one CTA per (sequence, KV head chunk), and only those
-  // from split_from on have num_splits splits of tokens_per_split; the launch orders the
-  // whole sequences' CTAs first, so the short split CTAs fill the slots that free up at the
-  // end of a grid of several waves. The workspace keeps the [B, Hq, num_splits] layout and
-  // the reduction runs over sequences split_from..B-1 only. Not with fused reductions or
-  // short query runs.
-  int split_from;
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;

@@ -83,7 +83,6 @@ struct DecodeSlice {
   int split, kvh, b, h0, ng;
   int start, end;  // token range; empty when the split starts past the context
   int capacity;    // max_blocks * block_size: what the block table can address
-  int table_end;   // end of the split's token range in the table, before context_lens is known
   int row;
   int q_len, ctx;  // MQ only
   int group;        // query heads per KV head
@@ -103,40 +102,23 @@ __device__ __forceinline__ int query_of_row(int row, float inv_group) {
 template <bool PQ = false, bool MQ = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
   DecodeSlice s;
-  // Grid (num_splits, Hkv x head chunks, B); with tail splits (DecodeParams::split_from) (Hkv x
-  // head chunks, items): item i < split_from is sequence i whole, then num_splits items per
-  // sequence, so the whole sequences launch first.
-  int head_chunk = blockIdx.y, num_head_chunks = gridDim.y;
   s.split = blockIdx.x;
+  const int num_gchunks = gridDim.y / p.num_kv_heads;
+  s.kvh = blockIdx.y / num_gchunks;
+  const int gchunk = blockIdx.y - s.kvh * num_gchunks;
   s.b = blockIdx.z;
-  int per_split = p.tokens_per_split;
-  s.capacity = p.max_blocks * p.block_size;
-  if (!MQ && p.split_from > 0) {
-    head_chunk = blockIdx.x, num_head_chunks = gridDim.x;
-    const int item = blockIdx.y;
-    if (item < p.split_from) {
-      s.b = item, s.split = 0, per_split = s.capacity;
-    } else {
-      const int t = item - p.split_from;
-      const int seq = t / p.num_splits;
-      s.b = p.split_from + seq, s.split = t - seq * p.num_splits;
-    }
-  }
-  const int num_gchunks = num_head_chunks / p.num_kv_heads;
-  s.kvh = head_chunk / num_gchunks;
-  const int gchunk = head_chunk - s.kvh * num_gchunks;
   const int group = p.num_q_heads / p.num_kv_heads;
   s.group = group;
   if constexpr (!MQ) {
     s.h0 = s.kvh * group + gchunk * heads_per_cta;
     s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
   }
-  s.start = s.split * per_split;
-  s.table_end = min(s.capacity, s.start + per_split);
   // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
   // walking off the block table.
+  s.capacity = p.max_blocks * p.block_size;
   const int ctx = min(p.context_lens[s.b], s.capacity);
-  s.end = min(ctx, s.start + per_split);
+  s.start = s.split * p.tokens_per_split;
+  s.end = min(ctx, s.start + p.tokens_per_split);
   s.row = s.b;
   if constexpr (MQ) {
     const int q0 = p.cu_seqlens_q[s.b];
@@ -153,13 +135,6 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
     s.row = p.cu_seqlens_q[s.b + 1] - q0 == 1 ? q0 : -1;
   }
   return s;
-}
-
-// Whether the slice is its sequence's only split (it writes o and lse itself, not partials):
-// one split per sequence, or a whole sequence of a tail-split call. (Recomputed from p rather
-// than kept in DecodeSlice: a register live through the loop spilled a scalar tiling.)
-__device__ __forceinline__ bool slice_writes_output(const DecodeParams& p, const DecodeSlice& s) {
-  return p.num_splits == 1 || s.b < p.split_from;
 }
 
 // Whether a packed-query CTA of this slice has nothing to do (not a decode row).
@@ -226,7 +201,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     int out_row, h;
     int64_t split_row;
     decode_out_row<false>(p, slice, row, out_row, h, split_row);
-    if (slice_writes_output(p, slice)) {
+    if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
       if (p.lse != nullptr && d == 0)
@@ -289,7 +264,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
     int out_row, h;
     int64_t split_row;
     decode_out_row<true>(p, slice, row, out_row, h, split_row);
-    if (slice_writes_output(p, slice)) {
+    if (p.num_splits == 1) {
       sm_dst[row] = out_row * p.o_batch_stride + h * p.o_head_stride;
       if (p.lse != nullptr) p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
@@ -326,7 +301,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
 #pragma unroll
     for (int k = 0; k < kCols; ++k) out[k] = O[k] * inv;
     const int64_t dst = sm_dst[row];
-    if (slice_writes_output(p, slice)) {
+    if (p.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + dst;
       if (!kPermuted && o_vec) {
         if constexpr (kCols == 4) {

@@ -39,14 +39,6 @@ constexpr int kMinTokensPerSplit = 128;
 // longer per-CTA prologue and merge lose to the scalar kernel
 // (bench/results/nvidia-h200/decode_tilings.md, fifth session).
 constexpr int kMinTokensPerSplitTensorCores = 256;
-// Tail splits (tail_split_sequences): the last sequences' CTAs, about kTailSlotsPercent of one
-// wave of slots, take kTailSplits splits of at least kMinTokensPerSplitTail tokens each.
-#ifndef MINIPAGED_DECODE_TAIL_SLOTS_PERCENT
-#define MINIPAGED_DECODE_TAIL_SLOTS_PERCENT 0
-#endif
-constexpr int kTailSlotsPercent = MINIPAGED_DECODE_TAIL_SLOTS_PERCENT;
-constexpr int kTailSplits = 4;
-constexpr int kMinTokensPerSplitTail = 256;
 
 int group_tile(int group) {
   if (group <= 1) return 1;
@@ -71,10 +63,6 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
-// Bits 16-31, benchmarking and tests: T > 0 forces tail splits (DecodeParams::split_from) with
-// requested_splits >= 2 splits each for the last T sequences (all of them when T >= batch: the
-// plain split plan); ignored where tail splits do not apply (fused, short query runs).
-constexpr int kVariantTailShift = 16;
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
@@ -464,45 +452,9 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   p.tokens_per_split = static_cast<int>(per_split);
   p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
 }
+}  // namespace
 
-// Tail splits for a one-split plan of kernel k whose CTAs fill more than one wave: how many of
-// the last sequences to split (0: none), and into how many splits (*splits). A bandwidth-bound
-// grid of whole sequences ends with its last CTAs running on a partly idle GPU (DRAM serves
-// CTAs unevenly, so their finish times spread); splitting the last sequences' CTAs lets the
-// slots that free up early share that work.
-int tail_split_sequences(const DecodeParams& p, const DecodePlan& k, int* splits) {
-  const int resident = blocks_per_sm(k);
-  const int64_t per_seq = static_cast<int64_t>(p.num_kv_heads) * row_chunks(p, k);
-  const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
-  const int64_t ctas = static_cast<int64_t>(p.batch) * per_seq;
-  if (kTailSlotsPercent <= 0 || ctas <= slots || per_seq <= 0) return 0;
-  *splits = kTailSplits;
-  return static_cast<int>((slots * kTailSlotsPercent / 100 + per_seq - 1) / per_seq);
-}
-
-// Tail splits (DecodeParams::split_from) for kernel k, after plan_splits: forced by the variant's
-// bits 16-31, else for grids of more than one wave of one-split CTAs (tail_split_sequences).
-void plan_tail(DecodeParams& p, const DecodePlan& k, int requested_splits) {
-  p.split_from = 0;
-  if (k.kernel == nullptr || k.fused || p.max_seqlen_q >= 2 || p.batch < 2) return;
-  const int forced = (p.variant >> kVariantTailShift) & 0xffff;
-  if (forced > 0) {
-    if (p.num_splits >= 2 && forced < p.batch) p.split_from = p.batch - forced;
-    return;
-  }
-  if (requested_splits > 0 || p.num_splits != 1) return;
-  int splits = 0;
-  const int seqs = tail_split_sequences(p, k, &splits);
-  if (seqs <= 0 || seqs >= p.batch) return;
-  DecodeParams t = p;
-  plan_splits(t, k, splits);
-  if (t.num_splits < 2 || t.tokens_per_split < kMinTokensPerSplitTail) return;
-  p.num_splits = t.num_splits;
-  p.tokens_per_split = t.tokens_per_split;
-  p.split_from = p.batch - seqs;
-}
-
-DecodePlan plan_kernel(DecodeParams& p, int requested_splits) {
+DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
   const DecodePlan tc = p.max_seqlen_q >= 2 ? DecodePlan{} : tensor_core_g2(p);
   if (tc.kernel != nullptr) {
     DecodeParams t = p;
@@ -515,13 +467,6 @@ DecodePlan plan_kernel(DecodeParams& p, int requested_splits) {
   }
   const DecodePlan k = select_kernel(p);
   plan_splits(p, k, requested_splits);
-  return k;
-}
-}  // namespace
-
-DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
-  const DecodePlan k = plan_kernel(p, requested_splits);
-  plan_tail(p, k, requested_splits);
   return k;
 }
 
@@ -544,19 +489,11 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
       (p.cu_seqlens_q == nullptr ||
        (k.kernel != nullptr && int64_t(p.max_seqlen_q) * (p.num_q_heads / p.num_kv_heads) > k.group_tile)))
     return cudaErrorInvalidValue;
-  // Tail splits: whole sequences, then split ones (not fused: its arrival counters count
-  // gridDim.x splits; not short query runs: their reduction rows are (sequence, query)).
-  const bool tail = p.split_from > 0;
-  if (p.split_from < 0 || (tail && (p.split_from >= p.batch || p.num_splits < 2 || k.fused || p.max_seqlen_q >= 2)))
-    return cudaErrorInvalidValue;
-  const int64_t reduce_rows = int64_t(p.batch - p.split_from) * decode_query_rows(p);
+  const int64_t reduce_rows = int64_t(p.batch) * decode_query_rows(p);
   const int64_t gchunks = row_chunks(p, k);
-  const int64_t tail_items = p.split_from + int64_t(p.batch - p.split_from) * p.num_splits;
-  if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535 || (tail && tail_items > 65535))
-    return cudaErrorInvalidConfiguration;
+  if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  const unsigned head_chunks = static_cast<unsigned>(p.num_kv_heads * gchunks);
-  const dim3 grid = tail ? dim3(head_chunks, static_cast<unsigned>(tail_items)) : dim3(p.num_splits, head_chunks, p.batch);
+  const dim3 grid(p.num_splits, static_cast<unsigned>(p.num_kv_heads * gchunks), p.batch);
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;

@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   constexpr int kPrologueTiles = kFullPrologue ? STAGES : STAGES - 1;
   [[maybe_unused]] int first_pages[kPrologueTiles > 0 ? kPrologueTiles : 1];
   if constexpr (kEarlyTable) {
-    const int table_end = slice.table_end;
+    const int table_end = min(slice.capacity, start + p.tokens_per_split);
 #pragma unroll
     for (int st = 0; st < kPrologueTiles; ++st) {
       const int tok0 = start + st * kTile + r0;

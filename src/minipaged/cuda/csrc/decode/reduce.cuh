@@ -64,11 +64,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     const int seq = blockIdx.y / p.max_seqlen_q;
     const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
     if (q_len < 2 || q_len > p.max_seqlen_q || static_cast<int>(blockIdx.y) - seq * p.max_seqlen_q >= q_len) return;
-  }
-  // Tail splits: the grid's rows are the split sequences only.
-  const int b = static_cast<int>(blockIdx.y) + (MQ ? 0 : p.split_from);
-  if constexpr (PQ && !MQ) {
-    if (p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] != 1) return;
+  } else if constexpr (PQ) {
+    if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
   }
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
@@ -77,6 +74,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   griddep_wait();
   reduce_trace(kRtWaited);
   const int h = blockIdx.x;
+  const int b = blockIdx.y;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;

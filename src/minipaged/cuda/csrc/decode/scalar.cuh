@@ -80,10 +80,10 @@ paged_decode_kernel(const DecodeParams p) {
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
-  const int start = slice.start, end = slice.end;
+  const int start = slice.start, end = slice.end, capacity = slice.capacity;
   // Block-table reads are bounded by the table, not by ctx, so they need not
   // wait for context_lens; entries past ctx are read but never followed.
-  const int table_end = slice.table_end;
+  const int table_end = min(capacity, start + p.tokens_per_split);
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
