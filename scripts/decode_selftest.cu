@@ -657,13 +657,15 @@ int time_mode(int reps) {
   }
   const int bs = 16;
   // skew (DECODE_TIME_SKEW=1 adds these rows): 1, every sequence L / 32 long but the last, L;
-  // 2, lengths uniform in [L / 32, L] (fixed seed). L is the table capacity either way.
+  // 2, lengths uniform in [L / 32, L] (fixed seed); 3, every sequence L / 32 long. L is the
+  // table capacity in every case (3: a table sized for longer sequences, as a captured graph's).
   struct Shape {
     int B, L, skew = 0;
   };
   std::vector<Shape> shapes = {{1, 4096}, {1, 32768}, {8, 4096}, {32, 4096}, {64, 8192}, {256, 1024}};
   if (const char* env = std::getenv("DECODE_TIME_SKEW"); env != nullptr && std::atoi(env) != 0)
-    shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2}});
+    shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2},
+                                 {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}});
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();
@@ -745,8 +747,8 @@ int time_mode(int reps) {
     std::mt19937 rng(7);
     std::shuffle(perm.begin(), perm.end(), rng);  // scattered pages
     std::vector<int32_t> ctx(B, L);
-    if (sh.skew == 1) {
-      std::fill(ctx.begin(), ctx.end() - 1, L / 32);
+    if (sh.skew == 1 || sh.skew == 3) {
+      std::fill(ctx.begin(), sh.skew == 1 ? ctx.end() - 1 : ctx.end(), L / 32);
     } else if (sh.skew == 2) {
       std::uniform_int_distribution<int> len(L / 32, L);
       for (int32_t& n : ctx) n = len(rng);
@@ -766,7 +768,7 @@ int time_mode(int reps) {
     std::vector<Twin> two_launch_o;
     char cname[32];
     std::snprintf(cname, sizeof cname, "B=%d L=%dk%s%s", B, L / 1024,
-                  sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : "", fp8 ? " fp8" : "");
+                  sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : sh.skew == 3 ? " short" : "", fp8 ? " fp8" : "");
     std::vector<int> configs;
     if (fp8) {
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, kNoReduce};  // 10: tensor cores; 18/19: 32 tokens per warp

@@ -135,7 +135,7 @@ struct DecodeParams {
   void* o;
   const int32_t* block_tables;
   const int32_t* context_lens;
-  // split-KV workspace, used when num_splits > 1:
+  // split-KV workspace, used when num_splits > 1 (sequence b's first n rows of each head):
   // partial_o [B, Hq, num_splits, D] (normalised), partial_lse [B, Hq, num_splits] (log2 domain)
   float* partial_o;
   float* partial_lse;
@@ -154,8 +154,18 @@ struct DecodeParams {
   int head_dim;        // 64 or 128
   int block_size;      // power of two, 1..256
   int max_blocks;      // block_tables.shape[1]
-  int num_splits;      // filled by decode_plan()
+  // Split-KV, filled by decode_plan(): num_splits CTAs per (sequence, KV head chunk) at most.
+  // A sequence of ctx tokens (clamped to the table) takes n = min(num_splits, ceil(ctx /
+  // split_min_tokens)) of them (at least 1), each a run of ceil(ctx / n) tokens rounded up to
+  // split_align (the kernel's tokens per iteration); the CTAs past its n return at once. So a
+  // short sequence in a table sized for long ones neither splits into slivers nor leaves its
+  // CTAs idle, and a long sequence among short ones is split although the host does not know
+  // the lengths. tokens_per_split: the split of a sequence that fills the table, the size the
+  // kernels guess before context_lens arrives (n = 1: the whole table).
+  int num_splits;
   int tokens_per_split;
+  int split_min_tokens;
+  int split_align;
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;

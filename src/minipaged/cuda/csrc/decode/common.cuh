@@ -81,8 +81,10 @@ struct Piece {
 // whose q_len is not 2..max_seqlen_q); ctx is the context length.
 struct DecodeSlice {
   int split, kvh, b, h0, ng;
+  int num_splits;  // splits of this sequence (DecodeParams::split_min_tokens)
   int start, end;  // token range; empty when the split starts past the context
   int capacity;    // max_blocks * block_size: what the block table can address
+  int table_end;   // end of the split's run in the table (start + its length, at most capacity)
   int row;
   int q_len, ctx;  // MQ only
   int group;        // query heads per KV head
@@ -94,6 +96,18 @@ struct DecodeSlice {
 // lies at least 1/32 from an integer, far more than the rounding of the product.
 __device__ __forceinline__ int query_of_row(int row, float inv_group) {
   return static_cast<int>((static_cast<float>(row) + 0.5f) * inv_group);
+}
+
+// Splits of a sequence of ctx tokens (0 <= ctx <= capacity) and the tokens of each: the rule
+// of DecodeParams::split_min_tokens, shared by the split kernels and the reductions.
+__device__ __forceinline__ int decode_seq_splits(const DecodeParams& p, int ctx) {
+  if (p.num_splits <= 1) return 1;
+  return max(1, min(p.num_splits, (ctx + p.split_min_tokens - 1) / p.split_min_tokens));
+}
+__device__ __forceinline__ int decode_split_tokens(const DecodeParams& p, int ctx, int splits, int capacity) {
+  if (splits <= 1) return capacity;
+  const int even = (ctx + splits - 1) / splits;
+  return (even + p.split_align - 1) / p.split_align * p.split_align;
 }
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
@@ -117,8 +131,11 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   // walking off the block table.
   s.capacity = p.max_blocks * p.block_size;
   const int ctx = min(p.context_lens[s.b], s.capacity);
-  s.start = s.split * p.tokens_per_split;
-  s.end = min(ctx, s.start + p.tokens_per_split);
+  s.num_splits = decode_seq_splits(p, ctx);
+  const int run = decode_split_tokens(p, ctx, s.num_splits, s.capacity);
+  s.start = s.split * run;
+  s.end = min(ctx, s.start + run);
+  s.table_end = min(s.capacity, s.start + run);
   s.row = s.b;
   if constexpr (MQ) {
     const int q0 = p.cu_seqlens_q[s.b];
@@ -137,11 +154,14 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   return s;
 }
 
-// Whether a packed-query CTA of this slice has nothing to do (not a decode row).
+// Whether the CTA of this slice has nothing to do: a split past its sequence's splits, or a
+// packed-query CTA of a sequence that is not a decode row.
 template <bool PQ, bool MQ = false>
 __device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
-  if constexpr (PQ || MQ) return s.row < 0;
-  return false;
+  if constexpr (PQ || MQ) {
+    if (s.row < 0) return true;
+  }
+  return s.split >= s.num_splits;
 }
 
 // Where row `row` (0..ng) of a slice's merged output goes: its q / o / lse row and query head,
@@ -201,7 +221,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     int out_row, h;
     int64_t split_row;
     decode_out_row<false>(p, slice, row, out_row, h, split_row);
-    if (p.num_splits == 1) {
+    if (slice.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride;
       op[d] = Convert<T>::from_float(out);
       if (p.lse != nullptr && d == 0)
@@ -264,7 +284,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
     int out_row, h;
     int64_t split_row;
     decode_out_row<true>(p, slice, row, out_row, h, split_row);
-    if (p.num_splits == 1) {
+    if (slice.num_splits == 1) {
       sm_dst[row] = out_row * p.o_batch_stride + h * p.o_head_stride;
       if (p.lse != nullptr) p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
@@ -301,7 +321,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
 #pragma unroll
     for (int k = 0; k < kCols; ++k) out[k] = O[k] * inv;
     const int64_t dst = sm_dst[row];
-    if (p.num_splits == 1) {
+    if (slice.num_splits == 1) {
       T* op = static_cast<T*>(p.o) + dst;
       if (!kPermuted && o_vec) {
         if constexpr (kCols == 4) {

@@ -39,6 +39,19 @@ constexpr int kMinTokensPerSplit = 128;
 // longer per-CTA prologue and merge lose to the scalar kernel
 // (bench/results/nvidia-h200/decode_tilings.md, fifth session).
 constexpr int kMinTokensPerSplitTensorCores = 256;
+// Grids of more than half a wave of whole sequences (plan_splits): no split holds more than
+// kMaxSplitBytes of K+V per KV head, so that a long sequence among short ones does not leave
+// one CTA streaming it alone at the end of the call, and the CTAs of a call stay within
+// kMaxSplitWaves waves of the resident slots (the CTAs past a short sequence's splits return
+// at once, but each still passes through a slot).
+#ifndef MINIPAGED_DECODE_SPLIT_BYTES
+#define MINIPAGED_DECODE_SPLIT_BYTES (2 << 20)
+#endif
+#ifndef MINIPAGED_DECODE_SPLIT_WAVES
+#define MINIPAGED_DECODE_SPLIT_WAVES 8
+#endif
+constexpr int64_t kMaxSplitBytes = MINIPAGED_DECODE_SPLIT_BYTES;
+constexpr int64_t kMaxSplitWaves = MINIPAGED_DECODE_SPLIT_WAVES;
 
 int group_tile(int group) {
   if (group <= 1) return 1;
@@ -419,27 +432,39 @@ int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
   return (group + g - 1) / g;
 }
 
-// Sets p.num_splits / p.tokens_per_split for kernel k (requested_splits > 0: that many).
+// Sets p.num_splits / tokens_per_split / split_min_tokens / split_align for kernel k
+// (requested_splits > 0: that many for every sequence of at least as many iterations).
 void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   // Resident blocks per SM (cached), which also raises the shared-memory limit.
   const int resident = k.kernel != nullptr ? blocks_per_sm(k) : 1;
   const int64_t gchunks = row_chunks(p, k);
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  const int64_t iter = std::max(k.tokens_per_iter, 1);
+  const auto round_up = [iter](int64_t n) { return (n + iter - 1) / iter * iter; };
   int64_t splits = 1;
+  // Never cut a sequence into pieces shorter than kMinTokensPerSplit: the merge would cost more.
+  int64_t min_tokens = round_up(kMinTokensPerSplit);
   if (requested_splits > 0) {
     splits = requested_splits;
+    min_tokens = iter;
   } else if (k.kernel != nullptr) {
-    // Fill one wave of resident blocks, not more: a second, partial wave costs
-    // more than it hides. Never cut a sequence into
-    // pieces shorter than kMinTokensPerSplit: the merge would cost more.
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
     const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
     if (ctas > 0 && 2 * ctas <= slots) {
+      // Fill one wave of resident blocks, not more: a second, partial wave costs
+      // more than it hides.
       splits = slots / ctas;
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, capacity / kMinTokensPerSplit));
+    } else if (ctas > 0) {
+      const int64_t token_bytes = 2 * static_cast<int64_t>(p.head_dim) * (p.kv_fp8 ? 1 : 2);
+      min_tokens = std::max(min_tokens, round_up(kMaxSplitBytes / token_bytes));
+      splits = (capacity + min_tokens - 1) / min_tokens;
+      splits = std::min<int64_t>(splits, std::max<int64_t>(1, kMaxSplitWaves * slots / ctas));
     }
   }
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
+  p.split_min_tokens = static_cast<int>(min_tokens);
+  p.split_align = static_cast<int>(iter);
   if (capacity == 0) {
     p.num_splits = 1;
     p.tokens_per_split = 0;
@@ -447,8 +472,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   }
   splits = std::min<int64_t>(splits, capacity);
   int64_t per_split = (capacity + splits - 1) / splits;
-  const int64_t iter = std::max(k.tokens_per_iter, 1);
-  if (splits > 1) per_split = (per_split + iter - 1) / iter * iter;  // whole CTA iterations
+  if (splits > 1) per_split = round_up(per_split);  // whole CTA iterations
   p.tokens_per_split = static_cast<int>(per_split);
   p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
 }
@@ -462,6 +486,9 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
     if (t.tokens_per_split >= kMinTokensPerSplitTensorCores) {
       p.num_splits = t.num_splits;
       p.tokens_per_split = t.tokens_per_split;
+      // (a short sequence in a long table: no split of it under the kernel's own minimum)
+      p.split_min_tokens = std::max(t.split_min_tokens, kMinTokensPerSplitTensorCores);
+      p.split_align = t.split_align;
       return tc;
     }
   }

@@ -200,6 +200,12 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int c = tid % kChunks;
   const int r0 = tid / kChunks * kCopyIters;
   const bool page_runs = p.block_size >= kCopyIters && start % kCopyIters == 0;
+  // The run a split of a sequence that fills the table covers (DecodeParams::tokens_per_split),
+  // known before context_lens arrives: the early table reads below assume it, and are used
+  // only if the sequence's own run (decode_split_tokens) turns out to be the same.
+  const int guess_start = slice.split * p.tokens_per_split;
+  const int guess_end = min(slice.capacity, p.num_splits > 1 ? guess_start + p.tokens_per_split : slice.capacity);
+  const bool guess_page_runs = p.block_size >= kCopyIters && guess_start % kCopyIters == 0;
   // MINIPAGED_DECODE_EARLY_TABLE: the prologue tiles' entries, read here, ahead of any use of
   // context_lens (and of the packed-query skip); an entry past the context is read but never
   // followed (its rows are past `end`).
@@ -211,14 +217,15 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   constexpr int kPrologueTiles = kFullPrologue ? STAGES : STAGES - 1;
   [[maybe_unused]] int first_pages[kPrologueTiles > 0 ? kPrologueTiles : 1];
   if constexpr (kEarlyTable) {
-    const int table_end = min(slice.capacity, start + p.tokens_per_split);
 #pragma unroll
     for (int st = 0; st < kPrologueTiles; ++st) {
-      const int tok0 = start + st * kTile + r0;
-      first_pages[st] = page_runs && tok0 < table_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
+      const int tok0 = guess_start + st * kTile + r0;
+      first_pages[st] = guess_page_runs && tok0 < guess_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
   }
   if (decode_slice_skipped<PQ, MQ>(slice)) return;  // CTA-uniform, before any barrier
+  // (entries past the guess's end were not read: the guess holds if the runs are the same)
+  const bool early_pages_hold = start == guess_start && slice.table_end == guess_end;
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
   const int k_block_stride = static_cast<int>(p.k_block_stride), k_token_stride = static_cast<int>(p.k_token_stride);
   const int v_block_stride = static_cast<int>(p.v_block_stride), v_token_stride = static_cast<int>(p.v_token_stride);
@@ -293,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 #pragma unroll
   for (int st = 0; st < kPrologueTiles; ++st) {
     if (st < n_tiles) {
-      if (kEarlyTable && page_runs)
+      if (kEarlyTable && page_runs && early_pages_hold)
         copy_page_run(st, st, first_pages[st]);
       else
         load_tile(st, st);
@@ -522,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.
     static_assert(kWarps * D >= kMaxSplits, "sm_o holds kRows rows of split weights");
-    if (p.num_splits > 1) fused_split_reduce<T, D, kThreads>(p, slice, sm_o, sm_m, sm_l);
+    if (slice.num_splits > 1) fused_split_reduce<T, D, kThreads>(p, slice, sm_o, sm_m, sm_l);
   }
   decode_trace(kTrExit);
 }

@@ -60,13 +60,16 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __shared__ float4 sm_o[ROWS][LANES];
   // cu_seqlens_q is an input of the call, not an output of the split kernel:
   // it is read before the wait.
+  const int seq = MQ ? static_cast<int>(blockIdx.y) / p.max_seqlen_q : static_cast<int>(blockIdx.y);
   if constexpr (MQ) {
-    const int seq = blockIdx.y / p.max_seqlen_q;
     const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
     if (q_len < 2 || q_len > p.max_seqlen_q || static_cast<int>(blockIdx.y) - seq * p.max_seqlen_q >= q_len) return;
   } else if constexpr (PQ) {
     if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
   }
+  // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
+  const int S = decode_seq_splits(p, min(p.context_lens[seq], p.max_blocks * p.block_size));
+  if (S == 1) return;
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
   reduce_trace(kRtEntry);
@@ -78,8 +81,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int S = p.num_splits;
-  const int64_t row0 = (static_cast<int64_t>(b) * p.num_q_heads + h) * S;
+  const int64_t row0 = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
 
   // The first kPrefetch split rows of this thread's chain are requested together
   // with the log-sum-exps: one round trip to L2 instead of two before the sums
@@ -154,8 +156,8 @@ constexpr int kReduceRows = kReduceThreads / (D / 4);
 // arrives on the counter of its (sequence, KV head, head chunk); the CTA that
 // arrives last merges the splits of its ng query heads and writes o (and lse),
 // then puts the counter back to 0, so every call, and every replay of a CUDA
-// graph, finds the counters zero. Every CTA of the grid arrives (no kernel
-// returns early), so a completed call never leaves a counter non-zero.
+// graph, finds the counters zero. Every CTA of a sequence's splits arrives (the CTAs past
+// them return before any work), so a completed call never leaves a counter non-zero.
 //
 // The merge reproduces decode_reduce_kernel's arithmetic operation for
 // operation, in split order (not arrival order), so that the two paths agree
@@ -176,13 +178,13 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   static_assert(32 % ROWS == 0, "the chains of an item share a warp");
   __shared__ int sm_last;
   const int tid = threadIdx.x;
-  const int S = p.num_splits;
+  const int S = slice.num_splits;  // the CTAs past them returned without arriving
   __syncthreads();  // every partial of this CTA is stored
   if (tid == 0) {
     int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.y + blockIdx.y;
     __threadfence();  // release: the CTA's partials (ordered by the barrier) before its arrival
     const int arrived = atomicAdd(counter, 1);
-    const int last = arrived == static_cast<int>(gridDim.x) - 1;
+    const int last = arrived == S - 1;
     if (last) {
       atomicExch(counter, 0);  // every split has arrived: ready for the next call
       __threadfence();         // acquire: the other CTAs' partials, before the barrier below
@@ -193,7 +195,8 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   if (!sm_last) return;
 
   const int ng = slice.ng;
-  const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * S;
+  const int stride = p.num_splits;  // partial rows per head row in the workspace
+  const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
   const int lane = tid & 31, warp = tid >> 5;
 
   // Weights, one warp per head row: lane j holds splits j, 32 + j, ...
@@ -201,7 +204,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   // (.cg), never from a line this SM's L1 may hold from an earlier call.
   constexpr int kChunks = kMaxSplits / 32;
   for (int row = warp; row < ng; row += kWarpsHere) {
-    const float* lse = p.partial_lse + row_base + static_cast<int64_t>(row) * S;
+    const float* lse = p.partial_lse + row_base + static_cast<int64_t>(row) * stride;
     float x[kChunks];
     float mx = -INFINITY;
 #pragma unroll
@@ -247,7 +250,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
     const int col = item - row * LANES;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (valid) {
-      const float4* src = po + (row_base + static_cast<int64_t>(row) * S) * LANES + col;
+      const float4* src = po + (row_base + static_cast<int64_t>(row) * stride) * LANES + col;
       const float* w = sm_w + row * kMaxSplits;
 #pragma unroll 8
       for (int s = r; s < S; s += ROWS) fma4(acc, w[s], __ldcg(src + static_cast<int64_t>(s) * LANES));

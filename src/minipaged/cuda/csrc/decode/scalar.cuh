@@ -80,10 +80,10 @@ paged_decode_kernel(const DecodeParams p) {
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
-  const int start = slice.start, end = slice.end, capacity = slice.capacity;
-  // Block-table reads are bounded by the table, not by ctx, so they need not
-  // wait for context_lens; entries past ctx are read but never followed.
-  const int table_end = min(capacity, start + p.tokens_per_split);
+  const int start = slice.start, end = slice.end;
+  // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
+  // ctx are read but never followed.
+  const int table_end = slice.table_end;
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
@@ -370,7 +370,7 @@ paged_decode_kernel(const DecodeParams p) {
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_acc, max / sum in sm_m / sm_l.
     static_assert(kWarps * D >= kMaxSplits, "sm_acc holds G rows of split weights");
-    if (p.num_splits > 1) fused_split_reduce<T, D, kWarps * 32>(p, slice, &sm_acc[0][0][0], &sm_m[0][0], &sm_l[0][0]);
+    if (slice.num_splits > 1) fused_split_reduce<T, D, kWarps * 32>(p, slice, &sm_acc[0][0][0], &sm_m[0][0], &sm_l[0][0]);
   }
   decode_trace(kTrExit);
 }
