@@ -166,6 +166,7 @@ struct DecodeParams {
   int tokens_per_split;
   int split_min_tokens;
   int split_align;
+  int split_guess_ctx;  // from ctx > split_guess_ctx on, a sequence's splits are the guess's
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;

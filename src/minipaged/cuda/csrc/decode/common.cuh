@@ -98,16 +98,19 @@ __device__ __forceinline__ int query_of_row(int row, float inv_group) {
   return static_cast<int>((static_cast<float>(row) + 0.5f) * inv_group);
 }
 
-// Splits of a sequence of ctx tokens (0 <= ctx <= capacity) and the tokens of each: the rule
-// of DecodeParams::split_min_tokens, shared by the split kernels and the reductions.
-__device__ __forceinline__ int decode_seq_splits(const DecodeParams& p, int ctx) {
-  if (p.num_splits <= 1) return 1;
-  return max(1, min(p.num_splits, (ctx + p.split_min_tokens - 1) / p.split_min_tokens));
-}
-__device__ __forceinline__ int decode_split_tokens(const DecodeParams& p, int ctx, int splits, int capacity) {
-  if (splits <= 1) return capacity;
-  const int even = (ctx + splits - 1) / splits;
-  return (even + p.split_align - 1) / p.split_align * p.split_align;
+// Splits of a sequence of ctx tokens (0 <= ctx <= capacity) and the tokens of each, by the
+// rule of DecodeParams::split_min_tokens; shared by the split kernels and the reductions.
+// Past split_guess_ctx the table-filling plan holds (num_splits runs of tokens_per_split), so
+// long sequences skip the two divisions.
+struct SeqSplits {
+  int count, run;
+};
+__device__ __forceinline__ SeqSplits decode_seq_splits(const DecodeParams& p, int ctx, int capacity) {
+  if (ctx > p.split_guess_ctx) return {p.num_splits, p.tokens_per_split};
+  const int n = max(1, min(p.num_splits, (ctx + p.split_min_tokens - 1) / p.split_min_tokens));
+  if (n == 1) return {1, capacity};
+  const int even = (ctx + n - 1) / n;
+  return {n, (even + p.split_align - 1) / p.split_align * p.split_align};
 }
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
@@ -115,12 +118,14 @@ __device__ __forceinline__ int decode_split_tokens(const DecodeParams& p, int ct
 // MQ: short query runs (DecodeParams::max_seqlen_q); implies packed queries.
 template <bool PQ = false, bool MQ = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
+  // Grid (Hkv x head chunks, B, num_splits): every sequence's first split launches before any
+  // second one, so the CTAs past a short sequence's splits return in the grid's tail.
   DecodeSlice s;
-  s.split = blockIdx.x;
-  const int num_gchunks = gridDim.y / p.num_kv_heads;
-  s.kvh = blockIdx.y / num_gchunks;
-  const int gchunk = blockIdx.y - s.kvh * num_gchunks;
-  s.b = blockIdx.z;
+  s.split = blockIdx.z;
+  const int num_gchunks = gridDim.x / p.num_kv_heads;
+  s.kvh = blockIdx.x / num_gchunks;
+  const int gchunk = blockIdx.x - s.kvh * num_gchunks;
+  s.b = blockIdx.y;
   const int group = p.num_q_heads / p.num_kv_heads;
   s.group = group;
   if constexpr (!MQ) {
@@ -131,11 +136,11 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   // walking off the block table.
   s.capacity = p.max_blocks * p.block_size;
   const int ctx = min(p.context_lens[s.b], s.capacity);
-  s.num_splits = decode_seq_splits(p, ctx);
-  const int run = decode_split_tokens(p, ctx, s.num_splits, s.capacity);
-  s.start = s.split * run;
-  s.end = min(ctx, s.start + run);
-  s.table_end = min(s.capacity, s.start + run);
+  const SeqSplits splits = decode_seq_splits(p, ctx, s.capacity);
+  s.num_splits = splits.count;
+  s.start = s.split * splits.run;
+  s.end = min(ctx, s.start + splits.run);
+  s.table_end = min(s.capacity, s.start + splits.run);
   s.row = s.b;
   if constexpr (MQ) {
     const int q0 = p.cu_seqlens_q[s.b];

@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   // known before context_lens arrives: the early table reads below assume it, and are used
   // only if the sequence's own run (decode_split_tokens) turns out to be the same.
   const int guess_start = slice.split * p.tokens_per_split;
-  const int guess_end = min(slice.capacity, p.num_splits > 1 ? guess_start + p.tokens_per_split : slice.capacity);
+  const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
   const bool guess_page_runs = p.block_size >= kCopyIters && guess_start % kCopyIters == 0;
   // MINIPAGED_DECODE_EARLY_TABLE: the prologue tiles' entries, read here, ahead of any use of
   // context_lens (and of the packed-query skip); an entry past the context is read but never

@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
   }
   // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
-  const int S = decode_seq_splits(p, min(p.context_lens[seq], p.max_blocks * p.block_size));
+  const int capacity = p.max_blocks * p.block_size;
+  const int S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
   if (S == 1) return;
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
@@ -181,7 +182,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   const int S = slice.num_splits;  // the CTAs past them returned without arriving
   __syncthreads();  // every partial of this CTA is stored
   if (tid == 0) {
-    int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.y + blockIdx.y;
+    int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.x + blockIdx.x;
     __threadfence();  // release: the CTA's partials (ordered by the barrier) before its arrival
     const int arrived = atomicAdd(counter, 1);
     const int last = arrived == S - 1;

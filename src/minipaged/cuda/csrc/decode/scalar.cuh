@@ -78,8 +78,21 @@ paged_decode_kernel(const DecodeParams p) {
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, G);
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
+  // The first pages of the run a split of a table-filling sequence covers
+  // (DecodeParams::tokens_per_split), requested before context_lens arrives, and so before
+  // the skip test; fetched again below (CTA-uniform) when this sequence's run differs.
+  const int guess_start = slice.split * p.tokens_per_split;
+  const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
+  int page[U];  // pages of the next token groups to be loaded
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
+    page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+  }
   if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
-  const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
+  const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
   // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
   // ctx are read but never followed.
@@ -117,9 +130,7 @@ paged_decode_kernel(const DecodeParams p) {
     for (int d = 0; d < DPT; ++d) acc[g][d] = 0.f;
   }
 
-  const int log2_bs = __ffs(p.block_size) - 1;
   const int bs_mask = p.block_size - 1;
-  const int32_t* bt = p.block_tables + b * p.block_table_stride;
   const KV* kbase = static_cast<const KV*>(p.k_cache) + kvh * p.k_head_stride + lt * EPP;
   const KV* vbase = static_cast<const KV*>(p.v_cache) + kvh * p.v_head_stride + lt * EPP;
 
@@ -241,10 +252,9 @@ paged_decode_kernel(const DecodeParams p) {
 
   int tok_base = start + warp * TOK_WARP;
   [[maybe_unused]] const int start_tok = tok_base;  // decode_trace's first-iteration test
-  int page[U];  // pages of the next token groups to be loaded
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
-  fetch_pages(tok_base, page);
+  if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
   if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
