@@ -159,6 +159,24 @@ def test_decode_long_single_sequence_splits(ops):
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, "B=1 L=20000")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("table_width", [0, 2048], ids=["tight", "wide"])
+@pytest.mark.parametrize("variant", [0, MMA, SCALAR], ids=["default", "mma", "scalar"])
+def test_decode_uneven_batch_splits(ops, dtype, table_width, variant):
+    # More CTAs than half a wave of resident slots on any current GPU: the planner caps each
+    # split's K/V bytes from the table width, and each sequence takes the splits its own length
+    # needs (DecodeParams::split_min_tokens): one long sequence last among short, empty and
+    # one-token ones. "wide": a table with room for 32k tokens, most of it -1, as a captured
+    # graph's is.
+    lens = [17, 0, 1, 300, 4096, 4097, 1023] * 12 + [20000]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), 16, 8, 128, 16, lens, dtype, seed=21)
+    if table_width:
+        pad = torch.full((bt.shape[0], table_width - bt.shape[1]), -1, dtype=bt.dtype, device=bt.device)
+        bt = torch.cat([bt, pad], dim=1)
+    _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"uneven batch {dtype} width {bt.shape[1]} v{variant}",
+                  variant=variant)
+
+
 def test_decode_strided_inputs(ops):
     # q sliced out of a fused qkv projection and caches that are views of one
     # [num_blocks, 2, block_size, Hkv, D] tensor: strides are taken, not assumed.

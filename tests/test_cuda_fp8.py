@@ -354,6 +354,15 @@ def test_fp8_decode_long_contexts_and_writer(dtype):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_uneven_batch(dtype):
+    """More CTAs than half a wave: splits capped by bytes, each sequence split by its own
+    length (one long sequence last among short and empty ones)."""
+    _run_decode([17, 0, 1, 300, 8193, 1023] * 14 + [30000], 16, 8, 128, 16, dtype, seed=3)
+
+
+@gpu
+@needs_cuda
 def test_fp8_decode_scales_matter():
     """The checks can fail: an oracle with one head's k_scale or v_scale off by 5% rejects
     the output, and so does the oracle for a kernel given swapped scales."""
