@@ -159,14 +159,17 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   return s;
 }
 
-// Whether the CTA of this slice has nothing to do: a split past its sequence's splits, or a
-// packed-query CTA of a sequence that is not a decode row.
+// Whether a packed-query CTA of this slice has nothing to do (not a decode row).
 template <bool PQ, bool MQ = false>
 __device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
-  if constexpr (PQ || MQ) {
-    if (s.row < 0) return true;
-  }
-  return s.split >= s.num_splits;
+  if constexpr (PQ || MQ) return s.row < 0;
+  return false;
+}
+
+// Whether the slice's split is past its sequence's splits (never split 0). The kernels test
+// `split > 0` first, so that a first split does not wait for context_lens here.
+__device__ __forceinline__ bool decode_split_unused(const DecodeSlice& s) {
+  return s.split > 0 && s.split >= s.num_splits;
 }
 
 // Where row `row` (0..ng) of a slice's merged output goes: its q / o / lse row and query head,

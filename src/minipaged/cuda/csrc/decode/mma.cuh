@@ -186,6 +186,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (slice.split > 0) {
+    if (decode_split_unused(slice)) return;
+  }
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
 
