@@ -167,10 +167,6 @@ struct DecodeParams {
   int split_min_tokens;
   int split_align;
   int split_guess_ctx;  // from ctx > split_guess_ctx on, a sequence's splits are the guess's
-  // The planned CTAs fill more than one wave: a CTA past its sequence's splits returns before
-  // it requests anything (it takes a slot another CTA could use). Else it requests its guess
-  // first, as every CTA does, not to wait for context_lens on a latency-bound call.
-  bool splits_over_wave;
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;

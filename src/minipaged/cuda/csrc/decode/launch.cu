@@ -459,7 +459,6 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   int64_t splits = 1;
   // Never cut a sequence into pieces shorter than kMinTokensPerSplit: the merge would cost more.
   int64_t min_tokens = round_up(kMinTokensPerSplit);
-  bool over_wave = false;
   if (requested_splits > 0) {
     splits = requested_splits;
     min_tokens = iter;
@@ -476,10 +475,8 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
       min_tokens = std::max(min_tokens, round_up(kMaxSplitBytes / token_bytes));
       splits = (capacity + min_tokens - 1) / min_tokens;
       splits = std::min<int64_t>(splits, std::max<int64_t>(1, kMaxSplitWaves * slots / ctas));
-      over_wave = true;
     }
   }
-  p.splits_over_wave = over_wave;
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
   p.split_min_tokens = static_cast<int>(min_tokens);
   p.split_align = static_cast<int>(iter);

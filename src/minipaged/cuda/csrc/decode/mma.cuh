@@ -186,9 +186,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
-  // A split past its sequence's splits returns before it requests anything where other CTAs
-  // wait for its slot (DecodeParams::splits_over_wave; CTA-uniform), else below.
-  if (p.splits_over_wave && slice.split > 0) {
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (slice.split > 0) {
     if (decode_split_unused(slice)) return;
   }
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
@@ -228,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       first_pages[st] = guess_page_runs && tok0 < guess_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
   }
-  if (decode_slice_skipped<PQ, MQ>(slice) || decode_split_unused(slice)) return;  // CTA-uniform, before any barrier
+  if (decode_slice_skipped<PQ, MQ>(slice)) return;  // CTA-uniform, before any barrier
   // (entries past the guess's end were not read: the guess holds if the runs are the same)
   const bool early_pages_hold = start == guess_start && slice.table_end == guess_end;
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;

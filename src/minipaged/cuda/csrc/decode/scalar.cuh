@@ -78,9 +78,8 @@ paged_decode_kernel(const DecodeParams p) {
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ>(p, G);
-  // A split past its sequence's splits returns before it requests anything where other CTAs
-  // wait for its slot (DecodeParams::splits_over_wave; CTA-uniform), else below.
-  if (p.splits_over_wave && slice.split > 0) {
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (slice.split > 0) {
     if (decode_split_unused(slice)) return;
   }
   const int log2_bs = __ffs(p.block_size) - 1;
@@ -124,7 +123,6 @@ paged_decode_kernel(const DecodeParams p) {
       }
     }
   }
-  if (decode_split_unused(slice)) return;  // (once q is requested: CTA-uniform, before any barrier)
 
   float acc[G][DPT];
   float m[G], l[G];
