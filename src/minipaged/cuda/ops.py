@@ -116,7 +116,9 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=Fa
 
     -> o, or (o, lse [B,Hq]). float8_e4m3fn caches take k_scale/v_scale, float32
     [Hkv] (real value = stored x scale), dequantised inside the kernels.
-    num_splits (0: heuristic) and variant (0: tuned tiling) exist for benchmarking.
+    num_splits (0: heuristic) and variant (0: tuned tiling) exist for benchmarking. A forced
+    num_splits is each sequence's most: a sequence takes min(num_splits, its length in kernel
+    tiles) even runs of its own length, as the heuristic's splits do.
     """
     out = _ops().decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(num_splits), int(variant),
                         return_lse, k_scale, v_scale)
