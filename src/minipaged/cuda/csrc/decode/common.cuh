@@ -116,8 +116,10 @@ __device__ __forceinline__ SeqSplits decode_seq_splits(const DecodeParams& p, in
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the
 // paged decode routing runs; false compiles to the plain decode as before.
 // MQ: short query runs (DecodeParams::max_seqlen_q); implies packed queries.
+// decode_slice_head: what the CTA's place in the grid gives, without a load;
+// decode_slice_range: the rest; decode_slice: both.
 template <bool PQ = false, bool MQ = false>
-__device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
+__device__ __forceinline__ DecodeSlice decode_slice_head(const DecodeParams& p, int heads_per_cta) {
   // Grid (Hkv x head chunks, B, num_splits): every sequence's first split launches before any
   // second one, so the CTAs past a short sequence's splits return in the grid's tail.
   DecodeSlice s;
@@ -132,30 +134,42 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
     s.h0 = s.kvh * group + gchunk * heads_per_cta;
     s.ng = min(heads_per_cta, group - gchunk * heads_per_cta);
   }
+  s.capacity = p.max_blocks * p.block_size;
+  s.row = s.b;
+  return s;
+}
+
+// The fields of a slice that depend on device inputs (context_lens; cu_seqlens_q with PQ / MQ).
+template <bool PQ = false, bool MQ = false>
+__device__ __forceinline__ void decode_slice_range(const DecodeParams& p, DecodeSlice& s) {
   // api.py guarantees context_len <= capacity; the clamp keeps a bad value from
   // walking off the block table.
-  s.capacity = p.max_blocks * p.block_size;
   const int ctx = min(p.context_lens[s.b], s.capacity);
   const SeqSplits splits = decode_seq_splits(p, ctx, s.capacity);
   s.num_splits = splits.count;
   s.start = s.split * splits.run;
   s.end = min(ctx, s.start + splits.run);
   s.table_end = min(s.capacity, s.start + splits.run);
-  s.row = s.b;
   if constexpr (MQ) {
     const int q0 = p.cu_seqlens_q[s.b];
     s.q_len = p.cu_seqlens_q[s.b + 1] - q0;
-    s.h0 = s.kvh * group;
-    s.inv_group = 1.f / static_cast<float>(group);
+    s.h0 = s.kvh * s.group;
+    s.inv_group = 1.f / static_cast<float>(s.group);
     // one CTA per (sequence, KV head): launch_decode checks max_seqlen_q x G <= heads_per_cta
     const bool short_run = s.q_len >= 2 && s.q_len <= p.max_seqlen_q;
-    s.ng = short_run ? s.q_len * group : 0;
+    s.ng = short_run ? s.q_len * s.group : 0;
     s.ctx = ctx;
     s.row = s.ng > 0 ? q0 : -1;
   } else if constexpr (PQ) {
     const int q0 = p.cu_seqlens_q[s.b];
     s.row = p.cu_seqlens_q[s.b + 1] - q0 == 1 ? q0 : -1;
   }
+}
+
+template <bool PQ = false, bool MQ = false>
+__device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
+  DecodeSlice s = decode_slice_head<PQ, MQ>(p, heads_per_cta);
+  decode_slice_range<PQ, MQ>(p, s);
   return s;
 }
 
@@ -275,6 +289,7 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
   };
   __shared__ int64_t sm_dst[kRows];  // o element offset of the row (one split) or its partial row
   const int tid = threadIdx.x;
+
   if (tid < slice.ng) {
     const int row = tid;
     float mx = -INFINITY;

@@ -113,6 +113,14 @@ constexpr int kFusedMinBlocksFp8 = 1;
 #else
 constexpr int kFusedMinBlocksFp8 = 3;
 #endif
+// Minimum CTAs per SM of the short-query-run kernels (MQ) on sm_80: their shared memory keeps
+// 2 per SM, and without the bound ptxas rounded the FP8 one-block kernel down to 168 registers
+// and spilled. 0 elsewhere (sm_90a compiles them without spills and is left as measured).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kMqMinBlocks = 2;
+#else
+constexpr int kMqMinBlocks = 0;
+#endif
 
 // The A fragments of a bf16 tile (rows g: words 0, 2; rows g + 8: words 1, 3;
 // KS k steps) -> f16 fragments of the same rows, row r times 2^e_r with e_r
@@ -154,7 +162,7 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // warp's registers hold one row block, as in a decode (two blocks per warp would spill).
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
           bool MQ = false, int RB = 1>
-__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : 0)
+__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : (MQ ? kMqMinBlocks : 0))
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
   static_assert(RB == 1 || (RB == 2 && MQ), "two row blocks: short query runs only");

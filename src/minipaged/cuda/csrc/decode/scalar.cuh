@@ -30,6 +30,16 @@
 #include "ptx/cp_async.cuh"
 #include "ptx/misc.cuh"
 
+// 1 (A/B, not yet run on a GPU): the kernel requests q (plain decode) and its guessed first
+// pages before it reads context_lens, and tests for an unused split after them. 0: the split
+// count's branch on context_lens comes first. The latency-bound FP8 B=1 L=4k row took 1.14x
+// the time it took before the length-aware splits, and the SASS shows why: 1 of 51 global
+// loads before the first branch, against 38 of 49 before
+// (bench/results/nvidia-h200/decode_length_splits_ca115d9/).
+#ifndef MINIPAGED_DECODE_SCALAR_EARLY_Q
+#define MINIPAGED_DECODE_SCALAR_EARLY_Q 0
+#endif
+
 namespace minipaged {
 namespace {
 
@@ -77,11 +87,15 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
+#if MINIPAGED_DECODE_SCALAR_EARLY_Q
+  DecodeSlice slice = decode_slice_head<PQ>(p, G);  // no load yet: decode_slice_range below
+#else
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
   if (slice.split > 0) {
     if (decode_split_unused(slice)) return;
   }
+#endif
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -95,20 +109,15 @@ paged_decode_kernel(const DecodeParams p) {
     const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
     page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
   }
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
-  const int start = slice.start, end = slice.end;
-  // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
-  // ctx are read but never followed.
-  const int table_end = slice.table_end;
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
   auto dim_of = [&](int v) { return v * TPT * EPP + lt * EPP; };
 
   float q[G][DPT];
-  {
-    const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
+  auto load_q = [&](int row) {
+    const T* qp = static_cast<const T*>(p.q) + row * p.q_batch_stride + h0 * p.q_head_stride;
     float qscale = p.scale * kLog2e;
     if constexpr (FP8) qscale *= p.k_scale[kvh];
 #pragma unroll
@@ -122,7 +131,22 @@ paged_decode_kernel(const DecodeParams p) {
         }
       }
     }
-  }
+  };
+#if MINIPAGED_DECODE_SCALAR_EARLY_Q
+  // q of a plain decode (row b) is requested with the guessed pages, before context_lens is
+  // used; a packed-query row is known only from cu_seqlens_q.
+  if constexpr (!PQ) load_q(slice.b);
+  decode_slice_range<PQ>(p, slice);
+  if (decode_split_unused(slice) || decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform
+  if constexpr (PQ) load_q(slice.row);
+#else
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  load_q(slice.row);
+#endif
+  const int start = slice.start, end = slice.end;
+  // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
+  // ctx are read but never followed.
+  const int table_end = slice.table_end;
 
   float acc[G][DPT];
   float m[G], l[G];
