@@ -343,6 +343,77 @@ int main() {
 """
 
 
+# The decode's split arithmetic (decode/splits.h), host-compiled: one plan per stdin line
+# ("capacity splits min_tokens align delta"), planned by decode_split_runs as the host plan does,
+# its guess threshold then lowered by `delta` (a deliberately wrong plan, to show the check can
+# fail). Every ctx in [0, capacity] is split by decode_seq_splits, the kernels' function, and by
+# the rule written out again here without the guess; the first difference or broken invariant
+# is printed, else "ok num_splits tokens_per_split split_guess_ctx".
+_SPLITS_PROBE = r"""
+#include <cstdio>
+#include "decode/splits.h"
+int main() {
+  long long capacity, splits, min_tokens, align, delta;
+  while (std::scanf("%lld %lld %lld %lld %lld", &capacity, &splits, &min_tokens, &align, &delta) == 5) {
+    minipaged::DecodeParams p{};
+    minipaged::decode_split_runs(p, capacity, splits, min_tokens, align);
+    p.split_guess_ctx -= static_cast<int>(delta);
+    const int cap = static_cast<int>(capacity);
+    int bad_ctx = -1;
+    const char* why = "";
+    for (int ctx = 0; ctx <= cap && bad_ctx < 0; ++ctx) {
+      const minipaged::SeqSplits got = minipaged::decode_seq_splits(p, ctx, cap);
+      int n = (ctx + p.split_min_tokens - 1) / p.split_min_tokens;
+      n = n < p.num_splits ? n : p.num_splits;
+      n = n > 1 ? n : 1;
+      const int run = n == 1 ? cap : ((ctx + n - 1) / n + p.split_align - 1) / p.split_align * p.split_align;
+      if (got.count != n || got.run != run) why = "guess differs from the rule";
+      else if (n > 1 && (long long)n * run < ctx) why = "runs do not cover ctx";
+      else if (n > 1 && run % p.split_align != 0) why = "run not a multiple of split_align";
+      else if ((long long)(n - 1) * run >= (cap > 0 ? cap : 1)) why = "a split starts past the table";
+      else if (n > p.num_splits) why = "more splits than the grid";
+      else continue;
+      bad_ctx = ctx;
+    }
+    if (bad_ctx >= 0) std::printf("bad ctx=%d: %s\n", bad_ctx, why);
+    else std::printf("ok %d %d %d\n", p.num_splits, p.tokens_per_split, p.split_guess_ctx);
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_decode_split_guess_matches_the_rule(tmp_path):
+    # Past split_guess_ctx the kernels take the table-filling plan without dividing
+    # (DecodeParams::split_guess_ctx): for every plan shape and every context length that must
+    # be what the per-sequence rule gives, and the rule's runs must cover the context inside
+    # the table. The threshold is also tight: one token lower and some context gets the wrong
+    # split.
+    exe = _build_probe(tmp_path, "splits", _SPLITS_PROBE, NVCC)
+    plans = [(cap, s, t, a) for cap in (0, 1, 17, 97, 1023, 4096, 4097, 32768, 40960)
+             for s in (1, 2, 3, 7, 32, 33, 64, 256)
+             for t, a in ((128, 32), (128, 64), (256, 64), (256, 128), (4096, 64), (8192, 128), (64, 64))]
+    out = _run_probe(exe, [(*plan, 0) for plan in plans])
+    assert len(out) == len(plans)
+    multi = 0
+    for plan, line in zip(plans, out):
+        assert line.startswith("ok "), (plan, line)
+        num_splits, tokens_per_split, guess = map(int, line.split()[1:])
+        assert 1 <= num_splits <= max(plan[1], 1) and (plan[0] == 0 or num_splits * tokens_per_split >= plan[0])
+        multi += num_splits > 1
+    assert multi > 100  # the sweep reaches split plans, not only one-split ones
+    lowered = _run_probe(exe, [(*plan, 1) for plan in plans])
+    tight = 0
+    for plan, line, good in zip(plans, lowered, out):
+        num_splits, _, guess = map(int, good.split()[1:])
+        # (a one-split plan has no threshold; past the table's end one is never reached)
+        if num_splits > 1 and guess <= plan[0]:
+            assert line.startswith("bad "), (plan, line)
+            tight += 1
+    assert tight > 50
+
+
 @needs_nvcc
 def test_paged_spec_decode_route_rows(tmp_path):
     # Short runs of up to 32 (query, head) rows per KV head take the decode kernel (one MMA row

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "decode/splits.h"
 #include "params.h"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
@@ -96,21 +97,6 @@ struct DecodeSlice {
 // lies at least 1/32 from an integer, far more than the rounding of the product.
 __device__ __forceinline__ int query_of_row(int row, float inv_group) {
   return static_cast<int>((static_cast<float>(row) + 0.5f) * inv_group);
-}
-
-// Splits of a sequence of ctx tokens (0 <= ctx <= capacity) and the tokens of each, by the
-// rule of DecodeParams::split_min_tokens; shared by the split kernels and the reductions.
-// Past split_guess_ctx the table-filling plan holds (num_splits runs of tokens_per_split), so
-// long sequences skip the two divisions.
-struct SeqSplits {
-  int count, run;
-};
-__device__ __forceinline__ SeqSplits decode_seq_splits(const DecodeParams& p, int ctx, int capacity) {
-  if (ctx > p.split_guess_ctx) return {p.num_splits, p.tokens_per_split};
-  const int n = max(1, min(p.num_splits, (ctx + p.split_min_tokens - 1) / p.split_min_tokens));
-  if (n == 1) return {1, capacity};
-  const int even = (ctx + n - 1) / n;
-  return {n, (even + p.split_align - 1) / p.split_align * p.split_align};
 }
 
 // PQ: packed queries (DecodeParams::cu_seqlens_q), the instantiations the

@@ -12,7 +12,6 @@
 // FP8 caches (p.kv_fp8) have their own, smaller set of kernels: select_fp8().
 #include <algorithm>
 #include <cfloat>
-#include <climits>
 #include <cmath>
 #include <mutex>
 #include <type_traits>
@@ -433,20 +432,6 @@ int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
   return (group + g - 1) / g;
 }
 
-// DecodeParams::split_guess_ctx for a planned p: a sequence takes the table-filling plan's
-// num_splits runs of tokens_per_split exactly when ceil(ctx / split_min_tokens) >= num_splits
-// and ceil(ctx / num_splits) rounded up to split_align is tokens_per_split (the most it can
-// be), i.e. past both thresholds below. One split: always (its run is the whole table).
-void set_split_guess(DecodeParams& p) {
-  if (p.num_splits <= 1) {
-    p.split_guess_ctx = -1;
-    return;
-  }
-  const int64_t all_splits = static_cast<int64_t>(p.num_splits - 1) * p.split_min_tokens;
-  const int64_t full_runs = static_cast<int64_t>(p.num_splits) * (p.tokens_per_split - p.split_align);
-  p.split_guess_ctx = static_cast<int>(std::min<int64_t>(std::max(all_splits, full_runs), INT_MAX));
-}
-
 // Sets p.num_splits / tokens_per_split / split_min_tokens / split_align for kernel k
 // (requested_splits > 0: that many for every sequence of at least as many iterations).
 void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
@@ -478,20 +463,7 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
     }
   }
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
-  p.split_min_tokens = static_cast<int>(min_tokens);
-  p.split_align = static_cast<int>(iter);
-  if (capacity == 0) {
-    p.num_splits = 1;
-    p.tokens_per_split = 0;
-    set_split_guess(p);
-    return;
-  }
-  splits = std::min<int64_t>(splits, capacity);
-  int64_t per_split = (capacity + splits - 1) / splits;
-  if (splits > 1) per_split = round_up(per_split);  // whole CTA iterations
-  p.tokens_per_split = static_cast<int>(per_split);
-  p.num_splits = static_cast<int>((capacity + per_split - 1) / per_split);
-  set_split_guess(p);
+  decode_split_runs(p, capacity, splits, min_tokens, iter);
 }
 }  // namespace
 
@@ -506,7 +478,7 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
       // (a short sequence in a long table: no split of it under the kernel's own minimum)
       p.split_min_tokens = std::max(t.split_min_tokens, kMinTokensPerSplitTensorCores);
       p.split_align = t.split_align;
-      set_split_guess(p);
+      decode_set_split_guess(p);
       return tc;
     }
   }
