@@ -203,8 +203,14 @@ def test_standard_grids_are_the_documented_ones():
     assert [(c.batch, c.seqlen_q) for c in pre] == [(1, 1024), (1, 4096), (1, 8192), (1, 16384), (8, 1024)]
     assert all((c.num_q_heads, c.num_kv_heads, c.head_dim, c.causal) == (16, 8, 128, True) for c in pre)
     dec = cs.standard_decode_cases()
-    assert [(c.batch, c.context_len) for c in dec] == [(1, 4096), (1, 32768), (8, 4096), (32, 4096),
-                                                       (64, 8192), (256, 1024)]
+    assert [(c.batch, c.context_len) for c in dec[:6]] == [(1, 4096), (1, 32768), (8, 4096), (32, 4096),
+                                                           (64, 8192), (256, 1024)]
+    assert all(c.uniform for c in dec[:6]) and not any(c.uniform for c in dec[6:])
+    # the uneven batches: one 32k sequence last among 1k ones; 64 lengths spread over 512-16384
+    assert dec[6].lens == (1024,) * 63 + (32768,) and dec[6].context_len == 32768
+    assert dec[7].batch == 64 and 512 <= min(dec[7].lens) and max(dec[7].lens) <= 16384
+    assert dec[7].lens == cs.standard_decode_cases()[7].lens  # the same lengths every run
+    assert len({c.label for c in dec}) == len(dec) and all(len(c.label) < 40 for c in dec)
     assert all(c.block_size == 16 and c.num_q_heads == 16 and c.num_kv_heads == 8 for c in dec)
 
 

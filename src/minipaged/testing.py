@@ -151,8 +151,16 @@ class DecodeCase:
     @property
     def label(self) -> str:
         if self.context_lens is not None:
-            return f"B={self.batch} L={list(self.context_lens)}"
+            lens = self.context_lens
+            if len(lens) > 8:  # a long ragged batch: its range and mean, not every length
+                return f"B={self.batch} L={min(lens)}..{max(lens)} mean {round(sum(lens) / len(lens))}"
+            return f"B={self.batch} L={list(lens)}"
         return f"B={self.batch} L={self.context_len}"
+
+    @property
+    def uniform(self) -> bool:
+        """Every sequence has the same context length (what contiguous [B, Hkv, L, D] K/V needs)."""
+        return len(set(self.lens)) <= 1
 
     @property
     def tokens(self) -> int:

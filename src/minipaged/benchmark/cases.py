@@ -4,6 +4,8 @@ are minipaged.testing's, shared with the tests."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ..testing import (  # noqa: F401 - the cases and builders, re-exported for the runner
@@ -63,9 +65,15 @@ def standard_prefill_cases() -> list[PrefillCase]:
 
 
 def standard_decode_cases() -> list[DecodeCase]:
-    """Paged decode, Qwen3 heads, block size 16, every context = L."""
+    """Paged decode, Qwen3 heads, block size 16: six rows where every context = L, then two
+    uneven batches of 64 as a server sees them (the table as wide as the longest sequence),
+    one 32k sequence last among 1k ones and lengths spread over 512-16384 (fixed seed)."""
     grid = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)]
-    return [DecodeCase(b, l, **QWEN3_HEADS, block_size=16) for b, l in grid]
+    cases = [DecodeCase(b, l, **QWEN3_HEADS, block_size=16) for b, l in grid]
+    spread = random.Random(0)
+    cases.append(DecodeCase.of((1024,) * 63 + (32768,), **QWEN3_HEADS, block_size=16))
+    cases.append(DecodeCase.of([spread.randint(512, 16384) for _ in range(64)], **QWEN3_HEADS, block_size=16))
+    return cases
 
 
 def quick_prefill_cases() -> list[PrefillCase]:

@@ -79,11 +79,12 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
 
     decode = _series(result["rows"], "decode")
     if decode:
-        # x: total cached tokens B*L, categorical so two cases with equal B*L both show
+        # x: total cached tokens (B*L for a uniform batch), categorical so two cases with equal
+        # totals both show; an uneven batch is labelled with its mean length
         cases = []
         for rs in decode.values():
             for r in rs:
-                key = (r["shape"]["batch"] * r["shape"]["context_len"], r["shape"]["batch"], r["case"])
+                key = (sum(r["shape"]["context_lens"]), r["shape"]["batch"], r["case"])
                 if key not in cases:
                     cases.append(key)
         cases.sort()
@@ -101,9 +102,9 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
             ax.axhline(result["copy_bandwidth_tbps"], color="gray", linestyle=":",
                        label=f"device copy {result['copy_bandwidth_tbps']:.3g} TB/s")
         ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"B={c[1]}\nL={c[0] // c[1]}\n({c[0] // 1024}k tok)" if c[0] >= 1024
-                            else f"B={c[1]}\nL={c[0] // c[1]}" for c in cases], fontsize=8)
-        ax.set_xlabel("batch x context length (sorted by B x L)")
+        ax.set_xticklabels([f"B={c[1]}\nL={'~' if ' mean ' in c[2] else ''}{c[0] // c[1]}"
+                            + (f"\n({c[0] // 1024}k tok)" if c[0] >= 1024 else "") for c in cases], fontsize=8)
+        ax.set_xlabel("batch x context length (sorted by cached tokens; ~: mean of an uneven batch)")
         _y_axis(ax, ys, "TB/s (K+V read + q + o)")
         ax.set_title("paged decode")
         ax.grid(True, alpha=0.3)

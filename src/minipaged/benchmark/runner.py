@@ -667,7 +667,8 @@ def _bench_decode_case(r: _Runner, case, backends, anchor_names, failures, emit)
     ref = None
     if r.fp8:
         yield from _bench_decode_fp8(r, case, backends, anchor_names, failures, emit, q, kc, vc, bt, cl, scale)
-    anchor_names = [a for a in anchor_names if a not in anc.FLASHINFER_ANCHORS]
+    # (the SDPA anchors read contiguous [B, Hkv, L, D] K/V: uniform batches only)
+    anchor_names = [a for a in anchor_names if a not in anc.FLASHINFER_ANCHORS] if case.uniform else []
     if anchor_names:
         k4, v4 = cs.contiguous_kv(kc, vc, bt, case.context_len)
         del kc, vc
