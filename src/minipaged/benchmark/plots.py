@@ -84,7 +84,8 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
         cases = []
         for rs in decode.values():
             for r in rs:
-                key = (sum(r["shape"]["context_lens"]), r["shape"]["batch"], r["case"])
+                lens = r["shape"]["context_lens"]
+                key = (sum(lens), r["shape"]["batch"], r["case"], len(set(lens)) > 1)
                 if key not in cases:
                     cases.append(key)
         cases.sort()
@@ -102,7 +103,7 @@ def make_plots(result: dict, out_dir) -> tuple[list[Path], str | None]:
             ax.axhline(result["copy_bandwidth_tbps"], color="gray", linestyle=":",
                        label=f"device copy {result['copy_bandwidth_tbps']:.3g} TB/s")
         ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"B={c[1]}\nL={'~' if ' mean ' in c[2] else ''}{c[0] // c[1]}"
+        ax.set_xticklabels([f"B={c[1]}\nL={'~' if c[3] else ''}{c[0] // c[1]}"
                             + (f"\n({c[0] // 1024}k tok)" if c[0] >= 1024 else "") for c in cases], fontsize=8)
         ax.set_xlabel("batch x context length (sorted by cached tokens; ~: mean of an uneven batch)")
         _y_axis(ax, ys, "TB/s (K+V read + q + o)")

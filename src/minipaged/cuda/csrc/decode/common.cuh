@@ -166,8 +166,8 @@ __device__ __forceinline__ bool decode_slice_skipped(const DecodeSlice& s) {
   return false;
 }
 
-// Whether the slice's split is past its sequence's splits (never split 0). The kernels test
-// `split > 0` first, so that a first split does not wait for context_lens here.
+// Whether the slice's split is past its sequence's splits (never split 0). `split > 0` comes
+// first, so that a first split does not wait for context_lens here.
 __device__ __forceinline__ bool decode_split_unused(const DecodeSlice& s) {
   return s.split > 0 && s.split >= s.num_splits;
 }

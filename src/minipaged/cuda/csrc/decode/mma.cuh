@@ -195,9 +195,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (slice.split > 0) {
-    if (decode_split_unused(slice)) return;
-  }
+  if (decode_split_unused(slice)) return;
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
 
@@ -214,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const bool page_runs = p.block_size >= kCopyIters && start % kCopyIters == 0;
   // The run a split of a sequence that fills the table covers (DecodeParams::tokens_per_split),
   // known before context_lens arrives: the early table reads below assume it, and are used
-  // only if the sequence's own run (decode_split_tokens) turns out to be the same.
+  // only if the sequence's own run (decode_seq_splits) turns out to be the same.
   const int guess_start = slice.split * p.tokens_per_split;
   const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
   const bool guess_page_runs = p.block_size >= kCopyIters && guess_start % kCopyIters == 0;

@@ -92,9 +92,7 @@ paged_decode_kernel(const DecodeParams p) {
 #else
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (slice.split > 0) {
-    if (decode_split_unused(slice)) return;
-  }
+  if (decode_split_unused(slice)) return;
 #endif
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
