@@ -109,19 +109,11 @@ __device__ __forceinline__ DecodeSlice decode_slice_head(const DecodeParams& p, 
   // Grid (Hkv x head chunks, B, num_splits): every sequence's first split launches before any
   // second one, so the CTAs past a short sequence's splits return in the grid's tail.
   DecodeSlice s;
-#if MINIPAGED_DECODE_GRID_SPLITS_FIRST
-  s.split = blockIdx.x;
-  const int num_gchunks = gridDim.y / p.num_kv_heads;
-  s.kvh = blockIdx.y / num_gchunks;
-  const int gchunk = blockIdx.y - s.kvh * num_gchunks;
-  s.b = blockIdx.z;
-#else
   s.split = blockIdx.z;
   const int num_gchunks = gridDim.x / p.num_kv_heads;
   s.kvh = blockIdx.x / num_gchunks;
   const int gchunk = blockIdx.x - s.kvh * num_gchunks;
   s.b = blockIdx.y;
-#endif
   const int group = p.num_q_heads / p.num_kv_heads;
   s.group = group;
   if constexpr (!MQ) {

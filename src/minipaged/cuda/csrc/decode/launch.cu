@@ -510,11 +510,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-#if MINIPAGED_DECODE_GRID_SPLITS_FIRST
-  const dim3 grid(p.num_splits, static_cast<unsigned>(p.num_kv_heads * gchunks), p.batch);
-#else
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.batch, p.num_splits);
-#endif
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;

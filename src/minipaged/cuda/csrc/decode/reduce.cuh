@@ -182,11 +182,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   const int S = slice.num_splits;  // the CTAs past them returned without arriving
   __syncthreads();  // every partial of this CTA is stored
   if (tid == 0) {
-#if MINIPAGED_DECODE_GRID_SPLITS_FIRST
-    int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.y + blockIdx.y;
-#else
     int* counter = p.split_counters + static_cast<int64_t>(slice.b) * gridDim.x + blockIdx.x;
-#endif
     __threadfence();  // release: the CTA's partials (ordered by the barrier) before its arrival
     const int arrived = atomicAdd(counter, 1);
     const int last = arrived == S - 1;
