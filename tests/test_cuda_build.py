@@ -74,19 +74,6 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 
 
 @needs_nvcc
-def test_decode_scalar_early_q_build_compiles_without_spills(tmp_path):
-    # The A/B build MINIPAGED_DECODE_SCALAR_EARLY_Q=1 (decode/scalar.cuh; off by default, so the
-    # fixture above never compiles it): its scalar kernels must build and spill nothing.
-    rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
-                                       EXTRA_FLAGS + ["-DMINIPAGED_DECODE_SCALAR_EARLY_Q=1"])
-    assert rc == 0, log[-4000:]
-    scalar = [k for k in build.parse_ptxas(log) if "paged_decode_kernel" in k["kernel"]]
-    assert scalar, log[-2000:]
-    for k in scalar:
-        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
-
-
-@needs_nvcc
 @pytest.mark.parametrize("source", ["prefill/fast.cu", "prefill/paged.cu"])
 def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
     # In an sm_90a build the dispatcher references the wgmma kernels, so they are

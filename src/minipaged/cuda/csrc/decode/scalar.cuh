@@ -30,16 +30,6 @@
 #include "ptx/cp_async.cuh"
 #include "ptx/misc.cuh"
 
-// 1 (A/B, not yet run on a GPU): the kernel requests q (plain decode) and its guessed first
-// pages before it reads context_lens, and tests for an unused split after them. 0: the split
-// count's branch on context_lens comes first. The latency-bound FP8 B=1 L=4k row took 1.14x
-// the time it took before the length-aware splits, and the SASS shows why: 1 of 51 global
-// loads before the first branch, against 38 of 49 before
-// (bench/results/nvidia-h200/decode_length_splits_ca115d9/).
-#ifndef MINIPAGED_DECODE_SCALAR_EARLY_Q
-#define MINIPAGED_DECODE_SCALAR_EARLY_Q 0
-#endif
-
 namespace minipaged {
 namespace {
 
@@ -87,25 +77,27 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-#if MINIPAGED_DECODE_SCALAR_EARLY_Q
   DecodeSlice slice = decode_slice_head<PQ>(p, G);  // no load yet: decode_slice_range below
-#else
-  const DecodeSlice slice = decode_slice<PQ>(p, G);
-  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (decode_split_unused(slice)) return;
-#endif
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
-  // The first pages of the run a split of a table-filling sequence covers
-  // (DecodeParams::tokens_per_split), requested before context_lens arrives, and so before
-  // the skip test; fetched again below (CTA-uniform) when this sequence's run differs.
+  // The pages of the first kSpecSets iterations of the run a split of a table-filling sequence
+  // covers (DecodeParams::tokens_per_split), requested before context_lens arrives; fetched
+  // again below (CTA-uniform) when this sequence's run differs. Every load the first
+  // iterations' K/V addresses need is then in flight together with context_lens, as it was
+  // when every sequence took the table-filling runs: a page read that waits for context_lens
+  // puts a whole memory round trip in front of the first rows (PIPE: the second iteration's
+  // pages are read before the first is computed, so they count too).
+  constexpr int kSpecSets = STAGES >= 2 ? STAGES - 1 : (PIPE ? 2 : 1);
   const int guess_start = slice.split * p.tokens_per_split;
   const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
-  int page[U];  // pages of the next token groups to be loaded
+  int spec[kSpecSets][U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
-    page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+  for (int st = 0; st < kSpecSets; ++st) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = guess_start + warp * TOK_WARP + st * TOK_CTA + u * SLOTS + slot;
+      spec[st][u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
   }
   const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
 
@@ -130,17 +122,11 @@ paged_decode_kernel(const DecodeParams p) {
       }
     }
   };
-#if MINIPAGED_DECODE_SCALAR_EARLY_Q
-  // q of a plain decode (row b) is requested with the guessed pages, before context_lens is
-  // used; a packed-query row is known only from cu_seqlens_q.
-  if constexpr (!PQ) load_q(slice.b);
   decode_slice_range<PQ>(p, slice);
-  if (decode_split_unused(slice) || decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform
-  if constexpr (PQ) load_q(slice.row);
-#else
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  // A split past its sequence's splits, or a packed row that is not a decode row, returns
+  // here (CTA-uniform, before any barrier).
+  if (decode_split_unused(slice) || decode_slice_skipped<PQ>(slice)) return;
   load_q(slice.row);
-#endif
   const int start = slice.start, end = slice.end;
   // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
   // ctx are read but never followed.
@@ -280,19 +266,27 @@ paged_decode_kernel(const DecodeParams p) {
   [[maybe_unused]] const int start_tok = tok_base;  // decode_trace's first-iteration test
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
-  if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
+  if (start != guess_start || table_end != guess_end) {
+#pragma unroll
+    for (int st = 0; st < kSpecSets; ++st) fetch_pages(tok_base + st * TOK_CTA, spec[st]);
+  }
+  int page[U];  // pages of the next token groups to be loaded
   if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-      issue_async(tok_base + st * TOK_CTA, page, st);
+      issue_async(tok_base + st * TOK_CTA, spec[st], st);
       cp_async_commit();
-      fetch_pages(tok_base + (st + 1) * TOK_CTA, page);
     }
+    fetch_pages(tok_base + (STAGES - 1) * TOK_CTA, page);
   } else if constexpr (PIPE) {
     // Register double buffering: the rows of iteration i+1 are requested
     // before iteration i is computed.
-    issue(tok_base, page, kr, vr);
-    fetch_pages(tok_base + TOK_CTA, page);
+    issue(tok_base, spec[0], kr, vr);
+#pragma unroll
+    for (int u = 0; u < U; ++u) page[u] = spec[1][u];
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) page[u] = spec[0][u];
   }
 
   if constexpr (AHEAD >= 1) {
