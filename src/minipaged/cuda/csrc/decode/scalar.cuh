@@ -122,11 +122,15 @@ paged_decode_kernel(const DecodeParams p) {
       }
     }
   };
+  // q of a plain decode (row b, FP8: and its k_scale) is requested with the pages, before
+  // context_lens is used: its scaling would otherwise hold the first K/V requests for a round
+  // trip (ncu, FP8 B=1 L=4k). A packed-query row is known only from cu_seqlens_q.
+  if constexpr (!PQ) load_q(slice.b);
   decode_slice_range<PQ>(p, slice);
   // A split past its sequence's splits, or a packed row that is not a decode row, returns
   // here (CTA-uniform, before any barrier).
   if (decode_split_unused(slice) || decode_slice_skipped<PQ>(slice)) return;
-  load_q(slice.row);
+  if constexpr (PQ) load_q(slice.row);
   const int start = slice.start, end = slice.end;
   // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
   // ctx are read but never followed.
