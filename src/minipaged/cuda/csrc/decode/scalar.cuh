@@ -77,27 +77,21 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  DecodeSlice slice = decode_slice_head<PQ>(p, G);  // no load yet: decode_slice_range below
+  const DecodeSlice slice = decode_slice<PQ>(p, G);
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (decode_split_unused(slice)) return;
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
-  // The pages of the first kSpecSets iterations of the run a split of a table-filling sequence
-  // covers (DecodeParams::tokens_per_split), requested before context_lens arrives; fetched
-  // again below (CTA-uniform) when this sequence's run differs. Every load the first
-  // iterations' K/V addresses need is then in flight together with context_lens, as it was
-  // when every sequence took the table-filling runs: a page read that waits for context_lens
-  // puts a whole memory round trip in front of the first rows (PIPE: the second iteration's
-  // pages are read before the first is computed, so they count too).
-  constexpr int kSpecSets = STAGES >= 2 ? STAGES - 1 : (PIPE ? 2 : 1);
+  // The first pages of the run a split of a table-filling sequence covers
+  // (DecodeParams::tokens_per_split), requested before context_lens arrives, and so before
+  // the skip test; fetched again below (CTA-uniform) when this sequence's run differs.
   const int guess_start = slice.split * p.tokens_per_split;
   const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
-  int spec[kSpecSets][U];
+  int page[U];  // pages of the next token groups to be loaded
 #pragma unroll
-  for (int st = 0; st < kSpecSets; ++st) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tok = guess_start + warp * TOK_WARP + st * TOK_CTA + u * SLOTS + slot;
-      spec[st][u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
-    }
+  for (int u = 0; u < U; ++u) {
+    const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
+    page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
   }
   const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
 
@@ -122,15 +116,8 @@ paged_decode_kernel(const DecodeParams p) {
       }
     }
   };
-  // q of a plain decode (row b, FP8: and its k_scale) is requested with the pages, before
-  // context_lens is used: its scaling would otherwise hold the first K/V requests for a round
-  // trip (ncu, FP8 B=1 L=4k). A packed-query row is known only from cu_seqlens_q.
-  if constexpr (!PQ) load_q(slice.b);
-  decode_slice_range<PQ>(p, slice);
-  // A split past its sequence's splits, or a packed row that is not a decode row, returns
-  // here (CTA-uniform, before any barrier).
-  if (decode_split_unused(slice) || decode_slice_skipped<PQ>(slice)) return;
-  if constexpr (PQ) load_q(slice.row);
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  load_q(slice.row);
   const int start = slice.start, end = slice.end;
   // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
   // ctx are read but never followed.
@@ -270,27 +257,19 @@ paged_decode_kernel(const DecodeParams p) {
   [[maybe_unused]] const int start_tok = tok_base;  // decode_trace's first-iteration test
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
-  if (start != guess_start || table_end != guess_end) {
-#pragma unroll
-    for (int st = 0; st < kSpecSets; ++st) fetch_pages(tok_base + st * TOK_CTA, spec[st]);
-  }
-  int page[U];  // pages of the next token groups to be loaded
+  if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
   if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-      issue_async(tok_base + st * TOK_CTA, spec[st], st);
+      issue_async(tok_base + st * TOK_CTA, page, st);
       cp_async_commit();
+      fetch_pages(tok_base + (st + 1) * TOK_CTA, page);
     }
-    fetch_pages(tok_base + (STAGES - 1) * TOK_CTA, page);
   } else if constexpr (PIPE) {
     // Register double buffering: the rows of iteration i+1 are requested
     // before iteration i is computed.
-    issue(tok_base, spec[0], kr, vr);
-#pragma unroll
-    for (int u = 0; u < U; ++u) page[u] = spec[1][u];
-  } else {
-#pragma unroll
-    for (int u = 0; u < U; ++u) page[u] = spec[0][u];
+    issue(tok_base, page, kr, vr);
+    fetch_pages(tok_base + TOK_CTA, page);
   }
 
   if constexpr (AHEAD >= 1) {
