@@ -72,6 +72,7 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
+constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -778,6 +779,10 @@ int time_mode(int reps) {
       configs.push_back(kNoReduce);
     }
     if (!exact_variants.empty()) configs = exact_variants;
+#if MINIPAGED_DECODE_WORKLIST
+    // the plan without the work list first: every other config is checked against its output
+    configs.insert(configs.begin(), kNoWorklist);
+#endif
     for (int v : configs)
     for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;
@@ -834,8 +839,9 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[48];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s", v & 0xff, v & kFused ? " fused" : "",
-                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "");
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+                    v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
+                    v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "");
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
                   p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);

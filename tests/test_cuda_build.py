@@ -74,6 +74,19 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 
 
 @needs_nvcc
+def test_decode_worklist_build_compiles_without_spills(tmp_path):
+    # The A/B build MINIPAGED_DECODE_WORKLIST=1 (decode work lists; off by default, so the
+    # fixture above never compiles it): its decode kernels and merges must build and spill nothing.
+    rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
+                                       EXTRA_FLAGS + ["-DMINIPAGED_DECODE_WORKLIST=1"])
+    assert rc == 0, log[-4000:]
+    kernels = [k for k in build.parse_ptxas(log) if "decode" in k["kernel"]]
+    assert len(kernels) > 20, log[-2000:]
+    for k in kernels:
+        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
+
+
+@needs_nvcc
 @pytest.mark.parametrize("source", ["prefill/fast.cu", "prefill/paged.cu"])
 def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
     # In an sm_90a build the dispatcher references the wgmma kernels, so they are
@@ -399,6 +412,81 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
             assert line.startswith("bad "), (plan, line)
             tight += 1
     assert tight > 50
+
+
+# Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_count; DecodeParams::
+# worklist), as plain C++: one line per batch on stdin ("B S capacity align min_tokens kind
+# seed"), the plan's run and each sequence's split count out.
+_WORKLIST_PROBE = r"""
+#include <cstdio>
+#include <vector>
+#include "decode/splits.h"
+int main() {
+  long long B, S, cap, align, min_tokens, kind, seed;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &B, &S, &cap, &align, &min_tokens, &kind, &seed) == 7) {
+    std::vector<int> ctx(B);
+    unsigned long long x = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (long long b = 0; b < B; ++b) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      const long long r = static_cast<long long>((x >> 33) % static_cast<unsigned long long>(cap + 1));
+      // 0: uniform; 1: one long sequence last among cap / 32; 2: random; 3: every cap / 32;
+      // 4: random with zeros and full-table sequences mixed in
+      ctx[b] = static_cast<int>(kind == 0 ? cap : kind == 1 ? (b == B - 1 ? cap : cap / 32)
+                                : kind == 3 ? cap / 32 : kind == 4 ? (r % 3 == 0 ? 0 : r % 3 == 1 ? cap : r) : r);
+    }
+    minipaged::DecodeParams p{};
+    p.batch = static_cast<int>(B);
+    p.block_size = 1;
+    p.max_blocks = static_cast<int>(cap);
+    p.split_min_tokens = static_cast<int>(min_tokens);
+    p.split_align = static_cast<int>(align);
+    p.worklist = static_cast<int>(B * S);
+    long long total = 0;
+    for (int c : ctx) total += c;
+    const long long t = minipaged::decode_worklist_run(p, total, 256);
+    std::printf("%lld", t);
+    for (int c : ctx) std::printf(" %d:%d", c, minipaged::decode_worklist_count(c, t));
+    std::printf("\n");
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_decode_worklist_plan(tmp_path):
+    # The work-list plan (an A/B build, MINIPAGED_DECODE_WORKLIST) must fit the grid's slots,
+    # cover every context in whole runs of the kernel's tile with no empty split and no split
+    # past the table, never need more than one merge's 256 splits, never cut a batch of equal
+    # lengths further than the per-sequence rule (n = ceil(ctx / min_tokens)), and give a long
+    # sequence among short ones the short ones' idle slots.
+    exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
+    rows = [(b, s, cap, align, mt, kind, seed)
+            for b in (1, 2, 17, 64, 97, 256) for s in (3, 4, 8, 33, 256)
+            for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
+                                   (1023, 64, 8192), (262144, 128, 8192))
+            for kind in range(5) for seed in (1, 2)]
+    out = _run_probe(exe, rows)
+    assert len(out) == len(rows)
+    one_long = 0
+    for (b, s, cap, align, mt, kind, seed), line in zip(rows, out):
+        fields = line.split()
+        t = int(fields[0])
+        plan = [tuple(map(int, f.split(":"))) for f in fields[1:]]
+        assert len(plan) == b
+        assert t > 0 and t % align == 0, (rows, line)
+        assert sum(n for _, n in plan) <= b * s, ("more splits than slots", b, s, cap, kind, t)
+        for ctx, n in plan:
+            assert 1 <= n <= 256
+            assert n * t >= ctx, ("runs do not cover the context", ctx, n, t)
+            assert ctx == 0 and n == 1 or (n - 1) * t < ctx, ("an empty split", ctx, n, t)
+            assert (n - 1) * t < max(cap, 1), ("a split past the table", ctx, n, t)
+            if kind == 0:
+                assert n <= max(1, -(-ctx // mt)), ("equal lengths cut further than the rule", ctx, n, t, mt)
+        if kind == 1 and b == 64 and s == 4 and cap == 32768:
+            long_n, short_n = plan[-1][1], plan[0][1]
+            assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
+            one_long += 1
+    assert one_long == 2
 
 
 @needs_nvcc

@@ -76,6 +76,11 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
+#if MINIPAGED_DECODE_WORKLIST
+// Bit 0x1000 (builds with MINIPAGED_DECODE_WORKLIST): plan without the work list, as the
+// shipped builds do, for an A/B in one binary.
+constexpr int kVariantNoWorklist = 0x1000;
+#endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
@@ -464,6 +469,17 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   }
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
   decode_split_runs(p, capacity, splits, min_tokens, iter);
+  p.worklist = 0;
+#if MINIPAGED_DECODE_WORKLIST
+  // Plain decode over more than half a wave, 3+ splits per sequence: the same grid as a work
+  // list, so that the splits short sequences leave idle go to the long ones.
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
+  const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
+  if (requested_splits <= 0 && k.kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
+      p.max_seqlen_q < 2 && !(p.variant & kVariantNoWorklist) && p.num_splits >= 3 &&
+      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535)
+    p.worklist = p.batch * p.num_splits;
+#endif
 }
 }  // namespace
 
@@ -478,6 +494,7 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
       // (a short sequence in a long table: no split of it under the kernel's own minimum)
       p.split_min_tokens = std::max(t.split_min_tokens, kMinTokensPerSplitTensorCores);
       p.split_align = t.split_align;
+      p.worklist = t.worklist;
       decode_set_split_guess(p);
       return tc;
     }
@@ -510,7 +527,9 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.batch, p.num_splits);
+  // (a work list: p.worklist slots of (sequence, split), decode_worklist_find)
+  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,
+                  p.worklist > 0 ? 1 : p.num_splits);
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
