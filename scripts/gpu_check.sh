@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -328,6 +328,29 @@ for s in $stages; do
           export STAGE_TIMEOUT_time${r}_$b=${STAGE_TIMEOUT_decode_ab_time:-110}
           DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
+      done;;
+    decode_worklist)
+      # The work-list A/B build (-DMINIPAGED_DECODE_WORKLIST=1, decode/common.cuh): `check`, then
+      # memcheck of the uneven B=64 rows in `time` (work-list plans, and every config against
+      # the plan without it), then `time` with the uneven rows (each row's first config is the
+      # plan without the work list: the A/B is in one binary). Prebuilt as .gpubin/worklist
+      # (nvcc $selftest_flags -DMINIPAGED_DECODE_WORKLIST=1), else built here.
+      mkdir -p "$bin"
+      if [ ! -x "$bin/worklist" ]; then
+        STAGE_TIMEOUT_decode_worklist_build=${STAGE_TIMEOUT_decode_worklist_build:-150} run decode_worklist_build \
+          nvcc $selftest_flags -DMINIPAGED_DECODE_WORKLIST=1 scripts/decode_selftest.cu $csrc/decode/launch.cu \
+          -o "$bin/worklist" -lgomp
+      fi
+      export OMP_NUM_THREADS=16
+      STAGE_TIMEOUT_decode_worklist_check=${STAGE_TIMEOUT_decode_worklist_check:-120} \
+        run decode_worklist_check "$bin/worklist" check
+      DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 \
+        STAGE_TIMEOUT_decode_worklist_memcheck=${STAGE_TIMEOUT_decode_worklist_memcheck:-150} \
+        run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/worklist" time 2
+      for r in ${DECODE_AB_ROUNDS:-1 2}; do
+        DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
+          STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110} \
+          run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
       done;;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
