@@ -170,9 +170,9 @@ struct DecodeParams {
   // > 0 (decode_plan, plain decode over more than half a wave of CTAs; builds with
   // MINIPAGED_DECODE_WORKLIST only): the grid's y is `worklist` work slots per KV head chunk
   // (batch * num_splits of them), not (batch, split). Every CTA derives the same plan from
-  // context_lens: runs of t = ceil(total / (worklist - batch)) tokens (at least
-  // split_min_tokens, a multiple of split_align), sequence b takes n_b = ceil(ctx_b / t) slots,
-  // consecutive in b order, so sum n_b <= worklist. The idle CTAs of short sequences thus split
+  // context_lens: runs of t >= ceil(total / (worklist - batch)) tokens (decode_worklist_run has
+  // the other bounds), sequence b takes n_b = ceil(ctx_b / t) slots, consecutive in b order, so
+  // sum n_b <= worklist. The idle CTAs of short sequences thus split
   // the long ones. Partials are [Hq, worklist] rows (head h, slot) instead of [B, Hq, splits].
   int worklist;
   float scale;         // softmax scale, not yet multiplied by log2(e)

@@ -132,6 +132,13 @@ __device__ __forceinline__ DecodeSlice decode_slice_head(const DecodeParams& p, 
   return s;
 }
 
+// The token range of the slice's split, in runs of `run` tokens of a sequence of ctx tokens.
+__device__ __forceinline__ void decode_slice_set_run(DecodeSlice& s, int ctx, int run) {
+  s.start = s.split * run;
+  s.end = min(ctx, s.start + run);
+  s.table_end = min(s.capacity, s.start + run);
+}
+
 // The fields of a slice that depend on device inputs (context_lens; cu_seqlens_q with PQ / MQ).
 template <bool PQ = false, bool MQ = false>
 __device__ __forceinline__ void decode_slice_range(const DecodeParams& p, DecodeSlice& s) {
@@ -140,9 +147,7 @@ __device__ __forceinline__ void decode_slice_range(const DecodeParams& p, Decode
   const int ctx = min(p.context_lens[s.b], s.capacity);
   const SeqSplits splits = decode_seq_splits(p, ctx, s.capacity);
   s.num_splits = splits.count;
-  s.start = s.split * splits.run;
-  s.end = min(ctx, s.start + splits.run);
-  s.table_end = min(s.capacity, s.start + splits.run);
+  decode_slice_set_run(s, ctx, splits.run);
   if constexpr (MQ) {
     const int q0 = p.cu_seqlens_q[s.b];
     s.q_len = p.cu_seqlens_q[s.b + 1] - q0;
@@ -243,9 +248,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
       s.split = e.b < 0 ? 1 : e.split;
       s.num_splits = e.count;
       s.part0 = e.first;
-      s.start = s.split * e.run;
-      s.end = min(e.ctx, s.start + e.run);
-      s.table_end = min(s.capacity, s.start + e.run);
+      decode_slice_set_run(s, e.ctx, e.run);
       return s;
     }
   }

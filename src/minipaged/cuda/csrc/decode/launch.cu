@@ -446,6 +446,8 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
   const int64_t iter = std::max(k.tokens_per_iter, 1);
   const auto round_up = [iter](int64_t n) { return (n + iter - 1) / iter * iter; };
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
+  const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
   int64_t splits = 1;
   // Never cut a sequence into pieces shorter than kMinTokensPerSplit: the merge would cost more.
   int64_t min_tokens = round_up(kMinTokensPerSplit);
@@ -453,8 +455,6 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
     splits = requested_splits;
     min_tokens = iter;
   } else if (k.kernel != nullptr) {
-    const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
-    const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
     if (ctas > 0 && 2 * ctas <= slots) {
       // Fill one wave of resident blocks, not more: a second, partial wave costs
       // more than it hides.
@@ -473,8 +473,6 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
 #if MINIPAGED_DECODE_WORKLIST
   // Plain decode over more than half a wave, 3+ splits per sequence: the same grid as a work
   // list, so that the splits short sequences leave idle go to the long ones.
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
-  const int64_t slots = static_cast<int64_t>(resident) * std::max(p.num_sms, 1);
   if (requested_splits <= 0 && k.kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
       p.max_seqlen_q < 2 && !(p.variant & kVariantNoWorklist) && p.num_splits >= 3 &&
       p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535)

@@ -99,9 +99,10 @@ paged_decode_kernel(const DecodeParams p) {
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
   auto dim_of = [&](int v) { return v * TPT * EPP + lt * EPP; };
 
+  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
   float q[G][DPT];
-  auto load_q = [&](int row) {
-    const T* qp = static_cast<const T*>(p.q) + row * p.q_batch_stride + h0 * p.q_head_stride;
+  {
+    const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
     float qscale = p.scale * kLog2e;
     if constexpr (FP8) qscale *= p.k_scale[kvh];
 #pragma unroll
@@ -115,9 +116,7 @@ paged_decode_kernel(const DecodeParams p) {
         }
       }
     }
-  };
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
-  load_q(slice.row);
+  }
   const int start = slice.start, end = slice.end;
   // Block-table reads are bounded by the split's run in the table, not by ctx; entries past
   // ctx are read but never followed.
