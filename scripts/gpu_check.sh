@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -254,6 +254,14 @@ for s in $stages; do
         > "$WORK/bench/spec_ncu_sass.csv" 2> "$WORK/logs/spec_ncu_sass.err";;
     triton_ab) run triton_ab python3 scripts/triton_hopper_ab.py ${TRITON_AB_ARGS:-} --json "$WORK/bench/triton_hopper_ab.json";;
     triton_fp8_ab) run triton_fp8_ab python3 scripts/triton_fp8_decode_ab.py ${TRITON_FP8_AB_ARGS:-} --json "$WORK/bench/triton_fp8_decode_ab.json";;
+    triton_worklist)
+      # Triton's work-list decode (configs.decode_worklist): its GPU tests (uneven batches against
+      # the oracle, graph replays that follow new lengths), then the A/B against the plain plan
+      # on the standard decode grid, 16-bit and fp8 caches
+      run triton_worklist_tests python3 -m pytest -q -ra -m gpu tests/test_triton.py tests/test_triton_paged.py tests/test_triton_fp8.py \
+        -k "worklist or graph or lse" -p no:cacheprovider --junitxml "$WORK/logs/triton_worklist_tests.xml"
+      STAGE_TIMEOUT_triton_worklist_ab=${STAGE_TIMEOUT_triton_worklist_ab:-420} run triton_worklist_ab \
+        python3 scripts/triton_decode_worklist_ab.py ${TRITON_WORKLIST_AB_ARGS:-} --json "$WORK/bench/triton_worklist_ab.json";;
     triton_paged_fp8_ab) run triton_paged_fp8_ab python3 scripts/triton_paged_fp8_ab.py ${TRITON_PAGED_FP8_AB_ARGS:-} --json "$WORK/bench/triton_paged_fp8_ab.json";;
     triton_paged_ab) run triton_paged_ab python3 scripts/triton_paged_ab.py ${TRITON_PAGED_AB_ARGS:-} --json "$WORK/bench/triton_paged_ab.json";;
     triton_paged_ncu)

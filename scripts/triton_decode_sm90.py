@@ -36,6 +36,8 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages, **options):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
+    if fn is decode._decode_reduce and not cx.get("WORKLIST"):
+        cx = dict(cx, context_lens=None)  # the same for the merge's work-list plan
     types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
     # 16-byte aligned pointers and strides divisible by 16, except the block-table row
@@ -91,6 +93,16 @@ def variants(plain_only: bool = False):
                {"maxnreg": 102})
               for name, q_dt, cx in (("plain", "bf16", {}), ("split_lse", "bf16", dict(SPLIT=True, RETURN_LSE=True)),
                                      ("fp16_p1", "fp16", dict(PAGE=1)))],
+            # configs.decode_worklist: the batched tile and the FP8 planes tile over a work list of
+            # up to 64 sequences, and its merge in chunks of 16
+            ("worklist_batched_lse", k, "bf16", "bf16", dict(base, BLOCK_N=32, TABLE_AHEAD=True, SPLIT=True,
+                                                             RETURN_LSE=True, WORKLIST=True, BLOCK_B=64), 4, 3,
+             {"maxnreg": 102}),
+            ("worklist_fp8_planes", k, "bf16", "fp8", dict(base, KV_FP8=True, FP8_F16=True, TABLE_AHEAD=True,
+                                                           HW_CVT=True, FP8_WORDS=2, SPLIT=True, WORKLIST=True,
+                                                           BLOCK_B=64), 4, 3, {"maxnreg": 128}),
+            ("worklist_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=16, RETURN_LSE=True, WORKLIST=True,
+                                                        BLOCK_B=64, BLOCK_N=32), 4, 1),
             ("packed_p1_fp16", k, "fp16", "fp16", dict(base, PAGE=1, PACKED_Q=True), 4, 2),
             ("packed_reduce", r, "bf16", "bf16", dict(HEAD_DIM=128, SPLITS_POW2=4, RETURN_LSE=True, PACKED_Q=True),
              4, 1),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import minipaged as mp  # noqa: E402
+from minipaged.triton import configs  # noqa: E402
 from minipaged.testing import (  # noqa: E402
     DecodeCase,
     PrefillCase,
@@ -47,6 +49,9 @@ from minipaged.testing import (  # noqa: E402
 )
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from minipaged.triton.decode import _worklist_plan  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests need TRITON_INTERPRET=1")
@@ -219,22 +224,24 @@ def test_varlen_matches_dense_interpreter():
 
 
 def _run_decode(context_lens, Hq, Hkv, D, page, dtype, device, noncontig=False, splits=None,
-                monkeypatch=None):
+                worklist=None, return_lse=False):
+    """The triton decode of a fresh batch checked against the fp64 oracle; splits / worklist
+    force the split count (a work list's budget) and the work list (configs overrides)."""
     case = DecodeCase.of(context_lens, Hq, Hkv, D, page, spare_blocks=3)
     q, kc, vc, tables, ctx = make_decode_inputs(case, dtype, device, seed=sum(context_lens) + page)
     if noncontig:
         q, kc, vc = strided_copy(q), strided_copy(kc), strided_copy(vc)
     scale = 1.0 / math.sqrt(D)
-    if splits is not None:
-        monkeypatch.setenv("MINIPAGED_TRITON_DECODE_SPLITS", str(splits))
-    out = mp.decode_attention(q, kc, vc, tables, ctx, scale=scale, backend="triton")
+    with configs.overriding(decode_splits=splits, decode_worklist=worklist):
+        got = mp.decode_attention(q, kc, vc, tables, ctx, scale=scale, backend="triton", return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
     assert out.shape == q.shape and out.dtype == dtype
     keys, vals = gather_kv(kc, vc, tables, ctx)
     truth, truth_lse = decode_ref(q, keys, vals, scale=scale)
     baseline, _ = decode_ref(q, keys, vals, scale=scale, lowp=True)
     # context_len 0: exact zeros (truth_lse is -inf there)
     assert_close(out, truth, baseline, f"decode ctx{context_lens[:6]} Hq{Hq} Hkv{Hkv} page{page}",
-                 truth_lse=truth_lse)
+                 lse=lse, truth_lse=truth_lse)
     return out
 
 
@@ -258,25 +265,24 @@ def test_decode_interpreter(case, dtype):
 
 @cpu_only
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_decode_splits_interpreter(splits, monkeypatch):
-    _run_decode([97, 0, 33, 200], 4, 2, 64, 16, torch.float16, "cpu", splits=splits,
-                monkeypatch=monkeypatch)
+def test_decode_splits_interpreter(splits):
+    _run_decode([97, 0, 33, 200], 4, 2, 64, 16, torch.float16, "cpu", splits=splits)
 
 
 @cpu_only
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", CPU_DECODE, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}")
-def test_decode_table_ahead_same_bits_interpreter(case, splits, monkeypatch):
+def test_decode_table_ahead_same_bits_interpreter(case, splits):
     """configs.decode_table_ahead: the full tiles' block ids read a tile ahead and carried (pages
     smaller and larger than the key tile, empty splits, empty contexts, -1 table entries past
     each context). Same tiles, same order: the bits of the default path, and each checked
     against the fp64 oracle by _run_decode."""
     from minipaged.triton import configs
 
-    base = _run_decode(*case, torch.float16, "cpu", splits=splits, monkeypatch=monkeypatch)
+    base = _run_decode(*case, torch.float16, "cpu", splits=splits)
     configs.set_override("decode_table_ahead", 1)
     try:
-        ahead = _run_decode(*case, torch.float16, "cpu", splits=splits, monkeypatch=monkeypatch)
+        ahead = _run_decode(*case, torch.float16, "cpu", splits=splits)
     finally:
         configs.set_override("decode_table_ahead", None)
     assert torch.equal(base, ahead)
@@ -290,6 +296,103 @@ def test_decode_head_dim_256_interpreter():
 @cpu_only
 def test_decode_noncontiguous_interpreter():
     _run_decode([29, 64], 4, 2, 64, 8, torch.float16, "cpu", noncontig=True)
+
+
+# context_lens, Hq, Hkv, D, page, split budget S: one long sequence among short ones (first,
+# last), empty contexts around it, equal lengths, pages smaller and larger than the key tile,
+# a budget of one (every sequence in one slot: the kernel writes every output itself) and
+# budgets larger than a sequence's tiles
+CPU_WORKLIST = [
+    ([2000] + [16] * 7, 4, 2, 64, 16, 8),
+    ([17] * 5 + [1023], 8, 1, 64, 1, 6),
+    ([0, 97, 0, 1, 300], 4, 2, 64, 16, 5),
+    ([0, 0, 0], 4, 2, 64, 16, 3),
+    ([64] * 4, 4, 4, 64, 16, 6),
+    ([300, 7, 513], 2, 2, 64, 256, 7),
+    ([40, 100, 33], 16, 1, 128, 4, 1),
+    ([5, 1023], 4, 2, 64, 8, 64),
+    ([700, 3, 0, 250], 4, 2, 64, 1, 40),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CPU_WORKLIST, ids=lambda c: f"{len(c[0])}x{max(c[0])}-{c[1]}-{c[2]}-p{c[4]}-S{c[5]}")
+def test_decode_worklist_interpreter(case, dtype):
+    """configs.decode_worklist: every program maps its slot to (sequence, split) from
+    context_lens; output and lse against the fp64 oracle (NaN-poisoned unused cache slots)."""
+    *problem, budget = case
+    _run_decode(*problem, dtype, "cpu", splits=budget, worklist=1, return_lse=True)
+
+
+@triton.jit
+def _worklist_probe(context_lens, num_rows_of, n_out, ends_out, num_splits, BLOCK_B: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Program b stores the work-list plan of batch b (row b of context_lens, num_rows_of[b] long)."""
+    b = tl.program_id(0)
+    num_rows = tl.load(num_rows_of + b)
+    _, n, ends = _worklist_plan(context_lens + b * BLOCK_B, num_rows, num_splits, BLOCK_B, BLOCK_N)
+    offs = tl.arange(0, BLOCK_B)
+    tl.store(n_out + b * BLOCK_B + offs, n)
+    tl.store(ends_out + b * BLOCK_B + offs, ends)
+
+
+def _worklist_counts(context_lens, budget, block_n):
+    """The work list's slots per sequence, from decode.py's definition in exact fractions:
+    max(1, ceil(ctx * S / total - 1/4)), at most the sequence's tiles."""
+    total = sum(context_lens)
+    counts = []
+    for c in context_lens:
+        want = math.ceil(Fraction(c * budget, total) - Fraction(1, 4)) if total else 0
+        counts.append(max(1, min(want, -(-c // block_n))))
+    return counts
+
+
+@cpu_only
+def test_decode_worklist_plan_interpreter():
+    """decode._worklist_plan, the plan the kernel and its reduce derive on the device, against
+    the definition over random batches (one long among short, spread, equal, empty): its slot
+    counts and running ends, every batch within batch + S slots, no sequence beyond S splits,
+    and equal lengths near the plain plan's round(S / B)."""
+    import random
+
+    rng = random.Random(5)
+    block_b, block_n = 64, 32
+    for budget in (1, 3, 66, 128):
+        batches = [[1024] * 63 + [32768], [0] * 5, [7] * 64, [1] * 2, [2 ** 31 - 1, 1, 0]]
+        for _ in range(60):
+            b = rng.randint(2, block_b)
+            kind = rng.choice(["spread", "one-long", "equal", "with-empty"])
+            if kind == "spread":
+                batches.append([rng.randint(1, 20000) for _ in range(b)])
+            elif kind == "one-long":
+                lens = [rng.randint(1, 2000) for _ in range(b)]
+                lens[rng.randrange(b)] = rng.randint(20000, 200000)
+                batches.append(lens)
+            elif kind == "equal":
+                batches.append([rng.randint(1, 9000)] * b)
+            else:
+                batches.append([rng.choice([0, rng.randint(1, 5000)]) for _ in range(b)])
+        lens = torch.full((len(batches), block_b), -7, dtype=torch.int32)  # past num_rows: never read
+        for i, batch in enumerate(batches):
+            lens[i, :len(batch)] = torch.tensor(batch, dtype=torch.int32)
+        rows = torch.tensor([len(batch) for batch in batches], dtype=torch.int32)
+        n = torch.full_like(lens, -1)
+        ends = torch.full_like(lens, -1)
+        _worklist_probe[(len(batches),)](lens, rows, n, ends, budget, BLOCK_B=block_b, BLOCK_N=block_n)
+        for i, batch in enumerate(batches):
+            want = _worklist_counts(batch, budget, block_n)
+            got = n[i, :len(batch)].tolist()
+            assert got == want, (budget, batch[:8], got[:8], want[:8])
+            assert n[i, len(batch):].eq(0).all()
+            assert ends[i].tolist() == torch.cumsum(n[i], 0).tolist()
+            assert sum(want) <= len(batch) + budget, (budget, batch[:8])
+            assert max(want) <= max(budget, 1)
+            if len(set(batch)) == 1 and batch[0] >= block_n * budget:
+                assert abs(want[0] - max(1.0, budget / len(batch))) <= 0.75
+    # one 32k sequence among 63 of 1k (the bench's one-long row) with an H200's budget of 66
+    # slots per KV head: 22 splits for the long one, one for each short one
+    assert _worklist_counts([1024] * 63 + [32768], 66, 32) == [1] * 63 + [22]
 
 
 def test_num_splits_heuristic_no_sync(monkeypatch):
@@ -421,9 +524,30 @@ def test_decode_gpu_batch_fills_machine():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 7, 64])
-def test_decode_gpu_forced_splits(splits, monkeypatch):
-    _run_decode([2500, 0, 900, 17], 16, 4, 128, 16, torch.float16, "cuda", splits=splits,
-                monkeypatch=monkeypatch)
+def test_decode_gpu_forced_splits(splits):
+    _run_decode([2500, 0, 900, 17], 16, 4, 128, 16, torch.float16, "cuda", splits=splits)
+
+
+# uneven batches as a server sees them: one long sequence among short ones (the bench's
+# one-long row, and at B=256), lengths spread over 512-16384, ragged lengths with empty
+# contexts at page 1, and D 64
+GPU_WORKLIST = [
+    ([1024] * 63 + [32768], 16, 8, 128, 16),
+    ([int(x) for x in torch.randint(512, 16385, (64,), generator=torch.Generator().manual_seed(0))], 16, 8, 128, 16),
+    ([1000] * 200 + [0] * 55 + [20000], 16, 8, 128, 16),
+    ([0, 1, 17, 97, 1023, 4097, 31, 20480], 16, 8, 128, 1),
+    ([3000, 1, 2222, 0, 65], 16, 2, 64, 32),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("budget", [None, 128], ids=["default", "S128"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", GPU_WORKLIST, ids=lambda c: f"{len(c[0])}x{max(c[0])}-{c[2]}-{c[3]}-{c[4]}")
+def test_decode_worklist_gpu(case, dtype, budget):
+    """configs.decode_worklist on uneven batches, output and lse against the fp64 oracle."""
+    _run_decode(*case, dtype, "cuda", splits=budget, worklist=1, return_lse=True)
 
 
 @gpu
@@ -434,26 +558,34 @@ def test_decode_gpu_fp32_noncontiguous():
 
 @gpu
 @needs_cuda
-def test_decode_cuda_graph_capture():
-    """Decode issues no host sync, so it can be captured and replayed."""
+@pytest.mark.parametrize("worklist", [None, 1], ids=["plain", "worklist"])
+def test_decode_cuda_graph_capture(worklist):
+    """Decode issues no host sync, so it can be captured and replayed; the replay follows new
+    context lengths written into the captured tensor (the work list re-plans on the device)."""
     q, kc, vc, tables, ctx = make_decode_inputs(DecodeCase.of([1000, 37, 2000], 16, 8, 128, 16),
                                                 torch.bfloat16, "cuda")
     def run():
         # check_values=False: the value checks sync with the host, which capture forbids
         return mp.decode_attention(q, kc, vc, tables, ctx, scale=0.088, backend="triton", check_values=False)
 
-    eager = run()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm-up compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    with configs.overriding(decode_worklist=worklist):
+        eager = run()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up compiles outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        # shorter lengths, so every sequence stays within its table row's blocks
+        ctx.copy_(torch.tensor([999, 20, 1500], dtype=ctx.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, run())
 
 
 @gpu

@@ -163,19 +163,19 @@ def _run_paged(q_lens, ctxs, Hq, Hkv, D, page, causal=True, dtype=torch.float16,
 
 
 def _run_decode(ctxs, Hq, Hkv, D, page, dtype=torch.float16, seed=0, scales="per-head", writer="torch",
-                splits=None):
+                splits=None, worklist=None, **modes):
+    """Decode over an fp8 cache against the oracle on the same cache; splits / worklist / modes:
+    configs overrides (decode_splits, decode_worklist, decode_fp8_words...) for the call."""
     (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(
         [1] * len(ctxs), ctxs, Hq, Hkv, D, page, dtype, seed, scales, writer)
     scale = 1.0 / math.sqrt(D)
-    configs.set_override("decode_splits", splits)
-    try:
+    with configs.overriding(decode_splits=splits, decode_worklist=worklist, **modes):
         out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs)
         plain = ops.decode(q, kc, vc, tables, ctx, scale, False, ks, vs)
-    finally:
-        configs.set_override("decode_splits", None)
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
     _check(out, lse, q, dk, dv, cu_q, False, scale,
-           f"fp8 decode ctx{ctxs[:6]} H{Hq}/{Hkv} D{D} p{page} {scales} {writer} splits={splits}")
+           f"fp8 decode ctx{ctxs[:6]} H{Hq}/{Hkv} D{D} p{page} {scales} {writer} splits={splits} "
+           f"worklist={worklist} {modes}")
     return out, lse
 
 
@@ -240,6 +240,14 @@ def test_fp8_scales_matter_interpreter():
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_decode_interpreter(splits):
     _run_decode([17, 0, 97, 1, 64], 8, 2, 64, 16, splits=splits, seed=5)
+
+
+@cpu_only
+@pytest.mark.parametrize("words", [0, 2], ids=["f16", "planes"])
+def test_fp8_decode_worklist_interpreter(words):
+    """Work-list decode (configs.decode_worklist) on fp8 caches: one long sequence among short
+    and empty ones split over the idle slots, through the fp16-dot loop and the planes loop."""
+    _run_decode([300, 0, 17, 1, 33], 8, 2, 64, 16, splits=6, worklist=1, seed=21, decode_fp8_words=words)
 
 
 @cpu_only
@@ -408,6 +416,16 @@ def test_fp8_decode_gpu(dtype):
     _run_decode(ctxs, 32, 8, 128, 16, dtype=dtype)
     _run_decode(ctxs, 16, 2, 128, 256, dtype=dtype, splits=16, writer="triton", scales="equal")
     _run_decode([8191, 3], 8, 8, 64, 1, dtype=dtype, splits=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_decode_worklist_gpu(dtype):
+    """Work-list decode (configs.decode_worklist) on fp8 caches: one long sequence among 1k
+    ones, and ragged lengths with empty contexts at page 1."""
+    _run_decode([1024] * 63 + [32768], 16, 8, 128, 16, dtype=dtype, worklist=1, seed=22)
+    _run_decode([0, 1, 17, 97, 1023, 4097, 31, 20480], 16, 8, 128, 1, dtype=dtype, worklist=1, seed=23)
 
 
 @gpu

@@ -85,27 +85,13 @@ def _run(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, device, seed=0, scale=No
     return out, lse
 
 
-@contextlib.contextmanager
-def _overrides(**kw):
-    """configs.set_override for the duration of a block (None releases one); the previous
-    overrides come back on exit, even on failure."""
-    saved = {k: configs.OVERRIDES.get(k) for k in kw}
-    for k, v in kw.items():
-        configs.set_override(k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            configs.set_override(k, v)  # through set_override: it also bumps overrides_version
-
-
 @pytest.fixture(autouse=True)
 def _new_paged_paths():
     """The tests of this file run the long-chunk kernel (v2, the default) with two-launch
     mixed batches through the short packed launch (not the default: configs.PAGED_MIXED is
     "decode"), so the split stays covered; the decode mode has tests of its own here, and the
     default path is what test_paged.py, test_crosscheck.py and the engine tests run."""
-    with _overrides(paged_long_kernel="v2", paged_mixed="split"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="split"):
         yield
 
 
@@ -173,7 +159,7 @@ def test_paged_gather_variants_interpreter(gather, monkeypatch):
     """Every way of reading block ids (ops.PAGED_GATHER, the v1 kernel's), pages smaller
     and larger than the KV tile, with and without splits."""
     monkeypatch.setattr(ops, "PAGED_GATHER", gather)
-    with _overrides(paged_long_kernel="v1", paged_mixed="one"):
+    with configs.overriding(paged_long_kernel="v1", paged_mixed="one"):
         for page in (1, 4, 32):
             _run([1, 5, 21], [40, 37, 60], 4, 2, 64, page, True, torch.float16, "cpu", seed=page)
         _run([2, 9], [70, 9], 4, 2, 64, 4, True, torch.float16, "cpu", num_splits=3)
@@ -314,17 +300,16 @@ def test_prefill_varlen_return_lse_interpreter(dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("splits", [None, "1", "3"])
-def test_decode_return_lse_interpreter(splits, monkeypatch):
-    if splits is None:
-        monkeypatch.delenv("MINIPAGED_TRITON_DECODE_SPLITS", raising=False)
-    else:
-        monkeypatch.setenv("MINIPAGED_TRITON_DECODE_SPLITS", splits)
+@pytest.mark.parametrize("splits,worklist", [(None, None), (1, None), (3, None), (3, 1), (64, 1)])
+def test_decode_return_lse_interpreter(splits, worklist):
+    """The lse of plain, forced-split and work-list decode (configs overrides), and the same
+    output whether the lse is asked for or not."""
     ctxs = [17, 0, 97, 1]
     q, kc, vc, tables, cu_q, ctx, dk, dv = _problem([1] * 4, ctxs, 4, 2, 64, 16, torch.float16, "cpu", 9)
-    out, lse = ops.decode(q, kc, vc, tables, ctx, 0.125, True)
-    assert torch.equal(out, ops.decode(q, kc, vc, tables, ctx, 0.125))
-    _check(out, lse, q, dk, dv, cu_q, False, 0.125, f"decode lse splits={splits}")
+    with configs.overriding(decode_splits=splits, decode_worklist=worklist):
+        out, lse = ops.decode(q, kc, vc, tables, ctx, 0.125, True)
+        assert torch.equal(out, ops.decode(q, kc, vc, tables, ctx, 0.125))
+    _check(out, lse, q, dk, dv, cu_q, False, 0.125, f"decode lse splits={splits} worklist={worklist}")
 
 
 def _split_decode_identity(ctxs, cut, Hq, Hkv, D, page, dtype, device, splits=None):
@@ -466,7 +451,7 @@ def test_paged_gpu_gluon(case, dtype, causal, loader, monkeypatch):
     q_lens, ctxs, hq, hkv, page = case
     # each loader: the block-table entries read a tile ahead, or per page copy; one warp for K
     # and V, or one for each
-    with _overrides(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(loader != "per-copy"),
+    with configs.overriding(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(loader != "per-copy"),
                     gluon_split_loader=int(loader.startswith("split")),
                     gluon_overlap=None if loader != "split-serial" else 0):
         out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
@@ -737,10 +722,10 @@ def test_paged_launch_plans():
     # the defaults, from the H200 A/B: the long-chunk kernel, a mixed batch's decodes through
     # the decode kernel
     assert (configs.PAGED_LONG_KERNEL, configs.PAGED_MIXED) == ("v2", "decode")
-    with _overrides(paged_long_kernel=None, paged_mixed=None):
+    with configs.overriding(paged_long_kernel=None, paged_mixed=None):
         assert kinds(_plan([40, 1])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
     assert kinds(_plan([4, 1, 4])) == [("v2", 0, 0, True)]                      # spec: one packed launch
-    with _overrides(paged_long_kernel="v2", paged_mixed="split"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="split"):
         assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]                       # uniform chunks
         assert kinds(_plan([40, 1, 0, 4])) == [("v2", 8, 0, False), ("v1", 0, 8, True)]
         # 40 + 40 + 39 tokens: no sequence can have <= 8, so no short launch
@@ -749,15 +734,15 @@ def test_paged_launch_plans():
         # v2 needs the contiguous layout it bakes in, and at most PAGED_SEARCH^2 sequences
         assert kinds(_plan([40, 1], contiguous=False))[0][0] == "v1"
         assert kinds(_plan([40] + [1] * (configs.PAGED_SEARCH ** 2)))[0][0] == "v1"
-    with _overrides(paged_long_kernel="v2", paged_mixed="one"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="one"):
         assert kinds(_plan([40, 1])) == [("v2", 0, 0, False)]
-    with _overrides(paged_long_kernel="v1", paged_mixed="split"):
+    with configs.overriding(paged_long_kernel="v1", paged_mixed="split"):
         assert kinds(_plan([40, 1])) == [("v1", 8, 0, False), ("v1", 0, 8, True)]
-    with _overrides(paged_long_kernel="v2", paged_mixed="split", paged_short=(32, 16, 4, 1)):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="split", paged_short=(32, 16, 4, 1)):
         assert kinds(_plan([40, 1])) == [("v2", 16, 0, False), ("v1", 0, 16, True)]
     # q_len 1 rows through the decode kernel (tile: BLOCK_H rows, the decode BLOCK_N), the
     # rest of a batch with a long chunk through the long launch; short runs stay with it
-    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="decode"):
         assert kinds(_plan([40, 1, 0, 4])) == [("v2", 1, 0, False), ("decode", 0, 1, True)]
         assert kinds(_plan([40, 40])) == [("v2", 0, 0, False)]
         assert kinds(_plan([40, 40, 39])) == [("v2", 0, 0, False)]   # no room for a decode
@@ -767,7 +752,7 @@ def test_paged_launch_plans():
         assert (dec.block_m, dec.block_n) == (16, configs.decode_config(64, torch.float16,
                                                                         torch.device("cpu")).block_n)
         assert _plan([40, 1], Hq=32, Hkv=1)[1].cfg.block_m == 32       # BLOCK_H covers the group
-    with _overrides(paged_long_kernel="v1", paged_mixed="decode"):
+    with configs.overriding(paged_long_kernel="v1", paged_mixed="decode"):
         assert kinds(_plan([40, 1])) == [("v1", 1, 0, False), ("decode", 0, 1, True)]
     assert configs.PAGED_MIXED_MODES == ("one", "split", "decode")
     with pytest.raises(ValueError, match="paged_mixed"):
@@ -799,7 +784,7 @@ def test_paged_mixed_pages_interpreter(page):
     dict(paged_short=(32, 16, 4, 1)),                 # a wider short tile (16 positions)
 ], ids=["v1-split", "v2-one", "no-prefetch", "short32"])
 def test_paged_mixed_variants_interpreter(variant):
-    with _overrides(**variant):
+    with configs.overriding(**variant):
         _mixed(*MIXED[0], 4, 2, 64, 16, True, torch.float16, "cpu", seed=1)
 
 
@@ -843,7 +828,7 @@ def test_paged_long_program_orders_agree_interpreter(ragged):
     assert [x.kernel for x in _plan(q_lens, Hq=8, Hkv=4)][0] == "v2"
     outs = []
     for fastest in (1, 0):
-        with _overrides(paged_heads_fastest=fastest):
+        with configs.overriding(paged_heads_fastest=fastest):
             outs.append(_mixed(q_lens, ctxs, 8, 4, 64, 16, True, torch.float16, "cpu", seed=6))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
@@ -899,7 +884,7 @@ def _nan_scratch():
 
 def _decode_mode(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, seed=0, **kw):
     """_mixed under mixed mode "decode", after checking that the call gets the two launches."""
-    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="decode"):
         kinds = [(x.kernel, x.min_q, x.max_q) for x in _plan(q_lens, Hq=Hq, Hkv=Hkv, D=D, page=page)]
         assert kinds == [("v2", 1, 0), ("decode", 0, 1)], kinds
         with _nan_scratch():
@@ -949,11 +934,11 @@ def test_paged_decode_mode_v1_and_fallbacks_interpreter():
     """With the v1 long kernel (what a non-contiguous cache gets) the long launch skips the
     decodes too; shapes that rule a q_len 1 sequence out, or a batch of short runs, keep
     one launch."""
-    with _overrides(paged_long_kernel="v1", paged_mixed="decode"):
+    with configs.overriding(paged_long_kernel="v1", paged_mixed="decode"):
         assert [(x.kernel, x.min_q, x.max_q) for x in _plan([40, 1])] == [("v1", 1, 0), ("decode", 0, 1)]
         with _nan_scratch():
             _mixed([1, 33, 0, 1, 2], [40, 35, 0, 0, 2], 4, 2, 64, 16, True, torch.float16, "cpu", seed=15)
-    with _overrides(paged_long_kernel="v2", paged_mixed="decode"):
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="decode"):
         assert [x.kernel for x in _plan([40, 1], contiguous=False)] == ["v1", "decode"]
         # 40 + 40 + 2 tokens in 3 sequences: none can be a decode
         assert [x.kernel for x in _plan([40, 40, 2])] == ["v2"]
@@ -988,7 +973,7 @@ def test_paged_gpu_long_and_mixed(case, page):
 ], ids=["old", "v1-split", "v2-one", "no-prefetch", "bm64", "bn32", "short32", "v2-decode", "v1-decode"])
 def test_paged_gpu_variants(variant):
     """Every configuration the A/B script times, on the sm_90 tiles."""
-    with _overrides(**variant):
+    with configs.overriding(**variant):
         _mixed(*GPU_MIXED[0], 16, 8, 128, 16, True, torch.bfloat16, "cuda", seed=7)
         _mixed(*GPU_MIXED[2], 16, 8, 128, 16, False, torch.float16, "cuda", seed=8)
 
@@ -999,7 +984,7 @@ def test_paged_gpu_variants(variant):
 @pytest.mark.parametrize("case", GPU_MIXED, ids=["mixed", "chunked", "ragged"])
 def test_paged_gpu_decode_mode(case, page):
     """Mixed mode "decode" on the sm_90 tiles, outputs and scratch NaN-poisoned."""
-    with _overrides(paged_mixed="decode"), _nan_scratch():
+    with configs.overriding(paged_mixed="decode"), _nan_scratch():
         _mixed(*case, 16, 8, 128, page, True, torch.bfloat16, "cuda", seed=20 + page)
 
 
@@ -1016,7 +1001,7 @@ def test_paged_gpu_decode_mode_variants(variant):
     dtype, causal = kw.pop("dtype", torch.bfloat16), kw.pop("causal", True)
     hq, hkv, d = kw.pop("heads", (16, 8, 128))
     q_lens, ctxs = [1, 700, 0, 1, 4, 1, 129, 1, 16], [1, 4000, 9, 0, 4100, 5000, 129, 32768, 17]
-    with _overrides(paged_mixed="decode"), _nan_scratch():
+    with configs.overriding(paged_mixed="decode"), _nan_scratch():
         _mixed(q_lens, ctxs, hq, hkv, d, 16, causal, dtype, "cuda", seed=30, **kw)
 
 
@@ -1047,7 +1032,7 @@ def test_paged_gpu_decode_mode_graph_and_determinism():
     and is bitwise repeatable; its decode rows equal decode_attention on the same rows."""
     q_lens, ctxs = GPU_MIXED[0]
     q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, 16, 8, 128, 16, torch.bfloat16, "cuda")
-    with _overrides(paged_mixed="decode"):
+    with configs.overriding(paged_mixed="decode"):
         eager = _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max(q_lens))
     decs = [s for s, n in enumerate(q_lens) if n == 1]
     rows = cu_q[torch.tensor(decs, device="cuda")].long()
@@ -1122,7 +1107,7 @@ PACKED = [
 
 
 def _packed_v2(q_lens, ctxs, Hq, Hkv, D, page, causal, dtype, seed=0, **kw):
-    with _overrides(paged_packed_kernel="v2"):
+    with configs.overriding(paged_packed_kernel="v2"):
         plan = _plan(q_lens, Hq=Hq, Hkv=Hkv, D=D, page=page)
         assert [(x.kernel, x.cfg.packed) for x in plan] == [("v2", True)], plan
         with _nan_scratch():
@@ -1134,9 +1119,9 @@ def test_paged_packed_kernel_plans():
     """Packed batches take v2 by default and v1 under the knob; v2 only where its layout
     holds, and never for a forced packed tile."""
     assert configs.PAGED_PACKED_KERNEL == "v2"
-    with _overrides(paged_packed_kernel="v1"):
+    with configs.overriding(paged_packed_kernel="v1"):
         assert [x.kernel for x in _plan([4, 1, 4])] == ["v1"]
-    with _overrides(paged_packed_kernel="v2"):
+    with configs.overriding(paged_packed_kernel="v2"):
         assert [x.kernel for x in _plan([4, 1, 4])] == ["v2"]
         assert [x.kernel for x in _plan([4, 1, 4], contiguous=False)] == ["v1"]
         forced = ops._paged_launches(64, torch.float16, True, 9, 3, 4, 2, torch.device("cpu"), True,
@@ -1156,7 +1141,7 @@ def test_paged_packed_v2_interpreter(case):
 @pytest.mark.parametrize("case", PACKED, ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p256", "g16-D64-p8"])
 def test_paged_packed_v1_interpreter(case):
     """v1 still serves packed tiles over caches v2 cannot take (and under the knob)."""
-    with _overrides(paged_packed_kernel="v1"), _nan_scratch():
+    with configs.overriding(paged_packed_kernel="v1"), _nan_scratch():
         assert [x.kernel for x in _plan(case[0], Hq=case[2], Hkv=case[3], D=case[4], page=case[5])] == ["v1"]
         _mixed(*case, True, torch.float16, "cpu", seed=26)
 
@@ -1189,5 +1174,5 @@ def test_paged_packed_v2_fp8_interpreter(splits):
     """fp8 caches (per-head scales) through v2's packed launch, with its fp16 dots forced (the
     default only for a bf16 q, which the interpreter cannot run)."""
     kw = {} if splits is None else {"num_splits": splits}
-    with _overrides(paged_fp8_f16=1):
+    with configs.overriding(paged_fp8_f16=1):
         _packed_v2(*PACKED[0], True, torch.float16, seed=25, fp8=True, **kw)

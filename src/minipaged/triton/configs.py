@@ -12,6 +12,7 @@ Nothing here imports triton: the numbers are plain ints.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ _PREFILL_SM90 = {
 
 # Tuning scripts force a config through set_override(); the hot path only reads this dict.
 # "prefill": (BM, BN, WARPS, STAGES[, MAXNREG]), "decode": (BN, WARPS, STAGES[, MAXNREG]), "decode_splits": int,
+# "decode_worklist": 0 or 1;
 # "paged": (BM, BN, WARPS, STAGES[, MAXNREG]), "prefill_variant": one of PREFILL_VARIANTS;
 # paged long chunks and mixed batches: "paged_long_kernel" (PAGED_LONG_KERNELS),
 # "paged_mixed" (PAGED_MIXED_MODES), "paged_short": (ROWS, BN, WARPS, STAGES),
@@ -112,7 +114,8 @@ def set_override(name: str, value) -> None:
     """Force (value) or release (None) one config for tuning runs; see OVERRIDES.
     "prefill_variant" takes a name from PREFILL_VARIANTS instead of numbers."""
     global overrides_version
-    if name not in ("prefill", "decode", "decode_splits", "decode_fp8_f16", "decode_fp8_words", "decode_table_ahead",
+    if name not in ("prefill", "decode", "decode_splits", "decode_worklist", "decode_fp8_f16", "decode_fp8_words",
+                    "decode_table_ahead",
                     "paged",
                     "prefill_variant", "prefill_lazy_rescale", "gluon_table_ahead", "gluon_split_loader",
                     "gluon_overlap", "gluon_regs", "gluon_l2_sections", *_PAGED_OVERRIDES):
@@ -126,6 +129,7 @@ def set_override(name: str, value) -> None:
             raise ValueError(f"{name} must be one of {named[name]}, got {value!r}")
         OVERRIDES[name] = value
     elif name in ("paged_prefetch", "paged_heads_fastest", "decode_fp8_f16", "decode_table_ahead", "paged_fp8_f16",
+                  "decode_worklist",
                   "gluon_table_ahead",
                   "gluon_split_loader", "gluon_overlap", "gluon_l2_sections"):
         OVERRIDES[name] = bool(int(value))
@@ -141,6 +145,19 @@ def set_override(name: str, value) -> None:
         OVERRIDES[name] = tuple(int(x) for x in str(value).split(",")) if isinstance(value, str) else value
     overrides_version += 1
 
+
+@contextlib.contextmanager
+def overriding(**values):
+    """set_override of each name for the block (None releases one); the overrides from before
+    come back on exit, even on failure."""
+    saved = {name: OVERRIDES.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            set_override(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            set_override(name, value)  # through set_override: it also bumps overrides_version
 
 _SHORT_CAUSAL_Q = 1024
 
@@ -375,6 +392,24 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
     # at least one KV tile per split
     tiles = -(-max_context_capacity // block_n)
     return max(1, min(want, tiles, MAX_SPLITS))
+
+
+# Work-list decode (decode.py, WORKLIST): each program finds its (sequence, split) from
+# context_lens, so that the splits follow the lengths instead of the table's width. Without
+# it a batch of 64 takes one program per (sequence, KV head) whatever the lengths, and one 32k
+# sequence among 1k ones runs its 32k keys in 8 programs while the rest of the GPU idles.
+# Off until measured on the H200 against the plain plan (scripts/triton_decode_worklist_ab.py).
+DECODE_WORKLIST = False
+# the plan's context_lens vector is one block of this many lanes in every program
+MAX_WORKLIST_BATCH = 1024
+
+
+def decode_worklist(batch: int) -> bool:
+    """Whether a plain decode of `batch` sequences takes the work list ("decode_worklist"
+    override, else DECODE_WORKLIST): from 2 sequences (one has nothing to balance) up to
+    MAX_WORKLIST_BATCH. Its split budget is decode_num_splits of one sequence: what the plain
+    plan gives a batch of one, so equal lengths get about the plain plan's splits."""
+    return 2 <= batch <= MAX_WORKLIST_BATCH and OVERRIDES.get("decode_worklist", DECODE_WORKLIST)
 
 
 # ----------------------------------------------------------------- paged (any q_len)

@@ -17,6 +17,17 @@ an fp32 partial output and its log2-sum-exp per split, and `_decode_reduce`
 merges them (the paged kernel's splits use the same reduce: its partials have
 the same [rows, Hq, splits, D] layout with a token in place of a sequence).
 
+WORKLIST (constexpr, plain decode of 2+ sequences; configs.decode_worklist): the grid is
+(num_slots, kv_head) and a program maps its slot to (sequence, split) from context_lens alone,
+so a sequence's share of the programs follows its length instead of the table's width.
+Sequence b takes n_b = max(1, ceil(ctx_b * S / total - 1/4)) slots, at most its tiles, where
+S = num_splits is the host's split budget (the splits one sequence may take) and total the
+batch's cached tokens; n_b <= ctx_b * S / total + 1, so num_slots = B + S covers every batch.
+Equal lengths get ceil(S / B - 1/4) splits each, about the plain plan's round(S / B); one
+long sequence among short ones gets the splits the short ones leave idle. A sequence of one slot
+writes its output directly; the others write fp32 partials [Hq, num_slots, D] that
+_decode_reduce merges after deriving the same plan. Slots past the batch's last return.
+
 RETURN_LSE (constexpr) also stores the natural-log softmax denominator per
 query head, -inf where the context is empty.
 
@@ -70,6 +81,7 @@ import triton
 import triton.language as tl
 
 from .softmax import (
+    _merge_split_run,
     _merge_splits,
     _q_to_fp16_range,
     _softmax_step,
@@ -206,6 +218,32 @@ def _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3, k0, k1, k2, k
 
 
 @triton.jit
+def _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The work-list plan (module docstring, WORKLIST) of the first num_rows sequences, padded
+    to BLOCK_B: (ctx, n, ends) [BLOCK_B], the context lengths, the slots of each sequence
+    (0 past num_rows) and their running sum (sequence b owns slots ends[b] - n[b] .. ends[b] - 1).
+    The decode kernel and its reduce both call this, so they agree on every slot."""
+    offs_b = tl.arange(0, BLOCK_B)
+    row_ok = offs_b < num_rows
+    ctx = tl.load(context_lens + offs_b, mask=row_ok, other=0)
+    ctx64 = ctx.to(tl.int64)
+    total = tl.sum(ctx64, 0)
+    # ceil(ctx * S / total - 1/4) in integers: ceil((4 ctx S - total) / (4 total))
+    num = 4 * ctx64 * num_splits - total
+    den = 4 * tl.maximum(total, 1)
+    n = tl.where(num > 0, (num + den - 1) // den, 0)
+    n = tl.maximum(tl.minimum(n, tl.cdiv(ctx64, BLOCK_N)), 1)
+    n = tl.where(row_ok, n, 0).to(tl.int32)
+    return ctx, n, tl.cumsum(n, 0)
+
+
+@triton.jit
+def _worklist_pick(values, offs_b, row):
+    """values[row] of a [BLOCK_B] plan vector (a masked sum: Triton has no dynamic index)."""
+    return tl.sum(tl.where(offs_b == row, values, 0), 0)
+
+
+@triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -231,10 +269,28 @@ def _decode_kernel(
     FP8_WORDS: tl.constexpr = 0,
     HW_CVT: tl.constexpr = False,
     TABLE_AHEAD: tl.constexpr = False,
+    WORKLIST: tl.constexpr = False,
+    BLOCK_B: tl.constexpr = 1,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if WORKLIST:
+        # grid (B + S, Hkv), S = num_splits: the slot's sequence is the number of sequences whose
+        # slots all lie before it (ends is non-decreasing, and stays at the used count past B)
+        slot = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_rows = tl.num_programs(0) - num_splits
+        ctx_all, n_all, ends = _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B, BLOCK_N)
+        offs_b = tl.arange(0, BLOCK_B)
+        seq = tl.sum((ends <= slot).to(tl.int32), 0)
+        if seq >= num_rows:
+            return
+        seq_splits = _worklist_pick(n_all, offs_b, seq)
+        split = slot - (_worklist_pick(ends, offs_b, seq) - seq_splits)
+        ctx = _worklist_pick(ctx_all, offs_b, seq)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_splits = num_splits
     if PACKED_Q:
         q_row = tl.load(cu_seqlens_q + seq)
         # a sequence of 0 or several tokens belongs to the paged launch of the same call
@@ -243,9 +299,10 @@ def _decode_kernel(
     if KV_FP8:
         qk_scale_log2 = qk_scale_log2 * tl.load(K_scale + kv_head)
 
-    ctx = tl.load(context_lens + seq)
+    if not WORKLIST:
+        ctx = tl.load(context_lens + seq)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.cdiv(num_tiles, seq_splits)
     n_begin = split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, ctx)
     # full tiles run without masks; the ragged last tile of the sequence is masked
@@ -347,19 +404,40 @@ def _decode_kernel(
     if KV_FP8:
         # the reduce's weighted mean of split partials is linear: scaling each is exact
         out = out * tl.load(V_scale + kv_head)
-    if SPLIT:
+    if WORKLIST:
+        if seq_splits == 1:
+            _store_output(O, LSE, row64, heads, head_ok, offs_d, out, l_i, m_i, l_safe,
+                          stride_ob, stride_oh, stride_lb, stride_lh, RETURN_LSE)
+        else:
+            # partial layout [Hq, num_slots, D] and [Hq, num_slots], fp32
+            row = heads.to(tl.int64) * tl.num_programs(0) + slot
+            _store_partial(O_partial, LSE_partial, row, head_ok, offs_d, out, l_i, m_i, l_safe, HEAD_DIM)
+    elif SPLIT:
         # partial layout [B, Hq, num_splits, D] and [B, Hq, num_splits], fp32
         row = (seq64 * (kv_group * tl.num_programs(1)) + heads.to(tl.int64)) * num_splits + split
-        tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        tl.store(LSE_partial + row, lse, mask=head_ok)
+        _store_partial(O_partial, LSE_partial, row, head_ok, offs_d, out, l_i, m_i, l_safe, HEAD_DIM)
     else:
-        tl.store(O + row64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=head_ok[:, None])
-        if RETURN_LSE:
-            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-            tl.store(LSE + row64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
+        _store_output(O, LSE, row64, heads, head_ok, offs_d, out, l_i, m_i, l_safe,
+                      stride_ob, stride_oh, stride_lb, stride_lh, RETURN_LSE)
 
+
+@triton.jit
+def _store_partial(O_partial, LSE_partial, row, head_ok, offs_d, out, l_i, m_i, l_safe, HEAD_DIM: tl.constexpr):
+    """A split's normalised fp32 output and base-2 lse (-inf when it saw no key) at `row`."""
+    tl.store(O_partial + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE_partial + row, lse, mask=head_ok)
+
+
+@triton.jit
+def _store_output(O, LSE, row64, heads, head_ok, offs_d, out, l_i, m_i, l_safe,
+                  stride_ob, stride_oh, stride_lb, stride_lh, RETURN_LSE: tl.constexpr):
+    """A whole context's output in O's dtype, and (RETURN_LSE) its natural-log lse."""
+    tl.store(O + row64 * stride_ob + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=head_ok[:, None])
+    if RETURN_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(LSE + row64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 @triton.jit
 def _decode_reduce(
@@ -372,7 +450,14 @@ def _decode_reduce(
     RETURN_LSE: tl.constexpr,
     cu_seqlens_q=None,
     PACKED_Q: tl.constexpr = False,
+    context_lens=None,
+    WORKLIST: tl.constexpr = False,
+    BLOCK_B: tl.constexpr = 1,
+    BLOCK_N: tl.constexpr = 1,
 ):
+    """Grid (B, Hq). WORKLIST: the kernel's plan again (same BLOCK_N and budget num_splits, so
+    B + num_splits slots); a sequence of one slot was written by the kernel, the others merge
+    their consecutive slots in chunks of SPLITS_POW2."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if PACKED_Q:
@@ -381,8 +466,20 @@ def _decode_reduce(
         if tl.load(cu_seqlens_q + seq + 1) - q_row != 1:
             return
     offs_d = tl.arange(0, HEAD_DIM)
-    row0 = (seq.to(tl.int64) * num_q_heads + head) * num_splits
-    out, m_sub, total = _merge_splits(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM, SPLITS_POW2)
+    if WORKLIST:
+        _, n_all, ends = _worklist_plan(context_lens, tl.num_programs(0), num_splits, BLOCK_B, BLOCK_N)
+        offs_b = tl.arange(0, BLOCK_B)
+        seq_splits = _worklist_pick(n_all, offs_b, seq)
+        if seq_splits == 1:
+            return
+        num_slots = tl.num_programs(0) + num_splits
+        row0 = head.to(tl.int64) * num_slots + (_worklist_pick(ends, offs_b, seq) - seq_splits)
+        out, m_sub, total = _merge_split_run(O_partial, LSE_partial, row0, seq_splits, offs_d, HEAD_DIM,
+                                             SPLITS_POW2)
+    else:
+        row0 = (seq.to(tl.int64) * num_q_heads + head) * num_splits
+        out, m_sub, total = _merge_splits(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM,
+                                          SPLITS_POW2)
     if PACKED_Q:
         row64 = q_row.to(tl.int64)
     else:

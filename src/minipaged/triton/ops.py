@@ -163,9 +163,11 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
         cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn,
                             batch * num_kv_heads)
         capacity = block_tables.shape[1] * page_size
-        num_splits = decode_num_splits(batch, num_kv_heads, capacity, cfg.block_n, q.device)
+        worklist = configs.decode_worklist(batch)
+        # the work list's budget is that of one sequence (configs.decode_worklist)
+        num_splits = decode_num_splits(1 if worklist else batch, num_kv_heads, capacity, cfg.block_n, q.device)
         block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
-        plan = _decode_plans[key] = (cfg, num_splits, block_h)
+        plan = _decode_plans[key] = (cfg, num_splits, block_h, worklist)
     return plan
 
 
@@ -207,33 +209,41 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = _lse_buffer((batch, num_q_heads), q.device, return_lse)
     if out.numel() == 0:
         return _result(out, lse)
-    cfg, num_splits, block_h = _decode_plan(q, k_cache, block_tables)
-    split = num_splits > 1
-    # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs
-    o_partial, lse_partial = _split_partials(batch * num_q_heads * num_splits, head_dim, out, split)
+    cfg, num_splits, block_h, worklist = _decode_plan(q, k_cache, block_tables)
+    # a work list has batch + S slots per KV head (decode.py, WORKLIST), the plain plan S per sequence
+    num_slots = batch + num_splits if worklist else 0
+    split = worklist or num_splits > 1
+    # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs; a work list's [Hq, slots, D], [Hq, slots]
+    o_partial, lse_partial = _split_partials(num_q_heads * (num_slots or batch * num_splits), head_dim, out, split)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
         _launch_decode_kernel(batch, num_splits, block_h, cfg, q, k_cache, v_cache, block_tables, context_lens,
                               out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale,
-                              lse is not None)
+                              lse is not None, num_slots=num_slots)
         if split:
             _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, batch, num_q_heads,
-                           num_splits, head_dim, lse is not None)
+                           num_splits, head_dim, lse is not None, context_lens=context_lens if worklist else None,
+                           block_n=cfg.block_n)
     return _result(out, lse)
 
 
 def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, k_cache, v_cache, block_tables,
                           context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8: bool,
-                          scale: float, return_lse: bool, cu_seqlens_q=None) -> None:
+                          scale: float, return_lse: bool, cu_seqlens_q=None, num_slots: int = 0) -> None:
     """_decode_kernel over num_rows sequences x KV heads x num_splits, BLOCK_H query heads
     per program and cfg's key tile. cu_seqlens_q: the packed decode rows of a paged call
-    (PACKED_Q: q, out and lse are [Tq, ...] and programs of other q_lens return at once)."""
+    (PACKED_Q: q, out and lse are [Tq, ...] and programs of other q_lens return at once).
+    num_slots > 0: a work list of that many slots x KV heads, num_splits its budget."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     packed = cu_seqlens_q is not None
+    assert not (packed and num_slots), "work lists serve plain decode only"
     words = _fp8_words(fp8, q, k_cache, v_cache)
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+    grid = (num_slots, num_kv_heads, 1) if num_slots else (num_rows, num_kv_heads, num_splits)
+    assert not num_slots or num_slots == num_rows + num_splits, "a work list has B + S slots (decode.py, WORKLIST)"
+    worklist = dict(WORKLIST=True, BLOCK_B=triton.next_power_of_2(num_rows)) if num_slots else {}
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,
         *_paged_strides(q, k_cache, v_cache, block_tables, out),
@@ -253,6 +263,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
         TABLE_AHEAD=configs.decode_table_ahead(cfg),
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
+        **worklist,
         **cfg.launch_options(),
     )
 
@@ -272,21 +283,33 @@ def _fp8_words(fp8: bool, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int, num_q_heads: int,
-                   num_splits: int, head_dim: int, return_lse: bool, cu_seqlens_q=None) -> None:
+                   num_splits: int, head_dim: int, return_lse: bool, cu_seqlens_q=None, context_lens=None,
+                   block_n: int = 1) -> None:
     """Merges the split-KV partials of `rows` rows (sequences) into out / lse. cu_seqlens_q:
-    the partials are per sequence and out is packed by token (paged decode rows)."""
-    packed = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "PACKED_Q": True}
+    the partials are per sequence and out is packed by token (paged decode rows). context_lens:
+    a work list's partials (the decode launch's budget num_splits, so rows + num_splits slots,
+    and its key tile block_n), merged in chunks of up to 16 splits."""
+    extra = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "PACKED_Q": True}
+    chunk = triton.next_power_of_2(num_splits)
+    if context_lens is not None:
+        extra = dict(context_lens=context_lens, WORKLIST=True,
+                     BLOCK_B=triton.next_power_of_2(rows), BLOCK_N=block_n)
+        chunk = min(chunk, _WORKLIST_MERGE_CHUNK)
     _decode_reduce[(rows, num_q_heads)](
         o_partial, lse_partial, out, lse_arg,
         out.stride(0), out.stride(1),
         *lse_strides,
         num_q_heads, num_splits,
         HEAD_DIM=head_dim,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
+        SPLITS_POW2=chunk,
         RETURN_LSE=return_lse,
-        **packed,
+        **extra,
         num_warps=4,
     )
+
+
+# splits a work-list merge folds per step: a long sequence may take a hundred of them
+_WORKLIST_MERGE_CHUNK = 16
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -95,6 +95,32 @@ def _merge_splits(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM: tl
 
 
 @triton.jit
+def _merge_split_run(O_partial, LSE_partial, row0, num_splits, offs_d, HEAD_DIM: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """_merge_splits for any number of splits: rows row0 .. row0 + num_splits - 1 folded CHUNK
+    at a time into a running (acc, total, m), rescaled as the maximum grows. -> (out [HEAD_DIM]
+    fp32, m_sub, total) with _merge_splits' meaning."""
+    offs_s = tl.arange(0, CHUNK)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        split_ok = s0 + offs_s < num_splits
+        lse = tl.load(LSE_partial + row0 + s0 + offs_s, mask=split_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_sub)
+        w = tl.math.exp2(lse - m_sub)
+        parts = tl.load(O_partial + (row0 + s0 + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                        mask=split_ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(parts * w[:, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    return out, tl.where(m == float("-inf"), 0.0, m), total
+
+
+@triton.jit
 def _split_lse(m_sub, total):
     """The natural-log lse of merged splits (_merge_splits): -inf when no split saw a key."""
     return tl.where(total == 0.0, float("-inf"),

@@ -1,0 +1,127 @@
+"""A/B of Triton's work-list decode (configs.decode_worklist) against the plain plan, on the H200.
+
+The plain plan sizes its KV splits from the block table's width, the same for every sequence:
+a batch of 64 gets one program per (sequence, KV head), so one 32k sequence among 1k ones runs
+its 32k keys in 8 programs while the GPU idles (the bench's one-long row, 0.11x FlashInfer at
+19ecb43). The work list gives each sequence programs in proportion to its length, planned on
+the device from context_lens (decode.py, WORKLIST). This times both on the standard decode grid
+(16-bit and fp8 caches), the two interleaved in each of --rounds rounds, same process, and
+prints work list / plain per row. DECODE_WORKLIST in configs.py goes on only if the uneven rows
+gain and no other row loses.
+
+    PYTHONPATH=src python scripts/triton_decode_worklist_ab.py --json OUT.json [--rounds 2]
+
+Each mode is first checked on an uneven batch (one long sequence among short and empty ones,
+NaN-poisoned unused cache slots) against the fp64 oracle of minipaged.testing, 16-bit and fp8;
+the timing runs only if both pass. Timing: minipaged.benchmark.timing.time_fn, CUDA-graph
+replays, cold L2 (read flush between replays), median of --reps.
+--smoke runs the plumbing on CPU under the interpreter (fp16, tiny shapes); it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+import minipaged as mp
+from minipaged import testing
+from minipaged.benchmark import cases as bench_cases
+from minipaged.benchmark.timing import time_fn
+from minipaged.triton import configs
+
+MODES = {"plain": 0, "worklist": 1}
+
+
+def _inputs(case, dtype, device, fp8: bool, seed: int, poison: bool = True):
+    q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=seed, poison=poison)
+    if not fp8:
+        return q, kc, vc, bt, cl, {}
+    kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc)
+    return q, kc8, vc8, bt, cl, dict(k_scale=ks, v_scale=vs)
+
+
+def _check(mode: str, fp8: bool, dtype, device) -> str:
+    """'' if `mode` matches the oracle on an uneven batch, else why not."""
+    gpu = device.type == "cuda"
+    lens = [1024] * 20 + [0, 1, 17, 20000] if gpu else [300, 0, 17, 1, 33]
+    case = testing.DecodeCase.of(lens, 16 if gpu else 4, 8 if gpu else 2, 128 if gpu else 64)
+    q, kc, vc, bt, cl, kw = _inputs(case, dtype, device, fp8, seed=3)
+    kd, vd = ((bench_cases.dequantize_fp8(kc, kw["k_scale"]), bench_cases.dequantize_fp8(vc, kw["v_scale"]))
+              if fp8 else (kc, vc))
+    keys, vals = testing.gather_kv(kd, vd, bt, cl)
+    truth, truth_lse = testing.decode_ref(q, keys, vals)
+    lowp, _ = testing.decode_ref(q, keys, vals, lowp=True)
+    try:
+        with configs.overriding(decode_worklist=MODES[mode]):
+            out, lse = mp.decode_attention(q, kc, vc, bt, cl, return_lse=True, backend="triton", **kw)
+        testing.assert_close(out, truth, lowp, f"{mode} fp8={fp8}", lse=lse, truth_lse=truth_lse)
+    except Exception as e:  # noqa: BLE001 - a mode that is wrong is reported, not timed
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return ""
+
+
+def _time(case, mode: str, fp8: bool, dtype, device, reps: int) -> float:
+    q, kc, vc, bt, cl, kw = _inputs(case, dtype, device, fp8, seed=0, poison=False)
+    with configs.overriding(decode_worklist=MODES[mode]):
+        fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
+        t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
+    return t.median_ms * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved plain / work-list rounds per row")
+    ap.add_argument("--no-fp8", action="store_true", help="16-bit caches only")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float16 if args.smoke else torch.bfloat16
+    grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
+    if args.smoke:
+        grid.append(testing.DecodeCase.of((16,) * 3 + (256,), **bench_cases.QUICK_HEADS, block_size=16))
+    caches = [False] if args.no_fp8 else [False, True]
+    t0 = time.time()
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "dtype": str(dtype), "triton": __import__("triton").__version__, "rows": [], "failed": {}}
+    for fp8 in caches:
+        for mode in MODES:
+            why = _check(mode, fp8, dtype, device)
+            print(f"check {mode} fp8={fp8}: {'ok' if not why else why}", flush=True)
+            if why:
+                results["failed"][f"{mode} fp8={fp8}"] = why
+    if results["failed"]:
+        print("a check failed: nothing timed")
+    else:
+        for fp8 in caches:
+            for case in grid:
+                times = {mode: [] for mode in MODES}
+                for _ in range(args.rounds):
+                    for mode in MODES:
+                        times[mode].append(_time(case, mode, fp8, dtype, device, args.reps))
+                med = {mode: statistics.median(ts) for mode, ts in times.items()}
+                row = {"case": case.label, "kv": "fp8" if fp8 else "16-bit", "us": times,
+                       "ratio": med["worklist"] / med["plain"]}
+                results["rows"].append(row)
+                print(f"{case.label:40s} {row['kv']:6s} plain {med['plain']:9.1f} us  work list "
+                      f"{med['worklist']:9.1f} us  {row['ratio']:.3f}x", flush=True)
+    print(f"took {time.time() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
