@@ -14,6 +14,7 @@ interpreter; 16, 32, 64 and 128 on the GPU), Nq > Nk, empty sequences, and
 decode contexts one past a page or a KV tile.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -103,13 +104,27 @@ def _run_varlen(backend, dtype, device, case):
 
 def _run_decode(backend, dtype, device, case):
     q, kc, vc, tables, lens = make_decode_inputs(case, dtype, device, seed=hash(case) % 1000, poison=True)
-    out = mp.decode_attention(q, kc, vc, tables, lens, backend=backend)
-    assert out.dtype == dtype
     keys, vals = gather_kv(kc, vc, tables, lens)
     ref, ref_lse = decode_ref(q, keys, vals)
     base, _ = decode_ref(q, keys, vals, lowp=True)
-    for b in range(case.batch):
-        assert_close(out[b], ref[b], base[b], f"{backend} seq {b} of {case}", truth_lse=ref_lse[b])
+    for plan, scope in _decode_plans(backend):
+        with scope:
+            out = mp.decode_attention(q, kc, vc, tables, lens, backend=backend)
+        assert out.dtype == dtype
+        for b in range(case.batch):
+            assert_close(out[b], ref[b], base[b], f"{backend} ({plan}) seq {b} of {case}", truth_lse=ref_lse[b])
+
+
+def _decode_plans(backend):
+    """(name, context) of each plan to check a backend's decode under: its default, and for
+    triton also the work-list plan while that is not the default (configs.decode_worklist)."""
+    plans = [("default plan", contextlib.nullcontext())]
+    if backend == "triton":
+        from minipaged.triton import configs
+
+        if not configs.DECODE_WORKLIST:
+            plans.append(("work list", configs.overriding(decode_worklist=1)))
+    return plans
 
 
 def _run_write(backend, dtype, device, case):
