@@ -19,6 +19,7 @@ plus a small absolute floor.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from fractions import Fraction
@@ -327,11 +328,15 @@ def test_decode_worklist_interpreter(case, dtype):
 
 @triton.jit
 def _worklist_probe(context_lens, num_rows_of, n_out, ends_out, num_splits, BLOCK_B: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """Program b stores the work-list plan of batch b (row b of context_lens, num_rows_of[b] long)."""
+                    BLOCK_N: tl.constexpr, cu_seqlens_q=None, PACKED_Q: tl.constexpr = False):
+    """Program b stores the work-list plan of batch b (row b of context_lens, num_rows_of[b] long;
+    PACKED_Q: of cu_seqlens_q too, BLOCK_B + 1 per batch)."""
     b = tl.program_id(0)
     num_rows = tl.load(num_rows_of + b)
-    _, n, ends = _worklist_plan(context_lens + b * BLOCK_B, num_rows, num_splits, BLOCK_B, BLOCK_N)
+    if PACKED_Q:
+        cu_seqlens_q += b * (BLOCK_B + 1)
+    _, n, ends = _worklist_plan(context_lens + b * BLOCK_B, num_rows, num_splits, BLOCK_B, BLOCK_N, cu_seqlens_q,
+                                PACKED_Q)
     offs = tl.arange(0, BLOCK_B)
     tl.store(n_out + b * BLOCK_B + offs, n)
     tl.store(ends_out + b * BLOCK_B + offs, ends)
@@ -390,6 +395,26 @@ def test_decode_worklist_plan_interpreter():
             assert max(want) <= max(budget, 1)
             if len(set(batch)) == 1 and batch[0] >= block_n * budget:
                 assert abs(want[0] - max(1.0, budget / len(batch))) <= 0.75
+    # a paged batch's decode rows (PACKED_Q): only the q_len 1 sequences take slots, planned as
+    # a batch of those alone
+    for budget in (1, 5, 66):
+        q_lens = [[rng.choice([0, 1, 1, 1, 4, 300]) for _ in range(rng.randint(2, block_b))] for _ in range(40)]
+        batches = [[rng.choice([0, rng.randint(1, 30000)]) for _ in ql] for ql in q_lens]
+        lens = torch.full((len(batches), block_b), -7, dtype=torch.int32)
+        cu = torch.full((len(batches), block_b + 1), -7, dtype=torch.int32)
+        for i, (ql, batch) in enumerate(zip(q_lens, batches)):
+            lens[i, :len(batch)] = torch.tensor(batch, dtype=torch.int32)
+            cu[i, :len(ql) + 1] = torch.tensor([0, *itertools.accumulate(ql)], dtype=torch.int32)
+        rows = torch.tensor([len(batch) for batch in batches], dtype=torch.int32)
+        n = torch.full_like(lens, -1)
+        ends = torch.full_like(lens, -1)
+        _worklist_probe[(len(batches),)](lens, rows, n, ends, budget, BLOCK_B=block_b, BLOCK_N=block_n,
+                                         cu_seqlens_q=cu, PACKED_Q=True)
+        for i, (ql, batch) in enumerate(zip(q_lens, batches)):
+            decodes = [c for q, c in zip(ql, batch) if q == 1]
+            want = iter(_worklist_counts(decodes, budget, block_n))
+            assert n[i, :len(batch)].tolist() == [next(want) if q == 1 else 0 for q in ql], (budget, ql[:8])
+            assert ends[i].tolist() == torch.cumsum(n[i], 0).tolist()
     # one 32k sequence among 63 of 1k (the bench's one-long row) with an H200's budget of 66
     # slots per KV head: 22 splits for the long one, one for each short one
     assert _worklist_counts([1024] * 63 + [32768], 66, 32) == [1] * 63 + [22]

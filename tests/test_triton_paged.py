@@ -930,6 +930,19 @@ def test_paged_decode_mode_fp8_interpreter(splits):
 
 
 @cpu_only
+@pytest.mark.parametrize("budget", [None, 6])
+@pytest.mark.parametrize("case", DECODE_MIXED + [([1, 1, 40, 1, 0, 1], [300, 3, 60, 0, 9, 17], 4, 2, 64, 16)],
+                         ids=["g2-D64-p16", "g8-D64-p1", "g1-D128-p128", "one-long"])
+def test_paged_decode_mode_worklist_interpreter(case, budget):
+    """configs.decode_worklist on a paged batch's decode rows: only the q_len 1 sequences take
+    slots; the long launch writes the others. NaN-poisoned scratch, so a slot that no program
+    fills or a reduce that merges a skipped sequence shows."""
+    with configs.overriding(decode_worklist=1, decode_splits=budget):
+        _decode_mode(*case, True, torch.float16, seed=16)
+        _decode_mode(*case, True, torch.float16, seed=17, fp8=True)
+
+
+@cpu_only
 def test_paged_decode_mode_v1_and_fallbacks_interpreter():
     """With the v1 long kernel (what a non-contiguous cache gets) the long launch skips the
     decodes too; shapes that rule a q_len 1 sequence out, or a batch of short runs, keep
@@ -1003,6 +1016,24 @@ def test_paged_gpu_decode_mode_variants(variant):
     q_lens, ctxs = [1, 700, 0, 1, 4, 1, 129, 1, 16], [1, 4000, 9, 0, 4100, 5000, 129, 32768, 17]
     with configs.overriding(paged_mixed="decode"), _nan_scratch():
         _mixed(q_lens, ctxs, hq, hkv, d, 16, causal, dtype, "cuda", seed=30, **kw)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [dict(), dict(fp8=True), dict(heads=(16, 2, 64)), dict(budget=128)],
+                         ids=["bf16", "fp8", "g8-D64", "S128"])
+def test_paged_gpu_decode_mode_worklist(variant):
+    """configs.decode_worklist on a paged batch's decode rows (one 32k decode among short ones
+    and a 700-token chunk), scratch NaN-poisoned, and bitwise repeatable under a CUDA graph."""
+    kw = dict(variant)
+    hq, hkv, d = kw.pop("heads", (16, 8, 128))
+    q_lens, ctxs = [1, 700, 0, 1, 4, 1, 129, 1, 16] + [1] * 40, [1, 4000, 9, 0, 4100, 5000, 129, 32768, 17] + [900] * 40
+    with configs.overriding(paged_mixed="decode", decode_worklist=1, decode_splits=kw.pop("budget", None)):
+        with _nan_scratch():
+            _mixed(q_lens, ctxs, hq, hkv, d, 16, True, torch.bfloat16, "cuda", seed=31, **kw)
+        if not kw:
+            q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, d, 16, torch.bfloat16, "cuda")
+            _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max(q_lens))
 
 
 def _graph_and_repeatable(q, kc, vc, tables, cu_q, ctx, max_q):

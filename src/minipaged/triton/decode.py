@@ -26,7 +26,8 @@ batch's cached tokens; n_b <= ctx_b * S / total + 1, so num_slots = B + S covers
 Equal lengths get ceil(S / B - 1/4) splits each, about the plain plan's round(S / B); one
 long sequence among short ones gets the splits the short ones leave idle. A sequence of one slot
 writes its output directly; the others write fp32 partials [Hq, num_slots, D] that
-_decode_reduce merges after deriving the same plan. Slots past the batch's last return.
+_decode_reduce merges after deriving the same plan. Slots past the batch's last return. With
+PACKED_Q only the q_len 1 sequences take slots.
 
 RETURN_LSE (constexpr) also stores the natural-log softmax denominator per
 query head, -inf where the context is empty.
@@ -70,9 +71,9 @@ PACKED_Q (constexpr, default off): the decode rows of a paged batch (ops.paged, 
 cu_seqlens_q[b+1] - cu_seqlens_q[b] is 1, and then its query, output and lse row is the
 packed token cu_seqlens_q[b] ([Tq, Hq, D] and [Tq, Hq]); a program of any other sequence
 returns before it reads or writes anything, and so does its reduce program. Split partials
-stay indexed by b. Decided on the device, so the launch needs no host sync. Off, the
-argument cu_seqlens_q is None (a compile-time constant), so the plain decode kernel keeps
-its parameter list and its code.
+stay indexed by b (by slot under a work list). Decided on the device, so the launch needs no
+host sync. Off, the argument cu_seqlens_q is None (a compile-time constant), so the plain
+decode kernel keeps its parameter list and its code.
 """
 
 from __future__ import annotations
@@ -218,13 +219,18 @@ def _softmax_step_planes(a0, a1, a2, a3, l_i, m_i, q0, q1, q2, q3, k0, k1, k2, k
 
 
 @triton.jit
-def _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+def _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                   cu_seqlens_q=None, PACKED_Q: tl.constexpr = False):
     """The work-list plan (module docstring, WORKLIST) of the first num_rows sequences, padded
     to BLOCK_B: (ctx, n, ends) [BLOCK_B], the context lengths, the slots of each sequence
     (0 past num_rows) and their running sum (sequence b owns slots ends[b] - n[b] .. ends[b] - 1).
+    PACKED_Q: only the sequences of q_len 1 take slots (and count in the total).
     The decode kernel and its reduce both call this, so they agree on every slot."""
     offs_b = tl.arange(0, BLOCK_B)
     row_ok = offs_b < num_rows
+    if PACKED_Q:
+        q_begin = tl.load(cu_seqlens_q + offs_b, mask=row_ok, other=0)
+        row_ok = row_ok & (tl.load(cu_seqlens_q + offs_b + 1, mask=row_ok, other=0) - q_begin == 1)
     ctx = tl.load(context_lens + offs_b, mask=row_ok, other=0)
     ctx64 = ctx.to(tl.int64)
     total = tl.sum(ctx64, 0)
@@ -278,7 +284,8 @@ def _decode_kernel(
         slot = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_rows = tl.num_programs(0) - num_splits
-        ctx_all, n_all, ends = _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B, BLOCK_N)
+        ctx_all, n_all, ends = _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B, BLOCK_N, cu_seqlens_q,
+                                              PACKED_Q)
         offs_b = tl.arange(0, BLOCK_B)
         seq = tl.sum((ends <= slot).to(tl.int32), 0)
         if seq >= num_rows:
@@ -467,7 +474,8 @@ def _decode_reduce(
             return
     offs_d = tl.arange(0, HEAD_DIM)
     if WORKLIST:
-        _, n_all, ends = _worklist_plan(context_lens, tl.num_programs(0), num_splits, BLOCK_B, BLOCK_N)
+        _, n_all, ends = _worklist_plan(context_lens, tl.num_programs(0), num_splits, BLOCK_B, BLOCK_N, cu_seqlens_q,
+                                        PACKED_Q)
         offs_b = tl.arange(0, BLOCK_B)
         seq_splits = _worklist_pick(n_all, offs_b, seq)
         if seq_splits == 1:

@@ -238,7 +238,6 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     packed = cu_seqlens_q is not None
-    assert not (packed and num_slots), "work lists serve plain decode only"
     words = _fp8_words(fp8, q, k_cache, v_cache)
     grid = (num_slots, num_kv_heads, 1) if num_slots else (num_rows, num_kv_heads, num_splits)
     assert not num_slots or num_slots == num_rows + num_splits, "a work list has B + S slots (decode.py, WORKLIST)"
@@ -292,8 +291,7 @@ def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int,
     extra = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "PACKED_Q": True}
     chunk = triton.next_power_of_2(num_splits)
     if context_lens is not None:
-        extra = dict(context_lens=context_lens, WORKLIST=True,
-                     BLOCK_B=triton.next_power_of_2(rows), BLOCK_N=block_n)
+        extra.update(context_lens=context_lens, WORKLIST=True, BLOCK_B=triton.next_power_of_2(rows), BLOCK_N=block_n)
         chunk = min(chunk, _WORKLIST_MERGE_CHUNK)
     _decode_reduce[(rows, num_q_heads)](
         o_partial, lse_partial, out, lse_arg,
@@ -631,18 +629,24 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = launch.cfg
+    # a forced split count keeps the plain plan (tests and tuning); the work list's budget is
+    # that of one sequence (configs.decode_worklist)
+    worklist = num_splits is None and configs.decode_worklist(num_seqs)
     # from shapes: every sequence counts as a decode (an upper bound of the decodes)
-    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size,
-                                             cfg.block_n, q.device)
-    split = splits > 1
-    # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs
-    o_partial, lse_partial = _split_partials(num_seqs * num_q_heads * splits, head_dim, out, split)
+    splits = num_splits or decode_num_splits(1 if worklist else num_seqs, num_kv_heads,
+                                             block_tables.shape[1] * page_size, cfg.block_n, q.device)
+    num_slots = num_seqs + splits if worklist else 0
+    split = worklist or splits > 1
+    # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs; a
+    # work list's by slot, [Hq, slots, D] and [Hq, slots]
+    o_partial, lse_partial = _split_partials(num_q_heads * (num_slots or num_seqs * splits), head_dim, out, split)
     _launch_decode_kernel(num_seqs, splits, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
                           out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale, return_lse,
-                          cu_seqlens_q=cu_seqlens_q)
+                          cu_seqlens_q=cu_seqlens_q, num_slots=num_slots)
     if split:
         _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, num_seqs, num_q_heads, splits, head_dim,
-                       return_lse, cu_seqlens_q=cu_seqlens_q)
+                       return_lse, cu_seqlens_q=cu_seqlens_q, context_lens=context_lens if worklist else None,
+                       block_n=cfg.block_n)
 
 
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
