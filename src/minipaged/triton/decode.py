@@ -244,9 +244,31 @@ def _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B: tl.constexpr, BL
 
 
 @triton.jit
-def _worklist_pick(values, offs_b, row):
-    """values[row] of a [BLOCK_B] plan vector (a masked sum: Triton has no dynamic index)."""
-    return tl.sum(tl.where(offs_b == row, values, 0), 0)
+def _sum2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _sum4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _worklist_slot(ctx, n, ends, slot, BLOCK_B: tl.constexpr):
+    """(sequence, its slot count, its first slot, its context length) of work slot `slot` under
+    the plan (ctx, n, ends) of _worklist_plan: the one lane whose slots hold it, read out in one
+    block reduction (Triton has no dynamic index); a count of 0 past the batch's last slot."""
+    first = ends - n
+    mine = (first <= slot) & (slot < ends)
+    return tl.reduce((tl.where(mine, tl.arange(0, BLOCK_B), 0), tl.where(mine, n, 0), tl.where(mine, first, 0),
+                      tl.where(mine, ctx, 0)), 0, _sum4)
+
+
+@triton.jit
+def _worklist_row(n, ends, seq, BLOCK_B: tl.constexpr):
+    """(slot count, first slot) of sequence `seq` under the plan of _worklist_plan."""
+    mine = tl.arange(0, BLOCK_B) == seq
+    return tl.reduce((tl.where(mine, n, 0), tl.where(mine, ends - n, 0)), 0, _sum2)
 
 
 @triton.jit
@@ -279,20 +301,15 @@ def _decode_kernel(
     BLOCK_B: tl.constexpr = 1,
 ):
     if WORKLIST:
-        # grid (B + S, Hkv), S = num_splits: the slot's sequence is the number of sequences whose
-        # slots all lie before it (ends is non-decreasing, and stays at the used count past B)
+        # grid (B + S, Hkv), S = num_splits
         slot = tl.program_id(0)
         kv_head = tl.program_id(1)
-        num_rows = tl.num_programs(0) - num_splits
-        ctx_all, n_all, ends = _worklist_plan(context_lens, num_rows, num_splits, BLOCK_B, BLOCK_N, cu_seqlens_q,
-                                              PACKED_Q)
-        offs_b = tl.arange(0, BLOCK_B)
-        seq = tl.sum((ends <= slot).to(tl.int32), 0)
-        if seq >= num_rows:
+        ctx_all, n_all, ends = _worklist_plan(context_lens, tl.num_programs(0) - num_splits, num_splits, BLOCK_B,
+                                              BLOCK_N, cu_seqlens_q, PACKED_Q)
+        seq, seq_splits, first_slot, ctx = _worklist_slot(ctx_all, n_all, ends, slot, BLOCK_B)
+        if seq_splits == 0:  # past the batch's last slot
             return
-        seq_splits = _worklist_pick(n_all, offs_b, seq)
-        split = slot - (_worklist_pick(ends, offs_b, seq) - seq_splits)
-        ctx = _worklist_pick(ctx_all, offs_b, seq)
+        split = slot - first_slot
     else:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -476,12 +493,10 @@ def _decode_reduce(
     if WORKLIST:
         _, n_all, ends = _worklist_plan(context_lens, tl.num_programs(0), num_splits, BLOCK_B, BLOCK_N, cu_seqlens_q,
                                         PACKED_Q)
-        offs_b = tl.arange(0, BLOCK_B)
-        seq_splits = _worklist_pick(n_all, offs_b, seq)
-        if seq_splits == 1:
+        seq_splits, first_slot = _worklist_row(n_all, ends, seq, BLOCK_B)
+        if seq_splits <= 1:  # written by the kernel (or, packed, not a decode row)
             return
-        num_slots = tl.num_programs(0) + num_splits
-        row0 = head.to(tl.int64) * num_slots + (_worklist_pick(ends, offs_b, seq) - seq_splits)
+        row0 = head.to(tl.int64) * (tl.num_programs(0) + num_splits) + first_slot
         out, m_sub, total = _merge_split_run(O_partial, LSE_partial, row0, seq_splits, offs_d, HEAD_DIM,
                                              SPLITS_POW2)
     else:
