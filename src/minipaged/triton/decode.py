@@ -17,7 +17,7 @@ an fp32 partial output and its log2-sum-exp per split, and `_decode_reduce`
 merges them (the paged kernel's splits use the same reduce: its partials have
 the same [rows, Hq, splits, D] layout with a token in place of a sequence).
 
-WORKLIST (constexpr, plain decode of 2+ sequences; configs.decode_worklist): the grid is
+WORKLIST (constexpr, decode of 2+ sequences; configs.decode_worklist): the grid is
 (num_slots, kv_head) and a program maps its slot to (sequence, split) from context_lens alone,
 so a sequence's share of the programs follows its length instead of the table's width.
 Sequence b takes n_b = max(1, ceil(ctx_b * S / total - 1/4)) slots, at most its tiles, where
@@ -462,6 +462,7 @@ def _store_output(O, LSE, row64, heads, head_ok, offs_d, out, l_i, m_i, l_safe,
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(LSE + row64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
+
 
 @triton.jit
 def _decode_reduce(
