@@ -352,6 +352,9 @@ for s in $stages; do
       export OMP_NUM_THREADS=16
       STAGE_TIMEOUT_decode_worklist_check=${STAGE_TIMEOUT_decode_worklist_check:-120} \
         run decode_worklist_check "$bin/worklist" check
+      # the configs: the work list with its runs floored at twice the mean length (0) and at the
+      # mean (8192 = 0x2000), each checked against the plan without it (inserted first)
+      export DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0,8192}
       DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 \
         STAGE_TIMEOUT_decode_worklist_memcheck=${STAGE_TIMEOUT_decode_worklist_memcheck:-150} \
         run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/worklist" time 2
@@ -359,7 +362,8 @@ for s in $stages; do
         DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
           STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110} \
           run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
-      done;;
+      done
+      unset DECODE_TIME_VARIANTS;;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
       # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the

@@ -416,14 +416,15 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
 
 # Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_count; DecodeParams::
 # worklist), as plain C++: one line per batch on stdin ("B S capacity align min_tokens kind
-# seed"), the plan's run and each sequence's split count out.
+# seed variant"), the plan's run and each sequence's split count out.
 _WORKLIST_PROBE = r"""
 #include <cstdio>
 #include <vector>
 #include "decode/splits.h"
 int main() {
-  long long B, S, cap, align, min_tokens, kind, seed;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &B, &S, &cap, &align, &min_tokens, &kind, &seed) == 7) {
+  long long B, S, cap, align, min_tokens, kind, seed, variant;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &B, &S, &cap, &align, &min_tokens, &kind, &seed,
+                    &variant) == 8) {
     std::vector<int> ctx(B);
     unsigned long long x = seed * 6364136223846793005ull + 1442695040888963407ull;
     for (long long b = 0; b < B; ++b) {
@@ -441,6 +442,7 @@ int main() {
     p.split_min_tokens = static_cast<int>(min_tokens);
     p.split_align = static_cast<int>(align);
     p.worklist = static_cast<int>(B * S);
+    p.variant = static_cast<int>(variant);
     long long total = 0;
     for (int c : ctx) total += c;
     const long long t = minipaged::decode_worklist_run(p, total, 256);
@@ -458,17 +460,18 @@ def test_decode_worklist_plan(tmp_path):
     # cover every context in whole runs of the kernel's tile with no empty split and no split
     # past the table, never need more than one merge's 256 splits, never cut a batch of equal
     # lengths further than the per-sequence rule (n = ceil(ctx / min_tokens)), and give a long
-    # sequence among short ones the short ones' idle slots.
+    # sequence among short ones the short ones' idle slots; with the run's floor at twice the
+    # mean length (the default) and at the mean (variant bit 0x2000).
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
-    rows = [(b, s, cap, align, mt, kind, seed)
+    rows = [(b, s, cap, align, mt, kind, seed, variant)
             for b in (1, 2, 17, 64, 97, 256) for s in (3, 4, 8, 33, 256)
             for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
                                    (1023, 64, 8192), (262144, 128, 8192))
-            for kind in range(5) for seed in (1, 2)]
+            for kind in range(5) for seed in (1, 2) for variant in (0, 0x2000)]
     out = _run_probe(exe, rows)
     assert len(out) == len(rows)
-    one_long = 0
-    for (b, s, cap, align, mt, kind, seed), line in zip(rows, out):
+    one_long = {}
+    for (b, s, cap, align, mt, kind, seed, variant), line in zip(rows, out):
         fields = line.split()
         t = int(fields[0])
         plan = [tuple(map(int, f.split(":"))) for f in fields[1:]]
@@ -485,8 +488,9 @@ def test_decode_worklist_plan(tmp_path):
         if kind == 1 and b == 64 and s == 4 and cap == 32768:
             long_n, short_n = plan[-1][1], plan[0][1]
             assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
-            one_long += 1
-    assert one_long == 2
+            one_long[variant, seed] = long_n
+    # the bench's one-long row (63 x 1k + one 32k): runs of 3k (twice the 1.5k mean) or of 1.5k tokens
+    assert one_long == {(0, 1): 11, (0, 2): 11, (0x2000, 1): 22, (0x2000, 2): 22}, one_long
 
 
 @needs_nvcc
