@@ -74,6 +74,7 @@ constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
 constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
 constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored at the mean length, not twice it
+constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -843,9 +844,13 @@ int time_mode(int reps) {
       std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     v & kNoWorklist ? " no-worklist"
-                    : p.worklist > 0 ? (v & kWorklistMeanFloor ? " worklist-mean" : " worklist") : "");
-      std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits,
-                  p.num_splits * hkv * gchunks * B, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
+                    : p.worklist > 0 ? (v & kWorklistMeanFloor ? (v & kWorklistCompact ? " wl-mean-compact" : " wl-mean")
+                                                              : (v & kWorklistCompact ? " wl-compact" : " worklist"))
+                    : "");
+      // (a work list's grid: its slots, not B x splits)
+      const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
+      std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
+                  t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
 #if MINIPAGED_DECODE_TRACE
       print_trace(ge, st, fl, p.num_splits * hkv * gchunks * B,

@@ -353,8 +353,9 @@ for s in $stages; do
       STAGE_TIMEOUT_decode_worklist_check=${STAGE_TIMEOUT_decode_worklist_check:-120} \
         run decode_worklist_check "$bin/worklist" check
       # the configs: the work list with its runs floored at twice the mean length (0) and at the
-      # mean (8192 = 0x2000), each checked against the plan without it (inserted first)
-      export DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0,8192}
+      # mean (8192 = 0x2000), each over batch x splits slots and over the compact grid (+16384 =
+      # 0x4000), each checked against the plan without it (inserted first)
+      export DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0,8192,16384,24576}
       DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 \
         STAGE_TIMEOUT_decode_worklist_memcheck=${STAGE_TIMEOUT_decode_worklist_memcheck:-150} \
         run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/worklist" time 2

@@ -415,15 +415,15 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
 
 
 # Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_count; DecodeParams::
-# worklist), as plain C++: one line per batch on stdin ("B S capacity align min_tokens kind
+# worklist), as plain C++: one line per batch on stdin ("B slots capacity align min_tokens kind
 # seed variant"), the plan's run and each sequence's split count out.
 _WORKLIST_PROBE = r"""
 #include <cstdio>
 #include <vector>
 #include "decode/splits.h"
 int main() {
-  long long B, S, cap, align, min_tokens, kind, seed, variant;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &B, &S, &cap, &align, &min_tokens, &kind, &seed,
+  long long B, W, cap, align, min_tokens, kind, seed, variant;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &B, &W, &cap, &align, &min_tokens, &kind, &seed,
                     &variant) == 8) {
     std::vector<int> ctx(B);
     unsigned long long x = seed * 6364136223846793005ull + 1442695040888963407ull;
@@ -441,7 +441,7 @@ int main() {
     p.max_blocks = static_cast<int>(cap);
     p.split_min_tokens = static_cast<int>(min_tokens);
     p.split_align = static_cast<int>(align);
-    p.worklist = static_cast<int>(B * S);
+    p.worklist = static_cast<int>(W);
     p.variant = static_cast<int>(variant);
     long long total = 0;
     for (int c : ctx) total += c;
@@ -461,23 +461,25 @@ def test_decode_worklist_plan(tmp_path):
     # past the table, never need more than one merge's 256 splits, never cut a batch of equal
     # lengths further than the per-sequence rule (n = ceil(ctx / min_tokens)), and give a long
     # sequence among short ones the short ones' idle slots; with the run's floor at twice the
-    # mean length (the default) and at the mean (variant bit 0x2000).
+    # mean length (the default) and at the mean (variant bit 0x2000), over B x S slots (the
+    # default grid) and over B + w slots (the compact grid of variant bit 0x4000, w a wave).
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
-    rows = [(b, s, cap, align, mt, kind, seed, variant)
-            for b in (1, 2, 17, 64, 97, 256) for s in (3, 4, 8, 33, 256)
+    grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
+    rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed, variant)
+            for b in (1, 2, 17, 64, 97, 256) for s, w in grids
             for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
                                    (1023, 64, 8192), (262144, 128, 8192))
             for kind in range(5) for seed in (1, 2) for variant in (0, 0x2000)]
     out = _run_probe(exe, rows)
     assert len(out) == len(rows)
     one_long = {}
-    for (b, s, cap, align, mt, kind, seed, variant), line in zip(rows, out):
+    for (b, slots, cap, align, mt, kind, seed, variant), line in zip(rows, out):
         fields = line.split()
         t = int(fields[0])
         plan = [tuple(map(int, f.split(":"))) for f in fields[1:]]
         assert len(plan) == b
         assert t > 0 and t % align == 0, (rows, line)
-        assert sum(n for _, n in plan) <= b * s, ("more splits than slots", b, s, cap, kind, t)
+        assert sum(n for _, n in plan) <= slots, ("more splits than slots", b, slots, cap, kind, t)
         for ctx, n in plan:
             assert 1 <= n <= 256
             assert n * t >= ctx, ("runs do not cover the context", ctx, n, t)
@@ -485,12 +487,14 @@ def test_decode_worklist_plan(tmp_path):
             assert (n - 1) * t < max(cap, 1), ("a split past the table", ctx, n, t)
             if kind == 0:
                 assert n <= max(1, -(-ctx // mt)), ("equal lengths cut further than the rule", ctx, n, t, mt)
-        if kind == 1 and b == 64 and s == 4 and cap == 32768:
+        if kind == 1 and b == 64 and slots in (256, 64 + 66) and cap == 32768:
             long_n, short_n = plan[-1][1], plan[0][1]
             assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
-            one_long[variant, seed] = long_n
-    # the bench's one-long row (63 x 1k + one 32k): runs of 3k (twice the 1.5k mean) or of 1.5k tokens
-    assert one_long == {(0, 1): 11, (0, 2): 11, (0x2000, 1): 22, (0x2000, 2): 22}, one_long
+            one_long[variant, slots, seed] = long_n
+    # the bench's one-long row (63 x 1k + one 32k), over 64 x 4 slots or the compact 64 + 66 (an
+    # H200's wave of 4 CTAs per SM over 8 KV heads): runs of 3k (twice the 1.5k mean) or 1.5k
+    assert one_long == {(v, w, seed): 11 if v == 0 else 22 for v in (0, 0x2000) for w in (256, 130)
+                        for seed in (1, 2)}, one_long
 
 
 @needs_nvcc

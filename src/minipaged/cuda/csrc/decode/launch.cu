@@ -80,6 +80,10 @@ constexpr int kVariantNoReduce = 0x800;
 // Bit 0x1000 (builds with MINIPAGED_DECODE_WORKLIST): plan without the work list, as the
 // shipped builds do, for an A/B in one binary.
 constexpr int kVariantNoWorklist = 0x1000;
+// Bit 0x4000 (the same builds): a compact work list, the batch plus one wave of resident CTAs
+// per (KV head, head chunk) instead of batch x splits slots, so that fewer CTAs only derive
+// the plan and return (decode/splits.h has bit 0x2000, the runs' floor).
+constexpr int kVariantWorklistCompact = 0x4000;
 #endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
@@ -475,8 +479,13 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   // list, so that the splits short sequences leave idle go to the long ones.
   if (requested_splits <= 0 && k.kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
       p.max_seqlen_q < 2 && !(p.variant & kVariantNoWorklist) && p.num_splits >= 3 &&
-      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535)
+      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
     p.worklist = p.batch * p.num_splits;
+    if (p.variant & kVariantWorklistCompact) {
+      const int64_t wave = std::max<int64_t>(1, slots / std::max<int64_t>(1, p.num_kv_heads * gchunks));
+      p.worklist = static_cast<int>(std::min<int64_t>(p.worklist, p.batch + wave));
+    }
+  }
 #endif
 }
 }  // namespace
