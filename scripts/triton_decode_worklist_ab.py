@@ -69,8 +69,8 @@ def _check(mode: str, fp8: bool, dtype, device) -> str:
     return ""
 
 
-def _time(case, mode: str, fp8: bool, dtype, device, reps: int) -> float:
-    q, kc, vc, bt, cl, kw = _inputs(case, dtype, device, fp8, seed=0, poison=False)
+def _time(inputs, mode: str, device, reps: int) -> float:
+    q, kc, vc, bt, cl, kw = inputs
     with configs.overriding(decode_worklist=MODES[mode]):
         fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
         t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
@@ -105,10 +105,12 @@ def main() -> int:
     else:
         for fp8 in caches:
             for case in grid:
+                inputs = _inputs(case, dtype, device, fp8, seed=0, poison=False)
                 times = {mode: [] for mode in MODES}
                 for _ in range(args.rounds):
                     for mode in MODES:
-                        times[mode].append(_time(case, mode, fp8, dtype, device, args.reps))
+                        times[mode].append(_time(inputs, mode, device, args.reps))
+                del inputs
                 med = {mode: statistics.median(ts) for mode, ts in times.items()}
                 row = {"case": case.label, "kv": "fp8" if fp8 else "16-bit", "us": times,
                        "ratio": med["worklist"] / med["plain"]}
