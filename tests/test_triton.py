@@ -420,6 +420,18 @@ def test_decode_worklist_plan_interpreter():
     assert _worklist_counts([1024] * 63 + [32768], 66, 32) == [1] * 63 + [22]
 
 
+def test_decode_worklist_selection():
+    """configs.decode_worklist: off by default until measured, and when forced on only for
+    2..MAX_WORKLIST_BATCH sequences (one sequence has nothing to balance, the plan's lanes are
+    bounded); a plain decode of one sequence keeps the plain plan."""
+    assert configs.decode_worklist(64) is configs.DECODE_WORKLIST
+    with configs.overriding(decode_worklist=1):
+        assert [configs.decode_worklist(b) for b in (1, 2, configs.MAX_WORKLIST_BATCH,
+                                                     configs.MAX_WORKLIST_BATCH + 1)] == [False, True, True, False]
+    with configs.overriding(decode_worklist=0):
+        assert not configs.decode_worklist(64)
+
+
 def test_num_splits_heuristic_no_sync(monkeypatch):
     """The split count depends on shapes only (so decode can be graph-captured)."""
     from minipaged.triton import configs
@@ -562,6 +574,9 @@ GPU_WORKLIST = [
     ([1000] * 200 + [0] * 55 + [20000], 16, 8, 128, 16),
     ([0, 1, 17, 97, 1023, 4097, 31, 20480], 16, 8, 128, 1),
     ([3000, 1, 2222, 0, 65], 16, 2, 64, 32),
+    # the largest batch a work list takes (configs.MAX_WORKLIST_BATCH: a 1024-lane plan)
+    ([int(x) for x in torch.randint(0, 2001, (1023,), generator=torch.Generator().manual_seed(1))] + [40000],
+     16, 8, 128, 16),
 ]
 
 
