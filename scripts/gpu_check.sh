@@ -258,7 +258,8 @@ for s in $stages; do
       # Triton's work-list decode (configs.decode_worklist): its GPU tests (uneven batches against
       # the oracle, graph replays that follow new lengths), then the A/B against the plain plan
       # on the standard decode grid, 16-bit and fp8 caches
-      run triton_worklist_tests python3 -m pytest -q -ra -m gpu tests/test_triton.py tests/test_triton_paged.py tests/test_triton_fp8.py \
+      STAGE_TIMEOUT_triton_worklist_tests=${STAGE_TIMEOUT_triton_worklist_tests:-240} \
+        run triton_worklist_tests python3 -m pytest -q -ra -m gpu tests/test_triton.py tests/test_triton_paged.py tests/test_triton_fp8.py \
         -k "worklist or graph or lse" -p no:cacheprovider --junitxml "$WORK/logs/triton_worklist_tests.xml"
       STAGE_TIMEOUT_triton_worklist_ab=${STAGE_TIMEOUT_triton_worklist_ab:-420} run triton_worklist_ab \
         python3 scripts/triton_decode_worklist_ab.py ${TRITON_WORKLIST_AB_ARGS:-} --json "$WORK/bench/triton_worklist_ab.json";;

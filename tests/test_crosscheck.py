@@ -144,15 +144,20 @@ def _run_write(backend, dtype, device, case):
 
 def _run_paged(backend, dtype, device, case):
     q, kc, vc, tables, cu_q, lens = make_paged_inputs(case, dtype, device, seed=hash(case) % 1000, poison=True)
-    out, lse = mp.paged_attention(q, kc, vc, tables, cu_q, lens, causal=case.causal, return_lse=True, backend=backend)
-    assert out.dtype == dtype and lse.dtype == torch.float32
     keys, vals = gather_kv(kc, vc, tables, lens)
     ref, ref_lse = paged_ref(q, keys, vals, cu_q, causal=case.causal)
     base, _ = paged_ref(q, keys, vals, cu_q, causal=case.causal, lowp=True)
     cq = cu_q.tolist()
-    for s in range(case.batch):
-        sl = slice(cq[s], cq[s + 1])
-        assert_close(out[sl], ref[sl], base[sl], f"{backend} seq {s} of {case}", lse=lse[sl], truth_lse=ref_lse[sl])
+    # (a batch's decode rows may run the decode kernel: its plans too)
+    for plan, scope in _decode_plans(backend):
+        with scope:
+            out, lse = mp.paged_attention(q, kc, vc, tables, cu_q, lens, causal=case.causal, return_lse=True,
+                                          backend=backend)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        for s in range(case.batch):
+            sl = slice(cq[s], cq[s + 1])
+            assert_close(out[sl], ref[sl], base[sl], f"{backend} ({plan}) seq {s} of {case}", lse=lse[sl],
+                         truth_lse=ref_lse[sl])
 
 
 _RUNNERS = {"prefill": _run_prefill, "prefill_varlen": _run_varlen, "decode": _run_decode, "write_kv_cache": _run_write,
