@@ -106,12 +106,12 @@ def ptxas_usage(ptx: str, toolkit_fallback: bool = False) -> dict:
     return {"regs": None, "spill_bytes": None}
 
 
-def sass_loops(cubin: bytes) -> list[int]:
-    """Instruction counts of the backward-branch loops in the SASS, in program order
-    ([] without triton's nvdisasm)."""
+def _sass(cubin: bytes) -> tuple[list[str], list[tuple[int, int]]] | None:
+    """(instructions, backward-branch loops as (first, last) instruction indices) of the SASS,
+    or None without triton's nvdisasm."""
     nvdisasm = tool("nvdisasm")
     if nvdisasm is None:
-        return []
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -129,8 +129,29 @@ def sass_loops(cubin: bytes) -> list[int]:
     for j, text in enumerate(ins):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
         if m and labels.get(m.group(1), j + 1) < j:
-            loops.append(j + 1 - labels[m.group(1)])
-    return loops
+            loops.append((labels[m.group(1)], j))
+    return ins, loops
+
+
+def sass_loops(cubin: bytes) -> list[int]:
+    """Instruction counts of the backward-branch loops in the SASS, in program order
+    ([] without triton's nvdisasm)."""
+    sass = _sass(cubin)
+    return [] if sass is None else [last + 1 - first for first, last in sass[1]]
+
+
+def sass_spills_and_prologue(cubin: bytes) -> dict:
+    """Local-memory (spill) instructions in each SASS loop and in all, and the index of the
+    second global load: how long a program computes before its first data load past the
+    first (a decode program's context length) is issued. {} without triton's nvdisasm."""
+    sass = _sass(cubin)
+    if sass is None:
+        return {}
+    ins, loops = sass
+    local = [bool(re.search(r"\b(LDL|STL)", t)) for t in ins]
+    loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG", t)]
+    return {"local_in_loops": [sum(local[a:b + 1]) for a, b in loops], "local_total": sum(local),
+            "second_load_at": loads[1] if len(loads) > 1 else None}
 
 
 def compiled_info(k, num_warps: int, num_stages: int, loops: bool = False) -> dict:

@@ -1,7 +1,9 @@
 """Compile the Triton decode kernels (decode._decode_kernel, decode._decode_reduce) for
 sm_90 ahead of time, without a GPU: the plain decode specialisations and the packed-query
-ones that ops.paged's mixed mode "decode" launches. Reports shared memory, registers and
-spills (ptxas -v, the ptxas bundled with triton), and with --same-as REV whether the plain
+ones that ops.paged's mixed mode "decode" launches, and the work-list ones. Reports shared
+memory, registers and spills (ptxas -v, the ptxas bundled with triton), the SASS loops, the
+spill instructions in each loop, and where the second global load is issued (the prologue's
+length before a program's first data load past its context length), and with --same-as REV whether the plain
 specialisations compile to the same PTX and TTGIR as decode.py at git revision REV (line
 info off, so only the code counts).
 
@@ -24,7 +26,16 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 
 import triton  # noqa: E402
-from triton_aot import ELEM, compile_sm90, divisible16, kv_in_flight, ptxas_usage, sass_loops, signature  # noqa: E402
+from triton_aot import (  # noqa: E402
+    ELEM,
+    compile_sm90,
+    divisible16,
+    kv_in_flight,
+    ptxas_usage,
+    sass_loops,
+    sass_spills_and_prologue,
+    signature,
+)
 
 from minipaged.triton import decode  # noqa: E402
 
@@ -129,7 +140,8 @@ def emit(out_dir: str, plain_only: bool) -> int:
         for ext in ("ptx", "ttgir"):
             with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
                 f.write(k.asm[ext])
-        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"]), "sass_loops": sass_loops(k.asm["cubin"])}
+        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"]), "sass_loops": sass_loops(k.asm["cubin"]),
+                **sass_spills_and_prologue(k.asm["cubin"])}
         print(f"ok   {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
     return failures
 
