@@ -47,7 +47,7 @@ def _compile(fn, q_dt, kv_dt, cx, warps, stages, **options):
     if "cu_seqlens_q" in fn.arg_names and not cx.get("PACKED_Q"):
         # what a plain launch passes: nothing, so the defaults (None is a compile-time constant)
         cx = dict(cx, cu_seqlens_q=None, PACKED_Q=False)
-    if fn is decode._decode_reduce and not cx.get("WORKLIST"):
+    if fn is decode._decode_reduce and "context_lens" in fn.arg_names and not cx.get("WORKLIST"):
         cx = dict(cx, context_lens=None)  # the same for the merge's work-list plan
     types = {"Q": ELEM[q_dt], "O": ELEM[q_dt], "K_cache": ELEM[kv_dt], "V_cache": ELEM[kv_dt],
              **{n: "i32" for n in _I32}, **{n: "fp32" for n in _F32}}
