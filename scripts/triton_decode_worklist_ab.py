@@ -21,7 +21,6 @@ replays, cold L2 (read flush between replays), median of --reps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from minipaged import testing
 from minipaged.benchmark import cases as bench_cases
 from minipaged.benchmark.timing import time_fn
 from minipaged.triton import configs
+from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a script runs
 
 MODES = {"plain": 0, "worklist": 1}
 
@@ -117,12 +117,7 @@ def main() -> int:
                 results["rows"].append(row)
                 print(f"{case.label:40s} {row['kv']:6s} plain {med['plain']:9.1f} us  work list "
                       f"{med['worklist']:9.1f} us  {row['ratio']:.3f}x", flush=True)
-    print(f"took {time.time() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    return 1 if results["failed"] else 0
+    return finish(results, args.json, t0, bool(results["failed"]))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ CUDA-graph replays, cold L2 (read flush between replays), median of --reps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from minipaged import testing
 from minipaged.benchmark import cases as bench_cases
 from minipaged.benchmark.timing import time_fn
 from minipaged.triton import configs
+from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a script runs
 
 # (BLOCK_N, WARPS, STAGES); None = the default tile. At b170871 / 788832e no tile made the fp8
 # rows faster than the 16-bit ones; the sm_90 SASS (scripts/triton_decode_sm90.py) says why: the
@@ -169,12 +169,7 @@ def main() -> int:
                                for k, v in row["fp8"].items()) + f" | best fp8 {best} {row['fp8'][best] / base:.2f}x")
         print(f"{case.label:14s} 16-bit default {base:8.1f} us | {cells}", flush=True)
         results["rows"].append(row)
-    print(f"took {time.time() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    return 1 if results["failed"] and not ok else 0
+    return finish(results, args.json, t0, bool(results["failed"]) and not ok)
 
 
 if __name__ == "__main__":

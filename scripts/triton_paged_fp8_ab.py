@@ -16,7 +16,6 @@ the fp16-dot path forced); it measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from minipaged import testing
 from minipaged.benchmark import cases as bench_cases
 from minipaged.benchmark.timing import time_fn
 from minipaged.triton import configs, ops
+from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a script runs
 
 # name -> overrides (the long kernel and the mixed mode are pinned to the defaults' values); the
 # 64-row one-warpgroup tile that 16-bit pages take on sm_90 (configs._PAGED_LONG_SM90_D128)
@@ -157,12 +157,7 @@ def main() -> int:
         print(f"{label:40s} " + "  ".join(f"{k} {v:8.1f} us ({v / base:.2f}x)" for k, v in timings.items()),
               flush=True)
         results["rows"].append(row)
-    print(f"took {time.time() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    return 1 if results["failed"] else 0
+    return finish(results, args.json, t0, bool(results["failed"]))
 
 
 if __name__ == "__main__":
