@@ -574,9 +574,6 @@ GPU_WORKLIST = [
     ([1000] * 200 + [0] * 55 + [20000], 16, 8, 128, 16),
     ([0, 1, 17, 97, 1023, 4097, 31, 20480], 16, 8, 128, 1),
     ([3000, 1, 2222, 0, 65], 16, 2, 64, 32),
-    # the largest batch a work list takes (configs.MAX_WORKLIST_BATCH: a 1024-lane plan)
-    ([int(x) for x in torch.randint(0, 2001, (1023,), generator=torch.Generator().manual_seed(1))] + [40000],
-     16, 8, 128, 16),
 ]
 
 
@@ -588,6 +585,15 @@ GPU_WORKLIST = [
 def test_decode_worklist_gpu(case, dtype, budget):
     """configs.decode_worklist on uneven batches, output and lse against the fp64 oracle."""
     _run_decode(*case, dtype, "cuda", splits=budget, worklist=1, return_lse=True)
+
+
+@gpu
+@needs_cuda
+def test_decode_worklist_gpu_largest_batch():
+    """The largest batch a work list takes (configs.MAX_WORKLIST_BATCH: a 1024-lane plan), one
+    40k sequence among short ones."""
+    lens = torch.randint(0, 2001, (configs.MAX_WORKLIST_BATCH - 1,), generator=torch.Generator().manual_seed(1))
+    _run_decode(lens.tolist() + [40000], 16, 8, 128, 16, torch.bfloat16, "cuda", worklist=1, return_lse=True)
 
 
 @gpu
