@@ -6,7 +6,7 @@ its 32k keys in 8 programs while the GPU idles (the bench's one-long row, 0.11x 
 19ecb43). The work list gives each sequence programs in proportion to its length, planned on
 the device from context_lens (decode.py, WORKLIST). This times both on the standard decode grid
 (16-bit and fp8 caches), the two interleaved in each of --rounds rounds, same process, and
-prints work list / plain per row. DECODE_WORKLIST in configs.py goes on only if the uneven rows
+prints work list / plain per row (--modes: also "worklist2", twice the work list's budget). DECODE_WORKLIST in configs.py goes on only if the uneven rows
 gain and no other row loses.
 
     PYTHONPATH=src python scripts/triton_decode_worklist_ab.py --json OUT.json [--rounds 2]
@@ -38,7 +38,24 @@ from minipaged.benchmark.timing import time_fn
 from minipaged.triton import configs
 from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a script runs
 
-MODES = {"plain": 0, "worklist": 1}
+# mode -> (work list on, budget factor): "worklist2" doubles the work list's split budget S
+# (configs.decode_num_splits of one sequence), so a long sequence can take twice the splits
+# and equal lengths get twice the plain plan's
+MODES = {"plain": (0, 1), "worklist": (1, 1), "worklist2": (1, 2)}
+
+
+def _overrides(mode: str, q, k_cache, block_tables) -> dict:
+    """The configs overrides of `mode` for a decode of these shapes."""
+    on, factor = MODES[mode]
+    batch, _, head_dim = q.shape
+    # (a batch the work list does not take keeps the plain plan: no budget to change)
+    if factor == 1 or not 2 <= batch <= configs.MAX_WORKLIST_BATCH:
+        return {"decode_worklist": on}
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    cfg = configs.decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn,
+                                batch * num_kv_heads)
+    budget = configs.decode_num_splits(1, num_kv_heads, block_tables.shape[1] * page_size, cfg.block_n, q.device)
+    return {"decode_worklist": on, "decode_splits": factor * budget}
 
 
 def _inputs(case, dtype, device, fp8: bool, seed: int, poison: bool = True):
@@ -61,7 +78,7 @@ def _check(mode: str, fp8: bool, dtype, device) -> str:
     truth, truth_lse = testing.decode_ref(q, keys, vals)
     lowp, _ = testing.decode_ref(q, keys, vals, lowp=True)
     try:
-        with configs.overriding(decode_worklist=MODES[mode]):
+        with configs.overriding(**_overrides(mode, q, kc, bt)):
             out, lse = mp.decode_attention(q, kc, vc, bt, cl, return_lse=True, backend="triton", **kw)
         testing.assert_close(out, truth, lowp, f"{mode} fp8={fp8}", lse=lse, truth_lse=truth_lse)
     except Exception as e:  # noqa: BLE001 - a mode that is wrong is reported, not timed
@@ -71,7 +88,7 @@ def _check(mode: str, fp8: bool, dtype, device) -> str:
 
 def _time(inputs, mode: str, device, reps: int) -> float:
     q, kc, vc, bt, cl, kw = inputs
-    with configs.overriding(decode_worklist=MODES[mode]):
+    with configs.overriding(**_overrides(mode, q, kc, bt)):
         fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
         t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
     return t.median_ms * 1e3
@@ -84,7 +101,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved plain / work-list rounds per row")
     ap.add_argument("--no-fp8", action="store_true", help="16-bit caches only")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    ap.add_argument("--modes", default="plain,worklist", help=f"comma-separated, from {list(MODES)}; the first "
+                    "is the baseline of the ratios")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes) or len(modes) < 2:
+        ap.error(f"--modes: two or more of {list(MODES)}, got {args.modes!r}")
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
@@ -95,7 +117,7 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "dtype": str(dtype), "triton": __import__("triton").__version__, "rows": [], "failed": {}}
     for fp8 in caches:
-        for mode in MODES:
+        for mode in modes:
             why = _check(mode, fp8, dtype, device)
             print(f"check {mode} fp8={fp8}: {'ok' if not why else why}", flush=True)
             if why:
@@ -106,17 +128,18 @@ def main() -> int:
         for fp8 in caches:
             for case in grid:
                 inputs = _inputs(case, dtype, device, fp8, seed=0, poison=False)
-                times = {mode: [] for mode in MODES}
+                times = {mode: [] for mode in modes}
                 for _ in range(args.rounds):
-                    for mode in MODES:
+                    for mode in modes:
                         times[mode].append(_time(inputs, mode, device, args.reps))
                 del inputs
                 med = {mode: statistics.median(ts) for mode, ts in times.items()}
+                base = med[modes[0]]
                 row = {"case": case.label, "kv": "fp8" if fp8 else "16-bit", "us": times,
-                       "ratio": med["worklist"] / med["plain"]}
+                       "ratio": {mode: med[mode] / base for mode in modes[1:]}}
                 results["rows"].append(row)
-                print(f"{case.label:40s} {row['kv']:6s} plain {med['plain']:9.1f} us  work list "
-                      f"{med['worklist']:9.1f} us  {row['ratio']:.3f}x", flush=True)
+                print(f"{case.label:40s} {row['kv']:6s} {modes[0]} {base:9.1f} us  "
+                      + "  ".join(f"{m} {med[m]:9.1f} us {row['ratio'][m]:.3f}x" for m in modes[1:]), flush=True)
     return finish(results, args.json, t0, bool(results["failed"]))
 
 
