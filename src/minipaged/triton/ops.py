@@ -210,38 +210,46 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if out.numel() == 0:
         return _result(out, lse)
     cfg, num_splits, block_h, worklist = _decode_plan(q, k_cache, block_tables)
-    # a work list has batch + S slots per KV head (decode.py, WORKLIST), the plain plan S per sequence
-    num_slots = batch + num_splits if worklist else 0
-    split = worklist or num_splits > 1
-    # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs; a work list's [Hq, slots, D], [Hq, slots]
-    o_partial, lse_partial = _split_partials(num_q_heads * (num_slots or batch * num_splits), head_dim, out, split)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     fp8, k_s, v_s = _kv_scales(k_cache, k_scale, v_scale, out)
     with _device_scope(q):
-        _launch_decode_kernel(batch, num_splits, block_h, cfg, q, k_cache, v_cache, block_tables, context_lens,
-                              out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale,
-                              lse is not None, num_slots=num_slots)
-        if split:
-            _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, batch, num_q_heads,
-                           num_splits, head_dim, lse is not None, context_lens=context_lens if worklist else None,
-                           block_n=cfg.block_n)
+        _decode_launches(batch, num_splits, worklist, block_h, cfg, q, k_cache, v_cache, block_tables, context_lens,
+                         out, lse_arg, lse_strides, k_s, v_s, fp8, scale, lse is not None)
     return _result(out, lse)
 
 
-def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, k_cache, v_cache, block_tables,
-                          context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8: bool,
-                          scale: float, return_lse: bool, cu_seqlens_q=None, num_slots: int = 0) -> None:
+def _decode_launches(num_rows: int, num_splits: int, worklist: bool, block_h: int, cfg, q, k_cache, v_cache,
+                     block_tables, context_lens, out, lse_arg, lse_strides, k_s, v_s, fp8: bool, scale: float,
+                     return_lse: bool, cu_seqlens_q=None) -> None:
+    """The decode kernel over num_rows sequences and, when it splits, its reduce: num_splits
+    per sequence (the plain plan), or (worklist) a work list of num_rows + num_splits slots per
+    KV head, num_splits its budget (decode.py, WORKLIST). cu_seqlens_q: as _launch_decode_kernel."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    split = worklist or num_splits > 1
+    # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs; a work list's by slot, [Hq, B + S, D], [Hq, B + S]
+    rows = num_q_heads * (num_rows + num_splits if worklist else num_rows * num_splits)
+    o_partial, lse_partial = _split_partials(rows, head_dim, out, split)
+    _launch_decode_kernel(num_rows, num_splits, worklist, block_h, cfg, q, k_cache, v_cache, block_tables,
+                          context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale,
+                          return_lse, cu_seqlens_q)
+    if split:
+        _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, num_rows, num_q_heads, num_splits,
+                       head_dim, return_lse, cu_seqlens_q=cu_seqlens_q,
+                       context_lens=context_lens if worklist else None, block_n=cfg.block_n)
+
+
+def _launch_decode_kernel(num_rows: int, num_splits: int, worklist: bool, block_h: int, cfg, q, k_cache, v_cache,
+                          block_tables, context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s,
+                          fp8: bool, scale: float, return_lse: bool, cu_seqlens_q=None) -> None:
     """_decode_kernel over num_rows sequences x KV heads x num_splits, BLOCK_H query heads
-    per program and cfg's key tile. cu_seqlens_q: the packed decode rows of a paged call
-    (PACKED_Q: q, out and lse are [Tq, ...] and programs of other q_lens return at once).
-    num_slots > 0: a work list of that many slots x KV heads, num_splits its budget."""
+    per program and cfg's key tile; worklist: over num_rows + num_splits slots x KV heads.
+    cu_seqlens_q: the packed decode rows of a paged call (PACKED_Q: q, out and lse are
+    [Tq, ...] and programs of other q_lens return at once)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     packed = cu_seqlens_q is not None
     words = _fp8_words(fp8, q, k_cache, v_cache)
-    grid = (num_slots, num_kv_heads, 1) if num_slots else (num_rows, num_kv_heads, num_splits)
-    assert not num_slots or num_slots == num_rows + num_splits, "a work list has B + S slots (decode.py, WORKLIST)"
-    worklist = dict(WORKLIST=True, BLOCK_B=triton.next_power_of_2(num_rows)) if num_slots else {}
+    grid = (num_rows + num_splits, num_kv_heads, 1) if worklist else (num_rows, num_kv_heads, num_splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,
@@ -262,7 +270,7 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
         HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
         TABLE_AHEAD=configs.decode_table_ahead(cfg),
         **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
-        **worklist,
+        **(dict(WORKLIST=True, BLOCK_B=triton.next_power_of_2(num_rows)) if worklist else {}),
         **cfg.launch_options(),
     )
 
@@ -625,7 +633,6 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     """The q_len 1 sequences of a paged call through the decode kernel (mixed mode "decode"):
     one program column per sequence of the call; those of other lengths return at once (the
     kernel's PACKED_Q). Runs after the long launch, whose split reduce writes every row."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = launch.cfg
@@ -635,18 +642,9 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     # from shapes: every sequence counts as a decode (an upper bound of the decodes)
     splits = num_splits or decode_num_splits(1 if worklist else num_seqs, num_kv_heads,
                                              block_tables.shape[1] * page_size, cfg.block_n, q.device)
-    num_slots = num_seqs + splits if worklist else 0
-    split = worklist or splits > 1
-    # partials indexed by sequence: [S, Hq, splits, D] outputs, then [S, Hq, splits] LSEs; a
-    # work list's by slot, [Hq, slots, D] and [Hq, slots]
-    o_partial, lse_partial = _split_partials(num_q_heads * (num_slots or num_seqs * splits), head_dim, out, split)
-    _launch_decode_kernel(num_seqs, splits, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
-                          out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale, return_lse,
-                          cu_seqlens_q=cu_seqlens_q, num_slots=num_slots)
-    if split:
-        _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, num_seqs, num_q_heads, splits, head_dim,
-                       return_lse, cu_seqlens_q=cu_seqlens_q, context_lens=context_lens if worklist else None,
-                       block_n=cfg.block_n)
+    # partials indexed by sequence (by slot under a work list); out and lse by packed token
+    _decode_launches(num_seqs, splits, worklist, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
+                     out, lse_arg, lse_strides, k_s, v_s, fp8, scale, return_lse, cu_seqlens_q)
 
 
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
