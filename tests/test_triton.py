@@ -108,8 +108,6 @@ def _lazy_rescale_case(threshold, dtype, device, causal):
     """configs.prefill_lazy_rescale: keys whose scale ramps up along the sequence, so a row's
     max grows past the threshold several times (rescaled tiles) and also by less (skipped
     ones), against the fp64 oracle and the plain bound; also varlen."""
-    from minipaged.triton import configs
-
     g = torch.Generator().manual_seed(21)
     B, Hq, Hkv, N, D = 1, 4, 2, 160, 64
     q = torch.randn(B, Hq, N, D, generator=g).to(device=device, dtype=dtype)
@@ -117,15 +115,12 @@ def _lazy_rescale_case(threshold, dtype, device, causal):
     k = (torch.randn(B, Hkv, N, D, generator=g) * ramp).to(device=device, dtype=dtype)
     v = torch.randn(B, Hkv, N, D, generator=g).to(device=device, dtype=dtype)
     scale = 1.0 / math.sqrt(D)
-    configs.set_override("prefill_lazy_rescale", threshold)
-    try:
+    with configs.overriding(prefill_lazy_rescale=threshold):
         out = mp.prefill_attention(q, k, v, causal=causal, scale=scale, backend="triton")
         qv, kv_, vv = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
         cu = torch.tensor([0, 70, N], dtype=torch.int32, device=device)
         out_v = mp.prefill_attention_varlen(qv, kv_, vv, cu, cu, max_seqlen_q=90, max_seqlen_k=90, causal=causal,
                                             scale=scale, backend="triton")
-    finally:
-        configs.set_override("prefill_lazy_rescale", None)
     truth, truth_lse = prefill_ref(q, k, v, causal=causal, scale=scale)
     baseline, _ = prefill_ref(q, k, v, causal=causal, scale=scale, lowp=True)
     assert_close(out, truth, baseline, f"lazy rescale {threshold} causal={causal}", truth_lse=truth_lse)
@@ -142,8 +137,6 @@ def test_prefill_lazy_rescale_interpreter(threshold, causal):
 
 
 def test_prefill_lazy_rescale_override_range():
-    from minipaged.triton import configs
-
     for bad in (-1, 13):
         with pytest.raises(ValueError, match="prefill_lazy_rescale"):
             configs.set_override("prefill_lazy_rescale", bad)
@@ -278,14 +271,9 @@ def test_decode_table_ahead_same_bits_interpreter(case, splits):
     smaller and larger than the key tile, empty splits, empty contexts, -1 table entries past
     each context). Same tiles, same order: the bits of the default path, and each checked
     against the fp64 oracle by _run_decode."""
-    from minipaged.triton import configs
-
     base = _run_decode(*case, torch.float16, "cpu", splits=splits)
-    configs.set_override("decode_table_ahead", 1)
-    try:
+    with configs.overriding(decode_table_ahead=1):
         ahead = _run_decode(*case, torch.float16, "cpu", splits=splits)
-    finally:
-        configs.set_override("decode_table_ahead", None)
     assert torch.equal(base, ahead)
 
 
@@ -434,10 +422,8 @@ def test_decode_worklist_selection():
 
 def test_num_splits_heuristic_no_sync(monkeypatch):
     """The split count depends on shapes only (so decode can be graph-captured)."""
-    from minipaged.triton import configs
     from minipaged.triton.configs import MAX_SPLITS, decode_num_splits
 
-    monkeypatch.delenv("MINIPAGED_TRITON_DECODE_SPLITS", raising=False)
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200
     dev = torch.device("cpu")
     assert decode_num_splits(1, 8, 32768, 64, dev) > 1

@@ -281,10 +281,7 @@ def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1, words=0):
         [1] * len(ctxs), ctxs, 8, 2, 64 if not on_gpu else 128, 16, dtype, seed)
     q = (q.float() * q_mult).to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    configs.set_override("decode_fp8_f16", f16)
-    configs.set_override("decode_fp8_words", words)
-    configs.set_override("paged_mixed", "decode")
-    try:
+    with configs.overriding(decode_fp8_f16=f16, decode_fp8_words=words, paged_mixed="decode"):
         out, lse = ops.decode(q, kc, vc, tables, ctx, scale, True, ks, vs)
         _check(out, lse, q, dk, dv, cu_q, False, scale, f"fp8 decode, fp16 dots, q x {q_mult} {dtype}")
         # paged: a 9-token chunk in front (so the mixed batch splits) and one empty sequence
@@ -293,10 +290,6 @@ def _f16_dots(dtype, q_mult, seed, on_gpu=False, f16=1, words=0):
         pq = (pq.float() * q_mult).to(dtype)
         po, pl = ops.paged(pq, pkc, pvc, pt, pcu, pctx, 9, True, 0.125, True, pks, pvs)
         _check(po, pl, pq, pdk, pdv, pcu, True, 0.125, f"fp8 paged mode decode, fp16 dots, q x {q_mult}")
-    finally:
-        configs.set_override("decode_fp8_f16", None)
-        configs.set_override("decode_fp8_words", None)
-        configs.set_override("paged_mixed", None)
 
 
 @cpu_only
@@ -313,14 +306,8 @@ def _paged_f16_dots(dtype, q_mult, seed):
     q_lens, ctxs = [40, 1, 97, 0, 17], [90, 30, 97, 5, 200]
     (q, kc, vc, tables, cu_q, ctx, ks, vs, dk, dv) = _fp8_problem(q_lens, ctxs, 4, 2, 64, 16, dtype, seed)
     q = (q.float() * q_mult).to(dtype)
-    configs.set_override("paged_long_kernel", "v2")
-    configs.set_override("paged_mixed", "split")
-    configs.set_override("paged_fp8_f16", 1)
-    try:
+    with configs.overriding(paged_long_kernel="v2", paged_mixed="split", paged_fp8_f16=1):
         out, lse = ops.paged(q, kc, vc, tables, cu_q, ctx, 97, True, 0.125, True, ks, vs)
-    finally:
-        for name in ("paged_long_kernel", "paged_mixed", "paged_fp8_f16"):
-            configs.set_override(name, None)
     _check(out, lse, q, dk, dv, cu_q, True, 0.125, f"fp8 paged v2, fp16 dots, {dtype}, q x {q_mult}")
 
 
@@ -346,11 +333,8 @@ def test_fp8_decode_word_tiles_interpreter(q_mult, words):
 def test_fp8_decode_table_ahead_interpreter(words):
     """configs.decode_table_ahead on fp8 caches: the planes loop and the fp16-dot loop with the
     block ids read a tile ahead, decode and a mixed paged batch's decode rows, against the oracle."""
-    configs.set_override("decode_table_ahead", 1)
-    try:
+    with configs.overriding(decode_table_ahead=1):
         _f16_dots(torch.float16, 1.0, seed=17, words=words)
-    finally:
-        configs.set_override("decode_table_ahead", None)
 
 
 @triton.jit

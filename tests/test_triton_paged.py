@@ -452,8 +452,8 @@ def test_paged_gpu_gluon(case, dtype, causal, loader, monkeypatch):
     # each loader: the block-table entries read a tile ahead, or per page copy; one warp for K
     # and V, or one for each
     with configs.overriding(paged_long_kernel=None, paged_mixed=None, gluon_table_ahead=int(loader != "per-copy"),
-                    gluon_split_loader=int(loader.startswith("split")),
-                    gluon_overlap=None if loader != "split-serial" else 0):
+                            gluon_split_loader=int(loader.startswith("split")),
+                            gluon_overlap=None if loader != "split-serial" else 0):
         out, lse = _run(q_lens, ctxs, hq, hkv, 128, page, causal, dtype, "cuda", seed=len(q_lens))
         assert ran, "the long chunks did not take the Gluon kernel"
         q, kc, vc, tables, cu_q, ctx, *_ = _problem(q_lens, ctxs, hq, hkv, 128, page, dtype, "cuda",
