@@ -841,19 +841,18 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[64];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
-                    v & kNoWorklist ? " no-worklist"
-                    : p.worklist > 0 ? (v & kWorklistMeanFloor ? (v & kWorklistCompact ? " wl-mean-compact" : " wl-mean")
-                                                              : (v & kWorklistCompact ? " wl-compact" : " worklist"))
-                    : "");
+                    v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
+                    p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
+                    p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
                   t.p80, bytes / (t.med * 1e-6) / 1e12, check.c_str());
       std::fflush(stdout);
 #if MINIPAGED_DECODE_TRACE
-      print_trace(ge, st, fl, p.num_splits * hkv * gchunks * B,
+      print_trace(ge, st, fl, ctas,
                   p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * B : 0);
 #endif
       CHECK_CUDA(cudaGraphExecDestroy(ge));
