@@ -140,17 +140,19 @@ def sass_loops(cubin: bytes) -> list[int]:
     return [] if sass is None else [last + 1 - first for first, last in sass[1]]
 
 
-def sass_spills_and_prologue(cubin: bytes) -> dict:
-    """Local-memory (spill) instructions in each SASS loop and in all, and the index of the
-    second global load: how long a program computes before its first data load past the
-    first (a decode program's context length) is issued. {} without triton's nvdisasm."""
+def sass_report(cubin: bytes) -> dict:
+    """From one disassembly: the loops' instruction counts (sass_loops), the local-memory
+    (spill) instructions in each loop and in all, and the index of the second global load, how
+    long a program computes before its first data load past the first (a decode program's
+    context length) is issued. Only {"sass_loops": []} without triton's nvdisasm."""
     sass = _sass(cubin)
     if sass is None:
-        return {}
+        return {"sass_loops": []}
     ins, loops = sass
     local = [bool(re.search(r"\b(LDL|STL)", t)) for t in ins]
     loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG", t)]
-    return {"local_in_loops": [sum(local[a:b + 1]) for a, b in loops], "local_total": sum(local),
+    return {"sass_loops": [last + 1 - first for first, last in loops],
+            "local_in_loops": [sum(local[a:b + 1]) for a, b in loops], "local_total": sum(local),
             "second_load_at": loads[1] if len(loads) > 1 else None}
 
 

@@ -3,9 +3,9 @@ sm_90 ahead of time, without a GPU: the plain decode specialisations and the pac
 ones that ops.paged's mixed mode "decode" launches, and the work-list ones. Reports shared
 memory, registers and spills (ptxas -v, the ptxas bundled with triton), the SASS loops, the
 spill instructions in each loop, and where the second global load is issued (the prologue's
-length before a program's first data load past its context length), and with --same-as REV whether the plain
-specialisations compile to the same PTX and TTGIR as decode.py at git revision REV (line
-info off, so only the code counts).
+length before a program's first data load past its context length); with --same-as REV,
+whether the plain specialisations compile to the same PTX and TTGIR as decode.py at git
+revision REV (line info off, so only the code counts).
 
     PYTHONPATH=src python scripts/triton_decode_sm90.py [--same-as HEAD~1] [--dump DIR] [--inflight]
 
@@ -33,7 +33,7 @@ from triton_aot import (  # noqa: E402
     kv_in_flight,
     ptxas_usage,
     sass_loops,
-    sass_spills_and_prologue,
+    sass_report,
     signature,
 )
 
@@ -140,8 +140,7 @@ def emit(out_dir: str, plain_only: bool) -> int:
         for ext in ("ptx", "ttgir"):
             with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
                 f.write(k.asm[ext])
-        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"]), "sass_loops": sass_loops(k.asm["cubin"]),
-                **sass_spills_and_prologue(k.asm["cubin"])}
+        info = {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"]), **sass_report(k.asm["cubin"])}
         print(f"ok   {name}: " + " ".join(f"{a}={b}" for a, b in info.items()), flush=True)
     return failures
 
