@@ -229,18 +229,18 @@ def _decode_launches(num_rows: int, num_splits: int, worklist: bool, block_h: in
     # partials [B, Hq, S, D] outputs, then [B, Hq, S] LSEs; a work list's by slot, [Hq, B + S, D], [Hq, B + S]
     rows = num_q_heads * (num_rows + num_splits if worklist else num_rows * num_splits)
     o_partial, lse_partial = _split_partials(rows, head_dim, out, split)
-    _launch_decode_kernel(num_rows, num_splits, worklist, block_h, cfg, q, k_cache, v_cache, block_tables,
-                          context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale,
-                          return_lse, cu_seqlens_q)
+    _launch_decode_kernel(num_rows, num_splits, block_h, cfg, q, k_cache, v_cache, block_tables, context_lens,
+                          out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8, scale, return_lse,
+                          cu_seqlens_q, worklist)
     if split:
         _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, num_rows, num_q_heads, num_splits,
                        head_dim, return_lse, cu_seqlens_q=cu_seqlens_q,
                        context_lens=context_lens if worklist else None, block_n=cfg.block_n)
 
 
-def _launch_decode_kernel(num_rows: int, num_splits: int, worklist: bool, block_h: int, cfg, q, k_cache, v_cache,
-                          block_tables, context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s,
-                          fp8: bool, scale: float, return_lse: bool, cu_seqlens_q=None) -> None:
+def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, k_cache, v_cache, block_tables,
+                          context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8: bool,
+                          scale: float, return_lse: bool, cu_seqlens_q=None, worklist: bool = False) -> None:
     """_decode_kernel over num_rows sequences x KV heads x num_splits, BLOCK_H query heads
     per program and cfg's key tile; worklist: over num_rows + num_splits slots x KV heads.
     cu_seqlens_q: the packed decode rows of a paged call (PACKED_Q: q, out and lse are
