@@ -12,6 +12,8 @@
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D;
 //                                    DECODE_TIME_SPLITS, _SHAPES, _KV, _VARIANTS: see time_mode)
+//   built with -DMINIPAGED_DECODE_CLUSTER=1, `check` and `small` also run the cluster merge
+//   (variant bits 0x8000 / 0x10000, check_cluster_problem), and `cluster` runs only its cases
 //   built with -DMINIPAGED_DECODE_TRACE=1, `time` also prints one traced replay per row: when
 //   the CTAs start, land their first and last K/V tiles, finish, and when the merge runs
 //   (decode/trace.cuh; quantiles over CTAs, and how many CTAs each SM ran)
@@ -75,6 +77,8 @@ constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its m
 constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
 constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored at the mean length, not twice it
 constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
+constexpr int kCluster = 0x8000;  // MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
+constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -306,6 +310,7 @@ struct Result {
   std::vector<float> lse;
   int splits = 0;
   bool fused = false;
+  bool cluster = false;  // the splits merged through distributed shared memory
 };
 
 void poison(const Setup& s, cudaStream_t st) {
@@ -331,6 +336,7 @@ bool run(const Setup& s, int variant, int splits, bool with_lse, cudaStream_t st
   fetch(s, r, st);
   r.splits = p.num_splits;
   r.fused = plan.fused && p.num_splits > 1;
+  r.cluster = plan.cluster && p.num_splits > 1;
   return true;
 }
 
@@ -499,6 +505,80 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
   CHECK_CUDA(cudaStreamDestroy(st));
   free_setup(s);
 }
+
+#if MINIPAGED_DECODE_CLUSTER
+// The cluster merge (variant bits kCluster / kClusterShallow) of a G = 2, D = 128 problem: every
+// split count of split_list (those over the cluster limit plan without clusters, which is
+// checked too) and the heuristic's (0) against the fp64 reference; o without lse bitwise o with
+// it; a graph of the 7-split call replayed g_replays times, bitwise the eager call.
+void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, uint32_t seed) {
+  if (pr.d != 128 || pr.hq != 2 * pr.hkv) return;
+  Setup s = make_setup(pr, seed);
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int v : {kCluster, kCluster | kClusterShallow}) {
+    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + (v & kClusterShallow ? " cluster-shallow" : " cluster");
+    long bad_ref = 0, runs = 0, cluster_runs = 0;
+    double worst = 0;
+    std::string splits_seen;
+    std::vector<int> list = split_list;
+    list.insert(list.begin(), 0);
+    for (int sp : list) {
+      Result r;
+      if (!run(s, v, sp, true, st, r)) {
+        report(false, what + ": no kernel");
+        break;
+      }
+      double e;
+      bad_ref += compare_ref(s, r, true, &e) != 0;
+      worst = std::max(worst, e);
+      ++runs;
+      cluster_runs += r.cluster;
+      if (splits_seen.size() < 80) splits_seen += std::to_string(r.splits) + (r.cluster ? "c " : " ");
+    }
+    char buf[320];
+    std::snprintf(buf, sizeof buf, "%-26s %ld runs vs fp64 (%ld merged in clusters; max err %.2e): %ld bad  [splits %s]",
+                  what.c_str(), runs, cluster_runs, worst, bad_ref, splits_seen.c_str());
+    // (on sm_90 a G = 2, D = 128 problem must take the cluster plan at 2..16 forced splits)
+    const bool any_cluster_expected = g_cc >= 9 && std::any_of(split_list.begin(), split_list.end(),
+                                                               [](int n) { return n >= 2 && n <= 16; });
+    report(bad_ref == 0 && (cluster_runs > 0 || !any_cluster_expected), buf);
+    {
+      Result a, b;
+      run(s, v, 7, true, st, a);
+      run(s, v, 7, false, st, b);
+      report(a.o == b.o, what + ": o without lse == o with lse (7 splits)");
+    }
+    minipaged::DecodeParams p = params_of(s, true);
+    minipaged::DecodePlan plan;
+    plan_call(s, p, v, 7, plan);
+    Result eager;
+    run(s, v, 7, true, st, eager);
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+    CHECK_CUDA(cudaStreamEndCapture(st, &g));
+    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+    int bad = 0;
+    for (int i = 0; i < g_replays; ++i) {
+      poison(s, st);
+      CHECK_CUDA(cudaGraphLaunch(ge, st));
+      Result r;
+      fetch(s, r, st);
+      bad += !same_bits(eager, r, true);
+    }
+    report(bad == 0, what + ": graph of the 7-split call, " + std::to_string(g_replays) + " replays: " +
+                         std::to_string(bad) + " differ from the eager call");
+    CHECK_CUDA(cudaGraphExecDestroy(ge));
+    CHECK_CUDA(cudaGraphDestroy(g));
+  }
+  CHECK_CUDA(cudaStreamDestroy(st));
+  free_setup(s);
+}
+#else
+void check_cluster_problem(const Prob&, const std::vector<int>&, uint32_t) {}
+#endif
 
 // ------------------------------------------------------------------ timing
 
@@ -841,11 +921,12 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[64];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
                     p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
-                    p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "");
+                    p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
+                    !plan.cluster ? "" : v & kClusterShallow ? " cluster-shallow" : " cluster");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
@@ -853,7 +934,7 @@ int time_mode(int reps) {
       std::fflush(stdout);
 #if MINIPAGED_DECODE_TRACE
       print_trace(ge, st, fl, ctas,
-                  p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * B : 0);
+                  p.num_splits > 1 && !plan.fused && !plan.cluster && !(v & kNoReduce) ? hq * B : 0);
 #endif
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
@@ -1122,6 +1203,24 @@ int roofline_mode(int reps) {
   return 0;
 }
 
+// The cluster merge's cases of `check` (builds with MINIPAGED_DECODE_CLUSTER; mode `cluster` runs
+// only these): every split count 1..17, empty contexts, page sizes 1 and 256, both caches and
+// both q dtypes, and a table-filling B=1 L=32k at 16 splits.
+void check_cluster_problems(uint32_t seed) {
+  const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
+  std::vector<int> upto17;
+  for (int i = 1; i <= 17; ++i) upto17.push_back(i);
+  for (DType dt : {b16, f16})
+    for (bool fp8 : {false, true}) {
+      check_cluster_problem({"cluster splits 1..17", dt, fp8, 16, 8, 128, 16, {0, 1, 17, 97, 1023, 4097}}, upto17,
+                            seed++);
+      check_cluster_problem({"cluster p1", dt, fp8, 8, 4, 128, 1, {0, 3, 130}}, {2, 9}, seed++);
+      check_cluster_problem({"cluster p256", dt, fp8, 8, 4, 128, 256, {1000, 257, 0}}, {3, 16}, seed++);
+    }
+  check_cluster_problem({"cluster all empty", b16, false, 16, 8, 128, 16, {0, 0, 0}}, {1, 5, 16}, seed++);
+  check_cluster_problem({"cluster B=1 L=32k", b16, false, 16, 8, 128, 16, {32768}}, {16}, seed++);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1140,6 +1239,10 @@ int main(int argc, char** argv) {
     check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
     check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
     check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
+    check_cluster_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {3, 16}, 4);
+    check_cluster_problem({"small G2 D128 p16", b16, true, 4, 2, 128, 16, {40, 0, 700}}, {5}, 5);
+  } else if (mode == "cluster") {
+    check_cluster_problems(100);
   } else if (mode == "check") {
     const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};
     const std::vector<int> splits = {0, 1, 2, 3, 7, 16, 64};
@@ -1153,6 +1256,7 @@ int main(int argc, char** argv) {
     }
     // Every context empty: each split writes lse -inf, the merge writes zeros.
     check_problem({"all empty G2 D128 p16", b16, false, 16, 8, 128, 16, {0, 0, 0}}, {0, 1, 5}, false, seed++);
+    check_cluster_problems(seed);
     for (DType dt : {f16, b16})
       for (int D : {64, 128})
         for (auto hh : {std::pair<int, int>{8, 8}, {16, 8}, {16, 4}, {16, 2}})
@@ -1169,7 +1273,7 @@ int main(int argc, char** argv) {
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
   } else {
-    std::fprintf(stderr, "usage: %s check|small|time|roofline [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check|small|cluster|time|roofline [reps]\n", argv[0]);
     return 2;
   }
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);

@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_cluster] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -366,6 +366,32 @@ for s in $stages; do
           run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
       done
       unset DECODE_TIME_VARIANTS;;
+    decode_cluster)
+      # The cluster-merge A/B build (-DMINIPAGED_DECODE_CLUSTER=1, decode/cluster_merge.cuh): its
+      # cases of `check` (mode `cluster`), `small` (which runs them too) under the three
+      # sanitizers, then `time` of the rows whose grid is one wave (B=1 4k / 32k, B=8 4k, 16-bit
+      # and fp8): the default plan, the cluster merge with the 8- and the 5-stage ring (0x8000,
+      # 0x18000) and the default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
+      # Prebuilt as .gpubin/cluster (nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1), else built here.
+      mkdir -p "$bin"
+      if [ ! -x "$bin/cluster" ]; then
+        STAGE_TIMEOUT_decode_cluster_build=${STAGE_TIMEOUT_decode_cluster_build:-150} run decode_cluster_build \
+          nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1 scripts/decode_selftest.cu $csrc/decode/launch.cu \
+          -o "$bin/cluster" -lgomp
+      fi
+      export OMP_NUM_THREADS=16
+      STAGE_TIMEOUT_decode_cluster_check=${STAGE_TIMEOUT_decode_cluster_check:-120} \
+        run decode_cluster_check "$bin/cluster" cluster
+      for tool in ${DECODE_CLUSTER_SANITIZERS:-memcheck racecheck synccheck}; do
+        STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90} \
+          run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" small
+      done
+      for r in ${DECODE_AB_ROUNDS:-1 2}; do
+        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,2048} \
+          DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
+          STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90} \
+          run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
+      done;;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
       # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the

@@ -224,6 +224,10 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
+  // The kernel's splits are one thread-block cluster per (sequence, KV head, head chunk), of
+  // num_splits CTAs, which merge through distributed shared memory (decode/cluster_merge.cuh,
+  // builds with MINIPAGED_DECODE_CLUSTER): no workspace, `reduce` is not launched.
+  bool cluster = false;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and

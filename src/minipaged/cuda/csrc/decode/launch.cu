@@ -29,6 +29,12 @@
 #ifndef MINIPAGED_DECODE_BENCH_TILINGS
 #define MINIPAGED_DECODE_BENCH_TILINGS 1
 #endif
+// 1 (A/B builds of decode_selftest, not yet run on a GPU): the one-launch cluster merge of
+// decode/cluster_merge.cuh for one-wave grids, behind variant bits kVariantCluster /
+// kVariantClusterShallow. 0: every build that ships (no such kernel is compiled).
+#ifndef MINIPAGED_DECODE_CLUSTER
+#define MINIPAGED_DECODE_CLUSTER 0
+#endif
 
 namespace minipaged {
 namespace {
@@ -85,16 +91,25 @@ constexpr int kVariantNoWorklist = 0x1000;
 // the plan and return (decode/splits.h has bit 0x2000, the runs' floor).
 constexpr int kVariantWorklistCompact = 0x4000;
 #endif
+#if MINIPAGED_DECODE_CLUSTER
+// Bit 0x8000 (builds with MINIPAGED_DECODE_CLUSTER): G = 2, D = 128 plain decode whose grid is
+// one wave (small batches) as clusters of up to 16 splits merging through distributed shared
+// memory (select_cluster), a 16 KB-per-stage cp.async ring 8 stages deep (1 CTA per SM, so a
+// cluster's CTAs land on distinct SMs). With 0x10000 too: 5 stages (2 CTAs per SM).
+constexpr int kVariantCluster = 0x8000;
+constexpr int kVariantClusterShallow = 0x10000;
+#endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ, CLUSTER>;
+  k.cluster = CLUSTER;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
@@ -311,6 +326,32 @@ DecodePlan select_packed(const DecodeParams& p) {
   }
 }
 
+#if MINIPAGED_DECODE_CLUSTER
+// The cluster-merge kernels (kVariantCluster): the scalar kernel with a row over 8 threads and
+// 16 KB ring stages (16-bit: 2 token groups per warp; FP8: 4, a piece holding twice the tokens).
+template <typename T>
+DecodePlan cluster_for(const DecodeParams& p) {
+  const bool shallow = p.variant & kVariantClusterShallow;
+  if (p.kv_fp8)
+    return shallow ? info<T, 128, 2, 8, 4, false, 5, true, false, 0, 0, false, true>()
+                   : info<T, 128, 2, 8, 4, false, 8, true, false, 0, 0, false, true>();
+  return shallow ? info<T, 128, 2, 8, 2, false, 5, false, false, 0, 0, false, true>()
+                 : info<T, 128, 2, 8, 2, false, 8, false, false, 0, 0, false, true>();
+}
+// The cluster-merge kernel for p when the variant asks for it and p is a plain decode of
+// G = 2 at D = 128 on sm_90+, else {}.
+DecodePlan select_cluster(const DecodeParams& p) {
+  if (!(p.variant & kVariantCluster) || p.cc_major < 9 || p.cu_seqlens_q != nullptr || p.max_seqlen_q >= 2) return {};
+  if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
+  if (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr)) return {};
+  switch (p.dtype) {
+    case DType::kFloat16: return cluster_for<__half>(p);
+    case DType::kBFloat16: return cluster_for<__nv_bfloat16>(p);
+  }
+  return {};
+}
+#endif
+
 // The tensor-core alternative to the scalar kernel for G = 2 at D = 128 with the
 // default tiling (a packed-query call: always), both cache dtypes; {} elsewhere.
 // decode_plan takes it when its splits are long (kMinTokensPerSplitTensorCores).
@@ -432,6 +473,45 @@ int blocks_per_sm(const DecodePlan& k) {
   return n;
 }
 
+#if MINIPAGED_DECODE_CLUSTER
+// Clusters of `size` CTAs of kernel k that can be resident at once on the current device
+// (cached per kernel, size and device; 0: none, or the query failed). Sizes over 8 are
+// non-portable: the first query of such a size allows them for the kernel.
+int max_active_clusters(const DecodePlan& k, int size) {
+  struct Key {
+    DecodeKernel kernel;
+    int size, device;
+  };
+  static std::mutex mu;
+  static std::vector<std::pair<Key, int>> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : cache)
+    if (e.first.kernel == k.kernel && e.first.size == size && e.first.device == device) return e.second;
+  if (size > 8 && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+    cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, size);
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = k.smem_bytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = size;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, k.kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    n = 0;
+  }
+  cache.push_back({Key{k.kernel, size, device}, n});
+  return n;
+}
+#endif
+
 // CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group (short query runs:
 // one, launch_decode checks that their rows fit).
 int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
@@ -488,9 +568,43 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   }
 #endif
 }
+#if MINIPAGED_DECODE_CLUSTER
+// plan_splits for the cluster kernel k (G = 2: one head chunk): the splits of every sequence are
+// one cluster of num_splits (2..kMaxClusterSplits) CTAs. Unforced, a one-wave grid only: as
+// many splits as the resident slots give each (sequence, KV head), and no more than let every
+// cluster of the grid be resident at once; forced, exactly requested_splits. False when no
+// such plan exists (p unchanged): the caller plans without clusters.
+bool plan_cluster(DecodeParams& p, const DecodePlan& k, int requested_splits) {
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  if (capacity == 0 || ctas <= 0) return false;
+  const int64_t iter = std::max(k.tokens_per_iter, 1);
+  const int64_t slots = static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
+  const int64_t min_tokens =
+      requested_splits > 0 ? iter : (kMinTokensPerSplit + iter - 1) / iter * iter;
+  const int64_t want =
+      requested_splits > 0 ? requested_splits : std::min<int64_t>(slots / ctas, capacity / kMinTokensPerSplit);
+  for (int64_t c = std::min<int64_t>(want, kMaxClusterSplits); c >= 2; --c) {
+    DecodeParams t = p;
+    decode_split_runs(t, capacity, c, min_tokens, iter);
+    if (requested_splits > 0 && t.num_splits != requested_splits) return false;
+    if (t.num_splits < 2) continue;
+    const int fit = max_active_clusters(k, t.num_splits);
+    if (fit <= 0 || (requested_splits <= 0 && fit < ctas)) continue;
+    t.worklist = 0;
+    p = t;
+    return true;
+  }
+  return false;
+}
+#endif
 }  // namespace
 
 DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
+#if MINIPAGED_DECODE_CLUSTER
+  if (const DecodePlan kc = select_cluster(p); kc.kernel != nullptr && plan_cluster(p, kc, requested_splits))
+    return kc;
+#endif
   const DecodePlan tc = p.max_seqlen_q >= 2 ? DecodePlan{} : tensor_core_g2(p);
   if (tc.kernel != nullptr) {
     DecodeParams t = p;
@@ -521,7 +635,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
+  if (p.num_splits < 1 || (p.num_splits > 1 && !k.cluster && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
@@ -537,9 +651,25 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   // (a work list: p.worklist slots of (sequence, split), decode_worklist_find)
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,
                   p.worklist > 0 ? 1 : p.num_splits);
+  if (k.cluster && p.num_splits > 1) {
+    // one cluster per (sequence, KV head, head chunk): its splits (decode/cluster_merge.cuh)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kWarps * 32);
+    cfg.dynamicSmemBytes = k.smem_bytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = static_cast<unsigned>(p.num_splits);
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, k.kernel, p);
+  }
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || k.fused || k.cluster || (p.variant & kVariantNoReduce)) return err;
   // Programmatic dependent launch (sm_90+): the reduction's CTAs are set up
   // while the split kernel drains instead of after it; griddepcontrol.wait in
   // the reduction keeps the ordering. Captured into CUDA graphs as a

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "decode/cluster_merge.cuh"
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "decode/trace.cuh"
@@ -50,8 +51,13 @@ constexpr int kWarps = 4;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
+// CLUSTER (A/B builds, DecodePlan::cluster): the splits of a (sequence, KV head, head chunk)
+// are one thread-block cluster and merge through distributed shared memory
+// (decode/cluster_merge.cuh); every CTA of the cluster runs to the end, a split past its
+// sequence's splits with an empty range. The STAGES - 1 ring stages' pages are all requested
+// before the first stage's rows, so that a deep ring does not wait on one table read per stage.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0, bool PQ = false>
+          int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -77,9 +83,11 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
+  static_assert(!CLUSTER || (!PQ && !FUSED && STAGES >= 2), "the cluster merge: plain decode, a cp.async ring");
   const DecodeSlice slice = decode_slice<PQ>(p, G);
-  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (decode_split_unused(slice)) return;
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform); in a
+  // cluster it stays for the merge's barriers (its range is empty: start >= end).
+  if (!CLUSTER && decode_split_unused(slice)) return;
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -257,7 +265,19 @@ paged_decode_kernel(const DecodeParams p) {
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
   if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
-  if constexpr (STAGES >= 2) {
+  if constexpr (STAGES >= 2 && CLUSTER) {
+    int ring_pages[STAGES - 1][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) ring_pages[0][u] = page[u];
+#pragma unroll
+    for (int st = 1; st < STAGES - 1; ++st) fetch_pages(tok_base + st * TOK_CTA, ring_pages[st]);
+    fetch_pages(tok_base + (STAGES - 1) * TOK_CTA, page);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      issue_async(tok_base + st * TOK_CTA, ring_pages[st], st);
+      cp_async_commit();
+    }
+  } else if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       issue_async(tok_base + st * TOK_CTA, page, st);
@@ -373,7 +393,10 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  if constexpr (FP8) {
+  if constexpr (CLUSTER) {
+    cluster_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
+                                                  FP8 ? p.v_scale[kvh] : 1.f);
+  } else if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
                                                   p.v_scale[kvh]);
   } else {
