@@ -13,7 +13,8 @@
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D;
 //                                    DECODE_TIME_SPLITS, _SHAPES, _KV, _VARIANTS: see time_mode)
 //   built with -DMINIPAGED_DECODE_CLUSTER=1, `check` and `small` also run the cluster merge
-//   (variant bits 0x8000 / 0x10000, check_cluster_problem), and `cluster` runs only its cases
+//   (variant bits 0x8000 / 0x10000 / 0x20000, check_cluster_problem), and `cluster` runs only
+//   its cases
 //   built with -DMINIPAGED_DECODE_TRACE=1, `time` also prints one traced replay per row: when
 //   the CTAs start, land their first and last K/V tiles, finish, and when the merge runs
 //   (decode/trace.cuh; quantiles over CTAs, and how many CTAs each SM ran)
@@ -79,6 +80,7 @@ constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored 
 constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
 constexpr int kCluster = 0x8000;  // MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
 constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
+constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -507,18 +509,21 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 }
 
 #if MINIPAGED_DECODE_CLUSTER
-// The cluster merge (variant bits kCluster / kClusterShallow) of a G = 2, D = 128 problem: every
-// split count of split_list (those over the cluster limit plan without clusters, which is
-// checked too) and the heuristic's (0) against the fp64 reference; o without lse bitwise o with
-// it; a graph of the 7-split call replayed g_replays times, bitwise the eager call.
+// The cluster merge (variant bits kCluster, kClusterShallow, kClusterPush) of a G = 2, D = 128
+// problem: every split count of split_list (those over the cluster limit plan without
+// clusters, which is checked too) and the heuristic's (0) against the fp64 reference, the push
+// merge bitwise the pull merge of the same ring; o without lse bitwise o with it; a graph of
+// the 7-split call replayed g_replays times, bitwise the eager call.
 void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, uint32_t seed) {
   if (pr.d != 128 || pr.hq != 2 * pr.hkv) return;
   Setup s = make_setup(pr, seed);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  for (int v : {kCluster, kCluster | kClusterShallow}) {
-    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + (v & kClusterShallow ? " cluster-shallow" : " cluster");
-    long bad_ref = 0, runs = 0, cluster_runs = 0;
+  std::vector<std::pair<int, Result>> pulled;  // (variant, split count) -> the pull merge's output
+  for (int v : {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush, kCluster | kClusterShallow | kClusterPush}) {
+    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterShallow ? "-shallow" : "") +
+                             (v & kClusterPush ? "-push" : "");
+    long bad_ref = 0, runs = 0, cluster_runs = 0, bad_bits = 0;
     double worst = 0;
     std::string splits_seen;
     std::vector<int> list = split_list;
@@ -535,14 +540,24 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
       ++runs;
       cluster_runs += r.cluster;
       if (splits_seen.size() < 80) splits_seen += std::to_string(r.splits) + (r.cluster ? "c " : " ");
+      // (key: the ring bit and the forced split count)
+      const int key = (v & kClusterShallow) | sp;
+      if (!(v & kClusterPush)) {
+        pulled.push_back({key, r});
+      } else {
+        for (const auto& e : pulled)
+          if (e.first == key && e.second.cluster == r.cluster) bad_bits += !same_bits(e.second, r, true);
+      }
     }
     char buf[320];
-    std::snprintf(buf, sizeof buf, "%-26s %ld runs vs fp64 (%ld merged in clusters; max err %.2e): %ld bad  [splits %s]",
-                  what.c_str(), runs, cluster_runs, worst, bad_ref, splits_seen.c_str());
+    std::snprintf(buf, sizeof buf,
+                  "%-26s %ld runs vs fp64 (%ld merged in clusters; max err %.2e): %ld bad; push vs pull bitwise: %ld "
+                  "differ  [splits %s]",
+                  what.c_str(), runs, cluster_runs, worst, bad_ref, bad_bits, splits_seen.c_str());
     // (on sm_90 a G = 2, D = 128 problem must take the cluster plan at 2..16 forced splits)
     const bool any_cluster_expected = g_cc >= 9 && std::any_of(split_list.begin(), split_list.end(),
                                                                [](int n) { return n >= 2 && n <= 16; });
-    report(bad_ref == 0 && (cluster_runs > 0 || !any_cluster_expected), buf);
+    report(bad_ref == 0 && bad_bits == 0 && (cluster_runs > 0 || !any_cluster_expected), buf);
     {
       Result a, b;
       run(s, v, 7, true, st, a);
@@ -926,7 +941,10 @@ int time_mode(int reps) {
                     v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
                     p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
                     p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
-                    !plan.cluster ? "" : v & kClusterShallow ? " cluster-shallow" : " cluster");
+                    !plan.cluster                  ? ""
+                    : v & kClusterPush             ? (v & kClusterShallow ? " cluster-shallow-push" : " cluster-push")
+                    : v & kClusterShallow          ? " cluster-shallow"
+                                                   : " cluster");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

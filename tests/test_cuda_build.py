@@ -78,7 +78,7 @@ def test_decode_ab_builds_compile_without_spills(tmp_path):
     # The A/B builds MINIPAGED_DECODE_WORKLIST=1 (decode work lists) and MINIPAGED_DECODE_CLUSTER=1
     # (the cluster merge), both off by default, so the fixture above never compiles them; one
     # compile takes both: every decode kernel and merge must build and spill nothing, and the
-    # cluster build has its eight kernels (two q dtypes x two caches x two ring depths).
+    # cluster build has its sixteen kernels (two q dtypes x two caches x two ring depths x pull / push).
     rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
                                        EXTRA_FLAGS + ["-DMINIPAGED_DECODE_WORKLIST=1", "-DMINIPAGED_DECODE_CLUSTER=1"])
     assert rc == 0, log[-4000:]
@@ -86,9 +86,10 @@ def test_decode_ab_builds_compile_without_spills(tmp_path):
     assert len(kernels) > 20, log[-2000:]
     for k in kernels:
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
-    # paged_decode_kernel<..., PQ = false, CLUSTER = true>
-    cluster = {k["kernel"] for k in kernels if "paged_decode_kernel" in k["kernel"] and "ELb0ELb1EEEv" in k["kernel"]}
-    assert len(cluster) == 8, sorted(cluster)
+    # paged_decode_kernel<..., PQ = false, CLUSTER = 1 (pull) or 2 (push)>
+    cluster = {k["kernel"] for k in kernels if "paged_decode_kernel" in k["kernel"]
+               and ("ELb0ELi1EEEv" in k["kernel"] or "ELb0ELi2EEEv" in k["kernel"])}
+    assert len(cluster) == 16, sorted(cluster)
 
 
 @needs_nvcc

@@ -1,16 +1,24 @@
 // One-launch split merge through distributed shared memory (sm_90; DecodePlan::cluster, the
 // A/B builds with MINIPAGED_DECODE_CLUSTER): the splits of one (sequence, KV head, head chunk)
-// are the CTAs of one thread-block cluster, rank r being split r. Each CTA leaves its split's
-// normalised partial output and log2-sum-exp in its own shared memory; after a cluster barrier,
-// rank r merges the (row, 4-dim) output items r, r + C, r + 2C, ... by reading those items of
-// all C partials over DSMEM, and writes o (and lse) itself. So a split decode needs no
-// partial workspace, no arrival counter and no second launch, and the merge waits on a
-// cluster barrier instead of a grid's completion plus a round trip to L2.
+// are the CTAs of one thread-block cluster, rank r being split r, and rank r merges the output
+// items (row, 4 dims) r, r + C, r + 2C, ... of the C splits and writes them (and lse) itself.
+// So a split decode needs no partial workspace, no arrival counter and no second launch, and
+// the merge waits for the cluster's CTAs instead of a grid's completion plus a round trip to L2.
+// Two ways of moving the partials (the kernel's CLUSTER template value):
+//   kClusterPull (1): each CTA leaves its normalised partial and log2-sum-exp in its own shared
+//     memory; after a cluster barrier (release / acquire, a MEMBAR.GPU on each CTA's side)
+//     every CTA loads its items of all C partials over DSMEM; a second barrier keeps each
+//     CTA's shared memory alive until all have read it.
+//   kClusterPush (2): each CTA stores every item of its partial into the shared memory of the
+//     rank that merges it, and every log2-sum-exp into all ranks, with st.async, which counts
+//     the bytes on the receiver's mbarrier; a rank merges once its barrier has seen all its
+//     bytes. No fence: the only cluster barriers are relaxed (one after the mbarriers'
+//     initialisation at the kernel's start, one before exit).
 //
 // The merge is decode_reduce_kernel's: the row max of the C log2-sum-exps, weights
-// ex2(lse_j - max), o = sum_j w_j partial_j / sum_j w_j, in split order. A split past its
-// sequence's splits (or past its context) leaves lse -inf, weight 0. A launch without a cluster
-// is a cluster of one, whose merge returns the partial as it is (weight 1, sum 1).
+// ex2(lse_j - max), o = sum_j w_j partial_j / sum_j w_j, in split order; both ways give the
+// same bits. A split past its sequence's splits (or its context) has lse -inf, weight 0. A
+// launch without a cluster is a cluster of one, whose merge returns the partial as it is.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -19,58 +27,104 @@
 #include "decode/reduce.cuh"
 #include "ptx/cluster.cuh"
 #include "ptx/misc.cuh"
+#include "ptx/tma.cuh"
 
 namespace minipaged {
 namespace {
 
 constexpr int kMaxClusterSplits = 16;  // the non-portable cluster size limit of sm_90
+constexpr int kClusterPull = 1;
+constexpr int kClusterPush = 2;
 
-// Called by every thread of every CTA of the cluster (it holds the cluster barriers), after the
-// warps' online-softmax states are in shared memory (merge_warps_and_store's inputs).
+// This CTA's split, output item (row, dims 4 c4 .. 4 c4 + 3): its warps' online-softmax states
+// combined (merge_warps_and_store's arithmetic), normalised, times out_scale (FP8 caches), and
+// the row's log2-sum-exp.
+template <int kNumWarps, int kRowsPerCta, int D, bool kScaleOut>
+__device__ __forceinline__ float4 split_partial_item(const float* sm_m, const float* sm_l, const float* sm_o, int row,
+                                                     int c4, float out_scale, float& lse) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
+  const float mref = mx == -INFINITY ? 0.f : mx;
+  float L = 0.f;
+  float O[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
+    L += sm_l[w * kRowsPerCta + row] * c;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) O[k] += sm_o[(w * kRowsPerCta + row) * D + 4 * c4 + k] * c;
+  }
+  float out[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[k] = L > 0.f ? O[k] / L : 0.f;
+    if constexpr (kScaleOut) out[k] *= out_scale;
+  }
+  lse = L > 0.f ? mref + log2f(L) : -INFINITY;
+  return make_float4(out[0], out[1], out[2], out[3]);
+}
+
+// Merges item (row, c4) from the partials x[j] (log2-sum-exp) and v[j] of splits j < splits
+// (the entries past them are never read) and stores o and, for c4 == 0, lse.
+template <typename T>
+__device__ __forceinline__ void merge_cluster_item(const DecodeParams& p, const DecodeSlice& slice, int row, int c4,
+                                                   int splits, const float (&x)[kMaxClusterSplits],
+                                                   const float4 (&v)[kMaxClusterSplits]) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kMaxClusterSplits; ++j)
+    if (j < splits) mx = fmaxf(mx, x[j]);
+  const float mref = mx == -INFINITY ? 0.f : mx;
+  float total = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < kMaxClusterSplits; ++j) {
+    if (j < splits) {
+      const float w = fast_exp2(x[j] - mref);
+      total += w;
+      fma4(o, w, v[j]);
+    }
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  int out_row, h;
+  int64_t split_row;
+  decode_out_row<false>(p, slice, row, out_row, h, split_row);
+  if (p.lse != nullptr && c4 == 0)
+    p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
+  store4(static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + c4 * 4, o, inv);
+}
+
+// kClusterPull. Called by every thread of every CTA of the cluster (it holds the cluster
+// barriers), after the warps' states are in shared memory (merge_warps_and_store's inputs).
 template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false>
-__device__ __forceinline__ void cluster_merge_and_store(const DecodeParams& p, const DecodeSlice& slice,
-                                                        const float* sm_m,  // [kNumWarps][kRowsPerCta]
-                                                        const float* sm_l,  // [kNumWarps][kRowsPerCta]
-                                                        const float* sm_o,  // [kNumWarps][kRowsPerCta][D]
-                                                        float out_scale = 1.f) {
+__device__ __forceinline__ void cluster_pull_merge_and_store(const DecodeParams& p, const DecodeSlice& slice,
+                                                             const float* sm_m,  // [kNumWarps][kRowsPerCta]
+                                                             const float* sm_l,  // [kNumWarps][kRowsPerCta]
+                                                             const float* sm_o,  // [kNumWarps][kRowsPerCta][D]
+                                                             float out_scale = 1.f) {
   constexpr int kCols4 = D / 4;
   constexpr int kThreads = kNumWarps * 32;
   static_assert(kRowsPerCta * kCols4 <= kThreads, "one item per thread, even in a cluster of one");
-  __shared__ float4 sm_part[kRowsPerCta * kCols4];  // this split's normalised partial [row][D]
+  __shared__ float4 sm_part[kRowsPerCta * kCols4];  // this split's normalised partial [row][D / 4]
   __shared__ float sm_lse[kRowsPerCta];              // and its log2-sum-exp per row
   const int ng = slice.ng;
-
-  // This CTA's warps -> its split's partial (merge_warps_and_store's arithmetic).
-  float* part = reinterpret_cast<float*>(sm_part);
-  for (int idx = threadIdx.x; idx < ng * D; idx += kThreads) {
-    const int row = idx / D;
-    const int col = idx - row * D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
-    const float mref = mx == -INFINITY ? 0.f : mx;
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
-      L += sm_l[w * kRowsPerCta + row] * c;
-      O += sm_o[(w * kRowsPerCta + row) * D + col] * c;
-    }
-    float out = L > 0.f ? O / L : 0.f;
-    if constexpr (kScaleOut) out *= out_scale;
-    part[row * D + col] = out;
-    if (col == 0) sm_lse[row] = L > 0.f ? mref + log2f(L) : -INFINITY;
+  const int items = ng * kCols4;
+  for (int it = threadIdx.x; it < items; it += kThreads) {
+    const int row = it / kCols4;
+    float lse;
+    sm_part[it] = split_partial_item<kNumWarps, kRowsPerCta, D, kScaleOut>(sm_m, sm_l, sm_o, row, it - row * kCols4,
+                                                                          out_scale, lse);
+    if (it == row * kCols4) sm_lse[row] = lse;
   }
   cluster_arrive_release();
   cluster_wait_acquire();  // every split's partial is in its CTA's shared memory
 
   const int rank = static_cast<int>(cluster_ctarank());
   const int splits = static_cast<int>(cluster_nctarank());
-  const int items = ng * kCols4;
   const int item = rank + splits * static_cast<int>(threadIdx.x);
   const bool valid = item < items;
   const int row = valid ? item / kCols4 : 0;
-  const int c4 = item - row * kCols4;
   // Every load first (predicated, independent), so that the 2C remote reads are in flight together.
   float x[kMaxClusterSplits];
   float4 v[kMaxClusterSplits];
@@ -78,36 +132,109 @@ __device__ __forceinline__ void cluster_merge_and_store(const DecodeParams& p, c
   for (int j = 0; j < kMaxClusterSplits; ++j) {
     const bool on = valid && j < splits;
     x[j] = on ? ld_shared_cluster_f32(cluster_map_shared(sm_lse + row, j)) : -INFINITY;
-    v[j] = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + row * kCols4 + c4, j))
-              : make_float4(0.f, 0.f, 0.f, 0.f);
+    v[j] = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + item, j)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  float mx = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < kMaxClusterSplits; ++j) mx = fmaxf(mx, x[j]);
-  const float mref = mx == -INFINITY ? 0.f : mx;
-  float total = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int j = 0; j < kMaxClusterSplits; ++j) {
-    if (j < splits) {  // (past them: weight ex2(-inf) = 0 times 0, skipped)
-      const float w = fast_exp2(x[j] - mref);
-      total += w;
-      fma4(o, w, v[j]);
+  // This CTA has read what it needs of the others (the release orders those reads before
+  // the arrival): they may exit once every CTA has arrived.
+  cluster_arrive_release();
+  if (valid) merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
+  cluster_wait_acquire();  // no CTA's shared memory goes away while another may read it
+}
+
+// kClusterPush: what a rank receives, [source split][...], and the mbarrier that counts it.
+template <int kRowsPerCta, int D>
+struct ClusterPushSmem {
+  static constexpr int kItems = kRowsPerCta * D / 4;
+  uint64_t bar;
+  float lse[kMaxClusterSplits][kRowsPerCta];
+  // source j's k-th item for this rank at o[j * slots + k], slots = ceil(items / C)
+  float4 o[kItems + kMaxClusterSplits];
+};
+template <int kRowsPerCta, int D>
+__device__ __forceinline__ ClusterPushSmem<kRowsPerCta, D>& cluster_push_smem() {
+  __shared__ ClusterPushSmem<kRowsPerCta, D> sm;
+  return sm;
+}
+
+// kClusterPush, at the kernel's start (every thread; ng as the slice has it, the same in every
+// CTA of the cluster): the receiving mbarrier expects C log2-sum-exps per row and C partials of
+// each of this rank's items; the relaxed arrive here is waited on in the merge, before the
+// first st.async, so that no store reaches a barrier before its initialisation.
+template <int kRowsPerCta, int D>
+__device__ __forceinline__ void cluster_push_begin(int ng) {
+#if MINIPAGED_WGMMA_DEVICE
+  if (threadIdx.x == 0) {
+    auto& sm = cluster_push_smem<kRowsPerCta, D>();
+    const int rank = static_cast<int>(cluster_ctarank());
+    const int splits = static_cast<int>(cluster_nctarank());
+    const int items = ng * (D / 4);
+    const int mine = items > rank ? (items - 1 - rank) / splits + 1 : 0;
+    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.bar));
+    mbar_init(bar, 1);
+    mbar_fence_init();
+    mbar_arrive_expect_tx(bar, static_cast<uint32_t>(splits * (mine * 16 + ng * 4)));
+  }
+  cluster_arrive_relaxed();
+#else
+  __trap();  // (the push merge is built for sm_90a only)
+#endif
+}
+
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false>
+__device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams& p, const DecodeSlice& slice,
+                                                             const float* sm_m, const float* sm_l, const float* sm_o,
+                                                             float out_scale = 1.f) {
+#if MINIPAGED_WGMMA_DEVICE
+  constexpr int kCols4 = D / 4;
+  constexpr int kThreads = kNumWarps * 32;
+  static_assert(kRowsPerCta * kCols4 <= kThreads, "one item per thread, even in a cluster of one");
+  auto& sm = cluster_push_smem<kRowsPerCta, D>();
+  const int rank = static_cast<int>(cluster_ctarank());
+  const int splits = static_cast<int>(cluster_nctarank());
+  const int ng = slice.ng;
+  const int items = ng * kCols4;
+  const int slots = (items + splits - 1) / splits;
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.bar));
+  const uint32_t o_base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.o));
+  const uint32_t lse_base = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.lse[0][0]));
+  cluster_wait_acquire();  // (cluster_push_begin's arrive) every rank's barrier expects its bytes
+  for (int it = threadIdx.x; it < items; it += kThreads) {
+    const int row = it / kCols4;
+    float lse;
+    const float4 part = split_partial_item<kNumWarps, kRowsPerCta, D, kScaleOut>(sm_m, sm_l, sm_o, row,
+                                                                                it - row * kCols4, out_scale, lse);
+    const int dst = it % splits;
+    st_async_f32x4(cluster_map_shared(o_base + (rank * slots + it / splits) * 16, dst), part,
+                   cluster_map_shared(bar, dst));
+    if (it == row * kCols4) {
+      for (int j = 0; j < splits; ++j)
+        st_async_f32(cluster_map_shared(lse_base + (rank * kRowsPerCta + row) * 4, j), lse,
+                     cluster_map_shared(bar, j));
     }
   }
-  // This CTA has read what it needs of the others: they may exit once every CTA has.
-  cluster_arrive_release();
-  if (valid) {
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    int out_row, h;
-    int64_t split_row;
-    decode_out_row<false>(p, slice, row, out_row, h, split_row);
-    if (p.lse != nullptr && c4 == 0)
-      p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
-    T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + c4 * 4;
-    store4(op, o, inv);
+  mbar_wait(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
+  const int item = rank + splits * static_cast<int>(threadIdx.x);
+  if (item < items) {
+    const int row = item / kCols4;
+    float x[kMaxClusterSplits];
+    float4 v[kMaxClusterSplits];
+    // (unconditional loads, no branch per split: past the splits, source 0's entries again,
+    // which merge_cluster_item never reads)
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      const int src = j < splits ? j : 0;
+      x[j] = sm.lse[src][row];
+      v[j] = sm.o[src * slots + threadIdx.x];
+    }
+    merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
   }
-  cluster_wait_acquire();  // no CTA's shared memory goes away while another may read it
+  // Every rank has received all its bytes before it arrives, so once all have arrived no
+  // st.async of any CTA is still in flight: then a CTA may exit.
+  cluster_arrive_relaxed();
+  cluster_wait_acquire();
+#else
+  __trap();
+#endif
 }
 
 }  // namespace

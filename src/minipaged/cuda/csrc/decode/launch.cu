@@ -94,22 +94,25 @@ constexpr int kVariantWorklistCompact = 0x4000;
 #if MINIPAGED_DECODE_CLUSTER
 // Bit 0x8000 (builds with MINIPAGED_DECODE_CLUSTER): G = 2, D = 128 plain decode whose grid is
 // one wave (small batches) as clusters of up to 16 splits merging through distributed shared
-// memory (select_cluster), a 16 KB-per-stage cp.async ring 8 stages deep (1 CTA per SM, so a
-// cluster's CTAs land on distinct SMs). With 0x10000 too: 5 stages (2 CTAs per SM).
+// memory (select_cluster; decode/cluster_merge.cuh), a 16 KB-per-stage cp.async ring 8 stages
+// deep (1 CTA per SM, so a cluster's CTAs land on distinct SMs), the partials pulled after a
+// release / acquire cluster barrier. With 0x10000 too: 5 stages (2 CTAs per SM). With 0x20000
+// too: the partials pushed with st.async onto the merging rank's mbarrier (no fence).
 constexpr int kVariantCluster = 0x8000;
 constexpr int kVariantClusterShallow = 0x10000;
+constexpr int kVariantClusterPush = 0x20000;
 #endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, int CLUSTER = 0>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ, CLUSTER>;
-  k.cluster = CLUSTER;
+  k.cluster = CLUSTER != 0;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
@@ -329,14 +332,18 @@ DecodePlan select_packed(const DecodeParams& p) {
 #if MINIPAGED_DECODE_CLUSTER
 // The cluster-merge kernels (kVariantCluster): the scalar kernel with a row over 8 threads and
 // 16 KB ring stages (16-bit: 2 token groups per warp; FP8: 4, a piece holding twice the tokens).
-template <typename T>
-DecodePlan cluster_for(const DecodeParams& p) {
+template <typename T, int CLUSTER>
+DecodePlan cluster_ring(const DecodeParams& p) {
   const bool shallow = p.variant & kVariantClusterShallow;
   if (p.kv_fp8)
-    return shallow ? info<T, 128, 2, 8, 4, false, 5, true, false, 0, 0, false, true>()
-                   : info<T, 128, 2, 8, 4, false, 8, true, false, 0, 0, false, true>();
-  return shallow ? info<T, 128, 2, 8, 2, false, 5, false, false, 0, 0, false, true>()
-                 : info<T, 128, 2, 8, 2, false, 8, false, false, 0, 0, false, true>();
+    return shallow ? info<T, 128, 2, 8, 4, false, 5, true, false, 0, 0, false, CLUSTER>()
+                   : info<T, 128, 2, 8, 4, false, 8, true, false, 0, 0, false, CLUSTER>();
+  return shallow ? info<T, 128, 2, 8, 2, false, 5, false, false, 0, 0, false, CLUSTER>()
+                 : info<T, 128, 2, 8, 2, false, 8, false, false, 0, 0, false, CLUSTER>();
+}
+template <typename T>
+DecodePlan cluster_for(const DecodeParams& p) {
+  return p.variant & kVariantClusterPush ? cluster_ring<T, kClusterPush>(p) : cluster_ring<T, kClusterPull>(p);
 }
 // The cluster-merge kernel for p when the variant asks for it and p is a plain decode of
 // G = 2 at D = 128 on sm_90+, else {}.

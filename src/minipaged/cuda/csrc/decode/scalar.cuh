@@ -51,13 +51,13 @@ constexpr int kWarps = 4;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
-// CLUSTER (A/B builds, DecodePlan::cluster): the splits of a (sequence, KV head, head chunk)
-// are one thread-block cluster and merge through distributed shared memory
-// (decode/cluster_merge.cuh); every CTA of the cluster runs to the end, a split past its
-// sequence's splits with an empty range. The STAGES - 1 ring stages' pages are all requested
+// CLUSTER (A/B builds, DecodePlan::cluster; 0: none): the splits of a (sequence, KV head, head
+// chunk) are one thread-block cluster and merge through distributed shared memory
+// (decode/cluster_merge.cuh: kClusterPull or kClusterPush); every CTA of the cluster runs to the
+// end, a split past its sequence's splits with an empty range. The STAGES - 1 ring stages' pages are all requested
 // before the first stage's rows, so that a deep ring does not wait on one table read per stage.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0, bool PQ = false, bool CLUSTER = false>
+          int AHEAD = 0, int MINB = 0, bool PQ = false, int CLUSTER = 0>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -87,7 +87,8 @@ paged_decode_kernel(const DecodeParams p) {
   const DecodeSlice slice = decode_slice<PQ>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform); in a
   // cluster it stays for the merge's barriers (its range is empty: start >= end).
-  if (!CLUSTER && decode_split_unused(slice)) return;
+  if (CLUSTER == 0 && decode_split_unused(slice)) return;
+  if constexpr (CLUSTER == kClusterPush) cluster_push_begin<G, D>(slice.ng);
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -265,7 +266,7 @@ paged_decode_kernel(const DecodeParams p) {
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
   if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
-  if constexpr (STAGES >= 2 && CLUSTER) {
+  if constexpr (STAGES >= 2 && CLUSTER != 0) {
     int ring_pages[STAGES - 1][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) ring_pages[0][u] = page[u];
@@ -393,9 +394,12 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  if constexpr (CLUSTER) {
-    cluster_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
-                                                  FP8 ? p.v_scale[kvh] : 1.f);
+  if constexpr (CLUSTER == kClusterPull) {
+    cluster_pull_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
+                                                       FP8 ? p.v_scale[kvh] : 1.f);
+  } else if constexpr (CLUSTER == kClusterPush) {
+    cluster_push_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
+                                                       FP8 ? p.v_scale[kvh] : 1.f);
   } else if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
                                                   p.v_scale[kvh]);

@@ -44,10 +44,19 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 #endif
 }
 
-// The shared::cluster address of `smem` (a shared-memory pointer of this CTA) in the CTA of rank
-// `rank`: the same variable there.
-__device__ __forceinline__ uint32_t cluster_map_shared(const void* smem, uint32_t rank) {
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+// The arrive without memory ordering (no MEMBAR): for a barrier that orders nothing but
+// execution, or whose data is ordered otherwise (mbarrier transactions, fence.mbarrier_init).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+// The shared::cluster address, in the CTA of rank `rank`, of this CTA's shared-memory address
+// `local` (a shared::cta address): the same variable there.
+__device__ __forceinline__ uint32_t cluster_map_shared(uint32_t local, uint32_t rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
@@ -55,6 +64,9 @@ __device__ __forceinline__ uint32_t cluster_map_shared(const void* smem, uint32_
 #else
   return local;
 #endif
+}
+__device__ __forceinline__ uint32_t cluster_map_shared(const void* smem, uint32_t rank) {
+  return cluster_map_shared(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), rank);
 }
 
 __device__ __forceinline__ float ld_shared_cluster_f32(uint32_t addr) {
@@ -81,6 +93,27 @@ __device__ __forceinline__ float4 ld_shared_cluster_f32x4(uint32_t addr) {
                : "memory");
 #endif
   return v;
+}
+
+// 16-byte store into the shared memory of a CTA of the cluster (remote_addr from
+// cluster_map_shared, 16-byte aligned) that completes 16 transaction bytes on the mbarrier at
+// remote_bar there: the receiver learns of the data from its own barrier, and the sender needs
+// no fence. 4-byte form below.
+__device__ __forceinline__ void st_async_f32x4(uint32_t remote_addr, const float4& v, uint32_t remote_bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   remote_addr),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+               "r"(__float_as_uint(v.w)), "r"(remote_bar)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float v, uint32_t remote_bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(remote_addr),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
+#endif
 }
 
 }  // namespace minipaged
