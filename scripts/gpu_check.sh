@@ -392,7 +392,23 @@ for s in $stages; do
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90} \
           run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
-      done;;
+      done
+      # DECODE_CLUSTER_TRACE=1: one traced replay per row and variant (when the CTAs land their
+      # first / last tile, finish the loop, exit: exit - loop end is the merge's cost), from
+      # .gpubin/cluster_trace (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1
+      # -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1), else built here.
+      if [ -n "${DECODE_CLUSTER_TRACE:-}" ]; then
+        if [ ! -x "$bin/cluster_trace" ]; then
+          STAGE_TIMEOUT_decode_cluster_trace_build=${STAGE_TIMEOUT_decode_cluster_trace_build:-150} \
+            run decode_cluster_trace_build nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 \
+            -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1 scripts/decode_selftest.cu \
+            $csrc/decode/launch.cu -o "$bin/cluster_trace" -lgomp
+        fi
+        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376} \
+          DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
+          STAGE_TIMEOUT_decode_cluster_trace=${STAGE_TIMEOUT_decode_cluster_trace:-90} \
+          run decode_cluster_trace "$bin/cluster_trace" time 50
+      fi;;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
       # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the
