@@ -212,7 +212,7 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
                      cluster_map_shared(bar, j));
     }
   }
-  mbar_wait(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
+  mbar_wait_cluster(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
   const int item = rank + splits * static_cast<int>(threadIdx.x);
   if (item < items) {
     const int row = item / kCols4;

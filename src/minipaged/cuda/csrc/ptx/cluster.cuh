@@ -116,4 +116,23 @@ __device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float v, uint
 #endif
 }
 
+// Waits until the mbarrier at `bar` (this CTA's) has completed the phase of parity `parity`,
+// with acquire semantics at cluster scope: the completion was released by other CTAs'
+// st.async (complete_tx), so a CTA-scope acquire would not order their stores before this
+// thread's later reads.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+#endif
+}
+
 }  // namespace minipaged
