@@ -30,8 +30,8 @@
 #define MINIPAGED_DECODE_BENCH_TILINGS 1
 #endif
 // 1 (A/B builds of decode_selftest, not yet run on a GPU): the one-launch cluster merge of
-// decode/cluster_merge.cuh for one-wave grids, behind variant bits kVariantCluster /
-// kVariantClusterShallow. 0: every build that ships (no such kernel is compiled).
+// decode/cluster_merge.cuh for one-wave grids, behind the variant bits kVariantCluster*.
+// 0: every build that ships (no such kernel is compiled).
 #ifndef MINIPAGED_DECODE_CLUSTER
 #define MINIPAGED_DECODE_CLUSTER 0
 #endif
@@ -481,6 +481,24 @@ int blocks_per_sm(const DecodePlan& k) {
 }
 
 #if MINIPAGED_DECODE_CLUSTER
+// The launch of kernel k over `grid` in clusters of `size` CTAs along z (the splits of one
+// (sequence, KV head, head chunk)); `attr` holds the cluster shape the config points at.
+cudaLaunchConfig_t cluster_launch_config(const DecodePlan& k, dim3 grid, unsigned size, cudaStream_t stream,
+                                         cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = k.smem_bytes;
+  cfg.stream = stream;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = size;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Clusters of `size` CTAs of kernel k that can be resident at once on the current device
 // (cached per kernel, size and device; 0: none, or the query failed). Sizes over 8 are
 // non-portable: the first query of such a size allows them for the kernel.
@@ -498,17 +516,8 @@ int max_active_clusters(const DecodePlan& k, int size) {
     if (e.first.kernel == k.kernel && e.first.size == size && e.first.device == device) return e.second;
   if (size > 8 && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     cudaGetLastError();
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, 1, size);
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = k.smem_bytes;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = size;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch_config(k, dim3(1, 1, size), size, nullptr, attr);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, k.kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
@@ -658,22 +667,13 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   // (a work list: p.worklist slots of (sequence, split), decode_worklist_find)
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,
                   p.worklist > 0 ? 1 : p.num_splits);
-  if (k.cluster && p.num_splits > 1) {
-    // one cluster per (sequence, KV head, head chunk): its splits (decode/cluster_merge.cuh)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kWarps * 32);
-    cfg.dynamicSmemBytes = k.smem_bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = static_cast<unsigned>(p.num_splits);
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+#if MINIPAGED_DECODE_CLUSTER
+  if (k.cluster && p.num_splits > 1) {  // one cluster per (sequence, KV head, head chunk): its splits
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(k, grid, static_cast<unsigned>(p.num_splits), stream, attr);
     return cudaLaunchKernelEx(&cfg, k.kernel, p);
   }
+#endif
   k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || k.cluster || (p.variant & kVariantNoReduce)) return err;
