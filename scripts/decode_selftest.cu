@@ -393,6 +393,33 @@ void report(bool ok, const std::string& what) {
   std::printf("%s  %s\n", ok ? "PASS" : "FAIL", what.c_str());
 }
 
+// One eager call (variant, forced splits, with lse) into `eager`, then the same call captured
+// once in a CUDA graph and replayed g_replays times, outputs poisoned before each: how many
+// replays differ from the eager call's bits.
+int graph_replays_differing(const Setup& s, int variant, int splits, cudaStream_t st, Result& eager) {
+  minipaged::DecodeParams p = params_of(s, true);
+  minipaged::DecodePlan plan;
+  plan_call(s, p, variant, splits, plan);
+  run(s, variant, splits, true, st, eager);
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+  CHECK_CUDA(cudaStreamEndCapture(st, &g));
+  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  int bad = 0;
+  for (int i = 0; i < g_replays; ++i) {
+    poison(s, st);
+    CHECK_CUDA(cudaGraphLaunch(ge, st));
+    Result r;
+    fetch(s, r, st);
+    bad += !same_bits(eager, r, true);
+  }
+  CHECK_CUDA(cudaGraphExecDestroy(ge));
+  CHECK_CUDA(cudaGraphDestroy(g));
+  return bad;
+}
+
 // Tilings worth running for a problem: the default, the tensor-core and the
 // scalar kernel, and the register rings where they exist (G=2, D=128, 16-bit).
 std::vector<int> tilings_for(const Prob& pr) {
@@ -474,25 +501,8 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 
     // One graph, captured once, replayed 100 times.
     for (int variant : {t | kFused, t}) {
-      minipaged::DecodeParams p = params_of(s, true);
-      minipaged::DecodePlan plan;
-      plan_call(s, p, variant, 7, plan);
       Result eager;
-      run(s, variant, 7, true, st, eager);
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      CHECK_CUDA(minipaged::launch_decode(p, plan, st));
-      CHECK_CUDA(cudaStreamEndCapture(st, &g));
-      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-      int bad = 0;
-      for (int i = 0; i < g_replays; ++i) {
-        poison(s, st);
-        CHECK_CUDA(cudaGraphLaunch(ge, st));
-        Result r;
-        fetch(s, r, st);
-        bad += !same_bits(eager, r, true);
-      }
+      const int bad = graph_replays_differing(s, variant, 7, st, eager);
       const int left = counters_nonzero(kMaxCounters);
       double e;
       report(bad == 0 && left == 0 && compare_ref(s, eager, true, &e) == 0,
@@ -500,8 +510,6 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
                  " replays: " +
                  std::to_string(bad) + " differ from the eager call, " + std::to_string(left) +
                  " counters non-zero");
-      CHECK_CUDA(cudaGraphExecDestroy(ge));
-      CHECK_CUDA(cudaGraphDestroy(g));
     }
   }
   CHECK_CUDA(cudaStreamDestroy(st));
@@ -564,29 +572,12 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
       run(s, v, 7, false, st, b);
       report(a.o == b.o, what + ": o without lse == o with lse (7 splits)");
     }
-    minipaged::DecodeParams p = params_of(s, true);
-    minipaged::DecodePlan plan;
-    plan_call(s, p, v, 7, plan);
     Result eager;
-    run(s, v, 7, true, st, eager);
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    CHECK_CUDA(minipaged::launch_decode(p, plan, st));
-    CHECK_CUDA(cudaStreamEndCapture(st, &g));
-    CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-    int bad = 0;
-    for (int i = 0; i < g_replays; ++i) {
-      poison(s, st);
-      CHECK_CUDA(cudaGraphLaunch(ge, st));
-      Result r;
-      fetch(s, r, st);
-      bad += !same_bits(eager, r, true);
-    }
-    report(bad == 0, what + ": graph of the 7-split call, " + std::to_string(g_replays) + " replays: " +
-                         std::to_string(bad) + " differ from the eager call");
-    CHECK_CUDA(cudaGraphExecDestroy(ge));
-    CHECK_CUDA(cudaGraphDestroy(g));
+    const int bad = graph_replays_differing(s, v, 7, st, eager);
+    double e;
+    report(bad == 0 && compare_ref(s, eager, true, &e) == 0,
+           what + ": graph of the 7-split call, " + std::to_string(g_replays) + " replays: " + std::to_string(bad) +
+               " differ from the eager call");
   }
   CHECK_CUDA(cudaStreamDestroy(st));
   free_setup(s);
