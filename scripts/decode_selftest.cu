@@ -78,7 +78,7 @@ constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its m
 constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
 constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored at the mean length, not twice it
 constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
-constexpr int kCluster = 0x8000;  // MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
+[[maybe_unused]] constexpr int kCluster = 0x8000;  // MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
 constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
 constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
 constexpr int kOPad = 16;  // NaN elements after each output head row
