@@ -78,7 +78,8 @@ constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its m
 constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
 constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored at the mean length, not twice it
 constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
-[[maybe_unused]] constexpr int kCluster = 0x8000;  // MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
+// MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
+[[maybe_unused]] constexpr int kCluster = 0x8000;
 constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
 constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
 constexpr int kOPad = 16;  // NaN elements after each output head row
@@ -528,7 +529,8 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::vector<std::pair<int, Result>> pulled;  // (variant, split count) -> the pull merge's output
-  for (int v : {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush, kCluster | kClusterShallow | kClusterPush}) {
+  for (int v : {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush,
+                kCluster | kClusterShallow | kClusterPush}) {
     const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterShallow ? "-shallow" : "") +
                              (v & kClusterPush ? "-push" : "");
     long bad_ref = 0, runs = 0, cluster_runs = 0, bad_bits = 0;
