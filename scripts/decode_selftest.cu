@@ -82,6 +82,7 @@ constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per
 [[maybe_unused]] constexpr int kCluster = 0x8000;
 constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
 constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
+constexpr int kClusterOff = 0x40000;      // or its kernel, ring and splits without clusters (two launches)
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -530,9 +531,9 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::vector<std::pair<int, Result>> pulled;  // (variant, split count) -> the pull merge's output
   for (int v : {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush,
-                kCluster | kClusterShallow | kClusterPush}) {
+                kCluster | kClusterShallow | kClusterPush, kCluster | kClusterOff}) {
     const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterShallow ? "-shallow" : "") +
-                             (v & kClusterPush ? "-push" : "");
+                             (v & kClusterPush ? "-push" : "") + (v & kClusterOff ? "-plan, two launches" : "");
     long bad_ref = 0, runs = 0, cluster_runs = 0, bad_bits = 0;
     double worst = 0;
     std::string splits_seen;
@@ -552,7 +553,9 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
       if (splits_seen.size() < 80) splits_seen += std::to_string(r.splits) + (r.cluster ? "c " : " ");
       // (key: the ring bit and the forced split count)
       const int key = (v & kClusterShallow) | sp;
-      if (!(v & kClusterPush)) {
+      if (v & kClusterOff) {
+        // (its own kernel: checked against the reference only)
+      } else if (!(v & kClusterPush)) {
         pulled.push_back({key, r});
       } else {
         for (const auto& e : pulled)
@@ -565,8 +568,9 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
                   "differ  [splits %s]",
                   what.c_str(), runs, cluster_runs, worst, bad_ref, bad_bits, splits_seen.c_str());
     // (on sm_90 a G = 2, D = 128 problem must take the cluster plan at 2..16 forced splits)
-    const bool any_cluster_expected = g_cc >= 9 && std::any_of(split_list.begin(), split_list.end(),
-                                                               [](int n) { return n >= 2 && n <= 16; });
+    const bool any_cluster_expected = g_cc >= 9 && !(v & kClusterOff) &&
+                                      std::any_of(split_list.begin(), split_list.end(),
+                                                  [](int n) { return n >= 2 && n <= 16; });
     report(bad_ref == 0 && bad_bits == 0 && (cluster_runs > 0 || !any_cluster_expected), buf);
     {
       Result a, b;
@@ -934,10 +938,10 @@ int time_mode(int reps) {
                     v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
                     p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
                     p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
-                    !plan.cluster                  ? ""
-                    : v & kClusterPush             ? (v & kClusterShallow ? " cluster-shallow-push" : " cluster-push")
-                    : v & kClusterShallow          ? " cluster-shallow"
-                                                   : " cluster");
+                    !plan.cluster ? (v & kClusterOff ? (v & kClusterShallow ? " cl-plan-shallow" : " cl-plan") : "")
+                    : v & kClusterPush    ? (v & kClusterShallow ? " cluster-shallow-push" : " cluster-push")
+                    : v & kClusterShallow ? " cluster-shallow"
+                                          : " cluster");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

@@ -371,8 +371,9 @@ for s in $stages; do
       # cases of `check` (mode `cluster`), `small` (which runs them too) under the three
       # sanitizers, then `time` of the rows whose grid is one wave (B=1 4k / 32k, B=8 4k, 16-bit
       # and fp8): the default plan, the cluster merge pulling the partials with the 8- and the
-      # 5-stage ring (0x8000, 0x18000), pushing them (0x28000, 0x38000), and the default's split
-      # kernel without its merge (0x800), in DECODE_AB_ROUNDS.
+      # 5-stage ring (0x8000, 0x18000), pushing them (0x28000, 0x38000), the same kernels and
+      # splits without clusters, merged in a second launch (0x48000, 0x58000: what the merge alone
+      # buys), and the default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
       # Prebuilt as .gpubin/cluster (nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1), else built here.
       mkdir -p "$bin"
       if [ ! -x "$bin/cluster" ]; then
@@ -388,7 +389,7 @@ for s in $stages; do
           run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" small
       done
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
-        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,2048} \
+        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,294912,360448,2048} \
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90} \
           run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}

@@ -97,10 +97,13 @@ constexpr int kVariantWorklistCompact = 0x4000;
 // memory (select_cluster; decode/cluster_merge.cuh), a 16 KB-per-stage cp.async ring 8 stages
 // deep (1 CTA per SM, so a cluster's CTAs land on distinct SMs), the partials pulled after a
 // release / acquire cluster barrier. With 0x10000 too: 5 stages (2 CTAs per SM). With 0x20000
-// too: the partials pushed with st.async onto the merging rank's mbarrier (no fence).
+// too: the partials pushed with st.async onto the merging rank's mbarrier (no fence). With
+// 0x40000 too (the ablation's other half): the same kernel, ring and splits, without clusters,
+// merged by the two-launch reduction.
 constexpr int kVariantCluster = 0x8000;
 constexpr int kVariantClusterShallow = 0x10000;
 constexpr int kVariantClusterPush = 0x20000;
+constexpr int kVariantClusterOff = 0x40000;
 #endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
@@ -343,6 +346,7 @@ DecodePlan cluster_ring(const DecodeParams& p) {
 }
 template <typename T>
 DecodePlan cluster_for(const DecodeParams& p) {
+  if (p.variant & kVariantClusterOff) return cluster_ring<T, 0>(p);
   return p.variant & kVariantClusterPush ? cluster_ring<T, kClusterPush>(p) : cluster_ring<T, kClusterPull>(p);
 }
 // The cluster-merge kernel for p when the variant asks for it and p is a plain decode of
