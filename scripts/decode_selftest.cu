@@ -13,8 +13,8 @@
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D;
 //                                    DECODE_TIME_SPLITS, _SHAPES, _KV, _VARIANTS: see time_mode)
 //   built with -DMINIPAGED_DECODE_CLUSTER=1, `check` and `small` also run the cluster merge
-//   (variant bits 0x8000 / 0x10000 / 0x20000, check_cluster_problem), and `cluster` runs only
-//   its cases
+//   (variant bits 0x8000 / 0x10000 / 0x20000 / 0x40000, check_cluster_problem); `cluster` and
+//   `cluster_small` run only the cluster cases of `check` and `small`
 //   built with -DMINIPAGED_DECODE_TRACE=1, `time` also prints one traced replay per row: when
 //   the CTAs start, land their first and last K/V tiles, finish, and when the merge runs
 //   (decode/trace.cuh; quantiles over CTAs, and how many CTAs each SM ran)
@@ -1256,6 +1256,10 @@ int main(int argc, char** argv) {
     check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
     check_cluster_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {3, 16}, 4);
     check_cluster_problem({"small G2 D128 p16", b16, true, 4, 2, 128, 16, {40, 0, 700}}, {5}, 5);
+  } else if (mode == "cluster_small") {  // small's cluster cases alone, for the sanitizers
+    g_replays = 10;
+    check_cluster_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {3, 16}, 4);
+    check_cluster_problem({"small G2 D128 p16", b16, true, 4, 2, 128, 16, {40, 0, 700}}, {5}, 5);
   } else if (mode == "cluster") {
     check_cluster_problems(100);
   } else if (mode == "check") {
@@ -1288,7 +1292,7 @@ int main(int argc, char** argv) {
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
   } else {
-    std::fprintf(stderr, "usage: %s check|small|cluster|time|roofline [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check|small|cluster|cluster_small|time|roofline [reps]\n", argv[0]);
     return 2;
   }
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);

@@ -368,7 +368,7 @@ for s in $stages; do
       unset DECODE_TIME_VARIANTS;;
     decode_cluster)
       # The cluster-merge A/B build (-DMINIPAGED_DECODE_CLUSTER=1, decode/cluster_merge.cuh): its
-      # cases of `check` (mode `cluster`), `small` (which runs them too) under the three
+      # cases of `check` (mode `cluster`), those of `small` (mode `cluster_small`) under the three
       # sanitizers, then `time` of the rows whose grid is one wave (B=1 4k / 32k, B=8 4k, 16-bit
       # and fp8): the default plan, the cluster merge pulling the partials with the 8- and the
       # 5-stage ring (0x8000, 0x18000), pushing them (0x28000, 0x38000), the same kernels and
@@ -386,7 +386,7 @@ for s in $stages; do
         run decode_cluster_check "$bin/cluster" cluster
       for tool in ${DECODE_CLUSTER_SANITIZERS:-memcheck racecheck synccheck}; do
         STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90} \
-          run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" small
+          run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" cluster_small
       done
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
         DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,294912,360448,2048} \
