@@ -361,8 +361,9 @@ for s in $stages; do
         STAGE_TIMEOUT_decode_worklist_memcheck=${STAGE_TIMEOUT_decode_worklist_memcheck:-150} \
         run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/worklist" time 2
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
+        # (a computed name cannot prefix a command as an assignment: export it)
+        export STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110}
         DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
-          STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110} \
           run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
       done
       unset DECODE_TIME_VARIANTS;;
@@ -385,13 +386,13 @@ for s in $stages; do
       STAGE_TIMEOUT_decode_cluster_check=${STAGE_TIMEOUT_decode_cluster_check:-120} \
         run decode_cluster_check "$bin/cluster" cluster
       for tool in ${DECODE_CLUSTER_SANITIZERS:-memcheck racecheck synccheck}; do
-        STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90} \
-          run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" cluster_small
+        export STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90}
+        run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" cluster_small
       done
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
+        export STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90}
         DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,294912,360448,2048} \
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
-          STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90} \
           run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
       done
       # DECODE_CLUSTER_TRACE=1: one traced replay per row and variant (when the CTAs land their
