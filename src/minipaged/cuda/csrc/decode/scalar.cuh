@@ -54,8 +54,9 @@ constexpr int kWarps = 4;
 // CLUSTER (A/B builds, DecodePlan::cluster; 0: none): the splits of a (sequence, KV head, head
 // chunk) are one thread-block cluster and merge through distributed shared memory
 // (decode/cluster_merge.cuh: kClusterPull or kClusterPush); every CTA of the cluster runs to the
-// end, a split past its sequence's splits with an empty range. The STAGES - 1 ring stages' pages are all requested
-// before the first stage's rows, so that a deep ring does not wait on one table read per stage.
+// end, a split past its sequence's splits with an empty range. The pages of every ring stage are
+// requested from the table-filling guess before context_lens is read, so that a deep ring does
+// not wait on one table read per stage, nor on context_lens before its first request.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
           int AHEAD = 0, int MINB = 0, bool PQ = false, int CLUSTER = 0>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
@@ -84,11 +85,11 @@ paged_decode_kernel(const DecodeParams p) {
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
   static_assert(!CLUSTER || (!PQ && !FUSED && STAGES >= 2), "the cluster merge: plain decode, a cp.async ring");
-  const DecodeSlice slice = decode_slice<PQ>(p, G);
+  // (a cluster kernel reads context_lens, decode_slice_range, after its ring's guessed pages)
+  DecodeSlice slice = CLUSTER == 0 ? decode_slice<PQ>(p, G) : decode_slice_head<PQ>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform); in a
   // cluster it stays for the merge's barriers (its range is empty: start >= end).
   if (CLUSTER == 0 && decode_split_unused(slice)) return;
-  if constexpr (CLUSTER == kClusterPush) cluster_push_begin<G, D>(slice.ng);
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -101,6 +102,22 @@ paged_decode_kernel(const DecodeParams p) {
   for (int u = 0; u < U; ++u) {
     const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
     page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+  }
+  // CLUSTER: the guessed pages of every other ring stage and of the loop's first request too,
+  // all before context_lens is read, so that the CTA's first K/V requests wait on one dependent
+  // read (its table entries), not two (context_lens, then the entries).
+  [[maybe_unused]] int ring_pages[CLUSTER != 0 ? STAGES - 1 : 1][U];  // stages 1 .. STAGES - 1
+  if constexpr (CLUSTER != 0) {
+#pragma unroll
+    for (int st = 1; st < STAGES; ++st) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int tok = guess_start + st * TOK_CTA + warp * TOK_WARP + u * SLOTS + slot;
+        ring_pages[st - 1][u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+      }
+    }
+    decode_slice_range<PQ>(p, slice);
+    if constexpr (CLUSTER == kClusterPush) cluster_push_begin<G, D>(slice.ng);
   }
   const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
 
@@ -267,17 +284,19 @@ paged_decode_kernel(const DecodeParams p) {
   int stage = 0;
   if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
   if constexpr (STAGES >= 2 && CLUSTER != 0) {
-    int ring_pages[STAGES - 1][U];
+    if (start != guess_start || table_end != guess_end) {  // (CTA-uniform) this sequence's own runs
 #pragma unroll
-    for (int u = 0; u < U; ++u) ring_pages[0][u] = page[u];
+      for (int st = 1; st < STAGES; ++st) fetch_pages(tok_base + st * TOK_CTA, ring_pages[st - 1]);
+    }
+    issue_async(tok_base, page, 0);
+    cp_async_commit();
 #pragma unroll
-    for (int st = 1; st < STAGES - 1; ++st) fetch_pages(tok_base + st * TOK_CTA, ring_pages[st]);
-    fetch_pages(tok_base + (STAGES - 1) * TOK_CTA, page);
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-      issue_async(tok_base + st * TOK_CTA, ring_pages[st], st);
+    for (int st = 1; st < STAGES - 1; ++st) {
+      issue_async(tok_base + st * TOK_CTA, ring_pages[st - 1], st);
       cp_async_commit();
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) page[u] = ring_pages[STAGES - 2][u];  // the loop's first request
   } else if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
