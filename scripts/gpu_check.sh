@@ -366,6 +366,9 @@ for s in $stages; do
         DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
           run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
       done
+      # the rounds as one table (medians, ratios to each row's plan without the work list)
+      logs=(); for r in ${DECODE_AB_ROUNDS:-1 2}; do logs+=("$WORK/logs/decode_worklist_time$r.log"); done
+      run decode_worklist_table python3 scripts/decode_time_table.py "${logs[@]}"
       unset DECODE_TIME_VARIANTS;;
     decode_cluster)
       # The cluster-merge A/B build (-DMINIPAGED_DECODE_CLUSTER=1, decode/cluster_merge.cuh): its
@@ -395,6 +398,9 @@ for s in $stages; do
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
       done
+      # the rounds as one table (medians, ratios to each row's default plan)
+      logs=(); for r in ${DECODE_AB_ROUNDS:-1 2}; do logs+=("$WORK/logs/decode_cluster_time$r.log"); done
+      run decode_cluster_table python3 scripts/decode_time_table.py "${logs[@]}"
       # DECODE_CLUSTER_TRACE=1: one traced replay per row and variant (when the CTAs land their
       # first / last tile, finish the loop, exit: exit - loop end is the merge's cost), from
       # .gpubin/cluster_trace (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1

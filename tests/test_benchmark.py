@@ -831,6 +831,57 @@ def test_bench_scripts_help():
     assert len(parts) == 4 and all("--backends" in part for part in parts[:3]), proc.stdout[-3000:]
 
 
+def test_decode_time_table_script(tmp_path, capsys):
+    # scripts/decode_time_table.py: rows of decode_selftest `time` logs (the printf layout, long
+    # case names included) to one table of medians over the logs and ratios to each case's first
+    # config; a row whose check failed is marked and makes the exit status 1.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_time_table", REPO / "scripts" / "decode_time_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclass looks its module up there)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    def row(case, config, splits, ctas, med, check):  # decode_selftest's printf of a timed row
+        return "%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n" % (case, config, splits, ctas, med, med - 0.1,
+                                                                      med + 0.1, 1.0, check)
+
+    head = "graph of one empty kernel (the floor of every row): median 3.71 us\ncase  config  splits\n"
+    rows = [
+        [("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok"), ("B=1 L=4k", "tiling 0 cluster-push", 16, 128, 11.7, "ok"),
+         ("B=64 L=32k 1long fp8", "tiling 0 no-worklist", 4, 2048, 200.0, "ok"),
+         ("B=64 L=32k 1long fp8", "tiling 0 worklist-mean", 4, 1560, 150.0, "ok")],
+        [("B=1 L=4k", "tiling 0", 32, 256, 13.4, "ok"), ("B=1 L=4k", "tiling 0 cluster-push", 16, 128, 11.9, "ok"),
+         ("B=64 L=32k 1long fp8", "tiling 0 no-worklist", 4, 2048, 202.0, "ok"),
+         ("B=64 L=32k 1long fp8", "tiling 0 worklist-mean", 4, 1560, 151.0, "timing only: no merge")],
+    ]
+    paths = []
+    for i, log in enumerate(rows):
+        path = tmp_path / f"time{i}.log"
+        path.write_text(head + "".join(row(*r) for r in log))
+        paths.append(str(path))
+    assert mod.main(paths) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "cluster-push" in x)
+    assert line == f"| B=1 L=4k | tiling 0 cluster-push | 16 | 128 | 11.70 | 11.90 | 11.80 | {11.8 / 13.2:.3f} |", line
+    line = next(x for x in out.splitlines() if "worklist-mean" in x)
+    assert line.startswith("| B=64 L=32k 1long fp8 | tiling 0 worklist-mean | 4 | 1560 | 150.00 | 151.00 | 150.50 |")
+    assert line.endswith(f"| {150.5 / 201.0:.3f} |"), line
+    # a config that disagreed with the baseline
+    bad = tmp_path / "bad.log"
+    bad.write_text(row("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok")
+                   + row("B=1 L=4k", "tiling 0 cluster", 16, 128, 11.0, "MISMATCH vs tiling 0"))
+    assert mod.main([str(bad)]) == 1
+    assert "tiling 0 cluster **check failed**" in capsys.readouterr().out
+    empty = tmp_path / "empty.log"
+    empty.write_text(head)
+    assert mod.main([str(empty)]) == 2
+    assert mod.main([str(tmp_path / "missing.log")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
