@@ -83,6 +83,7 @@ constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per
 constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
 constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
 constexpr int kClusterOff = 0x40000;      // or its kernel, ring and splits without clusters (two launches)
+constexpr int kClusterMma = 0x80000;      // and (16-bit caches) the tensor-core kernel, not the scalar one
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -531,10 +532,15 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::vector<std::pair<int, Result>> pulled;  // (variant, split count) -> the pull merge's output
-  for (int v : {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush,
-                kCluster | kClusterShallow | kClusterPush, kCluster | kClusterOff}) {
-    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterShallow ? "-shallow" : "") +
-                             (v & kClusterPush ? "-push" : "") + (v & kClusterOff ? "-plan, two launches" : "");
+  std::vector<int> variants = {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush,
+                                kCluster | kClusterShallow | kClusterPush, kCluster | kClusterOff};
+  if (!pr.fp8)  // (FP8 caches: the scalar kernel whatever the bit)
+    variants.insert(variants.end(), {kCluster | kClusterMma, kCluster | kClusterMma | kClusterShallow,
+                                     kCluster | kClusterMma | kClusterPush, kCluster | kClusterMma | kClusterOff});
+  for (int v : variants) {
+    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterMma ? "-mma" : "") +
+                             (v & kClusterShallow ? "-shallow" : "") + (v & kClusterPush ? "-push" : "") +
+                             (v & kClusterOff ? "-plan, two launches" : "");
     long bad_ref = 0, runs = 0, cluster_runs = 0, bad_bits = 0;
     double worst = 0;
     std::string splits_seen;
@@ -552,8 +558,8 @@ void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, u
       ++runs;
       cluster_runs += r.cluster;
       if (splits_seen.size() < 80) splits_seen += std::to_string(r.splits) + (r.cluster ? "c " : " ");
-      // (key: the ring bit and the forced split count)
-      const int key = (v & kClusterShallow) | sp;
+      // (key: the kernel and ring bits and the forced split count)
+      const int key = (v & (kClusterShallow | kClusterMma)) | sp;
       if (v & kClusterOff) {
         // (its own kernel: checked against the reference only)
       } else if (!(v & kClusterPush)) {
@@ -739,6 +745,18 @@ void print_trace(cudaGraphExec_t ge, cudaStream_t st, const L2Flush& fl, int spl
   std::printf("\n");
 }
 #endif
+
+// The time table's name for the cluster bits of `variant` ("" without them): cluster[-mma]
+// [-shallow][-push] when the plan merged in clusters, cl-plan[...] for its two-launch twin.
+std::string cluster_label(int variant, bool cluster_plan) {
+  if (!(variant & kCluster)) return "";
+  if (!cluster_plan && !(variant & kClusterOff)) return " (no cluster plan)";
+  std::string s = cluster_plan ? " cluster" : " cl-plan";
+  if (variant & kClusterMma) s += "-mma";
+  if (variant & kClusterShallow) s += "-shallow";
+  if (variant & kClusterPush) s += "-push";
+  return s;
+}
 
 int time_mode(int reps) {
   reps = std::max(reps, 50);
@@ -938,10 +956,7 @@ int time_mode(int reps) {
                     v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
                     p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
                     p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
-                    !plan.cluster ? (v & kClusterOff ? (v & kClusterShallow ? " cl-plan-shallow" : " cl-plan") : "")
-                    : v & kClusterPush    ? (v & kClusterShallow ? " cluster-shallow-push" : " cluster-push")
-                    : v & kClusterShallow ? " cluster-shallow"
-                                          : " cluster");
+                    cluster_label(v, plan.cluster).c_str());
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

@@ -377,7 +377,9 @@ for s in $stages; do
       # and fp8): the default plan, the cluster merge pulling the partials with the 8- and the
       # 5-stage ring (0x8000, 0x18000), pushing them (0x28000, 0x38000), the same kernels and
       # splits without clusters, merged in a second launch (0x48000, 0x58000: what the merge alone
-      # buys), and the default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
+      # buys), the tensor-core kernel's cluster merge (16-bit caches; FP8 rows run the scalar one:
+      # pull with 4 and 3 stages 0x88000 / 0x98000, push 0xa8000, no clusters 0xc8000), and the
+      # default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
       # Prebuilt as .gpubin/cluster (nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1), else built here.
       mkdir -p "$bin"
       if [ ! -x "$bin/cluster" ]; then
@@ -392,9 +394,11 @@ for s in $stages; do
         export STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90}
         run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" cluster_small
       done
+      cluster_variants=0,32768,98304,163840,229376,294912,360448  # the scalar kernel's
+      cluster_variants+=,557056,622592,688128,819200,2048            # the tensor-core kernel's, no merge
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
         export STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90}
-        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,294912,360448,2048} \
+        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-$cluster_variants} \
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
       done
@@ -412,7 +416,7 @@ for s in $stages; do
             -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1 scripts/decode_selftest.cu \
             $csrc/decode/launch.cu -o "$bin/cluster_trace" -lgomp
         fi
-        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376} \
+        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,557056,622592,688128} \
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           STAGE_TIMEOUT_decode_cluster_trace=${STAGE_TIMEOUT_decode_cluster_trace:-90} \
           run decode_cluster_trace "$bin/cluster_trace" time 50

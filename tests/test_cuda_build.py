@@ -78,7 +78,8 @@ def test_decode_ab_builds_compile_without_spills(tmp_path):
     # The A/B builds MINIPAGED_DECODE_WORKLIST=1 (decode work lists) and MINIPAGED_DECODE_CLUSTER=1
     # (the cluster merge), both off by default, so the fixture above never compiles them; one
     # compile takes both: every decode kernel and merge must build and spill nothing, and the
-    # cluster build has its sixteen kernels (two q dtypes x two caches x two ring depths x pull / push).
+    # cluster build has its sixteen scalar kernels (two q dtypes x two caches x two ring depths x
+    # pull / push) and eight tensor-core ones (16-bit caches).
     rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
                                        EXTRA_FLAGS + ["-DMINIPAGED_DECODE_WORKLIST=1", "-DMINIPAGED_DECODE_CLUSTER=1"])
     assert rc == 0, log[-4000:]
@@ -90,6 +91,10 @@ def test_decode_ab_builds_compile_without_spills(tmp_path):
     cluster = {k["kernel"] for k in kernels if "paged_decode_kernel" in k["kernel"]
                and ("ELb0ELi1EEEv" in k["kernel"] or "ELb0ELi2EEEv" in k["kernel"])}
     assert len(cluster) == 16, sorted(cluster)
+    # paged_decode_mma_kernel<..., RB = 1, CLUSTER = 1 / 2>: two q dtypes x two ring depths x pull / push
+    cluster_mma = {k["kernel"] for k in kernels if "paged_decode_mma_kernel" in k["kernel"]
+                   and ("ELi1ELi1EEEv" in k["kernel"] or "ELi1ELi2EEEv" in k["kernel"])}
+    assert len(cluster_mma) == 8, sorted(cluster_mma)
 
 
 @needs_nvcc

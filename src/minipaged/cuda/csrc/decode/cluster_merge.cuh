@@ -105,7 +105,6 @@ __device__ __forceinline__ void cluster_pull_merge_and_store(const DecodeParams&
                                                              float out_scale = 1.f) {
   constexpr int kCols4 = D / 4;
   constexpr int kThreads = kNumWarps * 32;
-  static_assert(kRowsPerCta * kCols4 <= kThreads, "one item per thread, even in a cluster of one");
   __shared__ float4 sm_part[kRowsPerCta * kCols4];  // this split's normalised partial [row][D / 4]
   __shared__ float sm_lse[kRowsPerCta];              // and its log2-sum-exp per row
   const int ng = slice.ng;
@@ -122,23 +121,25 @@ __device__ __forceinline__ void cluster_pull_merge_and_store(const DecodeParams&
 
   const int rank = static_cast<int>(cluster_ctarank());
   const int splits = static_cast<int>(cluster_nctarank());
-  const int item = rank + splits * static_cast<int>(threadIdx.x);
-  const bool valid = item < items;
-  const int row = valid ? item / kCols4 : 0;
-  // Every load first (predicated, independent), so that the 2C remote reads are in flight together.
-  float x[kMaxClusterSplits];
-  float4 v[kMaxClusterSplits];
+  // this rank's k-th item: rank + k * splits (a decode's G rows: at most one per thread)
+  for (int k = threadIdx.x; rank + k * splits < items; k += kThreads) {
+    const int item = rank + k * splits;
+    const int row = item / kCols4;
+    // Every load first (independent), so that the 2C remote reads are in flight together.
+    float x[kMaxClusterSplits];
+    float4 v[kMaxClusterSplits];
 #pragma unroll
-  for (int j = 0; j < kMaxClusterSplits; ++j) {
-    const bool on = valid && j < splits;
-    x[j] = on ? ld_shared_cluster_f32(cluster_map_shared(sm_lse + row, j)) : -INFINITY;
-    v[j] = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + item, j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      const bool on = j < splits;
+      x[j] = on ? ld_shared_cluster_f32(cluster_map_shared(sm_lse + row, j)) : -INFINITY;
+      v[j] = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + item, j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
   }
-  // This CTA has read what it needs of the others (the release orders those reads before
-  // the arrival): they may exit once every CTA has arrived.
+  // This CTA has read what it needs of the others (the release orders those reads before the
+  // arrival); no CTA's shared memory goes away while another may still read it.
   cluster_arrive_release();
-  if (valid) merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
-  cluster_wait_acquire();  // no CTA's shared memory goes away while another may read it
+  cluster_wait_acquire();
 }
 
 // kClusterPush: what a rank receives, [source split][...], and the mbarrier that counts it.
@@ -187,7 +188,6 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
 #if MINIPAGED_WGMMA_DEVICE
   constexpr int kCols4 = D / 4;
   constexpr int kThreads = kNumWarps * 32;
-  static_assert(kRowsPerCta * kCols4 <= kThreads, "one item per thread, even in a cluster of one");
   auto& sm = cluster_push_smem<kRowsPerCta, D>();
   const int rank = static_cast<int>(cluster_ctarank());
   const int splits = static_cast<int>(cluster_nctarank());
@@ -213,8 +213,8 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
     }
   }
   mbar_wait_cluster(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
-  const int item = rank + splits * static_cast<int>(threadIdx.x);
-  if (item < items) {
+  for (int k = threadIdx.x; rank + k * splits < items; k += kThreads) {  // this rank's k-th item
+    const int item = rank + k * splits;
     const int row = item / kCols4;
     float x[kMaxClusterSplits];
     float4 v[kMaxClusterSplits];
@@ -224,7 +224,7 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
     for (int j = 0; j < kMaxClusterSplits; ++j) {
       const int src = j < splits ? j : 0;
       x[j] = sm.lse[src][row];
-      v[j] = sm.o[src * slots + threadIdx.x];
+      v[j] = sm.o[src * slots + k];
     }
     merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
   }

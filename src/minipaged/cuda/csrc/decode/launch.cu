@@ -99,11 +99,14 @@ constexpr int kVariantWorklistCompact = 0x4000;
 // release / acquire cluster barrier. With 0x10000 too: 5 stages (2 CTAs per SM). With 0x20000
 // too: the partials pushed with st.async onto the merging rank's mbarrier (no fence). With
 // 0x40000 too (the ablation's other half): the same kernel, ring and splits, without clusters,
-// merged by the two-launch reduction.
+// merged by the two-launch reduction. With 0x80000 too, on 16-bit caches: the tensor-core
+// kernel (decode/mma.cuh, 16 tokens per warp per tile) instead of the scalar one, with 4 ring
+// stages (1 CTA per SM; with 0x10000: 3, the default's, 2 CTAs per SM).
 constexpr int kVariantCluster = 0x8000;
 constexpr int kVariantClusterShallow = 0x10000;
 constexpr int kVariantClusterPush = 0x20000;
 constexpr int kVariantClusterOff = 0x40000;
+constexpr int kVariantClusterMma = 0x80000;
 #endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
@@ -136,10 +139,11 @@ DecodePlan info_f(bool fused) {
 // tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q), RB row blocks
 // of 16 (query, head) rows.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1>
+          bool MQ = false, int RB = 1, int CLUSTER = 0>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, CLUSTER>;
+  k.cluster = CLUSTER != 0;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
   k.group_tile = RB * decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps / RB * WT;
@@ -334,10 +338,14 @@ DecodePlan select_packed(const DecodeParams& p) {
 
 #if MINIPAGED_DECODE_CLUSTER
 // The cluster-merge kernels (kVariantCluster): the scalar kernel with a row over 8 threads and
-// 16 KB ring stages (16-bit: 2 token groups per warp; FP8: 4, a piece holding twice the tokens).
+// 16 KB ring stages (16-bit: 2 token groups per warp; FP8: 4, a piece holding twice the tokens),
+// or (kVariantClusterMma, 16-bit) the tensor-core kernel with 32 KB stages.
 template <typename T, int CLUSTER>
 DecodePlan cluster_ring(const DecodeParams& p) {
   const bool shallow = p.variant & kVariantClusterShallow;
+  if ((p.variant & kVariantClusterMma) && !p.kv_fp8)
+    return shallow ? info_mma<T, 128, 3, false, false, false, 16, false, 1, CLUSTER>()
+                   : info_mma<T, 128, 4, false, false, false, 16, false, 1, CLUSTER>();
   if (p.kv_fp8)
     return shallow ? info<T, 128, 2, 8, 4, false, 5, true, false, 0, 0, false, CLUSTER>()
                    : info<T, 128, 2, 8, 4, false, 8, true, false, 0, 0, false, CLUSTER>();
