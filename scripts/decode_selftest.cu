@@ -396,6 +396,17 @@ void report(bool ok, const std::string& what) {
   std::printf("%s  %s\n", ok ? "PASS" : "FAIL", what.c_str());
 }
 
+// A CUDA graph of one planned decode call on stream st (its launches, no sync), instantiated.
+cudaGraphExec_t capture_decode(const minipaged::DecodeParams& p, const minipaged::DecodePlan& plan,
+                               cudaStream_t st, cudaGraph_t& g) {
+  cudaGraphExec_t ge;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  CHECK_CUDA(minipaged::launch_decode(p, plan, st));
+  CHECK_CUDA(cudaStreamEndCapture(st, &g));
+  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  return ge;
+}
+
 // One eager call (variant, forced splits, with lse) into `eager`, then the same call captured
 // once in a CUDA graph and replayed g_replays times, outputs poisoned before each: how many
 // replays differ from the eager call's bits.
@@ -405,11 +416,7 @@ int graph_replays_differing(const Setup& s, int variant, int splits, cudaStream_
   plan_call(s, p, variant, splits, plan);
   run(s, variant, splits, true, st, eager);
   cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  CHECK_CUDA(minipaged::launch_decode(p, plan, st));
-  CHECK_CUDA(cudaStreamEndCapture(st, &g));
-  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  const cudaGraphExec_t ge = capture_decode(p, plan, st, g);
   int bad = 0;
   for (int i = 0; i < g_replays; ++i) {
     poison(s, st);
@@ -942,11 +949,7 @@ int time_mode(int reps) {
         two_launch_o.push_back({v, p.num_splits, o});
       }
       cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      CHECK_CUDA(minipaged::launch_decode(p, plan, st));
-      CHECK_CUDA(cudaStreamEndCapture(st, &g));
-      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+      const cudaGraphExec_t ge = capture_decode(p, plan, st, g);
       const Timing t = time_graph(ge, st, reps, fl);
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;

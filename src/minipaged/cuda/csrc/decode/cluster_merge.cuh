@@ -95,6 +95,24 @@ __device__ __forceinline__ void merge_cluster_item(const DecodeParams& p, const 
   store4(static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + c4 * 4, o, inv);
 }
 
+// This rank's items (rank + k * splits for k = threadIdx.x, threadIdx.x + kThreads, ...; a
+// decode's G rows: at most one per thread): load(j, item, k, row, x_j, v_j) fetches split j's
+// log2-sum-exp and partial of the item for every j < kMaxClusterSplits (the entries past
+// `splits` are never read), all before merge_cluster_item uses any.
+template <typename T, int kThreads, int kCols4, class Load>
+__device__ __forceinline__ void merge_rank_items(const DecodeParams& p, const DecodeSlice& slice, int items, int rank,
+                                                 int splits, Load load) {
+  for (int k = threadIdx.x; rank + k * splits < items; k += kThreads) {
+    const int item = rank + k * splits;
+    const int row = item / kCols4;
+    float x[kMaxClusterSplits];
+    float4 v[kMaxClusterSplits];
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) load(j, item, k, row, x[j], v[j]);
+    merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
+  }
+}
+
 // kClusterPull. Called by every thread of every CTA of the cluster (it holds the cluster
 // barriers), after the warps' states are in shared memory (merge_warps_and_store's inputs).
 template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false>
@@ -121,21 +139,15 @@ __device__ __forceinline__ void cluster_pull_merge_and_store(const DecodeParams&
 
   const int rank = static_cast<int>(cluster_ctarank());
   const int splits = static_cast<int>(cluster_nctarank());
-  // this rank's k-th item: rank + k * splits (a decode's G rows: at most one per thread)
-  for (int k = threadIdx.x; rank + k * splits < items; k += kThreads) {
-    const int item = rank + k * splits;
-    const int row = item / kCols4;
-    // Every load first (independent), so that the 2C remote reads are in flight together.
-    float x[kMaxClusterSplits];
-    float4 v[kMaxClusterSplits];
-#pragma unroll
-    for (int j = 0; j < kMaxClusterSplits; ++j) {
-      const bool on = j < splits;
-      x[j] = on ? ld_shared_cluster_f32(cluster_map_shared(sm_lse + row, j)) : -INFINITY;
-      v[j] = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + item, j)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
-  }
+  // every load first (independent), so that the 2C remote reads are in flight together
+  merge_rank_items<T, kThreads, kCols4>(p, slice, items, rank, splits,
+                                        [&](int j, int item, int, int row, float& x, float4& v) {
+                                          const bool on = j < splits;
+                                          x = on ? ld_shared_cluster_f32(cluster_map_shared(sm_lse + row, j))
+                                                 : -INFINITY;
+                                          v = on ? ld_shared_cluster_f32x4(cluster_map_shared(sm_part + item, j))
+                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+                                        });
   // This CTA has read what it needs of the others (the release orders those reads before the
   // arrival); no CTA's shared memory goes away while another may still read it.
   cluster_arrive_release();
@@ -213,21 +225,13 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
     }
   }
   mbar_wait_cluster(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
-  for (int k = threadIdx.x; rank + k * splits < items; k += kThreads) {  // this rank's k-th item
-    const int item = rank + k * splits;
-    const int row = item / kCols4;
-    float x[kMaxClusterSplits];
-    float4 v[kMaxClusterSplits];
-    // (unconditional loads, no branch per split: past the splits, source 0's entries again,
-    // which merge_cluster_item never reads)
-#pragma unroll
-    for (int j = 0; j < kMaxClusterSplits; ++j) {
-      const int src = j < splits ? j : 0;
-      x[j] = sm.lse[src][row];
-      v[j] = sm.o[src * slots + k];
-    }
-    merge_cluster_item<T>(p, slice, row, item - row * kCols4, splits, x, v);
-  }
+  // (unconditional loads, no branch per split: past the splits, source 0's entries again)
+  merge_rank_items<T, kThreads, kCols4>(p, slice, items, rank, splits,
+                                        [&](int j, int, int k, int row, float& x, float4& v) {
+                                          const int src = j < splits ? j : 0;
+                                          x = sm.lse[src][row];
+                                          v = sm.o[src * slots + k];
+                                        });
   // Every rank has received all its bytes before it arrives, so once all have arrived no
   // st.async of any CTA is still in flight: then a CTA may exit.
   cluster_arrive_relaxed();
