@@ -754,12 +754,13 @@ void print_trace(cudaGraphExec_t ge, cudaStream_t st, const L2Flush& fl, int spl
 #endif
 
 // The time table's name for the cluster bits of `variant` ("" without them): cluster[-mma]
-// [-shallow][-push] when the plan merged in clusters, cl-plan[...] for its two-launch twin.
-std::string cluster_label(int variant, bool cluster_plan) {
+// [-shallow][-push] when the plan merged in clusters, cl-plan[...] for its two-launch twin
+// (-mma: the tensor-core kernel, which FP8 caches never take).
+std::string cluster_label(int variant, bool cluster_plan, bool fp8) {
   if (!(variant & kCluster)) return "";
   if (!cluster_plan && !(variant & kClusterOff)) return " (no cluster plan)";
   std::string s = cluster_plan ? " cluster" : " cl-plan";
-  if (variant & kClusterMma) s += "-mma";
+  if ((variant & kClusterMma) && !fp8) s += "-mma";
   if (variant & kClusterShallow) s += "-shallow";
   if (variant & kClusterPush) s += "-push";
   return s;
@@ -959,7 +960,7 @@ int time_mode(int reps) {
                     v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
                     p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
                     p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
-                    cluster_label(v, plan.cluster).c_str());
+                    cluster_label(v, plan.cluster, fp8).c_str());
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
