@@ -918,6 +918,7 @@ int time_mode(int reps) {
       p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
       minipaged::DecodePlan plan = minipaged::decode_plan(p, forced);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
+      if (fp8 && (v & kClusterMma)) continue;  // (FP8 caches: the scalar cluster kernel, timed already)
       if (forced != 0 && p.num_splits != forced) continue;  // clamped to the heuristic's range
       const int64_t rows = int64_t(B) * hq * p.num_splits;
       p.partial_o = dpart, p.partial_lse = dpart + rows * D;
