@@ -40,25 +40,29 @@ class Cell:
         return any(not (c == "ok" or c.startswith("timing only")) for c in self.checks)
 
 
-def parse(paths: list[str]) -> dict[str, dict[tuple[str, int], Cell]]:
-    """{case: {(config, splits): Cell}}, in the order the first log gives them (a forced split
-    sweep, DECODE_TIME_SPLITS, times one config at several split counts)."""
-    table: dict[str, dict[tuple[str, int], Cell]] = {}
+def parse(paths: list[str]) -> dict[str, dict[tuple[str, int, int], Cell]]:
+    """{case: {(config, splits, n): Cell}}, in the order the first log gives them (a forced split
+    sweep, DECODE_TIME_SPLITS, times one config at several split counts; n counts the rows of
+    a log with the same case, config and splits, so that each cell has one median per log)."""
+    table: dict[str, dict[tuple[str, int, int], Cell]] = {}
     for path in paths:
+        seen: dict[tuple[str, str, int], int] = {}
         with open(path) as f:
             for line in f:
                 m = ROW.match(line.rstrip("\n"))
                 if m is None:
                     continue
                 configs = table.setdefault(m["case"], {})
-                key = (m["config"], int(m["splits"]))
+                row_key = (m["case"], m["config"], int(m["splits"]))
+                seen[row_key] = n = seen.get(row_key, -1) + 1
+                key = (m["config"], int(m["splits"]), n)
                 cell = configs.setdefault(key, Cell(int(m["splits"]), int(m["ctas"])))
                 cell.medians.append(float(m["med"]))
                 cell.checks.append(m["check"].strip())
     return table
 
 
-def render(table: dict[str, dict[tuple[str, int], Cell]], n_logs: int) -> tuple[str, bool]:
+def render(table: dict[str, dict[tuple[str, int, int], Cell]], n_logs: int) -> tuple[str, bool]:
     """The markdown table and whether any row's check failed."""
     head = ["case", "config", "splits", "CTAs"] + [f"log {i + 1} µs" for i in range(n_logs)]
     head += ["median µs", "vs first config"]
@@ -66,7 +70,7 @@ def render(table: dict[str, dict[tuple[str, int], Cell]], n_logs: int) -> tuple[
     any_bad = False
     for case, configs in table.items():
         base = statistics.median(next(iter(configs.values())).medians)
-        for (config, _), cell in configs.items():
+        for (config, _, _), cell in configs.items():
             med = statistics.median(cell.medians)
             per_log = [f"{x:.2f}" for x in cell.medians] + ["-"] * (n_logs - len(cell.medians))
             mark = " **check failed**" if cell.bad else ""

@@ -864,6 +864,8 @@ def test_decode_time_table_script(tmp_path, capsys):
         paths.append(str(path))
     assert mod.main(paths) == 0
     out = capsys.readouterr().out
+    # every row has the header's columns: 8 cells
+    assert all(x.count("|") == 9 for x in out.splitlines() if x.startswith("|")), out
     line = next(x for x in out.splitlines() if "cluster-push" in x)
     assert line == f"| B=1 L=4k | tiling 0 cluster-push | 16 | 128 | 11.70 | 11.90 | 11.80 | {11.8 / 13.2:.3f} |", line
     line = next(x for x in out.splitlines() if "worklist-mean" in x)
@@ -875,6 +877,13 @@ def test_decode_time_table_script(tmp_path, capsys):
                    + row("B=1 L=4k", "tiling 0 cluster", 16, 128, 11.0, "MISMATCH vs tiling 0"))
     assert mod.main([str(bad)]) == 1
     assert "tiling 0 cluster **check failed**" in capsys.readouterr().out
+    # a config timed twice in one log (e.g. two variants with one label) keeps one cell per row
+    twice = tmp_path / "twice.log"
+    twice.write_text(row("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok")
+                     + row("B=1 L=4k", "tiling 0", 32, 256, 12.0, "ok"))
+    assert mod.main([str(twice)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| B=1")]
+    assert [x.split(" | ")[4] for x in lines] == ["13.00", "12.00"], lines
     empty = tmp_path / "empty.log"
     empty.write_text(head)
     assert mod.main([str(empty)]) == 2
