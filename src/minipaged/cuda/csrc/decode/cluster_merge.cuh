@@ -12,8 +12,8 @@
 //   kClusterPush (2): each CTA stores every item of its partial into the shared memory of the
 //     rank that merges it, and every log2-sum-exp into all ranks, with st.async, which counts
 //     the bytes on the receiver's mbarrier; a rank merges once its barrier has seen all its
-//     bytes. No fence: the only cluster barriers are relaxed (one after the mbarriers'
-//     initialisation at the kernel's start, one before exit).
+//     bytes. No MEMBAR: both cluster barrier arrivals are relaxed (one after the mbarriers'
+//     initialisation at the kernel's start, behind fence.mbarrier_init, one before exit).
 //
 // The merge is decode_reduce_kernel's: the row max of the C log2-sum-exps, weights
 // ex2(lse_j - max), o = sum_j w_j partial_j / sum_j w_j, in split order; both ways give the

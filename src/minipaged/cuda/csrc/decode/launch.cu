@@ -97,7 +97,7 @@ constexpr int kVariantWorklistCompact = 0x4000;
 // memory (select_cluster; decode/cluster_merge.cuh), a 16 KB-per-stage cp.async ring 8 stages
 // deep (1 CTA per SM, so a cluster's CTAs land on distinct SMs), the partials pulled after a
 // release / acquire cluster barrier. With 0x10000 too: 5 stages (2 CTAs per SM). With 0x20000
-// too: the partials pushed with st.async onto the merging rank's mbarrier (no fence). With
+// too: the partials pushed with st.async onto the merging rank's mbarrier (no MEMBAR). With
 // 0x40000 too (the ablation's other half): the same kernel, ring and splits, without clusters,
 // merged by the two-launch reduction. With 0x80000 too, on 16-bit caches: the tensor-core
 // kernel (decode/mma.cuh, 16 tokens per warp per tile) instead of the scalar one, with 4 ring
