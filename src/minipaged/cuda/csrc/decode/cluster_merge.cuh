@@ -26,6 +26,7 @@
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "ptx/cluster.cuh"
+#include "ptx/ldmatrix.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/tma.cuh"
 
@@ -36,29 +37,17 @@ constexpr int kMaxClusterSplits = 16;  // the non-portable cluster size limit of
 constexpr int kClusterPull = 1;
 constexpr int kClusterPush = 2;
 
-// This CTA's split, output item (row, dims 4 c4 .. 4 c4 + 3): its warps' online-softmax states
-// combined (merge_warps_and_store's arithmetic), normalised, times out_scale (FP8 caches), and
-// the row's log2-sum-exp.
+// This CTA's split, output item (row, dims 4 c4 .. 4 c4 + 3): its warps' states combined per
+// element as merge_warps_and_store combines them (merge_warps_element), times out_scale (FP8
+// caches), and the row's log2-sum-exp.
 template <int kNumWarps, int kRowsPerCta, int D, bool kScaleOut>
 __device__ __forceinline__ float4 split_partial_item(const float* sm_m, const float* sm_l, const float* sm_o, int row,
                                                      int c4, float out_scale, float& lse) {
-  float mx = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
-  const float mref = mx == -INFINITY ? 0.f : mx;
-  float L = 0.f;
-  float O[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
-    L += sm_l[w * kRowsPerCta + row] * c;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) O[k] += sm_o[(w * kRowsPerCta + row) * D + 4 * c4 + k] * c;
-  }
   float out[4];
+  float mref, L;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    out[k] = L > 0.f ? O[k] / L : 0.f;
+    out[k] = merge_warps_element<kNumWarps, kRowsPerCta, D>(sm_m, sm_l, sm_o, row, 4 * c4 + k, mref, L);
     if constexpr (kScaleOut) out[k] *= out_scale;
   }
   lse = L > 0.f ? mref + log2f(L) : -INFINITY;
@@ -182,7 +171,7 @@ __device__ __forceinline__ void cluster_push_begin(int ng) {
     const int splits = static_cast<int>(cluster_nctarank());
     const int items = ng * (D / 4);
     const int mine = items > rank ? (items - 1 - rank) / splits + 1 : 0;
-    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.bar));
+    const uint32_t bar = smem_u32(&sm.bar);
     mbar_init(bar, 1);
     mbar_fence_init();
     mbar_arrive_expect_tx(bar, static_cast<uint32_t>(splits * (mine * 16 + ng * 4)));
@@ -206,9 +195,9 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
   const int ng = slice.ng;
   const int items = ng * kCols4;
   const int slots = (items + splits - 1) / splits;
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.bar));
-  const uint32_t o_base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.o));
-  const uint32_t lse_base = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.lse[0][0]));
+  const uint32_t bar = smem_u32(&sm.bar);
+  const uint32_t o_base = smem_u32(sm.o);
+  const uint32_t lse_base = smem_u32(&sm.lse[0][0]);
   cluster_wait_acquire();  // (cluster_push_begin's arrive) every rank's barrier expects its bytes
   for (int it = threadIdx.x; it < items; it += kThreads) {
     const int row = it / kCols4;
@@ -224,7 +213,9 @@ __device__ __forceinline__ void cluster_push_merge_and_store(const DecodeParams&
                      cluster_map_shared(bar, j));
     }
   }
-  mbar_wait_cluster(bar, 0);  // every partial of this rank's items, and every log2-sum-exp, has landed
+  // every partial of this rank's items, and every log2-sum-exp, has landed (cluster scope:
+  // other CTAs' st.async complete the phase)
+  mbar_wait<true>(bar, 0);
   // (unconditional loads, no branch per split: past the splits, source 0's entries again)
   merge_rank_items<T, kThreads, kCols4>(p, slice, items, rank, splits,
                                         [&](int j, int, int k, int row, float& x, float4& v) {

@@ -310,6 +310,26 @@ __device__ __forceinline__ void decode_out_row(const DecodeParams& p, const Deco
 struct IdentityDim {
   __device__ __forceinline__ int operator()(int c) const { return c; }
 };
+// Column col of row `row` with the warps' states combined (the row max as reference, weights
+// ex2(m_w - max), summed in warp order): O / L (0 for a row that saw no key), and the row's
+// reference max mref and sum L, whose log2-sum-exp is mref + log2(L).
+template <int kNumWarps, int kRowsPerCta, int D>
+__device__ __forceinline__ float merge_warps_element(const float* sm_m, const float* sm_l, const float* sm_o, int row,
+                                                     int col, float& mref, float& L) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
+  mref = mx == -INFINITY ? 0.f : mx;
+  L = 0.f;
+  float O = 0.f;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
+    L += sm_l[w * kRowsPerCta + row] * c;
+    O += sm_o[(w * kRowsPerCta + row) * D + col] * c;
+  }
+  return L > 0.f ? O / L : 0.f;
+}
 template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                       const float* sm_m,  // [kNumWarps][kRowsPerCta]
@@ -321,18 +341,8 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     const int row = idx / D;
     const int col = idx - row * D;
     const int d = dim_of(col);
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) mx = fmaxf(mx, sm_m[w * kRowsPerCta + row]);
-    const float mref = mx == -INFINITY ? 0.f : mx;
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) {
-      const float c = fast_exp2(sm_m[w * kRowsPerCta + row] - mref);
-      L += sm_l[w * kRowsPerCta + row] * c;
-      O += sm_o[(w * kRowsPerCta + row) * D + col] * c;
-    }
-    float out = L > 0.f ? O / L : 0.f;
+    float mref, L;
+    float out = merge_warps_element<kNumWarps, kRowsPerCta, D>(sm_m, sm_l, sm_o, row, col, mref, L);
     if constexpr (kScaleOut) out *= out_scale;
     int out_row, h;
     int64_t split_row;

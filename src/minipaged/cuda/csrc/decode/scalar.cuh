@@ -97,25 +97,23 @@ paged_decode_kernel(const DecodeParams p) {
   // the skip test; fetched again below (CTA-uniform) when this sequence's run differs.
   const int guess_start = slice.split * p.tokens_per_split;
   const int guess_end = min(slice.capacity, guess_start + p.tokens_per_split);
-  int page[U];  // pages of the next token groups to be loaded
+  // The guessed pages of the token groups of iteration `it` of the run.
+  auto guess_pages = [&](int it, int (&pg)[U]) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int tok = guess_start + warp * TOK_WARP + u * SLOTS + slot;
-    page[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
-  }
+    for (int u = 0; u < U; ++u) {
+      const int tok = guess_start + it * TOK_CTA + warp * TOK_WARP + u * SLOTS + slot;
+      pg[u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
+    }
+  };
+  int page[U];  // pages of the next token groups to be loaded
+  guess_pages(0, page);
   // CLUSTER: the guessed pages of every other ring stage and of the loop's first request too,
   // all before context_lens is read, so that the CTA's first K/V requests wait on one dependent
   // read (its table entries), not two (context_lens, then the entries).
   [[maybe_unused]] int ring_pages[CLUSTER != 0 ? STAGES - 1 : 1][U];  // stages 1 .. STAGES - 1
   if constexpr (CLUSTER != 0) {
 #pragma unroll
-    for (int st = 1; st < STAGES; ++st) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int tok = guess_start + st * TOK_CTA + warp * TOK_WARP + u * SLOTS + slot;
-        ring_pages[st - 1][u] = tok < guess_end ? __ldg(bt + (tok >> log2_bs)) : 0;
-      }
-    }
+    for (int st = 1; st < STAGES; ++st) guess_pages(st, ring_pages[st - 1]);
     decode_slice_range<PQ>(p, slice);
     if constexpr (CLUSTER == kClusterPush) cluster_push_begin<G, D>(slice.ng);
   }

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "ptx/ldmatrix.cuh"  // smem_u32
+
 namespace minipaged {
 
 __device__ __forceinline__ uint32_t cluster_ctarank() {
@@ -66,7 +68,7 @@ __device__ __forceinline__ uint32_t cluster_map_shared(uint32_t local, uint32_t 
 #endif
 }
 __device__ __forceinline__ uint32_t cluster_map_shared(const void* smem, uint32_t rank) {
-  return cluster_map_shared(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), rank);
+  return cluster_map_shared(smem_u32(smem), rank);
 }
 
 __device__ __forceinline__ float ld_shared_cluster_f32(uint32_t addr) {
@@ -113,25 +115,6 @@ __device__ __forceinline__ void st_async_f32(uint32_t remote_addr, float v, uint
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(remote_addr),
                "r"(__float_as_uint(v)), "r"(remote_bar)
                : "memory");
-#endif
-}
-
-// Waits until the mbarrier at `bar` (this CTA's) has completed the phase of parity `parity`,
-// with acquire semantics at cluster scope: the completion was released by other CTAs'
-// st.async (complete_tx), so a CTA-scope acquire would not order their stores before this
-// thread's later reads.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
 #endif
 }
 
