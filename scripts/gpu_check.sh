@@ -56,6 +56,19 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
   return $rc  # (a stage run in the background reports through its job's exit status)
 }
 
+# decode_selftest_bin LOG NAME [nvcc flags...]: a decode_selftest build at $bin/NAME, as carried in
+# (.gpubin/, prebuilt on the dev box with the same nvcc and flags), else built here under the
+# run name LOG (cap STAGE_TIMEOUT_LOG, default 150 s).
+decode_selftest_bin() {
+  local log=$1 name=$2
+  shift 2
+  mkdir -p "$bin"
+  [ -x "$bin/$name" ] && return 0
+  local cap_var="STAGE_TIMEOUT_$log"
+  export "$cap_var=${!cap_var:-150}"
+  run "$log" nvcc $selftest_flags "$@" scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/$name" -lgomp
+}
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$WORK/logs/gpu.txt"
 # FlashInfer, the bench's FA3 and decode anchors: when the call carried .anchors/flashinfer (the
@@ -344,12 +357,7 @@ for s in $stages; do
       # the plan without it), then `time` with the uneven rows (each row's first config is the
       # plan without the work list: the A/B is in one binary). Prebuilt as .gpubin/worklist
       # (nvcc $selftest_flags -DMINIPAGED_DECODE_WORKLIST=1), else built here.
-      mkdir -p "$bin"
-      if [ ! -x "$bin/worklist" ]; then
-        STAGE_TIMEOUT_decode_worklist_build=${STAGE_TIMEOUT_decode_worklist_build:-150} run decode_worklist_build \
-          nvcc $selftest_flags -DMINIPAGED_DECODE_WORKLIST=1 scripts/decode_selftest.cu $csrc/decode/launch.cu \
-          -o "$bin/worklist" -lgomp
-      fi
+      decode_selftest_bin decode_worklist_build worklist -DMINIPAGED_DECODE_WORKLIST=1
       export OMP_NUM_THREADS=16
       STAGE_TIMEOUT_decode_worklist_check=${STAGE_TIMEOUT_decode_worklist_check:-120} \
         run decode_worklist_check "$bin/worklist" check
@@ -381,12 +389,7 @@ for s in $stages; do
       # pull with 4 and 3 stages 0x88000 / 0x98000, push 0xa8000, no clusters 0xc8000), and the
       # default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
       # Prebuilt as .gpubin/cluster (nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1), else built here.
-      mkdir -p "$bin"
-      if [ ! -x "$bin/cluster" ]; then
-        STAGE_TIMEOUT_decode_cluster_build=${STAGE_TIMEOUT_decode_cluster_build:-150} run decode_cluster_build \
-          nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1 scripts/decode_selftest.cu $csrc/decode/launch.cu \
-          -o "$bin/cluster" -lgomp
-      fi
+      decode_selftest_bin decode_cluster_build cluster -DMINIPAGED_DECODE_CLUSTER=1
       export OMP_NUM_THREADS=16
       STAGE_TIMEOUT_decode_cluster_check=${STAGE_TIMEOUT_decode_cluster_check:-120} \
         run decode_cluster_check "$bin/cluster" cluster
@@ -410,12 +413,8 @@ for s in $stages; do
       # .gpubin/cluster_trace (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1
       # -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1), else built here.
       if [ -n "${DECODE_CLUSTER_TRACE:-}" ]; then
-        if [ ! -x "$bin/cluster_trace" ]; then
-          STAGE_TIMEOUT_decode_cluster_trace_build=${STAGE_TIMEOUT_decode_cluster_trace_build:-150} \
-            run decode_cluster_trace_build nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 \
-            -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1 scripts/decode_selftest.cu \
-            $csrc/decode/launch.cu -o "$bin/cluster_trace" -lgomp
-        fi
+        decode_selftest_bin decode_cluster_trace_build cluster_trace -DMINIPAGED_DECODE_TRACE=1 \
+          -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1
         DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,557056,622592,688128} \
           DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
           STAGE_TIMEOUT_decode_cluster_trace=${STAGE_TIMEOUT_decode_cluster_trace:-90} \
@@ -427,12 +426,8 @@ for s in $stages; do
       # merge) and how many CTAs each SM ran. DECODE_TRACE_VARIANTS: the exact variants (default 0);
       # DECODE_TIME_SHAPES / DECODE_TIME_KV narrow the grid. Prebuilt as .gpubin/decode_selftest_trace
       # (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 -DMINIPAGED_DECODE_BENCH_TILINGS=0), else built here.
-      mkdir -p "$bin"
-      if [ ! -x "$bin/decode_selftest_trace" ]; then
-        STAGE_TIMEOUT_decode_trace_build=${STAGE_TIMEOUT_decode_trace_build:-150} run decode_trace_build \
-          nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1 -DMINIPAGED_DECODE_BENCH_TILINGS=0 scripts/decode_selftest.cu \
-          $csrc/decode/launch.cu -o "$bin/decode_selftest_trace" -lgomp
-      fi
+      decode_selftest_bin decode_trace_build decode_selftest_trace -DMINIPAGED_DECODE_TRACE=1 \
+        -DMINIPAGED_DECODE_BENCH_TILINGS=0
       export OMP_NUM_THREADS=16
       DECODE_TIME_VARIANTS=${DECODE_TRACE_VARIANTS:-0} STAGE_TIMEOUT_decode_trace=${STAGE_TIMEOUT_decode_trace:-120} \
         run decode_trace "$bin/decode_selftest_trace" time ${DECODE_SELFTEST_REPS:-50};;
