@@ -15,7 +15,6 @@
 #include <cmath>
 #include <mutex>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "decode/mma.cuh"
@@ -464,32 +463,43 @@ DecodePlan select_kernel(const DecodeParams& p) {
   });
 }
 
-// Resident blocks per SM for a kernel on the current device (cached: the
-// occupancy query is host-only but not free, and decode runs once per layer
-// per step). The first call per (kernel, device) also raises the kernel's
-// dynamic shared-memory limit there.
-int blocks_per_sm(const DecodePlan& k) {
+// query() for (kernel, size) on the current device, computed once per (kernel, size, device)
+// and kept (per query type): the host-side occupancy queries are not free, and a decode is
+// planned once per layer per step.
+template <class Query>
+int cached_per_device(DecodeKernel kernel, int size, Query query) {
+  struct Entry {
+    DecodeKernel kernel;
+    int size, device, value;
+  };
   static std::mutex mu;
-  static std::vector<std::pair<std::pair<DecodeKernel, int>, int>> cache;
+  static std::vector<Entry> cache;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-  const auto key = std::make_pair(k.kernel, device);
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& e : cache)
-    if (e.first == key) return e.second;
-  // Static + dynamic shared memory over 48 KB needs the opt-in (the 3-stage
-  // tilings: 48 KB of stages + 4 KB of merge buffers).
-  if (k.smem_bytes > 0 &&
-      cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
-    cudaGetLastError();
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
-    cudaGetLastError();
-    n = 0;
-  }
-  n = std::max(n, 1);
-  cache.emplace_back(key, n);
-  return n;
+  for (const Entry& e : cache)
+    if (e.kernel == kernel && e.size == size && e.device == device) return e.value;
+  const int value = query();
+  cache.push_back({kernel, size, device, value});
+  return value;
+}
+
+// Resident blocks per SM for a kernel on the current device (cached_per_device). The first
+// call per (kernel, device) also raises the kernel's dynamic shared-memory limit there.
+int blocks_per_sm(const DecodePlan& k) {
+  return cached_per_device(k.kernel, 0, [&] {
+    // Static + dynamic shared memory over 48 KB needs the opt-in (the 3-stage
+    // tilings: 48 KB of stages + 4 KB of merge buffers).
+    if (k.smem_bytes > 0 &&
+        cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
+      cudaGetLastError();
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
+      cudaGetLastError();
+      n = 0;
+    }
+    return std::max(n, 1);
+  });
 }
 
 #if MINIPAGED_DECODE_CLUSTER
@@ -512,31 +522,21 @@ cudaLaunchConfig_t cluster_launch_config(const DecodePlan& k, dim3 grid, unsigne
 }
 
 // Clusters of `size` CTAs of kernel k that can be resident at once on the current device
-// (cached per kernel, size and device; 0: none, or the query failed). Sizes over 8 are
-// non-portable: the first query of such a size allows them for the kernel.
+// (cached_per_device; 0: none, or the query failed). Sizes over 8 are non-portable: the first
+// query of such a size allows them for the kernel.
 int max_active_clusters(const DecodePlan& k, int size) {
-  struct Key {
-    DecodeKernel kernel;
-    int size, device;
-  };
-  static std::mutex mu;
-  static std::vector<std::pair<Key, int>> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& e : cache)
-    if (e.first.kernel == k.kernel && e.first.size == size && e.first.device == device) return e.second;
-  if (size > 8 && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-    cudaGetLastError();
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(k, dim3(1, 1, size), size, nullptr, attr);
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, k.kernel, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    n = 0;
-  }
-  cache.push_back({Key{k.kernel, size, device}, n});
-  return n;
+  return cached_per_device(k.kernel, size, [&] {
+    if (size > 8 && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      cudaGetLastError();
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(k, dim3(1, 1, size), size, nullptr, attr);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, k.kernel, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      n = 0;
+    }
+    return n;
+  });
 }
 #endif
 
