@@ -117,13 +117,13 @@ def _run_decode(backend, dtype, device, case):
 
 def _decode_plans(backend):
     """(name, context) of each plan to check a backend's decode under: its default, and for
-    triton also the work-list plan while that is not the default (configs.decode_worklist)."""
+    triton also the work-list plan, forced (by default it takes only wide tables at large batch:
+    configs.decode_worklist)."""
     plans = [("default plan", contextlib.nullcontext())]
     if backend == "triton":
         from minipaged.triton import configs
 
-        if not configs.DECODE_WORKLIST:
-            plans.append(("work list", configs.overriding(decode_worklist=1)))
+        plans.append(("work list", configs.overriding(decode_worklist=1)))
     return plans
 
 

@@ -408,16 +408,31 @@ def test_decode_worklist_plan_interpreter():
     assert _worklist_counts([1024] * 63 + [32768], 66, 32) == [1] * 63 + [22]
 
 
-def test_decode_worklist_selection():
-    """configs.decode_worklist: off by default until measured, and when forced on only for
-    2..MAX_WORKLIST_BATCH sequences (one sequence has nothing to balance, the plan's lanes are
-    bounded); a plain decode of one sequence keeps the plain plan."""
-    assert configs.decode_worklist(64) is configs.DECODE_WORKLIST
+def test_decode_worklist_selection(monkeypatch):
+    """configs.decode_worklist: by default only where the plain plan can leave one program more
+    than WORKLIST_MIN_SPAN keys of the table (the standard grid's two uneven batches of 64, not
+    its rows of equal lengths); forced on, only for 2..MAX_WORKLIST_BATCH sequences (one has
+    nothing to balance, the plan's lanes are bounded); forced off, never."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # an H200's plain plan
+    cpu = torch.device("cpu")
+
+    def takes(batch, capacity, num_kv_heads=8, block_n=64):
+        return configs.decode_worklist(batch, num_kv_heads, capacity, block_n, cpu)
+
+    # the standard decode grid (bench cases): equal lengths keep the plain plan...
+    assert not any(takes(b, cap) for b, cap in [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192),
+                                                (256, 1024)])
+    # ...the uneven batches of 64 (one 32k among 1k ones; 512..16384, table 16368 wide) take it
+    assert takes(64, 32768) and takes(64, 16368)
+    # small batches split a wide table by themselves (B=8: 8 splits of 4k)
+    assert not takes(8, 32768)
+    assert takes(32, 32768) and not takes(32, 16384)
+    assert not takes(configs.MAX_WORKLIST_BATCH + 1, 1 << 20)
     with configs.overriding(decode_worklist=1):
-        assert [configs.decode_worklist(b) for b in (1, 2, configs.MAX_WORKLIST_BATCH,
-                                                     configs.MAX_WORKLIST_BATCH + 1)] == [False, True, True, False]
+        assert [takes(b, 64) for b in (1, 2, configs.MAX_WORKLIST_BATCH,
+                                       configs.MAX_WORKLIST_BATCH + 1)] == [False, True, True, False]
     with configs.overriding(decode_worklist=0):
-        assert not configs.decode_worklist(64)
+        assert not takes(64, 32768)
 
 
 def test_num_splits_heuristic_no_sync(monkeypatch):

@@ -398,18 +398,31 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
 # context_lens, so that the splits follow the lengths instead of the table's width. Without
 # it a batch of 64 takes one program per (sequence, KV head) whatever the lengths, and one 32k
 # sequence among 1k ones runs its 32k keys in 8 programs while the rest of the GPU idles.
-# Off until measured on the H200 against the plain plan (scripts/triton_decode_worklist_ab.py).
-DECODE_WORKLIST = False
+# On the H200 (triton_worklist_a49fe9c/) it took that batch from 1061 to 137 us (fp8 645 to
+# 91), but cost equal lengths 2-14% (the plan's prefix sums in every program, a reduce over
+# more slots). The plan sees shapes only, so it is taken where the plain plan can leave one
+# program alone with more than WORKLIST_MIN_SPAN keys: the table's width over the plain plan's
+# splits. That is where an uneven batch costs the plain plan most, and equal lengths there
+# cost the work list least (2-3% at B=64 L=8k).
+WORKLIST_MIN_SPAN = 8192
 # the plan's context_lens vector is one block of this many lanes in every program
 MAX_WORKLIST_BATCH = 1024
 
 
-def decode_worklist(batch: int) -> bool:
-    """Whether a plain decode of `batch` sequences takes the work list ("decode_worklist"
-    override, else DECODE_WORKLIST): from 2 sequences (one has nothing to balance) up to
-    MAX_WORKLIST_BATCH. Its split budget is decode_num_splits of one sequence: what the plain
-    plan gives a batch of one, so equal lengths get about the plain plan's splits."""
-    return 2 <= batch <= MAX_WORKLIST_BATCH and OVERRIDES.get("decode_worklist", DECODE_WORKLIST)
+def decode_worklist(batch: int, num_kv_heads: int, max_context_capacity: int, block_n: int,
+                    device: torch.device) -> bool:
+    """Whether a plain decode of `batch` sequences takes the work list: the "decode_worklist"
+    override when set, else when the plain plan's split of the table's width
+    (max_context_capacity / decode_num_splits) exceeds WORKLIST_MIN_SPAN keys. Only for
+    2..MAX_WORKLIST_BATCH sequences (one has nothing to balance; the plan's lanes are bounded).
+    Its split budget is decode_num_splits of one sequence: what the plain plan gives a batch
+    of one, so equal lengths get about the plain plan's splits."""
+    if not 2 <= batch <= MAX_WORKLIST_BATCH:
+        return False
+    if "decode_worklist" in OVERRIDES:
+        return bool(OVERRIDES["decode_worklist"])
+    plain_splits = decode_num_splits(batch, num_kv_heads, max_context_capacity, block_n, device)
+    return max_context_capacity > WORKLIST_MIN_SPAN * plain_splits
 
 
 # ----------------------------------------------------------------- paged (any q_len)

@@ -163,7 +163,7 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
         cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn,
                             batch * num_kv_heads)
         capacity = block_tables.shape[1] * page_size
-        worklist = configs.decode_worklist(batch)
+        worklist = configs.decode_worklist(batch, num_kv_heads, capacity, cfg.block_n, q.device)
         # the work list's budget is that of one sequence (configs.decode_worklist)
         num_splits = decode_num_splits(1 if worklist else batch, num_kv_heads, capacity, cfg.block_n, q.device)
         block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
@@ -637,11 +637,13 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = launch.cfg
     # a forced split count keeps the plain plan (tests and tuning); the work list's budget is
-    # that of one sequence (configs.decode_worklist)
-    worklist = num_splits is None and configs.decode_worklist(num_seqs)
-    # from shapes: every sequence counts as a decode (an upper bound of the decodes)
-    splits = num_splits or decode_num_splits(1 if worklist else num_seqs, num_kv_heads,
-                                             block_tables.shape[1] * page_size, cfg.block_n, q.device)
+    # that of one sequence (configs.decode_worklist); from shapes, every sequence counts as a
+    # decode (an upper bound of the decodes)
+    capacity = block_tables.shape[1] * page_size
+    worklist = num_splits is None and configs.decode_worklist(num_seqs, num_kv_heads, capacity, cfg.block_n,
+                                                              q.device)
+    splits = num_splits or decode_num_splits(1 if worklist else num_seqs, num_kv_heads, capacity, cfg.block_n,
+                                             q.device)
     # partials indexed by sequence (by slot under a work list); out and lse by packed token
     _decode_launches(num_seqs, splits, worklist, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
                      out, lse_arg, lse_strides, k_s, v_s, fp8, scale, return_lse, cu_seqlens_q)
