@@ -6,8 +6,9 @@ its 32k keys in 8 programs while the GPU idles (the bench's one-long row, 0.11x 
 19ecb43). The work list gives each sequence programs in proportion to its length, planned on
 the device from context_lens (decode.py, WORKLIST). This times both on the standard decode grid
 (16-bit and fp8 caches), the two interleaved in each of --rounds rounds, same process, and
-prints work list / plain per row (--modes: also "worklist2", twice the work list's budget). DECODE_WORKLIST in configs.py goes on only if the uneven rows
-gain and no other row loses.
+prints work list / plain per row (--modes: also "worklist2", twice the work list's budget, and
+"default", configs.decode_worklist's own choice). --grid wide adds tables wider than their
+lengths (an engine's fixed-width tables), where the default takes the work list on shapes alone.
 
     PYTHONPATH=src python scripts/triton_decode_worklist_ab.py --json OUT.json [--rounds 2]
 
@@ -41,12 +42,15 @@ from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a scri
 # mode -> (work list on, budget factor): "worklist2" doubles the work list's split budget S
 # (configs.decode_num_splits of one sequence), so a long sequence can take twice the splits
 # and equal lengths get twice the plain plan's
-MODES = {"plain": (0, 1), "worklist": (1, 1), "worklist2": (1, 2)}
+# "default": no override, what configs.decode_worklist picks from the shapes
+MODES = {"plain": (0, 1), "worklist": (1, 1), "worklist2": (1, 2), "default": (None, 1)}
 
 
 def _overrides(mode: str, q, k_cache, block_tables) -> dict:
     """The configs overrides of `mode` for a decode of these shapes."""
     on, factor = MODES[mode]
+    if on is None:
+        return {}
     batch, _, head_dim = q.shape
     # (a batch the work list does not take keeps the plain plan: no budget to change)
     if factor == 1 or not 2 <= batch <= configs.MAX_WORKLIST_BATCH:
@@ -58,8 +62,9 @@ def _overrides(mode: str, q, k_cache, block_tables) -> dict:
     return {"decode_worklist": on, "decode_splits": factor * budget}
 
 
-def _inputs(case, dtype, device, fp8: bool, seed: int, poison: bool = True):
-    q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=seed, poison=poison)
+def _inputs(case, dtype, device, fp8: bool, seed: int, poison: bool = True, spare_columns: int = 1):
+    q, kc, vc, bt, cl = testing.make_decode_inputs(case, dtype, device, seed=seed, poison=poison,
+                                                   spare_columns=spare_columns)
     if not fp8:
         return q, kc, vc, bt, cl, {}
     kc8, vc8, ks, vs = bench_cases.fp8_caches(kc, vc)
@@ -94,6 +99,19 @@ def _time(inputs, mode: str, device, reps: int) -> float:
     return t.median_ms * 1e3
 
 
+def _wide_rows() -> list:
+    """(case, spare table columns, label): batches whose table is wider than their lengths, as
+    an engine's fixed-width tables are; the ones configs.decode_worklist takes by default
+    (the plain plan's split of the width is over WORKLIST_MIN_SPAN) without being uneven, so
+    they show what the default costs where the work list has nothing to balance."""
+    heads = bench_cases.QWEN3_HEADS
+    rows = []
+    for batch, length, width in [(64, 1024, 32768), (64, 8192, 32768), (32, 32768, 32768), (256, 1024, 16384)]:
+        case = testing.DecodeCase(batch, length, **heads, block_size=16)
+        rows.append((case, (width - length) // 16 + 1, f"{case.label} table {width}"))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -101,6 +119,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved plain / work-list rounds per row")
     ap.add_argument("--no-fp8", action="store_true", help="16-bit caches only")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter plumbing check, tiny shapes")
+    ap.add_argument("--grid", choices=["standard", "wide", "all"], default="all",
+                    help="the standard decode grid, the wide-table rows (_wide_rows), or both")
     ap.add_argument("--modes", default="plain,worklist", help=f"comma-separated, from {list(MODES)}; the first "
                     "is the baseline of the ratios")
     args = ap.parse_args()
@@ -109,9 +129,14 @@ def main() -> int:
         ap.error(f"--modes: two or more of {list(MODES)}, got {args.modes!r}")
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
-    grid = bench_cases.quick_decode_cases() if args.smoke else bench_cases.standard_decode_cases()
     if args.smoke:
-        grid.append(testing.DecodeCase.of((16,) * 3 + (256,), **bench_cases.QUICK_HEADS, block_size=16))
+        grid = [(c, 1, c.label) for c in bench_cases.quick_decode_cases()]
+        grid.append((testing.DecodeCase.of((16,) * 3 + (256,), **bench_cases.QUICK_HEADS, block_size=16), 1,
+                     "smoke uneven"))
+        grid.append((testing.DecodeCase(4, 16, **bench_cases.QUICK_HEADS, block_size=16), 16, "smoke wide table"))
+    else:
+        grid = [(c, 1, c.label) for c in bench_cases.standard_decode_cases()] if args.grid != "wide" else []
+        grid += _wide_rows() if args.grid != "standard" else []
     caches = [False] if args.no_fp8 else [False, True]
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -126,8 +151,8 @@ def main() -> int:
         print("a check failed: nothing timed")
     else:
         for fp8 in caches:
-            for case in grid:
-                inputs = _inputs(case, dtype, device, fp8, seed=0, poison=False)
+            for case, spare_columns, label in grid:
+                inputs = _inputs(case, dtype, device, fp8, seed=0, poison=False, spare_columns=spare_columns)
                 times = {mode: [] for mode in modes}
                 for _ in range(args.rounds):
                     for mode in modes:
@@ -135,10 +160,10 @@ def main() -> int:
                 del inputs
                 med = {mode: statistics.median(ts) for mode, ts in times.items()}
                 base = med[modes[0]]
-                row = {"case": case.label, "kv": "fp8" if fp8 else "16-bit", "us": times,
+                row = {"case": label, "kv": "fp8" if fp8 else "16-bit", "us": times,
                        "ratio": {mode: med[mode] / base for mode in modes[1:]}}
                 results["rows"].append(row)
-                print(f"{case.label:40s} {row['kv']:6s} {modes[0]} {base:9.1f} us  "
+                print(f"{label:40s} {row['kv']:6s} {modes[0]} {base:9.1f} us  "
                       + "  ".join(f"{m} {med[m]:9.1f} us {row['ratio'][m]:.3f}x" for m in modes[1:]), flush=True)
     return finish(results, args.json, t0, bool(results["failed"]))
 
