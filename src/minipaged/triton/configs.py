@@ -398,12 +398,12 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_capacity: int,
 # context_lens, so that the splits follow the lengths instead of the table's width. Without
 # it a batch of 64 takes one program per (sequence, KV head) whatever the lengths, and one 32k
 # sequence among 1k ones runs its 32k keys in 8 programs while the rest of the GPU idles.
-# On the H200 (triton_worklist_a49fe9c/) it took that batch from 1061 to 137 us (fp8 645 to
-# 91), but cost equal lengths 2-14% (the plan's prefix sums in every program, a reduce over
-# more slots). The plan sees shapes only, so it is taken where the plain plan can leave one
-# program alone with more than WORKLIST_MIN_SPAN keys: the table's width over the plain plan's
-# splits. That is where an uneven batch costs the plain plan most, and equal lengths there
-# cost the work list least (2-3% at B=64 L=8k).
+# It costs equal lengths a little (every program computes the plan's prefix sums; the reduce
+# reads more slots) and saves an uneven batch several times that
+# (bench/results/nvidia-h200/triton_worklist_a49fe9c/). The plan sees shapes only, so it is
+# taken where the plain plan can leave one program alone with more than WORKLIST_MIN_SPAN keys
+# (the table's width over the plain plan's splits), which is where an uneven batch costs the
+# plain plan most.
 WORKLIST_MIN_SPAN = 8192
 # the plan's context_lens vector is one block of this many lanes in every program
 MAX_WORKLIST_BATCH = 1024
