@@ -428,6 +428,10 @@ def test_decode_worklist_selection(monkeypatch):
     assert not takes(8, 32768)
     assert takes(32, 32768) and not takes(32, 16384)
     assert not takes(configs.MAX_WORKLIST_BATCH + 1, 1 << 20)
+    # the split counts: a batch of one's budget under the work list, else the batch's own
+    assert configs.decode_split_plan(64, 8, 32768, 64, cpu) == (True, configs.decode_num_splits(1, 8, 32768, 64, cpu))
+    assert configs.decode_split_plan(64, 8, 8192, 64, cpu) == (False, configs.decode_num_splits(64, 8, 8192, 64, cpu))
+    assert configs.decode_split_plan(1, 8, 32768, 64, cpu) == (False, configs.decode_num_splits(1, 8, 32768, 64, cpu))
     with configs.overriding(decode_worklist=1):
         assert [takes(b, 64) for b in (1, 2, configs.MAX_WORKLIST_BATCH,
                                        configs.MAX_WORKLIST_BATCH + 1)] == [False, True, True, False]

@@ -409,20 +409,30 @@ WORKLIST_MIN_SPAN = 8192
 MAX_WORKLIST_BATCH = 1024
 
 
+def decode_split_plan(batch: int, num_kv_heads: int, max_context_capacity: int, block_n: int,
+                      device: torch.device) -> tuple[bool, int]:
+    """(work list?, split count) of a plain decode of `batch` sequences. The work list is taken
+    when the "decode_worklist" override says so, else when the plain plan's split of the
+    table's width (max_context_capacity / decode_num_splits) exceeds WORKLIST_MIN_SPAN keys;
+    only for 2..MAX_WORKLIST_BATCH sequences (one has nothing to balance; the plan's lanes are
+    bounded). The work list's split budget is decode_num_splits of one sequence: what the plain
+    plan gives a batch of one, so equal lengths get about the plain plan's splits."""
+    plain_splits = decode_num_splits(batch, num_kv_heads, max_context_capacity, block_n, device)
+    if not 2 <= batch <= MAX_WORKLIST_BATCH:
+        return False, plain_splits
+    if "decode_worklist" in OVERRIDES:
+        worklist = bool(OVERRIDES["decode_worklist"])
+    else:
+        worklist = max_context_capacity > WORKLIST_MIN_SPAN * plain_splits
+    if not worklist:
+        return False, plain_splits
+    return True, decode_num_splits(1, num_kv_heads, max_context_capacity, block_n, device)
+
+
 def decode_worklist(batch: int, num_kv_heads: int, max_context_capacity: int, block_n: int,
                     device: torch.device) -> bool:
-    """Whether a plain decode of `batch` sequences takes the work list: the "decode_worklist"
-    override when set, else when the plain plan's split of the table's width
-    (max_context_capacity / decode_num_splits) exceeds WORKLIST_MIN_SPAN keys. Only for
-    2..MAX_WORKLIST_BATCH sequences (one has nothing to balance; the plan's lanes are bounded).
-    Its split budget is decode_num_splits of one sequence: what the plain plan gives a batch
-    of one, so equal lengths get about the plain plan's splits."""
-    if not 2 <= batch <= MAX_WORKLIST_BATCH:
-        return False
-    if "decode_worklist" in OVERRIDES:
-        return bool(OVERRIDES["decode_worklist"])
-    plain_splits = decode_num_splits(batch, num_kv_heads, max_context_capacity, block_n, device)
-    return max_context_capacity > WORKLIST_MIN_SPAN * plain_splits
+    """Whether a plain decode of `batch` sequences takes the work list (decode_split_plan)."""
+    return decode_split_plan(batch, num_kv_heads, max_context_capacity, block_n, device)[0]
 
 
 # ----------------------------------------------------------------- paged (any q_len)

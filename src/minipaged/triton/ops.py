@@ -21,7 +21,6 @@ from .configs import (
     PagedConfig,
     PrefillConfig,
     decode_config,
-    decode_num_splits,
     paged_config,
     paged_num_splits,
     prefill_config,
@@ -163,9 +162,7 @@ def _decode_plan(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
         cfg = decode_config(head_dim, q.dtype, q.device, k_cache.dtype == torch.float8_e4m3fn,
                             batch * num_kv_heads)
         capacity = block_tables.shape[1] * page_size
-        worklist = configs.decode_worklist(batch, num_kv_heads, capacity, cfg.block_n, q.device)
-        # the work list's budget is that of one sequence (configs.decode_worklist)
-        num_splits = decode_num_splits(1 if worklist else batch, num_kv_heads, capacity, cfg.block_n, q.device)
+        worklist, num_splits = configs.decode_split_plan(batch, num_kv_heads, capacity, cfg.block_n, q.device)
         block_h = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
         plan = _decode_plans[key] = (cfg, num_splits, block_h, worklist)
     return plan
@@ -636,14 +633,10 @@ def _paged_decode_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = cu_seqlens_q.shape[0] - 1
     cfg = launch.cfg
-    # a forced split count keeps the plain plan (tests and tuning); the work list's budget is
-    # that of one sequence (configs.decode_worklist); from shapes, every sequence counts as a
-    # decode (an upper bound of the decodes)
-    capacity = block_tables.shape[1] * page_size
-    worklist = num_splits is None and configs.decode_worklist(num_seqs, num_kv_heads, capacity, cfg.block_n,
-                                                              q.device)
-    splits = num_splits or decode_num_splits(1 if worklist else num_seqs, num_kv_heads, capacity, cfg.block_n,
-                                             q.device)
+    # a forced split count keeps the plain plan (tests and tuning); from shapes, every sequence
+    # counts as a decode (an upper bound of the decodes)
+    worklist, splits = (False, num_splits) if num_splits else configs.decode_split_plan(
+        num_seqs, num_kv_heads, block_tables.shape[1] * page_size, cfg.block_n, q.device)
     # partials indexed by sequence (by slot under a work list); out and lse by packed token
     _decode_launches(num_seqs, splits, worklist, cfg.block_m, cfg, q, k_cache, v_cache, block_tables, context_lens,
                      out, lse_arg, lse_strides, k_s, v_s, fp8, scale, return_lse, cu_seqlens_q)
