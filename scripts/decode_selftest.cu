@@ -12,9 +12,6 @@
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
 //                                    DECODE_TIME_HEADS="16,4,64" another Hq,Hkv,D;
 //                                    DECODE_TIME_SPLITS, _SHAPES, _KV, _VARIANTS: see time_mode)
-//   built with -DMINIPAGED_DECODE_CLUSTER=1, `check` and `small` also run the cluster merge
-//   (variant bits 0x8000 / 0x10000 / 0x20000 / 0x40000, check_cluster_problem); `cluster` and
-//   `cluster_small` run only the cluster cases of `check` and `small`
 //   built with -DMINIPAGED_DECODE_TRACE=1, `time` also prints one traced replay per row: when
 //   the CTAs start, land their first and last K/V tiles, finish, and when the merge runs
 //   (decode/trace.cuh; quantiles over CTAs, and how many CTAs each SM ran)
@@ -75,15 +72,7 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
-constexpr int kNoWorklist = 0x1000;  // MINIPAGED_DECODE_WORKLIST builds: the plan without the work list
-constexpr int kWorklistMeanFloor = 0x2000;  // and the work list's runs floored at the mean length, not twice it
-constexpr int kWorklistCompact = 0x4000;    // and batch + one wave of slots per KV head, not batch x splits
-// MINIPAGED_DECODE_CLUSTER builds: the cluster merge (G = 2, D = 128)
-[[maybe_unused]] constexpr int kCluster = 0x8000;
-constexpr int kClusterShallow = 0x10000;  // and its 5-stage ring (2 CTAs per SM) instead of 8 stages
-constexpr int kClusterPush = 0x20000;     // and the partials pushed with st.async, not pulled after a barrier
-constexpr int kClusterOff = 0x40000;      // or its kernel, ring and splits without clusters (two launches)
-constexpr int kClusterMma = 0x80000;      // and (16-bit caches) the tensor-core kernel, not the scalar one
+constexpr int kNoWorklist = 0x1000;  // the plan without the work list where the default takes one
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -125,6 +114,13 @@ struct Setup {
 };
 
 int g_num_sms = 0, g_cc = 0;
+
+// Words of split workspace for B sequences of hq heads at any plan (up to 256 splits, a work
+// list's plan included): what decode_workspace_floats asks at most.
+size_t workspace_words(int B, int hq, int D) {
+  const size_t partials = size_t(std::max(B, 1)) * hq * 256 * (D + 1);
+  return (partials + 3) / 4 * 4 + 4 * size_t(std::max(B, 1)) * 256 + 2 * size_t(std::max(B, 1));
+}
 int g_replays = 100;  // graph replays per check (small mode: fewer, for the sanitizers)
 int32_t* g_counters = nullptr;  // zeroed once; every fused call must leave it zero
 
@@ -260,7 +256,7 @@ Setup make_setup(const Prob& pr, uint32_t seed) {
   CHECK_CUDA(cudaMalloc(&s.dout, s.o_elems * 2));
   CHECK_CUDA(cudaMalloc(&s.dlse, s.lse_elems * 4));
   // Partials for the most splits any plan makes (256).
-  CHECK_CUDA(cudaMalloc(&s.dpart, std::max<size_t>(size_t(s.B) * pr.hq * 256 * (D + 1), 1) * 4));
+  CHECK_CUDA(cudaMalloc(&s.dpart, workspace_words(s.B, pr.hq, D) * 4));
   CHECK_CUDA(cudaMalloc(&s.dtable, s.table.size() * 4));
   CHECK_CUDA(cudaMemcpy(s.dtable, s.table.data(), s.table.size() * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMalloc(&s.dctx, std::max(s.B, 1) * 4));
@@ -299,8 +295,7 @@ bool plan_call(const Setup& s, minipaged::DecodeParams& p, int variant, int spli
   p.variant = variant;
   plan = minipaged::decode_plan(p, splits);
   if (plan.kernel == nullptr) return false;
-  const int64_t rows = int64_t(s.B) * s.pr.hq * p.num_splits;
-  p.partial_o = s.dpart, p.partial_lse = s.dpart + rows * s.pr.d;
+  minipaged::decode_set_workspace(p, s.dpart);
   const int64_t n = minipaged::decode_split_counter_count(p, plan);
   if (n > kMaxCounters) {
     std::fprintf(stderr, "need %lld counters\n", (long long)n);
@@ -315,7 +310,7 @@ struct Result {
   std::vector<float> lse;
   int splits = 0;
   bool fused = false;
-  bool cluster = false;  // the splits merged through distributed shared memory
+  bool worklist = false;  // the plan was a work list (DecodeParams::worklist)
 };
 
 void poison(const Setup& s, cudaStream_t st) {
@@ -341,7 +336,7 @@ bool run(const Setup& s, int variant, int splits, bool with_lse, cudaStream_t st
   fetch(s, r, st);
   r.splits = p.num_splits;
   r.fused = plan.fused && p.num_splits > 1;
-  r.cluster = plan.cluster && p.num_splits > 1;
+  r.worklist = p.worklist > 0;
   return true;
 }
 
@@ -526,84 +521,50 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
   free_setup(s);
 }
 
-#if MINIPAGED_DECODE_CLUSTER
-// The cluster merge (variant bits kCluster, kClusterShallow, kClusterPush) of a G = 2, D = 128
-// problem: every split count of split_list (those over the cluster limit plan without
-// clusters, which is checked too) and the heuristic's (0) against the fp64 reference, the push
-// merge bitwise the pull merge of the same ring; o without lse bitwise o with it; a graph of
-// the 7-split call replayed g_replays times, bitwise the eager call.
-void check_cluster_problem(const Prob& pr, const std::vector<int>& split_list, uint32_t seed,
-                           bool expect_cluster = true) {
-  if (pr.d != 128 || pr.hq != 2 * pr.hkv) return;
+// Work lists (DecodeParams::worklist): a batch whose default plan takes one (128 sequences
+// over 8 KV heads fill more than half a wave, and the table's width gives 3+ splits): short,
+// empty and odd-length sequences around two long ones. Every tiling, two-launch and fused,
+// against the fp64 reference (check_problem, the default split count), the plan checked to be
+// a work list, its CUDA graph replayed bitwise the eager call, and the same batch without the
+// work list (kNoWorklist) within the reference's bound too.
+void check_worklist_problem(const Prob& pr, uint32_t seed) {
+  check_problem(pr, {0}, false, seed);
   Setup s = make_setup(pr, seed);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  std::vector<std::pair<int, Result>> pulled;  // (variant, split count) -> the pull merge's output
-  std::vector<int> variants = {kCluster, kCluster | kClusterShallow, kCluster | kClusterPush,
-                                kCluster | kClusterShallow | kClusterPush, kCluster | kClusterOff};
-  if (!pr.fp8)  // (FP8 caches: the scalar kernel whatever the bit)
-    variants.insert(variants.end(), {kCluster | kClusterMma, kCluster | kClusterMma | kClusterShallow,
-                                     kCluster | kClusterMma | kClusterPush, kCluster | kClusterMma | kClusterOff});
-  for (int v : variants) {
-    const std::string what = pr.name + (pr.fp8 ? " fp8" : "") + " cluster" + (v & kClusterMma ? "-mma" : "") +
-                             (v & kClusterShallow ? "-shallow" : "") + (v & kClusterPush ? "-push" : "") +
-                             (v & kClusterOff ? "-plan, two launches" : "");
-    long bad_ref = 0, runs = 0, cluster_runs = 0, bad_bits = 0;
-    double worst = 0;
-    std::string splits_seen;
-    std::vector<int> list = split_list;
-    list.insert(list.begin(), 0);
-    for (int sp : list) {
-      Result r;
-      if (!run(s, v, sp, true, st, r)) {
-        report(false, what + ": no kernel");
-        break;
-      }
-      double e;
-      bad_ref += compare_ref(s, r, true, &e) != 0;
-      worst = std::max(worst, e);
-      ++runs;
-      cluster_runs += r.cluster;
-      if (splits_seen.size() < 80) splits_seen += std::to_string(r.splits) + (r.cluster ? "c " : " ");
-      // (key: the kernel and ring bits and the forced split count)
-      const int key = (v & (kClusterShallow | kClusterMma)) | sp;
-      if (v & kClusterOff) {
-        // (its own kernel: checked against the reference only)
-      } else if (!(v & kClusterPush)) {
-        pulled.push_back({key, r});
-      } else {
-        for (const auto& e : pulled)
-          if (e.first == key && e.second.cluster == r.cluster) bad_bits += !same_bits(e.second, r, true);
-      }
-    }
-    char buf[320];
-    std::snprintf(buf, sizeof buf,
-                  "%-26s %ld runs vs fp64 (%ld merged in clusters; max err %.2e): %ld bad; push vs pull bitwise: %ld "
-                  "differ  [splits %s]",
-                  what.c_str(), runs, cluster_runs, worst, bad_ref, bad_bits, splits_seen.c_str());
-    // (on sm_90, a problem whose table admits a cluster plan at one of its forced split counts
-    // must have run one: expect_cluster, the caller's arithmetic)
-    const bool any_cluster_expected = g_cc >= 9 && expect_cluster && !(v & kClusterOff);
-    report(bad_ref == 0 && bad_bits == 0 && (cluster_runs > 0 || !any_cluster_expected), buf);
-    {
-      Result a, b;
-      run(s, v, 7, true, st, a);
-      run(s, v, 7, false, st, b);
-      report(a.o == b.o, what + ": o without lse == o with lse (7 splits)");
-    }
-    Result eager;
-    const int bad = graph_replays_differing(s, v, 7, st, eager);
-    double e;
-    report(bad == 0 && compare_ref(s, eager, true, &e) == 0,
-           what + ": graph of the 7-split call, " + std::to_string(g_replays) + " replays: " + std::to_string(bad) +
-               " differ from the eager call");
-  }
+  Result eager, plain;
+  const int bad = graph_replays_differing(s, 0, 0, st, eager);
+  double e0 = 0, e1 = 0;
+  const long bad_ref = compare_ref(s, eager, true, &e0);
+  run(s, kNoWorklist, 0, true, st, plain);
+  const long bad_plain = compare_ref(s, plain, true, &e1);
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays "
+                "differ; without it: %ld bad (max err %.2e)", pr.name.c_str(), eager.worklist ? "taken" : "NOT TAKEN",
+                eager.splits, bad_ref, e0, bad, g_replays, bad_plain, e1);
+  report(eager.worklist && !plain.worklist && bad == 0 && bad_ref == 0 && bad_plain == 0, buf);
   CHECK_CUDA(cudaStreamDestroy(st));
   free_setup(s);
 }
-#else
-void check_cluster_problem(const Prob&, const std::vector<int>&, uint32_t, bool = true) {}
-#endif
+
+void check_worklist_problems(uint32_t seed) {
+  std::vector<int> ctx;
+  const int pattern[] = {0, 1, 17, 97, 1023, 300, 129, 640};
+  for (int b = 0; b < 128; ++b) ctx.push_back(pattern[b % 8]);
+  ctx[5] = 50001, ctx[77] = 4097;  // (FP8 at D = 64: splits of 16k tokens, 2 MB of K+V per KV head)
+  const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
+  for (int bs : {1, 16, 256})
+    check_worklist_problem({"worklist G2 D128 p" + std::to_string(bs), b16, false, 16, 8, 128, bs, ctx}, seed++);
+  for (DType dt : {b16, f16})
+    for (int D : {64, 128})
+      for (auto hh : {std::pair<int, int>{16, 8}, {32, 8}})
+        for (bool fp8 : {false, true})
+          check_worklist_problem({std::string("worklist ") + (fp8 ? "fp8 " : "") + (dt == b16 ? "bf16" : "fp16") +
+                                      " G" + std::to_string(hh.first / hh.second) + " D" + std::to_string(D),
+                                  dt, fp8, hh.first, hh.second, D, 16, ctx},
+                                 seed++);
+}
+
 
 // ------------------------------------------------------------------ timing
 
@@ -753,19 +714,6 @@ void print_trace(cudaGraphExec_t ge, cudaStream_t st, const L2Flush& fl, int spl
 }
 #endif
 
-// The time table's name for the cluster bits of `variant` ("" without them): cluster[-mma]
-// [-shallow][-push] when the plan merged in clusters, cl-plan[...] for its two-launch twin
-// (-mma: the tensor-core kernel, which FP8 caches never take).
-std::string cluster_label(int variant, bool cluster_plan, bool fp8) {
-  if (!(variant & kCluster)) return "";
-  if (!cluster_plan && !(variant & kClusterOff)) return " (no cluster plan)";
-  std::string s = cluster_plan ? " cluster" : " cl-plan";
-  if ((variant & kClusterMma) && !fp8) s += "-mma";
-  if (variant & kClusterShallow) s += "-shallow";
-  if (variant & kClusterPush) s += "-push";
-  return s;
-}
-
 int time_mode(int reps) {
   reps = std::max(reps, 50);
   // DECODE_TIME_HEADS="hq,hkv,D" times another head layout (default 16,8,128, the grid's).
@@ -778,15 +726,17 @@ int time_mode(int reps) {
   }
   const int bs = 16;
   // skew (DECODE_TIME_SKEW=1 adds these rows): 1, every sequence L / 32 long but the last, L;
-  // 2, lengths uniform in [L / 32, L] (fixed seed); 3, every sequence L / 32 long. L is the
-  // table capacity in every case (3: a table sized for longer sequences, as a captured graph's).
+  // 2, lengths uniform in [L / 32, L] (fixed seed); 3, every sequence L / 32 long; 4, every
+  // sequence L / 4 long. L is the table capacity in every case (3, 4: a table sized for longer
+  // sequences, as a captured graph's).
   struct Shape {
     int B, L, skew = 0;
   };
   std::vector<Shape> shapes = {{1, 4096}, {1, 32768}, {8, 4096}, {32, 4096}, {64, 8192}, {256, 1024}};
   if (const char* env = std::getenv("DECODE_TIME_SKEW"); env != nullptr && std::atoi(env) != 0)
     shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2},
-                                 {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}});
+                                 {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}, {64, 32768, 4},
+                                 {32, 32768}});
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();
@@ -854,7 +804,7 @@ int time_mode(int reps) {
     CHECK_CUDA(cudaMalloc(&dq, size_t(B) * hq * D * 2));
     CHECK_CUDA(cudaMalloc(&dout, size_t(B) * hq * D * 2));
     CHECK_CUDA(cudaMalloc(&dlse, size_t(B) * hq * 4));
-    CHECK_CUDA(cudaMalloc(&dpart, size_t(B) * hq * 256 * (D + 1) * 4));
+    CHECK_CUDA(cudaMalloc(&dpart, workspace_words(B, hq, D) * 4));
     if (fp8) {
       fill_fp8_kernel<<<1024, 256>>>(static_cast<uint8_t*>(dk), cache_elems, 1);
       fill_fp8_kernel<<<1024, 256>>>(static_cast<uint8_t*>(dv), cache_elems, 2);
@@ -868,7 +818,9 @@ int time_mode(int reps) {
     std::mt19937 rng(7);
     std::shuffle(perm.begin(), perm.end(), rng);  // scattered pages
     std::vector<int32_t> ctx(B, L);
-    if (sh.skew == 1 || sh.skew == 3) {
+    if (sh.skew == 4) {
+      std::fill(ctx.begin(), ctx.end(), L / 4);
+    } else if (sh.skew == 1 || sh.skew == 3) {
       std::fill(ctx.begin(), sh.skew == 1 ? ctx.end() - 1 : ctx.end(), L / 32);
     } else if (sh.skew == 2) {
       std::uniform_int_distribution<int> len(L / 32, L);
@@ -889,7 +841,8 @@ int time_mode(int reps) {
     std::vector<Twin> two_launch_o;
     char cname[32];
     std::snprintf(cname, sizeof cname, "B=%d L=%dk%s%s", B, L / 1024,
-                  sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : sh.skew == 3 ? " short" : "", fp8 ? " fp8" : "");
+                  sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : sh.skew == 3 ? " short" : sh.skew == 4 ? " quarter" : "",
+                  fp8 ? " fp8" : "");
     std::vector<int> configs;
     if (fp8) {
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, kNoReduce};  // 10: tensor cores; 18/19: 32 tokens per warp
@@ -899,10 +852,14 @@ int time_mode(int reps) {
       configs.push_back(kNoReduce);
     }
     if (!exact_variants.empty()) configs = exact_variants;
-#if MINIPAGED_DECODE_WORKLIST
-    // the plan without the work list first: every other config is checked against its output
-    configs.insert(configs.begin(), kNoWorklist);
-#endif
+    {  // where the default plan is a work list, the plan without it first: the others are checked against it
+      minipaged::DecodeParams probe{};
+      probe.batch = B, probe.num_q_heads = hq, probe.num_kv_heads = hkv, probe.head_dim = D, probe.block_size = bs;
+      probe.max_blocks = per_seq, probe.dtype = DType::kBFloat16, probe.kv_fp8 = fp8;
+      probe.num_sms = g_num_sms, probe.cc_major = g_cc;
+      minipaged::decode_plan(probe, 0);
+      if (probe.worklist > 0) configs.insert(configs.begin(), kNoWorklist);
+    }
     for (int v : configs)
     for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;
@@ -918,10 +875,8 @@ int time_mode(int reps) {
       p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
       minipaged::DecodePlan plan = minipaged::decode_plan(p, forced);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
-      if (fp8 && (v & kClusterMma)) continue;  // (FP8 caches: the scalar cluster kernel, timed already)
       if (forced != 0 && p.num_splits != forced) continue;  // clamped to the heuristic's range
-      const int64_t rows = int64_t(B) * hq * p.num_splits;
-      p.partial_o = dpart, p.partial_lse = dpart + rows * D;
+      minipaged::decode_set_workspace(p, dpart);
       const int64_t nc = minipaged::decode_split_counter_count(p, plan);
       p.split_counters = nc > 0 ? g_counters : nullptr;
       CHECK_CUDA(cudaMemsetAsync(dout, 0xFF, o.size() * 2, st));
@@ -956,12 +911,9 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[64];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
-                    v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "",
-                    p.worklist > 0 && (v & kWorklistMeanFloor) ? "-mean" : "",
-                    p.worklist > 0 && (v & kWorklistCompact) ? "-compact" : "",
-                    cluster_label(v, plan.cluster, fp8).c_str());
+                    v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
@@ -969,7 +921,7 @@ int time_mode(int reps) {
       std::fflush(stdout);
 #if MINIPAGED_DECODE_TRACE
       print_trace(ge, st, fl, ctas,
-                  p.num_splits > 1 && !plan.fused && !plan.cluster && !(v & kNoReduce) ? hq * B : 0);
+                  p.num_splits > 1 && !plan.fused && !(v & kNoReduce) ? hq * B : 0);
 #endif
       CHECK_CUDA(cudaGraphExecDestroy(ge));
       CHECK_CUDA(cudaGraphDestroy(g));
@@ -1238,28 +1190,6 @@ int roofline_mode(int reps) {
   return 0;
 }
 
-// The cluster merge's cases of `check` (builds with MINIPAGED_DECODE_CLUSTER; mode `cluster` runs
-// only these): every split count 1..17, empty contexts, page sizes 1 and 256, both caches and
-// both q dtypes, and a table-filling B=1 L=32k at 16 splits. Each forced split list holds a
-// count the problem's table turns into exactly that many splits of whole iterations (16-bit:
-// 32 tokens, FP8: 64; the table is one page longer than the longest context), so a cluster
-// plan must run, except for the all-empty batch, whose one-page table cannot be split.
-void check_cluster_problems(uint32_t seed) {
-  const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
-  std::vector<int> upto17;
-  for (int i = 1; i <= 17; ++i) upto17.push_back(i);
-  for (DType dt : {b16, f16})
-    for (bool fp8 : {false, true}) {
-      check_cluster_problem({"cluster splits 1..17", dt, fp8, 16, 8, 128, 16, {0, 1, 17, 97, 1023, 4097}}, upto17,
-                            seed++);
-      check_cluster_problem({"cluster p1", dt, fp8, 8, 4, 128, 1, {0, 3, 130}}, {2, 9}, seed++);
-      check_cluster_problem({"cluster p256", dt, fp8, 8, 4, 128, 256, {1000, 257, 0}}, {3, 16}, seed++);
-    }
-  check_cluster_problem({"cluster all empty", b16, false, 16, 8, 128, 16, {0, 0, 0}}, {1, 5, 16}, seed++, false);
-  check_cluster_problem({"cluster mostly empty", b16, false, 16, 8, 128, 16, {0, 0, 2000, 0}}, {2, 5, 16}, seed++);
-  check_cluster_problem({"cluster B=1 L=32k", b16, false, 16, 8, 128, 16, {32768}}, {16}, seed++);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1278,14 +1208,11 @@ int main(int argc, char** argv) {
     check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
     check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
     check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
-    check_cluster_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {3, 16}, 4);
-    check_cluster_problem({"small G2 D128 p16", b16, true, 4, 2, 128, 16, {40, 0, 700}}, {4}, 5);
-  } else if (mode == "cluster_small") {  // small's cluster cases alone, for the sanitizers
-    g_replays = 10;
-    check_cluster_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {3, 16}, 4);
-    check_cluster_problem({"small G2 D128 p16", b16, true, 4, 2, 128, 16, {40, 0, 700}}, {4}, 5);
-  } else if (mode == "cluster") {
-    check_cluster_problems(100);
+    {
+      std::vector<int> ctx(128, 97);
+      ctx[0] = 0, ctx[1] = 17, ctx[3] = 12289;
+      check_worklist_problem({"small worklist G2 D128 p16", b16, false, 16, 8, 128, 16, ctx}, 6);
+    }
   } else if (mode == "check") {
     const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};
     const std::vector<int> splits = {0, 1, 2, 3, 7, 16, 64};
@@ -1299,7 +1226,8 @@ int main(int argc, char** argv) {
     }
     // Every context empty: each split writes lse -inf, the merge writes zeros.
     check_problem({"all empty G2 D128 p16", b16, false, 16, 8, 128, 16, {0, 0, 0}}, {0, 1, 5}, false, seed++);
-    check_cluster_problems(seed);
+    check_worklist_problems(seed);
+    seed += 100;
     for (DType dt : {f16, b16})
       for (int D : {64, 128})
         for (auto hh : {std::pair<int, int>{8, 8}, {16, 8}, {16, 4}, {16, 2}})
@@ -1316,7 +1244,7 @@ int main(int argc, char** argv) {
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
   } else {
-    std::fprintf(stderr, "usage: %s check|small|cluster|cluster_small|time|roofline [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check|small|time|roofline [reps]\n", argv[0]);
     return 2;
   }
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);

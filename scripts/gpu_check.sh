@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_cluster] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -352,74 +352,26 @@ for s in $stages; do
         done
       done;;
     decode_worklist)
-      # The work-list A/B build (-DMINIPAGED_DECODE_WORKLIST=1, decode/common.cuh): `check`, then
-      # memcheck of the uneven B=64 rows in `time` (work-list plans, and every config against
-      # the plan without it), then `time` with the uneven rows (each row's first config is the
-      # plan without the work list: the A/B is in one binary). Prebuilt as .gpubin/worklist
-      # (nvcc $selftest_flags -DMINIPAGED_DECODE_WORKLIST=1), else built here.
-      decode_selftest_bin decode_worklist_build worklist -DMINIPAGED_DECODE_WORKLIST=1
+      # Work-list decode (DecodeParams::worklist, decode/worklist.cuh) in the shipped selftest
+      # build: memcheck of the uneven B=64 rows in `time` (work-list plans, every config checked
+      # against the plan without it), then `time` of the grid with the uneven and wide-table rows
+      # (DECODE_TIME_SKEW=1), each row whose default plan is a work list timed first without it
+      # (variant bit 0x1000): the A/B is in one binary. `check` (its work-list cases included) is
+      # the decode_selftest stage's.
+      decode_selftest_bin decode_worklist_build decode_selftest
       export OMP_NUM_THREADS=16
-      STAGE_TIMEOUT_decode_worklist_check=${STAGE_TIMEOUT_decode_worklist_check:-120} \
-        run decode_worklist_check "$bin/worklist" check
-      # the configs: the work list with its runs floored at twice the mean length (0) and at the
-      # mean (8192 = 0x2000), each over batch x splits slots and over the compact grid (+16384 =
-      # 0x4000), each checked against the plan without it (inserted first)
-      export DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0,8192,16384,24576}
-      DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 \
+      DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 DECODE_TIME_VARIANTS=0 \
         STAGE_TIMEOUT_decode_worklist_memcheck=${STAGE_TIMEOUT_decode_worklist_memcheck:-150} \
-        run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/worklist" time 2
+        run decode_worklist_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/decode_selftest" time 2
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
         # (a computed name cannot prefix a command as an assignment: export it)
         export STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110}
-        DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
-          run decode_worklist_time$r "$bin/worklist" time ${DECODE_SELFTEST_REPS:-100}
+        DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0} \
+          run decode_worklist_time$r "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100}
       done
       # the rounds as one table (medians, ratios to each row's plan without the work list)
       logs=(); for r in ${DECODE_AB_ROUNDS:-1 2}; do logs+=("$WORK/logs/decode_worklist_time$r.log"); done
-      run decode_worklist_table python3 scripts/decode_time_table.py "${logs[@]}"
-      unset DECODE_TIME_VARIANTS;;
-    decode_cluster)
-      # The cluster-merge A/B build (-DMINIPAGED_DECODE_CLUSTER=1, decode/cluster_merge.cuh): its
-      # cases of `check` (mode `cluster`), those of `small` (mode `cluster_small`) under the three
-      # sanitizers, then `time` of the rows whose grid is one wave (B=1 4k / 32k, B=8 4k, 16-bit
-      # and fp8): the default plan, the cluster merge pulling the partials with the 8- and the
-      # 5-stage ring (0x8000, 0x18000), pushing them (0x28000, 0x38000), the same kernels and
-      # splits without clusters, merged in a second launch (0x48000, 0x58000: what the merge alone
-      # buys), the tensor-core kernel's cluster merge (16-bit caches; FP8 rows run the scalar one:
-      # pull with 4 and 3 stages 0x88000 / 0x98000, push 0xa8000, no clusters 0xc8000), and the
-      # default's split kernel without its merge (0x800), in DECODE_AB_ROUNDS.
-      # Prebuilt as .gpubin/cluster (nvcc $selftest_flags -DMINIPAGED_DECODE_CLUSTER=1), else built here.
-      decode_selftest_bin decode_cluster_build cluster -DMINIPAGED_DECODE_CLUSTER=1
-      export OMP_NUM_THREADS=16
-      STAGE_TIMEOUT_decode_cluster_check=${STAGE_TIMEOUT_decode_cluster_check:-120} \
-        run decode_cluster_check "$bin/cluster" cluster
-      for tool in ${DECODE_CLUSTER_SANITIZERS:-memcheck racecheck synccheck}; do
-        export STAGE_TIMEOUT_decode_cluster_$tool=${STAGE_TIMEOUT_decode_cluster_sanitize:-90}
-        run decode_cluster_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/cluster" cluster_small
-      done
-      cluster_variants=0,32768,98304,163840,229376,294912,360448  # the scalar kernel's
-      cluster_variants+=,557056,622592,688128,819200,2048            # the tensor-core kernel's, no merge
-      for r in ${DECODE_AB_ROUNDS:-1 2}; do
-        export STAGE_TIMEOUT_decode_cluster_time$r=${STAGE_TIMEOUT_decode_cluster_time:-90}
-        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-$cluster_variants} \
-          DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
-          run decode_cluster_time$r "$bin/cluster" time ${DECODE_SELFTEST_REPS:-100}
-      done
-      # the rounds as one table (medians, ratios to each row's default plan)
-      logs=(); for r in ${DECODE_AB_ROUNDS:-1 2}; do logs+=("$WORK/logs/decode_cluster_time$r.log"); done
-      run decode_cluster_table python3 scripts/decode_time_table.py "${logs[@]}"
-      # DECODE_CLUSTER_TRACE=1: one traced replay per row and variant (when the CTAs land their
-      # first / last tile, finish the loop, exit: exit - loop end is the merge's cost), from
-      # .gpubin/cluster_trace (nvcc $selftest_flags -DMINIPAGED_DECODE_TRACE=1
-      # -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1), else built here.
-      if [ -n "${DECODE_CLUSTER_TRACE:-}" ]; then
-        decode_selftest_bin decode_cluster_trace_build cluster_trace -DMINIPAGED_DECODE_TRACE=1 \
-          -DMINIPAGED_DECODE_BENCH_TILINGS=0 -DMINIPAGED_DECODE_CLUSTER=1
-        DECODE_TIME_VARIANTS=${DECODE_CLUSTER_VARIANTS:-0,32768,98304,163840,229376,557056,622592,688128} \
-          DECODE_TIME_SHAPES=${DECODE_CLUSTER_SHAPES:-1004096,1032768,8004096} \
-          STAGE_TIMEOUT_decode_cluster_trace=${STAGE_TIMEOUT_decode_cluster_trace:-90} \
-          run decode_cluster_trace "$bin/cluster_trace" time 50
-      fi;;
+      run decode_worklist_table python3 scripts/decode_time_table.py "${logs[@]}";;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
       # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the

@@ -74,27 +74,13 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 
 
 @needs_nvcc
-def test_decode_ab_builds_compile_without_spills(tmp_path):
-    # The A/B builds MINIPAGED_DECODE_WORKLIST=1 (decode work lists) and MINIPAGED_DECODE_CLUSTER=1
-    # (the cluster merge), both off by default, so the fixture above never compiles them; one
-    # compile takes both: every decode kernel and merge must build and spill nothing, and the
-    # cluster build has its sixteen scalar kernels (two q dtypes x two caches x two ring depths x
-    # pull / push) and eight tensor-core ones (16-bit caches).
-    rc, log = build.compile_standalone(CSRC / "decode/launch.cu", ("90a",), tmp_path,
-                                       EXTRA_FLAGS + ["-DMINIPAGED_DECODE_WORKLIST=1", "-DMINIPAGED_DECODE_CLUSTER=1"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_worklist_planner_compiled(compiled, arch):
+    # The work list's one-CTA plan kernel (decode/worklist.cuh) ships in every decode build.
+    rc, log = compiled["decode/launch.cu"]
     assert rc == 0, log[-4000:]
-    kernels = [k for k in build.parse_ptxas(log) if "decode" in k["kernel"]]
-    assert len(kernels) > 20, log[-2000:]
-    for k in kernels:
-        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
-    # paged_decode_kernel<..., PQ = false, CLUSTER = 1 (pull) or 2 (push)>
-    cluster = {k["kernel"] for k in kernels if "paged_decode_kernel" in k["kernel"]
-               and ("ELb0ELi1EEEv" in k["kernel"] or "ELb0ELi2EEEv" in k["kernel"])}
-    assert len(cluster) == 16, sorted(cluster)
-    # paged_decode_mma_kernel<..., RB = 1, CLUSTER = 1 / 2>: two q dtypes x two ring depths x pull / push
-    cluster_mma = {k["kernel"] for k in kernels if "paged_decode_mma_kernel" in k["kernel"]
-                   and ("ELi1ELi1EEEv" in k["kernel"] or "ELi1ELi2EEEv" in k["kernel"])}
-    assert len(cluster_mma) == 8, sorted(cluster_mma)
+    names = [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+    assert sum("decode_worklist_plan_kernel" in n for n in names) == 1, names
 
 
 @needs_nvcc
@@ -291,24 +277,27 @@ def test_paged_min_seqlen_q_bounds_every_q_len(tmp_path):
 
 # The decode split workspace with short query runs (params.h): decode_workspace_floats and
 # decode_set_workspace against the layout the kernels index, partial row
-# ((b * max_seqlen_q + i) * Hq + head) * num_splits + split of partial_o [.., D] then partial_lse.
+# ((b * max_seqlen_q + i) * Hq + head) * num_splits + split of partial_o [.., D] then partial_lse;
+# with a work list (wl = 1: batch x splits slots), its plan after them from a 16-byte boundary.
 _WORKSPACE_PROBE = r"""
 #include <cstdio>
 #include "params.h"
 int main() {
-  int batch, hq, hkv, d, splits, max_q;
-  while (std::scanf("%d %d %d %d %d %d", &batch, &hq, &hkv, &d, &splits, &max_q) == 6) {
+  int batch, hq, hkv, d, splits, max_q, wl;
+  while (std::scanf("%d %d %d %d %d %d %d", &batch, &hq, &hkv, &d, &splits, &max_q, &wl) == 7) {
     minipaged::PrefillParams p{};
     p.batch = batch, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = d, p.causal = true;
     minipaged::DecodeParams dp = max_q >= 2 ? minipaged::paged_spec_decode_params(p, 9, max_q)
                                             : minipaged::paged_decode_params(p, 9);
     dp.num_splits = splits;
+    dp.worklist = wl ? batch * splits : 0;
     float* base = reinterpret_cast<float*>(4096);
     minipaged::decode_set_workspace(dp, base);
-    std::printf("%d %lld %lld %lld %d\n", minipaged::decode_query_rows(dp),
+    const long long plan = dp.worklist_plan ? reinterpret_cast<float*>(dp.worklist_plan) - base : -1;
+    std::printf("%d %lld %lld %lld %d %lld\n", minipaged::decode_query_rows(dp),
                 static_cast<long long>(minipaged::decode_workspace_floats(dp)),
                 static_cast<long long>(dp.partial_o - base), static_cast<long long>(dp.partial_lse - base),
-                dp.max_seqlen_q == (max_q >= 2 ? max_q : 0) && dp.causal == (max_q >= 2));
+                dp.max_seqlen_q == (max_q >= 2 ? max_q : 0) && dp.causal == (max_q >= 2), plan);
   }
   return 0;
 }
@@ -318,18 +307,24 @@ int main() {
 @needs_nvcc
 def test_decode_workspace_layout_with_short_runs(tmp_path):
     exe = _build_probe(tmp_path, "workspace", _WORKSPACE_PROBE, NVCC)
-    rows = [(b, hq, hkv, d, s, q) for b in (1, 3, 64) for hq, hkv in ((16, 8), (32, 4), (8, 8)) for d in (64, 128)
-            for s in (1, 2, 33, 256) for q in (0, 1, 2, 5, 16)]
+    rows = [(b, hq, hkv, d, s, q, wl) for b in (1, 3, 64) for hq, hkv in ((16, 8), (32, 4), (8, 8)) for d in (64, 128)
+            for s in (1, 2, 33, 256) for q in (0, 1, 2, 5, 16) for wl in (0, 1) if not wl or (q == 0 and s >= 3)]
     out = _run_probe(exe, rows)
     assert len(out) == len(rows)
-    for (b, hq, hkv, d, s, q), line in zip(rows, out):
-        q_rows, floats, o_off, lse_off, fields_ok = map(int, line.split())
+    for (b, hq, hkv, d, s, q, wl), line in zip(rows, out):
+        q_rows, floats, o_off, lse_off, fields_ok, plan = map(int, line.split())
         assert fields_ok == 1, (b, hq, q)
         want_rows = q if q >= 2 else 1
         partial_rows = b * want_rows * hq * s  # one per (sequence, query, head, split)
         assert q_rows == want_rows
-        assert floats == (0 if s == 1 else partial_rows * (d + 1)), (b, hq, d, s, q, floats)
         assert o_off == 0 and lse_off == partial_rows * d, (b, hq, d, s, q, lse_off)
+        partials = 0 if s == 1 else partial_rows * (d + 1)
+        if not wl:
+            assert floats == partials and plan == -1, (b, hq, d, s, q, floats)
+            continue
+        # an int4 per slot (b x s of them) and an int2 per sequence, 16-byte aligned past the partials
+        assert plan >= partials and plan % 4 == 0 and plan - partials < 4, (b, hq, d, s, plan)
+        assert floats == plan + 4 * b * s + 2 * b, (b, hq, d, s, floats)
 
 
 # Which speculative batches the tensor-core decode kernel takes (prefill/dispatch.cuh
@@ -427,15 +422,14 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
 
 # Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_count; DecodeParams::
 # worklist), as plain C++: one line per batch on stdin ("B slots capacity align min_tokens kind
-# seed variant"), the plan's run and each sequence's split count out.
+# seed"), the plan's run and each sequence's split count out.
 _WORKLIST_PROBE = r"""
 #include <cstdio>
 #include <vector>
 #include "decode/splits.h"
 int main() {
-  long long B, W, cap, align, min_tokens, kind, seed, variant;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &B, &W, &cap, &align, &min_tokens, &kind, &seed,
-                    &variant) == 8) {
+  long long B, W, cap, align, min_tokens, kind, seed;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &B, &W, &cap, &align, &min_tokens, &kind, &seed) == 7) {
     std::vector<int> ctx(B);
     unsigned long long x = seed * 6364136223846793005ull + 1442695040888963407ull;
     for (long long b = 0; b < B; ++b) {
@@ -453,7 +447,6 @@ int main() {
     p.split_min_tokens = static_cast<int>(min_tokens);
     p.split_align = static_cast<int>(align);
     p.worklist = static_cast<int>(W);
-    p.variant = static_cast<int>(variant);
     long long total = 0;
     for (int c : ctx) total += c;
     const long long t = minipaged::decode_worklist_run(p, total, 256);
@@ -467,24 +460,24 @@ int main() {
 
 @needs_nvcc
 def test_decode_worklist_plan(tmp_path):
-    # The work-list plan (an A/B build, MINIPAGED_DECODE_WORKLIST) must fit the grid's slots,
-    # cover every context in whole runs of the kernel's tile with no empty split and no split
-    # past the table, never need more than one merge's 256 splits, never cut a batch of equal
-    # lengths further than the per-sequence rule (n = ceil(ctx / min_tokens)), and give a long
-    # sequence among short ones the short ones' idle slots; with the run's floor at twice the
-    # mean length (the default) and at the mean (variant bit 0x2000), over B x S slots (the
-    # default grid) and over B + w slots (the compact grid of variant bit 0x4000, w a wave).
+    # The work-list plan (DecodeParams::worklist, written by decode/worklist.cuh's one-CTA kernel)
+    # must fit the grid's slots, cover every context in whole runs of the kernel's tile with no
+    # empty split and no split past the table, never need more than one merge's 256 splits,
+    # never cut a batch of equal lengths further than the per-sequence rule (n = ceil(ctx /
+    # min_tokens)), and give a long sequence among short ones the short ones' idle slots; over
+    # B x S slots (the grid decode_plan launches) and over B + w slots (w a wave: the bound
+    # total / (slots - B) at its tightest).
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
     grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
-    rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed, variant)
+    rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed)
             for b in (1, 2, 17, 64, 97, 256) for s, w in grids
             for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
                                    (1023, 64, 8192), (262144, 128, 8192))
-            for kind in range(5) for seed in (1, 2) for variant in (0, 0x2000)]
+            for kind in range(5) for seed in (1, 2)]
     out = _run_probe(exe, rows)
     assert len(out) == len(rows)
     one_long = {}
-    for (b, slots, cap, align, mt, kind, seed, variant), line in zip(rows, out):
+    for (b, slots, cap, align, mt, kind, seed), line in zip(rows, out):
         fields = line.split()
         t = int(fields[0])
         plan = [tuple(map(int, f.split(":"))) for f in fields[1:]]
@@ -501,11 +494,10 @@ def test_decode_worklist_plan(tmp_path):
         if kind == 1 and b == 64 and slots in (256, 64 + 66) and cap == 32768:
             long_n, short_n = plan[-1][1], plan[0][1]
             assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
-            one_long[variant, slots, seed] = long_n
-    # the bench's one-long row (63 x 1k + one 32k), over 64 x 4 slots or the compact 64 + 66 (an
-    # H200's wave of 4 CTAs per SM over 8 KV heads): runs of 3k (twice the 1.5k mean) or 1.5k
-    assert one_long == {(v, w, seed): 11 if v == 0 else 22 for v in (0, 0x2000) for w in (256, 130)
-                        for seed in (1, 2)}, one_long
+            one_long[slots, seed] = long_n
+    # the bench's one-long row (63 x 1k + one 32k), over 64 x 4 slots or 64 + 66: runs of the
+    # 1.5k mean length (a floor of twice the mean, 3k runs and 11 splits, measured slower)
+    assert one_long == {(w, seed): 22 for w in (256, 130) for seed in (1, 2)}, one_long
 
 
 @needs_nvcc

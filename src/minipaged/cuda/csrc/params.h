@@ -167,14 +167,18 @@ struct DecodeParams {
   int split_min_tokens;
   int split_align;
   int split_guess_ctx;  // from ctx > split_guess_ctx on, a sequence's splits are the guess's
-  // > 0 (decode_plan, plain decode over more than half a wave of CTAs; builds with
-  // MINIPAGED_DECODE_WORKLIST only): the grid's y is `worklist` work slots per KV head chunk
-  // (batch * num_splits of them), not (batch, split). Every CTA derives the same plan from
-  // context_lens: runs of t >= ceil(total / (worklist - batch)) tokens (decode_worklist_run has
-  // the other bounds), sequence b takes n_b = ceil(ctx_b / t) slots, consecutive in b order, so
-  // sum n_b <= worklist. The idle CTAs of short sequences thus split
-  // the long ones. Partials are [Hq, worklist] rows (head h, slot) instead of [B, Hq, splits].
+  // > 0 (decode_plan: plain decode over more than half a wave of CTAs, 3+ splits per sequence):
+  // the grid's y is `worklist` work slots per KV head chunk (batch * num_splits of them), not
+  // (batch, split). A first one-CTA kernel (decode/worklist.cuh) derives the plan from
+  // context_lens into worklist_plan: runs of t >= ceil(total / (worklist - batch)) tokens
+  // (decode_worklist_run has the other bounds), sequence b takes n_b = ceil(ctx_b / t) slots,
+  // consecutive in b order, so sum n_b <= worklist. The idle CTAs of short sequences thus
+  // split the long ones. Partials are [Hq, worklist] rows (head h, slot) instead of
+  // [B, Hq, splits].
   int worklist;
+  // The plan (worklist > 0): int4 per slot, then int2 per sequence, after the partials in the
+  // split workspace (decode_set_workspace).
+  int32_t* worklist_plan;
   float scale;         // softmax scale, not yet multiplied by log2(e)
   DType dtype;
   int num_sms;
@@ -224,10 +228,6 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
-  // The kernel's splits are one thread-block cluster per (sequence, KV head, head chunk), of
-  // num_splits CTAs, which merge through distributed shared memory (decode/cluster_merge.cuh,
-  // builds with MINIPAGED_DECODE_CLUSTER): no workspace, `reduce` is not launched.
-  bool cluster = false;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and
@@ -311,17 +311,28 @@ inline DecodeParams paged_decode_params(const PrefillParams& p, int cc_major) {
 // Query rows per sequence in a decode call's split workspace and reduction grid.
 inline int decode_query_rows(const DecodeParams& d) { return d.max_seqlen_q >= 2 ? d.max_seqlen_q : 1; }
 
-// Floats of split workspace (partial_o then partial_lse) a planned decode needs; 0 without splits.
-inline int64_t decode_workspace_floats(const DecodeParams& d) {
+// Floats of the partials (partial_o then partial_lse) of a planned decode; 0 without splits.
+inline int64_t decode_partial_floats(const DecodeParams& d) {
   if (d.num_splits <= 1) return 0;
   return static_cast<int64_t>(d.batch) * decode_query_rows(d) * d.num_q_heads * d.num_splits * (d.head_dim + 1);
 }
 
-// Points d's partial_o / partial_lse into `workspace` (decode_workspace_floats(d) floats).
+// 4-byte words of split workspace a planned decode needs (the partials, then a work list's
+// plan: 4 per slot and 2 per sequence, from a 16-byte boundary); 0 without splits.
+inline int64_t decode_workspace_floats(const DecodeParams& d) {
+  const int64_t partials = decode_partial_floats(d);
+  if (d.worklist <= 0 || partials == 0) return partials;
+  return (partials + 3) / 4 * 4 + 4 * static_cast<int64_t>(d.worklist) + 2 * static_cast<int64_t>(d.batch);
+}
+
+// Points d's partial_o / partial_lse (and worklist_plan) into `workspace`, 16-byte aligned,
+// of decode_workspace_floats(d) words.
 inline void decode_set_workspace(DecodeParams& d, float* workspace) {
   d.partial_o = workspace;
   d.partial_lse = workspace + static_cast<int64_t>(d.batch) * decode_query_rows(d) * d.num_q_heads * d.num_splits *
                                   d.head_dim;
+  d.worklist_plan = d.worklist > 0 ? reinterpret_cast<int32_t*>(workspace + (decode_partial_floats(d) + 3) / 4 * 4)
+                                   : nullptr;
 }
 
 // The decode parameters of the short runs (q_len 2..max_seqlen_q) of paged p, for the

@@ -8,16 +8,11 @@
 #include <cuda_runtime.h>
 
 #include "decode/splits.h"
+#include "decode/worklist.cuh"
 #include "params.h"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/mma.cuh"
-
-// 1 (A/B builds of decode_selftest, not yet run on a GPU): work-list splits for grids over half
-// a wave (DecodeParams::worklist). 0: every build that ships.
-#ifndef MINIPAGED_DECODE_WORKLIST
-#define MINIPAGED_DECODE_WORKLIST 0
-#endif
 
 namespace minipaged {
 
@@ -164,84 +159,14 @@ __device__ __forceinline__ void decode_slice_range(const DecodeParams& p, Decode
   }
 }
 
-#if MINIPAGED_DECODE_WORKLIST
-// Sequences per thread in decode_worklist_find: the host takes work lists only up to
-// kWorklistMaxBatch sequences, and every caller has at least 128 threads.
-constexpr int kWorklistPerThread = 2;
-constexpr int kWorklistMaxBatch = kWorklistPerThread * 128;
-constexpr int kWorklistMaxSplits = 256;  // splits one merge takes (decode/reduce.cuh: kMaxSplits)
-struct WorklistEntry {
-  int b;      // -1: the slot is past every sequence's splits
-  int split;  // of sequence b
-  int count;  // n_b
-  int first;  // slot of split 0 of sequence b
-  int ctx;    // context length of b, clamped to the table
-  int run;    // tokens per split (every sequence's)
-};
-// The plan of DecodeParams::worklist, derived by every CTA from context_lens alone, so that all
-// CTAs of a grid (and of its merge) agree. Block-cooperative: every thread of the CTA calls it
-// (blockDim.x a multiple of 32, at least batch / kWorklistPerThread). by_slot: the entry of work
-// slot `key`; else the entry of split 0 of sequence `key`.
-__device__ __forceinline__ WorklistEntry decode_worklist_find(const DecodeParams& p, int key, bool by_slot,
-                                                           int max_splits) {
-  __shared__ long long sm_sum[32];
-  __shared__ int sm_scan[32];
-  __shared__ WorklistEntry sm_hit;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
-  const int capacity = p.max_blocks * p.block_size;
-  if (tid == 0) sm_hit = {-1, 1, 1, 0, 0, 1};
-  int ctx[kWorklistPerThread];
-  long long mine = 0;
-#pragma unroll
-  for (int i = 0; i < kWorklistPerThread; ++i) {
-    const int b = tid * kWorklistPerThread + i;
-    ctx[i] = b < p.batch ? max(0, min(p.context_lens[b], capacity)) : 0;
-    mine += ctx[i];
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, off);
-  if (lane == 0) sm_sum[warp] = mine;
-  __syncthreads();
-  long long total = 0;
-  for (int w = 0; w < num_warps; ++w) total += sm_sum[w];
-  const int64_t run = decode_worklist_run(p, total, max_splits);
-  int n[kWorklistPerThread];
-  int cnt = 0;
-#pragma unroll
-  for (int i = 0; i < kWorklistPerThread; ++i) {
-    const int b = tid * kWorklistPerThread + i;
-    n[i] = b < p.batch ? decode_worklist_count(ctx[i], run) : 0;
-    cnt += n[i];
-  }
-  int incl = cnt;  // inclusive scan over the warp's lanes
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += v;
-  }
-  if (lane == 31) sm_scan[warp] = incl;
-  __syncthreads();
-  int first = incl - cnt;
-  for (int w = 0; w < warp; ++w) first += sm_scan[w];
-#pragma unroll
-  for (int i = 0; i < kWorklistPerThread; ++i) {
-    const int b = tid * kWorklistPerThread + i;
-    const bool hit = by_slot ? (n[i] > 0 && key >= first && key < first + n[i]) : (b < p.batch && b == key);
-    if (hit) sm_hit = {b, by_slot ? key - first : 0, n[i], first, ctx[i], static_cast<int>(run)};
-    first += n[i];
-  }
-  __syncthreads();
-  return sm_hit;
-}
-#endif
 
 template <bool PQ = false, bool MQ = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
   DecodeSlice s = decode_slice_head<PQ, MQ>(p, heads_per_cta);
-#if MINIPAGED_DECODE_WORKLIST
   if constexpr (!PQ && !MQ) {
     if (p.worklist > 0) {  // grid (Hkv x head chunks, worklist): blockIdx.y is the work slot
-      const WorklistEntry e = decode_worklist_find(p, blockIdx.y, true, kWorklistMaxSplits);
+      griddep_wait();  // decode_worklist_plan_kernel has written the plan
+      const WorklistEntry e = decode_worklist_slot(p, blockIdx.y);
       // a slot past every split: split 1 of 1, which decode_split_unused turns away
       s.b = e.b < 0 ? 0 : e.b;
       s.row = s.b;
@@ -252,7 +177,6 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
       return s;
     }
   }
-#endif
   decode_slice_range<PQ, MQ>(p, s);
   return s;
 }
@@ -261,9 +185,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
 // split_row as decode_out_row gives it.
 __device__ __forceinline__ int64_t decode_partial_row(const DecodeParams& p, const DecodeSlice& s, int head,
                                                       int64_t split_row) {
-#if MINIPAGED_DECODE_WORKLIST
   if (p.worklist > 0) return static_cast<int64_t>(head) * p.worklist + s.part0 + s.split;
-#endif
   return split_row * p.num_splits + s.split;
 }
 

@@ -28,12 +28,6 @@
 #ifndef MINIPAGED_DECODE_BENCH_TILINGS
 #define MINIPAGED_DECODE_BENCH_TILINGS 1
 #endif
-// 1 (A/B builds of decode_selftest, not yet run on a GPU): the one-launch cluster merge of
-// decode/cluster_merge.cuh for one-wave grids, behind the variant bits kVariantCluster*.
-// 0: every build that ships (no such kernel is compiled).
-#ifndef MINIPAGED_DECODE_CLUSTER
-#define MINIPAGED_DECODE_CLUSTER 0
-#endif
 
 namespace minipaged {
 namespace {
@@ -81,43 +75,19 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
-#if MINIPAGED_DECODE_WORKLIST
-// Bit 0x1000 (builds with MINIPAGED_DECODE_WORKLIST): plan without the work list, as the
-// shipped builds do, for an A/B in one binary.
+// Bit 0x1000 (benchmarking): plan without the work list where the default takes it, for an
+// A/B in one binary.
 constexpr int kVariantNoWorklist = 0x1000;
-// Bit 0x4000 (the same builds): a compact work list, the batch plus one wave of resident CTAs
-// per (KV head, head chunk) instead of batch x splits slots, so that fewer CTAs only derive
-// the plan and return (decode/splits.h has bit 0x2000, the runs' floor).
-constexpr int kVariantWorklistCompact = 0x4000;
-#endif
-#if MINIPAGED_DECODE_CLUSTER
-// Bit 0x8000 (builds with MINIPAGED_DECODE_CLUSTER): G = 2, D = 128 plain decode whose grid is
-// one wave (small batches) as clusters of up to 16 splits merging through distributed shared
-// memory (select_cluster; decode/cluster_merge.cuh), a 16 KB-per-stage cp.async ring 8 stages
-// deep (1 CTA per SM, so a cluster's CTAs land on distinct SMs), the partials pulled after a
-// release / acquire cluster barrier. With 0x10000 too: 5 stages (2 CTAs per SM). With 0x20000
-// too: the partials pushed with st.async onto the merging rank's mbarrier (no MEMBAR). With
-// 0x40000 too (the ablation's other half): the same kernel, ring and splits, without clusters,
-// merged by the two-launch reduction. With 0x80000 too, on 16-bit caches: the tensor-core
-// kernel (decode/mma.cuh, 16 tokens per warp per tile) instead of the scalar one, with 4 ring
-// stages (1 CTA per SM; with 0x10000: 3, the default's, 2 CTAs per SM).
-constexpr int kVariantCluster = 0x8000;
-constexpr int kVariantClusterShallow = 0x10000;
-constexpr int kVariantClusterPush = 0x20000;
-constexpr int kVariantClusterOff = 0x40000;
-constexpr int kVariantClusterMma = 0x80000;
-#endif
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, int CLUSTER = 0>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
-  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ, CLUSTER>;
-  k.cluster = CLUSTER != 0;
+  k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
@@ -138,11 +108,10 @@ DecodePlan info_f(bool fused) {
 // tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q), RB row blocks
 // of 16 (query, head) rows.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1, int CLUSTER = 0>
+          bool MQ = false, int RB = 1>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, CLUSTER>;
-  k.cluster = CLUSTER != 0;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB>;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
   k.group_tile = RB * decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps / RB * WT;
@@ -335,40 +304,6 @@ DecodePlan select_packed(const DecodeParams& p) {
   }
 }
 
-#if MINIPAGED_DECODE_CLUSTER
-// The cluster-merge kernels (kVariantCluster): the scalar kernel with a row over 8 threads and
-// 16 KB ring stages (16-bit: 2 token groups per warp; FP8: 4, a piece holding twice the tokens),
-// or (kVariantClusterMma, 16-bit) the tensor-core kernel with 32 KB stages.
-template <typename T, int CLUSTER>
-DecodePlan cluster_ring(const DecodeParams& p) {
-  const bool shallow = p.variant & kVariantClusterShallow;
-  if ((p.variant & kVariantClusterMma) && !p.kv_fp8)
-    return shallow ? info_mma<T, 128, 3, false, false, false, 16, false, 1, CLUSTER>()
-                   : info_mma<T, 128, 4, false, false, false, 16, false, 1, CLUSTER>();
-  if (p.kv_fp8)
-    return shallow ? info<T, 128, 2, 8, 4, false, 5, true, false, 0, 0, false, CLUSTER>()
-                   : info<T, 128, 2, 8, 4, false, 8, true, false, 0, 0, false, CLUSTER>();
-  return shallow ? info<T, 128, 2, 8, 2, false, 5, false, false, 0, 0, false, CLUSTER>()
-                 : info<T, 128, 2, 8, 2, false, 8, false, false, 0, 0, false, CLUSTER>();
-}
-template <typename T>
-DecodePlan cluster_for(const DecodeParams& p) {
-  if (p.variant & kVariantClusterOff) return cluster_ring<T, 0>(p);
-  return p.variant & kVariantClusterPush ? cluster_ring<T, kClusterPush>(p) : cluster_ring<T, kClusterPull>(p);
-}
-// The cluster-merge kernel for p when the variant asks for it and p is a plain decode of
-// G = 2 at D = 128 on sm_90+, else {}.
-DecodePlan select_cluster(const DecodeParams& p) {
-  if (!(p.variant & kVariantCluster) || p.cc_major < 9 || p.cu_seqlens_q != nullptr || p.max_seqlen_q >= 2) return {};
-  if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
-  if (p.kv_fp8 && (p.k_scale == nullptr || p.v_scale == nullptr)) return {};
-  switch (p.dtype) {
-    case DType::kFloat16: return cluster_for<__half>(p);
-    case DType::kBFloat16: return cluster_for<__nv_bfloat16>(p);
-  }
-  return {};
-}
-#endif
 
 // The tensor-core alternative to the scalar kernel for G = 2 at D = 128 with the
 // default tiling (a packed-query call: always), both cache dtypes; {} elsewhere.
@@ -502,43 +437,6 @@ int blocks_per_sm(const DecodePlan& k) {
   });
 }
 
-#if MINIPAGED_DECODE_CLUSTER
-// The launch of kernel k over `grid` in clusters of `size` CTAs along z (the splits of one
-// (sequence, KV head, head chunk)); `attr` holds the cluster shape the config points at.
-cudaLaunchConfig_t cluster_launch_config(const DecodePlan& k, dim3 grid, unsigned size, cudaStream_t stream,
-                                         cudaLaunchAttribute& attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = k.smem_bytes;
-  cfg.stream = stream;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = size;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-// Clusters of `size` CTAs of kernel k that can be resident at once on the current device
-// (cached_per_device; 0: none, or the query failed). Sizes over 8 are non-portable: the first
-// query of such a size allows them for the kernel.
-int max_active_clusters(const DecodePlan& k, int size) {
-  return cached_per_device(k.kernel, size, [&] {
-    if (size > 8 && cudaFuncSetAttribute(k.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-      cudaGetLastError();
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch_config(k, dim3(1, 1, size), size, nullptr, attr);
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, k.kernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      n = 0;
-    }
-    return n;
-  });
-}
-#endif
 
 // CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group (short query runs:
 // one, launch_decode checks that their rows fit).
@@ -582,57 +480,16 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
   decode_split_runs(p, capacity, splits, min_tokens, iter);
   p.worklist = 0;
-#if MINIPAGED_DECODE_WORKLIST
   // Plain decode over more than half a wave, 3+ splits per sequence: the same grid as a work
   // list, so that the splits short sequences leave idle go to the long ones.
   if (requested_splits <= 0 && k.kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
       p.max_seqlen_q < 2 && !(p.variant & kVariantNoWorklist) && p.num_splits >= 3 &&
-      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
+      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535)
     p.worklist = p.batch * p.num_splits;
-    if (p.variant & kVariantWorklistCompact) {
-      const int64_t wave = std::max<int64_t>(1, slots / std::max<int64_t>(1, p.num_kv_heads * gchunks));
-      p.worklist = static_cast<int>(std::min<int64_t>(p.worklist, p.batch + wave));
-    }
-  }
-#endif
 }
-#if MINIPAGED_DECODE_CLUSTER
-// plan_splits for the cluster kernel k (G = 2: one head chunk): the splits of every sequence are
-// one cluster of num_splits (2..kMaxClusterSplits) CTAs. Unforced, a one-wave grid only: as
-// many splits as the resident slots give each (sequence, KV head), and no more than let every
-// cluster of the grid be resident at once; forced, exactly requested_splits. False when no
-// such plan exists (p unchanged): the caller plans without clusters.
-bool plan_cluster(DecodeParams& p, const DecodePlan& k, int requested_splits) {
-  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads;
-  if (capacity == 0 || ctas <= 0) return false;
-  const int64_t iter = std::max(k.tokens_per_iter, 1);
-  const int64_t slots = static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
-  const int64_t min_tokens =
-      requested_splits > 0 ? iter : (kMinTokensPerSplit + iter - 1) / iter * iter;
-  const int64_t want =
-      requested_splits > 0 ? requested_splits : std::min<int64_t>(slots / ctas, capacity / kMinTokensPerSplit);
-  for (int64_t c = std::min<int64_t>(want, kMaxClusterSplits); c >= 2; --c) {
-    DecodeParams t = p;
-    decode_split_runs(t, capacity, c, min_tokens, iter);
-    if (requested_splits > 0 && t.num_splits != requested_splits) return false;
-    if (t.num_splits < 2) continue;
-    const int fit = max_active_clusters(k, t.num_splits);
-    if (fit <= 0 || (requested_splits <= 0 && fit < ctas)) continue;
-    t.worklist = 0;
-    p = t;
-    return true;
-  }
-  return false;
-}
-#endif
 }  // namespace
 
 DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
-#if MINIPAGED_DECODE_CLUSTER
-  if (const DecodePlan kc = select_cluster(p); kc.kernel != nullptr && plan_cluster(p, kc, requested_splits))
-    return kc;
-#endif
   const DecodePlan tc = p.max_seqlen_q >= 2 ? DecodePlan{} : tensor_core_g2(p);
   if (tc.kernel != nullptr) {
     DecodeParams t = p;
@@ -663,7 +520,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return cudaErrorInvalidValue;
-  if (p.num_splits < 1 || (p.num_splits > 1 && !k.cluster && (!p.partial_o || !p.partial_lse)))
+  if (p.num_splits < 1 || (p.num_splits > 1 && (!p.partial_o || !p.partial_lse)))
     return cudaErrorInvalidValue;
   // A fused split kernel counts arrivals: without counters it cannot merge.
   if (k.fused && p.num_splits > 1 && p.split_counters == nullptr) return cudaErrorInvalidValue;
@@ -676,19 +533,35 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  // (a work list: p.worklist slots of (sequence, split), decode_worklist_find)
+  // (a work list: p.worklist slots of (sequence, split), decode/worklist.cuh)
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,
                   p.worklist > 0 ? 1 : p.num_splits);
-#if MINIPAGED_DECODE_CLUSTER
-  if (k.cluster && p.num_splits > 1) {  // one cluster per (sequence, KV head, head chunk): its splits
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch_config(k, grid, static_cast<unsigned>(p.num_splits), stream, attr);
-    return cudaLaunchKernelEx(&cfg, k.kernel, p);
+  cudaError_t err;
+  if (p.worklist > 0) {
+    // The plan first, then the split kernel behind it (programmatic dependent launch): its CTAs
+    // are resident by the time the plan lands and wait for it in decode_slice.
+    if (p.worklist_plan == nullptr || p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
+      return cudaErrorInvalidValue;
+    decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kWarps * 32);
+    cfg.dynamicSmemBytes = static_cast<size_t>(k.smem_bytes);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    if (p.cc_major >= 9) {
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    err = cudaLaunchKernelEx(&cfg, k.kernel, p);
+  } else {
+    k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
+    err = cudaGetLastError();
   }
-#endif
-  k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.num_splits == 1 || k.fused || k.cluster || (p.variant & kVariantNoReduce)) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // Programmatic dependent launch (sm_90+): the reduction's CTAs are set up
   // while the split kernel drains instead of after it; griddepcontrol.wait in
   // the reduction keeps the ordering. Captured into CUDA graphs as a

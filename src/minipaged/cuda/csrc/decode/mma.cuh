@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "decode/cluster_merge.cuh"
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "decode/trace.cuh"
@@ -161,12 +160,8 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // RB = 2 (MQ only): 32 rows, two MMA row blocks. Warp w computes row block w % 2 over token
 // slice w / 2 of each tile, so every K/V tile is read from shared memory by two warps and a
 // warp's registers hold one row block, as in a decode (two blocks per warp would spill).
-// CLUSTER (A/B builds, DecodePlan::cluster; 0: none; 16-bit plain decode only): the splits of a
-// (sequence, KV head) are one thread-block cluster merging through distributed shared memory
-// (decode/cluster_merge.cuh), as in the scalar kernel; a split past its sequence's splits
-// runs an empty range instead of returning.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1, int CLUSTER = 0>
+          bool MQ = false, int RB = 1>
 __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : (MQ ? kMqMinBlocks : 0))
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
@@ -198,12 +193,9 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   decode_trace(kTrSm);
 
   static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
-  static_assert(CLUSTER == 0 || (!PQ && !MQ && !FUSED && !FP8), "the cluster merge: 16-bit plain decode");
   const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
-  // A split past its sequence's splits returns before it requests anything (CTA-uniform); in a
-  // cluster it stays for the merge's barriers (n_tiles = 0).
-  if (CLUSTER == 0 && decode_split_unused(slice)) return;
-  if constexpr (CLUSTER == kClusterPush) cluster_push_begin<kRows, D>(slice.ng);
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (decode_split_unused(slice)) return;
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
 
@@ -539,10 +531,6 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
                                                                            IdentityDim{});
     }
-  } else if constexpr (CLUSTER == kClusterPull) {
-    cluster_pull_merge_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
-  } else if constexpr (CLUSTER == kClusterPush) {
-    cluster_push_merge_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
   } else if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
   } else {

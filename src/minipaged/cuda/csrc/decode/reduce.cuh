@@ -23,9 +23,7 @@ constexpr int kMaxSplits = 256;
 // combined in a fixed order, so the result is deterministic.
 constexpr int kReduceThreads = 256;
 static_assert(kMaxSplits <= kReduceThreads, "one log-sum-exp per thread");
-#if MINIPAGED_DECODE_WORKLIST
 static_assert(kWorklistMaxSplits == kMaxSplits, "a work list's splits fit one merge");
-#endif
 // Split rows per reduction thread loaded before the weights are known: all of
 // them up to 4 * ROWS splits (32 at D = 128, 64 at D = 64).
 constexpr int kPrefetch = 4;
@@ -72,23 +70,21 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   }
   // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
   const int capacity = p.max_blocks * p.block_size;
-#if MINIPAGED_DECODE_WORKLIST
   // partial rows of this sequence: head h, split s at row0_of_head0 + h * head_stride + s
   int S;
   int64_t row0_of_head0, head_stride;
   if (!PQ && !MQ && p.worklist > 0) {
-    const WorklistEntry e = decode_worklist_find(p, seq, false, kWorklistMaxSplits);
-    S = e.count;
-    row0_of_head0 = e.first;
+    // The plan's grid finished before the split kernel could: after this wait it is visible.
+    griddep_wait();
+    const int2 e = decode_worklist_seq(p, seq);
+    S = e.x;
+    row0_of_head0 = e.y;
     head_stride = p.worklist;
   } else {
     S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
     row0_of_head0 = static_cast<int64_t>(blockIdx.y) * p.num_q_heads * p.num_splits;
     head_stride = p.num_splits;
   }
-#else
-  const int S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
-#endif
   if (S == 1) return;
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
@@ -101,11 +97,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-#if MINIPAGED_DECODE_WORKLIST
   const int64_t row0 = row0_of_head0 + h * head_stride;
-#else
-  const int64_t row0 = (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
-#endif
 
   // The first kPrefetch split rows of this thread's chain are requested together
   // with the log-sum-exps: one round trip to L2 instead of two before the sums
@@ -219,15 +211,10 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   if (!sm_last) return;
 
   const int ng = slice.ng;
-#if MINIPAGED_DECODE_WORKLIST
   // partial rows from one head row to the next; a work list's are [Hq, worklist]
   const int64_t stride = p.worklist > 0 ? p.worklist : p.num_splits;
   const int64_t row_base = p.worklist > 0 ? slice.h0 * stride + slice.part0
                                           : (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
-#else
-  const int stride = p.num_splits;  // partial rows per head row in the workspace
-  const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
-#endif
   const int lane = tid & 31, warp = tid >> 5;
 
   // Weights, one warp per head row: lane j holds splits j, 32 + j, ...

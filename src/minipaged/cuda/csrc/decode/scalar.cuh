@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "decode/cluster_merge.cuh"
 #include "decode/common.cuh"
 #include "decode/reduce.cuh"
 #include "decode/trace.cuh"
@@ -51,14 +50,8 @@ constexpr int kWarps = 4;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
-// CLUSTER (A/B builds, DecodePlan::cluster; 0: none): the splits of a (sequence, KV head, head
-// chunk) are one thread-block cluster and merge through distributed shared memory
-// (decode/cluster_merge.cuh: kClusterPull or kClusterPush); every CTA of the cluster runs to the
-// end, a split past its sequence's splits with an empty range. The pages of every ring stage are
-// requested from the table-filling guess before context_lens is read, so that a deep ring does
-// not wait on one table read per stage, nor on context_lens before its first request.
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0, bool PQ = false, int CLUSTER = 0>
+          int AHEAD = 0, int MINB = 0, bool PQ = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -84,12 +77,9 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  static_assert(!CLUSTER || (!PQ && !FUSED && STAGES >= 2), "the cluster merge: plain decode, a cp.async ring");
-  // (a cluster kernel reads context_lens, decode_slice_range, after its ring's guessed pages)
-  DecodeSlice slice = CLUSTER == 0 ? decode_slice<PQ>(p, G) : decode_slice_head<PQ>(p, G);
-  // A split past its sequence's splits returns before it requests anything (CTA-uniform); in a
-  // cluster it stays for the merge's barriers (its range is empty: start >= end).
-  if (CLUSTER == 0 && decode_split_unused(slice)) return;
+  DecodeSlice slice = decode_slice<PQ>(p, G);
+  // A split past its sequence's splits returns before it requests anything (CTA-uniform).
+  if (decode_split_unused(slice)) return;
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -107,16 +97,6 @@ paged_decode_kernel(const DecodeParams p) {
   };
   int page[U];  // pages of the next token groups to be loaded
   guess_pages(0, page);
-  // CLUSTER: the guessed pages of every other ring stage and of the loop's first request too,
-  // all before context_lens is read, so that the CTA's first K/V requests wait on one dependent
-  // read (its table entries), not two (context_lens, then the entries).
-  [[maybe_unused]] int ring_pages[CLUSTER != 0 ? STAGES - 1 : 1][U];  // stages 1 .. STAGES - 1
-  if constexpr (CLUSTER != 0) {
-#pragma unroll
-    for (int st = 1; st < STAGES; ++st) guess_pages(st, ring_pages[st - 1]);
-    decode_slice_range<PQ>(p, slice);
-    if constexpr (CLUSTER == kClusterPush) cluster_push_begin<G, D>(slice.ng);
-  }
   const int kvh = slice.kvh, h0 = slice.h0, ng = slice.ng;
 
   // Element offset of this thread's v-th 16-byte piece inside a row: the TPT
@@ -281,21 +261,7 @@ paged_decode_kernel(const DecodeParams p) {
   uint4 kr[U][VEC], vr[U][VEC];
   int stage = 0;
   if (start != guess_start || table_end != guess_end) fetch_pages(tok_base, page);
-  if constexpr (STAGES >= 2 && CLUSTER != 0) {
-    if (start != guess_start || table_end != guess_end) {  // (CTA-uniform) this sequence's own runs
-#pragma unroll
-      for (int st = 1; st < STAGES; ++st) fetch_pages(tok_base + st * TOK_CTA, ring_pages[st - 1]);
-    }
-    issue_async(tok_base, page, 0);
-    cp_async_commit();
-#pragma unroll
-    for (int st = 1; st < STAGES - 1; ++st) {
-      issue_async(tok_base + st * TOK_CTA, ring_pages[st - 1], st);
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) page[u] = ring_pages[STAGES - 2][u];  // the loop's first request
-  } else if constexpr (STAGES >= 2) {
+  if constexpr (STAGES >= 2) {
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
       issue_async(tok_base + st * TOK_CTA, page, st);
@@ -411,13 +377,7 @@ paged_decode_kernel(const DecodeParams p) {
   }
   __syncthreads();
 
-  if constexpr (CLUSTER == kClusterPull) {
-    cluster_pull_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
-                                                       FP8 ? p.v_scale[kvh] : 1.f);
-  } else if constexpr (CLUSTER == kClusterPush) {
-    cluster_push_merge_and_store<T, kWarps, G, D, FP8>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
-                                                       FP8 ? p.v_scale[kvh] : 1.f);
-  } else if constexpr (FP8) {
+  if constexpr (FP8) {
     merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
                                                   p.v_scale[kvh]);
   } else {

@@ -70,22 +70,19 @@ inline void decode_split_runs(DecodeParams& p, int64_t capacity, int64_t splits,
   decode_set_split_guess(p);
 }
 
-// Variant bit (benchmarking only, work-list builds): the run's floor is the mean length
-// instead of twice it (decode_worklist_run), an A/B in one binary.
-constexpr int kVariantWorklistMeanFloor = 0x2000;
-
 // Work-list splits (DecodeParams::worklist > 0): the run of every split for a batch of
 // `total` cached tokens. At least total / (worklist - batch), so that
-// sum_b max(1, ceil(ctx_b / t)) <= total / t + batch <= worklist; at least twice the mean
-// length (kVariantWorklistMeanFloor: the mean) up to split_min_tokens (the 2 MB cap of the
-// per-sequence rule), so that a batch of equal lengths is not cut further than that rule cuts
-// it, while a sequence much longer than the others is; and at least capacity / max_splits, so
+// sum_b max(1, ceil(ctx_b / t)) <= total / t + batch <= worklist; at least the mean length up
+// to split_min_tokens (the 2 MB cap of the per-sequence rule), so that a batch of equal lengths
+// is cut no further than that rule cuts it, while a sequence much longer than the others is
+// (a floor of twice the mean measured 1.13x slower on one long sequence among 63 short ones:
+// bench/results/nvidia-h200/decode_worklist_a49fe9c/); and at least capacity / max_splits, so
 // that no sequence needs more splits than one merge takes.
 MINIPAGED_HD int64_t decode_worklist_run(const DecodeParams& p, int64_t total, int max_splits) {
   const int64_t extra = p.worklist - p.batch;  // >= 1: decode_plan sets worklist > batch
   const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
   int64_t t = (total + extra - 1) / extra;
-  int64_t floor = (p.variant & kVariantWorklistMeanFloor ? 1 : 2) * total / (p.batch > 0 ? p.batch : 1);
+  int64_t floor = total / (p.batch > 0 ? p.batch : 1);
   if (floor > p.split_min_tokens) floor = p.split_min_tokens;
   if (t < floor) t = floor;
   if (t < (capacity + max_splits - 1) / max_splits) t = (capacity + max_splits - 1) / max_splits;

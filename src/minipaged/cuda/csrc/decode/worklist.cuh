@@ -1,0 +1,106 @@
+// Work-list decode (DecodeParams::worklist > 0): the plan that hands the splits short
+// sequences leave idle to the long ones of the same batch. One CTA derives it from
+// context_lens (decode_worklist_plan_kernel) and writes it to DecodeParams::worklist_plan;
+// the split kernel, launched behind it with programmatic dependent launch, and the merge then
+// read one entry each instead of every CTA scanning the whole batch.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "decode/splits.h"
+#include "params.h"
+#include "ptx/misc.cuh"
+
+namespace minipaged {
+
+constexpr int kWorklistPlanThreads = 256;
+// The host plans a work list for at most one sequence per planner thread.
+constexpr int kWorklistMaxBatch = kWorklistPlanThreads;
+constexpr int kWorklistMaxSplits = 256;  // splits one merge takes (decode/reduce.cuh: kMaxSplits)
+// A slot entry packs b, split and count into 9 bits each (b = kWorklistNoSeq: no work).
+constexpr int kWorklistNoSeq = 511;
+static_assert(kWorklistMaxBatch <= kWorklistNoSeq && kWorklistMaxSplits < 512, "9-bit fields");
+
+struct WorklistEntry {
+  int b;      // -1: the slot is past every sequence's splits
+  int split;  // of sequence b
+  int count;  // slots of sequence b
+  int first;  // slot of split 0 of sequence b
+  int ctx;    // context length of b, clamped to the table
+  int run;    // tokens per split (every sequence's)
+};
+
+// The entry of work slot `slot` (one 16-byte load; the planner grid must have completed:
+// griddep_wait). Read at L2: the planner wrote it after this CTA may have started.
+__device__ __forceinline__ WorklistEntry decode_worklist_slot(const DecodeParams& p, int slot) {
+  const int4 e = __ldcg(reinterpret_cast<const int4*>(p.worklist_plan) + slot);
+  const int b = e.x & 511;
+  return {b == kWorklistNoSeq ? -1 : b, (e.x >> 9) & 511, (e.x >> 18) & 511, e.z, e.y, e.w};
+}
+
+// Slots and first slot of sequence b (after the slot entries).
+__device__ __forceinline__ int2 decode_worklist_seq(const DecodeParams& p, int b) {
+  return __ldcg(reinterpret_cast<const int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist)) + b);
+}
+
+namespace {
+
+// The plan, in one CTA of kWorklistPlanThreads: thread b owns sequence b. Runs of t tokens
+// (decode_worklist_run, from the batch's total), sequence b takes n_b = max(1, ceil(ctx_b / t))
+// consecutive slots from first_b = n_0 + ... + n_{b-1}; the slots past the last sequence's
+// are marked empty, so every slot of the grid has an entry.
+__global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_kernel(const DecodeParams p) {
+  // The split kernel's CTAs may launch at once: they wait (griddep_wait) for this grid to finish.
+  griddep_launch_dependents();
+  constexpr int kPlanWarps = kWorklistPlanThreads / 32;
+  __shared__ long long sm_sum[kPlanWarps];
+  __shared__ int sm_scan[kPlanWarps];
+  __shared__ int sm_first[kWorklistMaxBatch + 1];  // [batch]: slots in use
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int capacity = p.max_blocks * p.block_size;
+  const bool mine = tid < p.batch;
+  const int ctx = mine ? max(0, min(p.context_lens[tid], capacity)) : 0;
+  long long sum = ctx;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) sm_sum[warp] = sum;
+  __syncthreads();
+  long long total = 0;
+#pragma unroll
+  for (int w = 0; w < kPlanWarps; ++w) total += sm_sum[w];
+  const int run = static_cast<int>(decode_worklist_run(p, total, kWorklistMaxSplits));
+  const int n = mine ? decode_worklist_count(ctx, run) : 0;
+  int incl = n;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) sm_scan[warp] = incl;
+  __syncthreads();
+  int first = incl - n;
+  for (int w = 0; w < warp; ++w) first += sm_scan[w];
+  if (mine) sm_first[tid] = first;
+  if (tid == p.batch - 1) sm_first[p.batch] = first + n;  // the slots in use
+  if (mine) reinterpret_cast<int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist))[tid] = make_int2(n, first);
+  __syncthreads();
+  const int used = sm_first[p.batch];  // (launch_decode: 1 <= batch <= kWorklistMaxBatch)
+  int4* slots = reinterpret_cast<int4*>(p.worklist_plan);
+  for (int slot = tid; slot < p.worklist; slot += kWorklistPlanThreads) {
+    if (slot >= used) {
+      slots[slot] = make_int4(kWorklistNoSeq, 0, 0, run);
+      continue;
+    }
+    int lo = 0, hi = p.batch - 1;  // the last sequence whose first slot is <= slot
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sm_first[mid] <= slot) lo = mid; else hi = mid - 1;
+    }
+    const int b_first = sm_first[lo], b_count = sm_first[lo + 1] - b_first;
+    const int b_ctx = max(0, min(p.context_lens[lo], capacity));
+    slots[slot] = make_int4(lo | (slot - b_first) << 9 | b_count << 18, b_ctx, b_first, run);
+  }
+}
+
+}  // namespace
+}  // namespace minipaged
