@@ -1,7 +1,7 @@
 """One table from the `time` logs of scripts/decode_selftest.cu (gpu_check.sh's decode_ab,
-decode_worklist and decode_cluster stages write one log per round and build):
+decode_worklist stages write one log per round and build):
 
-    python scripts/decode_time_table.py logs/decode_cluster_time1.log logs/decode_cluster_time2.log
+    python scripts/decode_time_table.py logs/decode_worklist_time1.log logs/decode_worklist_time2.log
 
 Each row of a log is one (case, config): its split count, CTAs, median / p20 / p80 µs over the
 replays, TB/s and the check against the case's first config. Printed: per case, every config's
@@ -19,9 +19,9 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-# case (e.g. "B=64 L=32k 1long fp8"), config ("tiling 0 cluster-push"), then the numbers
+# case (e.g. "B=64 L=32k 1long fp8"), config ("tiling 0 worklist"), then the numbers
 ROW = re.compile(
-    r"^(?P<case>B=\d+ L=\d+k(?: (?:1long|rand|short|fp8))*)\s+(?P<config>tiling .*?)\s+(?P<splits>\d+)\s+"
+    r"^(?P<case>B=\d+ L=\d+k(?: (?:1long|rand|short|quarter|fp8))*)\s+(?P<config>tiling .*?)\s+(?P<splits>\d+)\s+"
     r"(?P<ctas>\d+)\s+(?P<med>[\d.]+)\s+(?P<p20>[\d.]+)\s+(?P<p80>[\d.]+)\s+(?P<tbs>[\d.]+)\s+(?P<check>.*)$"
 )
 

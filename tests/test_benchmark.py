@@ -852,7 +852,9 @@ def test_decode_time_table_script(tmp_path, capsys):
     rows = [
         [("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok"), ("B=1 L=4k", "tiling 0 cluster-push", 16, 128, 11.7, "ok"),
          ("B=64 L=32k 1long fp8", "tiling 0 no-worklist", 4, 2048, 200.0, "ok"),
-         ("B=64 L=32k 1long fp8", "tiling 0 worklist-mean", 4, 1560, 150.0, "ok")],
+         ("B=64 L=32k 1long fp8", "tiling 0 worklist-mean", 4, 1560, 150.0, "ok"),
+         ("B=64 L=32k quarter fp8", "tiling 0 no-worklist", 4, 2048, 40.0, "ok"),
+         ("B=64 L=32k quarter fp8", "tiling 0 worklist", 4, 2048, 41.0, "ok")],
         [("B=1 L=4k", "tiling 0", 32, 256, 13.4, "ok"), ("B=1 L=4k", "tiling 0 cluster-push", 16, 128, 11.9, "ok"),
          ("B=64 L=32k 1long fp8", "tiling 0 no-worklist", 4, 2048, 202.0, "ok"),
          ("B=64 L=32k 1long fp8", "tiling 0 worklist-mean", 4, 1560, 151.0, "timing only: no merge")],
@@ -871,6 +873,9 @@ def test_decode_time_table_script(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "worklist-mean" in x)
     assert line.startswith("| B=64 L=32k 1long fp8 | tiling 0 worklist-mean | 4 | 1560 | 150.00 | 151.00 | 150.50 |")
     assert line.endswith(f"| {150.5 / 201.0:.3f} |"), line
+    # (the wide equal-length rows: one log holds them)
+    line = next(x for x in out.splitlines() if "quarter" in x and "| tiling 0 worklist |" in x)
+    assert line == f"| B=64 L=32k quarter fp8 | tiling 0 worklist | 4 | 2048 | 41.00 | - | 41.00 | {41 / 40:.3f} |", line
     # a config that disagreed with the baseline
     bad = tmp_path / "bad.log"
     bad.write_text(row("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok")
