@@ -72,7 +72,10 @@ namespace {
 constexpr int kFused = 0x400;
 constexpr int kNoPDL = 0x200;
 constexpr int kNoReduce = 0x800;  // timing only: the split kernel without its merge (o not written)
-constexpr int kNoWorklist = 0x1000;  // the plan without the work list where the default takes one
+// the work list toggled against its default (params.h): kWorklistOn / kWorklistOff give the plan
+// with / without it whichever the default is
+constexpr int kWorklistOn = minipaged::kDecodeWorklistByDefault ? 0 : minipaged::kDecodeVariantWorklistToggle;
+constexpr int kWorklistOff = minipaged::kDecodeWorklistByDefault ? minipaged::kDecodeVariantWorklistToggle : 0;
 constexpr int kOPad = 16;  // NaN elements after each output head row
 constexpr int kMaxCounters = 1 << 20;
 
@@ -435,13 +438,15 @@ std::vector<int> tilings_for(const Prob& pr) {
   return v;
 }
 
-void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep, uint32_t seed) {
+// bits: OR-ed into every variant run (kWorklistOn: every plan a work list where the gate allows).
+void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep, uint32_t seed, int bits = 0) {
   Setup s = make_setup(pr, seed);
   std::printf("-- %s  %s H%d/%d D%d page %d, %d sequences\n", pr.name.c_str(),
               pr.fp8 ? "fp8" : (pr.dt == DType::kBFloat16 ? "bf16" : "fp16"), pr.hq, pr.hkv, pr.d, pr.bs, s.B);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  for (int t : tilings_for(pr)) {
+  for (int tiling : tilings_for(pr)) {
+    const int t = tiling | bits;
     long bad_ref = 0, bad_bits = 0, bad_counters = 0, runs = 0, fused_runs = 0;
     double worst = 0;
     std::string splits_seen;
@@ -474,7 +479,7 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
     std::snprintf(buf, sizeof buf,
                   "%-26s tiling %2d: %ld runs vs fp64 (max err %.2e, ref max %.2f): %ld bad; fused vs two-launch "
                   "bitwise in %ld runs: %ld differ; counters left non-zero: %ld  [splits %s]",
-                  pr.name.c_str(), t, runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
+                  pr.name.c_str(), tiling, runs, worst, s.ref_max, bad_ref, fused_runs, bad_bits, bad_counters,
                   splits_seen.c_str());
     report(bad_ref == 0 && bad_bits == 0 && bad_counters == 0, buf);
     // o without lse must be the same bits as o with it.
@@ -482,7 +487,7 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
       Result a, b;
       run(s, t | kFused, 5, true, st, a);
       run(s, t | kFused, 5, false, st, b);
-      report(a.o == b.o, pr.name + " tiling " + std::to_string(t) + " fused: o without lse == o with lse (5 splits)");
+      report(a.o == b.o, pr.name + " tiling " + std::to_string(tiling) + " fused: o without lse == o with lse (5 splits)");
     }
   }
   if (deep) {
@@ -521,22 +526,22 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
   free_setup(s);
 }
 
-// Work lists (DecodeParams::worklist): a batch whose default plan takes one (128 sequences
+// Work lists (DecodeParams::worklist): a batch whose plan takes one where asked (128 sequences
 // over 8 KV heads fill more than half a wave, and the table's width gives 3+ splits): short,
-// empty and odd-length sequences around two long ones. Every tiling, two-launch and fused,
-// against the fp64 reference (check_problem, the default split count), the plan checked to be
-// a work list, its CUDA graph replayed bitwise the eager call, and the same batch without the
-// work list (kNoWorklist) within the reference's bound too.
+// empty and odd-length sequences around two long ones. Every tiling, two-launch and fused, with
+// the work list (kWorklistOn) against the fp64 reference (check_problem, the heuristic's split
+// count); the plan checked to be a work list, its CUDA graph replayed bitwise the eager call,
+// and the same batch without it (kWorklistOff) within the reference's bound too.
 void check_worklist_problem(const Prob& pr, uint32_t seed) {
-  check_problem(pr, {0}, false, seed);
+  check_problem(pr, {0}, false, seed, kWorklistOn);
   Setup s = make_setup(pr, seed);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   Result eager, plain;
-  const int bad = graph_replays_differing(s, 0, 0, st, eager);
+  const int bad = graph_replays_differing(s, kWorklistOn, 0, st, eager);
   double e0 = 0, e1 = 0;
   const long bad_ref = compare_ref(s, eager, true, &e0);
-  run(s, kNoWorklist, 0, true, st, plain);
+  run(s, kWorklistOff, 0, true, st, plain);
   const long bad_plain = compare_ref(s, plain, true, &e1);
   char buf[256];
   std::snprintf(buf, sizeof buf, "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays "
@@ -852,13 +857,19 @@ int time_mode(int reps) {
       configs.push_back(kNoReduce);
     }
     if (!exact_variants.empty()) configs = exact_variants;
-    {  // where the default plan is a work list, the plan without it first: the others are checked against it
+    {  // where the gate allows a work list: the plan without it first (the others are checked
+       // against it), then the same configs with it
       minipaged::DecodeParams probe{};
       probe.batch = B, probe.num_q_heads = hq, probe.num_kv_heads = hkv, probe.head_dim = D, probe.block_size = bs;
       probe.max_blocks = per_seq, probe.dtype = DType::kBFloat16, probe.kv_fp8 = fp8;
-      probe.num_sms = g_num_sms, probe.cc_major = g_cc;
+      probe.num_sms = g_num_sms, probe.cc_major = g_cc, probe.variant = kWorklistOn;
       minipaged::decode_plan(probe, 0);
-      if (probe.worklist > 0) configs.insert(configs.begin(), kNoWorklist);
+      if (probe.worklist > 0) {
+        std::vector<int> both;
+        for (int v : configs) both.push_back(v | kWorklistOff);
+        for (int v : configs) both.push_back(v | kWorklistOn);
+        configs = both;
+      }
     }
     for (int v : configs)
     for (int forced : time_splits) {
@@ -913,7 +924,7 @@ int time_mode(int reps) {
       char cfg[64];
       std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
-                    v & kNoWorklist ? " no-worklist" : p.worklist > 0 ? " worklist" : "");
+                    p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

@@ -355,9 +355,9 @@ for s in $stages; do
       # Work-list decode (DecodeParams::worklist, decode/worklist.cuh) in the shipped selftest
       # build: memcheck of the uneven B=64 rows in `time` (work-list plans, every config checked
       # against the plan without it), then `time` of the grid with the uneven and wide-table rows
-      # (DECODE_TIME_SKEW=1), each row whose default plan is a work list timed first without it
-      # (variant bit 0x1000): the A/B is in one binary. `check` (its work-list cases included) is
-      # the decode_selftest stage's.
+      # (DECODE_TIME_SKEW=1): each row whose gate allows a work list is timed without it first,
+      # then with it (params.h kDecodeVariantWorklistToggle flips the default): the A/B is in one
+      # binary. `check` (its work-list cases included) is the decode_selftest stage's.
       decode_selftest_bin decode_worklist_build decode_selftest
       export OMP_NUM_THREADS=16
       DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 DECODE_TIME_VARIANTS=0 \

@@ -112,7 +112,9 @@ HEADS = [(7, 7), (16, 8), (12, 3), (6, 2), (16, 2), (24, 1)]  # GQA 1, 2, 4, 3, 
 MMA = 10  # decode/launch.cu tiling 10: the tensor-core kernel (decode/mma.cuh), any group size
 SCALAR = 12  # decode/launch.cu tiling 12: the scalar kernel's default tiling for any group size
 NO_PDL = 0x200  # decode/launch.cu kVariantNoPDL: plain launch of the split reduction
-NO_WORKLIST = 0x1000  # decode/launch.cu kVariantNoWorklist: the plain split plan where a work list is the default
+# params.h kDecodeVariantWorklistToggle: the decode work list toggled against its default (off until
+# it has run on a GPU) where the plan's gate allows one
+WORKLIST_TOGGLE = 0x1000
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -162,7 +164,8 @@ def test_decode_long_single_sequence_splits(ops):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("table_width", [0, 2048], ids=["tight", "wide"])
-@pytest.mark.parametrize("variant", [0, MMA, SCALAR, NO_WORKLIST], ids=["default", "mma", "scalar", "no-worklist"])
+@pytest.mark.parametrize("variant", [0, MMA, SCALAR, WORKLIST_TOGGLE, MMA | WORKLIST_TOGGLE],
+                         ids=["default", "mma", "scalar", "worklist-toggled", "mma-worklist-toggled"])
 def test_decode_uneven_batch_splits(ops, dtype, table_width, variant):
     # More CTAs than half a wave of resident slots on any current GPU: the planner caps each
     # split's K/V bytes from the table width, and each sequence takes the splits its own length
@@ -678,22 +681,24 @@ def test_cuda_graph_capture_replay(ops):
             assert (static_out[3] == 0).all()
 
 
+@pytest.mark.parametrize("variant", [0, WORKLIST_TOGGLE], ids=["default", "worklist-toggled"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_decode_worklist_graph_follows_lengths(ops, fp8):
-    # A batch the default plan runs as a work list (decode/worklist.cuh: 128 sequences over 8 KV
-    # heads, a table 3+ splits wide): its plan is derived on the device from context_lens, so a
-    # captured graph replayed with other lengths (one long sequence moving around the batch,
-    # empty ones) must give the eager call's bits and stay within the bound of the plain plan.
+def test_decode_worklist_graph_follows_lengths(ops, fp8, variant):
+    # A batch the plan's gate allows a work list for (decode/worklist.cuh: 128 sequences over 8
+    # KV heads, a table 3+ splits wide), with the work list and without (whichever the default,
+    # the toggle gives the other): a work list's plan is derived on the device from context_lens,
+    # so a captured graph replayed with other lengths (one long sequence moving around the batch,
+    # empty ones) must give the eager call's bits, within the fp64 oracle's bound.
     B = 128
     lens = [97, 0, 1, 300, 17, 1023, 640, 129] * (B // 8)
     lens[5] = 30000
     pages_for = [30000 if b in (0, 1, 2, 5) else 700 for b in range(B)]  # room for every trial's lengths
     q, kc, vc, bt, cl = _paged_problem(B, 16, 8, 128, 16, pages_for, torch.bfloat16, seed=31)
-    kw = {}
+    kw = dict(variant=variant)
     if fp8:
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         scales = torch.full((8,), 0.5, device="cuda")
-        kw = dict(k_scale=scales, v_scale=scales)
+        kw.update(k_scale=scales, v_scale=scales)
     static_cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -712,18 +717,16 @@ def test_decode_worklist_graph_follows_lengths(ops, fp8):
         graph.replay()
         torch.cuda.synchronize()
         eager = ops.decode(q, kc, vc, bt, static_cl, 0.0883, **kw)
-        plain = ops.decode(q, kc, vc, bt, static_cl, 0.0883, variant=NO_WORKLIST, **kw)
         assert torch.equal(static_out, eager), f"trial {trial}: graph replay differs from the eager call"
         assert (eager[(long_at + 3) % B] == 0).all()
         if fp8:
-            ref32 = reference.decode(q.float(), kc.float() * 0.5, vc.float() * 0.5, bt, static_cl, 0.0883)
-            ref_lp = reference.decode(q, (kc.float() * 0.5).to(q.dtype), (vc.float() * 0.5).to(q.dtype), bt,
-                                      static_cl, 0.0883)
+            k32, v32 = kc.float() * 0.5, vc.float() * 0.5
+            ref32 = reference.decode(q.float(), k32, v32, bt, static_cl, 0.0883)
+            ref_lp = reference.decode(q, k32.to(q.dtype), v32.to(q.dtype), bt, static_cl, 0.0883)
         else:
             ref32 = reference.decode(q.float(), kc.float(), vc.float(), bt, static_cl, 0.0883)
             ref_lp = reference.decode(q, kc, vc, bt, static_cl, 0.0883)
-        _bound(eager, ref_lp, ref32, f"work list trial {trial}")
-        _bound(plain, ref_lp, ref32, f"plain plan trial {trial}")
+        _bound(eager, ref_lp, ref32, f"variant {variant:#x} trial {trial}")
 
 
 @pytest.mark.parametrize("splits", [0, 3, 256])

@@ -167,7 +167,8 @@ struct DecodeParams {
   int split_min_tokens;
   int split_align;
   int split_guess_ctx;  // from ctx > split_guess_ctx on, a sequence's splits are the guess's
-  // > 0 (decode_plan: plain decode over more than half a wave of CTAs, 3+ splits per sequence):
+  // > 0 (decode_plan: plain decode over more than half a wave of CTAs, 3+ splits per sequence,
+  // when decode_worklist_wanted):
   // the grid's y is `worklist` work slots per KV head chunk (batch * num_splits of them), not
   // (batch, split). A first one-CTA kernel (decode/worklist.cuh) derives the plan from
   // context_lens into worklist_plan: runs of t >= ceil(total / (worklist - batch)) tokens
@@ -228,6 +229,11 @@ struct DecodePlan {
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;
+  // The twins of kernel and reduce for a work-list plan (DecodeParams::worklist > 0; the
+  // default two-launch kernels only, nullptr elsewhere): the same kernels with the slot mapping
+  // of decode/worklist.cuh compiled in, so that the kernels without it stay as they were.
+  void (*worklist_kernel)(const DecodeParams) = nullptr;
+  void (*worklist_reduce)(const DecodeParams) = nullptr;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and
@@ -236,6 +242,15 @@ struct DecodePlan {
 // raises the chosen kernel's dynamic shared-memory limit on the current device.
 // `requested_splits` > 0 forces a split count (benchmarking).
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
+
+// The decode work list (DecodeParams::worklist) where decode_plan's gate allows one: off by
+// default until the one-CTA plan kernel (decode/worklist.cuh) has run on a GPU; the variant bit
+// kDecodeVariantWorklistToggle (benchmarking and tests) flips it for one call either way.
+constexpr bool kDecodeWorklistByDefault = false;
+constexpr int kDecodeVariantWorklistToggle = 0x1000;
+inline bool decode_worklist_wanted(int variant) {
+  return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
+}
 
 // Arrival counters a fused plan needs (one per sequence, KV head and head
 // chunk); 0 when the plan is not fused or does not split.

@@ -160,32 +160,35 @@ __device__ __forceinline__ void decode_slice_range(const DecodeParams& p, Decode
 }
 
 
-template <bool PQ = false, bool MQ = false>
+// WL (the work-list twins of the plain decode kernels, DecodePlan::worklist_kernel): the grid
+// is (Hkv x head chunks, DecodeParams::worklist) and blockIdx.y a work slot, whose entry the
+// plan kernel (decode/worklist.cuh) wrote; the kernels without it never look at the plan.
+template <bool PQ = false, bool MQ = false, bool WL = false>
 __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int heads_per_cta) {
+  static_assert(!WL || (!PQ && !MQ), "work lists: plain decode");
   DecodeSlice s = decode_slice_head<PQ, MQ>(p, heads_per_cta);
-  if constexpr (!PQ && !MQ) {
-    if (p.worklist > 0) {  // grid (Hkv x head chunks, worklist): blockIdx.y is the work slot
-      griddep_wait();  // decode_worklist_plan_kernel has written the plan
-      const WorklistEntry e = decode_worklist_slot(p, blockIdx.y);
-      // a slot past every split: split 1 of 1, which decode_split_unused turns away
-      s.b = e.b < 0 ? 0 : e.b;
-      s.row = s.b;
-      s.split = e.b < 0 ? 1 : e.split;
-      s.num_splits = e.count;
-      s.part0 = e.first;
-      decode_slice_set_run(s, e.ctx, e.run);
-      return s;
-    }
+  if constexpr (WL) {
+    griddep_wait();  // decode_worklist_plan_kernel has written the plan
+    const WorklistEntry e = decode_worklist_slot(p, blockIdx.y);
+    // a slot past every split: split 1 of 1, which decode_split_unused turns away
+    s.b = e.b < 0 ? 0 : e.b;
+    s.row = s.b;
+    s.split = e.b < 0 ? 1 : e.split;
+    s.num_splits = e.count;
+    s.part0 = e.first;
+    decode_slice_set_run(s, e.ctx, e.run);
+  } else {
+    decode_slice_range<PQ, MQ>(p, s);
   }
-  decode_slice_range<PQ, MQ>(p, s);
   return s;
 }
 
 // Row of the split partials (partial_o / partial_lse) of query head `head` of a slice;
-// split_row as decode_out_row gives it.
+// split_row as decode_out_row gives it. WL: a work list's, [Hq, worklist] by slot.
+template <bool WL = false>
 __device__ __forceinline__ int64_t decode_partial_row(const DecodeParams& p, const DecodeSlice& s, int head,
                                                       int64_t split_row) {
-  if (p.worklist > 0) return static_cast<int64_t>(head) * p.worklist + s.part0 + s.split;
+  if constexpr (WL) return static_cast<int64_t>(head) * p.worklist + s.part0 + s.split;
   return split_row * p.num_splits + s.split;
 }
 
@@ -252,7 +255,8 @@ __device__ __forceinline__ float merge_warps_element(const float* sm_m, const fl
   }
   return L > 0.f ? O / L : 0.f;
 }
-template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim>
+template <typename T, int kNumWarps, int kRowsPerCta, int D, bool kScaleOut = false, class DimOf = IdentityDim,
+          bool WL = false>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                       const float* sm_m,  // [kNumWarps][kRowsPerCta]
                                                       const float* sm_l,  // [kNumWarps][kRowsPerCta]
@@ -275,7 +279,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
       if (p.lse != nullptr && d == 0)
         p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
-      const int64_t prow = decode_partial_row(p, slice, h, split_row);
+      const int64_t prow = decode_partial_row<WL>(p, slice, h, split_row);
       p.partial_o[prow * D + d] = out;
       if (d == 0) p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
     }

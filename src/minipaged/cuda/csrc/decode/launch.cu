@@ -75,20 +75,22 @@ constexpr int kVariantFused = 0x400;
 // Bit 0x800, timing only (decode_selftest): the split kernel without its
 // reduction, to measure what the merge costs. The output is not written.
 constexpr int kVariantNoReduce = 0x800;
-// Bit 0x1000 (benchmarking): plan without the work list where the default takes it, for an
-// A/B in one binary.
-constexpr int kVariantNoWorklist = 0x1000;
 
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
+// TWIN: also the work-list twin (DecodePlan::worklist_kernel) of a plain, two-launch kernel.
 template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false,
-          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false>
+          bool FUSED = false, int AHEAD = 0, int MINB = 0, bool PQ = false, bool TWIN = false>
 DecodePlan info() {
   constexpr int kPieceElems = FP8 ? 16 : 8;  // cache elements per 16-byte piece
   DecodePlan k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
+  if constexpr (TWIN && !FUSED && !PQ) {
+    k.worklist_kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB, false, true>;
+    k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
+  }
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (kPieceElems * TPT)) * 2 * kWarps * 32 * 16 : 0;
@@ -104,15 +106,28 @@ DecodePlan info_f(bool fused) {
                : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB>();
 }
 
+// info_f for the scalar kernels a default plan picks: the two-launch build with its work-list
+// twin (only those have one: decode_plan takes a work list with them alone).
+template <typename T, int D, int G, int TPT, int U, bool PIPE = false, int STAGES = 0, bool FP8 = false>
+DecodePlan info_d(bool fused) {
+  return fused ? info<T, D, G, TPT, U, PIPE, STAGES, FP8, true>()
+               : info<T, D, G, TPT, U, PIPE, STAGES, FP8, false, 0, 0, false, true>();
+}
+
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
 // tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q), RB row blocks
 // of 16 (query, head) rows.
+// TWIN: also the work-list twin of a plain, two-launch kernel.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1>
+          bool MQ = false, int RB = 1, bool TWIN = false>
 DecodePlan info_mma() {
   DecodePlan k;
   k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB>;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
+  if constexpr (TWIN && !FUSED && !PQ && !MQ) {
+    k.worklist_kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, false, false, WT, false, RB, true>;
+    k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
+  }
   k.group_tile = RB * decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps / RB * WT;
   k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT, RB>::kBytes;
@@ -120,9 +135,9 @@ DecodePlan info_mma() {
   return k;
 }
 
-template <typename T, int D, int STAGES, bool FP8 = false>
+template <typename T, int D, int STAGES, bool FP8 = false, bool TWIN = false>
 DecodePlan info_mma_f(bool fused) {
-  return fused ? info_mma<T, D, STAGES, FP8, true>() : info_mma<T, D, STAGES, FP8, false>();
+  return fused ? info_mma<T, D, STAGES, FP8, true>() : info_mma<T, D, STAGES, FP8, false, false, 16, false, 1, TWIN>();
 }
 
 // The tensor-core kernel as every default picks it: a 4-stage ring of byte
@@ -134,7 +149,7 @@ DecodePlan default_mma(bool fused) {
   if constexpr (PQ) {
     return info_mma<T, D, kStages, FP8, false, true>();
   } else {
-    return info_mma_f<T, D, kStages, FP8>(fused);
+    return info_mma_f<T, D, kStages, FP8, true>(fused);
   }
 }
 
@@ -146,7 +161,8 @@ DecodePlan fp8_wide_mma(bool fused) {
   if constexpr (PQ) {
     return info_mma<T, D, 3, true, false, true, 32>();
   } else {
-    return fused ? info_mma<T, D, 3, true, true, false, 32>() : info_mma<T, D, 3, true, false, false, 32>();
+    return fused ? info_mma<T, D, 3, true, true, false, 32>()
+                 : info_mma<T, D, 3, true, false, false, 32, false, 1, true>();
   }
 }
 
@@ -177,7 +193,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
 #endif
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
-  if (group == 1) return info_f<T, D, 1, TPT, 4, false, 0, true>(fused);
+  if (group == 1) return info_d<T, D, 1, TPT, 4, false, 0, true>(fused);
 #if MINIPAGED_DECODE_BENCH_TILINGS
   // These three have no fused build: the bit is ignored (plan.fused stays false).
   if (group == 2) {
@@ -186,7 +202,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
     if (tiling == 8) return info<T, D, 2, TPT, 4, false, 3, true>();
   }
 #endif
-  return info_f<T, D, 2, TPT, 2, true, 0, true>(fused);
+  return info_d<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
 // Whether the 16-bit default for a GQA group of `group` query heads per KV head is the
@@ -225,7 +241,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   if constexpr (D == 128) {
     switch (g) {
       case 1:
-        return info_f<T, D, 1, 8, 2>(fused);
+        return info_d<T, D, 1, 8, 2>(fused);
       case 2:
         // Default: a row over 8 threads (two 16-byte pieces each) with a
         // 3-stage cp.async ring in shared memory (tiling 6): the fastest
@@ -254,28 +270,28 @@ DecodePlan select_for_dim(const DecodeParams& p) {
           case 16: return info_f<T, D, 2, 16, 1, false, 0, false, 7>(fused);
           case 17: return info_f<T, D, 2, 16, 2, true>(fused);
 #endif
-          default: return info_f<T, D, 2, 8, 2, false, 3>(fused);
+          default: return info_d<T, D, 2, 8, 2, false, 3>(fused);
         }
       case 4:
 #if MINIPAGED_DECODE_BENCH_TILINGS
         if (tiling == 7) return info<T, D, 4, 16, 2, false, 4>();
         if (tiling == 9) return info<T, D, 4, 16, 2, true>();
 #endif
-        return info_f<T, D, 4, 16, 2>(fused);
+        return info_d<T, D, 4, 16, 2>(fused);
       default:
 #if MINIPAGED_DECODE_BENCH_TILINGS
         // G = 8 holds 2 x 64 fp32 of q and accumulator per thread: only two
         // blocks fit per SM, so variant 7 keeps the in-flight rows in shared memory.
         if (tiling == 7) return info<T, D, 8, 16, 2, false, 4>();
 #endif
-        return info_f<T, D, 8, 16, 2>(fused);
+        return info_d<T, D, 8, 16, 2>(fused);
     }
   } else {
     switch (g) {
-      case 1: return info_f<T, D, 1, 8, 4>(fused);
-      case 2: return info_f<T, D, 2, 8, 4>(fused);
-      case 4: return info_f<T, D, 4, 8, 2>(fused);
-      default: return info_f<T, D, 8, 8, 2>(fused);
+      case 1: return info_d<T, D, 1, 8, 4>(fused);
+      case 2: return info_d<T, D, 2, 8, 4>(fused);
+      case 4: return info_d<T, D, 4, 8, 2>(fused);
+      default: return info_d<T, D, 8, 8, 2>(fused);
     }
   }
 }
@@ -482,10 +498,15 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   p.worklist = 0;
   // Plain decode over more than half a wave, 3+ splits per sequence: the same grid as a work
   // list, so that the splits short sequences leave idle go to the long ones.
-  if (requested_splits <= 0 && k.kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
-      p.max_seqlen_q < 2 && !(p.variant & kVariantNoWorklist) && p.num_splits >= 3 &&
-      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535)
+  // Only the default kernels have a work-list twin (info_d, default_mma, fp8_wide_mma).
+  if (requested_splits <= 0 && k.worklist_kernel != nullptr && 2 * ctas > slots && p.cu_seqlens_q == nullptr &&
+      p.max_seqlen_q < 2 && decode_worklist_wanted(p.variant) && p.num_splits >= 3 &&
+      p.batch <= kWorklistMaxBatch && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
     p.worklist = p.batch * p.num_splits;
+    DecodePlan twin = k;
+    twin.kernel = k.worklist_kernel;
+    blocks_per_sm(twin);  // raises the twin's shared-memory limit on this device
+  }
 }
 }  // namespace
 
@@ -540,7 +561,8 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.worklist > 0) {
     // The plan first, then the split kernel behind it (programmatic dependent launch): its CTAs
     // are resident by the time the plan lands and wait for it in decode_slice.
-    if (p.worklist_plan == nullptr || p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
+    if (k.worklist_kernel == nullptr || k.worklist_reduce == nullptr || k.fused || p.worklist_plan == nullptr ||
+        p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
       return cudaErrorInvalidValue;
     decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -556,7 +578,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
       cfg.attrs = attr;
       cfg.numAttrs = 1;
     }
-    err = cudaLaunchKernelEx(&cfg, k.kernel, p);
+    err = cudaLaunchKernelEx(&cfg, k.worklist_kernel, p);
   } else {
     k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
     err = cudaGetLastError();
@@ -577,7 +599,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&cfg, k.reduce, p);
+  return cudaLaunchKernelEx(&cfg, p.worklist > 0 ? k.worklist_reduce : k.reduce, p);
 }
 
 #if MINIPAGED_DECODE_TRACE

@@ -121,6 +121,13 @@ constexpr int kMqMinBlocks = 2;
 #else
 constexpr int kMqMinBlocks = 0;
 #endif
+// Minimum CTAs per SM of the work-list twins (WL) on sm_80: unbounded, ptxas rounded the
+// D = 64 one to 96 registers and spilled; 1 lifts that rounding. 0 on sm_90a, as their bases.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kWorklistMinBlocks = 1;
+#else
+constexpr int kWorklistMinBlocks = 0;
+#endif
 
 // The A fragments of a bf16 tile (rows g: words 0, 2; rows g + 8: words 1, 3;
 // KS k steps) -> f16 fragments of the same rows, row r times 2^e_r with e_r
@@ -160,9 +167,10 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // RB = 2 (MQ only): 32 rows, two MMA row blocks. Warp w computes row block w % 2 over token
 // slice w / 2 of each tile, so every K/V tile is read from shared memory by two warps and a
 // warp's registers hold one row block, as in a decode (two blocks per warp would spill).
+// WL: the work-list twin (decode_slice; DecodePlan::worklist_kernel).
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1>
-__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : (MQ ? kMqMinBlocks : 0))
+          bool MQ = false, int RB = 1, bool WL = false>
+__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : (MQ ? kMqMinBlocks : (WL ? kWorklistMinBlocks : 0)))
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
   static_assert(RB == 1 || (RB == 2 && MQ), "two row blocks: short query runs only");
@@ -192,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   decode_trace(kTrEntry);
   decode_trace(kTrSm);
 
-  static_assert(!((PQ || MQ) && FUSED), "packed queries run the two-launch reduction");
-  const DecodeSlice slice = decode_slice<PQ, MQ>(p, kRows);
+  static_assert(!((PQ || MQ || WL) && FUSED), "packed queries and work lists run the two-launch reduction");
+  const DecodeSlice slice = decode_slice<PQ, MQ, WL>(p, kRows);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
   if (decode_split_unused(slice)) return;
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
@@ -532,9 +540,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
                                                                            IdentityDim{});
     }
   } else if constexpr (FP8) {
-    merge_warps_and_store<T, kWarps, kRows, D, true>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
+    merge_warps_and_store<T, kWarps, kRows, D, true, FragDimOf<D>, WL>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
+                                                                         FragDimOf<D>{});
   } else {
-    merge_warps_and_store<T, kWarps, kRows, D>(p, slice, sm_m, sm_l, sm_o);
+    merge_warps_and_store<T, kWarps, kRows, D, false, IdentityDim, WL>(p, slice, sm_m, sm_l, sm_o);
   }
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.

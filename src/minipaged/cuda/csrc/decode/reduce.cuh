@@ -51,8 +51,10 @@ __device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
 // MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
 // query i) as b * max_seqlen_q + i, merged into row cu_seqlens_q[b] + i when
 // sequence b is a short run of more than i queries.
-template <typename T, int D, bool PQ = false, bool MQ = false>
+// WL: a work list's merge (DecodeParams::worklist, the plan's per-sequence entries).
+template <typename T, int D, bool PQ = false, bool MQ = false, bool WL = false>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
+  static_assert(!WL || (!PQ && !MQ), "work lists: plain decode");
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
   constexpr int kRedWarps = kReduceThreads / 32;
@@ -70,20 +72,17 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   }
   // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
   const int capacity = p.max_blocks * p.block_size;
-  // partial rows of this sequence: head h, split s at row0_of_head0 + h * head_stride + s
+  // WL: the partial rows of this sequence, head h and split s at row0_of_head0 + h * worklist + s
   int S;
-  int64_t row0_of_head0, head_stride;
-  if (!PQ && !MQ && p.worklist > 0) {
+  [[maybe_unused]] int64_t row0_of_head0 = 0;
+  if constexpr (WL) {
     // The plan's grid finished before the split kernel could: after this wait it is visible.
     griddep_wait();
     const int2 e = decode_worklist_seq(p, seq);
     S = e.x;
     row0_of_head0 = e.y;
-    head_stride = p.worklist;
   } else {
     S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
-    row0_of_head0 = static_cast<int64_t>(blockIdx.y) * p.num_q_heads * p.num_splits;
-    head_stride = p.num_splits;
   }
   if (S == 1) return;
   // Launched early (programmatic dependent launch): wait until the split
@@ -97,7 +96,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t row0 = row0_of_head0 + h * head_stride;
+  const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
+                          : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
 
   // The first kPrefetch split rows of this thread's chain are requested together
   // with the log-sum-exps: one round trip to L2 instead of two before the sums
@@ -211,10 +211,8 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   if (!sm_last) return;
 
   const int ng = slice.ng;
-  // partial rows from one head row to the next; a work list's are [Hq, worklist]
-  const int64_t stride = p.worklist > 0 ? p.worklist : p.num_splits;
-  const int64_t row_base = p.worklist > 0 ? slice.h0 * stride + slice.part0
-                                          : (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
+  const int stride = p.num_splits;  // partial rows per head row in the workspace (no work list: fused)
+  const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
   const int lane = tid & 31, warp = tid >> 5;
 
   // Weights, one warp per head row: lane j holds splits j, 32 + j, ...

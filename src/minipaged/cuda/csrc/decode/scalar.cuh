@@ -50,8 +50,9 @@ constexpr int kWarps = 4;
 // (fused_split_reduce) instead of a second kernel.
 // PQ: packed queries (DecodeParams::cu_seqlens_q, the paged decode routing):
 // a CTA of a sequence that is not a decode row returns before any load.
+// WL: the work-list twin (decode_slice; DecodePlan::worklist_kernel).
 template <typename T, int D, int G, int TPT, int U, bool PIPE, int STAGES, bool FP8 = false, bool FUSED = false,
-          int AHEAD = 0, int MINB = 0, bool PQ = false>
+          int AHEAD = 0, int MINB = 0, bool PQ = false, bool WL = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
 paged_decode_kernel(const DecodeParams p) {
   using KV = std::conditional_t<FP8, uint8_t, T>;  // cache element
@@ -77,7 +78,8 @@ paged_decode_kernel(const DecodeParams p) {
   const int lt = lane % TPT;
 
   static_assert(!(PQ && FUSED), "packed queries run the two-launch reduction");
-  DecodeSlice slice = decode_slice<PQ>(p, G);
+  static_assert(!(WL && FUSED), "work lists run the two-launch reduction");
+  DecodeSlice slice = decode_slice<PQ, false, WL>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
   if (decode_split_unused(slice)) return;
   const int log2_bs = __ffs(p.block_size) - 1;
@@ -378,10 +380,11 @@ paged_decode_kernel(const DecodeParams p) {
   __syncthreads();
 
   if constexpr (FP8) {
-    merge_warps_and_store<T, kWarps, G, D, true>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0],
-                                                  p.v_scale[kvh]);
+    merge_warps_and_store<T, kWarps, G, D, true, IdentityDim, WL>(p, slice, &sm_m[0][0], &sm_l[0][0],
+                                                                   &sm_acc[0][0][0], p.v_scale[kvh]);
   } else {
-    merge_warps_and_store<T, kWarps, G, D>(p, slice, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0]);
+    merge_warps_and_store<T, kWarps, G, D, false, IdentityDim, WL>(p, slice, &sm_m[0][0], &sm_l[0][0],
+                                                                    &sm_acc[0][0][0]);
   }
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_acc, max / sum in sm_m / sm_l.
