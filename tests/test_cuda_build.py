@@ -454,9 +454,29 @@ int main() {
     long long total = 0;
     for (int c : ctx) total += c;
     const long long t = minipaged::decode_worklist_run(p, total, 256);
+    // the slot table as decode_worklist_plan_kernel writes it (first[], decode_worklist_owner,
+    // pack), read back as the kernels do (unpack): every slot in use names its own split
+    std::vector<int> first(B + 1, 0);
+    for (long long b = 0; b < B; ++b) first[b + 1] = first[b] + minipaged::decode_worklist_count(ctx[b], t);
+    const char* slots = "ok";
+    for (int slot = 0; slot < W && B <= minipaged::kWorklistMaxBatch; ++slot) {
+      minipaged::WorklistEntry e{-1, 0, 0, 0, 0, static_cast<int>(t)};
+      if (slot < first[B]) {
+        e.b = minipaged::decode_worklist_owner(first.data(), static_cast<int>(B), slot);
+        e.first = first[e.b], e.split = slot - e.first, e.count = first[e.b + 1] - e.first, e.ctx = ctx[e.b];
+      }
+      const minipaged::WorklistWords w = minipaged::decode_worklist_pack(e);
+      const minipaged::WorklistEntry r = minipaged::decode_worklist_unpack(w.x, w.y, w.z, w.w);
+      const bool in_use = slot < first[B];
+      const bool ok = r.run == t && (in_use ? r.b >= 0 && r.b < B && r.first == first[r.b] && r.first + r.split == slot &&
+                                                  r.split < r.count && r.count == first[r.b + 1] - first[r.b] &&
+                                                  r.ctx == ctx[r.b]
+                                            : r.b == -1 && r.count == 0);
+      if (!ok) slots = "BAD";
+    }
     std::printf("%lld", t);
     for (int c : ctx) std::printf(" %d:%d", c, minipaged::decode_worklist_count(c, t));
-    std::printf("\n");
+    std::printf(" slots:%s\n", slots);
   }
 }
 """
@@ -470,7 +490,8 @@ def test_decode_worklist_plan(tmp_path):
     # never cut a batch of equal lengths further than the per-sequence rule (n = ceil(ctx /
     # min_tokens)), and give a long sequence among short ones the short ones' idle slots; over
     # B x S slots (the grid decode_plan launches) and over B + w slots (w a wave: the bound
-    # total / (slots - B) at its tightest).
+    # total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
+    # search and 9-bit packing, decode/splits.h) must read back every slot's own split.
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
     grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
     rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed)
@@ -484,7 +505,8 @@ def test_decode_worklist_plan(tmp_path):
     for (b, slots, cap, align, mt, kind, seed), line in zip(rows, out):
         fields = line.split()
         t = int(fields[0])
-        plan = [tuple(map(int, f.split(":"))) for f in fields[1:]]
+        assert fields[-1] == "slots:ok", ("a slot entry does not read back", b, slots, cap, kind, seed)
+        plan = [tuple(map(int, f.split(":"))) for f in fields[1:-1]]
         assert len(plan) == b
         assert t > 0 and t % align == 0, (rows, line)
         assert sum(n for _, n in plan) <= slots, ("more splits than slots", b, slots, cap, kind, t)

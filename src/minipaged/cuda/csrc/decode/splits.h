@@ -96,4 +96,51 @@ MINIPAGED_HD int decode_worklist_count(int ctx, int64_t t) {
   return n < 1 ? 1 : static_cast<int>(n);
 }
 
+// The plan's limits (decode/worklist.cuh): one sequence per planner thread, and the splits one
+// merge takes (decode/reduce.cuh: kMaxSplits). A slot's entry packs b, split and count into 9
+// bits each; b = kWorklistNoSeq marks a slot past every sequence's splits.
+constexpr int kWorklistPlanThreads = 256;
+constexpr int kWorklistMaxBatch = kWorklistPlanThreads;
+constexpr int kWorklistMaxSplits = 256;
+constexpr int kWorklistNoSeq = 511;
+static_assert(kWorklistMaxBatch <= kWorklistNoSeq && kWorklistMaxSplits < 512, "9-bit fields");
+
+struct WorklistEntry {
+  int b;      // -1: the slot is past every sequence's splits
+  int split;  // of sequence b
+  int count;  // slots of sequence b
+  int first;  // slot of split 0 of sequence b
+  int ctx;    // context length of b, clamped to the table
+  int run;    // tokens per split (every sequence's)
+};
+
+// The four words of a slot's entry, as the plan kernel stores them (one 16-byte store, one
+// 16-byte load): b | split << 9 | count << 18, ctx, first, run.
+struct WorklistWords {
+  int x, y, z, w;
+};
+MINIPAGED_HD WorklistWords decode_worklist_pack(const WorklistEntry& e) {
+  const int b = e.b < 0 ? kWorklistNoSeq : e.b;
+  return {b | e.split << 9 | e.count << 18, e.ctx, e.first, e.run};
+}
+MINIPAGED_HD WorklistEntry decode_worklist_unpack(int x, int y, int z, int w) {
+  const int b = x & 511;
+  return {b == kWorklistNoSeq ? -1 : b, (x >> 9) & 511, (x >> 18) & 511, z, y, w};
+}
+
+// The sequence whose slots hold `slot` (0 <= slot < first[batch], the slots in use): the last
+// b < batch with first[b] <= slot, first[] increasing from first[0] = 0 (n_b >= 1).
+MINIPAGED_HD int decode_worklist_owner(const int* first, int batch, int slot) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first[mid] <= slot) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace minipaged

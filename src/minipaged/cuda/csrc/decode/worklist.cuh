@@ -13,29 +13,11 @@
 
 namespace minipaged {
 
-constexpr int kWorklistPlanThreads = 256;
-// The host plans a work list for at most one sequence per planner thread.
-constexpr int kWorklistMaxBatch = kWorklistPlanThreads;
-constexpr int kWorklistMaxSplits = 256;  // splits one merge takes (decode/reduce.cuh: kMaxSplits)
-// A slot entry packs b, split and count into 9 bits each (b = kWorklistNoSeq: no work).
-constexpr int kWorklistNoSeq = 511;
-static_assert(kWorklistMaxBatch <= kWorklistNoSeq && kWorklistMaxSplits < 512, "9-bit fields");
-
-struct WorklistEntry {
-  int b;      // -1: the slot is past every sequence's splits
-  int split;  // of sequence b
-  int count;  // slots of sequence b
-  int first;  // slot of split 0 of sequence b
-  int ctx;    // context length of b, clamped to the table
-  int run;    // tokens per split (every sequence's)
-};
-
 // The entry of work slot `slot` (one 16-byte load; the planner grid must have completed:
 // griddep_wait). Read at L2: the planner wrote it after this CTA may have started.
 __device__ __forceinline__ WorklistEntry decode_worklist_slot(const DecodeParams& p, int slot) {
   const int4 e = __ldcg(reinterpret_cast<const int4*>(p.worklist_plan) + slot);
-  const int b = e.x & 511;
-  return {b == kWorklistNoSeq ? -1 : b, (e.x >> 9) & 511, (e.x >> 18) & 511, e.z, e.y, e.w};
+  return decode_worklist_unpack(e.x, e.y, e.z, e.w);
 }
 
 // Slots and first slot of sequence b (after the slot entries).
@@ -87,18 +69,16 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   const int used = sm_first[p.batch];  // (launch_decode: 1 <= batch <= kWorklistMaxBatch)
   int4* slots = reinterpret_cast<int4*>(p.worklist_plan);
   for (int slot = tid; slot < p.worklist; slot += kWorklistPlanThreads) {
-    if (slot >= used) {
-      slots[slot] = make_int4(kWorklistNoSeq, 0, 0, run);
-      continue;
+    WorklistEntry e{-1, 0, 0, 0, 0, run};
+    if (slot < used) {
+      e.b = decode_worklist_owner(sm_first, p.batch, slot);
+      e.first = sm_first[e.b];
+      e.split = slot - e.first;
+      e.count = sm_first[e.b + 1] - e.first;
+      e.ctx = max(0, min(p.context_lens[e.b], capacity));
     }
-    int lo = 0, hi = p.batch - 1;  // the last sequence whose first slot is <= slot
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (sm_first[mid] <= slot) lo = mid; else hi = mid - 1;
-    }
-    const int b_first = sm_first[lo], b_count = sm_first[lo + 1] - b_first;
-    const int b_ctx = max(0, min(p.context_lens[lo], capacity));
-    slots[slot] = make_int4(lo | (slot - b_first) << 9 | b_count << 18, b_ctx, b_first, run);
+    const WorklistWords w = decode_worklist_pack(e);
+    slots[slot] = make_int4(w.x, w.y, w.z, w.w);
   }
 }
 
