@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -372,6 +372,22 @@ for s in $stages; do
       # the rounds as one table (medians, ratios to each row's plan without the work list)
       logs=(); for r in ${DECODE_AB_ROUNDS:-1 2}; do logs+=("$WORK/logs/decode_worklist_time$r.log"); done
       run decode_worklist_table python3 scripts/decode_time_table.py "${logs[@]}";;
+    decode_worklist_bench)
+      # The decode grid (bf16 and fp8 rows) of the cuda backend and FlashInfer's decode, twice in
+      # one call: the default build, then one with the work list on by default
+      # (-DMINIPAGED_DECODE_WORKLIST_DEFAULT=1 through MINIPAGED_NVCC_FLAGS: its own cached
+      # build), so the grid's uneven rows are compared with and without it against the same
+      # anchor. Carry .anchors (FlashInfer).
+      # (the first run uses the default build's cache; FlashInfer's fp8 decode JIT-builds, so it is
+      # left out unless DECODE_WORKLIST_BENCH_ANCHORS names it)
+      for wl in 0 1; do
+        export STAGE_TIMEOUT_decode_worklist_bench$wl=${STAGE_TIMEOUT_decode_worklist_bench:-240}
+        flags=${MINIPAGED_NVCC_FLAGS:-}
+        [ $wl = 1 ] && flags="$flags -DMINIPAGED_DECODE_WORKLIST_DEFAULT=1"
+        MINIPAGED_NVCC_FLAGS="$flags" run decode_worklist_bench$wl python3 -m minipaged.cli bench --op decode \
+          --backends cuda --anchors ${DECODE_WORKLIST_BENCH_ANCHORS:-flashinfer-decode} --kv-cache-dtype fp8 \
+          --no-progress --no-plots --out "$WORK/bench/decode_worklist_default$wl"
+      done;;
     decode_trace)
       # decode_selftest built with -DMINIPAGED_DECODE_TRACE=1 (decode/trace.cuh): `time` prints, per
       # row, one traced replay's timeline over CTAs (entry, first / last K/V tile, loop end, exit, the

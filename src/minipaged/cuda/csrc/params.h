@@ -244,9 +244,14 @@ struct DecodePlan {
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 
 // The decode work list (DecodeParams::worklist) where decode_plan's gate allows one: off by
-// default until the one-CTA plan kernel (decode/worklist.cuh) has run on a GPU; the variant bit
-// kDecodeVariantWorklistToggle (benchmarking and tests) flips it for one call either way.
-constexpr bool kDecodeWorklistByDefault = false;
+// default until the one-CTA plan kernel (decode/worklist.cuh) has run on a GPU (a build with
+// -DMINIPAGED_DECODE_WORKLIST_DEFAULT=1, e.g. through MINIPAGED_NVCC_FLAGS, turns it on for a
+// whole-grid A/B); the variant bit kDecodeVariantWorklistToggle (benchmarking and tests) flips
+// it for one call either way.
+#ifndef MINIPAGED_DECODE_WORKLIST_DEFAULT
+#define MINIPAGED_DECODE_WORKLIST_DEFAULT 0
+#endif
+constexpr bool kDecodeWorklistByDefault = MINIPAGED_DECODE_WORKLIST_DEFAULT != 0;
 constexpr int kDecodeVariantWorklistToggle = 0x1000;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
