@@ -487,7 +487,8 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
       Result a, b;
       run(s, t | kFused, 5, true, st, a);
       run(s, t | kFused, 5, false, st, b);
-      report(a.o == b.o, pr.name + " tiling " + std::to_string(tiling) + " fused: o without lse == o with lse (5 splits)");
+      report(a.o == b.o,
+             pr.name + " tiling " + std::to_string(tiling) + " fused: o without lse == o with lse (5 splits)");
     }
   }
   if (deep) {
@@ -544,9 +545,11 @@ void check_worklist_problem(const Prob& pr, uint32_t seed) {
   run(s, kWorklistOff, 0, true, st, plain);
   const long bad_plain = compare_ref(s, plain, true, &e1);
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays "
-                "differ; without it: %ld bad (max err %.2e)", pr.name.c_str(), eager.worklist ? "taken" : "NOT TAKEN",
-                eager.splits, bad_ref, e0, bad, g_replays, bad_plain, e1);
+  std::snprintf(buf, sizeof buf,
+                "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays differ; "
+                "without it: %ld bad (max err %.2e)",
+                pr.name.c_str(), eager.worklist ? "taken" : "NOT TAKEN", eager.splits, bad_ref, e0, bad, g_replays,
+                bad_plain, e1);
   report(eager.worklist && !plain.worklist && bad == 0 && bad_ref == 0 && bad_plain == 0, buf);
   CHECK_CUDA(cudaStreamDestroy(st));
   free_setup(s);

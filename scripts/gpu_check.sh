@@ -366,7 +366,8 @@ for s in $stages; do
       for r in ${DECODE_AB_ROUNDS:-1 2}; do
         # (a computed name cannot prefix a command as an assignment: export it)
         export STAGE_TIMEOUT_decode_worklist_time$r=${STAGE_TIMEOUT_decode_worklist_time:-110}
-        DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0} \
+        DECODE_TIME_SKEW=1 DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-0} \
+          DECODE_TIME_VARIANTS=${DECODE_WORKLIST_VARIANTS:-0} \
           run decode_worklist_time$r "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100}
       done
       # the rounds as one table (medians, ratios to each row's plan without the work list)

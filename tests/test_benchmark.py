@@ -875,7 +875,8 @@ def test_decode_time_table_script(tmp_path, capsys):
     assert line.endswith(f"| {150.5 / 201.0:.3f} |"), line
     # (the wide equal-length rows: one log holds them)
     line = next(x for x in out.splitlines() if "quarter" in x and "| tiling 0 worklist |" in x)
-    assert line == f"| B=64 L=32k quarter fp8 | tiling 0 worklist | 4 | 2048 | 41.00 | - | 41.00 | {41 / 40:.3f} |", line
+    want = f"| B=64 L=32k quarter fp8 | tiling 0 worklist | 4 | 2048 | 41.00 | - | 41.00 | {41 / 40:.3f} |"
+    assert line == want, line
     # a config that disagreed with the baseline
     bad = tmp_path / "bad.log"
     bad.write_text(row("B=1 L=4k", "tiling 0", 32, 256, 13.0, "ok")

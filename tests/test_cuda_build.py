@@ -468,10 +468,9 @@ int main() {
       const minipaged::WorklistWords w = minipaged::decode_worklist_pack(e);
       const minipaged::WorklistEntry r = minipaged::decode_worklist_unpack(w.x, w.y, w.z, w.w);
       const bool in_use = slot < first[B];
-      const bool ok = r.run == t && (in_use ? r.b >= 0 && r.b < B && r.first == first[r.b] && r.first + r.split == slot &&
-                                                  r.split < r.count && r.count == first[r.b + 1] - first[r.b] &&
-                                                  r.ctx == ctx[r.b]
-                                            : r.b == -1 && r.count == 0);
+      const bool own = r.b >= 0 && r.b < B && r.first == first[r.b] && r.first + r.split == slot &&
+                       r.split < r.count && r.count == first[r.b + 1] - first[r.b] && r.ctx == ctx[r.b];
+      const bool ok = r.run == t && (in_use ? own : r.b == -1 && r.count == 0);
       if (!ok) slots = "BAD";
     }
     std::printf("%lld", t);

@@ -320,7 +320,6 @@ DecodePlan select_packed(const DecodeParams& p) {
   }
 }
 
-
 // The tensor-core alternative to the scalar kernel for G = 2 at D = 128 with the
 // default tiling (a packed-query call: always), both cache dtypes; {} elsewhere.
 // decode_plan takes it when its splits are long (kMinTokensPerSplitTensorCores).

@@ -170,7 +170,8 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // WL: the work-list twin (decode_slice; DecodePlan::worklist_kernel).
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
           bool MQ = false, int RB = 1, bool WL = false>
-__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1) : (MQ ? kMqMinBlocks : (WL ? kWorklistMinBlocks : 0)))
+__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1)
+                                                  : (MQ ? kMqMinBlocks : (WL ? kWorklistMinBlocks : 0)))
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
   static_assert(RB == 1 || (RB == 2 && MQ), "two row blocks: short query runs only");
