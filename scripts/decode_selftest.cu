@@ -865,6 +865,7 @@ int time_mode(int reps) {
       minipaged::DecodeParams probe{};
       probe.batch = B, probe.num_q_heads = hq, probe.num_kv_heads = hkv, probe.head_dim = D, probe.block_size = bs;
       probe.max_blocks = per_seq, probe.dtype = DType::kBFloat16, probe.kv_fp8 = fp8;
+      probe.k_scale = probe.v_scale = fp8 ? dscale : nullptr;  // (an FP8 plan needs its scales)
       probe.num_sms = g_num_sms, probe.cc_major = g_cc, probe.variant = kWorklistOn;
       minipaged::decode_plan(probe, 0);
       if (probe.worklist > 0) {

@@ -270,9 +270,8 @@ static int run_case(const Case& c) {
       for (int splits : {0, 1, 5}) {
         q.variant = variant;
         const minipaged::DecodePlan plan = minipaged::decode_plan(q, splits);
-        const int64_t rows = int64_t(S) * c.hq * q.num_splits;
-        CHECK_CUDA(cudaMalloc(&dpart, std::max<int64_t>(rows * (D + 1), 1) * 4));
-        q.partial_o = dpart, q.partial_lse = dpart + rows * D;
+        CHECK_CUDA(cudaMalloc(&dpart, std::max<int64_t>(minipaged::decode_workspace_floats(q), 1) * 4));
+        minipaged::decode_set_workspace(q, dpart);
         CHECK_CUDA(cudaMemset(dout, 0xFF, o_elems * 2));
         CHECK_CUDA(cudaMemset(dlse, 0xFF, lse_elems * 4));
         CHECK_CUDA(minipaged::launch_decode(q, plan, 0));

@@ -515,8 +515,7 @@ static bool routed_matches_decode(Built& b) {
   const int64_t floats = minipaged::decode_workspace_floats(d);
   if (floats > 0) {
     CHECK_CUDA(cudaMalloc(&ws, floats * 4));
-    d.partial_o = ws;
-    d.partial_lse = ws + int64_t(d.batch) * d.num_q_heads * d.num_splits * d.head_dim;
+    minipaged::decode_set_workspace(d, ws);
   }
   CHECK_CUDA(minipaged::launch_decode(d, plan, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -803,8 +802,7 @@ static double time_decode(const Built& b, int reps, int splits = 1) {
   const int64_t floats = minipaged::decode_workspace_floats(q);
   if (floats > 0) {
     CHECK_CUDA(cudaMalloc(&ws, floats * 4));
-    q.partial_o = ws;
-    q.partial_lse = ws + int64_t(q.batch) * q.num_q_heads * q.num_splits * q.head_dim;
+    minipaged::decode_set_workspace(q, ws);
   }
   const double t = median_ms([&] { return minipaged::launch_decode(q, plan, 0); }, reps);
   if (ws) CHECK_CUDA(cudaFree(ws));
