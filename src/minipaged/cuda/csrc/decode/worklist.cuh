@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   __shared__ long long sm_sum[kPlanWarps];
   __shared__ int sm_scan[kPlanWarps];
   __shared__ int sm_first[kWorklistMaxBatch + 1];  // [batch]: slots in use
+  __shared__ int sm_ctx[kWorklistMaxBatch];        // (the slot entries' lengths, not read twice)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int capacity = p.max_blocks * p.block_size;
   const bool mine = tid < p.batch;
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   __syncthreads();
   int first = incl - n;
   for (int w = 0; w < warp; ++w) first += sm_scan[w];
-  if (mine) sm_first[tid] = first;
+  if (mine) sm_first[tid] = first, sm_ctx[tid] = ctx;
   if (tid == p.batch - 1) sm_first[p.batch] = first + n;  // the slots in use
   if (mine) reinterpret_cast<int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist))[tid] = make_int2(n, first);
   __syncthreads();
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
       e.first = sm_first[e.b];
       e.split = slot - e.first;
       e.count = sm_first[e.b + 1] - e.first;
-      e.ctx = max(0, min(p.context_lens[e.b], capacity));
+      e.ctx = sm_ctx[e.b];
     }
     const WorklistWords w = decode_worklist_pack(e);
     slots[slot] = make_int4(w.x, w.y, w.z, w.w);
