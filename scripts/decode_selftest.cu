@@ -438,9 +438,10 @@ std::vector<int> tilings_for(const Prob& pr) {
   return v;
 }
 
-// bits: OR-ed into every variant run (kWorklistOn: every plan a work list where the gate allows).
-void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep, uint32_t seed, int bits = 0) {
-  Setup s = make_setup(pr, seed);
+// check_problem on a problem already set up (its caller owns s). bits: OR-ed into every variant
+// run (kWorklistOn: every plan a work list where the gate allows).
+void check_setup(const Setup& s, const std::vector<int>& split_list, bool deep, int bits) {
+  const Prob& pr = s.pr;
   std::printf("-- %s  %s H%d/%d D%d page %d, %d sequences\n", pr.name.c_str(),
               pr.fp8 ? "fp8" : (pr.dt == DType::kBFloat16 ? "bf16" : "fp16"), pr.hq, pr.hkv, pr.d, pr.bs, s.B);
   cudaStream_t st;
@@ -525,6 +526,11 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
     }
   }
   CHECK_CUDA(cudaStreamDestroy(st));
+}
+
+void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep, uint32_t seed, int bits = 0) {
+  Setup s = make_setup(pr, seed);
+  check_setup(s, split_list, deep, bits);
   free_setup(s);
 }
 
@@ -536,8 +542,8 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 // and the same batch without it (kWorklistOff) within the reference's bound too.
 // every_tiling false (small mode, for the sanitizers): the default tiling's checks only.
 void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = true) {
-  if (every_tiling) check_problem(pr, {0}, false, seed, kWorklistOn);
   Setup s = make_setup(pr, seed);
+  if (every_tiling) check_setup(s, {0}, false, kWorklistOn);
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   Result eager, plain;

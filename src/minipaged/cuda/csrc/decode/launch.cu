@@ -536,6 +536,28 @@ int64_t decode_split_counter_count(const DecodeParams& p, const DecodePlan& k) {
   return static_cast<int64_t>(p.batch) * p.num_kv_heads * gchunks;
 }
 
+namespace {
+// kernel<<<grid, block, smem, stream>>>(p), as a programmatic dependent launch when `pdl`
+// (sm_90+): its CTAs may start while the previous kernel on the stream drains, and its
+// griddepcontrol.wait keeps the ordering. Captured into CUDA graphs as a programmatic edge.
+cudaError_t launch_pdl(DecodeKernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
+                       const DecodeParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+}  // namespace
+
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0) return cudaSuccess;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
@@ -565,40 +587,17 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
       return cudaErrorInvalidValue;
     decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kWarps * 32);
-    cfg.dynamicSmemBytes = static_cast<size_t>(k.smem_bytes);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    if (p.cc_major >= 9) {
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-    }
-    err = cudaLaunchKernelEx(&cfg, k.worklist_kernel, p);
+    err = launch_pdl(k.worklist_kernel, grid, dim3(kWarps * 32), k.smem_bytes, stream, p.cc_major >= 9, p);
   } else {
     k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
-  // Programmatic dependent launch (sm_90+): the reduction's CTAs are set up
-  // while the split kernel drains instead of after it; griddepcontrol.wait in
-  // the reduction keeps the ordering. Captured into CUDA graphs as a
-  // programmatic edge.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_q_heads, static_cast<unsigned>(reduce_rows));
-  cfg.blockDim = dim3(kReduceThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  if (p.cc_major >= 9 && !(p.variant & kVariantNoPDL)) {
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  return cudaLaunchKernelEx(&cfg, p.worklist > 0 ? k.worklist_reduce : k.reduce, p);
+  // The reduction as a programmatic dependent launch: its CTAs are set up while the split
+  // kernel drains instead of after it.
+  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>(reduce_rows));
+  return launch_pdl(p.worklist > 0 ? k.worklist_reduce : k.reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
+                    p.cc_major >= 9 && !(p.variant & kVariantNoPDL), p);
 }
 
 #if MINIPAGED_DECODE_TRACE

@@ -20,9 +20,14 @@ __device__ __forceinline__ WorklistEntry decode_worklist_slot(const DecodeParams
   return decode_worklist_unpack(e.x, e.y, e.z, e.w);
 }
 
-// Slots and first slot of sequence b (after the slot entries).
+// The per-sequence entries (slots, first slot), after the slot entries.
+__device__ __forceinline__ int2* decode_worklist_seqs(const DecodeParams& p) {
+  return reinterpret_cast<int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist));
+}
+
+// Slots and first slot of sequence b.
 __device__ __forceinline__ int2 decode_worklist_seq(const DecodeParams& p, int b) {
-  return __ldcg(reinterpret_cast<const int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist)) + b);
+  return __ldcg(decode_worklist_seqs(p) + b);
 }
 
 namespace {
@@ -65,7 +70,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   for (int w = 0; w < warp; ++w) first += sm_scan[w];
   if (mine) sm_first[tid] = first, sm_ctx[tid] = ctx;
   if (tid == p.batch - 1) sm_first[p.batch] = first + n;  // the slots in use
-  if (mine) reinterpret_cast<int2*>(p.worklist_plan + 4 * static_cast<int64_t>(p.worklist))[tid] = make_int2(n, first);
+  if (mine) decode_worklist_seqs(p)[tid] = make_int2(n, first);
   __syncthreads();
   const int used = sm_first[p.batch];  // (launch_decode: 1 <= batch <= kWorklistMaxBatch)
   int4* slots = reinterpret_cast<int4*>(p.worklist_plan);
