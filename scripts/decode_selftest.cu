@@ -868,13 +868,23 @@ int time_mode(int reps) {
       configs.push_back(kNoReduce);
     }
     if (!exact_variants.empty()) configs = exact_variants;
+    // The row's decode parameters at `variant`, before planning.
+    auto params_at = [&](int variant) {
+      minipaged::DecodeParams p{};
+      p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
+      p.lse = nullptr, p.lse_batch_stride = hq;
+      p.q_batch_stride = int64_t(hq) * D, p.q_head_stride = D, p.o_batch_stride = int64_t(hq) * D, p.o_head_stride = D;
+      p.k_block_stride = p.v_block_stride = int64_t(bs) * row, p.k_token_stride = p.v_token_stride = row;
+      p.k_head_stride = p.v_head_stride = D, p.block_table_stride = per_seq;
+      p.batch = B, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D, p.block_size = bs;
+      p.max_blocks = per_seq, p.scale = 1.f / std::sqrt(float(D)), p.dtype = DType::kBFloat16;
+      p.kv_fp8 = fp8, p.k_scale = fp8 ? dscale : nullptr, p.v_scale = fp8 ? dscale : nullptr;
+      p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = variant;
+      return p;
+    };
     {  // where the gate allows a work list: the plan without it first (the others are checked
        // against it), then the same configs with it
-      minipaged::DecodeParams probe{};
-      probe.batch = B, probe.num_q_heads = hq, probe.num_kv_heads = hkv, probe.head_dim = D, probe.block_size = bs;
-      probe.max_blocks = per_seq, probe.dtype = DType::kBFloat16, probe.kv_fp8 = fp8;
-      probe.k_scale = probe.v_scale = fp8 ? dscale : nullptr;  // (an FP8 plan needs its scales)
-      probe.num_sms = g_num_sms, probe.cc_major = g_cc, probe.variant = kWorklistOn;
+      minipaged::DecodeParams probe = params_at(kWorklistOn);
       minipaged::decode_plan(probe, 0);
       if (probe.worklist > 0) {
         std::vector<int> both;
@@ -886,16 +896,7 @@ int time_mode(int reps) {
     for (int v : configs)
     for (int forced : time_splits) {
       if (!tiling_selected(v)) continue;
-      minipaged::DecodeParams p{};
-      p.q = dq, p.k_cache = dk, p.v_cache = dv, p.o = dout, p.block_tables = dtable, p.context_lens = dctx;
-      p.lse = nullptr, p.lse_batch_stride = hq;
-      p.q_batch_stride = int64_t(hq) * D, p.q_head_stride = D, p.o_batch_stride = int64_t(hq) * D, p.o_head_stride = D;
-      p.k_block_stride = p.v_block_stride = int64_t(bs) * row, p.k_token_stride = p.v_token_stride = row;
-      p.k_head_stride = p.v_head_stride = D, p.block_table_stride = per_seq;
-      p.batch = B, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D, p.block_size = bs;
-      p.max_blocks = per_seq, p.scale = 1.f / std::sqrt(float(D)), p.dtype = DType::kBFloat16;
-      p.kv_fp8 = fp8, p.k_scale = fp8 ? dscale : nullptr, p.v_scale = fp8 ? dscale : nullptr;
-      p.num_sms = g_num_sms, p.cc_major = g_cc, p.variant = v;
+      minipaged::DecodeParams p = params_at(v);
       minipaged::DecodePlan plan = minipaged::decode_plan(p, forced);
       if ((v & kFused) && !plan.fused) continue;  // this tiling has no fused build
       if (forced != 0 && p.num_splits != forced) continue;  // clamped to the heuristic's range
