@@ -31,6 +31,10 @@ _NEG_INF = float("-inf")
 def _tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:
+        # sparse and nested tensors have no strides: the checks below and the kernels index dense memory
+        kind = "nested" if x.is_nested else x.layout
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
     return x
 
 
@@ -685,10 +689,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     # contiguous copy that is copied back.
     kc, vc = (c if b.name == "torch" or c.stride(-1) == 1 or c.shape[-1] <= 1 else c.contiguous()
               for c in (k_cache, v_cache))
-    b.op("write_kv_cache")(k, v, kc, vc, slot_mapping.to(torch.int64).contiguous(), *scales)
-    for c, written in ((k_cache, kc), (v_cache, vc)):
-        if written is not c:
-            c.copy_(written)
+    # A cache is written outside autograd: K/V that require grad must not make it a graph node (the
+    # next write would refuse it), and a cache allocated under inference mode must stay writable.
+    with torch.inference_mode():
+        b.op("write_kv_cache")(k, v, kc, vc, slot_mapping.to(torch.int64).contiguous(), *scales)
+        for c, written in ((k_cache, kc), (v_cache, vc)):
+            if written is not c:
+                c.copy_(written)
     return None
 
 
@@ -717,6 +724,8 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, backend: str | None = None
         if x.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {x.dtype}")
     _same_device("o_a", o_a, o_b=o_b, lse_a=lse_a, lse_b=lse_b)
+    if o_a.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the tensors are on {o_a.device}: minipaged runs on cpu and cuda tensors")
     if o_a.dim() < 2:
         raise ValueError(f"o_a must be at least 2-D [..., Hq, D], got shape {tuple(o_a.shape)}")
     if o_b.shape != o_a.shape:

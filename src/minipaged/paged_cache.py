@@ -60,6 +60,11 @@ def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torc
     if s is None:
         s = 1.0
     if isinstance(s, torch.Tensor):
+        # a bool, integer or complex tensor would be cast silently, where a bool scalar is a TypeError
+        if not s.is_floating_point():
+            raise TypeError(f"{name} must be a positive float or a floating-point tensor, got a {s.dtype} tensor")
+        if s.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {s.device}: a scale tensor must be on cpu or cuda")
         t = s.detach().to(dtype=torch.float32)
         if t.shape not in ((), (num_kv_heads,), (num_layers, num_kv_heads)):
             raise ValueError(f"{name} must be a float or a tensor of shape [], [Hkv] = [{num_kv_heads}] or "
