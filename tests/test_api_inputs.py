@@ -110,3 +110,33 @@ def test_paged_kv_cache_still_takes_float_scale_tensors():
                         v_scale=torch.tensor(0.25, dtype=torch.float64))
     assert torch.equal(c.k_scales, torch.tensor([[0.5, 2.0], [0.5, 2.0]]))
     assert torch.equal(c.v_scales, torch.full((2, 2), 0.25))
+
+
+def test_numpy_scalars_are_numbers():
+    # scale / max_seqlen computed with numpy (np.float32, np.int64) were refused as "not a float/int";
+    # the check_values=False fast path must hand the kernels a Python int on its second call too
+    import numpy as np
+
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 2, 5, 64), torch.randn(1, 1, 7, 64)
+    assert torch.equal(mp.prefill_attention(q, k, k, scale=np.float32(0.125), backend="torch"),
+                       mp.prefill_attention(q, k, k, scale=0.125, backend="torch"))
+    qv, kv = torch.randn(5, 2, 64), torch.randn(7, 1, 64)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    want = mp.prefill_attention_varlen(qv, kv, kv, cu_q, cu_k, backend="torch")
+    got = mp.prefill_attention_varlen(qv, kv, kv, cu_q, cu_k, max_seqlen_q=np.int64(5), max_seqlen_k=np.int32(7),
+                                      backend="torch")
+    assert torch.equal(got, want)
+    kc, vc = torch.randn(3, 4, 1, 64), torch.randn(3, 4, 1, 64)
+    bt, cl = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    want = mp.paged_attention(qv, kc, vc, bt, cu_q, cl, backend="torch")
+    for _ in range(2):
+        got = mp.paged_attention(qv, kc, vc, bt, cu_q, cl, max_seqlen_q=np.int64(5), check_values=False,
+                                 backend="torch")
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        mp.prefill_attention(q, k, k, scale=np.bool_(True), backend="torch")
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int"):
+        mp.prefill_attention_varlen(qv, kv, kv, cu_q, cu_k, max_seqlen_q=np.float64(5.0), backend="torch")
+    c = mp.PagedKVCache(1, 1, 64, num_blocks=2, dtype=torch.float8_e4m3fn, k_scale=np.float32(0.5))
+    assert torch.equal(c.k_scales, torch.tensor([[0.5]]))

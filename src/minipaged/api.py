@@ -14,7 +14,9 @@ that built those tensors themselves (the engine), never by default.
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from . import registry
@@ -102,7 +104,7 @@ def _scale(scale, head_dim: int) -> float:
     # called after the head-dim check, so head_dim > 0 here
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not _real(scale):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return positive_float32("scale", scale)
 
@@ -113,9 +115,15 @@ def _bool(name: str, x) -> bool:
     return x
 
 
-def _max_len(name: str, m) -> None:
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+def _real(x) -> bool:
+    """A real number that is not a bool: Python's, or numpy's scalars (registered as numbers.Real)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _max_len(name: str, m) -> int | None:
+    if m is not None and (isinstance(m, (bool, np.bool_)) or not isinstance(m, numbers.Integral) or m < 0):
         raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
+    return None if m is None else int(m)
 
 
 def _kernel_ready(b: Backend, x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +282,7 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
         if check_values and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
         return s.reshape(1).expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
-    if isinstance(s, bool) or not isinstance(s, (int, float)):
+    if not _real(s):
         raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
     s = positive_float32(name, s)
     key = (s, num_kv_heads, cache.device)
@@ -395,8 +403,8 @@ def prefill_attention_varlen(
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     _heads(Hq, k.shape[1])
-    _max_len("max_seqlen_q", max_seqlen_q)
-    _max_len("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = _max_len("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _max_len("max_seqlen_k", max_seqlen_k)
     b = _pick("prefill_varlen", q.device, backend, q.dtype, D)
     scale = _scale(scale, D)
     if check_values or max_seqlen_q is None or max_seqlen_k is None:
@@ -588,7 +596,7 @@ def paged_attention(
         hit = _validated.get(key) if key is not None else None
         if hit is not None and _layout_ok(q, (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)):
             return hit[0](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                          min(max_seqlen_q, q.shape[0]), causal, hit[1], return_lse, *hit[2])
+                          min(int(max_seqlen_q), q.shape[0]), causal, hit[1], return_lse, *hit[2])
     q = _tensor("q", q)
     k_cache, v_cache = _tensor("k_cache", k_cache), _tensor("v_cache", v_cache)
     block_tables, context_lens = _tensor("block_tables", block_tables), _tensor("context_lens", context_lens)
@@ -605,7 +613,7 @@ def paged_attention(
     Tq, Hq, D = q.shape
     causal, return_lse = _bool("causal", causal), _bool("return_lse", return_lse)
     check_values = _bool("check_values", check_values)
-    _max_len("max_seqlen_q", max_seqlen_q)
+    max_seqlen_q = _max_len("max_seqlen_q", max_seqlen_q)
     b = _pick("paged", q.device, backend, q.dtype, D, fp8)
     scale = _scale(scale, D)
     scales = _scale_args(_kv_scale("k_scale", k_scale, fp8, k_cache, check_values),
