@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
         print("warming up (kernel JIT, CUDA graph capture) ...", file=sys.stderr)
         eng.warmup()
     stop = []
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
+    # the tokenizer's EOS is one more EOS id: --ignore-eos ignores it as well
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not args.ignore_eos:
         stop.append(int(tokenizer.eos_token_id))
     try:
         outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

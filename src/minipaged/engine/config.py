@@ -8,6 +8,7 @@ transformers-5 layout (`rope_parameters`).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +34,14 @@ class Qwen3Config:
     torch_dtype: str | None = "bfloat16"
 
     def __post_init__(self) -> None:
+        # zero or negative sizes would build an empty model or divide by zero while sizing the cache
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+                raise ValueError(f"config {name} must be a positive int, got {val!r}")
+        if not 0 < self.rope_theta < float("inf"):
+            raise ValueError(f"config rope_theta must be a positive finite number, got {self.rope_theta!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -52,6 +61,16 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
         d = dict(d)
+
+        def num(name: str, default: Any, kind: type = int):
+            # a config.json value of the wrong type names its field, not only int()'s complaint
+            val = d.get(name, default)
+            try:
+                return kind(val)
+            except (TypeError, ValueError):
+                raise ValueError(f"config {name} must be {'an int' if kind is int else 'a number'}, "
+                                 f"got {val!r}") from None
+
         mt = d.get("model_type")
         if mt is not None and mt != "qwen3":
             raise ValueError(f"config model_type is {mt!r}; the engine runs only 'qwen3'")
@@ -62,44 +81,49 @@ class Qwen3Config:
             raise NotImplementedError(f"hidden_act {hidden_act!r} (only silu)")
 
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config rope_parameters / rope_scaling must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         if rope_type not in (None, "default"):
             raise NotImplementedError(f"rope_type {rope_type!r} (only the default RoPE)")
         theta = rope.get("rope_theta") if rope else None
         if theta is None:
             theta = d.get("rope_theta", 10000.0)
+        try:
+            theta = float(theta)
+        except (TypeError, ValueError):
+            raise ValueError(f"config rope_theta must be a number, got {theta!r}") from None
 
         eos = d.get("eos_token_ids", d.get("eos_token_id"))
-        if eos is None:
-            eos_list: list[int] = []
-        elif isinstance(eos, (list, tuple)):
-            eos_list = [int(e) for e in eos]
-        else:
-            eos_list = [int(eos)]
+        try:
+            eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        except (TypeError, ValueError):
+            raise ValueError(f"config eos_token_id must be a token id or a list of them, got {eos!r}") from None
 
-        n_heads = int(d.get("num_attention_heads", cls.num_attention_heads))
-        hidden = int(d.get("hidden_size", cls.hidden_size))
-        head_dim = d.get("head_dim") or hidden // n_heads
-        kv_heads = d.get("num_key_value_heads") or n_heads
+        n_heads = num("num_attention_heads", cls.num_attention_heads)
+        hidden = num("hidden_size", cls.hidden_size)
+        # a head count below 1 is reported by __post_init__, not divided by here
+        head_dim = num("head_dim", None) if d.get("head_dim") is not None else hidden // max(n_heads, 1)
+        kv_heads = num("num_key_value_heads", None) if d.get("num_key_value_heads") is not None else n_heads
         dtype = d.get("torch_dtype", d.get("dtype"))
         if dtype is not None and not isinstance(dtype, str):
             dtype = str(dtype).replace("torch.", "")
         return cls(
-            vocab_size=int(d.get("vocab_size", cls.vocab_size)),
+            vocab_size=num("vocab_size", cls.vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(d.get("intermediate_size", cls.intermediate_size)),
-            num_hidden_layers=int(d.get("num_hidden_layers", cls.num_hidden_layers)),
+            intermediate_size=num("intermediate_size", cls.intermediate_size),
+            num_hidden_layers=num("num_hidden_layers", cls.num_hidden_layers),
             num_attention_heads=n_heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            rope_theta=float(theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rms_norm_eps=num("rms_norm_eps", 1e-6, float),
             # transformers' PretrainedConfig default is True; Qwen3Config's own default is False,
             # but every published Qwen3 config states it explicitly.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            max_position_embeddings=num("max_position_embeddings", 40960),
             attention_bias=bool(d.get("attention_bias", False)),
-            initializer_range=float(d.get("initializer_range", 0.02)),
+            initializer_range=num("initializer_range", 0.02, float),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_list,
             torch_dtype=dtype,
@@ -117,7 +141,13 @@ class Qwen3Config:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path) as f:
-                return cls.from_dict(json.load(f))
+                try:
+                    d = json.load(f)
+                except ValueError as e:
+                    raise ValueError(f"{path} is not valid JSON: {e}") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+            return cls.from_dict(d)
         if hasattr(cfg, "to_dict"):
             return cls.from_dict(cfg.to_dict())
         raise TypeError(f"cannot read a Qwen3 configuration from {type(cfg).__name__}")

@@ -302,6 +302,9 @@ class Engine:
             backend = "triton"
         self.backend = backend
         self.batch_invariant = batch_invariant
+        if state_dict is not None and not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict of tensors keyed by transformers' names, or None, "
+                            f"got {type(state_dict).__name__}")
         if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) \
                 or not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
@@ -322,25 +325,25 @@ class Engine:
                 raise FileNotFoundError(f"model folder {self.model_path!r} does not exist")
             cfg = Qwen3Config.from_any(self.model_path)
             cfg.eos_token_ids = _eos_from_generation_config(self.model_path, cfg.eos_token_ids)
-            state = state_dict if state_dict is not None else load_checkpoint(self.model_path, cfg)
         else:
             cfg = qwen3_0_6b_config() if model is None else Qwen3Config.from_any(model)
-            if state_dict is None:
-                state_dict = random_state_dict(cfg, seed=seed, dtype=self.dtype, device=self.device)
-            state = state_dict
-        state = check_state_dict(state, cfg)
-        self.config = cfg
-
+        # what the config alone decides is checked before the weights are read or drawn
         if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
+        if cfg.head_dim not in registry.all_backends()[self.ops.backends["paged"]].head_dims:
+            raise ValueError(f"head_dim {cfg.head_dim} of this model is not supported by backend "
+                             f"{self.ops.backends['paged']!r}")
+        if state_dict is None:
+            state_dict = load_checkpoint(self.model_path, cfg) if self.model_path is not None \
+                else random_state_dict(cfg, seed=seed, dtype=self.dtype, device=self.device)
+        state = check_state_dict(state_dict, cfg)
+        self.config = cfg
+
         self.max_model_len = int(max_model_len or default_max_model_len(cfg))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
-        if cfg.head_dim not in registry.all_backends()[self.ops.backends["paged"]].head_dims:
-            raise ValueError(f"head_dim {cfg.head_dim} of this model is not supported by backend "
-                             f"{self.ops.backends['paged']!r}")
         ckpt_scales = _checkpoint_kv_scales(state, cfg) if fp8 else (None, None)
         if batch_invariant and fp8 and ckpt_scales[0] is None:
             raise ValueError("batch_invariant=True with kv_cache_dtype='fp8' needs k_scale/v_scale tensors in the "
@@ -545,7 +548,11 @@ class Engine:
         fp8 scales that the warm-up prompt set are released: the next real prompt sets them."""
         n = min(2, self.max_num_seqs)
         recalibrate = self._calibrate_kv
-        self.generate([[0] * 4] * n, max_new_tokens=3, ignore_eos=True)
+        # a 4-token prompt and 3 new tokens (prefill, then decodes), shortened to what max_model_len and
+        # the cache hold, since generate() refuses a request that could never fit
+        room = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size)
+        prompt_len = max(1, min(4, room - 2))
+        self.generate([[0] * prompt_len] * n, max_new_tokens=min(3, room - prompt_len + 1), ignore_eos=True)
         self._calibrate_kv = recalibrate
         if recalibrate:
             self.cache.reset_prefix_cache()  # blocks named under the warm-up scales
