@@ -125,3 +125,16 @@ def test_generate_ignore_eos_ignores_the_tokenizers_eos_too(tmp_path, capsys):
 def test_state_dict_that_is_not_a_dict_is_a_type_error():
     with pytest.raises(TypeError, match="state_dict"):  # was: AttributeError from .items()
         Engine(_TINY, device="cpu", backend="torch", num_blocks=4, state_dict=[("model.norm.weight", None)])
+
+
+def test_numpy_sampling_numbers_are_numbers():
+    """A temperature or seed computed with numpy (np.float32, np.int64) was a TypeError."""
+    import numpy as np
+
+    eng = Engine(_TINY, device="cpu", backend="torch", num_blocks=8)
+    want = eng.generate([[1, 2, 3]], max_new_tokens=4, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True)
+    got = eng.generate([[1, 2, 3]], max_new_tokens=4, temperature=np.float32(0.7), top_p=np.float64(0.9),
+                       seed=np.int64(5), ignore_eos=True)
+    assert got == want
+    with pytest.raises(TypeError, match="temperature"):
+        eng.generate([[1]], max_new_tokens=1, temperature=np.bool_(True))

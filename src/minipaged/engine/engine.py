@@ -165,7 +165,7 @@ class GenerateStats:
     step_batch_sizes: list[int] = field(default_factory=list)
     decode_batch_sizes: list[int] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
-    ttft_seconds: list[float] = field(default_factory=list)   # per request, in prompt order
+    ttft_seconds: list[float] = field(default_factory=list)   # per request that got a token, in prompt order
     itl_seconds: list[float] = field(default_factory=list)    # gaps between consecutive tokens, all requests
     token_seconds: list[list[float]] = field(default_factory=list)  # per request: when each token came
     total_seconds: float = 0.0
@@ -429,7 +429,7 @@ class Engine:
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
         temperature, top_p = check_sampling(temperature, top_p)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
         prompts = None if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
