@@ -166,6 +166,22 @@ def test_paged_gather_variants_interpreter(gather, monkeypatch):
 
 
 @cpu_only
+def test_paged_v1_empty_contexts_read_no_table_entry_interpreter():
+    """Every context 0 under a block table of no columns: ceil(0 / page) = 0 entries are read
+    (DESIGN). The v1 prefill-like tile (block ids read a tile ahead, GATHER 2) read its first
+    tile's id before the key loop, even when the loop has no key: past the end of the table (a
+    segfault under the interpreter; on a GPU, a read of a zero-size allocation)."""
+    g = torch.Generator().manual_seed(5)
+    q = randn((41, 4, 64), torch.float16, "cpu", g)
+    cache = torch.full((2, 16, 2, 64), float("nan"), dtype=torch.float16)
+    tables = torch.empty((2, 0), dtype=torch.int32)
+    cu_q, ctx = _cu([1, 40], "cpu"), torch.zeros(2, dtype=torch.int32)
+    with configs.overriding(paged_long_kernel="v1", paged_mixed="one"):
+        out, lse = ops.paged(q, cache, cache, tables, cu_q, ctx, 40, True, 0.125, True)
+    _check(out, lse, q, [cache[0, :0]] * 2, [cache[0, :0]] * 2, cu_q, True, 0.125, "v1, contexts 0, no table column")
+
+
+@cpu_only
 def test_paged_head_dim_256_and_scale_interpreter():
     _run([2, 9], [30, 9], 4, 2, 256, 16, True, torch.float32, "cpu", scale=0.3)
 

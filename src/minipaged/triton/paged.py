@@ -51,23 +51,28 @@ from .softmax import (_merge_segment, _merge_splits, _merged_result, _q_to_fp16_
 
 @triton.jit
 def _tile_blocks(table_row, start_n, last_page,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr):
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr, limit=None):
     """Cache block of every key of the tile starting at start_n: a scalar when one page
     holds the tile, else [BLOCK_N]. Table indices are clamped to the last page the
     context uses, so entries past it (maybe -1) are never read; keys past the
-    context get some valid block and are masked by the caller."""
+    context get some valid block and are masked by the caller. limit: nothing is read
+    (ids 0) unless start_n < limit; a context of 0 uses no page, and its row may have no entry."""
     if PAGE >= BLOCK_N:
-        return tl.load(table_row + tl.minimum(start_n // PAGE, last_page)).to(tl.int64)
+        idx = tl.minimum(start_n // PAGE, last_page)
     elif GATHER == 0:
         # one table load per key (mostly L1 hits)
         idx = tl.minimum((start_n + tl.arange(0, BLOCK_N)) // PAGE, last_page)
-        return tl.load(table_row + idx).to(tl.int64)
     else:
         # one table load per page of the tile, broadcast over its keys
-        NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-        idx = tl.minimum(start_n // PAGE + tl.arange(0, NUM_PAGES), last_page)
+        idx = tl.minimum(start_n // PAGE + tl.arange(0, BLOCK_N // PAGE), last_page)
+    if limit is None:
         blocks = tl.load(table_row + idx).to(tl.int64)
-        return tl.reshape(tl.broadcast_to(blocks[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,))
+    else:
+        blocks = tl.load(table_row + idx, mask=(idx * 0 + start_n) < limit, other=0).to(tl.int64)
+    if PAGE < BLOCK_N and GATHER != 0:
+        NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+        blocks = tl.reshape(tl.broadcast_to(blocks[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,))
+    return blocks
 
 
 @triton.jit
@@ -104,8 +109,9 @@ def _paged_inner(acc, l_i, m_i, q, pos, k_head, v_head, table_row,
     last_page = tl.maximum(tl.cdiv(ctx, PAGE) - 1, 0)
     if GATHER == 2:
         # the next tile's block ids are loaded one iteration ahead, so the K/V
-        # addresses of a tile never wait on a table load of the same iteration
-        blocks = _tile_blocks(table_row, n_lo, last_page, PAGE, BLOCK_N, GATHER)
+        # addresses of a tile never wait on a table load of the same iteration;
+        # an empty range reads none (its context may be 0)
+        blocks = _tile_blocks(table_row, n_lo, last_page, PAGE, BLOCK_N, GATHER, n_hi)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         if GATHER == 2:
             cur = blocks
