@@ -190,9 +190,11 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     Rows where both sides saw no key (both lse -inf) give zeros and -inf, never NaN."""
     lse = torch.logaddexp(lse_a, lse_b)
     finite = torch.isfinite(lse)
-    safe = torch.where(finite, lse, torch.zeros_like(lse))
-    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
-    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    # exp(lse_a - lse) = sigmoid(lse_a - lse_b): from the difference of the inputs, not from the
+    # rounded lse, whose fp32 ulp (|lse| * 2^-24) would become a relative error of the weights
+    d = torch.where(finite, lse_a - lse_b, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.sigmoid(d), torch.zeros_like(lse)).unsqueeze(-1)
+    w_b = torch.where(finite, torch.sigmoid(-d), torch.zeros_like(lse)).unsqueeze(-1)
     # a side of weight 0 (it saw no key) contributes exactly 0 whatever its o holds: an
     # uninitialised or NaN-poisoned row must not turn 0 * NaN into the output
     o = torch.where(w_a > 0, w_a * o_a.float(), 0.0) + torch.where(w_b > 0, w_b * o_b.float(), 0.0)
