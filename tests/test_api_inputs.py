@@ -140,3 +140,19 @@ def test_numpy_scalars_are_numbers():
         mp.prefill_attention_varlen(qv, kv, kv, cu_q, cu_k, max_seqlen_q=np.float64(5.0), backend="torch")
     c = mp.PagedKVCache(1, 1, 64, num_blocks=2, dtype=torch.float8_e4m3fn, k_scale=np.float32(0.5))
     assert torch.equal(c.k_scales, torch.tensor([[0.5]]))
+
+
+def test_write_kv_cache_traces_whole_under_torch_compile():
+    # check_values=False leaves nothing that syncs: a step that writes its K/V must stay one graph.
+    # Around the write, an is_inference() query stops dynamo, and an inference-mode context made
+    # inductor fail on the torch backend's masked scatter (fp32 caches).
+    k, v, kc, vc, slots = (t.float() if t.is_floating_point() else t for t in _write_problem())
+    ek, ev = _expected_write(k, v, kc, vc, slots)
+
+    def step(k, v, kc, vc, slots):
+        mp.write_kv_cache(k, v, kc, vc, slots, backend="torch", check_values=False)
+        return kc.float().sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(k, v, kc, vc, slots)
+    assert torch.equal(kc, ek) and torch.equal(vc, ev)

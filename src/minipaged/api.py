@@ -13,6 +13,7 @@ that built those tensors themselves (the engine), never by default.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -691,15 +692,19 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
             )
     if k.shape[0] == 0:
         return None
-    k, v = _kernel_ready(b, k), _kernel_ready(b, v)
+    # A cache is no autograd node: K/V that require grad must not make it one (the next write would
+    # refuse it).
+    k, v = _kernel_ready(b, k.detach()), _kernel_ready(b, v.detach())
     # The GPU kernels take any cache strides with a stride-1 last dim (e.g. the K and V halves of
     # one [num_blocks, block_size, 2, Hkv, D] tensor); any other layout is written through a
     # contiguous copy that is copied back.
     kc, vc = (c if b.name == "torch" or c.stride(-1) == 1 or c.shape[-1] <= 1 else c.contiguous()
               for c in (k_cache, v_cache))
-    # A cache is written outside autograd: K/V that require grad must not make it a graph node (the
-    # next write would refuse it), and a cache allocated under inference mode must stay writable.
-    with torch.inference_mode():
+    # A cache allocated under inference mode is written under it too (torch refuses in-place updates
+    # of inference tensors outside it). Only then, and never while torch.compile traces (which can
+    # neither ask is_inference() nor take the context into a graph).
+    inference = not torch.compiler.is_compiling() and (k_cache.is_inference() or v_cache.is_inference())
+    with torch.inference_mode() if inference else contextlib.nullcontext():
         b.op("write_kv_cache")(k, v, kc, vc, slot_mapping.to(torch.int64).contiguous(), *scales)
         for c, written in ((k_cache, kc), (v_cache, vc)):
             if written is not c:
