@@ -296,6 +296,27 @@ def test_generate_with_static_cache_matches_eager():
     assert mpt.path_counts() == {"varlen": model.config.num_hidden_layers * 5}
 
 
+def test_static_cache_without_attention_mask_matches_eager():
+    """No attention_mask at all: the StaticCache's unused slots are still keys handed to the
+    attention function, and must not be attended (prefill, then one decode step)."""
+    from transformers import StaticCache
+
+    model = tiny_qwen3(4, 2, 64)
+    gen = torch.Generator().manual_seed(13)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=gen)
+    nxt = torch.randint(1, VOCAB, (2, 1), generator=gen)
+
+    def run(impl):
+        model.set_attn_implementation(impl)
+        cache = {cache_kwarg(model): StaticCache(config=model.config, max_cache_len=24)}
+        with torch.no_grad():
+            prefill = model(input_ids=ids, use_cache=True, **cache).logits
+            step = model(input_ids=nxt, use_cache=True, **cache).logits
+        return torch.cat([prefill, step], 1).float()
+
+    assert_fp32_close(logit_metrics(run("eager"), run(IMPL)))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_decode_step_logits_match_eager(backend):
     """Prefill then one Nq=1 step with transformers' DynamicCache: compare the step's logits."""
@@ -530,6 +551,52 @@ def test_attention_function_refuses_what_it_cannot_do():
     module.eval()
     out, _ = fwd(module, q, k, v, None, dropout=0.1)  # eval: dropout is not applied anywhere
     assert out.shape == (1, 5, 4, 64)
+
+
+def test_kernel_without_backward_raises_on_backward(monkeypatch):
+    """The GPU/Triton kernels define no backward: their output has no grad_fn, so q/k/v would
+    silently get no gradient through attention. backward() must raise instead; the torch
+    backend, which runs under autograd, keeps its gradients."""
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2)
+    gen = torch.Generator().manual_seed(14)
+    mask = torch.ones(1, 6, dtype=torch.long)
+    mask[0, 0] = 0
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    calls = {"dense": {}, "varlen": dict(attention_mask=mask), "packed": dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu)}
+
+    def qkv():
+        return [torch.randn(1, h, 6, 64, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+
+    for path, kwargs in calls.items():
+        q, k, v = qkv()
+        mask_arg = kwargs.pop("attention_mask", None)
+        with mp.use_backend("torch"):
+            out, _ = fwd(module, q, k, v, mask_arg, scaling=0.125, **kwargs)
+        out.sum().backward()
+        assert q.grad is not None and q.grad.abs().max() > 0, path
+        kwargs["attention_mask"] = mask_arg
+    for op in ("prefill_attention", "prefill_attention_varlen"):
+        kernel = getattr(mp, op)
+        monkeypatch.setattr(mp, op, lambda *a, _kernel=kernel, **kw: _kernel(*a, **kw).detach())
+    for path, kwargs in calls.items():
+        q, k, v = qkv()
+        mask_arg = kwargs.pop("attention_mask", None)
+        with mp.use_backend("torch"):
+            out, _ = fwd(module, q, k, v, mask_arg, scaling=0.125, **kwargs)
+            with torch.no_grad():
+                ref, _ = fwd(module, q, k, v, mask_arg, scaling=0.125, **kwargs)
+        assert torch.equal(out, ref), path
+        with pytest.raises(NotImplementedError, match="backward"):
+            out.sum().backward()
+    # in a model the o_proj weights still get gradients, so without the guard backward() would succeed
+    model = tiny_qwen3(4, 2, 64)
+    model.set_attn_implementation(IMPL)
+    ids = torch.randint(1, VOCAB, (1, 8), generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(NotImplementedError, match="backward"):
+        loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def test_sliding_window_model_raises():

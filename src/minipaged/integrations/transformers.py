@@ -27,7 +27,8 @@ Explicitly packed batches (FlashAttention kwargs cu_seq_lens_q/k) go straight
 to the varlen kernel.
 
 Not supported (raise): dropout > 0 in training, sliding windows, logit
-softcapping, attention sinks. Forward only: the kernels define no backward.
+softcapping, attention sinks. Forward only: the kernels define no backward, so
+backward() through them raises (the torch backend runs under autograd).
 
 Debug counters, off by default (the hot path then only reads one flag):
 after `reset_counts()` (which switches them on) `call_counts()` counts calls
@@ -298,6 +299,31 @@ def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, caus
 # --------------------------------------------------------------------------- the attention function
 
 
+class _NoBackward(torch.autograd.Function):
+    """Identity whose backward raises: a kernel output without a grad_fn would otherwise let backward()
+    succeed through the rest of the model with no gradient for q/k/v, i.e. silently wrong."""
+
+    @staticmethod
+    def forward(ctx, out, backend, *inputs):
+        ctx.backend = backend
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        raise NotImplementedError(
+            f"minipaged attention (backend={ctx.backend!r}) ran a kernel that has no backward; train with "
+            "register(backend='torch') (plain PyTorch, differentiable) or another attn_implementation"
+        )
+
+
+def _forward_only(out, query, key, value, backend):
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out
+    if not (query.requires_grad or key.requires_grad or value.requires_grad):
+        return out
+    return _NoBackward.apply(out, backend, query, key, value)
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, backend=None, **kwargs):
     import minipaged as mp
 
@@ -339,7 +365,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if plan is None:
         _count(layer_idx, "dense")
         out = mp.prefill_attention(query, key, value, causal=is_causal, scale=scale, backend=backend)
-        return out.transpose(1, 2), None
+        return _forward_only(out.transpose(1, 2), query, key, value, backend), None
 
     _count(layer_idx, "varlen")
     # [B, H, N, D] viewed as [B, N, H, D]; advanced indexing gathers [T, H, D]
@@ -361,7 +387,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     )
     out = query.new_zeros(batch, num_q, num_q_heads, head_dim, dtype=o_tok.dtype)
     out[plan.q_batch, plan.q_pos] = o_tok
-    return out, None
+    return _forward_only(out, query, key, value, backend), None
 
 
 def _run_packed(query, key, value, cu_q, cu_k, kwargs, is_causal, scale, backend, layer_idx):
@@ -381,7 +407,7 @@ def _run_packed(query, key, value, cu_q, cu_k, kwargs, is_causal, scale, backend
         scale=scale,
         backend=backend,
     )
-    return o.unsqueeze(0), None
+    return _forward_only(o.unsqueeze(0), query, key, value, backend), None
 
 
 def _make_forward(backend: str | None):
@@ -409,7 +435,8 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return got >= (major, minor)
 
 
-def minipaged_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+def minipaged_mask(batch_size, q_length, kv_length, q_offset=None, kv_offset=0, mask_function=None, attention_mask=None,
+                   **kwargs):
     """Mask function registered in transformers' AttentionMaskInterface.
 
     Standard causal / bidirectional masks: the 2D padding mask (None when nothing
@@ -421,7 +448,12 @@ def minipaged_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     standard = (getattr(mu, "causal_mask_function", None), getattr(mu, "bidirectional_mask_function", None))
     if mask_function is None or mask_function in standard:
         if attention_mask is None:
-            return None
+            # A StaticCache hands every slot to attention as a key: those past the queries hold no token
+            # yet. (A transformers that does not say where the queries start gets the old answer.)
+            seen = None if q_offset is None else int(q_offset) + q_length - int(kv_offset)
+            if seen is None or seen >= kv_length:
+                return None
+            return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
@@ -435,7 +467,7 @@ def minipaged_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,
-        q_offset=q_offset,
+        q_offset=0 if q_offset is None else q_offset,
         kv_offset=kv_offset,
         mask_function=mask_function,
         attention_mask=attention_mask,
