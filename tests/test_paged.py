@@ -254,19 +254,32 @@ def test_merge_ignores_the_o_of_empty_sides(backend):
     _check_merge_ignores_empty_sides(backend, "cpu", torch.float16 if backend == "triton" else torch.float32)
 
 
-@pytest.mark.parametrize("backend", _merge_backends("cpu"))
-@pytest.mark.parametrize("level", [0.0, 100.0, 1e4])
-def test_merge_weights_do_not_lose_precision_at_large_lse(backend, level):
+def _check_merge_precision_at_large_lse(backend, device, level):
     # Partials of long or large-scale rows have |lse| in the hundreds and more. Weights taken as
     # exp(lse_a - logaddexp(lse_a, lse_b)) with the fp32 logaddexp carry its ulp (|lse| * 2^-24) as a
     # relative error (3e-3 at 1e4); from the inputs' difference they stay at fp32 rounding.
     g = torch.Generator().manual_seed(11)
     o_a, o_b = torch.randn(64, 4, 64, generator=g), torch.randn(64, 4, 64, generator=g)
     lse_a, lse_b = level + torch.randn(64, 4, generator=g), level + torch.randn(64, 4, generator=g)
-    o, _ = mp.merge_attention_states(o_a, lse_a, o_b, lse_b, backend=backend)
+    o, _ = mp.merge_attention_states(*(t.to(device) for t in (o_a, lse_a, o_b, lse_b)), backend=backend)
     w_a = torch.sigmoid(lse_a.double() - lse_b.double()).unsqueeze(-1)
     ref = w_a * o_a.double() + (1 - w_a) * o_b.double()
-    torch.testing.assert_close(o.double(), ref, atol=2e-6, rtol=0)
+    torch.testing.assert_close(o.cpu().double(), ref, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", _merge_backends("cpu"))
+@pytest.mark.parametrize("level", [0.0, 100.0, 1e4])
+def test_merge_weights_do_not_lose_precision_at_large_lse(backend, level):
+    _check_merge_precision_at_large_lse(backend, "cpu", level)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cuda-wmma"])
+@pytest.mark.parametrize("level", [0.0, 100.0, 1e4])
+def test_merge_weights_do_not_lose_precision_at_large_lse_gpu(backend, level):
+    if not torch.cuda.is_available() or backend not in _merge_backends("cuda"):
+        pytest.skip(f"{backend} unavailable on cuda")
+    _check_merge_precision_at_large_lse(backend, "cuda", level)
 
 
 @pytest.mark.gpu
