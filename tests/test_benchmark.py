@@ -444,6 +444,24 @@ def test_paged_ratios_and_their_targets():
     assert "0.95 ok" in md and "1.20 MISS" in md and "| 1.33 |" in md
 
 
+def test_same_backend_anchor_rows_record_the_work_they_count():
+    """A paged anchor row's shape["part"] is what its FLOPs and bytes count: the spec row's
+    plain decode (one query per sequence), not the speculative batch."""
+    r = runner._Runner(_cfg(quick=True, reps=1, max_time_s=0), torch.device("cpu"), torch.float32, True)
+    rows = []
+    for case in cs.quick_paged_cases():
+        rows += runner._bench_paged_case(r, case, ["torch"], [anc.SAME_BACKEND], {}, lambda s: None)
+    anchors = [x for x in rows if x["kind"] == "anchor"]
+    assert {x["role"] for x in anchors} == {"dense", "decode", "chunk-paged", "chunk-dense", "decodes"}
+    for x in anchors:
+        assert x["status"] == "ok", x
+        part = x["shape"]["part"]
+        q_lens = part.get("q_lens", [1] * len(part["context_lens"]))  # a DecodeCase: one query each
+        h, d = part["num_q_heads"], part["head_dim"]
+        assert x["flops"] == flops.paged_flops(h, d, q_lens, part["context_lens"]), x["backend"]
+        assert x["bytes"] == flops.paged_bytes(h, part["num_kv_heads"], d, q_lens, part["context_lens"], 4)
+
+
 # ----------------------------------------------------------------------------- FlashInfer (a fake on CPU)
 
 

@@ -835,7 +835,7 @@ def _same_backend_rows(r, case, backends, failures, emit, q, kc, vc, bt, cu, cl,
                             case.block_size, context_lens=tuple(lens))
         for name in backends:
             emit(f"{case.label} {name} decode")
-            row = anchor_row(name, "decode", case, "decode")
+            row = anchor_row(name, "decode", sub, "decode")  # its FLOPs and bytes are the decode's
             if row["status"] == "ok":
                 row = r.timed(row, _op_factory(name, "decode", (q1, kc, vc, bt, cl, scale, False)),
                               work_flops=sub.flops, work_bytes=sub.bytes(es), cuda_graph=name != "torch",
