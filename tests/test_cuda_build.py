@@ -543,3 +543,132 @@ def test_paged_spec_decode_route_rows(tmp_path):
         cap = 16 if fp8 and b * hkv > 2 * sms else 32
         want = g >= 2 and d in (64, 128) and 2 <= q <= 16 and rows_per_kv_head <= cap
         assert got == int(want), (b, hq, hkv, d, q, sms, fp8, got)
+
+
+# --------------------------------------------------------------------------- build.load around the compiler
+# CPU-only: torch's cpp_extension runs for real but its ninja step (and the library load) are stubbed, and
+# CUDA_HOME points at a fake nvcc that only answers --version.
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """build.load() into a temporary cache with a stubbed compile step; the returned dict records the
+    builds (`builds`), the libraries loaded (`loaded`) and how the next build ends (`fail`, `partial`);
+    its `new_process()` forgets what this process built."""
+    import torch
+    from torch.utils import cpp_extension
+
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    nvcc = cuda_home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.0'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(cuda_home))
+    monkeypatch.delenv("PYTORCH_NVCC", raising=False)
+    monkeypatch.delenv("MINIPAGED_NVCC_FLAGS", raising=False)
+    monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path / "cache dir"))
+    monkeypatch.setenv("MINIPAGED_CUDA_ARCH", "90a")
+    state = {"builds": 0, "loaded": [], "fail": None, "partial": False}
+
+    def new_process():
+        # cpp_extension remembers every build of this process (by name) as build.load does
+        monkeypatch.setattr(cpp_extension, "JIT_EXTENSION_VERSIONER", cpp_extension.ExtensionVersioner())
+        monkeypatch.setattr(build, "_loaded", {})
+
+    new_process()
+    state["new_process"] = new_process
+
+    def ninja_build(name, build_directory, **kw):
+        state["builds"] += 1
+        so = Path(build_directory) / f"{name}.so"
+        so.write_bytes(b"\x7fELF" if state["partial"] else b"\x7fELF complete")
+        if state["fail"]:
+            raise state["fail"]
+
+    def load_library(path):
+        if not Path(path).exists():
+            raise OSError(f"Could not load this library: {path}")
+        assert Path(path).read_bytes().endswith(b"complete"), "loaded a half-written library"
+        state["loaded"].append(path)
+
+    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_build_library", ninja_build)
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    return state
+
+
+def test_failed_build_is_retried_with_the_compiler_error(fake_build):
+    # A second call in the same process must build again, not load the library a failed build never made.
+    fake_build["fail"] = RuntimeError("Error building extension: nvcc fatal   : Unknown option '--bogus'")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Unknown option"):
+            build.load()
+    assert fake_build["builds"] == 2 and not fake_build["loaded"]
+    fake_build["fail"] = None
+    assert build.load() == fake_build["loaded"][0]
+
+
+def test_stale_cpp_extension_lock_is_cleared(fake_build, monkeypatch):
+    # A killed build leaves cpp_extension's baton file behind; its next build would wait on it forever.
+    from torch.utils import cpp_extension
+
+    def wait(self):
+        raise AssertionError(f"waits forever on the stale {self.lock_file_path}")
+
+    monkeypatch.setattr(cpp_extension.FileBaton, "wait", wait)
+    directory = build.build_dir("90a")
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()
+    build.load()
+    assert fake_build["builds"] == 1 and not (directory / "lock").exists()
+
+
+def test_interrupted_rebuild_is_not_loaded(fake_build):
+    build.load()
+    lib = Path(fake_build["loaded"][0])
+    fake_build["new_process"]()
+    lib.unlink()  # the library went missing from a finished folder: rebuilt, and killed half-way
+    fake_build["partial"], fake_build["fail"] = True, KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        build.load()
+    fake_build["new_process"]()
+    fake_build["partial"], fake_build["fail"] = False, None
+    assert build.load() == str(lib)
+    assert fake_build["builds"] == 3
+
+
+def test_finished_cache_loads_without_the_lock(fake_build, monkeypatch):
+    # a finished, read-only (shared, prebuilt) cache: the lock file cannot be created there
+    import filelock
+
+    path = build.load()
+    fake_build["new_process"]()
+
+    def no_lock(*a, **kw):
+        raise PermissionError("read-only cache")
+
+    monkeypatch.setattr(filelock, "FileLock", no_lock)
+    assert build.load() == path and fake_build["builds"] == 1
+
+
+def test_build_key_tracks_the_nvcc_version(fake_build, tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    key = build.build_key("90a")
+    other = tmp_path / "cuda-other"
+    (other / "bin").mkdir(parents=True)
+    (other / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.1'\n")
+    (other / "bin" / "nvcc").chmod(0o755)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(other))
+    assert build.build_key("90a") != key
+
+
+def test_missing_build_nvcc_is_unavailable(fake_build, tmp_path, monkeypatch):
+    # nvcc on PATH does not help: cpp_extension compiles with $CUDA_HOME/bin/nvcc
+    from torch.utils import cpp_extension
+
+    from minipaged.registry import BackendUnavailableError
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "nowhere"))
+    with pytest.raises(BackendUnavailableError, match="nvcc not found at .*nowhere"):
+        build.load()
+    assert fake_build["builds"] == 0

@@ -1,6 +1,6 @@
 """Lazy, cached JIT build of the CUDA kernels (torch.utils.cpp_extension.load).
 
-The extension is built once per (torch version, CUDA version, GPU arch, csrc
+The extension is built once per (torch version, CUDA and nvcc versions, GPU arch, csrc
 content, extra flags) into its own folder under the cache root, under a file
 lock so that parallel processes (pytest-xdist, several ranks) build it once and
 the others wait and load the result. Later processes skip cpp_extension
@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -95,6 +97,28 @@ def _cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "minipaged"
 
 
+def _build_nvcc() -> list[str] | None:
+    """The nvcc command cpp_extension compiles with: PYTORCH_NVCC, else $CUDA_HOME/bin/nvcc as torch found it."""
+    if os.environ.get("PYTORCH_NVCC"):
+        return shlex.split(os.environ["PYTORCH_NVCC"])
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return None
+    return [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")]
+
+
+def _nvcc_version() -> str:
+    """`nvcc --version` of the build's nvcc ("" without one): a toolkit update must not reuse an old build."""
+    cmd = _build_nvcc()
+    if not cmd:
+        return ""
+    try:
+        return subprocess.run([*cmd, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
 def build_key(arch: str) -> str:
     """The cache key: everything that changes the built library."""
     import torch
@@ -106,6 +130,7 @@ def build_key(arch: str) -> str:
     h.update(repr(nvcc_flags(arch)).encode())
     h.update(torch.__version__.encode())
     h.update(str(torch.version.cuda).encode())
+    h.update(_nvcc_version().encode())
     h.update(sys.version.split()[0].encode())
     return h.hexdigest()[:16]
 
@@ -130,10 +155,25 @@ def load(verbose: bool | None = None) -> str:
         if verbose is None:
             verbose = os.environ.get("MINIPAGED_BUILD_VERBOSE", "0") == "1"
         directory = build_dir(arch)
-        directory.mkdir(parents=True, exist_ok=True)
         name = f"{LIB_NAMESPACE}_{directory.name.rsplit('-', 1)[-1]}"
         lib_path = directory / f"{name}.so"
         done = directory / "BUILD_OK"
+        if done.exists() and lib_path.exists():
+            # BUILD_OK is written last, so the folder is complete: no lock, which a read-only
+            # (shared, prebuilt) cache could not create.
+            torch.ops.load_library(str(lib_path))
+            _loaded[arch] = str(lib_path)
+            return str(lib_path)
+        nvcc = _build_nvcc()
+        if nvcc is None or shutil.which(nvcc[0]) is None:
+            from ..registry import BackendUnavailableError
+
+            # cpp_extension runs $CUDA_HOME/bin/nvcc whatever is on PATH; without it the build
+            # would fail deep inside ninja.
+            raise BackendUnavailableError(
+                f"nvcc not found at {nvcc[0] if nvcc else '$CUDA_HOME/bin/nvcc (CUDA_HOME unset)'}: set CUDA_HOME "
+                "(or PYTORCH_NVCC) to build the CUDA kernels")
+        directory.mkdir(parents=True, exist_ok=True)
 
         from filelock import FileLock
 
@@ -143,6 +183,11 @@ def load(verbose: bool | None = None) -> str:
             else:
                 from torch.utils import cpp_extension
 
+                # Rebuilding (the library went missing): until it succeeds the folder is not complete.
+                done.unlink(missing_ok=True)
+                # cpp_extension's own baton, a plain file that a killed build leaves behind and that
+                # the next build would wait on forever; every build here holds build.lock, so it is stale.
+                (directory / "lock").unlink(missing_ok=True)
                 os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
                 print(
                     f"minipaged: compiling CUDA kernels for sm_{arch} (once, cached in {directory})",
@@ -154,16 +199,22 @@ def load(verbose: bool | None = None) -> str:
                 stems = [Path(src).stem for src in sources]
                 assert len(set(stems)) == len(stems), f"csrc sources must have distinct base names: {stems}"
                 t0 = time.perf_counter()
-                cpp_extension.load(
-                    name=name,
-                    sources=sources,
-                    extra_cflags=["-O3"],
-                    extra_cuda_cflags=nvcc_flags(arch),
-                    extra_include_paths=[str(CSRC)],
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=verbose,
-                )
+                try:
+                    cpp_extension.load(
+                        name=name,
+                        sources=sources,
+                        extra_cflags=["-O3"],
+                        extra_cuda_cflags=nvcc_flags(arch),
+                        extra_include_paths=[str(CSRC)],
+                        build_directory=str(directory),
+                        is_python_module=False,
+                        verbose=verbose,
+                    )
+                except BaseException:
+                    # cpp_extension remembers the sources of each name and, asked again in this process,
+                    # skips the build and loads whatever (missing, partial) library is there.
+                    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+                    raise
                 last_build_seconds = time.perf_counter() - t0
                 done.write_text(f"{last_build_seconds:.1f} s\n")
         _loaded[arch] = str(lib_path)
