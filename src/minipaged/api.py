@@ -17,7 +17,6 @@ import contextlib
 import math
 import numbers
 
-import numpy as np
 import torch
 
 from . import registry
@@ -105,7 +104,7 @@ def _scale(scale, head_dim: int) -> float:
     # called after the head-dim check, so head_dim > 0 here
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not _real(scale):
+    if not real_number(scale):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return positive_float32("scale", scale)
 
@@ -116,13 +115,14 @@ def _bool(name: str, x) -> bool:
     return x
 
 
-def _real(x) -> bool:
-    """A real number that is not a bool: Python's, or numpy's scalars (registered as numbers.Real)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+def real_number(x) -> bool:
+    """A real number that is not a bool: Python's, or numpy's scalars (registered as numbers.Real;
+    numpy's bool is not)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _max_len(name: str, m) -> int | None:
-    if m is not None and (isinstance(m, (bool, np.bool_)) or not isinstance(m, numbers.Integral) or m < 0):
+    if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0):
         raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
     return None if m is None else int(m)
 
@@ -283,7 +283,7 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
         if check_values and not bool((torch.isfinite(s) & (s > 0)).all()):
             raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
         return s.reshape(1).expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
-    if not _real(s):
+    if not real_number(s):
         raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
     s = positive_float32(name, s)
     key = (s, num_kv_heads, cache.device)

@@ -21,14 +21,13 @@ cache exactly as it was: no half-allocated sequence, no other sequence touched.
 from __future__ import annotations
 
 import hashlib
-import numbers
 from collections import OrderedDict, deque
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from .api import positive_float32
+from .api import positive_float32, real_number
 
 try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
     import xxhash
@@ -71,7 +70,7 @@ def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torc
             raise ValueError(f"{name} must be a float or a tensor of shape [], [Hkv] = [{num_kv_heads}] or "
                              f"[num_layers, Hkv] = [{num_layers}, {num_kv_heads}], got {tuple(s.shape)}")
         t = t.to(device).expand(num_layers, num_kv_heads).contiguous()
-    elif isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Real):
+    elif not real_number(s):
         raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
     else:
         t = torch.full((num_layers, num_kv_heads), positive_float32(name, s), dtype=torch.float32, device=device)

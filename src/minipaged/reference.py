@@ -192,7 +192,8 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     finite = torch.isfinite(lse)
     # exp(lse_a - lse) = sigmoid(lse_a - lse_b): from the difference of the inputs, not from the
     # rounded lse, whose fp32 ulp (|lse| * 2^-24) would become a relative error of the weights
-    d = torch.where(finite, lse_a - lse_b, torch.zeros_like(lse))
+    # (where both are -inf, d is NaN: the weights there are set to 0)
+    d = lse_a - lse_b
     w_a = torch.where(finite, torch.sigmoid(d), torch.zeros_like(lse)).unsqueeze(-1)
     w_b = torch.where(finite, torch.sigmoid(-d), torch.zeros_like(lse)).unsqueeze(-1)
     # a side of weight 0 (it saw no key) contributes exactly 0 whatever its o holds: an

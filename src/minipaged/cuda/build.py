@@ -229,8 +229,6 @@ def is_loaded() -> bool:
 # Standalone nvcc compiles (no torch): CI build check and the ptxas report.
 
 def nvcc_path() -> str | None:
-    import shutil
-
     found = shutil.which("nvcc")
     if found:
         return found

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
+
+from ..api import real_number
 
 
 def check_sampling(temperature: Any, top_p: Any) -> tuple[float, float]:
     """temperature a finite float >= 0 (0: greedy), top_p a float in (0, 1]; NaN and inf are rejected
     here because on CUDA they would reach torch.multinomial as a device-side assert."""
     for name, val in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(val, bool) or not isinstance(val, numbers.Real):
+        if not real_number(val):
             raise TypeError(f"{name} must be a float, got {type(val).__name__}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite float >= 0 (0 is greedy), got {temperature}")
