@@ -535,7 +535,9 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 }
 
 // Work lists (DecodeParams::worklist): a batch whose plan takes one where asked (128 sequences
-// over 8 KV heads fill more than half a wave, and the table's width gives 3+ splits): short,
+// over 16 KV heads fill more than half a wave of every kernel, 16 resident CTAs per SM included,
+// and the table's width gives 3+ splits; over 8 KV heads the G = 2 and G = 4 16-bit kernels at
+// D = 128 fit in half a wave and take 2 splits without one): short,
 // empty and odd-length sequences around two long ones. Every tiling, two-launch and fused, with
 // the work list (kWorklistOn) against the fp64 reference (check_problem, the heuristic's split
 // count); the plan checked to be a work list, its CUDA graph replayed bitwise the eager call,
@@ -570,10 +572,10 @@ void check_worklist_problems(uint32_t seed) {
   ctx[5] = 50001, ctx[77] = 4097;  // (FP8 at D = 64: splits of 16k tokens, 2 MB of K+V per KV head)
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
   for (int bs : {1, 16, 256})
-    check_worklist_problem({"worklist G2 D128 p" + std::to_string(bs), b16, false, 16, 8, 128, bs, ctx}, seed++);
+    check_worklist_problem({"worklist G2 D128 p" + std::to_string(bs), b16, false, 32, 16, 128, bs, ctx}, seed++);
   for (DType dt : {b16, f16})
     for (int D : {64, 128})
-      for (auto hh : {std::pair<int, int>{16, 8}, {32, 8}})
+      for (auto hh : {std::pair<int, int>{32, 16}, {64, 16}})
         for (bool fp8 : {false, true})
           check_worklist_problem({std::string("worklist ") + (fp8 ? "fp8 " : "") + (dt == b16 ? "bf16" : "fp16") +
                                       " G" + std::to_string(hh.first / hh.second) + " D" + std::to_string(D),
@@ -1235,7 +1237,7 @@ int main(int argc, char** argv) {
     {
       std::vector<int> ctx(128, 97);
       ctx[0] = 0, ctx[1] = 17, ctx[3] = 12289;
-      check_worklist_problem({"small worklist G2 D128 p16", b16, false, 16, 8, 128, 16, ctx}, 6, false);
+      check_worklist_problem({"small worklist G2 D128 p16", b16, false, 32, 16, 128, 16, ctx}, 6, false);
     }
   } else if (mode == "check") {
     const std::vector<int> odd = {0, 1, 17, 97, 1023, 4097, 32768};

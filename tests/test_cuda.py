@@ -684,20 +684,23 @@ def test_cuda_graph_capture_replay(ops):
 @pytest.mark.parametrize("variant", [0, WORKLIST_TOGGLE], ids=["default", "worklist-toggled"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_decode_worklist_graph_follows_lengths(ops, fp8, variant):
-    # A batch the plan's gate allows a work list for (decode/worklist.cuh: 128 sequences over 8
-    # KV heads, a table 3+ splits wide), with the work list and without (whichever the default,
-    # the toggle gives the other): a work list's plan is derived on the device from context_lens,
-    # so a captured graph replayed with other lengths (one long sequence moving around the batch,
-    # empty ones) must give the eager call's bits, within the fp64 oracle's bound.
+    # A batch the plan's gate allows a work list for (decode/worklist.cuh: 128 sequences over 16
+    # KV heads, more than half a wave, and a table 3+ splits wide; over 8 KV heads the G = 2 kernel
+    # fits in half a wave and takes none: scripts/decode_selftest.cu checks which plan runs), with
+    # the work list and without (whichever the default, the toggle gives the other): a work list's
+    # plan is derived on the device from context_lens, so a captured graph replayed with other
+    # lengths (one long sequence moving around the batch, empty ones) must give the eager call's
+    # bits, within the fp64 oracle's bound.
     B = 128
     lens = [97, 0, 1, 300, 17, 1023, 640, 129] * (B // 8)
     lens[5] = 30000
-    pages_for = [30000 if b in (0, 1, 2, 5) else 700 for b in range(B)]  # room for every trial's lengths
-    q, kc, vc, bt, cl = _paged_problem(B, 16, 8, 128, 16, pages_for, torch.bfloat16, seed=31)
+    # room for every length a trial gives (a length past its table's pages is the caller's bug)
+    pages_for = [30000 if b in (0, 1, 2, 5) else 1024 for b in range(B)]
+    q, kc, vc, bt, cl = _paged_problem(B, 32, 16, 128, 16, pages_for, torch.bfloat16, seed=31)
     kw = dict(variant=variant)
     if fp8:
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        scales = torch.full((8,), 0.5, device="cuda")
+        scales = torch.full((16,), 0.5, device="cuda")
         kw.update(k_scale=scales, v_scale=scales)
     static_cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()

@@ -243,13 +243,14 @@ struct DecodePlan {
 // `requested_splits` > 0 forces a split count (benchmarking).
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 
-// The decode work list (DecodeParams::worklist) where decode_plan's gate allows one: off by
-// default until the one-CTA plan kernel (decode/worklist.cuh) has run on a GPU (a build with
-// -DMINIPAGED_DECODE_WORKLIST_DEFAULT=1, e.g. through MINIPAGED_NVCC_FLAGS, turns it on for a
-// whole-grid A/B); the variant bit kDecodeVariantWorklistToggle (benchmarking and tests) flips
-// it for one call either way.
+// The decode work list (DecodeParams::worklist) wherever decode_plan's gate allows one: on by
+// default, since it takes a long sequence among short ones to FlashInfer's time and costs the
+// gated rows of equal or random lengths 0-6% (bench/results/nvidia-h100/decode_worklist_74806ee).
+// A build with -DMINIPAGED_DECODE_WORKLIST_DEFAULT=0 (e.g. through MINIPAGED_NVCC_FLAGS) turns
+// it off for a whole-grid A/B; the variant bit kDecodeVariantWorklistToggle (benchmarking and
+// tests) flips it for one call either way.
 #ifndef MINIPAGED_DECODE_WORKLIST_DEFAULT
-#define MINIPAGED_DECODE_WORKLIST_DEFAULT 0
+#define MINIPAGED_DECODE_WORKLIST_DEFAULT 1
 #endif
 constexpr bool kDecodeWorklistByDefault = MINIPAGED_DECODE_WORKLIST_DEFAULT != 0;
 constexpr int kDecodeVariantWorklistToggle = 0x1000;
