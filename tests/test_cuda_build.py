@@ -424,9 +424,9 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
     assert tight > 50
 
 
-# Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_count; DecodeParams::
+# Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_seq; DecodeParams::
 # worklist), as plain C++: one line per batch on stdin ("B slots capacity align min_tokens kind
-# seed"), the plan's run and each sequence's split count out.
+# seed"), the plan's run and each sequence's split count and run out.
 _WORKLIST_PROBE = r"""
 #include <cstdio>
 #include <vector>
@@ -457,24 +457,29 @@ int main() {
     // the slot table as decode_worklist_plan_kernel writes it (first[], decode_worklist_owner,
     // pack), read back as the kernels do (unpack): every slot in use names its own split
     std::vector<int> first(B + 1, 0);
-    for (long long b = 0; b < B; ++b) first[b + 1] = first[b] + minipaged::decode_worklist_count(ctx[b], t);
+    std::vector<minipaged::SeqSplits> seq(B);
+    for (long long b = 0; b < B; ++b) {
+      seq[b] = minipaged::decode_worklist_seq(ctx[b], t, align);
+      first[b + 1] = first[b] + seq[b].count;
+    }
     const char* slots = "ok";
     for (int slot = 0; slot < W && B <= minipaged::kWorklistMaxBatch; ++slot) {
       minipaged::WorklistEntry e{-1, 0, 0, 0, 0, static_cast<int>(t)};
       if (slot < first[B]) {
         e.b = minipaged::decode_worklist_owner(first.data(), static_cast<int>(B), slot);
         e.first = first[e.b], e.split = slot - e.first, e.count = first[e.b + 1] - e.first, e.ctx = ctx[e.b];
+        e.run = seq[e.b].run;
       }
       const minipaged::WorklistWords w = minipaged::decode_worklist_pack(e);
       const minipaged::WorklistEntry r = minipaged::decode_worklist_unpack(w.x, w.y, w.z, w.w);
       const bool in_use = slot < first[B];
       const bool own = r.b >= 0 && r.b < B && r.first == first[r.b] && r.first + r.split == slot &&
                        r.split < r.count && r.count == first[r.b + 1] - first[r.b] && r.ctx == ctx[r.b];
-      const bool ok = r.run == t && (in_use ? own : r.b == -1 && r.count == 0);
+      const bool ok = in_use ? own && r.run == seq[r.b].run : r.b == -1 && r.count == 0 && r.run == t;
       if (!ok) slots = "BAD";
     }
     std::printf("%lld", t);
-    for (int c : ctx) std::printf(" %d:%d", c, minipaged::decode_worklist_count(c, t));
+    for (long long b = 0; b < B; ++b) std::printf(" %d:%d:%d", ctx[b], seq[b].count, seq[b].run);
     std::printf(" slots:%s\n", slots);
   }
 }
@@ -487,7 +492,9 @@ def test_decode_worklist_plan(tmp_path):
     # must fit the grid's slots, cover every context in whole runs of the kernel's tile with no
     # empty split and no split past the table, never need more than one merge's 256 splits,
     # never cut a batch of equal lengths further than the per-sequence rule (n = ceil(ctx /
-    # min_tokens)), and give a long sequence among short ones the short ones' idle slots; over
+    # min_tokens)), spread each sequence evenly over its slots (runs of at most the plan's t,
+    # none an align step longer than ceil(ctx / n) needs), and give a long sequence among short
+    # ones the short ones' idle slots; over
     # B x S slots (the grid decode_plan launches) and over B + w slots (w a wave: the bound
     # total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
     # search and 9-bit packing, decode/splits.h) must read back every slot's own split.
@@ -508,12 +515,16 @@ def test_decode_worklist_plan(tmp_path):
         plan = [tuple(map(int, f.split(":"))) for f in fields[1:-1]]
         assert len(plan) == b
         assert t > 0 and t % align == 0, (rows, line)
-        assert sum(n for _, n in plan) <= slots, ("more splits than slots", b, slots, cap, kind, t)
-        for ctx, n in plan:
+        assert sum(n for _, n, _ in plan) <= slots, ("more splits than slots", b, slots, cap, kind, t)
+        for ctx, n, run in plan:
             assert 1 <= n <= 256
-            assert n * t >= ctx, ("runs do not cover the context", ctx, n, t)
-            assert ctx == 0 and n == 1 or (n - 1) * t < ctx, ("an empty split", ctx, n, t)
-            assert (n - 1) * t < max(cap, 1), ("a split past the table", ctx, n, t)
+            assert n <= max(1, -(-ctx // t)), ("more slots than runs of t need", ctx, n, t)
+            assert 0 < run <= t, ("a run longer than the plan's", ctx, n, run, t)
+            if n > 1:
+                assert run % align == 0 and run - align < -(-ctx // n), ("runs not spread evenly", ctx, n, run)
+            assert n * run >= ctx, ("runs do not cover the context", ctx, n, run)
+            assert ctx == 0 and n == 1 or (n - 1) * run < ctx, ("an empty split", ctx, n, run)
+            assert (n - 1) * run < max(cap, 1), ("a split past the table", ctx, n, run)
             if kind == 0:
                 assert n <= max(1, -(-ctx // mt)), ("equal lengths cut further than the rule", ctx, n, t, mt)
         if kind == 1 and b == 64 and slots in (256, 64 + 66) and cap == 32768:

@@ -32,10 +32,11 @@ __device__ __forceinline__ int2 decode_worklist_seq(const DecodeParams& p, int b
 
 namespace {
 
-// The plan, in one CTA of kWorklistPlanThreads: thread b owns sequence b. Runs of t tokens
-// (decode_worklist_run, from the batch's total), sequence b takes n_b = max(1, ceil(ctx_b / t))
-// consecutive slots from first_b = n_0 + ... + n_{b-1}; the slots past the last sequence's
-// are marked empty, so every slot of the grid has an entry.
+// The plan, in one CTA of kWorklistPlanThreads: thread b owns sequence b. Runs of at most t
+// tokens (decode_worklist_run, from the batch's total): sequence b takes n_b slots of its own
+// even run (decode_worklist_seq: n_b <= max(1, ceil(ctx_b / t))), consecutive from
+// first_b = n_0 + ... + n_{b-1}; the slots past the last sequence's are marked empty, so every
+// slot of the grid has an entry.
 __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_kernel(const DecodeParams p) {
   // The split kernel's CTAs may launch at once: they wait (griddep_wait) for this grid to finish.
   griddep_launch_dependents();
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   __shared__ int sm_scan[kPlanWarps];
   __shared__ int sm_first[kWorklistMaxBatch + 1];  // [batch]: slots in use
   __shared__ int sm_ctx[kWorklistMaxBatch];        // (the slot entries' lengths, not read twice)
+  __shared__ int sm_run[kWorklistMaxBatch];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int capacity = p.max_blocks * p.block_size;
   const bool mine = tid < p.batch;
@@ -57,7 +59,9 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
 #pragma unroll
   for (int w = 0; w < kPlanWarps; ++w) total += sm_sum[w];
   const int run = static_cast<int>(decode_worklist_run(p, total, kWorklistMaxSplits));
-  const int n = mine ? decode_worklist_count(ctx, run) : 0;
+  const SeqSplits seq =
+      decode_worklist_seq(ctx, run, p.split_align, (p.variant & kDecodeVariantWorklistFixedRuns) == 0);
+  const int n = mine ? seq.count : 0;
   int incl = n;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   __syncthreads();
   int first = incl - n;
   for (int w = 0; w < warp; ++w) first += sm_scan[w];
-  if (mine) sm_first[tid] = first, sm_ctx[tid] = ctx;
+  if (mine) sm_first[tid] = first, sm_ctx[tid] = ctx, sm_run[tid] = seq.run;
   if (tid == p.batch - 1) sm_first[p.batch] = first + n;  // the slots in use
   if (mine) decode_worklist_seqs(p)[tid] = make_int2(n, first);
   __syncthreads();
@@ -82,6 +86,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
       e.split = slot - e.first;
       e.count = sm_first[e.b + 1] - e.first;
       e.ctx = sm_ctx[e.b];
+      e.run = sm_run[e.b];
     }
     const WorklistWords w = decode_worklist_pack(e);
     slots[slot] = make_int4(w.x, w.y, w.z, w.w);
