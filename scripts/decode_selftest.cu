@@ -940,7 +940,7 @@ int time_mode(int reps) {
       std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
-                    v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "");
+                    v & minipaged::kDecodeVariantWorklistEvenRuns ? " even-runs" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

@@ -426,14 +426,15 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
 
 # Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_seq; DecodeParams::
 # worklist), as plain C++: one line per batch on stdin ("B slots capacity align min_tokens kind
-# seed"), the plan's run and each sequence's split count and run out.
+# seed even"), the plan's run and each sequence's split count and run out.
 _WORKLIST_PROBE = r"""
 #include <cstdio>
 #include <vector>
 #include "decode/splits.h"
 int main() {
-  long long B, W, cap, align, min_tokens, kind, seed;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &B, &W, &cap, &align, &min_tokens, &kind, &seed) == 7) {
+  long long B, W, cap, align, min_tokens, kind, seed, even;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &B, &W, &cap, &align, &min_tokens, &kind, &seed,
+                    &even) == 8) {
     std::vector<int> ctx(B);
     unsigned long long x = seed * 6364136223846793005ull + 1442695040888963407ull;
     for (long long b = 0; b < B; ++b) {
@@ -459,7 +460,7 @@ int main() {
     std::vector<int> first(B + 1, 0);
     std::vector<minipaged::SeqSplits> seq(B);
     for (long long b = 0; b < B; ++b) {
-      seq[b] = minipaged::decode_worklist_seq(ctx[b], t, align);
+      seq[b] = minipaged::decode_worklist_seq(ctx[b], t, align, even != 0);
       first[b + 1] = first[b] + seq[b].count;
     }
     const char* slots = "ok";
@@ -492,23 +493,24 @@ def test_decode_worklist_plan(tmp_path):
     # must fit the grid's slots, cover every context in whole runs of the kernel's tile with no
     # empty split and no split past the table, never need more than one merge's 256 splits,
     # never cut a batch of equal lengths further than the per-sequence rule (n = ceil(ctx /
-    # min_tokens)), spread each sequence evenly over its slots (runs of at most the plan's t,
-    # none an align step longer than ceil(ctx / n) needs), and give a long sequence among short
-    # ones the short ones' idle slots; over
+    # min_tokens)), and give a long sequence among short ones the short ones' idle slots: both
+    # with runs of the plan's t (the default) and with each sequence spread evenly over its slots
+    # (variant bit 0x8000: runs of at most t, none an align step longer than ceil(ctx / n)
+    # needs); over
     # B x S slots (the grid decode_plan launches) and over B + w slots (w a wave: the bound
     # total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
     # search and 9-bit packing, decode/splits.h) must read back every slot's own split.
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
     grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
-    rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed)
+    rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed, even)
             for b in (1, 2, 17, 64, 97, 256) for s, w in grids
             for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
                                    (1023, 64, 8192), (262144, 128, 8192))
-            for kind in range(5) for seed in (1, 2)]
+            for kind in range(5) for seed in (1, 2) for even in (0, 1)]
     out = _run_probe(exe, rows)
     assert len(out) == len(rows)
     one_long = {}
-    for (b, slots, cap, align, mt, kind, seed), line in zip(rows, out):
+    for (b, slots, cap, align, mt, kind, seed, even), line in zip(rows, out):
         fields = line.split()
         t = int(fields[0])
         assert fields[-1] == "slots:ok", ("a slot entry does not read back", b, slots, cap, kind, seed)
@@ -519,9 +521,11 @@ def test_decode_worklist_plan(tmp_path):
         for ctx, n, run in plan:
             assert 1 <= n <= 256
             assert n <= max(1, -(-ctx // t)), ("more slots than runs of t need", ctx, n, t)
-            assert 0 < run <= t, ("a run longer than the plan's", ctx, n, run, t)
-            if n > 1:
-                assert run % align == 0 and run - align < -(-ctx // n), ("runs not spread evenly", ctx, n, run)
+            if not even:
+                assert run == t, ("a run other than the plan's", ctx, n, run, t)
+            elif n > 1:
+                assert 0 < run <= t and run % align == 0, ("a run longer than the plan's", ctx, n, run, t)
+                assert run - align < -(-ctx // n), ("runs not spread evenly", ctx, n, run)
             assert n * run >= ctx, ("runs do not cover the context", ctx, n, run)
             assert ctx == 0 and n == 1 or (n - 1) * run < ctx, ("an empty split", ctx, n, run)
             assert (n - 1) * run < max(cap, 1), ("a split past the table", ctx, n, run)
@@ -530,10 +534,10 @@ def test_decode_worklist_plan(tmp_path):
         if kind == 1 and b == 64 and slots in (256, 64 + 66) and cap == 32768:
             long_n, short_n = plan[-1][1], plan[0][1]
             assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
-            one_long[slots, seed] = long_n
+            one_long[slots, seed, even] = long_n
     # the bench's one-long row (63 x 1k + one 32k), over 64 x 4 slots or 64 + 66: runs of the
     # 1.5k mean length (a floor of twice the mean, 3k runs and 11 splits, measured slower)
-    assert one_long == {(w, seed): 22 for w in (256, 130) for seed in (1, 2)}, one_long
+    assert one_long == {(w, seed, even): 22 for w in (256, 130) for seed in (1, 2) for even in (0, 1)}, one_long
 
 
 @needs_nvcc

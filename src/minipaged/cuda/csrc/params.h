@@ -254,9 +254,9 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 #endif
 constexpr bool kDecodeWorklistByDefault = MINIPAGED_DECODE_WORKLIST_DEFAULT != 0;
 constexpr int kDecodeVariantWorklistToggle = 0x1000;
-// Benchmark-only: a work list's sequences all take runs of the plan's t tokens, the last one
-// shorter, instead of spreading each sequence evenly over its slots (decode_worklist_seq).
-constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
+// A/B until timed on a GPU: a work list's sequences spread their context evenly over their
+// slots (decode_worklist_seq) instead of taking runs of the plan's t tokens, the last shorter.
+constexpr int kDecodeVariantWorklistEvenRuns = 0x8000;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }
