@@ -386,6 +386,9 @@ for s in $stages; do
         export STAGE_TIMEOUT_decode_worklist_bench$wl=${STAGE_TIMEOUT_decode_worklist_bench:-240}
         flags=${MINIPAGED_NVCC_FLAGS:-}
         [ $wl = 0 ] && flags="$flags -DMINIPAGED_DECODE_WORKLIST_DEFAULT=0"
+        # (each build first, under its own cap: a cold one inside the bench's cut the bench short)
+        export STAGE_TIMEOUT_decode_worklist_build$wl=${STAGE_TIMEOUT_decode_worklist_build:-300}
+        MINIPAGED_NVCC_FLAGS="$flags" run decode_worklist_build$wl python3 -c "from minipaged.cuda import build; build.load()"
         MINIPAGED_NVCC_FLAGS="$flags" run decode_worklist_bench$wl python3 -m minipaged.cli bench --op decode \
           --backends cuda --anchors ${DECODE_WORKLIST_BENCH_ANCHORS:-flashinfer-decode} --kv-cache-dtype fp8 \
           --no-progress --no-plots --out "$WORK/bench/decode_worklist_default$wl"
