@@ -77,6 +77,28 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("-m gpu was requested but torch sees no CUDA device")
 
 
+# Errors after which the process's CUDA context is gone: every later CUDA call fails with the
+# same message, so each test after the culprit would fail too and bury it.
+_LOST_CONTEXT = ("illegal memory access", "misaligned address", "unspecified launch failure",
+                 "device-side assert triggered", "illegal instruction")
+
+
+def lost_cuda_context(message: str) -> bool:
+    """Whether an error message says the CUDA context can no longer run anything."""
+    return "CUDA error" in message and any(m in message for m in _LOST_CONTEXT)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # The first test whose error kills the CUDA context stops the session: it is the one to read
+    # (the GPU tests after it could only fail on the dead context).
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and lost_cuda_context(str(call.excinfo.value)):
+        item.session.shouldstop = (f"the CUDA context was lost in {item.nodeid}; "
+                                   "later tests cannot run in this process")
+
+
 @pytest.fixture(scope="session")
 def serving_ckpt(tmp_path_factory):
     """A tiny random Qwen3 checkpoint (2 layers, 4/2 heads of 64, vocab 500, no EOS) saved by
