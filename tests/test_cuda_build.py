@@ -424,7 +424,7 @@ def test_decode_split_guess_matches_the_rule(tmp_path):
     assert tight > 50
 
 
-# Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_seq; DecodeParams::
+# Work-list splits (decode/splits.h: decode_worklist_run / decode_worklist_seq_splits; DecodeParams::
 # worklist), as plain C++: one line per batch on stdin ("B slots capacity align min_tokens kind
 # seed even"), the plan's run and each sequence's split count and run out.
 _WORKLIST_PROBE = r"""
@@ -460,7 +460,7 @@ int main() {
     std::vector<int> first(B + 1, 0);
     std::vector<minipaged::SeqSplits> seq(B);
     for (long long b = 0; b < B; ++b) {
-      seq[b] = minipaged::decode_worklist_seq(ctx[b], t, align, even != 0);
+      seq[b] = minipaged::decode_worklist_seq_splits(ctx[b], t, align, even != 0);
       first[b + 1] = first[b] + seq[b].count;
     }
     const char* slots = "ok";

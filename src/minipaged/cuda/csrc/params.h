@@ -244,8 +244,9 @@ struct DecodePlan {
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 
 // The decode work list (DecodeParams::worklist) wherever decode_plan's gate allows one: on by
-// default, since it takes a long sequence among short ones to FlashInfer's time and costs the
-// gated rows of equal or random lengths 0-6% (bench/results/nvidia-h100/decode_worklist_74806ee).
+// default, since it takes one long sequence among 63 short ones to 0.65x of its time without it
+// (fp8 0.57x) and costs the gated rows of equal or random lengths 0-6%
+// (bench/results/nvidia-h100/decode_worklist_74806ee).
 // A build with -DMINIPAGED_DECODE_WORKLIST_DEFAULT=0 (e.g. through MINIPAGED_NVCC_FLAGS) turns
 // it off for a whole-grid A/B; the variant bit kDecodeVariantWorklistToggle (benchmarking and
 // tests) flips it for one call either way.
@@ -255,7 +256,7 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 constexpr bool kDecodeWorklistByDefault = MINIPAGED_DECODE_WORKLIST_DEFAULT != 0;
 constexpr int kDecodeVariantWorklistToggle = 0x1000;
 // A/B until timed on a GPU: a work list's sequences spread their context evenly over their
-// slots (decode_worklist_seq) instead of taking runs of the plan's t tokens, the last shorter.
+// slots (decode_worklist_seq_splits) instead of taking runs of the plan's t tokens, the last shorter.
 constexpr int kDecodeVariantWorklistEvenRuns = 0x8000;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);

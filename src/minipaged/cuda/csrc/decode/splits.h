@@ -104,7 +104,7 @@ MINIPAGED_HD int decode_worklist_count(int ctx, int64_t t) {
 // suspect in a batch of random lengths over FP8 pages at 1.06x the plan without a work list.
 // Rounding up to align may leave fewer slots than that count; the count returned is the run's
 // own, so no slot is empty.
-MINIPAGED_HD SeqSplits decode_worklist_seq(int ctx, int64_t t, int64_t align, bool even) {
+MINIPAGED_HD SeqSplits decode_worklist_seq_splits(int ctx, int64_t t, int64_t align, bool even) {
   const int n = decode_worklist_count(ctx, t);
   if (!even || n <= 1) return {n, static_cast<int>(t)};
   const int64_t run = ((static_cast<int64_t>(ctx) + n - 1) / n + align - 1) / align * align;
@@ -126,7 +126,7 @@ struct WorklistEntry {
   int count;  // slots of sequence b
   int first;  // slot of split 0 of sequence b
   int ctx;    // context length of b, clamped to the table
-  int run;    // tokens per split of sequence b (decode_worklist_seq); the plan's run past them
+  int run;    // tokens per split of sequence b (decode_worklist_seq_splits); the plan's run past them
 };
 
 // The four words of a slot's entry, as the plan kernel stores them (one 16-byte store, one

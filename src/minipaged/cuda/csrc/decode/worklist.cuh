@@ -34,7 +34,7 @@ namespace {
 
 // The plan, in one CTA of kWorklistPlanThreads: thread b owns sequence b. Runs of at most t
 // tokens (decode_worklist_run, from the batch's total): sequence b takes n_b slots of its own
-// run (decode_worklist_seq: n_b <= max(1, ceil(ctx_b / t))), consecutive from
+// run (decode_worklist_seq_splits: n_b <= max(1, ceil(ctx_b / t))), consecutive from
 // first_b = n_0 + ... + n_{b-1}; the slots past the last sequence's are marked empty, so every
 // slot of the grid has an entry.
 __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_kernel(const DecodeParams p) {
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   for (int w = 0; w < kPlanWarps; ++w) total += sm_sum[w];
   const int run = static_cast<int>(decode_worklist_run(p, total, kWorklistMaxSplits));
   const SeqSplits seq =
-      decode_worklist_seq(ctx, run, p.split_align, (p.variant & kDecodeVariantWorklistEvenRuns) != 0);
+      decode_worklist_seq_splits(ctx, run, p.split_align, (p.variant & kDecodeVariantWorklistEvenRuns) != 0);
   const int n = mine ? seq.count : 0;
   int incl = n;
 #pragma unroll
