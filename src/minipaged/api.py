@@ -121,8 +121,13 @@ def real_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def integer_number(x) -> bool:
+    """An integer that is not a bool: Python's, or numpy's integer scalars (numbers.Integral)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _max_len(name: str, m) -> int | None:
-    if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0):
+    if m is not None and (not integer_number(m) or m < 0):
         raise ValueError(f"{name} must be a non-negative int or None, got {m!r}")
     return None if m is None else int(m)
 

@@ -8,10 +8,11 @@ transformers-5 layout (`rope_parameters`).
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..api import integer_number
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Qwen3Config:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings"):
             val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+            if not integer_number(val) or val < 1:
                 raise ValueError(f"config {name} must be a positive int, got {val!r}")
         if not 0 < self.rope_theta < float("inf"):
             raise ValueError(f"config rope_theta must be a positive finite number, got {self.rope_theta!r}")

@@ -11,6 +11,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
+from ..api import integer_number
 from ..paged_cache import check_device
 from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
@@ -60,10 +61,10 @@ def _check_block_size(block_size: Any) -> None:
 
 
 def _token_id(where: str, t: Any, vocab: int) -> int:
-    # numbers.Integral covers int and numpy integers; floats (1.7) and bools are not token ids
+    # ints and numpy integers; floats (1.7) and bools are not token ids
     if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool:
         t = int(t)
-    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+    if not integer_number(t):
         raise TypeError(f"{where} holds {t!r} ({type(t).__name__}); token ids must be ints")
     t = int(t)
     if not 0 <= t < vocab:
@@ -276,7 +277,7 @@ class Engine:
         _positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        if not integer_number(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
                           ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -426,10 +427,10 @@ class Engine:
         """
         per_request = not isinstance(max_new_tokens, (int, numbers.Integral)) and hasattr(max_new_tokens, "__len__")
         for n in (max_new_tokens if per_request else [max_new_tokens]):
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
         temperature, top_p = check_sampling(temperature, top_p)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
         prompts = None if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
