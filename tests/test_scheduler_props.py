@@ -368,3 +368,23 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=max(settings.default.max_examples, 150),
                                               stateful_step_count=40)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_finish_of_a_waiting_sequence_leaves_the_queue():
+    """finish() on a sequence that waits (never admitted, or preempted) takes it out of the waiting
+    queue, so the next schedule() neither prefills it nor stalls on it."""
+    cache = mp.PagedKVCache(1, 1, 64, num_blocks=8, block_size=4, dtype=torch.float32)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                      enable_prefix_caching=False)
+    a, b = Sequence([1, 2, 3], 4), Sequence([4, 5, 6, 7, 8], 4)
+    sched.add(a)
+    sched.add(b)
+    sched.finish(a, "stop")
+    assert list(sched.waiting) == [b] and a.status is SeqStatus.FINISHED
+    plan = sched.schedule()
+    assert [c.seq for c in plan.chunks] == [b]
+    sched.update(plan)
+    sched.preempt(b)
+    assert list(sched.waiting) == [b] and b.seq_id not in cache
+    sched.finish(b, "length")
+    assert not sched.has_work() and cache.num_free_blocks == cache.num_blocks

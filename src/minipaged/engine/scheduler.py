@@ -219,10 +219,13 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
-        try:
-            self.running.remove(seq)
-        except ValueError:
-            pass
+        # (a waiting sequence, e.g. one preempted this step, leaves its queue too: left there, the
+        # next schedule() would prefill a finished request)
+        for queue in (self.running, self.waiting):
+            try:
+                queue.remove(seq)
+            except ValueError:
+                pass
 
     def abort_all(self) -> None:
         """Free every page (used when a step raised, so the cache is reusable)."""
