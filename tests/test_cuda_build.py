@@ -496,9 +496,8 @@ def test_decode_worklist_plan(tmp_path):
     # min_tokens)), and give a long sequence among short ones the short ones' idle slots: both
     # with runs of the plan's t (the default) and with each sequence spread evenly over its slots
     # (variant bit 0x8000: runs of at most t, none an align step longer than ceil(ctx / n)
-    # needs); over
-    # B x S slots (the grid decode_plan launches) and over B + w slots (w a wave: the bound
-    # total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
+    # needs); over B x S slots (the grid decode_plan launches) and over B + w slots (w a wave:
+    # the bound total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
     # search and 9-bit packing, decode/splits.h) must read back every slot's own split.
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
     grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
