@@ -535,9 +535,9 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 }
 
 // Work lists (DecodeParams::worklist): a batch whose plan takes one where asked (128 sequences
-// over 16 KV heads fill more than half a wave of every kernel, 16 resident CTAs per SM included,
-// and the table's width gives 3+ splits; over 8 KV heads the G = 2 and G = 4 16-bit kernels at
-// D = 128 fit in half a wave and take 2 splits without one): short,
+// over 8 or 16 KV heads are more than half a wave of every kernel, and the table is 3+
+// split-byte caps wide; where the wave cap leaves one or two splits per sequence, the work list
+// takes two slots per sequence, decode/launch.cu plan_splits): short,
 // empty and odd-length sequences around two long ones. Every tiling, two-launch and fused, with
 // the work list (kWorklistOn) against the fp64 reference (check_problem, the heuristic's split
 // count); the plan checked to be a work list, its CUDA graph replayed bitwise the eager call,
@@ -571,8 +571,10 @@ void check_worklist_problems(uint32_t seed) {
   for (int b = 0; b < 128; ++b) ctx.push_back(pattern[b % 8]);
   ctx[5] = 50001, ctx[77] = 4097;  // (FP8 at D = 64: splits of 16k tokens, 2 MB of K+V per KV head)
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
-  for (int bs : {1, 16, 256})
-    check_worklist_problem({"worklist G2 D128 p" + std::to_string(bs), b16, false, 32, 16, 128, bs, ctx}, seed++);
+  for (int bs : {1, 16, 256})  // (page 256 over 8 KV heads)
+    check_worklist_problem({"worklist G2 D128 H" + std::to_string(bs == 256 ? 8 : 16) + " p" + std::to_string(bs), b16,
+                            false, bs == 256 ? 16 : 32, bs == 256 ? 8 : 16, 128, bs, ctx},
+                           seed++);
   for (DType dt : {b16, f16})
     for (int D : {64, 128})
       for (auto hh : {std::pair<int, int>{32, 16}, {64, 16}})
@@ -754,7 +756,7 @@ int time_mode(int reps) {
   if (const char* env = std::getenv("DECODE_TIME_SKEW"); env != nullptr && std::atoi(env) != 0)
     shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2},
                                  {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}, {64, 32768, 4},
-                                 {32, 32768}});
+                                 {32, 32768}, {256, 16384, 1}, {128, 32768, 1}});
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();
@@ -940,7 +942,7 @@ int time_mode(int reps) {
       std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
-                    v & minipaged::kDecodeVariantWorklistEvenRuns ? " even-runs" : "");
+                    v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
@@ -1230,11 +1232,15 @@ int main(int argc, char** argv) {
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   if (mode == "roofline") return roofline_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
-  if (mode == "small") {
+  // small: the sanitizers' cases; small_worklist: its work-list case alone (racecheck takes
+  // minutes over the whole of small)
+  if (mode == "small" || mode == "small_worklist") {
     g_replays = 10;
-    check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
-    check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
-    check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
+    if (mode == "small") {
+      check_problem({"small G2 D128 p16", b16, false, 4, 2, 128, 16, {0, 17, 300}}, {1, 3}, true, 1);
+      check_problem({"small G4 D64 p1", f16, false, 8, 2, 64, 1, {5, 130}}, {4}, false, 2);
+      check_problem({"small fp8 G2 D64 p16", b16, true, 4, 2, 64, 16, {40, 0}}, {3}, false, 3);
+    }
     {
       std::vector<int> ctx(128, 97);
       ctx[0] = 0, ctx[1] = 17, ctx[3] = 12289;

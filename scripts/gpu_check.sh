@@ -327,8 +327,11 @@ for s in $stages; do
       export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-90}
       export STAGE_TIMEOUT_decode_selftest_synccheck=${STAGE_TIMEOUT_decode_selftest_synccheck:-60}
       if [[ $steps == *" sanitize "* ]]; then
+        # DECODE_SANITIZE_MODE=small_worklist: the work-list case alone (racecheck over the whole
+        # of small takes more than its cap)
         for tool in memcheck racecheck synccheck; do
-          run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" small
+          run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" \
+            ${DECODE_SANITIZE_MODE:-small}
         done
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
@@ -358,7 +361,7 @@ for s in $stages; do
       # (DECODE_TIME_SKEW=1): each row whose gate allows a work list is timed without it first,
       # then with it (params.h kDecodeVariantWorklistToggle flips the default): the A/B is in one
       # binary. `check` (its work-list cases included) is the decode_selftest stage's.
-      # DECODE_WORKLIST_VARIANTS=0,32768 times the even-runs bit (0x8000) next to the default plan.
+      # DECODE_WORKLIST_VARIANTS=0,32768 times the fixed-runs bit (0x8000) next to the default plan.
       decode_selftest_bin decode_worklist_build decode_selftest
       export OMP_NUM_THREADS=16
       DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 DECODE_TIME_VARIANTS=0 \

@@ -494,13 +494,13 @@ def test_decode_worklist_plan(tmp_path):
     # empty split and no split past the table, never need more than one merge's 256 splits,
     # never cut a batch of equal lengths further than the per-sequence rule (n = ceil(ctx /
     # min_tokens)), and give a long sequence among short ones the short ones' idle slots: both
-    # with runs of the plan's t (the default) and with each sequence spread evenly over its slots
-    # (variant bit 0x8000: runs of at most t, none an align step longer than ceil(ctx / n)
-    # needs); over B x S slots (the grid decode_plan launches) and over B + w slots (w a wave:
+    # with each sequence spread evenly over its slots (the default: runs of at most t, none an
+    # align step longer than ceil(ctx / n) needs) and with runs of the plan's t (variant bit
+    # 0x8000); over B x S slots (the grid decode_plan launches) and over B + w slots (w a wave:
     # the bound total / (slots - B) at its tightest). The slot table the plan kernel writes (its owner
     # search and 9-bit packing, decode/splits.h) must read back every slot's own split.
     exe = _build_probe(tmp_path, "worklist", _WORKLIST_PROBE, NVCC)
-    grids = [(s, None) for s in (3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
+    grids = [(s, None) for s in (2, 3, 4, 8, 33, 256)] + [(None, w) for w in (1, 66, 132)]
     rows = [(b, b * s if s else b + w, cap, align, mt, kind, seed, even)
             for b in (1, 2, 17, 64, 97, 256) for s, w in grids
             for cap, align, mt in ((32768, 128, 4096), (16384, 64, 4096), (4096, 32, 256), (97, 32, 128),
@@ -530,13 +530,14 @@ def test_decode_worklist_plan(tmp_path):
             assert (n - 1) * run < max(cap, 1), ("a split past the table", ctx, n, run)
             if kind == 0:
                 assert n <= max(1, -(-ctx // mt)), ("equal lengths cut further than the rule", ctx, n, t, mt)
-        if kind == 1 and b == 64 and slots in (256, 64 + 66) and cap == 32768:
+        if kind == 1 and b == 64 and slots in (128, 256, 64 + 66) and cap == 32768:
             long_n, short_n = plan[-1][1], plan[0][1]
             assert short_n == 1 and long_n >= 8, plan[-2:]  # 4 splits without the work list
             one_long[slots, seed, even] = long_n
-    # the bench's one-long row (63 x 1k + one 32k), over 64 x 4 slots or 64 + 66: runs of the
-    # 1.5k mean length (a floor of twice the mean, 3k runs and 11 splits, measured slower)
-    assert one_long == {(w, seed, even): 22 for w in (256, 130) for seed in (1, 2) for even in (0, 1)}, one_long
+    # the bench's one-long row (63 x 1k + one 32k), over 64 x 2 slots (decode_plan's least, where
+    # the wave cap leaves 1-2 splits), 64 x 4 or 64 + 66: runs of the 1.5k mean length (a floor
+    # of twice the mean, 3k runs and 11 splits, measured slower)
+    assert one_long == {(w, seed, even): 22 for w in (128, 256, 130) for seed in (1, 2) for even in (0, 1)}, one_long
 
 
 @needs_nvcc

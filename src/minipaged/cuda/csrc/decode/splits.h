@@ -96,12 +96,12 @@ MINIPAGED_HD int decode_worklist_count(int ctx, int64_t t) {
   return n < 1 ? 1 : static_cast<int>(n);
 }
 // The slots of a sequence of ctx tokens under the plan's run t (a multiple of align) and the
-// run of each. `even` false (the default plan): decode_worklist_count(ctx, t) runs of t, the
-// last shorter. `even` true (variant bit kDecodeVariantWorklistEvenRuns, an A/B until timed on
-// a GPU): those slots share ctx evenly (ceil(ctx / n), rounded up to align: at most t), as the
-// per-sequence rule's splits do (decode_seq_splits), so that a sequence of 1.5 t tokens is two
-// runs of 0.75 t, not t and 0.5 t. Runs of exactly t leave more CTAs at the longest run, the
-// suspect in a batch of random lengths over FP8 pages at 1.06x the plan without a work list.
+// run of each. `even` true (the default plan): decode_worklist_count(ctx, t) slots that share
+// ctx evenly (ceil(ctx / n), rounded up to align: at most t), as the per-sequence rule's splits
+// do (decode_seq_splits), so that a sequence of 1.5 t tokens is two runs of 0.75 t, not t and
+// 0.5 t: runs of exactly t leave more CTAs at the longest run (FP8 pages, random lengths: 1.062x
+// the plan without a work list, 1.016x with even runs). `even` false (variant bit
+// kDecodeVariantWorklistFixedRuns, an A/B): runs of t, the last shorter.
 // Rounding up to align may leave fewer slots than that count; the count returned is the run's
 // own, so no slot is empty.
 MINIPAGED_HD SeqSplits decode_worklist_seq_splits(int ctx, int64_t t, int64_t align, bool even) {

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
   for (int w = 0; w < kPlanWarps; ++w) total += sm_sum[w];
   const int run = static_cast<int>(decode_worklist_run(p, total, kWorklistMaxSplits));
   const SeqSplits seq =
-      decode_worklist_seq_splits(ctx, run, p.split_align, (p.variant & kDecodeVariantWorklistEvenRuns) != 0);
+      decode_worklist_seq_splits(ctx, run, p.split_align, (p.variant & kDecodeVariantWorklistFixedRuns) == 0);
   const int n = mine ? seq.count : 0;
   int incl = n;
 #pragma unroll
