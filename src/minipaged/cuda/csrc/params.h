@@ -261,6 +261,17 @@ constexpr int kDecodeVariantWorklistToggle = 0x1000;
 // 1.062x to 1.016x of the plan without a work list, other rows within 0.3%:
 // bench/results/nvidia-h100/decode_worklist_evenruns_c44c088).
 constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
+// Where the wave cap leaves a work list two slots per sequence (decode_plan), B + ceil(B / 2)
+// slots instead of 2B (MINIPAGED_DECODE_WORKLIST_HALF_EXTRA=1 makes it the default; this
+// variant bit flips it for one call): runs of at least twice the batch's mean length, and half
+// the empty CTAs in a batch of short sequences.
+#ifndef MINIPAGED_DECODE_WORKLIST_HALF_EXTRA
+#define MINIPAGED_DECODE_WORKLIST_HALF_EXTRA 0
+#endif
+constexpr int kDecodeVariantWorklistHalfExtra = 0x4000;
+inline bool decode_worklist_half_extra(int variant) {
+  return (MINIPAGED_DECODE_WORKLIST_HALF_EXTRA != 0) != ((variant & kDecodeVariantWorklistHalfExtra) != 0);
+}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }
