@@ -167,8 +167,8 @@ struct DecodeParams {
   int split_min_tokens;
   int split_align;
   int split_guess_ctx;  // from ctx > split_guess_ctx on, a sequence's splits are the guess's
-  // > 0 (decode_plan: plain decode over more than half a wave of CTAs, 3+ splits per sequence,
-  // when decode_worklist_wanted):
+  // > 0 (decode_plan: plain decode over more than half a wave of CTAs in a table 3+ split-byte
+  // caps wide, when decode_worklist_wanted):
   // the grid's y is `worklist` work slots per KV head chunk (batch * num_splits of them), not
   // (batch, split). A first one-CTA kernel (decode/worklist.cuh) derives the plan from
   // context_lens into worklist_plan: runs of t >= ceil(total / (worklist - batch)) tokens
@@ -244,9 +244,9 @@ struct DecodePlan {
 DecodePlan decode_plan(DecodeParams& p, int requested_splits);
 
 // The decode work list (DecodeParams::worklist) wherever decode_plan's gate allows one: on by
-// default, since it takes one long sequence among 63 short ones to 0.65x of its time without it
-// (fp8 0.57x) and costs the gated rows of equal or random lengths 0-6%
-// (bench/results/nvidia-h100/decode_worklist_74806ee).
+// default, since it takes one long sequence among short ones to 0.51-0.66x of its time without
+// it and costs the gated rows of equal or random lengths 0-1.3%, short sequences in a wide
+// table 3-6% (bench/results/nvidia-h100/decode_worklist_gate_c9baf75).
 // A build with -DMINIPAGED_DECODE_WORKLIST_DEFAULT=0 (e.g. through MINIPAGED_NVCC_FLAGS) turns
 // it off for a whole-grid A/B; the variant bit kDecodeVariantWorklistToggle (benchmarking and
 // tests) flips it for one call either way.
@@ -261,17 +261,6 @@ constexpr int kDecodeVariantWorklistToggle = 0x1000;
 // 1.062x to 1.016x of the plan without a work list, other rows within 0.3%:
 // bench/results/nvidia-h100/decode_worklist_evenruns_c44c088).
 constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
-// Where the wave cap leaves a work list two slots per sequence (decode_plan), B + ceil(B / 2)
-// slots instead of 2B (MINIPAGED_DECODE_WORKLIST_HALF_EXTRA=1 makes it the default; this
-// variant bit flips it for one call): runs of at least twice the batch's mean length, and half
-// the empty CTAs in a batch of short sequences.
-#ifndef MINIPAGED_DECODE_WORKLIST_HALF_EXTRA
-#define MINIPAGED_DECODE_WORKLIST_HALF_EXTRA 0
-#endif
-constexpr int kDecodeVariantWorklistHalfExtra = 0x4000;
-inline bool decode_worklist_half_extra(int variant) {
-  return (MINIPAGED_DECODE_WORKLIST_HALF_EXTRA != 0) != ((variant & kDecodeVariantWorklistHalfExtra) != 0);
-}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

@@ -508,7 +508,6 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   p.worklist = 0;
   if (worklist && p.num_splits >= 2 && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
     p.worklist = p.batch * p.num_splits;
-    if (p.num_splits == 2 && decode_worklist_half_extra(p.variant)) p.worklist = p.batch + (p.batch + 1) / 2;
     DecodePlan twin = k;
     twin.kernel = k.worklist_kernel;
     blocks_per_sm(twin);  // raises the twin's shared-memory limit on this device
