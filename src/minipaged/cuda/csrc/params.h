@@ -261,6 +261,16 @@ constexpr int kDecodeVariantWorklistToggle = 0x1000;
 // 1.062x to 1.016x of the plan without a work list, other rows within 0.3%:
 // bench/results/nvidia-h100/decode_worklist_evenruns_c44c088).
 constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
+// An A/B, not yet timed (MINIPAGED_DECODE_WORKLIST_EARLY_MERGE=1 makes it the default, this
+// bit flips it for one call): a work list's merge CTAs read their sequence's plan entry before
+// they wait for the split kernel, so those of one-slot sequences return while it runs, as the
+// plain merge's do. On an H100 its launch cost B=256 L=16k short sequences 5.9 us, every CTA
+// waiting first (bench/results/nvidia-h100/decode_worklist_gate_c9baf75).
+#ifndef MINIPAGED_DECODE_WORKLIST_EARLY_MERGE
+#define MINIPAGED_DECODE_WORKLIST_EARLY_MERGE 0
+#endif
+constexpr int kDecodeVariantWorklistEarlyMerge = 0x4000;
+constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EARLY_MERGE != 0;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }
