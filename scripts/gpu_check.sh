@@ -312,7 +312,10 @@ for s in $stages; do
       # sanitizers; then the standard decode grid for every tiling, both reductions. A binary
       # prebuilt on the dev box (same nvcc) may be carried in .gpubin/; DECODE_SELFTEST_REBUILD=1
       # rebuilds it here. The caps add up to one 10-minute call with the build.
+      # DECODE_SELFTEST_NAME runs another prebuilt binary under $bin (e.g. decode_selftest_early,
+      # built with -DMINIPAGED_DECODE_WORKLIST_EARLY_MERGE=1) through the same steps.
       mkdir -p "$bin"
+      sbin="$bin/${DECODE_SELFTEST_NAME:-decode_selftest}"
       if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then
         STAGE_TIMEOUT_decode_selftest_build=${STAGE_TIMEOUT_decode_selftest_build:-150} run decode_selftest_build \
           nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
@@ -322,7 +325,7 @@ for s in $stages; do
       # roofline times the plainest read of each grid row's bytes in the same harness.
       steps=" ${DECODE_SELFTEST_STEPS:-check sanitize time} "
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
-        run decode_selftest_check "$bin/decode_selftest" check
+        run decode_selftest_check "$sbin" check
       export STAGE_TIMEOUT_decode_selftest_memcheck=${STAGE_TIMEOUT_decode_selftest_memcheck:-60}
       export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-90}
       export STAGE_TIMEOUT_decode_selftest_synccheck=${STAGE_TIMEOUT_decode_selftest_synccheck:-60}
@@ -330,14 +333,14 @@ for s in $stages; do
         # DECODE_SANITIZE_MODE=small_worklist: the work-list case alone (racecheck over the whole
         # of small takes more than its cap)
         for tool in memcheck racecheck synccheck; do
-          run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$bin/decode_selftest" \
+          run decode_selftest_$tool compute-sanitizer --tool $tool --error-exitcode 1 "$sbin" \
             ${DECODE_SANITIZE_MODE:-small}
         done
       fi
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
-        run decode_selftest_time "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100}
+        run decode_selftest_time "$sbin" time ${DECODE_SELFTEST_REPS:-100}
       [[ $steps == *" roofline "* ]] && STAGE_TIMEOUT_decode_selftest_roofline=${STAGE_TIMEOUT_decode_selftest_roofline:-150} \
-        run decode_selftest_roofline "$bin/decode_selftest" roofline ${DECODE_SELFTEST_REPS:-100};;
+        run decode_selftest_roofline "$sbin" roofline ${DECODE_SELFTEST_REPS:-100};;
     decode_ab)
       # A/B of decode_selftest builds (names under $bin in DECODE_AB_BINS, e.g. one built with
       # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each; DECODE_AB_ROUNDS
