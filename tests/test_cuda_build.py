@@ -540,6 +540,47 @@ def test_decode_worklist_plan(tmp_path):
     assert one_long == {(w, seed, even): 22 for w in (128, 256, 130) for seed in (1, 2) for even in (0, 1)}, one_long
 
 
+# decode_plan's work-list gate (decode/splits.h decode_worklist_splits), host code: one line
+# per plan on stdin ("ctas slots splits capacity min_tokens"), the slots per sequence out.
+_WORKLIST_GATE_PROBE = r"""
+#include <cstdio>
+#include "decode/splits.h"
+int main() {
+  long long ctas, slots, splits, capacity, min_tokens;
+  while (std::scanf("%lld %lld %lld %lld %lld", &ctas, &slots, &splits, &capacity, &min_tokens) == 5)
+    std::printf("%lld\n", static_cast<long long>(minipaged::decode_worklist_splits(ctas, slots, splits, capacity,
+                                                                                   min_tokens)));
+}
+"""
+
+
+@needs_nvcc
+def test_decode_worklist_gate(tmp_path):
+    # Which plain decode plans take a work list, and how many slots per sequence, on the shapes
+    # the selftest and the bench time: 132 SMs, about 2 resident CTAs per SM of the G = 2
+    # tensor-core kernel (264 slots), 16-bit D = 128 (a 2 MB split cap is 4096 tokens, FP8 8192).
+    # Before c9baf75 the gate asked for 3+ splits after the wave cap, so the first three batches
+    # below took none (the H100 selftest's "work list NOT TAKEN").
+    exe = _build_probe(tmp_path, "worklist_gate", _WORKLIST_GATE_PROBE, NVCC)
+    cases = [  # (CTAs, resident slots, splits after the wave cap, table tokens, split cap) -> slots per sequence
+        ((128 * 16, 264, 1, 50016, 4096), 2),  # the selftest's work-list batch: one split after the cap
+        ((128 * 8, 264, 2, 32768, 4096), 2),  # B=128 L=32k one long sequence
+        ((256 * 8, 264, 1, 16384, 4096), 2),  # B=256 L=16k
+        ((64 * 8, 264, 4, 32768, 4096), 4),  # B=64 L=32k: the cap's four kept
+        ((32 * 8, 264, 8, 32768, 4096), 8),
+        ((256 * 8, 264, 1, 16384, 8192), 0),  # FP8 at 16k: two caps wide
+        ((64 * 8, 264, 2, 8192, 4096), 0),  # B=64 L=8k: two caps wide
+        ((2048, 264, 1, 8193, 4096), 2),  # three caps by one token
+        ((2048, 264, 1, 8192, 4096), 0),
+        ((8 * 8, 264, 4, 32768, 4096), 0),  # within half a wave: per-sequence splits fill it
+        ((132, 264, 4, 32768, 4096), 0),  # exactly half a wave
+        ((133, 264, 4, 32768, 4096), 4),
+        ((2048, 264, 1, 32768, 0), 0),  # (no cap: no plan to gate)
+    ]
+    out = _run_probe(exe, [shape for shape, _ in cases])
+    assert [int(line) for line in out] == [want for _, want in cases], list(zip(cases, out))
+
+
 @needs_nvcc
 def test_paged_spec_decode_route_rows(tmp_path):
     # Short runs of up to 32 (query, head) rows per KV head take the decode kernel (one MMA row

@@ -493,20 +493,18 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
     }
   }
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
-  // Plain decode over more than half a wave, with a table 3+ split-byte caps wide: a work list
-  // (same grid, B x splits slots), so that the splits short sequences leave idle go to the long
-  // ones. Its slots are B x max(splits, 2): where the wave cap above left one or two splits per
-  // sequence (a batch of 8+ waves), 2B slots still cut every run to the batch's mean length
-  // (decode_worklist_run: t >= total / (slots - B)), and one long sequence no longer streams
-  // alone through the end of the call.
+  // Plain decode over more than half a wave, in a wide table: a work list (decode_worklist_splits
+  // per sequence), so that the splits short sequences leave idle go to the long ones.
   // Only the default kernels have a work-list twin (info_d, default_mma, fp8_wide_mma).
-  const bool worklist = requested_splits <= 0 && k.worklist_kernel != nullptr && 2 * ctas > slots &&
-                        p.cu_seqlens_q == nullptr && p.max_seqlen_q < 2 && decode_worklist_wanted(p.variant) &&
-                        p.batch <= kWorklistMaxBatch && (capacity + min_tokens - 1) / min_tokens >= 3;
-  if (worklist) splits = std::max<int64_t>(splits, 2);
+  const int64_t worklist_splits = requested_splits <= 0 && k.worklist_kernel != nullptr &&
+                                          p.cu_seqlens_q == nullptr && p.max_seqlen_q < 2 &&
+                                          decode_worklist_wanted(p.variant) && p.batch <= kWorklistMaxBatch
+                                      ? decode_worklist_splits(ctas, slots, splits, capacity, min_tokens)
+                                      : 0;
+  if (worklist_splits > 0) splits = worklist_splits;
   decode_split_runs(p, capacity, splits, min_tokens, iter);
   p.worklist = 0;
-  if (worklist && p.num_splits >= 2 && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
+  if (worklist_splits > 0 && p.num_splits >= 2 && static_cast<int64_t>(p.batch) * p.num_splits <= 65535) {
     p.worklist = p.batch * p.num_splits;
     DecodePlan twin = k;
     twin.kernel = k.worklist_kernel;

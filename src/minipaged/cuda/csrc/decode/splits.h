@@ -70,6 +70,19 @@ inline void decode_split_runs(DecodeParams& p, int64_t capacity, int64_t splits,
   decode_set_split_guess(p);
 }
 
+// Work-list slots per sequence of a plain decode plan (decode_plan: the grid is B x that many
+// slots), 0 for none. Only over more than half a wave of CTAs (`ctas` whole sequences against
+// `slots` resident CTAs; below, the per-sequence splits fill the wave) and in a table at least
+// three split caps (`min_tokens`) wide. Then max(splits, 2), `splits` being the plan's count
+// after its wave cap: where the cap leaves one or two per sequence (batches of 8+ waves), 2B
+// slots still cut every run to the batch's mean length (decode_worklist_run), so one long
+// sequence does not stream alone through the end of the call.
+MINIPAGED_HD int64_t decode_worklist_splits(int64_t ctas, int64_t slots, int64_t splits, int64_t capacity,
+                                            int64_t min_tokens) {
+  if (2 * ctas <= slots || min_tokens <= 0 || (capacity + min_tokens - 1) / min_tokens < 3) return 0;
+  return splits < 2 ? 2 : splits;
+}
+
 // Work-list splits (DecodeParams::worklist > 0): the run of every split for a batch of
 // `total` cached tokens. At least total / (worklist - batch), so that
 // sum_b max(1, ceil(ctx_b / t)) <= total / t + batch <= worklist; at least the mean length up
