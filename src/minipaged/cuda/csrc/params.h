@@ -271,6 +271,18 @@ constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
 #endif
 constexpr int kDecodeVariantWorklistEarlyMerge = 0x4000;
 constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EARLY_MERGE != 0;
+// An A/B, not yet timed (MINIPAGED_DECODE_EARLY_TRIGGER=1 makes it the default, this bit flips
+// it for one call): the split kernels let their merge grid launch (griddepcontrol.launch_dependents)
+// as each CTA starts, after a work list's plan wait, instead of as its loop ends. The merge's CTAs
+// then sit resident in their own wait before the split kernel drains: at B=1 its launch leaves
+// the critical path, and with the early merge above a work list's one-slot merge CTAs return
+// under the split kernel's tail instead of after it. The wait itself is unchanged: no merge CTA
+// reads a partial before the split grid has completed.
+#ifndef MINIPAGED_DECODE_EARLY_TRIGGER
+#define MINIPAGED_DECODE_EARLY_TRIGGER 0
+#endif
+constexpr int kDecodeVariantEarlyTrigger = 0x2000;
+constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 0;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

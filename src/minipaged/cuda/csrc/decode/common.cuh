@@ -160,6 +160,12 @@ __device__ __forceinline__ void decode_slice_range(const DecodeParams& p, Decode
 }
 
 
+// Whether the split kernels trigger their merge's launch as they start (params.h
+// kDecodeVariantEarlyTrigger) rather than as their loop ends. CTA-uniform.
+__device__ __forceinline__ bool decode_early_trigger(const DecodeParams& p) {
+  return kDecodeEarlyTriggerByDefault != ((p.variant & kDecodeVariantEarlyTrigger) != 0);
+}
+
 // WL (the work-list twins of the plain decode kernels, DecodePlan::worklist_kernel): the grid
 // is (Hkv x head chunks, DecodeParams::worklist) and blockIdx.y a work slot, whose entry the
 // plan kernel (decode/worklist.cuh) wrote; the kernels without it never look at the plan.
@@ -169,6 +175,8 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   DecodeSlice s = decode_slice_head<PQ, MQ>(p, heads_per_cta);
   if constexpr (WL) {
     griddep_wait();  // decode_worklist_plan_kernel has written the plan
+    // (after the wait: the merge's early read of the plan needs the planner's grid complete)
+    if (decode_early_trigger(p)) griddep_launch_dependents();
     const WorklistEntry e = decode_worklist_slot(p, blockIdx.y);
     // a slot past every split: split 1 of 1, which decode_split_unused turns away
     s.b = e.b < 0 ? 0 : e.b;
@@ -178,6 +186,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
     s.part0 = e.first;
     decode_slice_set_run(s, e.ctx, e.run);
   } else {
+    if (decode_early_trigger(p)) griddep_launch_dependents();
     decode_slice_range<PQ, MQ>(p, s);
   }
   return s;

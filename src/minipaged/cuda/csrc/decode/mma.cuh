@@ -502,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   }
   cp_async_wait<0>();
   decode_trace(kTrLoopDone);
-  griddep_launch_dependents();
+  if (!decode_early_trigger(p)) griddep_launch_dependents();  // (else decode_slice did)
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
   constexpr int kOStride = MQ && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows

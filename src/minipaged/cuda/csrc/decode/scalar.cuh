@@ -339,9 +339,9 @@ paged_decode_kernel(const DecodeParams p) {
   }
   if constexpr (STAGES >= 2) cp_async_wait<0>();  // no copy may outlive the block
   decode_trace(kTrLoopDone);
-  // Let the reduction grid launch while this one drains; it still waits for
-  // this grid's completion (griddep_wait) before reading partials.
-  griddep_launch_dependents();
+  // Let the reduction grid launch while this one drains (unless decode_slice did at the
+  // start); it still waits for this grid's completion (griddep_wait) before reading partials.
+  if (!decode_early_trigger(p)) griddep_launch_dependents();
 
   // Merge the token slots of the warp: lanes with the same lt hold the same dims.
 #pragma unroll
