@@ -312,8 +312,8 @@ for s in $stages; do
       # sanitizers; then the standard decode grid for every tiling, both reductions. A binary
       # prebuilt on the dev box (same nvcc) may be carried in .gpubin/; DECODE_SELFTEST_REBUILD=1
       # rebuilds it here. The caps add up to one 10-minute call with the build.
-      # DECODE_SELFTEST_NAME runs another prebuilt binary under $bin (e.g. decode_selftest_early,
-      # built with -DMINIPAGED_DECODE_WORKLIST_EARLY_MERGE=1) through the same steps.
+      # DECODE_SELFTEST_NAME runs another prebuilt binary under $bin (e.g. decode_selftest_et,
+      # built with -DMINIPAGED_DECODE_EARLY_TRIGGER=0) through the same steps.
       mkdir -p "$bin"
       sbin="$bin/${DECODE_SELFTEST_NAME:-decode_selftest}"
       if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then

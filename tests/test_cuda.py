@@ -112,9 +112,14 @@ HEADS = [(7, 7), (16, 8), (12, 3), (6, 2), (16, 2), (24, 1)]  # GQA 1, 2, 4, 3, 
 MMA = 10  # decode/launch.cu tiling 10: the tensor-core kernel (decode/mma.cuh), any group size
 SCALAR = 12  # decode/launch.cu tiling 12: the scalar kernel's default tiling for any group size
 NO_PDL = 0x200  # decode/launch.cu kVariantNoPDL: plain launch of the split reduction
-# params.h kDecodeVariantWorklistToggle: the decode work list toggled against its default (off until
-# it has run on a GPU) where the plan's gate allows one
+# params.h kDecodeVariantWorklistToggle: the decode work list toggled against its default (on) where
+# the plan's gate allows one
 WORKLIST_TOGGLE = 0x1000
+# params.h kDecodeVariantEarlyTrigger / kDecodeVariantWorklistEarlyMerge: the split kernels' merge
+# trigger at the loop's end instead of the CTA's start, a work list's merge reading its plan entry
+# after its wait instead of before (each flipped against its default, on)
+EARLY_TRIGGER = 0x2000
+EARLY_MERGE = 0x4000
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -755,6 +760,27 @@ def test_decode_pdl_launch_is_bitwise_plain_launch(ops, splits):
     a = _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"PDL splits={splits}", num_splits=splits)
     b = ops.decode(q, kc, vc, bt, cl, 0.0883, num_splits=splits, variant=NO_PDL)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flip", [EARLY_TRIGGER, EARLY_MERGE, EARLY_TRIGGER | EARLY_MERGE, NO_PDL],
+                         ids=["trigger", "merge", "both", "no-pdl"])
+@pytest.mark.parametrize("shape", ["b1", "worklist"])
+def test_decode_merge_launch_order_is_bitwise(ops, flip, shape):
+    # Where the split kernel lets its merge launch, and whether a work list's merge reads its plan
+    # entry before its wait, must not change what the merge reads: the same bits either way.
+    # "worklist": one long sequence among short ones in a wide table (the plan's gate opens).
+    if shape == "b1":
+        lens, width = [9000], 0
+    else:
+        lens, width = [17, 0, 1, 300, 1023] * 8 + [20000], 2048
+    q, kc, vc, bt, cl = _paged_problem(len(lens), 16, 8, 128, 16, lens, torch.bfloat16, seed=17)
+    if width:
+        pad = torch.full((bt.shape[0], width - bt.shape[1]), -1, dtype=bt.dtype, device=bt.device)
+        bt = torch.cat([bt, pad], dim=1)
+    a = _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"merge launch {shape}")
+    for _ in range(3):
+        b = ops.decode(q, kc, vc, bt, cl, 0.0883, variant=flip)
+        assert torch.equal(a, b), f"{shape} variant {flip:#x}"
 
 
 def test_public_api_backends(ops):

@@ -261,25 +261,25 @@ constexpr int kDecodeVariantWorklistToggle = 0x1000;
 // 1.062x to 1.016x of the plan without a work list, other rows within 0.3%:
 // bench/results/nvidia-h100/decode_worklist_evenruns_c44c088).
 constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
-// An A/B, not yet timed (MINIPAGED_DECODE_WORKLIST_EARLY_MERGE=1 makes it the default, this
-// bit flips it for one call): a work list's merge CTAs read their sequence's plan entry before
-// they wait for the split kernel, so those of one-slot sequences return while it runs, as the
-// plain merge's do. On an H100 its launch cost B=256 L=16k short sequences 5.9 us, every CTA
-// waiting first (bench/results/nvidia-h100/decode_worklist_gate_c9baf75).
+// Early merge and early trigger, on by default together (each bit flips its own for one call;
+// MINIPAGED_DECODE_WORKLIST_EARLY_MERGE=0 / MINIPAGED_DECODE_EARLY_TRIGGER=0 turn them off for a
+// build). Early merge: a work list's merge CTAs read their sequence's plan entry before they wait
+// for the split kernel, so those of one-slot sequences return at once, as the plain merge's do.
+// Early trigger: the split kernels let their merge grid launch (griddepcontrol.launch_dependents)
+// as each CTA starts (a work list's after its plan wait: the early read needs the planner's grid
+// complete), not as its loop ends, so the merge's CTAs are resident before the split kernel
+// drains. No merge CTA reads a partial before the split grid has completed either way.
+// On an H100, in one binary: each alone left every row within noise; together they took the
+// gated work-list rows 0.3-2% faster (one long FP8 sequence among 127: 133.0 -> 130.4 us, short
+// sequences in a wide table 1.031 -> 1.024 of the plan without a list) and the other rows within
+// noise (bench/results/nvidia-h100/decode_early_trigger_221aba8).
 #ifndef MINIPAGED_DECODE_WORKLIST_EARLY_MERGE
-#define MINIPAGED_DECODE_WORKLIST_EARLY_MERGE 0
+#define MINIPAGED_DECODE_WORKLIST_EARLY_MERGE 1
 #endif
 constexpr int kDecodeVariantWorklistEarlyMerge = 0x4000;
 constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EARLY_MERGE != 0;
-// An A/B, not yet timed (MINIPAGED_DECODE_EARLY_TRIGGER=1 makes it the default, this bit flips
-// it for one call): the split kernels let their merge grid launch (griddepcontrol.launch_dependents)
-// as each CTA starts, after a work list's plan wait, instead of as its loop ends. The merge's CTAs
-// then sit resident in their own wait before the split kernel drains: at B=1 its launch leaves
-// the critical path, and with the early merge above a work list's one-slot merge CTAs return
-// under the split kernel's tail instead of after it. The wait itself is unchanged: no merge CTA
-// reads a partial before the split grid has completed.
 #ifndef MINIPAGED_DECODE_EARLY_TRIGGER
-#define MINIPAGED_DECODE_EARLY_TRIGGER 0
+#define MINIPAGED_DECODE_EARLY_TRIGGER 1
 #endif
 constexpr int kDecodeVariantEarlyTrigger = 0x2000;
 constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 0;

@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     // The plan's grid completed before any split CTA passed its own wait (decode_slice), and
     // this grid launches only once every split CTA has passed it and triggered (at its end) or
     // exited: the plan's entries are in L2 by then, and decode_worklist_seq reads them there.
-    // Waiting first (the default until the early read is timed) makes every CTA, those of
-    // one-slot sequences included, sit out the whole split kernel before it can return.
+    // Without the early read (params.h kDecodeVariantWorklistEarlyMerge flips it), every CTA,
+    // those of one-slot sequences included, sits out the whole split kernel before it returns.
     const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
     if (!early) griddep_wait();
     const int2 e = decode_worklist_seq(p, seq);
