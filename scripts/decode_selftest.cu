@@ -690,30 +690,47 @@ void print_graph_floor(cudaStream_t st, int reps, const L2Flush& fl) {
 }
 
 #if MINIPAGED_DECODE_TRACE
-// One traced graph replay after a flush (a build with -DMINIPAGED_DECODE_TRACE=1): the split
-// kernel's marks (decode/trace.cuh) as quantiles over its CTAs, in us from the first CTA's
-// entry, then the merge kernel's, and how many CTAs each SM ran.
+// One traced graph replay after a flush (a build with -DMINIPAGED_DECODE_TRACE=1): the work-list
+// planner's entry and exit (when it ran), the split kernel's marks (decode/trace.cuh) as quantiles
+// over the CTAs that reached each, in us from the first entry, then the merge kernel's, and how
+// many CTAs each SM ran. The marks are zeroed first: CTAs that return early (unused splits,
+// one-split merges) reach only entry and exit.
 void print_trace(cudaGraphExec_t ge, cudaStream_t st, const L2Flush& fl, int split_ctas, int merge_ctas) {
   using minipaged::kTraceMaxCtas;
   static std::vector<unsigned long long> sp(size_t(kTraceMaxCtas) * minipaged::kTrMarks),
-      mg(size_t(kTraceMaxCtas) * minipaged::kRtMarks);
+      mg(size_t(kTraceMaxCtas) * minipaged::kRtMarks), pl(minipaged::kPtMarks);
   flush_kernel<<<g_num_sms * 8, 512, 0, st>>>(fl.buf, fl.n16, fl.sink);
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  CHECK_CUDA(minipaged::decode_trace_clear());
   CHECK_CUDA(cudaGraphLaunch(ge, st));
   CHECK_CUDA(cudaStreamSynchronize(st));
-  CHECK_CUDA(minipaged::decode_trace_read(sp.data(), mg.data()));
+  CHECK_CUDA(minipaged::decode_trace_read(sp.data(), mg.data(), pl.data()));
   split_ctas = std::min(split_ctas, kTraceMaxCtas);
   merge_ctas = std::min(merge_ctas, kTraceMaxCtas);
-  unsigned long long t0 = ~0ull;
-  for (int c = 0; c < split_ctas; ++c) t0 = std::min(t0, sp[size_t(c) * minipaged::kTrMarks + minipaged::kTrEntry]);
+  unsigned long long t0 = pl[minipaged::kPtEntry] != 0 ? pl[minipaged::kPtEntry] : ~0ull;
+  for (int c = 0; c < split_ctas; ++c) {
+    const unsigned long long e = sp[size_t(c) * minipaged::kTrMarks + minipaged::kTrEntry];
+    if (e != 0) t0 = std::min(t0, e);
+  }
+  auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
+  if (pl[minipaged::kPtEntry] != 0)
+    std::printf("  trace %-18s entry %7.2f  exit %7.2f us\n", "worklist plan", us(pl[minipaged::kPtEntry]),
+                us(pl[minipaged::kPtExit]));
   auto quantiles = [&](const char* name, const std::vector<unsigned long long>& v, int n, int stride, int mark) {
     std::vector<double> x;
-    for (int c = 0; c < n; ++c) x.push_back((double(v[size_t(c) * stride + mark]) - double(t0)) * 1e-3);
+    for (int c = 0; c < n; ++c)
+      if (v[size_t(c) * stride + mark] != 0) x.push_back(us(v[size_t(c) * stride + mark]));
+    if (x.empty()) {
+      std::printf("  trace %-18s (no CTA)\n", name);
+      return;
+    }
     std::sort(x.begin(), x.end());
     auto q = [&](double f) { return x[std::min<size_t>(x.size() - 1, size_t(f * (x.size() - 1) + 0.5))]; };
-    std::printf("  trace %-18s min %7.2f  p10 %7.2f  p50 %7.2f  p90 %7.2f  max %7.2f us\n", name, x.front(), q(0.1),
-                q(0.5), q(0.9), x.back());
+    std::printf("  trace %-18s min %7.2f  p10 %7.2f  p50 %7.2f  p90 %7.2f  max %7.2f us  (%zu CTAs)\n", name,
+                x.front(), q(0.1), q(0.5), q(0.9), x.back(), x.size());
   };
   quantiles("split entry", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrEntry);
+  quantiles("split plan waited", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrPlanWaited);
   quantiles("split first tile", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrFirstTile);
   quantiles("split last tile", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrLastTile);
   quantiles("split loop done", sp, split_ctas, minipaged::kTrMarks, minipaged::kTrLoopDone);

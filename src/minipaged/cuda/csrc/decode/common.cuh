@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "decode/splits.h"
+#include "decode/trace.cuh"
 #include "decode/worklist.cuh"
 #include "params.h"
 #include "ptx/fp8.cuh"
@@ -175,6 +176,7 @@ __device__ __forceinline__ DecodeSlice decode_slice(const DecodeParams& p, int h
   DecodeSlice s = decode_slice_head<PQ, MQ>(p, heads_per_cta);
   if constexpr (WL) {
     griddep_wait();  // decode_worklist_plan_kernel has written the plan
+    decode_trace(kTrPlanWaited);
     // (after the wait: the merge's early read of the plan needs the planner's grid complete)
     if (decode_early_trigger(p)) griddep_launch_dependents();
     const WorklistEntry e = decode_worklist_slot(p, blockIdx.y);

@@ -605,9 +605,21 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
 }
 
 #if MINIPAGED_DECODE_TRACE
-cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge) {
+cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge, unsigned long long* plan) {
   cudaError_t err = cudaMemcpyFromSymbol(split, g_decode_trace, sizeof(g_decode_trace));
   if (err == cudaSuccess) err = cudaMemcpyFromSymbol(merge, g_reduce_trace, sizeof(g_reduce_trace));
+  if (err == cudaSuccess) err = cudaMemcpyFromSymbol(plan, g_plan_trace, sizeof(g_plan_trace));
+  return err;
+}
+
+cudaError_t decode_trace_clear() {
+  void* addr = nullptr;
+  cudaError_t err = cudaGetSymbolAddress(&addr, g_decode_trace);
+  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_decode_trace));
+  if (err == cudaSuccess) err = cudaGetSymbolAddress(&addr, g_reduce_trace);
+  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_reduce_trace));
+  if (err == cudaSuccess) err = cudaGetSymbolAddress(&addr, g_plan_trace);
+  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_plan_trace));
   return err;
 }
 #endif

@@ -204,7 +204,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   static_assert(!((PQ || MQ || WL) && FUSED), "packed queries and work lists run the two-launch reduction");
   const DecodeSlice slice = decode_slice<PQ, MQ, WL>(p, kRows);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (decode_split_unused(slice)) return;
+  if (decode_split_unused(slice)) {
+    decode_trace(kTrExit);
+    return;
+  }
   const int kvh = slice.kvh, b = slice.b, h0 = slice.h0, ng = slice.ng;
   const int start = slice.start, end = slice.end;
 
@@ -242,7 +245,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
       first_pages[st] = guess_page_runs && tok0 < guess_end ? __ldg(bt + (tok0 >> log2_bs)) : 0;
     }
   }
-  if (decode_slice_skipped<PQ, MQ>(slice)) return;  // CTA-uniform, before any barrier
+  if (decode_slice_skipped<PQ, MQ>(slice)) {  // CTA-uniform, before any barrier
+    decode_trace(kTrExit);
+    return;
+  }
   // (entries past the guess's end were not read: the guess holds if the runs are the same)
   const bool early_pages_hold = start == guess_start && slice.table_end == guess_end;
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;

@@ -63,6 +63,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __shared__ float4 sm_o[ROWS][LANES];
   // cu_seqlens_q is an input of the call, not an output of the split kernel:
   // it is read before the wait.
+  reduce_trace(kRtEntry);
+  reduce_trace(kRtSm);
   const int seq = MQ ? static_cast<int>(blockIdx.y) / p.max_seqlen_q : static_cast<int>(blockIdx.y);
   if constexpr (MQ) {
     const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
@@ -89,11 +91,12 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   } else {
     S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
   }
-  if (S == 1) return;
+  if (S == 1) {
+    reduce_trace(kRtExit);
+    return;
+  }
   // Launched early (programmatic dependent launch): wait until the split
   // kernel has finished and its partials are visible.
-  reduce_trace(kRtEntry);
-  reduce_trace(kRtSm);
   griddep_wait();
   reduce_trace(kRtWaited);
   const int h = blockIdx.x;

@@ -81,7 +81,10 @@ paged_decode_kernel(const DecodeParams p) {
   static_assert(!(WL && FUSED), "work lists run the two-launch reduction");
   DecodeSlice slice = decode_slice<PQ, false, WL>(p, G);
   // A split past its sequence's splits returns before it requests anything (CTA-uniform).
-  if (decode_split_unused(slice)) return;
+  if (decode_split_unused(slice)) {
+    decode_trace(kTrExit);
+    return;
+  }
   const int log2_bs = __ffs(p.block_size) - 1;
   const int32_t* bt = p.block_tables + slice.b * p.block_table_stride;
   // The first pages of the run a split of a table-filling sequence covers
@@ -105,7 +108,10 @@ paged_decode_kernel(const DecodeParams p) {
   // lanes of a slot read 16*TPT contiguous bytes per instruction.
   auto dim_of = [&](int v) { return v * TPT * EPP + lt * EPP; };
 
-  if (decode_slice_skipped<PQ>(slice)) return;  // CTA-uniform, before any barrier
+  if (decode_slice_skipped<PQ>(slice)) {  // CTA-uniform, before any barrier
+    decode_trace(kTrExit);
+    return;
+  }
   float q[G][DPT];
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;

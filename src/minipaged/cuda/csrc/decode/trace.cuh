@@ -14,20 +14,37 @@
 
 namespace minipaged {
 
-// Split kernel marks: entry, first tile landed, last tile landed, loop done, partials stored.
+// Split kernel marks: entry, first tile landed, last tile landed, loop done, partials stored
+// (or an early return), the SM, and a work-list twin's return from its wait for the planner.
 // Merge kernel marks: entry, after griddepcontrol.wait, exit.
-enum DecodeTraceMark : int { kTrEntry, kTrFirstTile, kTrLastTile, kTrLoopDone, kTrExit, kTrSm, kTrMarks = 8 };
+enum DecodeTraceMark : int {
+  kTrEntry,
+  kTrFirstTile,
+  kTrLastTile,
+  kTrLoopDone,
+  kTrExit,
+  kTrSm,
+  kTrPlanWaited,
+  kTrMarks = 8
+};
 enum ReduceTraceMark : int { kRtEntry, kRtWaited, kRtExit, kRtSm, kRtMarks = 4 };
+// Work-list planner marks (its one CTA): entry, every slot written.
+enum PlanTraceMark : int { kPtEntry, kPtExit, kPtMarks = 2 };
 constexpr int kTraceMaxCtas = 1 << 15;
 
 #if MINIPAGED_DECODE_TRACE
 // Copies the marks of the last traced call: split [kTraceMaxCtas][kTrMarks], merge
-// [kTraceMaxCtas][kRtMarks] (decode/launch.cu, the one translation unit that holds the kernels).
-cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge);
+// [kTraceMaxCtas][kRtMarks], planner [kPtMarks] (decode/launch.cu, the one translation unit that
+// holds the kernels). A mark no CTA reached reads 0 after decode_trace_clear.
+cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge, unsigned long long* plan);
+// Zeroes every mark, so that a CTA that returns early (an unused split, a one-split merge) shows
+// no stale mark of an earlier call.
+cudaError_t decode_trace_clear();
 #endif
 #if MINIPAGED_DECODE_TRACE && defined(__CUDACC__)
 static __device__ unsigned long long g_decode_trace[kTraceMaxCtas * kTrMarks];
 static __device__ unsigned long long g_reduce_trace[kTraceMaxCtas * kRtMarks];
+static __device__ unsigned long long g_plan_trace[kPtMarks];
 
 __device__ __forceinline__ unsigned long long trace_now() {
   unsigned long long t;
@@ -52,9 +69,13 @@ __device__ __forceinline__ void reduce_trace(int mark) {
   if (threadIdx.x == 0 && cta < kTraceMaxCtas)
     g_reduce_trace[cta * kRtMarks + mark] = mark == kRtSm ? trace_smid() : trace_now();
 }
+__device__ __forceinline__ void plan_trace(int mark) {
+  if (threadIdx.x == 0) g_plan_trace[mark] = trace_now();
+}
 #else
 __device__ __forceinline__ void decode_trace(int) {}
 __device__ __forceinline__ void reduce_trace(int) {}
+__device__ __forceinline__ void plan_trace(int) {}
 #endif
 
 }  // namespace minipaged

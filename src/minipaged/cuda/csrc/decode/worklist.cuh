@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "decode/splits.h"
+#include "decode/trace.cuh"
 #include "params.h"
 #include "ptx/misc.cuh"
 
@@ -38,6 +39,7 @@ namespace {
 // first_b = n_0 + ... + n_{b-1}; the slots past the last sequence's are marked empty, so every
 // slot of the grid has an entry.
 __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_kernel(const DecodeParams p) {
+  plan_trace(kPtEntry);
   // The split kernel's CTAs may launch at once: they wait (griddep_wait) for this grid to finish.
   griddep_launch_dependents();
   constexpr int kPlanWarps = kWorklistPlanThreads / 32;
@@ -91,6 +93,10 @@ __global__ void __launch_bounds__(kWorklistPlanThreads) decode_worklist_plan_ker
     const WorklistWords w = decode_worklist_pack(e);
     slots[slot] = make_int4(w.x, w.y, w.z, w.w);
   }
+#if MINIPAGED_DECODE_TRACE
+  __syncthreads();  // (trace builds only: the exit mark after every thread's slots)
+  plan_trace(kPtExit);
+#endif
 }
 
 }  // namespace
