@@ -541,7 +541,9 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 // empty and odd-length sequences around two long ones. Every tiling, two-launch and fused, with
 // the work list (kWorklistOn) against the fp64 reference (check_problem, the heuristic's split
 // count); the plan checked to be a work list, its CUDA graph replayed bitwise the eager call,
-// and the same batch without it (kWorklistOff) within the reference's bound too.
+// and the same batch without it (kWorklistOff) within the reference's bound too. The grouped
+// merge (variant bit kDecodeVariantWorklistGroupedMerge flipped) must give the same bits as the
+// default's, eager and in every graph replay.
 // every_tiling false (small mode, for the sanitizers): the default tiling's checks only.
 void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = true) {
   Setup s = make_setup(pr, seed);
@@ -554,13 +556,20 @@ void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = t
   const long bad_ref = compare_ref(s, eager, true, &e0);
   run(s, kWorklistOff, 0, true, st, plain);
   const long bad_plain = compare_ref(s, plain, true, &e1);
-  char buf[256];
+  Result grouped;
+  const int bad_grouped = graph_replays_differing(s, kWorklistOn ^ minipaged::kDecodeVariantWorklistGroupedMerge, 0,
+                                                  st, grouped);
+  const bool grouped_same = grouped.worklist && grouped.o == eager.o && grouped.lse.size() == eager.lse.size() &&
+                            std::memcmp(grouped.lse.data(), eager.lse.data(), eager.lse.size() * 4) == 0;
+  char buf[320];
   std::snprintf(buf, sizeof buf,
                 "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays differ; "
-                "without it: %ld bad (max err %.2e)",
+                "without it: %ld bad (max err %.2e); grouped merge %s, %d of its replays differ",
                 pr.name.c_str(), eager.worklist ? "taken" : "NOT TAKEN", eager.splits, bad_ref, e0, bad, g_replays,
-                bad_plain, e1);
-  report(eager.worklist && !plain.worklist && bad == 0 && bad_ref == 0 && bad_plain == 0, buf);
+                bad_plain, e1, grouped_same ? "bitwise" : "DIFFERS", bad_grouped);
+  report(eager.worklist && !plain.worklist && bad == 0 && bad_ref == 0 && bad_plain == 0 && grouped_same &&
+             bad_grouped == 0,
+         buf);
   CHECK_CUDA(cudaStreamDestroy(st));
   free_setup(s);
 }
@@ -955,13 +964,14 @@ int time_mode(int reps) {
       const Timing t = time_graph(ge, st, reps, fl);
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
-      char cfg[64];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+      char cfg[96];
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
                     v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "",
                     v & minipaged::kDecodeVariantWorklistEarlyMerge ? " early-merge" : "",
-                    v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "");
+                    v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "",
+                    v & minipaged::kDecodeVariantWorklistGroupedMerge ? " grouped-merge" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

@@ -120,6 +120,8 @@ WORKLIST_TOGGLE = 0x1000
 # after its wait instead of before (each flipped against its default, on)
 EARLY_TRIGGER = 0x2000
 EARLY_MERGE = 0x4000
+# params.h kDecodeVariantWorklistGroupedMerge: a work list's merge CTAs take four sequences each (off)
+GROUPED_MERGE = 0x10000
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -762,12 +764,14 @@ def test_decode_pdl_launch_is_bitwise_plain_launch(ops, splits):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flip", [EARLY_TRIGGER, EARLY_MERGE, EARLY_TRIGGER | EARLY_MERGE, NO_PDL],
-                         ids=["trigger", "merge", "both", "no-pdl"])
+@pytest.mark.parametrize("flip", [EARLY_TRIGGER, EARLY_MERGE, EARLY_TRIGGER | EARLY_MERGE, NO_PDL, GROUPED_MERGE,
+                                  GROUPED_MERGE | EARLY_MERGE],
+                         ids=["trigger", "merge", "both", "no-pdl", "grouped", "grouped-late-merge"])
 @pytest.mark.parametrize("shape", ["b1", "worklist"])
 def test_decode_merge_launch_order_is_bitwise(ops, flip, shape):
-    # Where the split kernel lets its merge launch, and whether a work list's merge reads its plan
-    # entry before its wait, must not change what the merge reads: the same bits either way.
+    # Where the split kernel lets its merge launch, whether a work list's merge reads its plan
+    # entry before its wait, and how many sequences each merge CTA takes must not change what the
+    # merge computes: the same bits either way.
     # "worklist": one long sequence among short ones in a wide table (the plan's gate opens).
     if shape == "b1":
         lens, width = [9000], 0

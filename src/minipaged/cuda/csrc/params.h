@@ -234,6 +234,7 @@ struct DecodePlan {
   // of decode/worklist.cuh compiled in, so that the kernels without it stay as they were.
   void (*worklist_kernel)(const DecodeParams) = nullptr;
   void (*worklist_reduce)(const DecodeParams) = nullptr;
+  void (*worklist_reduce_grouped)(const DecodeParams) = nullptr;  // kWorklistMergeSeqs per CTA
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and
@@ -283,6 +284,21 @@ constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EA
 #endif
 constexpr int kDecodeVariantEarlyTrigger = 0x2000;
 constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 0;
+// An A/B, not yet run on a GPU (MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE=1 makes it the default,
+// this bit flips it for one call): a work list's merge grid takes kWorklistMergeSeqs (4)
+// sequences per CTA instead of one, and each CTA merges those of its sequences that took 2+
+// slots in turn. A trace on an H100 (bench/results/nvidia-h100/decode_trace_2500b1e) put the
+// cost of short sequences in a wide table there: B=256 L=16k dispatches 4,096 merge CTAs after
+// the split kernel's last CTA exits, and nearly all return at once, 5.6 us from the first
+// entry to the last exit.
+#ifndef MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE
+#define MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE 0
+#endif
+constexpr int kDecodeVariantWorklistGroupedMerge = 0x10000;
+constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE != 0;
+inline bool decode_worklist_grouped_merge(int variant) {
+  return kDecodeWorklistGroupedMergeByDefault != ((variant & kDecodeVariantWorklistGroupedMerge) != 0);
+}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

@@ -90,6 +90,7 @@ DecodePlan info() {
   if constexpr (TWIN && !FUSED && !PQ) {
     k.worklist_kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB, false, true>;
     k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
+    k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
   }
   k.group_tile = G;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
@@ -127,6 +128,7 @@ DecodePlan info_mma() {
   if constexpr (TWIN && !FUSED && !PQ && !MQ) {
     k.worklist_kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, false, false, WT, false, RB, true>;
     k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
+    k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
   }
   k.group_tile = RB * decode_mma::kRows;
   k.tokens_per_iter = decode_mma::kWarps / RB * WT;
@@ -586,8 +588,8 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (p.worklist > 0) {
     // The plan first, then the split kernel behind it (programmatic dependent launch): its CTAs
     // are resident by the time the plan lands and wait for it in decode_slice.
-    if (k.worklist_kernel == nullptr || k.worklist_reduce == nullptr || k.fused || p.worklist_plan == nullptr ||
-        p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
+    if (k.worklist_kernel == nullptr || k.worklist_reduce == nullptr || k.worklist_reduce_grouped == nullptr ||
+        k.fused || p.worklist_plan == nullptr || p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
       return cudaErrorInvalidValue;
     decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -599,8 +601,12 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // The reduction as a programmatic dependent launch: its CTAs are set up while the split
   // kernel drains instead of after it.
-  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>(reduce_rows));
-  return launch_pdl(p.worklist > 0 ? k.worklist_reduce : k.reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
+  const bool grouped = p.worklist > 0 && decode_worklist_grouped_merge(p.variant);
+  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>(grouped ? (reduce_rows + kWorklistMergeSeqs - 1) /
+                                                                            kWorklistMergeSeqs
+                                                                      : reduce_rows));
+  const auto reduce = p.worklist == 0 ? k.reduce : grouped ? k.worklist_reduce_grouped : k.worklist_reduce;
+  return launch_pdl(reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
                     p.cc_major >= 9 && !(p.variant & kVariantNoPDL), p);
 }
 

@@ -46,66 +46,19 @@ __device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
   op[3] = Convert<T>::from_float(o.w * inv);
 }
 
-// PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
-// are merged, into their packed row; the other CTAs return at once.
-// MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
-// query i) as b * max_seqlen_q + i, merged into row cu_seqlens_q[b] + i when
-// sequence b is a short run of more than i queries.
-// WL: a work list's merge (DecodeParams::worklist, the plan's per-sequence entries).
-template <typename T, int D, bool PQ = false, bool MQ = false, bool WL = false>
-__global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
-  static_assert(!WL || (!PQ && !MQ), "work lists: plain decode");
+// The merge of one (row b, query head h) over its S >= 2 split rows, whose partials start at
+// partial row row0 (the caller has waited for the split kernel): every thread of the CTA, its
+// shared memory sm_w [kReduceThreads], sm_warp [kReduceThreads / 32], sm_o [ROWS][D / 4].
+// PQ / MQ: b is the reduce grid's row, mapped to its packed output row.
+template <typename T, int D, bool PQ, bool MQ>
+__device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, int b, int S, int64_t row0,
+                                                 float* sm_w, float* sm_warp, float4* sm_o) {
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
   constexpr int kRedWarps = kReduceThreads / 32;
-  __shared__ float sm_w[kReduceThreads];
-  __shared__ float sm_warp[kRedWarps];
-  __shared__ float4 sm_o[ROWS][LANES];
-  // cu_seqlens_q is an input of the call, not an output of the split kernel:
-  // it is read before the wait.
-  reduce_trace(kRtEntry);
-  reduce_trace(kRtSm);
-  const int seq = MQ ? static_cast<int>(blockIdx.y) / p.max_seqlen_q : static_cast<int>(blockIdx.y);
-  if constexpr (MQ) {
-    const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-    if (q_len < 2 || q_len > p.max_seqlen_q || static_cast<int>(blockIdx.y) - seq * p.max_seqlen_q >= q_len) return;
-  } else if constexpr (PQ) {
-    if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
-  }
-  // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
-  const int capacity = p.max_blocks * p.block_size;
-  // WL: the partial rows of this sequence, head h and split s at row0_of_head0 + h * worklist + s
-  int S;
-  [[maybe_unused]] int64_t row0_of_head0 = 0;
-  if constexpr (WL) {
-    // The plan's grid completed before any split CTA passed its own wait (decode_slice), and
-    // this grid launches only once every split CTA has passed it and triggered (at its end) or
-    // exited: the plan's entries are in L2 by then, and decode_worklist_seq reads them there.
-    // Without the early read (params.h kDecodeVariantWorklistEarlyMerge flips it), every CTA,
-    // those of one-slot sequences included, sits out the whole split kernel before it returns.
-    const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
-    if (!early) griddep_wait();
-    const int2 e = decode_worklist_seq(p, seq);
-    S = e.x;
-    row0_of_head0 = e.y;
-  } else {
-    S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
-  }
-  if (S == 1) {
-    reduce_trace(kRtExit);
-    return;
-  }
-  // Launched early (programmatic dependent launch): wait until the split
-  // kernel has finished and its partials are visible.
-  griddep_wait();
-  reduce_trace(kRtWaited);
-  const int h = blockIdx.x;
-  const int b = blockIdx.y;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
-                          : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
 
   // The first kPrefetch split rows of this thread's chain are requested together
   // with the log-sum-exps: one round trip to L2 instead of two before the sums
@@ -140,16 +93,16 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   }
 #pragma unroll 8
   for (int s = r + kPrefetch * ROWS; s < S; s += ROWS) fma4(acc, sm_w[s], po[static_cast<int64_t>(s) * LANES]);
-  sm_o[r][col] = acc;
+  sm_o[r * LANES + col] = acc;
   __syncthreads();
   if (r == 0) {
     float total = 0.f;
 #pragma unroll
     for (int i = 0; i < kRedWarps; ++i) total += sm_warp[i];
-    float4 o = sm_o[0][col];
+    float4 o = sm_o[col];
 #pragma unroll
     for (int i = 1; i < ROWS; ++i) {
-      const float4 v = sm_o[i][col];
+      const float4 v = sm_o[i * LANES + col];
       o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
@@ -167,6 +120,101 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
     store4(op, o, inv);
   }
+}
+
+// PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
+// are merged, into their packed row; the other CTAs return at once.
+// MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
+// query i) as b * max_seqlen_q + i, merged into row cu_seqlens_q[b] + i when
+// sequence b is a short run of more than i queries.
+// WL: a work list's merge (DecodeParams::worklist, the plan's per-sequence entries).
+// GROUPED (WL only; variant bit kDecodeVariantWorklistGroupedMerge): blockIdx.y covers
+// kWorklistMergeSeqs sequences, so that a batch of short sequences, nearly all of one slot,
+// dispatches a quarter of the CTAs; the CTA merges those of its sequences that took 2+ slots
+// one after the other.
+template <typename T, int D, bool PQ = false, bool MQ = false, bool WL = false, bool GROUPED = false>
+__global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
+  static_assert(!WL || (!PQ && !MQ), "work lists: plain decode");
+  static_assert(!GROUPED || WL, "grouped merges: work lists");
+  constexpr int LANES = D / 4;                  // threads covering one split row
+  constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
+  constexpr int kRedWarps = kReduceThreads / 32;
+  __shared__ float sm_w[kReduceThreads];
+  __shared__ float sm_warp[kRedWarps];
+  __shared__ float4 sm_o[ROWS][LANES];
+  reduce_trace(kRtEntry);
+  reduce_trace(kRtSm);
+  const int h = blockIdx.x;
+  if constexpr (GROUPED) {
+    // Entries first when the early merge is on (the planner's grid completed before any split
+    // CTA passed its own wait, so they are in L2), else after the wait, as below.
+    const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
+    if (!early) griddep_wait();
+    __shared__ int2 sm_seq[kWorklistMergeSeqs];
+    const int b0 = static_cast<int>(blockIdx.y) * kWorklistMergeSeqs;
+    if (threadIdx.x < kWorklistMergeSeqs)
+      sm_seq[threadIdx.x] = b0 + static_cast<int>(threadIdx.x) < p.batch
+                                ? decode_worklist_seq(p, b0 + static_cast<int>(threadIdx.x))
+                                : make_int2(1, 0);
+    __syncthreads();
+    bool merged = false;
+#pragma unroll 1
+    for (int i = 0; i < kWorklistMergeSeqs; ++i) {
+      const int2 e = sm_seq[i];  // (slots, first slot); CTA-uniform
+      if (e.x == 1) continue;
+      if (merged) {
+        __syncthreads();  // the last merge's threads are done with the shared buffers
+      } else {
+        griddep_wait();  // (once: the split grid has completed and its partials are visible)
+        reduce_trace(kRtWaited);
+      }
+      merged = true;
+      merge_split_rows<T, D, false, false>(p, h, b0 + i, e.x, e.y + static_cast<int64_t>(h) * p.worklist, sm_w,
+                                           sm_warp, &sm_o[0][0]);
+    }
+    reduce_trace(kRtExit);
+    return;
+  }
+  // cu_seqlens_q is an input of the call, not an output of the split kernel:
+  // it is read before the wait.
+  const int seq = MQ ? static_cast<int>(blockIdx.y) / p.max_seqlen_q : static_cast<int>(blockIdx.y);
+  if constexpr (MQ) {
+    const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+    if (q_len < 2 || q_len > p.max_seqlen_q || static_cast<int>(blockIdx.y) - seq * p.max_seqlen_q >= q_len) return;
+  } else if constexpr (PQ) {
+    if (p.cu_seqlens_q[blockIdx.y + 1] - p.cu_seqlens_q[blockIdx.y] != 1) return;
+  }
+  // The sequence's own split count (so is context_lens): one split wrote o and lse itself.
+  const int capacity = p.max_blocks * p.block_size;
+  // WL: the partial rows of this sequence, head h and split s at row0_of_head0 + h * worklist + s
+  int S;
+  [[maybe_unused]] int64_t row0_of_head0 = 0;
+  if constexpr (WL) {
+    // The plan's grid completed before any split CTA passed its own wait (decode_slice), and
+    // this grid launches only once every split CTA has passed it and triggered (at its end) or
+    // exited: the plan's entries are in L2 by then, and decode_worklist_seq reads them there.
+    // Without the early read (params.h kDecodeVariantWorklistEarlyMerge flips it), every CTA,
+    // those of one-slot sequences included, sits out the whole split kernel before it returns.
+    const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
+    if (!early) griddep_wait();
+    const int2 e = decode_worklist_seq(p, seq);
+    S = e.x;
+    row0_of_head0 = e.y;
+  } else {
+    S = decode_seq_splits(p, min(p.context_lens[seq], capacity), capacity).count;
+  }
+  if (S == 1) {
+    reduce_trace(kRtExit);
+    return;
+  }
+  // Launched early (programmatic dependent launch): wait until the split
+  // kernel has finished and its partials are visible.
+  griddep_wait();
+  reduce_trace(kRtWaited);
+  const int b = blockIdx.y;
+  const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
+                          : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
+  merge_split_rows<T, D, PQ, MQ>(p, h, b, S, row0, sm_w, sm_warp, &sm_o[0][0]);
   reduce_trace(kRtExit);
 }
 

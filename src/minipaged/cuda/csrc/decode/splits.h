@@ -131,6 +131,8 @@ constexpr int kWorklistPlanThreads = 256;
 constexpr int kWorklistMaxBatch = kWorklistPlanThreads;
 constexpr int kWorklistMaxSplits = 256;
 constexpr int kWorklistNoSeq = 511;
+// Sequences per CTA of a grouped work-list merge (params.h kDecodeVariantWorklistGroupedMerge).
+constexpr int kWorklistMergeSeqs = 4;
 static_assert(kWorklistMaxBatch <= kWorklistNoSeq && kWorklistMaxSplits < 512, "9-bit fields");
 
 struct WorklistEntry {
