@@ -364,7 +364,9 @@ for s in $stages; do
       # (DECODE_TIME_SKEW=1): each row whose gate allows a work list is timed without it first,
       # then with it (params.h kDecodeVariantWorklistToggle flips the default): the A/B is in one
       # binary. `check` (its work-list cases included) is the decode_selftest stage's.
-      # DECODE_WORKLIST_VARIANTS=0,32768 times the fixed-runs bit (0x8000) next to the default plan.
+      # DECODE_WORKLIST_VARIANTS=0,32768 times the fixed-runs bit (0x8000) next to the default plan;
+      # 0,65536,0 the grouped merge (0x10000), with the baseline repeated last (a row's first config
+      # can read slow: decode_worklist_early_merge_32e566e).
       decode_selftest_bin decode_worklist_build decode_selftest
       export OMP_NUM_THREADS=16
       DECODE_TIME_SKEW=1 DECODE_TIME_SHAPES=64032768,64016384 DECODE_TIME_TILINGS=0 DECODE_TIME_VARIANTS=0 \

@@ -52,7 +52,8 @@ __device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
 // PQ / MQ: b is the reduce grid's row, mapped to its packed output row.
 template <typename T, int D, bool PQ, bool MQ>
 __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, int b, int S, int64_t row0,
-                                                 float* sm_w, float* sm_warp, float4* sm_o) {
+                                                 float* sm_w, float* sm_warp,
+                                                 float4 (*sm_o)[D / 4]) {  // [kReduceThreads / (D / 4)]
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
   constexpr int kRedWarps = kReduceThreads / 32;
@@ -93,16 +94,16 @@ __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, i
   }
 #pragma unroll 8
   for (int s = r + kPrefetch * ROWS; s < S; s += ROWS) fma4(acc, sm_w[s], po[static_cast<int64_t>(s) * LANES]);
-  sm_o[r * LANES + col] = acc;
+  sm_o[r][col] = acc;
   __syncthreads();
   if (r == 0) {
     float total = 0.f;
 #pragma unroll
     for (int i = 0; i < kRedWarps; ++i) total += sm_warp[i];
-    float4 o = sm_o[col];
+    float4 o = sm_o[0][col];
 #pragma unroll
     for (int i = 1; i < ROWS; ++i) {
-      const float4 v = sm_o[i * LANES + col];
+      const float4 v = sm_o[i][col];
       o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
@@ -144,8 +145,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   __shared__ float4 sm_o[ROWS][LANES];
   reduce_trace(kRtEntry);
   reduce_trace(kRtSm);
-  const int h = blockIdx.x;
   if constexpr (GROUPED) {
+    const int h = blockIdx.x;
     // Entries first when the early merge is on (the planner's grid completed before any split
     // CTA passed its own wait, so they are in L2), else after the wait, as below.
     const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
       }
       merged = true;
       merge_split_rows<T, D, false, false>(p, h, b0 + i, e.x, e.y + static_cast<int64_t>(h) * p.worklist, sm_w,
-                                           sm_warp, &sm_o[0][0]);
+                                           sm_warp, sm_o);
     }
     reduce_trace(kRtExit);
     return;
@@ -211,10 +212,11 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   // kernel has finished and its partials are visible.
   griddep_wait();
   reduce_trace(kRtWaited);
+  const int h = blockIdx.x;
   const int b = blockIdx.y;
   const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
                           : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
-  merge_split_rows<T, D, PQ, MQ>(p, h, b, S, row0, sm_w, sm_warp, &sm_o[0][0]);
+  merge_split_rows<T, D, PQ, MQ>(p, h, b, S, row0, sm_w, sm_warp, sm_o);
   reduce_trace(kRtExit);
 }
 
