@@ -77,14 +77,17 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_worklist_kernels_compiled(compiled, arch):
     # The work list's one-CTA plan kernel (decode/worklist.cuh) and the work-list twins of the
-    # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true>: two q dtypes x two
-    # head dims) ship in every decode build, so that a plan may take a work list on any device.
+    # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED>: two q dtypes
+    # x two head dims, one sequence or kWorklistMergeSeqs per CTA) ship in every decode build, so
+    # that a plan may take a work list on any device.
     rc, log = compiled["decode/launch.cu"]
     assert rc == 0, log[-4000:]
     names = [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
     assert sum("decode_worklist_plan_kernel" in n for n in names) == 1, names
-    twins = [n for n in names if "decode_reduce_kernel" in n and n.endswith("ELb0ELb0ELb1EEEvNS_12DecodeParamsE")]
-    assert len(twins) == 4, twins
+    for grouped in (0, 1):
+        tail = f"ELb0ELb0ELb1ELb{grouped}EEEvNS_12DecodeParamsE"
+        twins = [n for n in names if "decode_reduce_kernel" in n and n.endswith(tail)]
+        assert len(twins) == 4, (grouped, twins)
 
 
 @needs_nvcc

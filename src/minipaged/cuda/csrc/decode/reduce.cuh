@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
                                 : make_int2(1, 0);
     __syncthreads();
     bool merged = false;
-#pragma unroll 1
+#pragma unroll
     for (int i = 0; i < kWorklistMergeSeqs; ++i) {
       const int2 e = sm_seq[i];  // (slots, first slot); CTA-uniform
       if (e.x == 1) continue;
