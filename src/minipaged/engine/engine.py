@@ -425,7 +425,7 @@ class Engine:
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
         """
-        per_request = not isinstance(max_new_tokens, (int, numbers.Integral)) and hasattr(max_new_tokens, "__len__")
+        per_request = not isinstance(max_new_tokens, numbers.Integral) and hasattr(max_new_tokens, "__len__")
         for n in (max_new_tokens if per_request else [max_new_tokens]):
             if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
