@@ -271,9 +271,9 @@ constexpr int kDecodeVariantWorklistFixedRuns = 0x8000;
 // complete), not as its loop ends, so the merge's CTAs are resident before the split kernel
 // drains. No merge CTA reads a partial before the split grid has completed either way.
 // On an H100, in one binary: each alone left every row within noise; together they took the
-// gated work-list rows 0.3-2% faster (one long FP8 sequence among 127: 133.0 -> 130.4 us, short
-// sequences in a wide table 1.031 -> 1.024 of the plan without a list) and the other rows within
-// noise (bench/results/nvidia-h100/decode_early_trigger_221aba8).
+// gated work-list rows 0-2% faster, none slower (one long FP8 sequence among 127: 133.0 -> 130.4
+// us, short sequences in a wide table 1.031 -> 1.024 of the plan without a list) and the other
+// rows within noise (bench/results/nvidia-h100/decode_early_trigger_221aba8).
 #ifndef MINIPAGED_DECODE_WORKLIST_EARLY_MERGE
 #define MINIPAGED_DECODE_WORKLIST_EARLY_MERGE 1
 #endif
