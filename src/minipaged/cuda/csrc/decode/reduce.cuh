@@ -192,7 +192,8 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   [[maybe_unused]] int64_t row0_of_head0 = 0;
   if constexpr (WL) {
     // The plan's grid completed before any split CTA passed its own wait (decode_slice), and
-    // this grid launches only once every split CTA has passed it and triggered (at its end) or
+    // this grid launches only once every split CTA has passed it and triggered (just after that
+    // wait, or at its loop's end without the early trigger) or
     // exited: the plan's entries are in L2 by then, and decode_worklist_seq reads them there.
     // Without the early read (params.h kDecodeVariantWorklistEarlyMerge flips it), every CTA,
     // those of one-slot sequences included, sits out the whole split kernel before it returns.
