@@ -559,8 +559,7 @@ void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = t
   Result grouped;
   const int bad_grouped = graph_replays_differing(s, kWorklistOn ^ minipaged::kDecodeVariantWorklistGroupedMerge, 0,
                                                   st, grouped);
-  const bool grouped_same = grouped.worklist && grouped.o == eager.o && grouped.lse.size() == eager.lse.size() &&
-                            std::memcmp(grouped.lse.data(), eager.lse.data(), eager.lse.size() * 4) == 0;
+  const bool grouped_same = grouped.worklist && same_bits(grouped, eager, true);
   char buf[320];
   std::snprintf(buf, sizeof buf,
                 "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays differ; "

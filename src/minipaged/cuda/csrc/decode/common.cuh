@@ -167,6 +167,12 @@ __device__ __forceinline__ bool decode_early_trigger(const DecodeParams& p) {
   return kDecodeEarlyTriggerByDefault != ((p.variant & kDecodeVariantEarlyTrigger) != 0);
 }
 
+// Whether a work list's merge reads its sequence's plan entry before its wait for the split
+// kernel (params.h kDecodeVariantWorklistEarlyMerge). CTA-uniform.
+__device__ __forceinline__ bool decode_worklist_early_merge(const DecodeParams& p) {
+  return kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
+}
+
 // WL (the work-list twins of the plain decode kernels, DecodePlan::worklist_kernel): the grid
 // is (Hkv x head chunks, DecodeParams::worklist) and blockIdx.y a work slot, whose entry the
 // plan kernel (decode/worklist.cuh) wrote; the kernels without it never look at the plan.

@@ -149,8 +149,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     const int h = blockIdx.x;
     // Entries first when the early merge is on (the planner's grid completed before any split
     // CTA passed its own wait, so they are in L2), else after the wait, as below.
-    const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
-    if (!early) griddep_wait();
+    if (!decode_worklist_early_merge(p)) griddep_wait();
     __shared__ int2 sm_seq[kWorklistMergeSeqs];
     const int b0 = static_cast<int>(blockIdx.y) * kWorklistMergeSeqs;
     if (threadIdx.x < kWorklistMergeSeqs)
@@ -197,8 +196,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
     // exited: the plan's entries are in L2 by then, and decode_worklist_seq reads them there.
     // Without the early read (params.h kDecodeVariantWorklistEarlyMerge flips it), every CTA,
     // those of one-slot sequences included, sits out the whole split kernel before it returns.
-    const bool early = kDecodeWorklistEarlyMergeByDefault != ((p.variant & kDecodeVariantWorklistEarlyMerge) != 0);
-    if (!early) griddep_wait();
+    if (!decode_worklist_early_merge(p)) griddep_wait();
     const int2 e = decode_worklist_seq(p, seq);
     S = e.x;
     row0_of_head0 = e.y;
