@@ -541,9 +541,10 @@ void check_problem(const Prob& pr, const std::vector<int>& split_list, bool deep
 // empty and odd-length sequences around two long ones. Every tiling, two-launch and fused, with
 // the work list (kWorklistOn) against the fp64 reference (check_problem, the heuristic's split
 // count); the plan checked to be a work list, its CUDA graph replayed bitwise the eager call,
-// and the same batch without it (kWorklistOff) within the reference's bound too. The grouped
-// merge (variant bit kDecodeVariantWorklistGroupedMerge flipped) must give the same bits as the
-// default's, eager and in every graph replay.
+// and the same batch without it (kWorklistOff) within the reference's bound too. The merge with
+// its grouping flipped (variant bit kDecodeVariantWorklistGroupedMerge: four sequences per CTA
+// where the default takes one, or the reverse) must give the default's bits, eager and in every
+// graph replay.
 // every_tiling false (small mode, for the sanitizers): the default tiling's checks only.
 void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = true) {
   Setup s = make_setup(pr, seed);
@@ -563,7 +564,7 @@ void check_worklist_problem(const Prob& pr, uint32_t seed, bool every_tiling = t
   char buf[320];
   std::snprintf(buf, sizeof buf,
                 "%s: work list %s (%d splits), %ld bad vs fp64 (max err %.2e); graph: %d of %d replays differ; "
-                "without it: %ld bad (max err %.2e); grouped merge %s, %d of its replays differ",
+                "without it: %ld bad (max err %.2e); merge grouping flipped: %s, %d of its replays differ",
                 pr.name.c_str(), eager.worklist ? "taken" : "NOT TAKEN", eager.splits, bad_ref, e0, bad, g_replays,
                 bad_plain, e1, grouped_same ? "bitwise" : "DIFFERS", bad_grouped);
   report(eager.worklist && !plain.worklist && bad == 0 && bad_ref == 0 && bad_plain == 0 && grouped_same &&
@@ -988,7 +989,7 @@ int time_mode(int reps) {
                     v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "",
                     v & minipaged::kDecodeVariantWorklistEarlyMerge ? " early-merge" : "",
                     v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "",
-                    v & minipaged::kDecodeVariantWorklistGroupedMerge ? " grouped-merge" : "");
+                    v & minipaged::kDecodeVariantWorklistGroupedMerge ? " merge-grouping-flipped" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

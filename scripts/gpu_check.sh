@@ -327,7 +327,7 @@ for s in $stages; do
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
         run decode_selftest_check "$sbin" check
       export STAGE_TIMEOUT_decode_selftest_memcheck=${STAGE_TIMEOUT_decode_selftest_memcheck:-60}
-      export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-90}
+      export STAGE_TIMEOUT_decode_selftest_racecheck=${STAGE_TIMEOUT_decode_selftest_racecheck:-180}
       export STAGE_TIMEOUT_decode_selftest_synccheck=${STAGE_TIMEOUT_decode_selftest_synccheck:-60}
       if [[ $steps == *" sanitize "* ]]; then
         # DECODE_SANITIZE_MODE=small_worklist: the work-list case alone (racecheck over the whole
@@ -365,7 +365,7 @@ for s in $stages; do
       # then with it (params.h kDecodeVariantWorklistToggle flips the default): the A/B is in one
       # binary. `check` (its work-list cases included) is the decode_selftest stage's.
       # DECODE_WORKLIST_VARIANTS=0,32768 times the fixed-runs bit (0x8000) next to the default plan;
-      # 0,65536,0 the grouped merge (0x10000), with the baseline repeated last (a row's first config
+      # 0,65536,0 the merge grouping flipped (0x10000), with the baseline repeated last (a row's first config
       # can read slow: decode_worklist_early_merge_32e566e).
       decode_selftest_bin decode_worklist_build decode_selftest
       export OMP_NUM_THREADS=16

@@ -120,7 +120,8 @@ WORKLIST_TOGGLE = 0x1000
 # after its wait instead of before (each flipped against its default, on)
 EARLY_TRIGGER = 0x2000
 EARLY_MERGE = 0x4000
-# params.h kDecodeVariantWorklistGroupedMerge: a work list's merge CTAs take four sequences each (off)
+# params.h kDecodeVariantWorklistGroupedMerge: flips whether a work list's merge CTAs take four
+# sequences each (by default only where that grid still gives every SM two CTAs)
 GROUPED_MERGE = 0x10000
 
 
@@ -767,16 +768,17 @@ def test_decode_pdl_launch_is_bitwise_plain_launch(ops, splits):
 @pytest.mark.parametrize("flip", [EARLY_TRIGGER, EARLY_MERGE, EARLY_TRIGGER | EARLY_MERGE, NO_PDL, GROUPED_MERGE,
                                   GROUPED_MERGE | EARLY_MERGE],
                          ids=["trigger", "merge", "both", "no-pdl", "grouped", "grouped-late-merge"])
-@pytest.mark.parametrize("shape", ["b1", "worklist"])
+@pytest.mark.parametrize("shape", ["b1", "worklist", "worklist-b136"])
 def test_decode_merge_launch_order_is_bitwise(ops, flip, shape):
     # Where the split kernel lets its merge launch, whether a work list's merge reads its plan
     # entry before its wait, and how many sequences each merge CTA takes must not change what the
     # merge computes: the same bits either way.
-    # "worklist": one long sequence among short ones in a wide table (the plan's gate opens).
+    # "worklist": one long sequence among short ones in a wide table (the plan's gate opens); 41
+    # sequences merge one per CTA by default, 136 four per CTA (on 132 SMs or fewer).
     if shape == "b1":
         lens, width = [9000], 0
     else:
-        lens, width = [17, 0, 1, 300, 1023] * 8 + [20000], 2048
+        lens, width = [17, 0, 1, 300, 1023] * (8 if shape == "worklist" else 27) + [20000], 2048
     q, kc, vc, bt, cl = _paged_problem(len(lens), 16, 8, 128, 16, lens, torch.bfloat16, seed=17)
     if width:
         pad = torch.full((bt.shape[0], width - bt.shape[1]), -1, dtype=bt.dtype, device=bt.device)

@@ -284,21 +284,22 @@ constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EA
 #endif
 constexpr int kDecodeVariantEarlyTrigger = 0x2000;
 constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 0;
-// An A/B, not yet run on a GPU (MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE=1 makes it the default,
-// this bit flips it for one call): a work list's merge grid takes kWorklistMergeSeqs (4)
-// sequences per CTA instead of one, and each CTA merges those of its sequences that took 2+
-// slots in turn. A trace on an H100 (bench/results/nvidia-h100/decode_trace_2500b1e) put the
-// cost of short sequences in a wide table there: B=256 L=16k dispatches 4,096 merge CTAs after
-// the split kernel's last CTA exits, and nearly all return at once, 5.6 us from the first
-// entry to the last exit.
+// Grouped merge (on by default where it pays, decode/launch.cu worklist_merge_grouped; this bit
+// flips the choice for one call, MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE=0 turns it off for a
+// build): a work list's merge grid takes kWorklistMergeSeqs (4) sequences per CTA instead of one,
+// and each CTA merges those of its sequences that took 2+ slots in turn. A trace on an H100
+// (bench/results/nvidia-h100/decode_trace_2500b1e) put the cost of short sequences in a wide
+// table in the merge: B=256 L=16k dispatches 4,096 merge CTAs after the split kernel's last CTA
+// exits, nearly all of which return at once. Timed there in one binary
+// (bench/results/nvidia-h100/decode_grouped_merge_2bb6e7f): B=256 rows 1.9-2.1% faster, B=128 0.3-0.5%,
+// B=64 mixed (short sequences 0.7-1.5% faster, random and quarter lengths up to 0.3% slower), B=32
+// (128 grouped CTAs for 132 SMs) 0.25-0.6% slower; hence the rule: grouped only where its grid
+// still gives every SM two CTAs.
 #ifndef MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE
-#define MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE 0
+#define MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE 1
 #endif
 constexpr int kDecodeVariantWorklistGroupedMerge = 0x10000;
 constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE != 0;
-inline bool decode_worklist_grouped_merge(int variant) {
-  return kDecodeWorklistGroupedMergeByDefault != ((variant & kDecodeVariantWorklistGroupedMerge) != 0);
-}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

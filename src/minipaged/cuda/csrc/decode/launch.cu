@@ -562,6 +562,15 @@ cudaError_t launch_pdl(DecodeKernel kernel, dim3 grid, dim3 block, int smem, cud
   }
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
+
+// Sequences per CTA of a work list's merge grid: kWorklistMergeSeqs where that grid still gives
+// every SM two CTAs, else one (smaller grouped grids timed slower: params.h
+// kDecodeVariantWorklistGroupedMerge).
+int worklist_merge_seqs_per_cta(const DecodeParams& p, int64_t reduce_rows) {
+  const int64_t grouped_ctas = int64_t(p.num_q_heads) * ((reduce_rows + kWorklistMergeSeqs - 1) / kWorklistMergeSeqs);
+  const bool by_rule = kDecodeWorklistGroupedMergeByDefault && grouped_ctas >= 2 * int64_t(std::max(p.num_sms, 1));
+  return by_rule != ((p.variant & kDecodeVariantWorklistGroupedMerge) != 0) ? kWorklistMergeSeqs : 1;
+}
 }  // namespace
 
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream_t stream) {
@@ -601,11 +610,9 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // The reduction as a programmatic dependent launch: its CTAs are set up while the split
   // kernel drains instead of after it.
-  const bool grouped = p.worklist > 0 && decode_worklist_grouped_merge(p.variant);
-  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>(grouped ? (reduce_rows + kWorklistMergeSeqs - 1) /
-                                                                            kWorklistMergeSeqs
-                                                                      : reduce_rows));
-  const auto reduce = p.worklist == 0 ? k.reduce : grouped ? k.worklist_reduce_grouped : k.worklist_reduce;
+  const int seqs_per_cta = p.worklist > 0 ? worklist_merge_seqs_per_cta(p, reduce_rows) : 1;
+  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>((reduce_rows + seqs_per_cta - 1) / seqs_per_cta));
+  const auto reduce = p.worklist == 0 ? k.reduce : seqs_per_cta > 1 ? k.worklist_reduce_grouped : k.worklist_reduce;
   return launch_pdl(reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
                     p.cc_major >= 9 && !(p.variant & kVariantNoPDL), p);
 }
