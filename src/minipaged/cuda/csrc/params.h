@@ -284,17 +284,16 @@ constexpr bool kDecodeWorklistEarlyMergeByDefault = MINIPAGED_DECODE_WORKLIST_EA
 #endif
 constexpr int kDecodeVariantEarlyTrigger = 0x2000;
 constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 0;
-// Grouped merge (on by default where it pays, decode/launch.cu worklist_merge_grouped; this bit
-// flips the choice for one call, MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE=0 turns it off for a
+// Grouped merge (on by default where it pays, decode/launch.cu worklist_merge_seqs_per_cta; this
+// bit flips the choice for one call, MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE=0 turns it off for a
 // build): a work list's merge grid takes kWorklistMergeSeqs (4) sequences per CTA instead of one,
-// and each CTA merges those of its sequences that took 2+ slots in turn. A trace on an H100
+// and each CTA merges those of its sequences that took 2+ slots in turn. A per-CTA trace
 // (bench/results/nvidia-h100/decode_trace_2500b1e) put the cost of short sequences in a wide
 // table in the merge: B=256 L=16k dispatches 4,096 merge CTAs after the split kernel's last CTA
-// exits, nearly all of which return at once. Timed there in one binary
-// (bench/results/nvidia-h100/decode_grouped_merge_2bb6e7f): B=256 rows 1.9-2.1% faster, B=128 0.3-0.5%,
-// B=64 mixed (short sequences 0.7-1.5% faster, random and quarter lengths up to 0.3% slower), B=32
-// (128 grouped CTAs for 132 SMs) 0.25-0.6% slower; hence the rule: grouped only where its grid
-// still gives every SM two CTAs.
+// exits, nearly all of which return at once. Timed in one binary
+// (bench/results/nvidia-h100/decode_grouped_merge_2bb6e7f), grouping was faster at B=256 and
+// B=128, mixed at B=64 and slower at B=32, where the grouped grid (128 CTAs) is smaller than the
+// GPU; hence the rule: grouped only where its grid still gives every SM two CTAs.
 #ifndef MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE
 #define MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE 1
 #endif
