@@ -186,3 +186,43 @@ def test_corrupted_calls_raise_only_type_or_value_errors_gpu(backend, dtype):
         _fuzz_once(data, backend, dtype, "cuda")
 
     run()
+
+
+# PagedKVCache's methods under arguments of every wrong kind: a sequence id that is unknown or
+# unhashable, counts that are negative, fractional, bool, str or tensors, token lists that are
+# not ints. Each refusal must be a TypeError, ValueError, KeyError (an unknown sequence) or
+# CacheFullError (no free block), as documented.
+_BAD_COUNTS = (-1, 0, 1, 3, 17, 2**40, 1.5, math.nan, True, None, "3", [1, 2], torch.tensor(3), torch.tensor([1, 2]))
+_BAD_TOKENS = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [], [1, -2], [1.5, 2], ["a"], [2**70], None, torch.tensor([1, 2, 3]),
+               "abc", 5, [True, False])
+_SEQ_IDS = ("a", "b", 0, None, (1, 2), [1], 1.5)
+_CACHE_CALLS = {
+    "allocate": lambda c, s, n, m, t: c.allocate(s, n, token_ids=t),
+    "try_allocate": lambda c, s, n, m, t: c.try_allocate(s, n, token_ids=t),
+    "append": lambda c, s, n, m, t: c.append(s, n),
+    "commit": lambda c, s, n, m, t: c.commit(s, t, n),
+    "free": lambda c, s, n, m, t: c.free(s),
+    "slot_mapping": lambda c, s, n, m, t: c.slot_mapping(s, n, m),
+    "block_tables": lambda c, s, n, m, t: c.block_tables([s], pad=n),
+    "context_lens": lambda c, s, n, m, t: c.context_lens([s]),
+    "match_prefix": lambda c, s, n, m, t: c.match_prefix(t),
+    "can_allocate": lambda c, s, n, m, t: c.can_allocate(n, t),
+    "can_append": lambda c, s, n, m, t: c.can_append(s, n),
+    "blocks_needed": lambda c, s, n, m, t: c.blocks_needed(s, n),
+    "ref_count": lambda c, s, n, m, t: c.ref_count(n),
+    "seq_len": lambda c, s, n, m, t: c.seq_len(s),
+}
+
+
+@settings(max_examples=300, derandomize=True)
+@given(block_size=st.sampled_from([1, 4]), num_blocks=st.sampled_from([3, 8]),
+       calls=st.lists(st.tuples(st.sampled_from(sorted(_CACHE_CALLS)), st.sampled_from(_SEQ_IDS),
+                                st.sampled_from(_BAD_COUNTS), st.sampled_from(_BAD_COUNTS),
+                                st.sampled_from(_BAD_TOKENS)), min_size=1, max_size=12))
+def test_paged_kv_cache_methods_raise_only_documented_errors(block_size, num_blocks, calls):
+    cache = mp.PagedKVCache(1, HKV, D, num_blocks=num_blocks, block_size=block_size)
+    for name, seq_id, n, m, tokens in calls:
+        try:
+            _CACHE_CALLS[name](cache, seq_id, n, m, tokens)
+        except (TypeError, ValueError, KeyError, mp.CacheFullError):
+            pass

@@ -230,6 +230,7 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_id: Hashable | None, num_new_tokens: int) -> int:
         """Extra blocks that adding `num_new_tokens` to `seq_id` (None: a new sequence) takes."""
+        self._count("num_new_tokens", num_new_tokens)
         cur = 0 if seq_id is None else self._lens[self._known(seq_id)]
         have = 0 if seq_id is None else len(self._tables[seq_id])
         return max(0, -(-(cur + num_new_tokens) // self.block_size) - have)
@@ -237,6 +238,7 @@ class PagedKVCache:
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                      block_hashes: list[int] | None = None) -> bool:
         """block_hashes: `block_hashes(token_ids)` when the caller already has them (saves rehashing)."""
+        self._count("num_tokens", num_tokens)
         hits = self._match(token_ids, block_hashes) if token_ids is not None else []
         return self._fresh_needed(num_tokens, hits) <= self._available(hits)
 
@@ -306,6 +308,7 @@ class PagedKVCache:
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Name the full blocks among the first `num_computed` tokens of `seq_id` (whose K/V
         are written now) so later sequences can reuse them. `token_ids` are the sequence's tokens."""
+        self._count("num_computed", num_computed)
         table = self._tables[self._known(seq_id)]
         bs = self.block_size
         chain = self._chain[seq_id]
