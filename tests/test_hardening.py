@@ -115,6 +115,15 @@ def test_generate_rejects_a_stop_token_that_is_not_a_list(tiny_engine, stop):
     assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
 
 
+@pytest.mark.parametrize("flag, value", [("ignore_eos", "no"), ("ignore_eos", 1), ("progress", "yes"),
+                                         ("return_stats", None)])
+def test_generate_flags_must_be_bools(tiny_engine, flag, value):
+    # a truthy string would have turned the flag on: ignore_eos="no" generated past EOS
+    with pytest.raises(TypeError, match=flag):
+        tiny_engine.generate([[1, 2, 3]], max_new_tokens=2, **{flag: value})
+    assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks
+
+
 @pytest.mark.parametrize("kw, exc, words", [
     (dict(seed="x"), TypeError, "seed"),
     (dict(seed=1.5), TypeError, "seed"),

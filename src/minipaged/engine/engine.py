@@ -447,8 +447,9 @@ class Engine:
                                            or not hasattr(stop_token_ids, "__iter__")):
             raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
         stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
-        if not isinstance(return_stats, bool):
-            raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+        for flag, value in (("return_stats", return_stats), ("ignore_eos", ignore_eos), ("progress", progress)):
+            if not isinstance(value, bool):  # (ignore_eos="no" would be truthy: generation past EOS)
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
         if per_request and len(max_new_tokens) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
         new_tokens = [int(n) for n in max_new_tokens] if per_request else [int(max_new_tokens)] * len(prompts)
