@@ -354,7 +354,9 @@ class PagedKVCache:
         """int64 [end - start]: the slots of positions start..end-1 of `seq_id`, for writing:
         none of them may lie in a shared or named block."""
         table = self._tables[self._known(seq_id)]
-        if not (0 <= start <= end <= self._lens[seq_id]):
+        self._count("start", start)
+        self._count("end", end)
+        if not (start <= end <= self._lens[seq_id]):
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} of length {self._lens[seq_id]}")
         bs = self.block_size
         for i in range(start // bs, -(-end // bs)):
