@@ -27,6 +27,16 @@ def test_available_backends_lists_all_with_reasons():
     assert not avail["cuda"][0]
 
 
+@pytest.mark.parametrize("device, exc", [("nope", ValueError), ("torch", ValueError), ("meta", ValueError),
+                                         (1, TypeError), (b"cpu", TypeError)])
+def test_available_backends_refuses_a_device_it_cannot_mean(device, exc):
+    # a backend name or a typo given as the device used to answer "nothing runs here"
+    with pytest.raises(exc, match="device"):
+        mp.available_backends(device)
+    assert mp.available_backends(torch.device("cpu")) == mp.available_backends("cpu")
+    assert set(mp.available_backends("cuda:0")) == set(mp.available_backends("cuda"))
+
+
 def test_available_backends_without_device_counts_the_interpreter(monkeypatch):
     """No device given means any device here: on a machine without a GPU, triton under
     TRITON_INTERPRET=1 is available (it runs on CPU tensors); without the interpreter it is not,

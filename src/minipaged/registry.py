@@ -290,6 +290,13 @@ def all_backends() -> dict[str, Backend]:
 
 def available_backends(device: str | None = None) -> dict[str, tuple[bool, str]]:
     """{name: (available, reason)} for every backend, on `device` (None: the best here)."""
+    if device is not None:
+        # (a typo, or a backend name given as the device, would read as "nothing runs here")
+        kind = device if isinstance(device, str) else getattr(device, "type", None)
+        if not isinstance(kind, str):
+            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+        if kind.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return {name: b.is_available(device) for name, b in _BACKENDS.items()}
 
 
