@@ -73,8 +73,9 @@ def _calls(dtype):
 
 
 # scalar keywords an op takes, and corruptions of them
-SCALAR_KW = {"paged": ("scale", "causal", "max_seqlen_q"), "decode": ("scale",), "prefill": ("scale", "causal"),
-             "varlen": ("scale", "causal", "max_seqlen_q", "max_seqlen_k"), "write": (), "merge": (),
+SCALAR_KW = {"paged": ("scale", "causal", "max_seqlen_q", "return_lse"), "decode": ("scale", "return_lse"),
+             "prefill": ("scale", "causal", "return_lse"),
+             "varlen": ("scale", "causal", "max_seqlen_q", "max_seqlen_k", "return_lse"), "write": (), "merge": (),
              "decode_fp8": ("scale", "v_scale"), "write_fp8": ("v_scale",)}
 SCALAR_BAD = (float("nan"), float("inf"), -1.0, 0.0, 0, -3, 10**12, "1", None, 1.5, True, torch.tensor(2.0))
 
