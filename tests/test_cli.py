@@ -267,3 +267,21 @@ def test_generate_damaged_checkpoint_is_one_error_line(tmp_path, capsys):
     rc, _, err = _main(["generate", "--model", folder, "--prompt-len", "4", "--max-new-tokens", "2",
                         "--batch", "1", "--device", "cpu", "--backend", "torch"], capsys)
     _assert_usage_error(rc, err, "model.safetensors", "cannot be read as safetensors")
+
+
+def test_generate_folder_without_config_or_with_missing_weights(tmp_path, capsys):
+    # one plain line each: no errno text for a missing config.json, no quotes from a KeyError
+    from safetensors.torch import save_file
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "model.safetensors").write_bytes(b"")
+    rc, _, err = _main(["generate", "--model", str(empty), "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "has no config.json", str(empty))
+    assert "Errno" not in err
+    folder = _tiny_folder(tmp_path / "m")
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(tmp_path / "m" / "model.safetensors"))
+    rc, _, err = _main(["generate", "--model", folder, "--prompt-len", "4", "--max-new-tokens", "2", "--batch", "1",
+                        "--device", "cpu", "--backend", "torch"], capsys)
+    _assert_usage_error(rc, err, "checkpoint lacks")
+    assert err.startswith("error: checkpoint lacks"), err

@@ -26,7 +26,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def print_error(e: BaseException | str) -> int:
     """Print `error: <message>` as one line on stderr; returns the usage-error exit code 2."""
-    text = " ".join(str(e).split()) or type(e).__name__
+    # (a KeyError's str() is the repr of its message: quoted)
+    msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else e
+    text = " ".join(str(msg).split()) or type(e).__name__
     print(f"error: {text}", file=sys.stderr)
     return 2
 

@@ -141,6 +141,9 @@ class Qwen3Config:
             path = os.fspath(cfg)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"{os.fspath(cfg)!r} has no config.json (a Qwen3 checkpoint folder "
+                                            "holds config.json and *.safetensors)")
             with open(path) as f:
                 try:
                     d = json.load(f)
