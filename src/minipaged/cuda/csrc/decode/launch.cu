@@ -626,13 +626,14 @@ cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* mer
 }
 
 cudaError_t decode_trace_clear() {
-  void* addr = nullptr;
-  cudaError_t err = cudaGetSymbolAddress(&addr, g_decode_trace);
-  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_decode_trace));
-  if (err == cudaSuccess) err = cudaGetSymbolAddress(&addr, g_reduce_trace);
-  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_reduce_trace));
-  if (err == cudaSuccess) err = cudaGetSymbolAddress(&addr, g_plan_trace);
-  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_plan_trace));
+  const auto zero = [](const auto& marks) {
+    void* addr = nullptr;
+    const cudaError_t err = cudaGetSymbolAddress(&addr, marks);
+    return err == cudaSuccess ? cudaMemset(addr, 0, sizeof(marks)) : err;
+  };
+  cudaError_t err = zero(g_decode_trace);
+  if (err == cudaSuccess) err = zero(g_reduce_trace);
+  if (err == cudaSuccess) err = zero(g_plan_trace);
   return err;
 }
 #endif
