@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -190,6 +192,60 @@ def test_per_request_max_new_tokens(ckpt):
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.generate(prompts, max_new_tokens=[3, -1, 2])
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+_BASES = [_tokens(80, 37), _tokens(81, 13), _tokens(82, 58)]
+
+
+@st.composite
+def _workloads(draw):
+    """An engine configuration and one to three generate() calls on it: prompts cut from three
+    shared bases (so prefix hits of every length happen) plus fresh tokens, and a pool that may
+    hold only one sequence at the longest length (so preemption happens)."""
+    max_model_len = 96
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    need = -(-max_model_len // block_size)
+    kw = dict(block_size=block_size, max_model_len=max_model_len,
+              num_blocks=draw(st.sampled_from([need, need + 2, 4 * need])),
+              enable_prefix_caching=draw(st.booleans()), max_num_seqs=draw(st.sampled_from([1, 2, 3, 8])),
+              max_num_batched_tokens=draw(st.sampled_from([1, 3, 7, 16, 64, 4096])))
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        prompts, news = [], []
+        for _ in range(draw(st.integers(1, 5))):
+            base = draw(st.sampled_from(_BASES))
+            cut = draw(st.integers(0, len(base)))
+            fresh = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if cut else 1, max_size=12))
+            prompts.append(base[:cut] + fresh)
+            news.append(draw(st.integers(0, 8)))
+        calls.append((prompts, news))
+    return kw, calls
+
+
+def _check_workload(ckpt, backend, work):
+    folder, hf = ckpt
+    kw, calls = work
+    eng = Engine(folder, device="cpu", dtype=torch.float32, backend=backend, **kw)
+    for prompts, news in calls:
+        out = eng.generate(prompts, max_new_tokens=news)
+        assert out == [hf_greedy(hf, p, n) if n else [] for p, n in zip(prompts, news)], kw
+        assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+@given(work=_workloads())
+def test_any_configuration_and_call_sequence_gives_transformers_greedy(ckpt, work):
+    """Block size, pool size (down to one longest sequence), token budget (down to 1), caching on
+    or off, max_num_seqs and repeated calls on one engine (the prefix cache carries over) change
+    how the work is cut, never the tokens: each request equals transformers' greedy output, and
+    every page is free again after each call."""
+    _check_workload(ckpt, "torch", work)
+
+
+@pytest.mark.skipif("triton" not in _backends(), reason="triton cannot run on this CPU")
+@settings(max_examples=3)  # the interpreter takes ~10 s per drawn workload
+@given(work=_workloads())
+def test_any_configuration_and_call_sequence_gives_transformers_greedy_triton(ckpt, work):
+    _check_workload(ckpt, "triton", work)
 
 
 # ------------------------------------------------------------------ GPU: Qwen3-0.6B shape in bf16
