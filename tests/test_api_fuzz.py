@@ -62,6 +62,9 @@ def _calls(dtype):
                                              "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
                                              "block_tables": p["block_tables"], "context_lens": p["context_lens"],
                                              "k_scale": torch.tensor([0.5, 2.0])}, {"v_scale": 0.25}),
+        "paged_fp8": (mp.paged_attention, {**p, "q": p["q"].to(half), "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
+                                           "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
+                                           "v_scale": torch.tensor([4.0, 0.125])}, {"causal": True, "k_scale": 1.5}),
         "write_fp8": (mp.write_kv_cache, {"k": rnd(3, HKV, D, dt=half), "v": rnd(3, HKV, D, dt=half),
                                           "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
                                           "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
@@ -76,7 +79,8 @@ def _calls(dtype):
 SCALAR_KW = {"paged": ("scale", "causal", "max_seqlen_q", "return_lse"), "decode": ("scale", "return_lse"),
              "prefill": ("scale", "causal", "return_lse"),
              "varlen": ("scale", "causal", "max_seqlen_q", "max_seqlen_k", "return_lse"), "write": (), "merge": (),
-             "decode_fp8": ("scale", "v_scale"), "write_fp8": ("v_scale",)}
+             "decode_fp8": ("scale", "v_scale"), "write_fp8": ("v_scale",),
+             "paged_fp8": ("scale", "causal", "max_seqlen_q", "return_lse", "k_scale")}
 SCALAR_BAD = (float("nan"), float("inf"), -1.0, 0.0, 0, -3, 10**12, "1", None, 1.5, True, torch.tensor(2.0))
 
 
