@@ -288,6 +288,28 @@ def test_engine_fp8_calibrates_scales_and_stays_close_to_bf16():
         Engine(TINY, kv_cache_dtype="fp8", **{**kw, "dtype": torch.float32})
 
 
+def test_engine_fp8_calibration_leaves_room_for_later_tokens():
+    """Scales fixed on a one-token first prompt (its amax per KV head from one vector) must not
+    clip the K/V of later, longer prompts at +-448: the amax maps to 448 / 8. With the amax
+    mapped to 448 itself, hundreds of later values saturated here."""
+    from minipaged.engine import Engine
+    from minipaged.engine.model import FP8_CALIBRATION_HEADROOM, FP8_MAX
+
+    eng = Engine(TINY, dtype=torch.bfloat16, device="cpu", backend="torch", num_blocks=64, block_size=4,
+                 kv_cache_dtype="fp8")
+    for c in (*eng.cache.k_caches, *eng.cache.v_caches):
+        c.zero_()
+    eng.generate([[7]], max_new_tokens=1)
+    first_amax = [c.float().abs().amax().item() for c in (*eng.cache.k_caches, *eng.cache.v_caches)]
+    # the first prompt's largest value lands on 448 / 8, exactly up to the division's rounding
+    assert first_amax == pytest.approx([FP8_MAX / FP8_CALIBRATION_HEADROOM] * len(first_amax), rel=2 ** -3)
+    eng.generate([list(range(1, 90))], max_new_tokens=4, ignore_eos=True)
+    for c in (*eng.cache.k_caches, *eng.cache.v_caches):
+        values = c.float().abs()
+        assert (values == FP8_MAX).sum() == 0, f"{int((values == FP8_MAX).sum())} later K/V values saturated"
+        assert values.amax() > FP8_MAX / FP8_CALIBRATION_HEADROOM, "later tokens did go past the first amax"
+
+
 def test_engine_fp8_reads_checkpoint_scales():
     from minipaged.engine import Engine, Qwen3Config
     from minipaged.engine.loader import random_state_dict

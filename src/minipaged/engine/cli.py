@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="token budget of one step: running decodes, then prompt chunks (default 8192)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="auto: the model dtype; fp8: float8_e4m3fn KV pages with per-head scales (triton/torch)")
+                   help="auto: the model dtype; fp8: float8_e4m3fn KV pages with per-head scales (the "
+                        "checkpoint's, else from the first prompt step's K/V amax with an 8x margin)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

@@ -227,9 +227,10 @@ class Engine:
         kv_cache_dtype: None (the model dtype) or "fp8": float8_e4m3fn pages, half the
             bytes of bf16, with per-layer, per-KV-head scales: the checkpoint's
             `self_attn.k_scale` / `self_attn.v_scale` tensors when it has them, else
-            computed from the K/V amax of the first prompt step and fixed thereafter
-            (`warmup()` does not fix them). Needs a float16/bfloat16 model and a backend
-            with FP8 kernels (triton, torch; auto picks one).
+            computed from the K/V amax of the first prompt step, with a margin of 8x
+            for later tokens (the amax maps to 448 / 8), and fixed thereafter
+            (`warmup()` does not fix them). Needs a float16/bfloat16 model; every
+            backend has FP8 kernels.
         cuda_graph: capture the decode step in CUDA graphs (default: on for CUDA
             with a non-torch backend; falls back to eager if capture fails).
         batch_invariant: run every matmul, RMSNorm and attention through kernels whose

@@ -44,11 +44,17 @@ class AttentionMetadata:
 
 
 FP8_MAX = 448.0
+# Calibrated scales are fixed after the first prompt step, whose amax may lie well below what later
+# tokens bring (a one-token first prompt gives each KV head one vector): those would saturate at
+# +-448. A power-of-two margin only shifts e4m3's exponent, so the values the first step covered
+# keep their bits down to e4m3's subnormals, which start about 12 binades under the amax at 8x.
+FP8_CALIBRATION_HEADROOM = 8.0
 
 
 def _amax_scale(x: torch.Tensor) -> torch.Tensor:
-    """[T, Hkv, D] -> float32 [Hkv]: the scale that maps each KV head's largest |value| to 448."""
-    return (x.float().abs().amax(dim=(0, 2)) / FP8_MAX).clamp_min(1e-8)
+    """[T, Hkv, D] -> float32 [Hkv]: the scale that maps each KV head's largest |value| to
+    448 / FP8_CALIBRATION_HEADROOM (values up to that many times larger still fit)."""
+    return (x.float().abs().amax(dim=(0, 2)) / (FP8_MAX / FP8_CALIBRATION_HEADROOM)).clamp_min(1e-8)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
