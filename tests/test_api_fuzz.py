@@ -43,6 +43,8 @@ def _calls(dtype):
         return torch.randn(*shape, generator=g).to(dt)
 
     half = torch.float16 if dtype == torch.float32 else dtype  # (an FP8 cache takes 16-bit q, k, v)
+    p8 = {**p, "q": p["q"].to(half), "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
+          "v_cache": p["v_cache"].to(torch.float8_e4m3fn)}
 
     return {
         "paged": (mp.paged_attention, p, {"causal": True}),
@@ -58,16 +60,13 @@ def _calls(dtype):
                                                  "cu_seqlens_k": torch.tensor([0, 3, 3, 12], dtype=torch.int32)},
                    {"causal": True}),
         # FP8 caches: the scales are arguments too (a tensor per KV head, a float)
-        "decode_fp8": (mp.decode_attention, {"q": p["q"][:3].to(half), "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
-                                             "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
-                                             "block_tables": p["block_tables"], "context_lens": p["context_lens"],
+        "decode_fp8": (mp.decode_attention, {"q": p8["q"][:3], **{k: p8[k] for k in ("k_cache", "v_cache",
+                                                                                    "block_tables", "context_lens")},
                                              "k_scale": torch.tensor([0.5, 2.0])}, {"v_scale": 0.25}),
-        "paged_fp8": (mp.paged_attention, {**p, "q": p["q"].to(half), "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
-                                           "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
-                                           "v_scale": torch.tensor([4.0, 0.125])}, {"causal": True, "k_scale": 1.5}),
+        "paged_fp8": (mp.paged_attention, {**p8, "v_scale": torch.tensor([4.0, 0.125])},
+                      {"causal": True, "k_scale": 1.5}),
         "write_fp8": (mp.write_kv_cache, {"k": rnd(3, HKV, D, dt=half), "v": rnd(3, HKV, D, dt=half),
-                                          "k_cache": p["k_cache"].to(torch.float8_e4m3fn),
-                                          "v_cache": p["v_cache"].to(torch.float8_e4m3fn),
+                                          "k_cache": p8["k_cache"].clone(), "v_cache": p8["v_cache"].clone(),
                                           "slot_mapping": torch.tensor([9, -1, 2]), "k_scale": torch.tensor(0.5)},
                       {"v_scale": 2.0}),
         "merge": (mp.merge_attention_states, {"o_a": rnd(5, HQ, D), "lse_a": torch.randn(5, HQ, generator=g),
