@@ -28,6 +28,7 @@ def test_available_backends_lists_all_with_reasons():
 
 
 @pytest.mark.parametrize("device, exc", [("nope", ValueError), ("torch", ValueError), ("meta", ValueError),
+                                         ("cuda:", ValueError), ("cuda:x", ValueError),
                                          (1, TypeError), (b"cpu", TypeError)])
 def test_available_backends_refuses_a_device_it_cannot_mean(device, exc):
     # a backend name or a typo given as the device used to answer "nothing runs here"

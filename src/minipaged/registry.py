@@ -295,7 +295,8 @@ def available_backends(device: str | None = None) -> dict[str, tuple[bool, str]]
         kind = device if isinstance(device, str) else getattr(device, "type", None)
         if not isinstance(kind, str):
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-        if kind.split(":")[0] not in ("cpu", "cuda"):
+        base, colon, index = kind.partition(":")
+        if base not in ("cpu", "cuda") or colon and not index.isdigit():
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return {name: b.is_available(device) for name, b in _BACKENDS.items()}
 
