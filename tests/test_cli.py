@@ -68,6 +68,7 @@ def _main(argv, capsys):
     (["--top-p", "2"], ["--top-p", "2"]),
     (["--top-p", "0"], ["--top-p"]),
     (["--top-p", "nan"], ["--top-p"]),
+    (["--top-k", "-1"], ["--top-k", "-1"]),
     (["--device", "foo"], ["--device", "foo"]),
     (["--device", "cuda:99"], ["--device"]),
     (["--backend", "nope"], ["--backend", "nope", "valid names"]),

@@ -320,8 +320,13 @@ def test_sampling_reproducible_with_seed(tiny_ckpt):
     assert a != c
     assert a != ref  # it really sampled
     assert all(0 <= t < VOCAB for o in a for t in o) and all(len(o) == MAX_NEW for o in a)
-    # a vanishing top_p keeps only the most likely token: greedy
+    # a vanishing top_p keeps only the most likely token: greedy; so does top_k 1
     assert eng.generate(prompts, seed=5, max_new_tokens=MAX_NEW, temperature=0.7, top_p=1e-9) == ref
+    assert eng.generate(prompts, seed=5, max_new_tokens=MAX_NEW, temperature=0.7, top_k=1) == ref
+    # a cut the model's distribution feels: other tokens than without it, same tokens for a seed
+    k3 = eng.generate(prompts, seed=123, max_new_tokens=MAX_NEW, temperature=1.0, top_k=3)
+    assert k3 == eng.generate(prompts, seed=123, max_new_tokens=MAX_NEW, temperature=1.0, top_k=3)
+    assert k3 != eng.generate(prompts, seed=123, max_new_tokens=MAX_NEW, temperature=1.0)
 
 
 def test_sampler_top_p_keeps_the_smallest_nucleus():
@@ -362,6 +367,41 @@ def test_sampler_top_p_boundary_is_exact():
     # the same rule on shuffled ids: it ranks by probability, not by id
     assert _kept([0.125, 0.5, 0.125, 0.25], 0.75) == {1, 3}
     assert _kept([0.125, 0.5, 0.125, 0.25], 0.75 + eps) in ({1, 3, 0}, {1, 3, 2})
+
+
+def _kept_k(probs, top_k, top_p=1.0, n=4000):
+    logits = torch.tensor(probs, dtype=torch.float64).log().float().expand(n, -1).contiguous()
+    g = torch.Generator().manual_seed(0)
+    return set(sample(logits, temperature=1.0, top_k=top_k, top_p=top_p, generator=g).tolist())
+
+
+def test_sampler_top_k_keeps_the_k_most_likely_and_their_ties():
+    p = [0.05, 0.4, 0.1, 0.3, 0.15]
+    assert _kept_k(p, 1) == {1}
+    assert _kept_k(p, 2) == {1, 3}
+    assert _kept_k(p, 3) == {1, 3, 4}
+    assert _kept_k(p, 5) == _kept_k(p, 0) == _kept_k(p, 10**9) == {0, 1, 2, 3, 4}
+    # a tie with the k-th most likely token stays (transformers' TopKLogitsWarper does the same)
+    assert _kept_k([0.1, 0.3, 0.3, 0.3], 2) == {1, 2, 3}
+    # greedy ignores the cut
+    assert sample(torch.tensor([[0.0, 3.0, 1.0]]), temperature=0.0, top_k=2).item() == 1
+
+
+def test_sampler_top_k_renormalises_before_top_p():
+    """top_k first, then top_p over the renormalised survivors (transformers' and vLLM's order).
+    With [0.4, 0.3, 0.2, 0.1], top_p 0.5 alone needs two tokens; after top_k 2 the first holds 4/7."""
+    p = [0.4, 0.3, 0.2, 0.1]
+    assert _kept_k(p, 0, top_p=0.5) == {0, 1}
+    assert _kept_k(p, 2, top_p=0.5) == {0}
+    assert _kept_k(p, 3, top_p=0.7) == {0, 1}  # 4/9 + 3/9 >= 0.7; 4/9 alone is not
+    # the survivors are drawn in proportion to their probabilities
+    n = 40000
+    logits = torch.tensor(p).log().expand(n, -1).contiguous()
+    drawn = sample(logits, temperature=1.0, top_k=2, generator=torch.Generator().manual_seed(1))
+    freq = torch.bincount(drawn, minlength=4).double() / n
+    assert torch.allclose(freq, torch.tensor([4 / 7, 3 / 7, 0, 0], dtype=torch.float64), atol=0.015), freq
+    with pytest.raises(ValueError, match="top_k"):
+        sample(logits, temperature=1.0, top_k=-1)
 
 
 def test_config_reads_old_and_new_rope_layouts():

@@ -66,11 +66,16 @@ def tiny_engine():
     (dict(top_p=0.0), ValueError),
     (dict(top_p=1.5), ValueError),
     (dict(top_p=float("inf")), ValueError),
+    (dict(top_k=-1), ValueError),
+    (dict(top_k=2.0), TypeError),
+    (dict(top_k=True), TypeError),
+    (dict(top_k="20"), TypeError),
+    (dict(top_k=None), TypeError),
 ])
 def test_generate_rejects_bad_sampling_before_running(tiny_engine, kw, exc, monkeypatch):
     ran = []
     monkeypatch.setattr(tiny_engine.runner, "run", lambda *a, **k: ran.append(1))
-    with pytest.raises(exc, match="temperature|top_p"):
+    with pytest.raises(exc, match="temperature|top_p|top_k"):
         tiny_engine.generate([[1, 2, 3]], max_new_tokens=2, **kw)
     assert not ran, "the model ran before the bad argument was rejected"
     assert tiny_engine.cache.num_free_blocks == tiny_engine.cache.num_blocks

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text prompt (needs a tokenizer in --model); repeated --batch times")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and sampling")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--block-size", type=int, default=16)
@@ -105,6 +106,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not math.isfinite(args.top_p) or not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    _positive("--top-k", args.top_k, minimum=0)
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
     if args.prompt is not None and args.model is None:
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         stop.append(int(tokenizer.eos_token_id))
     try:
         outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, progress=True, stop_token_ids=stop,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, progress=True, stop_token_ids=stop,
                             ignore_eos=args.ignore_eos)
     except ValueError as e:  # e.g. a tokenizer producing ids outside the model's vocabulary
         return _error(e)

@@ -418,10 +418,13 @@ class Engine:
         progress: bool = False,
         ignore_eos: bool = False,
         return_stats: bool = False,
+        top_k: int = 0,
     ):
         """New tokens per prompt, in prompt order (a stop token, when hit, is included).
 
-        max_new_tokens is one int for every prompt, or one per prompt.
+        max_new_tokens is one int for every prompt, or one per prompt. Sampling (temperature > 0)
+        keeps the top_k most likely tokens (0: all), then the top_p nucleus of those; Qwen3's
+        model card suggests temperature 0.6, top_p 0.95, top_k 20 for thinking mode.
         With return_stats=True returns (outputs, GenerateStats): prefix-cache hit tokens,
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
@@ -430,7 +433,7 @@ class Engine:
         for n in (max_new_tokens if per_request else [max_new_tokens]):
             if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
-        temperature, top_p = check_sampling(temperature, top_p)
+        temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
         if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
@@ -487,7 +490,7 @@ class Engine:
         t_start = time.perf_counter()
         try:
             while sched.has_work():
-                self._step(sched, stops, temperature, top_p, bar)
+                self._step(sched, stops, temperature, top_p, top_k, bar)
         except BaseException:
             sched.abort_all()
             raise
@@ -507,7 +510,8 @@ class Engine:
         outputs = [s.output_ids for s in seqs]
         return (outputs, st) if return_stats else outputs
 
-    def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float, bar) -> None:
+    def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float, top_k: int,
+              bar) -> None:
         t0 = time.perf_counter()
         plan = sched.schedule()
         calibrate = self._calibrate_kv and not plan.decode_only
@@ -516,7 +520,8 @@ class Engine:
             self._calibrate_kv = False
         sampling = plan.sampling
         gens = [s.generator for s in sampling] if temperature > 0 else None
-        tokens = sample(logits, temperature=temperature, top_p=top_p, generators=gens).tolist() if sampling else []
+        tokens = (sample(logits, temperature=temperature, top_p=top_p, top_k=top_k, generators=gens).tolist()
+                  if sampling else [])
         now = time.perf_counter()  # .tolist() synchronised the device
         dt = now - t0
         sched.update(plan)
