@@ -592,8 +592,8 @@ def _check_bf16_engine(cfg: Qwen3Config, dev, backend: str, hf16, hf32, lens, ne
     with torch.inference_mode():
         for p, o in zip(prompts, out_g):
             ids = torch.tensor([p], device=dev)
-            r = hf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            r = hf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             common = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(o))
             print(f"  greedy vs transformers bf16: common prefix {common}/{new_tokens}")
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
