@@ -15,6 +15,9 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 # ci: derandomized, no example database, few examples, CPU.
 settings.register_profile("ci", max_examples=12, derandomize=True, database=None, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=40, **_common)
+# soak: fresh random examples, many of them, for a long CPU run (HYPOTHESIS_PROFILE=soak); tests
+# that pin their own max_examples keep it.
+settings.register_profile("soak", max_examples=1000, database=None, print_blob=True, **_common)
 # gpu: hundreds of examples on the H200 (`HYPOTHESIS_PROFILE=gpu pytest -m gpu`).
 settings.register_profile("gpu", max_examples=300, database=None, print_blob=True, **_common)
 # gpu-short: a bounded GPU pass for one device call that also runs the benchmarks.

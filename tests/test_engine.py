@@ -9,6 +9,7 @@ real Qwen3-0.6B shape with random weights in bf16.
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -652,6 +653,21 @@ def test_generate_cli_with_tokenizer(tmp_path, capsys):
     rc = cli.main(["--model", str(tmp_path), "--batch", "3", "--prompt-len", "7", "--max-new-tokens", "4",
                    "--device", "cpu", "--backend", "torch"])
     assert rc == 0 and "prefill: 21 tokens" in capsys.readouterr().out
+
+    # --chat wraps the prompt in the template; --no-thinking sets its enable_thinking to False
+    # (this template adds two words then, as Qwen3's adds an empty <think> block)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text())
+    tcfg["chat_template"] = ("{% for m in messages %}w1 {{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                             " w2{% if enable_thinking is defined and enable_thinking is false %} w3 w4{% endif %}"
+                             "{% endif %}")
+    cfg_path.write_text(json.dumps(tcfg))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    base = ["--model", str(tmp_path), "--prompt", "w5 w6", "--batch", "1", "--max-new-tokens", "1", "--device", "cpu",
+            "--backend", "torch", "--dtype", "float32"]
+    for flags, tokens in (([], 2), (["--chat"], 4), (["--chat", "--no-thinking"], 6)):
+        assert cli.main(base + flags) == 0
+        assert f"prefill: {tokens} tokens" in capsys.readouterr().out, flags
     # --prompt without a tokenizer is a clear error, not a crash
     os.remove(tmp_path / "tokenizer.json")
     assert cli.main(["--model", str(tmp_path), "--prompt", "w1", "--device", "cpu"]) == 2

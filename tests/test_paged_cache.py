@@ -118,7 +118,8 @@ class CacheMachine(RuleBasedStateMachine):
                 assert torch.equal(v, want + 1), f"seq {s} layer {layer} V corrupted"
 
 
-CacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+CacheMachine.TestCase.settings = settings(max_examples=max(settings.default.max_examples, 40), stateful_step_count=25,
+                                          deadline=None)
 TestCacheMachine = CacheMachine.TestCase
 
 
@@ -307,7 +308,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert got == _content(s["tokens"][: p + 1]), f"seq {sid} position {p} reads the wrong K"
 
 
-PrefixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+PrefixCacheMachine.TestCase.settings = settings(max_examples=max(settings.default.max_examples, 60),
+                                                stateful_step_count=30, deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 
 

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="text prompt (needs a tokenizer in --model); repeated --batch times")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="with --chat: pass enable_thinking=False to the template (Qwen3's switch to answer "
+                        "without a <think> block)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
@@ -109,6 +112,8 @@ def validate(args: argparse.Namespace) -> None:
     _positive("--top-k", args.top_k, minimum=0)
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
+    if args.no_thinking and not args.chat:
+        raise ValueError("--no-thinking needs --chat (it is a switch of the chat template)")
     if args.prompt is not None and args.model is None:
         raise ValueError("--prompt needs --model DIR: the random-weight model has no tokenizer "
                          "(leave --prompt out to time random token prompts)")
@@ -243,8 +248,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         text = args.prompt
         if args.chat and getattr(tokenizer, "chat_template", None):
+            # (a template that does not read enable_thinking ignores it)
+            extra = {"enable_thinking": False} if args.no_thinking else {}
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, **extra)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts = [list(ids) for _ in range(args.batch)]
     else:
