@@ -370,6 +370,40 @@ def test_sampler_top_p_boundary_is_exact():
     assert _kept([0.125, 0.5, 0.125, 0.25], 0.75 + eps) in ({1, 3, 0}, {1, 3, 2})
 
 
+def test_sampling_parameters_per_prompt(tiny_ckpt):
+    """temperature / top_p / top_k may be one per prompt: a greedy request and a sampled one share a
+    call, and each gets the tokens it would get in a call where every request has its settings."""
+    folder, _, prompts, ref = tiny_ckpt
+    eng = _engine(folder)
+    two = prompts[:2]
+    sampled = eng.generate(two, max_new_tokens=MAX_NEW, temperature=1.0, seed=7)
+    assert sampled[1] != ref[1]  # it really sampled
+    mixed = eng.generate(two, max_new_tokens=MAX_NEW, temperature=[0.0, 1.0], seed=7)
+    assert mixed == [ref[0], sampled[1]]
+    # per-prompt cuts: top_k 1 and a vanishing top_p are greedy; the other row keeps its draws
+    assert eng.generate(two, max_new_tokens=MAX_NEW, temperature=1.0, top_k=[1, 0], seed=7) == [ref[0], sampled[1]]
+    assert eng.generate(two, max_new_tokens=MAX_NEW, temperature=1.0, top_p=(1.0, 1e-9), seed=7) == [sampled[0],
+                                                                                                  ref[1]]
+    for kw, exc, words in ((dict(temperature=[0.5]), ValueError, "temperature has 1 entries for 2"),
+                           (dict(top_k=[1, -1]), ValueError, "top_k"),
+                           (dict(top_p=[0.5, float("nan")]), ValueError, "top_p"),
+                           (dict(temperature=torch.tensor([0.5, 0.5])), TypeError, "temperature"),
+                           (dict(top_k=[1, 2.5]), TypeError, "top_k")):
+        with pytest.raises(exc, match=words):
+            eng.generate(two, max_new_tokens=MAX_NEW, **kw)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_sampler_per_row_parameters():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.5], [3.0, 0.0, 0.0, 2.9], [0.1, 0.2, 0.3, 0.4]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        out = sample(logits, temperature=[0.0, 5.0, 1.0], top_k=[0, 2, 1], generator=g).tolist()
+        assert out[0] == 1 and out[1] in (0, 3) and out[2] == 3
+    with pytest.raises(ValueError, match="temperature has 2 entries for 3 rows"):
+        sample(logits, temperature=[1.0, 1.0])
+
+
 def _kept_k(probs, top_k, top_p=1.0, n=4000):
     logits = torch.tensor(probs, dtype=torch.float64).log().float().expand(n, -1).contiguous()
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
-from .sampler import check_sampling, sample
+from .sampler import check_sampling, sample_checked
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -422,9 +422,10 @@ class Engine:
     ):
         """New tokens per prompt, in prompt order (a stop token, when hit, is included).
 
-        max_new_tokens is one int for every prompt, or one per prompt. Sampling (temperature > 0)
-        keeps the top_k most likely tokens (0: all), then the top_p nucleus of those; Qwen3's
-        model card suggests temperature 0.6, top_p 0.95, top_k 20 for thinking mode.
+        max_new_tokens, temperature, top_p and top_k are each one value for every prompt, or a
+        list of one per prompt (greedy and sampled requests may share a call). Sampling
+        (temperature > 0) keeps the top_k most likely tokens (0: all), then the top_p nucleus of
+        those; Qwen3's model card suggests temperature 0.6, top_p 0.95, top_k 20 for thinking mode.
         With return_stats=True returns (outputs, GenerateStats): prefix-cache hit tokens,
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
@@ -433,7 +434,17 @@ class Engine:
         for n in (max_new_tokens if per_request else [max_new_tokens]):
             if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
-        temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+        sampling_args = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        for name, value in sampling_args.items():
+            if isinstance(value, (list, tuple)):
+                sampling_args[name] = list(value)
+            elif isinstance(value, (str, bytes)) or hasattr(value, "__len__"):
+                raise TypeError(f"{name} must be a number or a list of one per prompt, got {type(value).__name__}")
+        # every value is checked here; the lengths of per-prompt lists once the prompts are read
+        defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        for name, value in sampling_args.items():
+            for v in (value if isinstance(value, list) else [value]):
+                check_sampling(**{**defaults, name: v})
         if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
@@ -456,6 +467,11 @@ class Engine:
                 raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
         if per_request and len(max_new_tokens) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
+        for name, value in sampling_args.items():
+            if isinstance(value, list) and len(value) != len(prompts):
+                raise ValueError(f"{name} has {len(value)} entries for {len(prompts)} prompts")
+        per_prompt = {name: value if isinstance(value, list) else [value] * len(prompts)
+                      for name, value in sampling_args.items()}
         new_tokens = [int(n) for n in max_new_tokens] if per_request else [int(max_new_tokens)] * len(prompts)
         self.stats = GenerateStats()
         if not any(new_tokens):
@@ -470,14 +486,17 @@ class Engine:
         seqs = [Sequence(p, n, index=i) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
-        if temperature > 0:
-            # One generator per request, seeded by (seed, prompt index): a request's draws do not
-            # depend on what else shares its steps (so caching on/off or other budgets give the
-            # same tokens for the same seed).
+        for s in seqs:
+            s.temperature, s.top_p, s.top_k = check_sampling(*(per_prompt[name][s.index] for name in defaults))
+        if any(s.temperature > 0 for s in seqs):
+            # One generator per sampled request, seeded by (seed, prompt index): a request's draws
+            # do not depend on what else shares its steps (so caching on/off or other budgets give
+            # the same tokens for the same seed).
             base = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
             for s in seqs:
-                s.generator = torch.Generator(device=self.device)
-                s.generator.manual_seed((base * 1_000_003 + s.index) % (2**63))
+                if s.temperature > 0:
+                    s.generator = torch.Generator(device=self.device)
+                    s.generator.manual_seed((base * 1_000_003 + s.index) % (2**63))
         for s in seqs:
             if s.max_new_tokens > 0:  # a request for no tokens never runs
                 sched.add(s)
@@ -490,7 +509,7 @@ class Engine:
         t_start = time.perf_counter()
         try:
             while sched.has_work():
-                self._step(sched, stops, temperature, top_p, top_k, bar)
+                self._step(sched, stops, bar)
         except BaseException:
             sched.abort_all()
             raise
@@ -510,8 +529,7 @@ class Engine:
         outputs = [s.output_ids for s in seqs]
         return (outputs, st) if return_stats else outputs
 
-    def _step(self, sched: Scheduler, stops: set[int], temperature: float, top_p: float, top_k: int,
-              bar) -> None:
+    def _step(self, sched: Scheduler, stops: set[int], bar) -> None:
         t0 = time.perf_counter()
         plan = sched.schedule()
         calibrate = self._calibrate_kv and not plan.decode_only
@@ -519,9 +537,8 @@ class Engine:
         if calibrate:
             self._calibrate_kv = False
         sampling = plan.sampling
-        gens = [s.generator for s in sampling] if temperature > 0 else None
-        tokens = (sample(logits, temperature=temperature, top_p=top_p, top_k=top_k, generators=gens).tolist()
-                  if sampling else [])
+        params = [(s.temperature, s.top_p, s.top_k) for s in sampling]
+        tokens = sample_checked(logits, params, generators=[s.generator for s in sampling]).tolist() if sampling else []
         now = time.perf_counter()  # .tolist() synchronised the device
         dt = now - t0
         sched.update(plan)

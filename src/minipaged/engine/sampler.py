@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -28,45 +29,85 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any = 0) -> tuple[float,
     return float(temperature), float(top_p), int(top_k)
 
 
+def _per_row(name: str, value: Any, rows: int) -> list:
+    """One value for every row, or a list / tuple of one per row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != rows:
+            raise ValueError(f"{name} has {len(value)} entries for {rows} rows")
+        return list(value)
+    return [value] * rows
+
+
 def sample(
     logits: torch.Tensor,
     *,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    temperature: float | Seq[float] = 0.0,
+    top_p: float | Seq[float] = 1.0,
+    top_k: int | Seq[int] = 0,
     generator: torch.Generator | None = None,
-    generators: list[torch.Generator] | None = None,
+    generators: Seq[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] -> token ids int64 [B].
 
+    temperature, top_p and top_k are one value for every row or a list of one per row.
     temperature 0 is greedy (argmax; ties go to the lowest id, like torch.argmax
     and transformers). Otherwise: softmax(logits / temperature); with top_k > 0 keep
     the tokens at least as likely as the k-th most likely one (ties with it stay, as in
     transformers' TopKLogitsWarper) and renormalise; then keep the smallest set of
     tokens whose probability mass reaches top_p (the most likely token is always kept),
     renormalise and draw with `generator`, or row i with `generators[i]` (per-request
-    RNGs: a row's draw does not depend on the other rows). top_k and top_p compose in
-    that order, as in transformers and vLLM.
+    RNGs: a row's draw does not depend on the other rows; None for a greedy row). top_k
+    and top_p compose in that order, as in transformers and vLLM.
     """
-    temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
+    rows = logits.shape[0]
+    params = [check_sampling(t, p, k) for t, p, k in zip(_per_row("temperature", temperature, rows),
+                                                         _per_row("top_p", top_p, rows),
+                                                         _per_row("top_k", top_k, rows))]
+    if generators is not None and len(generators) != rows:
+        raise ValueError(f"generators has {len(generators)} entries for {rows} rows")
+    return sample_checked(logits, params, generator=generator, generators=generators)
+
+
+def sample_checked(
+    logits: torch.Tensor,
+    params: Seq[tuple[float, float, int]],
+    *,
+    generator: torch.Generator | None = None,
+    generators: Seq[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """sample() with one (temperature, top_p, top_k) per row that check_sampling has already
+    passed (the engine checks a request's once, not every step)."""
+    rows = logits.shape[0]
+    drawn_rows = [i for i, (t, _, _) in enumerate(params) if t > 0.0]
+    greedy = logits.argmax(dim=-1)
+    if not drawn_rows:
+        return greedy
+    every_row = len(drawn_rows) == rows
+    z = logits.float() if every_row else logits[drawn_rows].float()
+    temps, top_ps, top_ks = (torch.tensor([params[i][j] for i in drawn_rows], device=z.device) for j in range(3))
+    vocab = z.shape[-1]
     # Shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN;
     # the floor keeps it representable in fp32 (below it the draw is greedy in effect).
-    z = logits.float()
-    probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / max(temperature, 1e-30), dim=-1)
-    if 0 < top_k < probs.shape[-1]:
-        kth = probs.topk(top_k, dim=-1).values[..., -1:]
-        probs = probs.masked_fill(probs < kth, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if top_p < 1.0:
+    probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / temps.clamp(min=1e-30)[:, None], dim=-1)
+    cut_k = ((top_ks > 0) & (top_ks < vocab))[:, None]
+    cut_p = (top_ps < 1.0)[:, None]
+    if bool(cut_k.any()) or bool(cut_p.any()):
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        # mass strictly before each token; a token is dropped once that mass already reaches top_p
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        if bool(cut_k.any()):
+            kth = sorted_probs.gather(-1, (top_ks.clamp(1, vocab) - 1)[:, None])
+            sorted_probs = sorted_probs.masked_fill(cut_k & (sorted_probs < kth), 0.0)
+            sorted_probs = torch.where(cut_k, sorted_probs / sorted_probs.sum(dim=-1, keepdim=True), sorted_probs)
+        if bool(cut_p.any()):
+            # mass strictly before each token; a token is dropped once that mass already reaches top_p
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(cut_p & (mass_before >= top_ps[:, None]), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
     if generators is not None:
-        if len(generators) != probs.shape[0]:
-            raise ValueError(f"generators has {len(generators)} entries for {probs.shape[0]} rows")
-        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drawn = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(drawn_rows)])
+    else:
+        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if every_row:
+        return drawn
+    out = greedy.clone()
+    out[drawn_rows] = drawn
+    return out
