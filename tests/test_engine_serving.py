@@ -211,24 +211,32 @@ def _workloads(draw):
               max_num_batched_tokens=draw(st.sampled_from([1, 3, 7, 16, 64, 4096])))
     calls = []
     for _ in range(draw(st.integers(1, 3))):
-        prompts, news = [], []
+        prompts, news, temps = [], [], []
         for _ in range(draw(st.integers(1, 5))):
             base = draw(st.sampled_from(_BASES))
             cut = draw(st.integers(0, len(base)))
             fresh = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if cut else 1, max_size=12))
             prompts.append(base[:cut] + fresh)
             news.append(draw(st.integers(0, 8)))
-        calls.append((prompts, news))
+            temps.append(draw(st.sampled_from([0.0, 0.0, 1.0])))
+        calls.append((prompts, news, temps))
     return kw, calls
 
 
 def _check_workload(ckpt, backend, work):
+    """Greedy requests must equal transformers; sampled ones (sharing the calls) must equal the same
+    requests on a plain engine (torch, one roomy configuration), since each request's RNG is its own."""
     folder, hf = ckpt
     kw, calls = work
     eng = Engine(folder, device="cpu", dtype=torch.float32, backend=backend, **kw)
-    for prompts, news in calls:
-        out = eng.generate(prompts, max_new_tokens=news)
-        assert out == [hf_greedy(hf, p, n) if n else [] for p, n in zip(prompts, news)], kw
+    for prompts, news, temps in calls:
+        out = eng.generate(prompts, max_new_tokens=news, temperature=temps, seed=3)
+        want = [hf_greedy(hf, p, n) if n else [] for p, n in zip(prompts, news)]
+        if any(temps):
+            plain = _engine(folder, enable_prefix_caching=False)
+            sampled = plain.generate(prompts, max_new_tokens=news, temperature=temps, seed=3)
+            want = [s if t else w for w, s, t in zip(want, sampled, temps)]
+        assert out == want, kw
         assert eng.cache.num_free_blocks == eng.cache.num_blocks
 
 
