@@ -84,6 +84,13 @@ def _token_ids(where: str, ids: Any, vocab: int) -> list[int]:
 _KV_SCALE_NAMES = ("self_attn.{}_scale", "self_attn.attn.{}_scale", "self_attn.{}_proj.output_scale")
 
 
+def _stop_token_ids(stop_token_ids: Any, vocab: int) -> list[int]:
+    if stop_token_ids is not None and (isinstance(stop_token_ids, (str, bytes, numbers.Number))
+                                       or not hasattr(stop_token_ids, "__iter__")):
+        raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
+    return [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
+
+
 def _checkpoint_kv_scales(state: dict, cfg: Qwen3Config) -> tuple:
     """(k_scale, v_scale) as float32 [num_layers, Hkv] from a checkpoint's per-layer scale tensors
     (the names FP8 checkpoints use: self_attn.k_scale / v_scale, scalar or per KV head), or
@@ -142,6 +149,18 @@ def percentile(xs: Seq[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100, numpy's default, as the benchmarks use); 0.0 for
     no samples, so a stats line never fails on a run that produced none."""
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """What one step() gave one online request: its new token, all its tokens so far (a copy)
+    and, once finished, why ("stop", "length" or "max_model_len")."""
+
+    request_id: int
+    token_id: int
+    output_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -368,6 +387,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, use_cuda_graph=cuda_graph)
         self.stats = GenerateStats()
+        self._online: Scheduler | None = None  # add_request() / step(): created on first use
+        self._online_seqs: dict[int, Sequence] = {}  # unfinished online requests by id
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -458,10 +479,7 @@ class Engine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-        if stop_token_ids is not None and (isinstance(stop_token_ids, (str, bytes, numbers.Number))
-                                           or not hasattr(stop_token_ids, "__iter__")):
-            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
-        stop_token_ids = [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
+        stop_token_ids = _stop_token_ids(stop_token_ids, vocab)
         for flag, value in (("return_stats", return_stats), ("ignore_eos", ignore_eos), ("progress", progress)):
             if not isinstance(value, bool):  # (ignore_eos="no" would be truthy: generation past EOS)
                 raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
@@ -478,16 +496,15 @@ class Engine:
             outputs = [[] for _ in prompts]
             return (outputs, self.stats) if return_stats else outputs
 
-        stops = set() if ignore_eos else set(self.config.eos_token_ids)
-        stops |= set(stop_token_ids)
-        sched = Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
-                          max_num_batched_tokens=self.max_num_batched_tokens,
-                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
+        self._check_no_online_requests("generate()")
+        stops = self._stop_set(stop_token_ids, ignore_eos)
+        sched = self._new_scheduler()
         seqs = [Sequence(p, n, index=i) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
         for s in seqs:
             s.temperature, s.top_p, s.top_k = check_sampling(*(per_prompt[name][s.index] for name in defaults))
+            s.stop_ids = stops
         if any(s.temperature > 0 for s in seqs):
             # One generator per sampled request, seeded by (seed, prompt index): a request's draws
             # do not depend on what else shares its steps (so caching on/off or other budgets give
@@ -509,7 +526,7 @@ class Engine:
         t_start = time.perf_counter()
         try:
             while sched.has_work():
-                self._step(sched, stops, bar)
+                self._step(sched, bar)
         except BaseException:
             sched.abort_all()
             raise
@@ -529,7 +546,15 @@ class Engine:
         outputs = [s.output_ids for s in seqs]
         return (outputs, st) if return_stats else outputs
 
-    def _step(self, sched: Scheduler, stops: set[int], bar) -> None:
+    def _stop_set(self, stop_token_ids: list[int], ignore_eos: bool) -> frozenset[int]:
+        return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(self.config.eos_token_ids))
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.cache, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                         max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
+
+    def _step(self, sched: Scheduler, bar) -> list[tuple[Sequence, int]]:
+        """One scheduler step: forward, sample, append, finish. Returns (sequence, token) per sample."""
         t0 = time.perf_counter()
         plan = sched.schedule()
         calibrate = self._calibrate_kv and not plan.decode_only
@@ -559,7 +584,7 @@ class Engine:
         for seq, tok in zip(sampling, tokens):
             seq.token_ids.append(tok)
             seq.token_times.append(now)
-            if tok in stops:
+            if tok in seq.stop_ids:
                 sched.finish(seq, "stop")
             elif seq.num_generated >= seq.max_new_tokens:
                 sched.finish(seq, "length")
@@ -567,6 +592,91 @@ class Engine:
                 sched.finish(seq, "max_model_len")
         if bar is not None:
             bar.update(len(sampling))
+        return list(zip(sampling, tokens))
+
+    # ------------------------------------------------------------------ online requests
+    def add_request(
+        self,
+        prompt: Seq[int],
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Seq[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> int:
+        """Queue one request for step() and return its id; it joins the running batch at the next
+        step that has room (continuous batching), whatever else is in flight. The arguments follow
+        generate()'s rules for one prompt; max_new_tokens must be at least 1. A request without a
+        seed draws its RNG seed from torch's global generator."""
+        vocab = self.config.vocab_size
+        prompt = _token_ids("prompt", prompt, vocab)
+        if not prompt:
+            raise ValueError("prompt is empty; a prompt needs at least one token")
+        if not integer_number(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        sampling = check_sampling(temperature, top_p, top_k)
+        if seed is not None and not integer_number(seed):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        stops = _stop_token_ids(stop_token_ids, vocab)
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(ignore_eos).__name__}")
+        if self._online is None:
+            self._online = self._new_scheduler()
+        if not self._online.has_work():
+            self.stats = GenerateStats()  # stats count from the first request of a busy period
+        seq = Sequence(prompt, int(max_new_tokens))
+        self._online.check_fits(seq)
+        seq.temperature, seq.top_p, seq.top_k = sampling
+        seq.stop_ids = self._stop_set(stops, ignore_eos)
+        if seq.temperature > 0:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed) % 2**63)
+        self._online.add(seq)
+        self._online_seqs[seq.seq_id] = seq
+        return seq.seq_id
+
+    def step(self) -> list["RequestOutput"]:
+        """Run one step over the requests queued with add_request(): every running decode plus
+        prompt chunks up to max_num_batched_tokens. Returns one RequestOutput per request that got
+        a token (none for requests still prefilling). [] when nothing is queued. If the step
+        raises, every online request is aborted and its pages freed."""
+        sched = self._online
+        if sched is None or not sched.has_work():
+            return []
+        try:
+            sampled = self._step(sched, None)
+        except BaseException:
+            sched.abort_all()
+            self._online_seqs.clear()
+            raise
+        self.stats.preemptions = sched.num_preemptions
+        self.stats.cuda_graph = self.runner.graphs_active
+        outputs = []
+        for seq, tok in sampled:
+            finished = seq.finish_reason is not None
+            if finished:
+                del self._online_seqs[seq.seq_id]
+            outputs.append(RequestOutput(seq.seq_id, tok, seq.output_ids, finished, seq.finish_reason))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests added with add_request() that have not finished nor been aborted."""
+        return bool(self._online_seqs)
+
+    def abort_request(self, request_id: int) -> None:
+        """Drop an unfinished online request and free its pages (its named prefix blocks stay
+        cached). KeyError for an id that is not an unfinished request."""
+        if isinstance(request_id, bool) or not integer_number(request_id) or request_id not in self._online_seqs:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        self._online.finish(self._online_seqs.pop(request_id), "abort")
+
+    def _check_no_online_requests(self, what: str) -> None:
+        if self._online_seqs:
+            raise RuntimeError(f"{what} while {len(self._online_seqs)} request(s) added with add_request() are "
+                               "unfinished: step() them to completion or abort_request() them first")
 
     def warmup(self) -> None:
         """Compile kernels and capture decode graphs now, so the next generate() times only generation.

@@ -1,0 +1,167 @@
+"""The engine's online API: add_request() / step() / abort_request().
+
+Requests join a running batch whenever they are added (continuous batching), so every request's
+greedy tokens must still equal transformers' generate, whatever arrived before or after it;
+sampled ones depend only on their own seed; an abort frees exactly the aborted request's pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from minipaged.engine import Engine, RequestOutput  # noqa: E402
+
+VOCAB = 500
+
+
+@pytest.fixture(scope="module")
+def ckpt(serving_ckpt):
+    return serving_ckpt
+
+
+def _hf_greedy(hf, prompt, max_new):
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _tokens(seed, n):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(folder, **kw):
+    return Engine(folder, device="cpu", dtype=torch.float32, backend="torch",
+                  **{"block_size": 4, "num_blocks": 64, **kw})
+
+
+def _drain(eng, got, steps=None):
+    """step() until nothing is unfinished (or `steps` steps), collecting tokens by request id and
+    checking every output's fields against the tokens collected so far."""
+    n = 0
+    while eng.has_unfinished_requests() and (steps is None or n < steps):
+        assert n < 500, "unfinished requests that step() does not finish"
+        for out in eng.step():
+            assert isinstance(out, RequestOutput)
+            got.setdefault(out.request_id, []).append(out.token_id)
+            assert out.output_ids == got[out.request_id]
+            assert out.finished == (out.finish_reason is not None)
+        n += 1
+    return got
+
+
+def test_requests_added_mid_flight_equal_transformers(ckpt):
+    folder, hf = ckpt
+    prompts = [_tokens(1, 21), _tokens(2, 6), _tokens(3, 13), _tokens(1, 15) + _tokens(4, 3)]
+    news = [9, 5, 7, 6]
+    eng = _engine(folder, max_num_batched_tokens=8, max_num_seqs=3)
+    ids = [eng.add_request(prompts[0], news[0]), eng.add_request(prompts[1], news[1])]
+    got = _drain(eng, {}, steps=4)
+    assert got, "the first requests made no progress in four steps"
+    ids.append(eng.add_request(prompts[2], news[2]))  # arrives while the others decode
+    got = _drain(eng, got, steps=2)
+    ids.append(eng.add_request(prompts[3], news[3]))  # shares a prefix with the first
+    got = _drain(eng, got)
+    assert len(set(ids)) == 4
+    for i, rid in enumerate(ids):
+        assert got[rid] == _hf_greedy(hf, prompts[i], news[i]), i
+    assert not eng.has_unfinished_requests() and eng.step() == []
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+    assert eng.stats.steps > 0 and eng.stats.prefill_tokens > 0
+    # generate() works again once the online requests are done, on the same pages
+    assert eng.generate([prompts[1]], max_new_tokens=news[1]) == [got[ids[1]]]
+
+
+def test_finish_reasons_and_stop_tokens(ckpt):
+    folder, hf = ckpt
+    prompt = _tokens(5, 9)
+    want = _hf_greedy(hf, prompt, 6)
+    eng = _engine(folder)
+    a = eng.add_request(prompt, 6)
+    b = eng.add_request(prompt, 6, stop_token_ids=[want[2]])
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs[a].output_ids == want and outs[a].finish_reason == "length"
+    assert outs[b].output_ids == want[: want.index(want[2]) + 1] and outs[b].finish_reason == "stop"
+
+
+def test_sampled_request_depends_only_on_its_seed(ckpt):
+    folder, _ = ckpt
+    prompt = _tokens(6, 11)
+    eng = _engine(folder)
+    alone = eng.add_request(prompt, 8, temperature=1.0, top_k=50, seed=42)
+    first = _drain(eng, {})[alone]
+    # the same request next to others that arrive at other times, with a smaller token budget
+    eng2 = _engine(folder, max_num_batched_tokens=5)
+    other = eng2.add_request(_tokens(7, 17), 8, temperature=1.0, seed=1)
+    got = _drain(eng2, {}, steps=3)
+    again = eng2.add_request(prompt, 8, temperature=1.0, top_k=50, seed=42)
+    eng2.add_request(_tokens(8, 5), 4)
+    got = _drain(eng2, got)
+    assert got[again] == first
+    assert got[other] != first
+    eng3 = _engine(folder)  # another seed draws other tokens
+    rid = eng3.add_request(prompt, 8, temperature=1.0, top_k=50, seed=43)
+    assert _drain(eng3, {})[rid] != first
+
+
+def test_abort_frees_the_request_and_leaves_the_others(ckpt):
+    folder, hf = ckpt
+    prompts = [_tokens(9, 14), _tokens(10, 10), _tokens(11, 30)]
+    eng = _engine(folder, max_num_batched_tokens=6)
+    ids = [eng.add_request(p, 6) for p in prompts]
+    got = _drain(eng, {}, steps=3)
+    eng.abort_request(ids[0])       # running
+    eng.abort_request(ids[2])       # still prefilling or waiting
+    with pytest.raises(KeyError):
+        eng.abort_request(ids[0])   # already gone
+    for bad in (12345678, "x", None, True):
+        with pytest.raises(KeyError):
+            eng.abort_request(bad)
+    got = _drain(eng, got)
+    assert got[ids[1]] == _hf_greedy(hf, prompts[1], 6)
+    assert ids[2] not in got or len(got[ids[2]]) < 6
+    assert not eng.has_unfinished_requests()
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_generate_refuses_while_online_requests_run(ckpt):
+    folder, _ = ckpt
+    eng = _engine(folder)
+    rid = eng.add_request(_tokens(12, 5), 3)
+    with pytest.raises(RuntimeError, match="add_request"):
+        eng.generate([[1, 2, 3]], max_new_tokens=2)
+    eng.abort_request(rid)
+    assert eng.generate([[1, 2, 3]], max_new_tokens=2) != []
+
+
+@pytest.mark.parametrize("args, kw, exc", [
+    (([],), {}, ValueError),
+    (([1, 2, VOCAB],), {}, ValueError),
+    (([1, 2.5],), {}, TypeError),
+    (("12",), {}, TypeError),
+    (([1, 2], 0), {}, ValueError),
+    (([1, 2], -3), {}, ValueError),
+    (([1, 2], 2.0), {}, ValueError),
+    (([1, 2],), dict(temperature=float("nan")), ValueError),
+    (([1, 2],), dict(top_p=0.0), ValueError),
+    (([1, 2],), dict(top_k=-1), ValueError),
+    (([1, 2],), dict(seed=1.5), TypeError),
+    (([1, 2],), dict(stop_token_ids=7), TypeError),
+    (([1, 2],), dict(stop_token_ids=[VOCAB]), ValueError),
+    (([1, 2],), dict(ignore_eos="no"), TypeError),
+    (([1] * 60, 10_000), {}, ValueError),  # could never fit the cache
+])
+def test_add_request_refuses_bad_input_and_queues_nothing(ckpt, args, kw, exc):
+    eng = _engine(ckpt[0], num_blocks=16)
+    with pytest.raises(exc):
+        eng.add_request(*args, **kw)
+    assert not eng.has_unfinished_requests() and eng.step() == []
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
