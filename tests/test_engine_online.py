@@ -165,3 +165,22 @@ def test_add_request_refuses_bad_input_and_queues_nothing(ckpt, args, kw, exc):
         eng.add_request(*args, **kw)
     assert not eng.has_unfinished_requests() and eng.step() == []
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, dtype", [("triton", torch.float32), ("cuda", torch.bfloat16)])
+def test_online_requests_on_cuda_gpu(ckpt, backend, dtype):
+    """On the GPU (CUDA-graph decode steps between mixed ones): requests added mid-flight all
+    finish and free their pages; in fp32 (triton) their tokens equal transformers' greedy ones."""
+    folder, hf = ckpt
+    eng = Engine(folder, device="cuda", dtype=dtype, backend=backend, block_size=4, num_blocks=64,
+                 max_num_batched_tokens=8, max_num_seqs=3)
+    prompts = [_tokens(20, 19), _tokens(21, 7), _tokens(22, 12)]
+    ids = [eng.add_request(prompts[0], 8), eng.add_request(prompts[1], 8)]
+    got = _drain(eng, {}, steps=5)
+    ids.append(eng.add_request(prompts[2], 8))
+    got = _drain(eng, got)
+    assert [len(got[r]) for r in ids] == [8, 8, 8]
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+    if dtype == torch.float32:
+        assert [got[r] for r in ids] == [_hf_greedy(hf, p, 8) for p in prompts]
