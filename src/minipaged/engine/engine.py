@@ -638,6 +638,7 @@ class Engine:
         self._online_seqs[seq.seq_id] = seq
         return seq.seq_id
 
+    @torch.inference_mode()
     def step(self) -> list["RequestOutput"]:
         """Run one step over the requests queued with add_request(): every running decode plus
         prompt chunks up to max_num_batched_tokens. Returns one RequestOutput per request that got

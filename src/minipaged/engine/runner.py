@@ -50,6 +50,9 @@ class ModelRunner:
         self.graph_error: str | None = None
         self._graphs_ready = False
 
+    # (inference mode whoever calls: the graphs' static inputs are inference tensors, which may only be
+    # written inside it)
+    @torch.inference_mode()
     def run(self, plan: StepPlan, *, calibrate_kv: bool = False) -> torch.Tensor:
         """Logits [R, V] (fp32), one row per sampling chunk of `plan`, in plan order.
         calibrate_kv: an fp8 cache's scales are set from this step's K/V (a prompt step)."""
