@@ -336,3 +336,87 @@ def test_stats_percentile_interpolates_like_the_benchmarks():
     for q in (0, 20, 50, 90, 99, 100):
         assert percentile(xs, q) == pytest.approx(timing.percentile(sorted(xs), q))
     assert percentile([], 99) == 0.0
+
+
+# ------------------------------------------------------------------ sampling penalties
+
+
+class _OpenAIPenalties:
+    """presence / frequency penalties over the generated tokens (OpenAI's rule), as a transformers
+    logits processor: written here from the rule, independently of the engine's sampler."""
+
+    def __init__(self, prompt_len, presence, frequency):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            for tok in set(ids[self.prompt_len:]):
+                n = ids[self.prompt_len:].count(tok)
+                scores[row, tok] -= self.frequency * n + self.presence
+        return scores
+
+
+@pytest.mark.parametrize("presence, frequency, repetition", [(0.0, 0.0, 1.3), (1.5, 0.0, 1.0), (0.0, 0.7, 1.0),
+                                                             (1.0, 0.5, 1.2), (-1.0, 0.0, 0.8)])
+def test_greedy_penalties_equal_transformers(ckpt, presence, frequency, repetition):
+    """Greedy decoding under each penalty equals transformers' generate with its
+    repetition_penalty and an independent presence/frequency processor; and it changes the tokens."""
+    folder, hf = ckpt
+    prompts = [_tokens(90, 9), _tokens(91, 4) * 3]
+    eng = _engine(folder)
+    got = eng.generate(prompts, max_new_tokens=12, presence_penalty=presence, frequency_penalty=frequency,
+                       repetition_penalty=repetition)
+    for p, g in zip(prompts, got):
+        ids = torch.tensor([p])
+        procs = transformers.LogitsProcessorList([_OpenAIPenalties(len(p), presence, frequency)])
+        with torch.inference_mode():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0, repetition_penalty=repetition, logits_processor=procs)
+        assert g == want[0, len(p):].tolist()
+    assert got != [hf_greedy(hf, p, 12) for p in prompts]
+    # per prompt: the penalised request alone changes
+    mixed = eng.generate(prompts, max_new_tokens=12, presence_penalty=[presence, 0.0],
+                         frequency_penalty=[frequency, 0.0], repetition_penalty=[repetition, 1.0])
+    assert mixed == [got[0], hf_greedy(hf, prompts[1], 12)]
+
+
+def test_apply_penalties_rule():
+    from minipaged.engine.sampler import SamplingParams, apply_penalties
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 11)
+    before = logits.clone()
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),
+              SamplingParams(),
+              SamplingParams(temperature=1.0, repetition_penalty=0.5)]
+    tokens = [[1, 2, 2, 3, 3, 3, 4], [5, 6], [7, 8, 8]]
+    prompt_lens = [2, 1, 1]
+    out = apply_penalties(logits, params, tokens, prompt_lens)
+    assert torch.equal(logits, before)  # not modified in place
+    want = logits.double().clone()
+    for row, p in enumerate(params):
+        for tok in set(tokens[row]):
+            x = want[row, tok]
+            want[row, tok] = x * p.repetition_penalty if x < 0 else x / p.repetition_penalty
+        outs = tokens[row][prompt_lens[row]:]
+        for tok in set(outs):
+            want[row, tok] -= p.frequency_penalty * outs.count(tok) + p.presence_penalty
+    assert torch.allclose(out.double(), want, rtol=0, atol=1e-6)
+    assert torch.equal(out[1], logits[1])
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(presence_penalty=2.5), ValueError), (dict(frequency_penalty=-2.01), ValueError),
+    (dict(presence_penalty=float("nan")), ValueError), (dict(repetition_penalty=0.0), ValueError),
+    (dict(repetition_penalty=float("inf")), ValueError), (dict(repetition_penalty="2"), TypeError),
+    (dict(frequency_penalty=[0.5]), ValueError), (dict(presence_penalty=[0.5, None]), TypeError),
+])
+def test_bad_penalties_are_refused_before_running(ckpt, kw, exc):
+    eng = _engine(ckpt[0])
+    with pytest.raises(exc, match="penalty"):
+        eng.generate([[1, 2], [3]], max_new_tokens=2, **kw)
+    if not any(isinstance(v, list) for v in kw.values()):
+        with pytest.raises(exc, match="penalty"):
+            eng.add_request([1, 2], 2, **kw)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and not eng.has_unfinished_requests()

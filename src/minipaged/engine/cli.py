@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once per earlier occurrence in the output, in [-2, 2] (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive / multiplies negative logits of prompt and output tokens, > 0 (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and sampling")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--block-size", type=int, default=16)
@@ -110,6 +116,11 @@ def validate(args: argparse.Namespace) -> None:
     if not math.isfinite(args.top_p) or not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     _positive("--top-k", args.top_k, minimum=0)
+    for flag, val in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
+        if not (math.isfinite(val) and -2 <= val <= 2):
+            raise ValueError(f"{flag} must be in [-2, 2] (0 = off), got {val}")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise ValueError(f"--repetition-penalty must be a finite number > 0 (1 = off), got {args.repetition_penalty}")
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
     if args.no_thinking and not args.chat:
@@ -268,8 +279,9 @@ def run(args: argparse.Namespace) -> int:
         stop.append(int(tokenizer.eos_token_id))
     try:
         outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, progress=True, stop_token_ids=stop,
-                            ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, top_k=args.top_k, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, progress=True, stop_token_ids=stop, ignore_eos=args.ignore_eos)
     except ValueError as e:  # e.g. a tokenizer producing ids outside the model's vocabulary
         return _error(e)
 

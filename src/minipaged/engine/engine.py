@@ -17,7 +17,7 @@ from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
-from .sampler import check_sampling, sample_checked
+from .sampler import SAMPLING_FIELDS, apply_penalties, make_sampling_params, sample_checked
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -440,13 +440,19 @@ class Engine:
         ignore_eos: bool = False,
         return_stats: bool = False,
         top_k: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ):
         """New tokens per prompt, in prompt order (a stop token, when hit, is included).
 
-        max_new_tokens, temperature, top_p and top_k are each one value for every prompt, or a
-        list of one per prompt (greedy and sampled requests may share a call). Sampling
-        (temperature > 0) keeps the top_k most likely tokens (0: all), then the top_p nucleus of
-        those; Qwen3's model card suggests temperature 0.6, top_p 0.95, top_k 20 for thinking mode.
+        max_new_tokens and every sampling argument are each one value for every prompt, or a list
+        of one per prompt (greedy and sampled requests may share a call). Sampling (temperature > 0)
+        keeps the top_k most likely tokens (0: all), then the top_p nucleus of those; Qwen3's model
+        card suggests temperature 0.6, top_p 0.95, top_k 20 for thinking mode, and a
+        presence_penalty up to 2 against endless repetition. Penalties apply before sampling and
+        to greedy requests too (sampler.apply_penalties: repetition_penalty over prompt and
+        output, as transformers; presence and frequency over the output, as OpenAI and vLLM).
         With return_stats=True returns (outputs, GenerateStats): prefix-cache hit tokens,
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
@@ -455,17 +461,18 @@ class Engine:
         for n in (max_new_tokens if per_request else [max_new_tokens]):
             if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
-        sampling_args = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        sampling_args = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                         "repetition_penalty": repetition_penalty}
         for name, value in sampling_args.items():
             if isinstance(value, (list, tuple)):
                 sampling_args[name] = list(value)
             elif isinstance(value, (str, bytes)) or hasattr(value, "__len__"):
                 raise TypeError(f"{name} must be a number or a list of one per prompt, got {type(value).__name__}")
         # every value is checked here; the lengths of per-prompt lists once the prompts are read
-        defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
         for name, value in sampling_args.items():
             for v in (value if isinstance(value, list) else [value]):
-                check_sampling(**{**defaults, name: v})
+                make_sampling_params(**{name: v})
         if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
@@ -503,15 +510,15 @@ class Engine:
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
         for s in seqs:
-            s.temperature, s.top_p, s.top_k = check_sampling(*(per_prompt[name][s.index] for name in defaults))
+            s.sampling = make_sampling_params(**{name: per_prompt[name][s.index] for name in SAMPLING_FIELDS})
             s.stop_ids = stops
-        if any(s.temperature > 0 for s in seqs):
+        if any(s.sampling.temperature > 0 for s in seqs):
             # One generator per sampled request, seeded by (seed, prompt index): a request's draws
             # do not depend on what else shares its steps (so caching on/off or other budgets give
             # the same tokens for the same seed).
             base = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
             for s in seqs:
-                if s.temperature > 0:
+                if s.sampling.temperature > 0:
                     s.generator = torch.Generator(device=self.device)
                     s.generator.manual_seed((base * 1_000_003 + s.index) % (2**63))
         for s in seqs:
@@ -562,7 +569,9 @@ class Engine:
         if calibrate:
             self._calibrate_kv = False
         sampling = plan.sampling
-        params = [(s.temperature, s.top_p, s.top_k) for s in sampling]
+        params = [s.sampling for s in sampling]
+        if any(p.penalized for p in params):
+            logits = apply_penalties(logits, params, [s.token_ids for s in sampling], [s.prompt_len for s in sampling])
         tokens = sample_checked(logits, params, generators=[s.generator for s in sampling]).tolist() if sampling else []
         now = time.perf_counter()  # .tolist() synchronised the device
         dt = now - t0
@@ -603,6 +612,9 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int | None = None,
         stop_token_ids: Seq[int] | None = None,
         ignore_eos: bool = False,
@@ -617,7 +629,8 @@ class Engine:
             raise ValueError("prompt is empty; a prompt needs at least one token")
         if not integer_number(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        sampling = check_sampling(temperature, top_p, top_k)
+        sampling = make_sampling_params(temperature, top_p, top_k, presence_penalty, frequency_penalty,
+                                        repetition_penalty)
         if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         stops = _stop_token_ids(stop_token_ids, vocab)
@@ -629,9 +642,9 @@ class Engine:
             self.stats = GenerateStats()  # stats count from the first request of a busy period
         seq = Sequence(prompt, int(max_new_tokens))
         self._online.check_fits(seq)
-        seq.temperature, seq.top_p, seq.top_k = sampling
+        seq.sampling = sampling
         seq.stop_ids = self._stop_set(stops, ignore_eos)
-        if seq.temperature > 0:
+        if sampling.temperature > 0:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed) % 2**63)
         self._online.add(seq)

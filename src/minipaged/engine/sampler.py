@@ -1,14 +1,37 @@
-"""Greedy and temperature / top-k / top-p sampling over a batch of last-token logits."""
+"""Greedy and temperature / top-k / top-p sampling over a batch of last-token logits, after
+repetition, frequency and presence penalties."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..api import integer_number, real_number
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling, checked (make_sampling_params). The defaults are greedy, no cut, no
+    penalty."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def check_sampling(temperature: Any, top_p: Any, top_k: Any = 0) -> tuple[float, float, int]:
@@ -27,6 +50,56 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any = 0) -> tuple[float,
     if top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 keeps every token), got {top_k}")
     return float(temperature), float(top_p), int(top_k)
+
+
+def make_sampling_params(temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, presence_penalty: Any = 0.0,
+                         frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0) -> SamplingParams:
+    """check_sampling's rules, plus presence_penalty and frequency_penalty finite floats in [-2, 2]
+    (OpenAI's and vLLM's range; 0: off) and repetition_penalty a finite float > 0 (1: off)."""
+    temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+    for name, val in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                      ("repetition_penalty", repetition_penalty)):
+        if not real_number(val):
+            raise TypeError(f"{name} must be a float, got {type(val).__name__}")
+    for name, val in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (math.isfinite(val) and -2.0 <= val <= 2.0):
+            raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {val}")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be a finite float > 0 (1 is off), got {repetition_penalty}")
+    return SamplingParams(temperature, top_p, top_k, float(presence_penalty), float(frequency_penalty),
+                          float(repetition_penalty))
+
+
+def apply_penalties(logits: torch.Tensor, params: Seq[SamplingParams], token_ids: Seq[Seq[int]],
+                    prompt_lens: Seq[int]) -> torch.Tensor:
+    """logits [B, V] -> fp32 logits with each row's penalties applied (a new tensor; rows without
+    penalties are unchanged). Row i's tokens so far are token_ids[i], the first prompt_lens[i] of
+    them its prompt.
+
+    repetition_penalty r (transformers' and vLLM's rule): every token id in the prompt or the output
+    has its logit divided by r when positive, multiplied by r when negative. Then, over the output
+    tokens only (OpenAI's and vLLM's rule): logit -= frequency_penalty * count + presence_penalty *
+    (count > 0)."""
+    z = logits.float().clone()
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return z
+    dev = z.device
+    sub = z[rows]
+    counts = torch.zeros_like(sub)
+    seen = torch.zeros(sub.shape, dtype=torch.bool, device=dev)
+    for j, i in enumerate(rows):
+        ids = torch.as_tensor(token_ids[i], dtype=torch.int64, device=dev)
+        out = ids[prompt_lens[i]:]
+        counts[j].index_add_(0, out, torch.ones(out.shape, dtype=sub.dtype, device=dev))
+        seen[j, ids] = True
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[:, None]
+    sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    z[rows] = sub
+    return z
 
 
 def _per_row(name: str, value: Any, rows: int) -> list:
@@ -60,9 +133,9 @@ def sample(
     and top_p compose in that order, as in transformers and vLLM.
     """
     rows = logits.shape[0]
-    params = [check_sampling(t, p, k) for t, p, k in zip(_per_row("temperature", temperature, rows),
-                                                         _per_row("top_p", top_p, rows),
-                                                         _per_row("top_k", top_k, rows))]
+    params = [SamplingParams(*check_sampling(t, p, k))
+              for t, p, k in zip(_per_row("temperature", temperature, rows), _per_row("top_p", top_p, rows),
+                                 _per_row("top_k", top_k, rows))]
     if generators is not None and len(generators) != rows:
         raise ValueError(f"generators has {len(generators)} entries for {rows} rows")
     return sample_checked(logits, params, generator=generator, generators=generators)
@@ -70,21 +143,24 @@ def sample(
 
 def sample_checked(
     logits: torch.Tensor,
-    params: Seq[tuple[float, float, int]],
+    params: Seq[SamplingParams],
     *,
     generator: torch.Generator | None = None,
     generators: Seq[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
-    """sample() with one (temperature, top_p, top_k) per row that check_sampling has already
-    passed (the engine checks a request's once, not every step)."""
+    """sample() with one checked SamplingParams per row (the engine checks a request's once, not
+    every step). Penalties are not applied here (apply_penalties)."""
     rows = logits.shape[0]
-    drawn_rows = [i for i, (t, _, _) in enumerate(params) if t > 0.0]
+    drawn_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
     greedy = logits.argmax(dim=-1)
     if not drawn_rows:
         return greedy
     every_row = len(drawn_rows) == rows
     z = logits.float() if every_row else logits[drawn_rows].float()
-    temps, top_ps, top_ks = (torch.tensor([params[i][j] for i in drawn_rows], device=z.device) for j in range(3))
+    dev = z.device
+    temps = torch.tensor([params[i].temperature for i in drawn_rows], device=dev)
+    top_ps = torch.tensor([params[i].top_p for i in drawn_rows], device=dev)
+    top_ks = torch.tensor([params[i].top_k for i in drawn_rows], device=dev)
     vocab = z.shape[-1]
     # Shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN;
     # the floor keeps it representable in fp32 (below it the draw is greedy in effect).

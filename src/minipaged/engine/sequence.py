@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 
+from .sampler import SamplingParams
+
 _ids = itertools.count()
 
 
@@ -26,8 +28,7 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "index", "token_ids", "prompt_len", "max_new_tokens", "status", "num_computed",
-                 "num_preemptions", "finish_reason", "generator", "token_times", "temperature", "top_p", "top_k",
-                 "stop_ids")
+                 "num_preemptions", "finish_reason", "generator", "token_times", "sampling", "stop_ids")
 
     def __init__(self, prompt: list[int], max_new_tokens: int, index: int = 0) -> None:
         self.seq_id = next(_ids)
@@ -40,7 +41,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.generator = None  # per-request sampling RNG: draws do not depend on batch composition
-        self.temperature, self.top_p, self.top_k = 0.0, 1.0, 0  # this request's sampling (greedy by default)
+        self.sampling = SamplingParams()  # greedy unless the request says otherwise
         self.stop_ids: frozenset[int] = frozenset()  # sampling one of these finishes the request
         self.token_times: list[float] = []  # perf_counter() when each new token was sampled
 
