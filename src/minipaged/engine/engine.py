@@ -636,11 +636,12 @@ class Engine:
         stops = _stop_token_ids(stop_token_ids, vocab)
         if not isinstance(ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(ignore_eos).__name__}")
-        if self._online is None:
-            self._online = self._new_scheduler()
-        if not self._online.has_work():
-            self.stats = GenerateStats()  # stats count from the first request of a busy period
         seq = Sequence(prompt, int(max_new_tokens))
+        if self._online is None or not self._online.has_work():
+            # a new busy period: its own scheduler (preemption count) and stats
+            sched = self._new_scheduler()
+            sched.check_fits(seq)
+            self._online, self.stats = sched, GenerateStats()
         self._online.check_fits(seq)
         seq.sampling = sampling
         seq.stop_ids = self._stop_set(stops, ignore_eos)
