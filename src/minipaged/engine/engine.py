@@ -639,9 +639,7 @@ class Engine:
         seq = Sequence(prompt, int(max_new_tokens))
         if self._online is None or not self._online.has_work():
             # a new busy period: its own scheduler (preemption count) and stats
-            sched = self._new_scheduler()
-            sched.check_fits(seq)
-            self._online, self.stats = sched, GenerateStats()
+            self._online, self.stats = self._new_scheduler(), GenerateStats()
         self._online.check_fits(seq)
         seq.sampling = sampling
         seq.stop_ids = self._stop_set(stops, ignore_eos)
