@@ -72,7 +72,12 @@ def test_requests_added_mid_flight_equal_transformers(ckpt):
         assert got[rid] == _hf_greedy(hf, prompts[i], news[i]), i
     assert not eng.has_unfinished_requests() and eng.step() == []
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
-    assert eng.stats.steps > 0 and eng.stats.prefill_tokens > 0
+    st = eng.stats  # the busy period's stats, per request from its add_request()
+    assert st.steps > 0 and st.prefill_tokens > 0
+    assert len(st.ttft_seconds) == 4
+    assert sorted(len(t) for t in st.token_seconds) == sorted(news)
+    assert len(st.itl_seconds) == sum(news) - 4 and min(st.itl_seconds) >= 0 and min(st.ttft_seconds) > 0
+    assert st.total_seconds >= max(st.ttft_seconds)
     # generate() works again once the online requests are done, on the same pages
     assert eng.generate([prompts[1]], max_new_tokens=news[1]) == [got[ids[1]]]
 

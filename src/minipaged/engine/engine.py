@@ -165,11 +165,13 @@ class RequestOutput:
 
 @dataclass
 class GenerateStats:
-    """What the last generate() call did and how long it took (wall clock, synchronised per step).
+    """What the last generate() call, or the online requests since the queue was last empty, did
+    and how long it took (wall clock, synchronised per step).
 
     A *prefill step* runs at least one prompt chunk (decodes may ride along in it);
-    a *decode step* runs decodes only. Times per request are measured from the
-    start of generate(), when every request is submitted.
+    a *decode step* runs decodes only. Times per request are measured from its
+    submission: the start of generate(), or its add_request(). Online requests enter the
+    per-request lists (ttft_seconds, token_seconds) as they finish.
     """
 
     prefill_tokens: int = 0          # prompt tokens computed (chunks), recomputation after preemption included
@@ -222,6 +224,14 @@ class GenerateStats:
             ttft_p50_s=self.ttft_percentile(50), ttft_p99_s=self.ttft_percentile(99),
             itl_p50_s=self.itl_percentile(50), itl_p90_s=self.itl_percentile(90), itl_p99_s=self.itl_percentile(99),
         )
+
+
+def _record_latencies(st: GenerateStats, times: list[float], submitted: float) -> None:
+    """One request's token times (perf_counter) into the stats, measured from its submission."""
+    st.token_seconds.append([t - submitted for t in times])
+    if times:
+        st.ttft_seconds.append(times[0] - submitted)
+        st.itl_seconds.extend(b - a for a, b in zip(times, times[1:]))
 
 
 class Engine:
@@ -389,6 +399,8 @@ class Engine:
         self.stats = GenerateStats()
         self._online: Scheduler | None = None  # add_request() / step(): created on first use
         self._online_seqs: dict[int, Sequence] = {}  # unfinished online requests by id
+        self._online_arrival: dict[int, float] = {}  # their add_request() times (perf_counter)
+        self._online_start = 0.0  # when the current busy period began
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -545,11 +557,7 @@ class Engine:
         st.preemptions = sched.num_preemptions
         st.cuda_graph = self.runner.graphs_active
         for s in seqs:
-            times = s.token_times
-            st.token_seconds.append([t - t_start for t in times])
-            if times:
-                st.ttft_seconds.append(times[0] - t_start)
-                st.itl_seconds.extend(b - a for a, b in zip(times, times[1:]))
+            _record_latencies(st, s.token_times, t_start)
         outputs = [s.output_ids for s in seqs]
         return (outputs, st) if return_stats else outputs
 
@@ -640,6 +648,7 @@ class Engine:
         if self._online is None or not self._online.has_work():
             # a new busy period: its own scheduler (preemption count) and stats
             self._online, self.stats = self._new_scheduler(), GenerateStats()
+            self._online_start = time.perf_counter()
         self._online.check_fits(seq)
         seq.sampling = sampling
         seq.stop_ids = self._stop_set(stops, ignore_eos)
@@ -648,6 +657,7 @@ class Engine:
             seq.generator.manual_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed) % 2**63)
         self._online.add(seq)
         self._online_seqs[seq.seq_id] = seq
+        self._online_arrival[seq.seq_id] = time.perf_counter()
         return seq.seq_id
 
     @torch.inference_mode()
@@ -664,14 +674,18 @@ class Engine:
         except BaseException:
             sched.abort_all()
             self._online_seqs.clear()
+            self._online_arrival.clear()
             raise
-        self.stats.preemptions = sched.num_preemptions
-        self.stats.cuda_graph = self.runner.graphs_active
+        st = self.stats
+        st.preemptions = sched.num_preemptions
+        st.cuda_graph = self.runner.graphs_active
+        st.total_seconds = time.perf_counter() - self._online_start
         outputs = []
         for seq, tok in sampled:
             finished = seq.finish_reason is not None
             if finished:
                 del self._online_seqs[seq.seq_id]
+                _record_latencies(st, seq.token_times, self._online_arrival.pop(seq.seq_id))
             outputs.append(RequestOutput(seq.seq_id, tok, seq.output_ids, finished, seq.finish_reason))
         return outputs
 
@@ -685,6 +699,7 @@ class Engine:
         if isinstance(request_id, bool) or not integer_number(request_id) or request_id not in self._online_seqs:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self._online.finish(self._online_seqs.pop(request_id), "abort")
+        self._online_arrival.pop(request_id)
 
     def _check_no_online_requests(self, what: str) -> None:
         if self._online_seqs:
