@@ -15,6 +15,10 @@ throughput anchor), greedy, EOS ignored. For every backend asked for:
                   (the nano-vllm benchmark shape): generated tokens/s of the engine
                   vs transformers generate (sdpa), the latter on a left-padded
                   subset (--hf-requests) whose useful tokens are counted.
+  arrivals        the throughput requests arriving one by one at random (Poisson,
+                  --request-rate per second) through the online API (add_request /
+                  step): time to first token and inter-token latency percentiles,
+                  each from the request's arrival, and the generated tokens/s.
 
 Backend "triton-invariant" is the engine's batch_invariant=True (minipaged.triton.invariant:
 pinned-tile matmul, RMSNorm and paged attention), whose shared-prefix outputs must be
@@ -168,14 +172,77 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     return row
 
 
+def serve_arrivals(eng, prompts, new_tokens, arrive_s, clock=time.perf_counter, sleep=time.sleep):
+    """Feed request i to `eng` (add_request) once `arrive_s[i]` seconds have passed, step while any
+    is unfinished, idle until the next arrival otherwise. Returns (outputs in request order, per
+    request: arrival time and token times, seconds from the start)."""
+    t0 = clock()
+    order = sorted(range(len(prompts)), key=lambda i: arrive_s[i])
+    ids, times, outputs = {}, {}, [None] * len(prompts)
+    nxt = 0
+    while nxt < len(order) or eng.has_unfinished_requests():
+        now = clock() - t0
+        while nxt < len(order) and arrive_s[order[nxt]] <= now:
+            i = order[nxt]
+            ids[eng.add_request(prompts[i], new_tokens[i], ignore_eos=True)] = i
+            times[i] = [now]
+            nxt += 1
+        if not eng.has_unfinished_requests():
+            sleep(max(0.0, arrive_s[order[nxt]] - now))
+            continue
+        outs = eng.step()
+        _sync()
+        done = clock() - t0
+        for o in outs:
+            i = ids[o.request_id]
+            times[i].append(done)
+            if o.finished:
+                outputs[i] = o.output_ids
+    return outputs, [dict(arrival_s=t[0], token_s=t[1:]) for t in (times[i] for i in range(len(prompts)))]
+
+
+def arrivals(cfg, state, backend, dev, dtype, q, rate):
+    from minipaged.engine.engine import percentile
+
+    rnd = random.Random(4)
+    n_req, lo, hi = (32, 50, 256) if q else (256, 100, 1024)
+    prompts = [[rnd.randrange(cfg.vocab_size) for _ in range(rnd.randint(lo, hi))] for _ in range(n_req)]
+    outs = [rnd.randint(lo, hi) for _ in range(n_req)]
+    arrive, t = [], 0.0
+    for _ in range(n_req):
+        t += rnd.expovariate(rate)
+        arrive.append(t)
+    eng = _engine(cfg, state, backend, dev, dtype, max_num_seqs=n_req, max_model_len=2 * hi + 16,
+                  enable_prefix_caching=False)
+    eng.generate([prompts[0][:16]], max_new_tokens=4, ignore_eos=True)
+    _sync()
+    out, rec = serve_arrivals(eng, prompts, outs, arrive)
+    ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
+    itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
+    span = max(r["token_s"][-1] for r in rec)
+    produced = sum(len(o) for o in out)
+    del eng
+    torch.cuda.empty_cache()
+    return dict(workload="arrivals", requests=n_req, request_rate_per_s=rate, prompt_range=[lo, hi],
+                output_range=[lo, hi], generated_tokens=produced, span_s=span, tok_s=produced / span,
+                ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+                itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
+                last_arrival_s=arrive[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cuda,triton")
-    ap.add_argument("--workloads", default="shared_prefix,interference,throughput")
+    ap.add_argument("--workloads", default="shared_prefix,interference,throughput,arrivals")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving"))
     ap.add_argument("--quick", action="store_true", help="smaller versions of every workload")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests in transformers' padded batch (0: skip)")
+    ap.add_argument("--request-rate", type=float, default=16.0,
+                    help="arrivals workload: mean requests per second (Poisson; default 16)")
     args = ap.parse_args(argv)
+    if not (args.request_rate > 0 and args.request_rate < float("inf")):
+        print(f"error: --request-rate must be a positive number, got {args.request_rate}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: bench_serving needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -199,6 +266,8 @@ def main(argv=None) -> int:
                     row = interference(cfg, state, backend, dev, dtype, args.quick)
                 elif w == "throughput":
                     row = throughput(cfg, state, hf, backend, dev, dtype, args.quick, args.hf_requests)
+                elif w == "arrivals":
+                    row = arrivals(cfg, state, backend, dev, dtype, args.quick, args.request_rate)
                 else:
                     raise ValueError(f"unknown workload {w!r}")
                 row["backend"] = backend

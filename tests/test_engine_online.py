@@ -189,3 +189,38 @@ def test_online_requests_on_cuda_gpu(ckpt, backend, dtype):
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
     if dtype == torch.float32:
         assert [got[r] for r in ids] == [_hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_bench_serving_arrivals_driver(ckpt):
+    """bench_serving's arrivals workload feeds requests through add_request() as their arrival
+    times pass and idles between them; with a fake clock its records and outputs can be checked."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from bench_serving import serve_arrivals
+
+    folder, hf = ckpt
+    now = [0.0]
+    slept = []
+
+    def clock():
+        now[0] += 0.001  # every look at the clock costs a millisecond
+        return now[0]
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    prompts = [_tokens(30, 9), _tokens(31, 5), _tokens(32, 14), _tokens(33, 3)]
+    news = [4, 6, 3, 5]
+    arrive = [0.0, 0.0025, 5.0, 5.001]  # two early, then a pause: the engine drains and idles
+    eng = _engine(folder, max_num_batched_tokens=8)
+    outs, rec = serve_arrivals(eng, prompts, news, arrive, clock=clock, sleep=sleep)
+    assert outs == [_hf_greedy(hf, p, n) for p, n in zip(prompts, news)]
+    assert slept and max(slept) > 4.0
+    for r, a, n in zip(rec, arrive, news):
+        assert r["arrival_s"] >= a and len(r["token_s"]) == n
+        assert r["arrival_s"] < r["token_s"][0] and r["token_s"] == sorted(r["token_s"])
+    assert rec[2]["arrival_s"] >= 5.0 and rec[1]["token_s"][-1] < 5.0
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
