@@ -211,7 +211,7 @@ def _workloads(draw):
               max_num_batched_tokens=draw(st.sampled_from([1, 3, 7, 16, 64, 4096])))
     calls = []
     for _ in range(draw(st.integers(1, 3))):
-        prompts, news, temps = [], [], []
+        prompts, news, temps, pens = [], [], [], []
         for _ in range(draw(st.integers(1, 5))):
             base = draw(st.sampled_from(_BASES))
             cut = draw(st.integers(0, len(base)))
@@ -219,22 +219,45 @@ def _workloads(draw):
             prompts.append(base[:cut] + fresh)
             news.append(draw(st.integers(0, 8)))
             temps.append(draw(st.sampled_from([0.0, 0.0, 1.0])))
-        calls.append((prompts, news, temps))
+            pens.append(draw(st.booleans()))
+        calls.append((prompts, news, temps, pens))
     return kw, calls
 
 
+_PENALTIES = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2)
+
+
+def hf_penalized(hf, prompt, max_new):
+    """transformers' greedy tokens under _PENALTIES (its repetition_penalty and _OpenAIPenalties)."""
+    key = (tuple(prompt), max_new, "penalized")
+    if key not in _ref_cache:
+        ids = torch.tensor([prompt])
+        procs = transformers.LogitsProcessorList([_OpenAIPenalties(len(prompt), _PENALTIES["presence_penalty"],
+                                                                   _PENALTIES["frequency_penalty"])])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=0, repetition_penalty=_PENALTIES["repetition_penalty"],
+                              logits_processor=procs)
+        _ref_cache[key] = out[0, len(prompt):].tolist()
+    return _ref_cache[key]
+
+
 def _check_workload(ckpt, backend, work):
-    """Greedy requests must equal transformers; sampled ones (sharing the calls) must equal the same
-    requests on a plain engine (torch, one roomy configuration), since each request's RNG is its own."""
+    """Greedy requests must equal transformers (with the same penalties where a request has them);
+    sampled ones (sharing the calls) must equal the same requests on a plain engine (torch, one
+    roomy configuration), since each request's RNG is its own. Penalties count a request's own
+    output only, also after it was preempted and recomputed."""
     folder, hf = ckpt
     kw, calls = work
     eng = Engine(folder, device="cpu", dtype=torch.float32, backend=backend, **kw)
-    for prompts, news, temps in calls:
-        out = eng.generate(prompts, max_new_tokens=news, temperature=temps, seed=3)
-        want = [hf_greedy(hf, p, n) if n else [] for p, n in zip(prompts, news)]
+    for prompts, news, temps, pens in calls:
+        penalties = {k: [v if pen else (1.0 if k == "repetition_penalty" else 0.0) for pen in pens]
+                     for k, v in _PENALTIES.items()}
+        out = eng.generate(prompts, max_new_tokens=news, temperature=temps, seed=3, **penalties)
+        want = [(hf_penalized if pen else hf_greedy)(hf, p, n) if n else [] for p, n, pen in zip(prompts, news, pens)]
         if any(temps):
             plain = _engine(folder, enable_prefix_caching=False)
-            sampled = plain.generate(prompts, max_new_tokens=news, temperature=temps, seed=3)
+            sampled = plain.generate(prompts, max_new_tokens=news, temperature=temps, seed=3, **penalties)
             want = [s if t else w for w, s, t in zip(want, sampled, temps)]
         assert out == want, kw
         assert eng.cache.num_free_blocks == eng.cache.num_blocks
