@@ -78,6 +78,7 @@ def _main(argv, capsys):
     (["--prompt", "hi"], ["--prompt", "--model"]),
     (["--chat"], ["--chat", "--prompt"]),
     (["--no-thinking"], ["--no-thinking", "--chat"]),
+    (["--stream"], ["--stream", "--prompt", "--batch 1"]),
     (["--model", "/nonexistent/qwen3"], ["--model", "/nonexistent/qwen3"]),
     # past int32 / int64: refused here, not by an allocation or an overflow inside the run
     (["--num-blocks", str(2**62)], ["--num-blocks", "2147483647"]),

@@ -683,6 +683,14 @@ def test_generate_cli_with_tokenizer(tmp_path, capsys):
     want = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)[0]
     assert text.split() == [f"w{t}" if t < VOCAB - 1 else "" for t in want if t < VOCAB - 1]
     assert "decode :" in out and "tokens/s" in out
+    # --stream prints the same text as it grows (through add_request / step), then the same stats
+    rc = cli.main(["--model", str(tmp_path), "--prompt", "w1 w2 w3 w4 w5", "--batch", "1", "--max-new-tokens", "6",
+                   "--device", "cpu", "--backend", "torch", "--dtype", "float32", "--stream"])
+    streamed = capsys.readouterr().out
+    assert rc == 0
+    assert streamed.split("--- output 0 (streamed)")[1].splitlines()[1] == text
+    assert "decode :" in streamed and "time to first token" in streamed
+    assert cli.main(["--model", str(tmp_path), "--prompt", "w1", "--batch", "2", "--stream", "--device", "cpu"]) == 2
 
     rc = cli.main(["--model", str(tmp_path), "--batch", "3", "--prompt-len", "7", "--max-new-tokens", "4",
                    "--device", "cpu", "--backend", "torch"])

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as it is generated (needs --prompt and --batch 1; runs the engine's "
+                        "online API, add_request / step)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels (triton): a request's tokens do not depend on its batch, its "
                         "chunks or prefix-cache hits; slower")
@@ -123,6 +126,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--repetition-penalty must be a finite number > 0 (1 = off), got {args.repetition_penalty}")
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
+    if args.stream and (args.prompt is None or args.batch != 1):
+        raise ValueError("--stream prints one request's text as it is generated: it needs --prompt TEXT and "
+                         "--batch 1")
     if args.no_thinking and not args.chat:
         raise ValueError("--no-thinking needs --chat (it is a switch of the chat template)")
     if args.prompt is not None and args.model is None:
@@ -277,16 +283,22 @@ def run(args: argparse.Namespace) -> int:
     # the tokenizer's EOS is one more EOS id: --ignore-eos ignores it as well
     if tokenizer is not None and tokenizer.eos_token_id is not None and not args.ignore_eos:
         stop.append(int(tokenizer.eos_token_id))
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    repetition_penalty=args.repetition_penalty, seed=args.seed, stop_token_ids=stop,
+                    ignore_eos=args.ignore_eos)
     try:
-        outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, progress=True, stop_token_ids=stop, ignore_eos=args.ignore_eos)
+        if args.stream and args.max_new_tokens > 0:
+            outs = [_stream(eng, tokenizer, prompts[0], args.max_new_tokens, sampling)]
+        else:
+            outs = eng.generate(prompts, max_new_tokens=args.max_new_tokens, progress=True, **sampling)
     except ValueError as e:  # e.g. a tokenizer producing ids outside the model's vocabulary
         return _error(e)
 
     st = eng.stats
-    if tokenizer is not None and args.prompt is not None:
+    if args.stream:
+        pass  # the text is printed
+    elif tokenizer is not None and args.prompt is not None:
         shown = outs if args.temperature > 0 else outs[:1]  # greedy copies are identical
         for i, o in enumerate(shown):
             print(f"--- output {i} ({len(o)} tokens)")
@@ -303,6 +315,29 @@ def run(args: argparse.Namespace) -> int:
           f"{st.ttft_percentile(99) * 1e3:.1f} ms; inter-token p50 {st.itl_percentile(50) * 1e3:.2f} ms, "
           f"p99 {st.itl_percentile(99) * 1e3:.2f} ms ({st.steps} steps, {st.total_seconds:.2f} s)")
     return 0
+
+
+def _stream(eng, tokenizer, prompt: list[int], max_new_tokens: int, sampling: dict) -> list[int]:
+    """One request through add_request / step, its text printed as it grows. The whole output is
+    decoded each step and only what extends the text printed so far is written, so tokens that
+    decode differently once followed (a multi-byte character split across tokens, shown as U+FFFD
+    until complete) are held back until they settle."""
+    eng.add_request(prompt, max_new_tokens, **sampling)
+    print("--- output 0 (streamed)")
+    shown, out = "", []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o.output_ids
+            text = tokenizer.decode(out, skip_special_tokens=True).rstrip("\ufffd")
+            if text.startswith(shown) and len(text) > len(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    # (anything the held-back rule kept back, or a final text that no longer extends what was shown)
+    sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
+    print()
+    return out
 
 
 def _error(e) -> int:
