@@ -84,21 +84,23 @@ def apply_penalties(logits: torch.Tensor, params: Seq[SamplingParams], token_ids
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return z
-    dev = z.device
+    dev, vocab = z.device, z.shape[-1]
+    # every penalised row's tokens in one padded [P, L] tensor (padding: a spare column `vocab`), so
+    # that one scatter counts them all
+    width = max(len(token_ids[i]) for i in rows)
+    ids = torch.tensor([list(token_ids[i]) + [vocab] * (width - len(token_ids[i])) for i in rows],
+                       dtype=torch.int64, device=dev).reshape(len(rows), width)
+    starts = torch.tensor([prompt_lens[i] for i in rows], device=dev)[:, None]
+    out_ids = torch.where(torch.arange(width, device=dev)[None] >= starts, ids, vocab)
+    ones = torch.ones(out_ids.shape, device=dev)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, out_ids, ones)[:, :vocab]
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :vocab]
     sub = z[rows]
-    counts = torch.zeros_like(sub)
-    seen = torch.zeros(sub.shape, dtype=torch.bool, device=dev)
-    for j, i in enumerate(rows):
-        ids = torch.as_tensor(token_ids[i], dtype=torch.int64, device=dev)
-        out = ids[prompt_lens[i]:]
-        counts[j].index_add_(0, out, torch.ones(out.shape, dtype=sub.dtype, device=dev))
-        seen[j, ids] = True
     rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[:, None]
     sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
     freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
     pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
-    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-    z[rows] = sub
+    z[rows] = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
     return z
 
 
