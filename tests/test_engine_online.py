@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -23,12 +25,18 @@ def ckpt(serving_ckpt):
     return serving_ckpt
 
 
+_hf_cache: dict = {}
+
+
 def _hf_greedy(hf, prompt, max_new):
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    key = (tuple(prompt), max_new)
+    if key not in _hf_cache:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=0)
+        _hf_cache[key] = out[0, len(prompt):].tolist()
+    return _hf_cache[key]
 
 
 def _tokens(seed, n):
@@ -223,4 +231,70 @@ def test_bench_serving_arrivals_driver(ckpt):
         assert r["arrival_s"] >= a and len(r["token_s"]) == n
         assert r["arrival_s"] < r["token_s"][0] and r["token_s"] == sorted(r["token_s"])
     assert rec[2]["arrival_s"] >= 5.0 and rec[1]["token_s"][-1] < 5.0
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+_ONLINE_BASES = [_tokens(40, 23), _tokens(41, 9), _tokens(42, 31)]
+
+
+@st.composite
+def _online_scripts(draw):
+    """An engine configuration and a script of add / step / abort actions (then a drain)."""
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    need = -(-48 // block_size)
+    kw = dict(block_size=block_size, max_model_len=48, num_blocks=draw(st.sampled_from([need, 2 * need, 8 * need])),
+              max_num_seqs=draw(st.sampled_from([1, 2, 4])), max_num_batched_tokens=draw(st.sampled_from([3, 8, 64])),
+              enable_prefix_caching=draw(st.booleans()))
+    script = []
+    for _ in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(["add", "add", "step", "step", "step", "abort"]))
+        if kind == "add":
+            base = draw(st.sampled_from(_ONLINE_BASES))
+            prompt = base[:draw(st.integers(1, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=4))
+            script.append(("add", prompt, draw(st.integers(1, 8))))
+        elif kind == "abort":
+            script.append(("abort", draw(st.integers(0, 7))))
+        else:
+            script.append(("step",))
+    return kw, script
+
+
+@given(work=_online_scripts())
+@settings(deadline=None)
+def test_online_scripts_keep_every_request_on_transformers_tokens(ckpt, work):
+    """Any interleaving of add_request / step / abort_request on any configuration (small pools:
+    preemption; tiny budgets: chunked prompts; caching on or off): every request's tokens are a
+    prefix of transformers' greedy ones (all of them unless aborted), aborted requests stop
+    getting tokens, and every page is free once the queue drains."""
+    folder, hf = ckpt
+    kw, script = work
+    eng = Engine(folder, device="cpu", dtype=torch.float32, backend="torch", **kw)
+    added, aborted, got = [], set(), {}
+
+    def step():
+        for o in eng.step():
+            assert o.request_id not in aborted
+            got.setdefault(o.request_id, []).append(o.token_id)
+
+    for action in script:
+        if action[0] == "add":
+            added.append((eng.add_request(action[1], action[2]), action[1], action[2]))
+        elif action[0] == "step":
+            step()
+        elif added:
+            rid = added[action[1] % len(added)][0]
+            try:
+                eng.abort_request(rid)
+                aborted.add(rid)
+            except KeyError:  # it had finished, or was aborted already
+                pass
+    for _ in range(500):
+        if not eng.has_unfinished_requests():
+            break
+        step()
+    assert not eng.has_unfinished_requests()
+    for rid, prompt, n in added:
+        want = _hf_greedy(hf, prompt, n)
+        mine = got.get(rid, [])
+        assert mine == want[:len(mine)] and (rid in aborted or mine == want), (rid, kw)
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
