@@ -17,6 +17,8 @@ pytest.importorskip("safetensors")
 
 from minipaged.engine import Engine, RequestOutput  # noqa: E402
 
+from hf_reference import hf_greedy, random_tokens  # noqa: E402
+
 VOCAB = 500
 
 
@@ -25,22 +27,8 @@ def ckpt(serving_ckpt):
     return serving_ckpt
 
 
-_hf_cache: dict = {}
-
-
-def _hf_greedy(hf, prompt, max_new):
-    key = (tuple(prompt), max_new)
-    if key not in _hf_cache:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=0)
-        _hf_cache[key] = out[0, len(prompt):].tolist()
-    return _hf_cache[key]
-
-
 def _tokens(seed, n):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_tokens(seed, n, VOCAB)
 
 
 def _engine(folder, **kw):
@@ -77,7 +65,7 @@ def test_requests_added_mid_flight_equal_transformers(ckpt):
     got = _drain(eng, got)
     assert len(set(ids)) == 4
     for i, rid in enumerate(ids):
-        assert got[rid] == _hf_greedy(hf, prompts[i], news[i]), i
+        assert got[rid] == hf_greedy(hf, prompts[i], news[i]), i
     assert not eng.has_unfinished_requests() and eng.step() == []
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
     st = eng.stats  # the busy period's stats, per request from its add_request()
@@ -93,7 +81,7 @@ def test_requests_added_mid_flight_equal_transformers(ckpt):
 def test_finish_reasons_and_stop_tokens(ckpt):
     folder, hf = ckpt
     prompt = _tokens(5, 9)
-    want = _hf_greedy(hf, prompt, 6)
+    want = hf_greedy(hf, prompt, 6)
     eng = _engine(folder)
     a = eng.add_request(prompt, 6)
     b = eng.add_request(prompt, 6, stop_token_ids=[want[2]])
@@ -139,7 +127,7 @@ def test_abort_frees_the_request_and_leaves_the_others(ckpt):
         with pytest.raises(KeyError):
             eng.abort_request(bad)
     got = _drain(eng, got)
-    assert got[ids[1]] == _hf_greedy(hf, prompts[1], 6)
+    assert got[ids[1]] == hf_greedy(hf, prompts[1], 6)
     assert ids[2] not in got or len(got[ids[2]]) < 6
     assert not eng.has_unfinished_requests()
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
@@ -196,7 +184,7 @@ def test_online_requests_on_cuda_gpu(ckpt, backend, dtype):
     assert [len(got[r]) for r in ids] == [8, 8, 8]
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
     if dtype == torch.float32:
-        assert [got[r] for r in ids] == [_hf_greedy(hf, p, 8) for p in prompts]
+        assert [got[r] for r in ids] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
 def test_bench_serving_arrivals_driver(ckpt):
@@ -225,7 +213,7 @@ def test_bench_serving_arrivals_driver(ckpt):
     arrive = [0.0, 0.0025, 5.0, 5.001]  # two early, then a pause: the engine drains and idles
     eng = _engine(folder, max_num_batched_tokens=8)
     outs, rec = serve_arrivals(eng, prompts, news, arrive, clock=clock, sleep=sleep)
-    assert outs == [_hf_greedy(hf, p, n) for p, n in zip(prompts, news)]
+    assert outs == [hf_greedy(hf, p, n) for p, n in zip(prompts, news)]
     assert slept and max(slept) > 4.0
     for r, a, n in zip(rec, arrive, news):
         assert r["arrival_s"] >= a and len(r["token_s"]) == n
@@ -294,7 +282,7 @@ def test_online_scripts_keep_every_request_on_transformers_tokens(ckpt, work):
         step()
     assert not eng.has_unfinished_requests()
     for rid, prompt, n in added:
-        want = _hf_greedy(hf, prompt, n)
+        want = hf_greedy(hf, prompt, n)
         mine = got.get(rid, [])
         assert mine == want[:len(mine)] and (rid in aborted or mine == want), (rid, kw)
     assert eng.cache.num_free_blocks == eng.cache.num_blocks

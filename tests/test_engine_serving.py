@@ -20,6 +20,8 @@ from minipaged import registry  # noqa: E402
 from minipaged.engine import Engine  # noqa: E402
 from minipaged.engine.scheduler import Scheduler  # noqa: E402
 
+from hf_reference import hf_greedy, random_tokens  # noqa: E402
+
 VOCAB = 500
 BS = 4
 
@@ -38,23 +40,8 @@ def ckpt(serving_ckpt):
     return serving_ckpt
 
 
-_ref_cache: dict = {}
-
-
-def hf_greedy(hf, prompt, max_new):
-    key = (tuple(prompt), max_new)
-    if key not in _ref_cache:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=0)
-        _ref_cache[key] = out[0, len(prompt):].tolist()
-    return _ref_cache[key]
-
-
 def _tokens(seed, n):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+    return random_tokens(seed, n, VOCAB)
 
 
 def _engine(folder, backend="torch", **kw):
@@ -225,12 +212,13 @@ def _workloads(draw):
 
 
 _PENALTIES = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2)
+_penalized_cache: dict = {}
 
 
 def hf_penalized(hf, prompt, max_new):
     """transformers' greedy tokens under _PENALTIES (its repetition_penalty and _OpenAIPenalties)."""
-    key = (tuple(prompt), max_new, "penalized")
-    if key not in _ref_cache:
+    key = (tuple(prompt), max_new)
+    if key not in _penalized_cache:
         ids = torch.tensor([prompt])
         procs = transformers.LogitsProcessorList([_OpenAIPenalties(len(prompt), _PENALTIES["presence_penalty"],
                                                                    _PENALTIES["frequency_penalty"])])
@@ -238,8 +226,8 @@ def hf_penalized(hf, prompt, max_new):
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                               pad_token_id=0, repetition_penalty=_PENALTIES["repetition_penalty"],
                               logits_processor=procs)
-        _ref_cache[key] = out[0, len(prompt):].tolist()
-    return _ref_cache[key]
+        _penalized_cache[key] = out[0, len(prompt):].tolist()
+    return _penalized_cache[key]
 
 
 def _check_workload(ckpt, backend, work):
