@@ -78,6 +78,29 @@ def test_requests_added_mid_flight_equal_transformers(ckpt):
     assert eng.generate([prompts[1]], max_new_tokens=news[1]) == [got[ids[1]]]
 
 
+def test_logprobs_are_the_models_own(ckpt):
+    """Each RequestOutput's logprob is the token's log-probability under the model's distribution at
+    that position (a teacher-forced transformers forward), whatever penalties, temperature or cuts
+    picked it, greedy or sampled."""
+    folder, hf = ckpt
+    prompts = [_tokens(13, 10), _tokens(14, 6)]
+    eng = _engine(folder, max_num_batched_tokens=8)
+    ids = [eng.add_request(prompts[0], 6),
+           eng.add_request(prompts[1], 6, temperature=1.0, top_k=5, presence_penalty=1.5, seed=2)]
+    got, lps = {}, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o.token_id)
+            lps.setdefault(o.request_id, []).append(o.logprob)
+    for rid, prompt in zip(ids, prompts):
+        seq = torch.tensor([prompt + got[rid]])
+        with torch.inference_mode():
+            logits = hf(seq).logits[0, len(prompt) - 1:-1].double()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(got[rid]).view(-1, 1)).squeeze(1)
+        assert torch.allclose(torch.tensor(lps[rid], dtype=torch.float64), want, atol=1e-4), (lps[rid], want)
+        assert max(lps[rid]) <= 0.0
+
+
 def test_finish_reasons_and_stop_tokens(ckpt):
     folder, hf = ckpt
     prompt = _tokens(5, 9)

@@ -153,14 +153,16 @@ def percentile(xs: Seq[float], q: float) -> float:
 
 @dataclass
 class RequestOutput:
-    """What one step() gave one online request: its new token, all its tokens so far (a copy)
-    and, once finished, why ("stop", "length" or "max_model_len")."""
+    """What one step() gave one online request: its new token, all its tokens so far (a copy),
+    once finished why ("stop", "length" or "max_model_len"), and the new token's natural-log
+    probability under the model's own distribution (before penalties, temperature and cuts)."""
 
     request_id: int
     token_id: int
     output_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprob: float | None = None
 
 
 @dataclass
@@ -568,8 +570,9 @@ class Engine:
         return Scheduler(self.cache, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
 
-    def _step(self, sched: Scheduler, bar) -> list[tuple[Sequence, int]]:
-        """One scheduler step: forward, sample, append, finish. Returns (sequence, token) per sample."""
+    def _step(self, sched: Scheduler, bar, logprobs: bool = False) -> list[tuple[Sequence, int, float | None]]:
+        """One scheduler step: forward, sample, append, finish. Returns (sequence, token, its
+        log-probability under the model's own distribution, or None without `logprobs`) per sample."""
         t0 = time.perf_counter()
         plan = sched.schedule()
         calibrate = self._calibrate_kv and not plan.decode_only
@@ -578,9 +581,16 @@ class Engine:
             self._calibrate_kv = False
         sampling = plan.sampling
         params = [s.sampling for s in sampling]
+        raw = logits
         if any(p.penalized for p in params):
             logits = apply_penalties(logits, params, [s.token_ids for s in sampling], [s.prompt_len for s in sampling])
-        tokens = sample_checked(logits, params, generators=[s.generator for s in sampling]).tolist() if sampling else []
+        chosen = sample_checked(logits, params, generators=[s.generator for s in sampling]) if sampling else None
+        tokens = chosen.tolist() if sampling else []
+        token_logprobs = [None] * len(tokens)
+        if logprobs and sampling:
+            # before penalties, temperature and cuts: what the model itself gives the token (vLLM's default)
+            z = raw.float()
+            token_logprobs = (z.gather(1, chosen.view(-1, 1)).squeeze(1) - torch.logsumexp(z, dim=-1)).tolist()
         now = time.perf_counter()  # .tolist() synchronised the device
         dt = now - t0
         sched.update(plan)
@@ -609,7 +619,7 @@ class Engine:
                 sched.finish(seq, "max_model_len")
         if bar is not None:
             bar.update(len(sampling))
-        return list(zip(sampling, tokens))
+        return list(zip(sampling, tokens, token_logprobs))
 
     # ------------------------------------------------------------------ online requests
     def add_request(
@@ -670,7 +680,7 @@ class Engine:
         if sched is None or not sched.has_work():
             return []
         try:
-            sampled = self._step(sched, None)
+            sampled = self._step(sched, None, logprobs=True)
         except BaseException:
             sched.abort_all()
             self._online_seqs.clear()
@@ -681,12 +691,12 @@ class Engine:
         st.cuda_graph = self.runner.graphs_active
         st.total_seconds = time.perf_counter() - self._online_start
         outputs = []
-        for seq, tok in sampled:
+        for seq, tok, logprob in sampled:
             finished = seq.finish_reason is not None
             if finished:
                 del self._online_seqs[seq.seq_id]
                 _record_latencies(st, seq.token_times, self._online_arrival.pop(seq.seq_id))
-            outputs.append(RequestOutput(seq.seq_id, tok, seq.output_ids, finished, seq.finish_reason))
+            outputs.append(RequestOutput(seq.seq_id, tok, seq.output_ids, finished, seq.finish_reason, logprob))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
