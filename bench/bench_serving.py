@@ -190,8 +190,7 @@ def serve_arrivals(eng, prompts, new_tokens, arrive_s, clock=time.perf_counter, 
         if not eng.has_unfinished_requests():
             sleep(max(0.0, arrive_s[order[nxt]] - now))
             continue
-        outs = eng.step()
-        _sync()
+        outs = eng.step()  # (it returns after the device finished the step: its tokens were read)
         done = clock() - t0
         for o in outs:
             i = ids[o.request_id]

@@ -17,7 +17,7 @@ from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
-from .sampler import SAMPLING_FIELDS, apply_penalties, make_sampling_params, sample_checked
+from .sampler import SAMPLING_FIELDS, SamplingParams, apply_penalties, make_sampling_params, sample_checked
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -483,10 +483,11 @@ class Engine:
                 sampling_args[name] = list(value)
             elif isinstance(value, (str, bytes)) or hasattr(value, "__len__"):
                 raise TypeError(f"{name} must be a number or a list of one per prompt, got {type(value).__name__}")
-        # every value is checked here; the lengths of per-prompt lists once the prompts are read
+        # every value is checked (and normalised) here; the lengths of per-prompt lists once the prompts are read
         for name, value in sampling_args.items():
-            for v in (value if isinstance(value, list) else [value]):
-                make_sampling_params(**{name: v})
+            checked = [getattr(make_sampling_params(**{name: v}), name) for v in
+                       (value if isinstance(value, list) else [value])]
+            sampling_args[name] = checked if isinstance(value, list) else checked[0]
         if seed is not None and not integer_number(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         # a generator is read once, here
@@ -524,7 +525,7 @@ class Engine:
         for s in seqs:
             sched.check_fits(s)  # all or nothing: reject before running anything
         for s in seqs:
-            s.sampling = make_sampling_params(**{name: per_prompt[name][s.index] for name in SAMPLING_FIELDS})
+            s.sampling = SamplingParams(**{name: per_prompt[name][s.index] for name in SAMPLING_FIELDS})
             s.stop_ids = stops
         if any(s.sampling.temperature > 0 for s in seqs):
             # One generator per sampled request, seeded by (seed, prompt index): a request's draws

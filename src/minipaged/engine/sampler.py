@@ -154,9 +154,8 @@ def sample_checked(
     every step). Penalties are not applied here (apply_penalties)."""
     rows = logits.shape[0]
     drawn_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
-    greedy = logits.argmax(dim=-1)
     if not drawn_rows:
-        return greedy
+        return logits.argmax(dim=-1)
     every_row = len(drawn_rows) == rows
     z = logits.float() if every_row else logits[drawn_rows].float()
     dev = z.device
@@ -186,6 +185,6 @@ def sample_checked(
         drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     if every_row:
         return drawn
-    out = greedy.clone()
+    out = logits.argmax(dim=-1)  # (the greedy rows' picks; only needed when some rows are greedy)
     out[drawn_rows] = drawn
     return out
