@@ -172,10 +172,11 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     return row
 
 
-def serve_arrivals(eng, prompts, new_tokens, arrive_s, clock=time.perf_counter, sleep=time.sleep):
+def serve_arrivals(eng, prompts, new_tokens, arrive_s, clock=time.perf_counter, sleep=time.sleep, step_s=None):
     """Feed request i to `eng` (add_request) once `arrive_s[i]` seconds have passed, step while any
     is unfinished, idle until the next arrival otherwise. Returns (outputs in request order, per
-    request: arrival time and token times, seconds from the start)."""
+    request: arrival time and token times, seconds from the start); each step's duration is
+    appended to `step_s` when given."""
     t0 = clock()
     order = sorted(range(len(prompts)), key=lambda i: arrive_s[i])
     ids, times, outputs = {}, {}, [None] * len(prompts)
@@ -190,8 +191,11 @@ def serve_arrivals(eng, prompts, new_tokens, arrive_s, clock=time.perf_counter, 
         if not eng.has_unfinished_requests():
             sleep(max(0.0, arrive_s[order[nxt]] - now))
             continue
+        begun = clock() - t0 if step_s is not None else None
         outs = eng.step()  # (it returns after the device finished the step: its tokens were read)
         done = clock() - t0
+        if step_s is not None:
+            step_s.append(done - begun)
         for o in outs:
             i = ids[o.request_id]
             times[i].append(done)
@@ -215,7 +219,8 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                   enable_prefix_caching=False)
     eng.generate([prompts[0][:16]], max_new_tokens=4, ignore_eos=True)
     _sync()
-    out, rec = serve_arrivals(eng, prompts, outs, arrive)
+    steps = []
+    out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
     ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
     itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
     span = max(r["token_s"][-1] for r in rec)
@@ -226,7 +231,8 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                 output_range=[lo, hi], generated_tokens=produced, span_s=span, tok_s=produced / span,
                 ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
                 itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
-                last_arrival_s=arrive[-1])
+                last_arrival_s=arrive[-1], steps=len(steps), step_p50_s=percentile(steps, 50),
+                step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps))
 
 
 def main(argv=None) -> int:

@@ -235,13 +235,15 @@ def test_bench_serving_arrivals_driver(ckpt):
     news = [4, 6, 3, 5]
     arrive = [0.0, 0.0025, 5.0, 5.001]  # two early, then a pause: the engine drains and idles
     eng = _engine(folder, max_num_batched_tokens=8)
-    outs, rec = serve_arrivals(eng, prompts, news, arrive, clock=clock, sleep=sleep)
+    steps = []
+    outs, rec = serve_arrivals(eng, prompts, news, arrive, clock=clock, sleep=sleep, step_s=steps)
     assert outs == [hf_greedy(hf, p, n) for p, n in zip(prompts, news)]
     assert slept and max(slept) > 4.0
     for r, a, n in zip(rec, arrive, news):
         assert r["arrival_s"] >= a and len(r["token_s"]) == n
         assert r["arrival_s"] < r["token_s"][0] and r["token_s"] == sorted(r["token_s"])
     assert rec[2]["arrival_s"] >= 5.0 and rec[1]["token_s"][-1] < 5.0
+    assert len(steps) >= max(news) and min(steps) > 0 and sum(steps) < max(r["token_s"][-1] for r in rec)
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
 
 
