@@ -52,6 +52,25 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def triton_variants() -> int:
+    """Compiled variants held by minipaged's Triton kernels (every device): a rise during a timed
+    run is a JIT compile (or a disk-cache load) the run waited for."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    seen, n = set(), 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("minipaged.triton") or mod is None:
+            continue
+        for obj in vars(mod).values():
+            fn = getattr(obj, "fn", obj)  # an autotuner wraps its JITFunction
+            if isinstance(fn, JITFunction) and id(fn) not in seen:
+                seen.add(id(fn))
+                n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
+    return n
+
+
 INVARIANT_SUFFIX = "-invariant"
 
 
@@ -139,6 +158,7 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
                   enable_prefix_caching=False)
     eng.generate([prompts[0][:16]], max_new_tokens=4, ignore_eos=True)
     _sync()
+    compiled = triton_variants()
     t0 = time.perf_counter()
     out = eng.generate(prompts, max_new_tokens=outs, ignore_eos=True)  # each request its own length
     _sync()
@@ -146,7 +166,7 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     produced = sum(len(o) for o in out)
     row = dict(workload="throughput", requests=n_req, prompt_range=[lo, hi], output_range=[lo, hi],
                engine_tok_s=produced / t, engine_s=t, generated_tokens=produced,
-               prompt_tokens=sum(map(len, prompts)))
+               prompt_tokens=sum(map(len, prompts)), triton_compiles=triton_variants() - compiled)
     del eng
     torch.cuda.empty_cache()
     if hf is not None and hf_requests > 0:
@@ -220,7 +240,9 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
     eng.generate([prompts[0][:16]], max_new_tokens=4, ignore_eos=True)
     _sync()
     steps = []
+    compiled = triton_variants()
     out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
+    compiled = triton_variants() - compiled
     ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
     itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
     span = max(r["token_s"][-1] for r in rec)
@@ -232,7 +254,7 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                 ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
                 itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
                 last_arrival_s=arrive[-1], steps=len(steps), step_p50_s=percentile(steps, 50),
-                step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps))
+                step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps), triton_compiles=compiled)
 
 
 def main(argv=None) -> int:
