@@ -94,6 +94,36 @@ def test_warmup_runs_on_every_engine_generate_runs_on(kw):
     assert not c.seq_ids and c.num_free_blocks == c.num_blocks
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=5), dict(enable_prefix_caching=False)])
+def test_warmup_runs_every_step_kind(kw):
+    """warmup() reaches the step kinds a server meets, so their kernels compile there: decode-only
+    steps, a packed multi-prompt prefill, a mixed step (a decode next to a prompt chunk), and with
+    prefix caching a prompt tail that attends over cached pages. It leaves no request, page or
+    stats behind."""
+    torch.manual_seed(0)
+    eng = Engine(_TINY, device="cpu", backend="torch", **{"num_blocks": 32, "block_size": 4, **kw})
+    plans = []
+    run = eng.runner.run
+
+    def spy(plan, **k):
+        plans.append([(c.start, c.num_tokens, c.start + c.num_tokens == len(c.seq.token_ids) and c.start > 0
+                       and c.num_tokens == 1) for c in plan.chunks])
+        return run(plan, **k)
+
+    eng.runner.run = spy
+    eng.warmup()
+    decode_only = [p for p in plans if all(d for _, _, d in p)]
+    packed = [p for p in plans if sum(1 for s, n, d in p if s == 0 and not d) >= 2]
+    mixed = [p for p in plans if any(d for _, _, d in p) and any(not d for _, _, d in p)]
+    tails = [p for p in plans if any(s > 0 and not d for s, _, d in p)]
+    assert decode_only and packed and mixed, plans
+    if kw.get("enable_prefix_caching", True) or "max_num_batched_tokens" in kw:
+        assert tails, plans  # a cached prefix's tail, or a chunk after the first
+    c = eng.cache
+    assert not c.seq_ids and c.num_free_blocks == c.num_blocks
+    assert not eng.has_unfinished_requests() and eng.stats.steps == 0
+
+
 def test_generate_ignore_eos_ignores_the_tokenizers_eos_too(tmp_path, capsys):
     """--ignore-eos ("always generate --max-new-tokens tokens") still stopped at the tokenizer's EOS,
     which the CLI passed as an explicit stop token."""

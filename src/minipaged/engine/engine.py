@@ -718,16 +718,37 @@ class Engine:
                                "unfinished: step() them to completion or abort_request() them first")
 
     def warmup(self) -> None:
-        """Compile kernels and capture decode graphs now, so the next generate() times only generation.
-        fp8 scales that the warm-up prompt set are released: the next real prompt sets them."""
-        n = min(2, self.max_num_seqs)
+        """Compile kernels and capture decode graphs now, so that later requests time only generation.
+
+        It runs the step kinds a server meets: a batch of short prompts (prefill, then decode steps
+        in graphs); a prompt that joins while another request decodes (a mixed step), in chunks
+        when the token budget is smaller than it; and, with prefix caching on, the same prompt
+        again, whose tail then attends over cached pages. Triton still compiles a variant the first
+        time a new shape class reaches one of its kernels. fp8 scales that the warm-up set are
+        released: the next real prompt sets them."""
+        self._check_no_online_requests("warmup()")
         recalibrate = self._calibrate_kv
-        # a 4-token prompt and 3 new tokens (prefill, then decodes), shortened to what max_model_len and
-        # the cache hold, since generate() refuses a request that could never fit
+        # prompts shortened to what max_model_len and the cache hold, since a request that could
+        # never fit is refused
         room = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size)
         prompt_len = max(1, min(4, room - 2))
-        self.generate([[0] * prompt_len] * n, max_new_tokens=min(3, room - prompt_len + 1), ignore_eos=True)
+        new = min(3, room - prompt_len + 1)
+        self.generate([[0] * prompt_len] * min(2, self.max_num_seqs), max_new_tokens=new, ignore_eos=True)
+        # a prompt a few blocks long (beyond the token budget when that is small), one short of
+        # whole blocks so that its cached copy leaves a tail to compute
+        long_len = max(1, min(room - 1, 3 * self.cache.block_size - 1, self.max_num_batched_tokens + 5))
+        if self.max_num_seqs >= 2 and room > prompt_len + 1:
+            self.add_request([1] * prompt_len, new, ignore_eos=True)
+            self.step()  # its prefill; it decodes while the next one prefills
+            self.add_request([2] * long_len, 2, ignore_eos=True)
+            while self.has_unfinished_requests():
+                self.step()
+        if self.enable_prefix_caching and long_len > self.cache.block_size:
+            self.add_request([2] * long_len, 1, ignore_eos=True)
+            while self.has_unfinished_requests():
+                self.step()
         self._calibrate_kv = recalibrate
+        self.stats = GenerateStats()
         if recalibrate:
             self.cache.reset_prefix_cache()  # blocks named under the warm-up scales
 
