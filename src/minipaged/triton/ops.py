@@ -140,7 +140,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     cfg = prefill_config(head_dim, q.dtype, causal, num_seqs * num_q_heads, int(max_seqlen_q), q.device,
                          int(max_seqlen_k))
-    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
+    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, scale)
     with _device_scope(q):
         _launch_attn(cfg, num_seqs * num_q_heads, int(max_seqlen_q), args, True, bool(causal),
                      head_dim, q.dtype, lse is not None)

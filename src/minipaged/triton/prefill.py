@@ -212,14 +212,16 @@ def dense_args(q, k, v, out, lse, scale: float) -> tuple:
     )
 
 
-def varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> tuple:
+def varlen_args(q, k, v, out, lse, cu_q, cu_k, scale: float) -> tuple:
     """Packed q / out [Tq, Hq, D], k / v [Tk, Hkv, D], lse [Tq, Hq] float32 or None, int32
-    cu_q / cu_k [S + 1] on q's device."""
+    cu_q / cu_k [S + 1] on q's device. The seqlen_q / seqlen_k slots get 0: varlen programs read
+    their lengths from cu_q / cu_k, and a fixed value keeps Triton from compiling another variant
+    whenever a step's longest length changes its divisibility class."""
     lse_arg, lse_strides = (lse, (0, lse.stride(1), lse.stride(0))) if lse is not None else (out, (0, 0, 0))
     return (
         q, k, v, out, lse_arg,
         cu_q, cu_k,
-        int(max_seqlen_q), int(max_seqlen_k),
+        0, 0,
         0, q.stride(1), q.stride(0),
         0, k.stride(1), k.stride(0),
         0, v.stride(1), v.stride(0),

@@ -288,7 +288,7 @@ def try_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
     cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale)
+    args = varlen_args(q, k, v, out, lse, cu_q, cu_k, scale)
     with _device_scope(q):
         if not _launch(variant, q, (num_seqs, num_q_heads, k.shape[1], int(max_seqlen_k), k.shape[0]),
                        int(max_seqlen_q), args, True, bool(causal), head_dim, lse is not None, strict):
