@@ -18,24 +18,19 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
-import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_overhead import _host_times  # noqa: E402
+
 
 def _host_us(call, n: int) -> float:
-    out = []
-    for i in range(n):
-        if i % 64 == 0:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+    return statistics.median(_host_times(call, n))
 
 
 def _record_launches(call):
