@@ -23,7 +23,8 @@ throughput anchor), greedy, EOS ignored. For every backend asked for:
 throughput and arrivals run Engine.warmup(), as a server does at start, then serve the same
 requests on other tokens, untimed (the cold run: Triton compiles the warm-up missed fall there);
 its tokens/s or TTFT and the Triton variants it compiled are reported next to the timed run's
-(cold_*, triton_compiles).
+(cold_*, triton_compiles). arrivals also reports its slowest steps and, per pass, how much the
+Triton ops' plan caches and the CUDA allocator's retry count grew (host_cache_growth).
 
 Backend "triton-invariant" is the engine's batch_invariant=True (minipaged.triton.invariant:
 pinned-tile matmul, RMSNorm and paged attention), whose shared-prefix outputs must be
@@ -205,6 +206,21 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     return row
 
 
+def _host_caches() -> dict:
+    """Sizes of the per-shape plan caches of the Triton ops (a miss builds a plan on the host) and
+    the CUDA allocator's retry count (a retry frees cached blocks and waits for the device)."""
+    out = {}
+    ops = sys.modules.get("minipaged.triton.ops")
+    for name in ("_paged_plans", "_decode_plans"):
+        out[name] = len(getattr(ops, name, {}) or {}) if ops is not None else 0
+    out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+    return out
+
+
+def _grown(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
 def _other_tokens(prompts: list[list[int]], vocab: int) -> list[list[int]]:
     """The same prompt lengths with other token ids (a warm-up that shares no prefix)."""
     rnd = random.Random(99)
@@ -264,15 +280,15 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
     for _ in range(n_req):
         t += rnd.expovariate(rate)
         cold_arrive.append(t)
-    compiled = triton_variants()
+    compiled, caches = triton_variants(), _host_caches()
     _, cold = serve_arrivals(eng, _other_tokens(prompts, cfg.vocab_size), outs, cold_arrive)
-    cold_compiles = triton_variants() - compiled
+    cold_compiles, cold_caches = triton_variants() - compiled, _grown(caches, _host_caches())
     cold_ttft = [r["token_s"][0] - r["arrival_s"] for r in cold]
     _sync()
     steps = []
-    compiled = triton_variants()
+    compiled, caches = triton_variants(), _host_caches()
     out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
-    compiled = triton_variants() - compiled
+    compiled, caches = triton_variants() - compiled, _grown(caches, _host_caches())
     ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
     itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
     span = max(r["token_s"][-1] for r in rec)
@@ -286,7 +302,8 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                 last_arrival_s=arrive[-1], steps=len(steps), step_p50_s=percentile(steps, 50),
                 step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps), triton_compiles=compiled,
                 cold_ttft_p50_s=percentile(cold_ttft, 50), cold_ttft_p99_s=percentile(cold_ttft, 99),
-                cold_triton_compiles=cold_compiles)
+                cold_triton_compiles=cold_compiles, host_cache_growth=caches, cold_host_cache_growth=cold_caches,
+                slowest_steps_s=sorted(steps)[-8:])
 
 
 def main(argv=None) -> int:
