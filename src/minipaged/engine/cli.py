@@ -96,11 +96,10 @@ def validate(args: argparse.Namespace) -> None:
     """Every flag is checked here, before the tokenizer, the weights or the KV
     cache exist. Raises ValueError / BackendUnavailableError naming the flag,
     the value and the rule (the CLI prints it as one `error:` line, exit 2)."""
-    import math
-
     import torch
 
     from .. import registry
+    from .sampler import SAMPLING_FIELDS, make_sampling_params
 
     _positive("--batch", args.batch)
     _positive("--prompt-len", args.prompt_len)
@@ -114,16 +113,16 @@ def validate(args: argparse.Namespace) -> None:
     bs = args.block_size
     if not 1 <= bs <= 256 or bs & (bs - 1):
         raise ValueError(f"--block-size must be a power of two from 1 to 256, got {bs}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if not math.isfinite(args.top_p) or not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     _positive("--top-k", args.top_k, minimum=0)
-    for flag, val in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
-        if not (math.isfinite(val) and -2 <= val <= 2):
-            raise ValueError(f"{flag} must be in [-2, 2] (0 = off), got {val}")
-    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
-        raise ValueError(f"--repetition-penalty must be a finite number > 0 (1 = off), got {args.repetition_penalty}")
+    # the engine's own sampling rules, with the flags named in the message
+    try:
+        make_sampling_params(args.temperature, args.top_p, args.top_k, args.presence_penalty,
+                             args.frequency_penalty, args.repetition_penalty)
+    except ValueError as e:
+        msg = str(e)
+        for name in SAMPLING_FIELDS:
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        raise ValueError(msg) from None
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (it wraps that text in the chat template)")
     if args.stream and (args.prompt is None or args.batch != 1):
