@@ -207,12 +207,15 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
 
 
 def _host_caches() -> dict:
-    """Sizes of the per-shape plan caches of the Triton ops (a miss builds a plan on the host) and
+    """Sizes of the per-shape plan and launch caches of the Triton ops (a miss builds a plan on the host) and
     the CUDA allocator's retry count (a retry frees cached blocks and waits for the device)."""
     out = {}
     ops = sys.modules.get("minipaged.triton.ops")
-    for name in ("_paged_plans", "_decode_plans"):
+    for name in ("_paged_plans", "_decode_plans", "_decode_launch_kwargs"):
         out[name] = len(getattr(ops, name, {}) or {}) if ops is not None else 0
+    launch = sys.modules.get("minipaged.triton.launch")
+    # entries of the launch cache (minipaged.triton.launch): a miss pays Triton's own launch path
+    out["launch_entries"] = sum(len(w) for w in launch._wrappers.values() if hasattr(w, "_entries")) if launch else 0
     out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
     return out
 

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the CUDA extension once, run the GPU tests,
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
-#   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [invariant] [power] [paged_selftest]
+#   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [launch_profile] [invariant] [power] [paged_selftest]
 #                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
@@ -125,7 +125,9 @@ for s in $stages; do
     e2e) run e2e python3 bench/bench_e2e.py ${E2E_ARGS:-} --out "$WORK/bench";;
     serving) run serving python3 bench/bench_serving.py ${SERVING_ARGS:-} --out "$WORK/bench";;
     overhead) run overhead python3 bench/bench_overhead.py --json "$WORK/bench/overhead.json";;
-    engine_step) run engine_step python3 scripts/engine_decode_step.py --json "$WORK/bench/engine_step.json";;
+    engine_step) run engine_step${ENGINE_STEP_TAG:-} python3 scripts/engine_decode_step.py ${ENGINE_STEP_ARGS:-} \
+      --json "$WORK/bench/engine_step${ENGINE_STEP_TAG:-}.json";;
+    launch_profile) run launch_profile python3 scripts/triton_launch_profile.py ${LAUNCH_PROFILE_ARGS:-} --json "$WORK/bench/launch_profile.json";;
     invariant) run invariant python3 scripts/invariant_bench.py --out "$WORK/bench/invariant.json";;
     power) run power python3 scripts/power_probe.py ${POWER_ARGS:-} --json "$WORK/bench/power.json";;
     paged_selftest)

@@ -3,11 +3,13 @@
 For three engine-shaped calls of the triton backend (decode B=1 L=4k; a mixed paged step: one
 256-token chunk over a 1k context plus 15 decodes; write_kv_cache of 272 tokens), bf16,
 Hq/Hkv/D 16/8/128, page 16:
-  - the median host time of one bare call (the backend function the registry resolves);
-  - each Triton launch inside it, timed three ways on the same arguments: the whole
-    JITFunction.run (binder, cache key, launch), the binder alone, and the compiled kernel's
-    own launcher with its metadata prepared once (the floor a cached launch could reach);
-  - a cProfile of many calls, top functions by own time.
+  - the median host time of one bare call (the backend function the registry resolves), with
+    minipaged's launch cache (minipaged.triton.launch) on and off, in alternating rounds;
+  - each Triton launch inside it, timed four ways on the same arguments: the whole
+    JITFunction.run (binder, cache key, launch), the binder alone, the compiled kernel's own
+    launcher with its metadata prepared once (the floor a cached launch could reach), and a
+    hit of the launch cache;
+  - a cProfile of many calls with the cache on, top functions by own time.
 
     PYTHONPATH=src python3 scripts/triton_launch_profile.py [--calls 1000] [--json PATH]
 """
@@ -34,11 +36,15 @@ def _host_us(call, n: int) -> float:
 
 
 def _record_launches(call):
-    """The Triton launches one call makes: [(JITFunction, args, kwargs)]."""
+    """The Triton launches one call makes: [(JITFunction, args, kwargs)] (the launch cache off, so
+    that every launch goes through JITFunction.run)."""
     from triton.runtime.jit import JITFunction
 
+    from minipaged.triton import launch
+
     seen = []
-    orig = JITFunction.run
+    orig, enabled = JITFunction.run, launch.ENABLED
+    launch.ENABLED = False
 
     def spy(self, *args, grid, warmup, **kwargs):
         seen.append((self, args, dict(kwargs, grid=grid)))
@@ -48,7 +54,7 @@ def _record_launches(call):
     try:
         call()
     finally:
-        JITFunction.run = orig
+        JITFunction.run, launch.ENABLED = orig, enabled
     torch.cuda.synchronize()
     return seen
 
@@ -83,6 +89,11 @@ def _launch_costs(fn, args, kwargs, n: int) -> dict:
             kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, None, None, *values)
 
         row["launcher_us"] = _host_us(direct, n)
+        from minipaged.triton.launch import fast
+
+        fk = fast(fn)
+        fk.launch(grid, args, kwargs)  # the entry (a miss), then hits
+        row["cache_hit_us"] = _host_us(lambda: fk.launch(grid, args, kwargs), n)
     except Exception as e:  # noqa: BLE001 - the floor is optional; the triton version may differ
         row["floor_error"] = f"{type(e).__name__}: {e}"
     return row
@@ -146,16 +157,27 @@ def main(argv=None) -> int:
         "paged 256-chunk + 15 decodes": lambda: paged(qm, kc, vc, tabm, cu, lensm, 256, True, scale, False),
         "write_kv_cache 272 tokens": lambda: write(k_new, v_new, kc, vc, slots),
     }
+    from minipaged.triton import launch
+
     rows = []
     for name, call in cases.items():
         for _ in range(30):
             call()
         torch.cuda.synchronize()
-        t = _host_us(call, args.calls)
+        on, off = [], []
+        for _ in range(5):  # alternating rounds: the host's drift falls on both
+            launch.ENABLED = True
+            on.append(_host_us(call, args.calls // 5 or 1))
+            launch.ENABLED = False
+            off.append(_host_us(call, args.calls // 5 or 1))
+        launch.ENABLED = True
+        t, t_off = statistics.median(on), statistics.median(off)
         launches = _record_launches(call)
-        row = dict(case=name, call_us=t, launches=[_launch_costs(f, a, k, args.calls) for f, a, k in launches])
+        row = dict(case=name, call_us=t, call_us_cache_off=t_off,
+                   launches=[_launch_costs(f, a, k, args.calls) for f, a, k in launches])
         rows.append(row)
-        print(f"== {name}: bare call {t:.1f} us, {len(launches)} Triton launch(es)", flush=True)
+        print(f"== {name}: bare call {t:.1f} us with the launch cache, {t_off:.1f} us without; "
+              f"{len(launches)} Triton launch(es)", flush=True)
         for lr in row["launches"]:
             print("   ", json.dumps(lr), flush=True)
         print(_profile(call, args.calls), flush=True)

@@ -26,6 +26,7 @@ from .configs import (
     prefill_config,
 )
 from .decode import _decode_kernel, _decode_reduce
+from .launch import fast
 from .merge import _merge_kernel
 from .paged import _paged_kernel, _paged_long_kernel, _short_reduce, invariant_reduce
 from .prefill import _attn_fwd, dense_args, varlen_args
@@ -73,7 +74,7 @@ def _launch_attn(cfg: PrefillConfig, num_programs_bh: int, max_seqlen_q: int, ar
     while True:
         grid = (num_programs_bh, triton.cdiv(max_seqlen_q, cfg.block_m))
         try:
-            _attn_fwd[grid](
+            fast(_attn_fwd)[grid](
                 *args,
                 IS_VARLEN=is_varlen,
                 IS_CAUSAL=causal,
@@ -181,11 +182,8 @@ def _paged_strides(q, k_cache, v_cache, block_tables, out) -> tuple[int, ...]:
     """The stride arguments _decode_kernel and _paged_kernel share, in their order: q's row and
     head strides, each cache's block / token / head strides, the table's row stride and o's
     row and head strides."""
-    return (q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0), out.stride(1))
+    qs, ks, vs, os_ = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
+    return (qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], block_tables.stride(0), os_[0], os_[1])
 
 
 def _split_partials(rows: int, head_dim: int, out: torch.Tensor, split: bool):
@@ -235,6 +233,11 @@ def _decode_launches(num_rows: int, num_splits: int, worklist: bool, block_h: in
                        context_lens=context_lens if worklist else None, block_n=cfg.block_n)
 
 
+# (launch inputs) -> (grid, constexprs and options) of a decode-kernel launch: decode calls are
+# host-bound at small batch, so these are worked out once per shape
+_decode_launch_kwargs: dict = {}
+
+
 def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, k_cache, v_cache, block_tables,
                           context_lens, out, lse_arg, lse_strides, o_partial, lse_partial, k_s, v_s, fp8: bool,
                           scale: float, return_lse: bool, cu_seqlens_q=None, worklist: bool = False) -> None:
@@ -243,32 +246,42 @@ def _launch_decode_kernel(num_rows: int, num_splits: int, block_h: int, cfg, q, 
     cu_seqlens_q: the packed decode rows of a paged call (PACKED_Q: q, out and lse are
     [Tq, ...] and programs of other q_lens return at once)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     packed = cu_seqlens_q is not None
-    words = _fp8_words(fp8, q, k_cache, v_cache)
-    grid = (num_rows + num_splits, num_kv_heads, 1) if worklist else (num_rows, num_kv_heads, num_splits)
-    _decode_kernel[grid](
+    words = _fp8_words(fp8, q, k_cache, v_cache) if fp8 else 0
+    key = (num_rows, num_splits, block_h, cfg, num_kv_heads, head_dim, page, q.dtype, q.device, return_lse, fp8,
+           words, packed, worklist, configs.overrides_version)
+    launch = _decode_launch_kwargs.get(key)
+    if launch is None:
+        grid = (num_rows + num_splits, num_kv_heads, 1) if worklist else (num_rows, num_kv_heads, num_splits)
+        launch = _decode_launch_kwargs[key] = (grid, dict(
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            BLOCK_N=cfg.block_n,
+            PAGE=page,
+            SPLIT=num_splits > 1,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            RETURN_LSE=return_lse,
+            KV_FP8=fp8,
+            FP8_F16=_fp8_f16(fp8, q),
+            FP8_WORDS=words,
+            HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
+            TABLE_AHEAD=configs.decode_table_ahead(cfg),
+            **(dict(PACKED_Q=True) if packed else {}),
+            **(dict(WORKLIST=True, BLOCK_B=triton.next_power_of_2(num_rows)) if worklist else {}),
+            **cfg.launch_options(),
+        ))
+    grid, kwargs = launch
+    if packed:
+        kwargs = dict(kwargs, cu_seqlens_q=cu_seqlens_q)
+    fast(_decode_kernel)[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         out, lse_arg, o_partial, lse_partial, k_s, v_s,
         *_paged_strides(q, k_cache, v_cache, block_tables, out),
         *lse_strides,
         num_q_heads // num_kv_heads, num_splits,
         float(scale) * _LOG2E,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_N=cfg.block_n,
-        PAGE=k_cache.shape[1],
-        SPLIT=num_splits > 1,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        RETURN_LSE=return_lse,
-        KV_FP8=fp8,
-        FP8_F16=_fp8_f16(fp8, q),
-        FP8_WORDS=words,
-        HW_CVT=bool(words) and configs.e4m3_cvt(q.device),  # asked only where it matters (a host lookup)
-        TABLE_AHEAD=configs.decode_table_ahead(cfg),
-        **(dict(cu_seqlens_q=cu_seqlens_q, PACKED_Q=True) if packed else {}),
-        **(dict(WORKLIST=True, BLOCK_B=triton.next_power_of_2(num_rows)) if worklist else {}),
-        **cfg.launch_options(),
+        **kwargs,
     )
 
 
@@ -298,7 +311,7 @@ def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int,
     if context_lens is not None:
         extra.update(context_lens=context_lens, WORKLIST=True, BLOCK_B=triton.next_power_of_2(rows), BLOCK_N=block_n)
         chunk = min(chunk, _WORKLIST_MERGE_CHUNK)
-    _decode_reduce[(rows, num_q_heads)](
+    fast(_decode_reduce)[(rows, num_q_heads)](
         o_partial, lse_partial, out, lse_arg,
         out.stride(0), out.stride(1),
         *lse_strides,
@@ -331,7 +344,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_dst, v_dst = k_cache, v_cache
         k_s = v_s = slot_mapping  # unused
     with _device_scope(k):
-        _write_kv_kernel[(num_tokens,)](
+        fast(_write_kv_kernel)[(num_tokens,)](
             k, v, k_dst, v_dst, slot_mapping, k_s, v_s,
             k.stride(0), k.stride(1),
             v.stride(0), v.stride(1),
@@ -527,7 +540,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                 slots = direct_tiles if direct else compact_tiles
                 heads_fastest = configs.paged_heads_fastest()
                 grid = (slots * num_kv_heads, 1, splits) if heads_fastest else (slots, num_kv_heads, splits)
-                _paged_long_kernel[grid](
+                fast(_paged_long_kernel)[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
                     q.stride(0), q.stride(1),
@@ -559,7 +572,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
                 tiles = num_seqs * triton.cdiv(run_q, block_q)
                 # the invariant launch also carries prefill chunks: longest tiles first over all heads
                 grid = (tiles * num_kv_heads, 1, splits) if batch_invariant else (tiles, num_kv_heads, splits)
-                _paged_kernel[grid](
+                fast(_paged_kernel)[grid](
                     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                     out, lse_arg, o_partial, lse_partial, k_s, v_s,
                     *_paged_strides(q, k_cache, v_cache, block_tables, out),
@@ -594,7 +607,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
         return
     if batch_invariant:
         rows = total_q * num_q_heads
-        invariant_reduce[(triton.cdiv(rows, 16),)](
+        fast(invariant_reduce)[(triton.cdiv(rows, 16),)](
             o_partial, lse_partial, out, lse_arg,
             rows, num_q_heads, splits,
             out.stride(0), out.stride(1),
@@ -607,7 +620,7 @@ def _paged_launch(launch: _PagedLaunch, q, k_cache, v_cache, block_tables, cu_se
         )
     elif launch.max_q:
         # only this launch's (short) sequences: the long launch owns the other rows
-        _short_reduce[(num_seqs, num_q_heads)](
+        fast(_short_reduce)[(num_seqs, num_q_heads)](
             o_partial, lse_partial, out, lse_arg, cu_seqlens_q,
             out.stride(0), out.stride(1),
             *lse_strides,
@@ -654,7 +667,7 @@ def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Te
     block_d = triton.next_power_of_2(head_dim)
     block_r = max(1, min(64, 4096 // block_d))
     with _device_scope(o_a):
-        _merge_kernel[(triton.cdiv(num_rows, block_r),)](
+        fast(_merge_kernel)[(triton.cdiv(num_rows, block_r),)](
             o_a, lse_a, o_b, lse_b, out, lse,
             num_rows, head_dim,
             BLOCK_R=block_r,

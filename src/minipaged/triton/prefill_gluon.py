@@ -41,6 +41,7 @@ import functools
 import torch
 import triton
 
+from .launch import fast
 from .prefill import _head_bases, _program_rows, _rows_of
 
 try:  # Gluon and its Hopper ops arrived in triton 3.5; older or CPU-only builds lack them
@@ -598,7 +599,7 @@ def launch(args: tuple, num_programs_bh: int, max_seqlen_q: int, is_varlen: bool
 
     consumer_regs, loader_regs = configs.gluon_regs(_CONSUMER_REGS, _LOADER_REGS)
     grid = (num_programs_bh, triton.cdiv(max_seqlen_q, BLOCK_M))
-    _attn_fwd_gluon[grid](
+    fast(_attn_fwd_gluon)[grid](
         *args,
         IS_VARLEN=is_varlen,
         IS_CAUSAL=causal,
@@ -640,8 +641,35 @@ def paged_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache))
 
 
+@functools.lru_cache(maxsize=None)
 def _layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+# (dtype, device, shape, strides, block shape, 16-byte aligned base) -> a validated descriptor's
+# fields but its base: an eager step builds three descriptors per layer, and Triton validates
+# each one again though only the base tensor differs between calls of one shape
+_descriptor_fields: dict = {}
+
+
+def _descriptor(t: torch.Tensor, shape: list, strides: list, block_shape: list):
+    """TensorDescriptor(t, shape, strides, block_shape, _layout()), validated once per key above."""
+    key = (t.dtype, t.device, *shape, *strides, *block_shape, t.data_ptr() % 16 == 0)
+    fields = _descriptor_fields.get(key)
+    if fields is None:
+        desc = TensorDescriptor(t, shape, strides, block_shape, _layout())
+        if len(_descriptor_fields) >= 1024:
+            _descriptor_fields.clear()
+        # a descriptor class without __dict__ (another Triton) is built in full every time
+        _descriptor_fields[key] = {k: v for k, v in vars(desc).items() if k != "base"} if hasattr(desc, "__dict__") \
+            else False
+        return desc
+    if fields is False:
+        return TensorDescriptor(t, shape, strides, block_shape, _layout())
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(fields)
+    desc.base = t
+    return desc
 
 
 def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -663,16 +691,16 @@ def launch_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     total_q, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
     box = min(page, block_n)
-    q_desc = TensorDescriptor(q, [total_q, num_q_heads * head_dim], [q.stride(0), 1], [64, head_dim], _layout())
+    q_desc = _descriptor(q, [total_q, num_q_heads * head_dim], [q.stride(0), 1], [64, head_dim])
     kv_shape = [num_blocks * page, num_kv_heads * head_dim]
     kv_strides = [num_kv_heads * head_dim, 1]
-    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, [box, head_dim], _layout())
-    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, [box, head_dim], _layout())
+    k_desc = _descriptor(k_cache, kv_shape, kv_strides, [box, head_dim])
+    v_desc = _descriptor(v_cache, kv_shape, kv_strides, [box, head_dim])
     num_seqs = cu_seqlens_q.shape[0] - 1
     direct = num_seqs * triton.cdiv(max_seqlen_q, BLOCK_M)
     compact = total_q // BLOCK_M + num_seqs
     grid = (num_q_heads, min(direct, compact))
-    _paged_fwd_gluon[grid](
+    fast(_paged_fwd_gluon)[grid](
         q_desc, k_desc, v_desc, out, lse_arg, block_tables, cu_seqlens_q, context_lens,
         out.stride(0), out.stride(1), *lse_strides, block_tables.stride(0),
         num_seqs, num_q_heads, num_q_heads // num_kv_heads, min_q,

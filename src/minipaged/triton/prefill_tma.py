@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fast
 from .prefill import _head_bases, _program_rows, _store_lse, _tile_key_range, dense_args, varlen_args
 from .softmax import _softmax_step, _softmax_step_masked
 
@@ -198,7 +199,7 @@ def _launch(variant: str, q: torch.Tensor, heads_and_keys: tuple[int, int, int, 
                                  block_n=cfg.block_n, stages=cfg.num_stages,
                                  section_hb=prefill_gluon.section_for(q, *heads_and_keys))
             return True
-        _attn_fwd_tma[grid](
+        fast(_attn_fwd_tma)[grid](
             *args,
             IS_VARLEN=is_varlen,
             IS_CAUSAL=causal,
