@@ -36,6 +36,8 @@ identical with caching on and off; its other rows give the cost of that guarante
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import random
@@ -70,7 +72,8 @@ def triton_variants() -> int:
         if not name.startswith("minipaged.triton") or mod is None:
             continue
         for obj in vars(mod).values():
-            fn = getattr(obj, "fn", obj)  # an autotuner wraps its JITFunction
+            # an autotuner wraps its JITFunction in .fn (a JITFunction's own .fn is its Python function)
+            fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
             if isinstance(fn, JITFunction) and id(fn) not in seen:
                 seen.add(id(fn))
                 n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
@@ -220,6 +223,29 @@ def _host_caches() -> dict:
     return out
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Yields a dict that, on exit, holds how long Python's garbage collector ran inside the block:
+    total_s, max_s and the collections of each generation (gc.callbacks)."""
+    stats = dict(total_s=0.0, max_s=0.0, collections=[0, 0, 0])
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            took = time.perf_counter() - started.pop()
+            stats["total_s"] += took
+            stats["max_s"] = max(stats["max_s"], took)
+            stats["collections"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield stats
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
 def _grown(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
@@ -290,7 +316,8 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
     _sync()
     steps = []
     compiled, caches = triton_variants(), _host_caches()
-    out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
+    with gc_pauses() as gcs:
+        out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
     compiled, caches = triton_variants() - compiled, _grown(caches, _host_caches())
     ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
     itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
@@ -306,7 +333,8 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                 step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps), triton_compiles=compiled,
                 cold_ttft_p50_s=percentile(cold_ttft, 50), cold_ttft_p99_s=percentile(cold_ttft, 99),
                 cold_triton_compiles=cold_compiles, host_cache_growth=caches, cold_host_cache_growth=cold_caches,
-                slowest_steps_s=sorted(steps)[-8:])
+                slowest_steps_s=sorted(steps)[-8:], gc_pause_total_s=gcs["total_s"], gc_pause_max_s=gcs["max_s"],
+                gc_collections=gcs["collections"])
 
 
 def main(argv=None) -> int:

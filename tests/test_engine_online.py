@@ -311,3 +311,52 @@ def test_online_scripts_keep_every_request_on_transformers_tokens(ckpt, work):
         mine = got.get(rid, [])
         assert mine == want[:len(mine)] and (rid in aborted or mine == want), (rid, kw)
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
+    """triton_variants() counts the compiled variants held by every JITFunction of minipaged's
+    Triton modules (a plain JITFunction's own .fn is its Python function, not a kernel)."""
+    import os
+    import sys
+    import types
+
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from bench_serving import triton_variants
+
+    def kernel(x):
+        pass
+
+    def tuned(x):
+        pass
+
+    jit, inner = JITFunction(kernel), JITFunction(tuned)
+    jit.device_caches = {0: ({"a": 1, "b": 2}, None, None, None, None), 1: ({"c": 3}, None, None, None, None)}
+    inner.device_caches = {0: ({"d": 4}, None, None, None, None)}
+    mod = types.ModuleType("minipaged.triton._fake_kernels")
+    # the same kernel twice counts once; an autotuner holds its JITFunction in .fn
+    mod.kernel, mod.again, mod.tuned = jit, jit, types.SimpleNamespace(fn=inner)
+    before = triton_variants()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert triton_variants() - before == 4
+
+
+def test_bench_serving_gc_pauses_are_counted():
+    import gc
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from bench_serving import gc_pauses
+
+    with gc_pauses() as stats:
+        gc.collect()
+        gc.collect(0)
+    assert stats["collections"][2] >= 1 and stats["collections"][0] >= 1
+    assert 0 < stats["max_s"] <= stats["total_s"]
+    n = len(gc.callbacks)
+    with gc_pauses():
+        pass
+    assert len(gc.callbacks) == n
