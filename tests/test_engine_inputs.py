@@ -168,3 +168,29 @@ def test_numpy_sampling_numbers_are_numbers():
     assert got == want
     with pytest.raises(TypeError, match="temperature"):
         eng.generate([[1]], max_new_tokens=1, temperature=np.bool_(True))
+
+
+def test_block_table_widths_are_padded_to_a_multiple_of_16():
+    """Eager paged and decode steps pass block tables whose row stride is a multiple of 16 columns
+    whatever the batch's longest sequence (Triton would compile another kernel variant for each
+    stride class: 1, divisible by 16, other), padded with -1 past each row's own pages; outputs
+    match an engine run one request at a time."""
+    from minipaged.engine import runner as runner_mod
+
+    torch.manual_seed(0)
+    eng = Engine(_TINY, device="cpu", backend="torch", num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    widths = []
+    forward = eng.runner.model.forward
+
+    def spy(ids, positions, meta, cache):
+        if meta.block_tables is not None:
+            widths.append(meta.block_tables.stride(0))
+        return forward(ids, positions, meta, cache)
+
+    eng.runner.model.forward = spy
+    prompts = [[3, 4, 5, 6, 7, 8, 9], list(range(10, 40)), [11, 12]]
+    outs = eng.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert widths and all(w % 16 == 0 for w in widths), widths
+    alone = [eng.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    assert outs == alone
+    assert runner_mod.table_width(1) == 16 and runner_mod.table_width(16) == 16 and runner_mod.table_width(17) == 32

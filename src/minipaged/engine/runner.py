@@ -28,6 +28,17 @@ from .sequence import Sequence
 log = logging.getLogger("minipaged.engine")
 
 
+# Block tables are padded to a multiple of this many columns (never read past a sequence's own
+# pages): Triton specialises a kernel on whether its int arguments are 1 or divisible by 16, so a
+# table row stride that tracked the batch's longest sequence would compile another variant of
+# every attention kernel whenever it changed class, mid-serving
+TABLE_WIDTH_MULTIPLE = 16
+
+
+def table_width(width: int) -> int:
+    return -(-max(width, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+
+
 def _graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
     sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
@@ -87,7 +98,7 @@ class ModelRunner:
             meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                                      calibrate_kv=calibrate_kv)
         else:
-            width = max(len(t) for t in tables)
+            width = table_width(max(len(t) for t in tables))
             meta = AttentionMetadata(
                 "paged", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                 block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
@@ -112,7 +123,7 @@ class ModelRunner:
             ctx.append(p + 1)
             tables.append(table)
         width = max(len(t) for t in tables)
-        tables = [t + [-1] * (width - len(t)) for t in tables]
+        tables = [t + [-1] * (table_width(width) - len(t)) for t in tables]
         return ids, positions, slots, ctx, tables, width
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -145,7 +156,7 @@ class ModelRunner:
         return self.use_cuda_graph and self._graphs_ready
 
     def _alloc_static(self) -> None:
-        dev, n, w = self.device, self.max_num_seqs, self.max_blocks_per_seq
+        dev, n, w = self.device, self.max_num_seqs, table_width(self.max_blocks_per_seq)
         self.s_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.s_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.s_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -204,6 +215,6 @@ class ModelRunner:
         self.s_slots[:b].copy_(host[2], non_blocking=True)
         self.s_ctx[:b].copy_(torch.tensor(ctx + [0] * pad, dtype=torch.int32), non_blocking=True)
         # Columns past each row's own pages are never read (context_lens bounds the reads).
-        self.s_tables[:B, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.s_tables[:B, :len(tables[0])].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         self.graphs[b].replay()
         return self.graph_outputs[b][:B]

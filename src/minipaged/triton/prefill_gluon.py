@@ -65,6 +65,14 @@ def available() -> bool:
     return _HAVE_GLUON
 
 
+def _jit_unspecialised(*names: str):
+    """gluon.jit with do_not_specialize=names, or plain gluon.jit where this Triton's lacks it."""
+    try:
+        return gluon.jit(do_not_specialize=list(names))
+    except TypeError:  # pragma: no cover - depends on the installed triton
+        return gluon.jit
+
+
 if _HAVE_GLUON:
 
     @gluon.jit
@@ -502,7 +510,7 @@ if _HAVE_GLUON:
         start2 = gl.load(cu_seqlens_q + s2, mask=ok2, other=0) // 128 + s2
         return coarse * step + gl.sum((ok2 & (start2 <= slot)).to(gl.int32), axis=0) - 1
 
-    @gluon.jit
+    @_jit_unspecialised("num_seqs")  # as paged._paged_kernel's num_seqs
     def _paged_fwd_gluon(
         q_desc, k_desc, v_desc, O, LSE, block_tables, cu_seqlens_q, context_lens,
         stride_ot, stride_oh, stride_lt, stride_lh, stride_table,
