@@ -206,3 +206,20 @@ def test_gluon_descriptors_validated_once_per_shape():
     prefill_gluon._descriptor(cache[1:], [7 * 16, 2 * 64], strides, [16, 64])
     prefill_gluon._descriptor(cache, shape, strides, [8, 64])
     assert len(prefill_gluon._descriptor_fields) == 3
+
+
+def test_entries_keep_no_argument_alive(fake):
+    import gc
+    import weakref
+
+    fn, fk = fake
+    x, y = torch.randn(32), torch.randn(32)
+    refs = [weakref.ref(x), weakref.ref(y)]
+    fk[(1,)](x, 48, 0.5, True, y_ptr=y, BLOCK=128)
+    fn.log.clear()  # the stand-in's own log holds the call's arguments
+    del x, y
+    gc.collect()
+    assert all(r() is None for r in refs)
+    x2, y2 = torch.randn(32), torch.randn(32)
+    fk[(1,)](x2, 48, 0.5, True, y_ptr=y2, BLOCK=128)
+    assert fn.log[-1][0] == "hit" and fn.log[-1][4][0] is x2 and fn.log[-1][4][4] is y2

@@ -133,8 +133,11 @@ class FastKernel:
         bound = self._signature.bind(*args, **params)
         bound.apply_defaults()
         runtime_kw = tuple((self._position[k], k) for k in params if k in self._runtime_names)
-        self._entries[key] = _Entry(kernel, list(bound.arguments.values()), len(args), runtime_kw,
-                                    _triton_key(self.fn, args, kwargs))
+        template = list(bound.arguments.values())
+        # a hit brings its own runtime arguments: the template keeps none of this call's tensors alive
+        for pos in (*range(len(args)), *(p for p, _ in runtime_kw)):
+            template[pos] = None
+        self._entries[key] = _Entry(kernel, template, len(args), runtime_kw, _triton_key(self.fn, args, kwargs))
         return kernel
 
     def __len__(self) -> int:
