@@ -271,7 +271,9 @@ def _worklist_row(n, ends, seq, BLOCK_B: tl.constexpr):
     return tl.reduce((tl.where(mine, n, 0), tl.where(mine, ends - n, 0)), 0, _sum2)
 
 
-@triton.jit
+# num_splits unspecialised: it follows the batch size, and Triton would compile a variant for 1, for
+# multiples of 16 and for the rest (a stall mid-serving); SPLIT says whether it is 1
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     Q, K_cache, V_cache, block_tables, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -464,7 +466,7 @@ def _store_output(O, LSE, row64, heads, head_ok, offs_d, out, l_i, m_i, l_safe,
         tl.store(LSE + row64 * stride_lb + heads.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # as _decode_kernel
 def _decode_reduce(
     O_partial, LSE_partial, O, LSE,
     stride_ob, stride_oh,

@@ -296,9 +296,9 @@ def invariant_reduce(
         tl.store(LSE + tok * stride_lt + head * stride_lh, lse, mask=ok)
 
 
-# num_seqs unspecialised: a server's batches take every value, and Triton would compile a variant for
-# 1, for multiples of 16 and for the rest
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and num_splits unspecialised: a server's batches take every value, and Triton would compile
+# a variant for 1, for multiples of 16 and for the rest (SPLIT says whether num_splits is 1)
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_kernel(
     Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
@@ -480,7 +480,7 @@ def _slot_seq(cu_seqlens_q, num_seqs, slot, BLOCK_Q: tl.constexpr, SEARCH: tl.co
     return coarse * step + tl.sum((ok2 & (start2 <= slot)).to(tl.int32), 0) - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # as _paged_kernel
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])  # as _paged_kernel
 def _paged_long_kernel(
     Q, K_cache, V_cache, block_tables, cu_seqlens_q, context_lens,
     O, LSE, O_partial, LSE_partial, K_scale, V_scale,
