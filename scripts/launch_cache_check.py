@@ -19,6 +19,7 @@ import torch
 
 def _cases(dev, dt):
     from minipaged import registry
+    from triton_launch_profile import mixed_step_inputs  # this script's folder
 
     Hq, Hkv, D, page = 16, 8, 128, 16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -44,17 +45,10 @@ def _cases(dev, dt):
     lens8 = torch.full((1,), 1000, dtype=torch.int32, device=dev)
     dec8 = registry.resolve("decode", "cuda", "triton").op("decode")
 
-    ctx = [1024] + [600 + 17 * i for i in range(15)]
-    qlens = [256] + [1] * 15
-    width = max(-(-c // page) for c in ctx)
-    tabm = torch.randperm(nblk, device=dev, generator=g)[: 16 * width].int().reshape(16, width)
-    qm = torch.randn(sum(qlens), Hq, D, device=dev, dtype=dt, generator=g)
-    cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=dev)
-    lensm = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    qm, tabm, cu, lensm = mixed_step_inputs(dev, dt, Hq, D, page, nblk, g)
 
     k_new = torch.randn(272, Hkv, D, device=dev, dtype=dt, generator=g)
     v_new = torch.randn_like(k_new)
-    slots = torch.randperm(nblk * page, device=dev, generator=g)[:272]
     kw, vw = torch.zeros_like(kc[:64]), torch.zeros_like(vc[:64])
     slots_w = torch.randperm(64 * page, device=dev, generator=g)[:272]
 
@@ -68,7 +62,6 @@ def _cases(dev, dt):
     qp = torch.randn(sum(seqs), Hq, D, device=dev, dtype=dt, generator=g)
     kp = torch.randn(sum(seqs), Hkv, D, device=dev, dtype=dt, generator=g)
     vp = torch.randn_like(kp)
-    del slots
     return {
         "decode B=1 L=4k": decode_case(1, 4096),
         "decode B=8 L=1k": decode_case(8, 1000),

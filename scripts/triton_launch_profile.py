@@ -99,6 +99,18 @@ def _launch_costs(fn, args, kwargs, n: int) -> dict:
     return row
 
 
+def mixed_step_inputs(dev, dt, num_q_heads: int, head_dim: int, page: int, num_blocks: int, gen):
+    """A mixed paged step's (q [Tq, Hq, D], block_tables, cu_seqlens_q, context_lens): one chunk of
+    256 queries over 1024 keys, then 15 single-query decodes over 600..838 keys, random pages."""
+    ctx = [1024] + [600 + 17 * i for i in range(15)]
+    qlens = [256] + [1] * 15
+    width = max(-(-c // page) for c in ctx)
+    tables = torch.randperm(num_blocks, device=dev, generator=gen)[: 16 * width].int().reshape(16, width)
+    q = torch.randn(sum(qlens), num_q_heads, head_dim, device=dev, dtype=dt, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=dev)
+    return q, tables, cu, torch.tensor(ctx, dtype=torch.int32, device=dev)
+
+
 def _profile(call, n: int, top: int = 18) -> str:
     pr = cProfile.Profile()
     pr.enable()
@@ -136,14 +148,7 @@ def main(argv=None) -> int:
     lens1 = torch.full((1,), 4096, dtype=torch.int32, device=dev)
     dec = b.op("decode")
 
-    # mixed paged step: one chunk of 256 queries over 1024 keys, then 15 single-query decodes
-    ctx = [1024] + [600 + 17 * i for i in range(15)]
-    qlens = [256] + [1] * 15
-    width = max(-(-c // page) for c in ctx)
-    tabm = torch.randperm(nblk, device=dev, generator=g)[: 16 * width].int().reshape(16, width)
-    qm = torch.randn(sum(qlens), Hq, D, device=dev, dtype=dt, generator=g)
-    cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32, device=dev)
-    lensm = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    qm, tabm, cu, lensm = mixed_step_inputs(dev, dt, Hq, D, page, nblk, g)
     paged = registry.resolve("paged", "cuda", "triton").op("paged")
 
     # write 272 tokens
