@@ -171,7 +171,7 @@ def test_numpy_sampling_numbers_are_numbers():
 
 
 def test_block_table_widths_are_padded_to_a_multiple_of_16():
-    """Eager paged and decode steps pass block tables whose row stride is a multiple of 16 columns
+    """On a GPU, eager paged and decode steps pass block tables whose row stride is a multiple of 16 columns
     whatever the batch's longest sequence (Triton would compile another kernel variant for each
     stride class: 1, divisible by 16, other), padded with -1 past each row's own pages; outputs
     match an engine run one request at a time."""
@@ -179,6 +179,8 @@ def test_block_table_widths_are_padded_to_a_multiple_of_16():
 
     torch.manual_seed(0)
     eng = Engine(_TINY, device="cpu", backend="torch", num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    assert eng.runner.table_multiple == 1  # on the CPU nothing compiles: no padding
+    eng.runner.table_multiple = runner_mod.TABLE_WIDTH_MULTIPLE  # what a GPU runner does
     widths = []
     forward = eng.runner.model.forward
 
@@ -194,3 +196,4 @@ def test_block_table_widths_are_padded_to_a_multiple_of_16():
     alone = [eng.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     assert outs == alone
     assert runner_mod.table_width(1) == 16 and runner_mod.table_width(16) == 16 and runner_mod.table_width(17) == 32
+    assert runner_mod.table_width(5, 1) == 5

@@ -28,15 +28,16 @@ from .sequence import Sequence
 log = logging.getLogger("minipaged.engine")
 
 
-# Block tables are padded to a multiple of this many columns (never read past a sequence's own
-# pages): Triton specialises a kernel on whether its int arguments are 1 or divisible by 16, so a
-# table row stride that tracked the batch's longest sequence would compile another variant of
-# every attention kernel whenever it changed class, mid-serving
+# On a GPU, block tables are padded to a multiple of this many columns (never read past a
+# sequence's own pages): Triton specialises a kernel on whether its int arguments are 1 or
+# divisible by 16, so a table row stride that tracked the batch's longest sequence would compile
+# another variant of every attention kernel whenever it changed class, mid-serving. On the CPU
+# (torch, or Triton's interpreter, which compiles nothing) the wider tables would only cost time.
 TABLE_WIDTH_MULTIPLE = 16
 
 
-def table_width(width: int) -> int:
-    return -(-max(width, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+def table_width(width: int, multiple: int = TABLE_WIDTH_MULTIPLE) -> int:
+    return -(-max(width, 1) // multiple) * multiple
 
 
 def _graph_batch_sizes(max_bs: int) -> list[int]:
@@ -58,6 +59,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[int, torch.Tensor] = {}
         self.use_cuda_graph = bool(use_cuda_graph) and self.device.type == "cuda"
+        self.table_multiple = TABLE_WIDTH_MULTIPLE if self.device.type == "cuda" else 1
         self.graph_error: str | None = None
         self._graphs_ready = False
 
@@ -98,7 +100,7 @@ class ModelRunner:
             meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                                      calibrate_kv=calibrate_kv)
         else:
-            width = table_width(max(len(t) for t in tables))
+            width = table_width(max(len(t) for t in tables), self.table_multiple)
             meta = AttentionMetadata(
                 "paged", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                 block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
@@ -123,7 +125,7 @@ class ModelRunner:
             ctx.append(p + 1)
             tables.append(table)
         width = max(len(t) for t in tables)
-        tables = [t + [-1] * (table_width(width) - len(t)) for t in tables]
+        tables = [t + [-1] * (table_width(width, self.table_multiple) - len(t)) for t in tables]
         return ids, positions, slots, ctx, tables, width
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -156,7 +158,7 @@ class ModelRunner:
         return self.use_cuda_graph and self._graphs_ready
 
     def _alloc_static(self) -> None:
-        dev, n, w = self.device, self.max_num_seqs, table_width(self.max_blocks_per_seq)
+        dev, n, w = self.device, self.max_num_seqs, table_width(self.max_blocks_per_seq, self.table_multiple)
         self.s_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.s_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.s_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)

@@ -308,9 +308,9 @@ def _reduce_splits(o_partial, lse_partial, out, lse_arg, lse_strides, rows: int,
     and its key tile block_n), merged in chunks of up to 16 splits."""
     extra = {} if cu_seqlens_q is None else {"cu_seqlens_q": cu_seqlens_q, "PACKED_Q": True}
     chunk = triton.next_power_of_2(num_splits)
-    if cu_seqlens_q is not None:
+    if cu_seqlens_q is not None and not configs.interpreting():
         # a mixed step's split count follows its batch: at least 16 lanes (masked) keeps the
-        # variants compiled mid-serving to a few
+        # variants compiled mid-serving to a few (the interpreter compiles nothing and pays per lane)
         chunk = max(chunk, 16)
     if context_lens is not None:
         extra.update(context_lens=context_lens, WORKLIST=True, BLOCK_B=triton.next_power_of_2(rows), BLOCK_N=block_n)
