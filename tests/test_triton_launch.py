@@ -223,3 +223,10 @@ def test_entries_keep_no_argument_alive(fake):
     x2, y2 = torch.randn(32), torch.randn(32)
     fk[(1,)](x2, 48, 0.5, True, y_ptr=y2, BLOCK=128)
     assert fn.log[-1][0] == "hit" and fn.log[-1][4][0] is x2 and fn.log[-1][4][4] is y2
+
+
+def test_a_tensor_never_shares_a_key_with_an_int():
+    t = torch.empty(8, dtype=torch.float16)
+    tensor_key = launch.launch_key((t,), {})[0]
+    assert launch.launch_key((int(tensor_key),), {}) != launch.launch_key((t,), {})
+    assert launch.launch_key((int(tensor_key) + 1,), {}) != launch.launch_key((t,), {})

@@ -45,24 +45,24 @@ def _other_class(a):
         return type(a)
     base = getattr(a, "base", None)
     if isinstance(base, _Tensor) and hasattr(a, "block_shape"):
-        return (type(a), id(base.dtype) * 2 + (base.data_ptr() % 16 == 0), tuple(a.block_shape),
+        return (type(a), id(base.dtype) * 2 + (base.data_ptr() % 16 == 0) + 0.5, tuple(a.block_shape),
                 getattr(a, "layout", None), tuple(a.shape), tuple(a.strides), getattr(a, "padding", None))
     raise TypeError(f"no launch-cache class for {type(a).__name__}")
 
 
 def launch_key(args: tuple, kwargs: dict, runtime_names: frozenset = frozenset()) -> tuple:
     """The cache key of a call without its device (see the module docstring; torch dtypes are
-    singletons, so a dtype counts by id). runtime_names: the kernel's non-constexpr parameters
-    (keyword arguments not among them are hashed as they are). TypeError: an argument this cache
-    does not handle."""
-    key = [a if type(a) is int else id(a.dtype) * 2 + (a.data_ptr() % 16 == 0) if isinstance(a, _Tensor)
+    singletons, so a dtype counts by id, and a tensor's class ends in .5, so it never equals an
+    int's value). runtime_names: the kernel's non-constexpr parameters (keyword arguments not
+    among them are hashed as they are). TypeError: an argument this cache does not handle."""
+    key = [a if type(a) is int else id(a.dtype) * 2 + (a.data_ptr() % 16 == 0) + 0.5 if isinstance(a, _Tensor)
            else _other_class(a) for a in args]
     if runtime_names.isdisjoint(kwargs):
         key.append(tuple(kwargs.items()))
     else:
         for name, v in kwargs.items():
             key.append(name)
-            key.append(id(v.dtype) * 2 + (v.data_ptr() % 16 == 0) if isinstance(v, _Tensor)
+            key.append(id(v.dtype) * 2 + (v.data_ptr() % 16 == 0) + 0.5 if isinstance(v, _Tensor)
                        else v if name not in runtime_names or type(v) is int else _other_class(v))
     return tuple(key)
 
