@@ -100,11 +100,9 @@ class ModelRunner:
             meta = AttentionMetadata("prefill", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
                                      calibrate_kv=calibrate_kv)
         else:
-            width = table_width(max(len(t) for t in tables), self.table_multiple)
             meta = AttentionMetadata(
                 "paged", slot_mapping, cu_seqlens=cu_seqlens, max_seqlen_q=max_q,
-                block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                          device=dev),
+                block_tables=torch.tensor(self._padded_tables(tables), dtype=torch.int32, device=dev),
                 context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), calibrate_kv=calibrate_kv)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta, self.cache)
         if not last_rows:
@@ -124,9 +122,13 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             ctx.append(p + 1)
             tables.append(table)
-        width = max(len(t) for t in tables)
-        tables = [t + [-1] * (table_width(width, self.table_multiple) - len(t)) for t in tables]
-        return ids, positions, slots, ctx, tables, width
+        return ids, positions, slots, ctx, self._padded_tables(tables), max(len(t) for t in tables)
+
+    def _padded_tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """The rows of a step's block table, -1 past each sequence's pages, as wide as the longest
+        (rounded up to table_multiple columns)."""
+        width = table_width(max(len(t) for t in tables), self.table_multiple)
+        return [t + [-1] * (width - len(t)) for t in tables]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] (fp32) for the next token of each sequence."""

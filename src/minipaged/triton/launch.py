@@ -200,7 +200,7 @@ _wrappers: dict = {}
 
 
 def fast(fn) -> FastKernel:
-    """The FastKernel of a JITFunction, made once: `fast(kernel).launch(...)` at a launch site
+    """The FastKernel of a JITFunction, made once: `fast(kernel)[grid](...)` at a launch site
     keeps the module's kernel attribute itself a JITFunction (or whatever a test put there,
     which then runs as it is)."""
     wrapper = _wrappers.get(fn)
