@@ -60,14 +60,16 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def triton_variants() -> int:
-    """Compiled variants held by minipaged's Triton kernels (every device): a rise during a timed
-    run is a JIT compile (or a disk-cache load) the run waited for."""
+def triton_variant_keys() -> set[tuple[str, str]]:
+    """(kernel name, Triton's cache key) of every compiled variant held by minipaged's Triton kernels
+    (every device). A key that appears during a run is a JIT compile (or a disk-cache load) the run
+    waited for; its text names the specialisation (int classes, tensor alignment, constexprs) that
+    was new."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
-        return 0
-    seen, n = set(), 0
+        return set()
+    seen, keys = set(), set()
     for name, mod in list(sys.modules.items()):
         if not name.startswith("minipaged.triton") or mod is None:
             continue
@@ -76,8 +78,19 @@ def triton_variants() -> int:
             fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
             if isinstance(fn, JITFunction) and id(fn) not in seen:
                 seen.add(id(fn))
-                n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
-    return n
+                for device, cache in getattr(fn, "device_caches", {}).items():
+                    keys.update((f"{fn.__name__}@{device}", str(key)) for key in cache[0])
+    return keys
+
+
+def triton_variants() -> int:
+    """How many compiled variants minipaged's Triton kernels hold (triton_variant_keys)."""
+    return len(triton_variant_keys())
+
+
+def _new_variants(before: set, after: set) -> list[str]:
+    """The variants compiled between two triton_variant_keys() readings, as "kernel: key" lines."""
+    return [f"{name}: {key}" for name, key in sorted(after - before)]
 
 
 INVARIANT_SUFFIX = "-invariant"
@@ -169,21 +182,22 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     # lengths on other tokens: the same steps, so the Triton compiles the warm-up missed happen
     # there; its time and compile count are reported as the cold run
     eng.warmup()
-    compiled = triton_variants()
+    keys = triton_variant_keys()
     t0 = time.perf_counter()
     eng.generate(_other_tokens(prompts, cfg.vocab_size), max_new_tokens=outs, ignore_eos=True)
     _sync()
-    cold_s, cold_compiles = time.perf_counter() - t0, triton_variants() - compiled
-    compiled = triton_variants()
+    cold_s, cold_new = time.perf_counter() - t0, _new_variants(keys, triton_variant_keys())
+    keys = triton_variant_keys()
     t0 = time.perf_counter()
     out = eng.generate(prompts, max_new_tokens=outs, ignore_eos=True)  # each request its own length
     _sync()
     t = time.perf_counter() - t0
+    new = _new_variants(keys, triton_variant_keys())
     produced = sum(len(o) for o in out)
     row = dict(workload="throughput", requests=n_req, prompt_range=[lo, hi], output_range=[lo, hi],
                engine_tok_s=produced / t, engine_s=t, generated_tokens=produced,
-               prompt_tokens=sum(map(len, prompts)), triton_compiles=triton_variants() - compiled,
-               cold_tok_s=produced / cold_s, cold_triton_compiles=cold_compiles)
+               prompt_tokens=sum(map(len, prompts)), triton_compiles=len(new), triton_compiled=new,
+               cold_tok_s=produced / cold_s, cold_triton_compiles=len(cold_new), cold_triton_compiled=cold_new)
     del eng
     torch.cuda.empty_cache()
     if hf is not None and hf_requests > 0:
@@ -309,16 +323,16 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
     for _ in range(n_req):
         t += rnd.expovariate(rate)
         cold_arrive.append(t)
-    compiled, caches = triton_variants(), _host_caches()
+    keys, caches = triton_variant_keys(), _host_caches()
     _, cold = serve_arrivals(eng, _other_tokens(prompts, cfg.vocab_size), outs, cold_arrive)
-    cold_compiles, cold_caches = triton_variants() - compiled, _grown(caches, _host_caches())
+    cold_new, cold_caches = _new_variants(keys, triton_variant_keys()), _grown(caches, _host_caches())
     cold_ttft = [r["token_s"][0] - r["arrival_s"] for r in cold]
     _sync()
     steps = []
-    compiled, caches = triton_variants(), _host_caches()
+    keys, caches = triton_variant_keys(), _host_caches()
     with gc_pauses() as gcs:
         out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
-    compiled, caches = triton_variants() - compiled, _grown(caches, _host_caches())
+    new, caches = _new_variants(keys, triton_variant_keys()), _grown(caches, _host_caches())
     ttft = [r["token_s"][0] - r["arrival_s"] for r in rec]
     itl = [b - a for r in rec for a, b in zip(r["token_s"], r["token_s"][1:])]
     span = max(r["token_s"][-1] for r in rec)
@@ -330,9 +344,11 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
                 ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
                 itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
                 last_arrival_s=arrive[-1], steps=len(steps), step_p50_s=percentile(steps, 50),
-                step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps), triton_compiles=compiled,
+                step_max_s=max(steps), steps_over_100ms=sum(t > 0.1 for t in steps),
+                triton_compiles=len(new), triton_compiled=new,
                 cold_ttft_p50_s=percentile(cold_ttft, 50), cold_ttft_p99_s=percentile(cold_ttft, 99),
-                cold_triton_compiles=cold_compiles, host_cache_growth=caches, cold_host_cache_growth=cold_caches,
+                cold_triton_compiles=len(cold_new), cold_triton_compiled=cold_new,
+                host_cache_growth=caches, cold_host_cache_growth=cold_caches,
                 slowest_steps_s=sorted(steps)[-8:], gc_pause_total_s=gcs["total_s"], gc_pause_max_s=gcs["max_s"],
                 gc_collections=gcs["collections"])
 

@@ -8,6 +8,12 @@ from hypothesis import HealthCheck, settings
 # on before anything imports triton, and this file is imported first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter re-patches triton.language on every device-function call; once per launch is
+# enough (interpreter_patch_once.py). MINIPAGED_TEST_INTERPRETER_PATCH=0 keeps Triton's own way.
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MINIPAGED_TEST_INTERPRETER_PATCH", "1") != "0":
+    import interpreter_patch_once
+
+    interpreter_patch_once.install()
 
 # Every profile: no deadline (first calls compile kernels) and no health checks
 # that trip on large tensors or slow interpreted Triton.

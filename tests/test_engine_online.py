@@ -324,7 +324,7 @@ def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
     from triton.runtime.jit import JITFunction
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    from bench_serving import triton_variants
+    from bench_serving import _new_variants, triton_variant_keys, triton_variants
 
     def kernel(x):
         pass
@@ -338,9 +338,11 @@ def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
     mod = types.ModuleType("minipaged.triton._fake_kernels")
     # the same kernel twice counts once; an autotuner holds its JITFunction in .fn
     mod.kernel, mod.again, mod.tuned = jit, jit, types.SimpleNamespace(fn=inner)
-    before = triton_variants()
+    before, keys = triton_variants(), triton_variant_keys()
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     assert triton_variants() - before == 4
+    # the new variants are named by kernel, device and key
+    assert _new_variants(keys, triton_variant_keys()) == ["kernel@0: a", "kernel@0: b", "kernel@1: c", "tuned@0: d"]
 
 
 def test_bench_serving_gc_pauses_are_counted():
