@@ -60,6 +60,10 @@ def _sync():
         torch.cuda.synchronize()
 
 
+# kernel name -> its argument names, as triton_variant_keys() found them (for _new_variants)
+_ARG_NAMES: dict[str, tuple[str, ...]] = {}
+
+
 def triton_variant_keys() -> set[tuple[str, str]]:
     """(kernel name, Triton's cache key) of every compiled variant held by minipaged's Triton kernels
     (every device). A key that appears during a run is a JIT compile (or a disk-cache load) the run
@@ -78,6 +82,7 @@ def triton_variant_keys() -> set[tuple[str, str]]:
             fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
             if isinstance(fn, JITFunction) and id(fn) not in seen:
                 seen.add(id(fn))
+                _ARG_NAMES[fn.__name__] = tuple(getattr(fn, "arg_names", ()))
                 for device, cache in getattr(fn, "device_caches", {}).items():
                     keys.update((f"{fn.__name__}@{device}", str(key)) for key in cache[0])
     return keys
@@ -88,9 +93,45 @@ def triton_variants() -> int:
     return len(triton_variant_keys())
 
 
+def _key_fields(key: str) -> list | None:
+    """The per-argument part of a Triton cache key's text (a list of (type, specialisation) pairs, then
+    the options), or None where the text has another form."""
+    import ast
+
+    head = key.split("]{", 1)[0] + "]" if "]{" in key else key
+    try:
+        fields = ast.literal_eval(head)
+    except (ValueError, SyntaxError):
+        return None
+    return fields if isinstance(fields, list) else None
+
+
 def _new_variants(before: set, after: set) -> list[str]:
-    """The variants compiled between two triton_variant_keys() readings, as "kernel: key" lines."""
-    return [f"{name}: {key}" for name, key in sorted(after - before)]
+    """The variants compiled between two triton_variant_keys() readings, one line each: the kernel,
+    then the arguments in which the new variant differs from the closest one it already had (names
+    from the kernel's signature; an int's specialisation: "D" a multiple of 16, "" none, None
+    unspecialised), or its whole key where it had none."""
+    lines = []
+    for name, key in sorted(after - before):
+        fields = _key_fields(key)
+        kernel = name.split("@")[0]
+        names = _ARG_NAMES.get(kernel, ())
+        best = None
+        for other_name, other in after:
+            other_fields = _key_fields(other) if other_name == name and other != key else None
+            if fields is None or other_fields is None or len(other_fields) != len(fields):
+                continue
+            diff = [i for i, (a, b) in enumerate(zip(fields, other_fields)) if a != b]
+            if diff and (best is None or len(diff) < len(best[0])):
+                best = (diff, other_fields)
+        if best is None:
+            lines.append(f"{name}: {key}")
+            continue
+        diff, other_fields = best
+        what = ", ".join(f"{names[i] if i < len(names) else i}={fields[i][1]!r} (had {other_fields[i][1]!r})"
+                         for i in diff)
+        lines.append(f"{name}: {what}")
+    return lines
 
 
 INVARIANT_SUFFIX = "-invariant"

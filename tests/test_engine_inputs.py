@@ -117,6 +117,13 @@ def test_warmup_runs_every_step_kind(kw):
     mixed = [p for p in plans if any(d for _, _, d in p) and any(not d for _, _, d in p)]
     tails = [p for p in plans if any(s > 0 and not d for s, _, d in p)]
     assert decode_only and packed and mixed, plans
+    # A whole budget of prompt (half the cache at most: the rest decodes) next to one decode, and next
+    # to as many decodes as the cache holds: the long-chunk and the batch-filling kernel variants.
+    budget = eng.max_num_batched_tokens
+    chunk = min(budget, min(eng.max_model_len, 32 * 4) // 2)
+    full = {sum(d for _, _, d in p) for p in mixed
+            if any(not d and n == min(chunk, budget - sum(d for _, _, d in p)) for _, n, d in p)}
+    assert 1 in full and max(full) >= 2, plans
     if kw.get("enable_prefix_caching", True) or "max_num_batched_tokens" in kw:
         assert tails, plans  # a cached prefix's tail, or a chunk after the first
     c = eng.cache

@@ -326,7 +326,7 @@ def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     from bench_serving import _new_variants, triton_variant_keys, triton_variants
 
-    def kernel(x):
+    def kernel(x, n, BLOCK: "tl.constexpr", SPLIT: "tl.constexpr"):
         pass
 
     def tuned(x):
@@ -343,6 +343,16 @@ def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
     assert triton_variants() - before == 4
     # the new variants are named by kernel, device and key
     assert _new_variants(keys, triton_variant_keys()) == ["kernel@0: a", "kernel@0: b", "kernel@1: c", "tuned@0: d"]
+    # keys in Triton's text form: a new variant is told by the arguments in which it differs from the
+    # closest variant the kernel had (by name)
+    old = str([("*bf16", "D"), ("i32", ""), ("constexpr", 64), ("constexpr", False)]) + "{'num_warps': 4}"
+    new = str([("*bf16", "D"), ("i32", "D"), ("constexpr", 64), ("constexpr", True)]) + "{'num_warps': 4}"
+    far = str([("*bf16", ""), ("i32", "D"), ("constexpr", 32), ("constexpr", False)]) + "{'num_warps': 4}"
+    jit.device_caches = {0: ({old: 1, far: 2}, None, None, None, None)}
+    mod.kernel, mod.again, mod.tuned = jit, jit, jit
+    keys = triton_variant_keys()
+    jit.device_caches[0][0][new] = 3
+    assert _new_variants(keys, triton_variant_keys()) == ["kernel@0: n='D' (had ''), SPLIT=True (had False)"]
 
 
 def test_bench_serving_gc_pauses_are_counted():

@@ -723,8 +723,10 @@ class Engine:
         It runs the step kinds a server meets: a batch of short prompts (prefill, then decode steps
         in graphs); a prompt that joins while another request decodes (a mixed step), in chunks
         when the token budget is smaller than it; and, with prefix caching on, the same prompt
-        again, whose tail then attends over cached pages. Triton still compiles a variant the first
-        time a new shape class reaches one of its kernels. fp8 scales that the warm-up set are
+        again, whose tail then attends over cached pages; and a prompt of a whole token budget
+        (half the cache at most) joining one decode, then joining as many decodes as
+        max_num_seqs and the cache allow. Triton still compiles a variant the first time a shape
+        class the warm-up missed reaches one of its kernels. fp8 scales that the warm-up set are
         released: the next real prompt sets them."""
         self._check_no_online_requests("warmup()")
         recalibrate = self._calibrate_kv
@@ -747,10 +749,42 @@ class Engine:
             self.add_request([2] * long_len, 1, ignore_eos=True)
             while self.has_unfinished_requests():
                 self.step()
+        # Mixed steps of a whole token budget of prompt next to one decode and next to as many as
+        # the engine holds: the paged kernels pick other variants for a long chunk (Gluon's and the
+        # long kernel's tiles, the decode part's packed queries) and for a batch that fills the GPU
+        # (no split), and Triton would otherwise compile them under the first busy step.
+        chunk_len = max(1, min(room // 2, self.max_num_batched_tokens))  # half the room: the rest decodes
+        if chunk_len > long_len:
+            self._warm_mixed_step(1, prompt_len, chunk_len)
+        self._warm_mixed_step(self.max_num_seqs - 1, prompt_len, chunk_len)
         self._calibrate_kv = recalibrate
         self.stats = GenerateStats()
         if recalibrate:
             self.cache.reset_prefix_cache()  # blocks named under the warm-up scales
+
+    def _warm_mixed_step(self, decodes: int, prompt_len: int, chunk_len: int) -> None:
+        """warmup(): up to `decodes` requests of prompt_len tokens prefill and start decoding, then a
+        prompt of chunk_len tokens joins them; as many decodes as the cache holds beside it."""
+        bs, budget = self.cache.block_size, self.max_num_batched_tokens
+        chunk_blocks = -(-(chunk_len + 1) // bs)
+        while True:
+            # enough new tokens that the first requests admitted still decode when the chunk comes
+            prefill_steps = -(-decodes * prompt_len // budget)
+            new = min(prefill_steps + 3, self.max_model_len - prompt_len)
+            fit = (self.cache.num_blocks - chunk_blocks) // -(-(prompt_len + new) // bs)
+            if fit >= decodes:
+                break
+            decodes = fit
+        if decodes < 1 or new < 2:
+            return
+        for _ in range(decodes):
+            self.add_request([3 % self.config.vocab_size] * prompt_len, new, ignore_eos=True)
+        for _ in range(prefill_steps):
+            self.step()
+        # (a prompt of its own per call: with prefix caching on, an earlier call's would be a hit)
+        self.add_request([(4 + min(decodes, 2)) % self.config.vocab_size] * chunk_len, 1, ignore_eos=True)
+        while self.has_unfinished_requests():
+            self.step()
 
     # ------------------------------------------------------------------ testing aid
     @torch.inference_mode()
