@@ -109,8 +109,8 @@ def _key_fields(key: str) -> list | None:
 def _new_variants(before: set, after: set) -> list[str]:
     """The variants compiled between two triton_variant_keys() readings, one line each: the kernel,
     then the arguments in which the new variant differs from the closest one it already had (names
-    from the kernel's signature; an int's specialisation: "D" a multiple of 16, "" none, None
-    unspecialised), or its whole key where it had none."""
+    from the kernel's signature; the specialisation where that differs, an int's: "D" a multiple of
+    16, "" none, None unspecialised; else the type), or its whole key where it had none."""
     lines = []
     for name, key in sorted(after - before):
         fields = _key_fields(key)
@@ -128,8 +128,10 @@ def _new_variants(before: set, after: set) -> list[str]:
             lines.append(f"{name}: {key}")
             continue
         diff, other_fields = best
-        what = ", ".join(f"{names[i] if i < len(names) else i}={fields[i][1]!r} (had {other_fields[i][1]!r})"
-                         for i in diff)
+        # the specialisation where it differs, else the type (a dtype, say)
+        part = [1 if fields[i][1] != other_fields[i][1] else 0 for i in range(len(fields))]
+        what = ", ".join(f"{names[i] if i < len(names) else i}={fields[i][part[i]]!r} "
+                         f"(had {other_fields[i][part[i]]!r})" for i in diff)
         lines.append(f"{name}: {what}")
     return lines
 

@@ -353,6 +353,10 @@ def test_bench_serving_counts_compiled_triton_variants(monkeypatch):
     keys = triton_variant_keys()
     jit.device_caches[0][0][new] = 3
     assert _new_variants(keys, triton_variant_keys()) == ["kernel@0: n='D' (had ''), SPLIT=True (had False)"]
+    keys = triton_variant_keys()
+    fp32 = str([("*fp32", "D"), ("i32", ""), ("constexpr", 64), ("constexpr", False)]) + "{'num_warps': 4}"
+    jit.device_caches[0][0][fp32] = 4
+    assert _new_variants(keys, triton_variant_keys()) == ["kernel@0: x='*fp32' (had '*bf16')"]
 
 
 def test_bench_serving_gc_pauses_are_counted():

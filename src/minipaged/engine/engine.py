@@ -724,9 +724,9 @@ class Engine:
         in graphs); a prompt that joins while another request decodes (a mixed step), in chunks
         when the token budget is smaller than it; and, with prefix caching on, the same prompt
         again, whose tail then attends over cached pages; and a prompt of a whole token budget
-        (half the cache at most) joining one decode, then joining as many decodes as
-        max_num_seqs and the cache allow. Triton still compiles a variant the first time a shape
-        class the warm-up missed reaches one of its kernels. fp8 scales that the warm-up set are
+        (half the cache at most) joining one decode, then it and the medium prompt joining as
+        many decodes as max_num_seqs and the cache allow. Triton still compiles a variant the
+        first time a shape class the warm-up missed reaches one of its kernels. fp8 scales that the warm-up set are
         released: the next real prompt sets them."""
         self._check_no_online_requests("warmup()")
         recalibrate = self._calibrate_kv
@@ -755,34 +755,42 @@ class Engine:
         # (no split), and Triton would otherwise compile them under the first busy step.
         chunk_len = max(1, min(room // 2, self.max_num_batched_tokens))  # half the room: the rest decodes
         if chunk_len > long_len:
-            self._warm_mixed_step(1, prompt_len, chunk_len)
-        self._warm_mixed_step(self.max_num_seqs - 1, prompt_len, chunk_len)
+            self._warm_mixed_step(1, prompt_len, [chunk_len])
+        # (and the warm-up's medium prompt again, beside a full batch: the paged long kernel's tiles)
+        self._warm_mixed_step(self.max_num_seqs - 1, prompt_len, sorted({chunk_len, min(long_len, chunk_len)}))
         self._calibrate_kv = recalibrate
         self.stats = GenerateStats()
         if recalibrate:
             self.cache.reset_prefix_cache()  # blocks named under the warm-up scales
 
-    def _warm_mixed_step(self, decodes: int, prompt_len: int, chunk_len: int) -> None:
-        """warmup(): up to `decodes` requests of prompt_len tokens prefill and start decoding, then a
-        prompt of chunk_len tokens joins them; as many decodes as the cache holds beside it."""
+    def _warm_mixed_step(self, decodes: int, prompt_len: int, chunk_lens: Seq[int]) -> None:
+        """warmup(): up to `decodes` requests of prompt_len tokens prefill and start decoding, then
+        prompts of chunk_lens tokens join them one after the other (as many decodes as the cache
+        holds beside the longest)."""
         bs, budget = self.cache.block_size, self.max_num_batched_tokens
-        chunk_blocks = -(-(chunk_len + 1) // bs)
+        chunk_blocks = -(-(max(chunk_lens) + 1) // bs)
+        decodes = min(decodes, budget - 1)  # a token of the budget left for the chunk
         while True:
-            # enough new tokens that the first requests admitted still decode when the chunk comes
+            # enough new tokens that the first requests admitted still decode when the last chunk comes
             prefill_steps = -(-decodes * prompt_len // budget)
-            new = min(prefill_steps + 3, self.max_model_len - prompt_len)
+            chunk_steps = sum(-(-n // max(1, budget - decodes)) for n in chunk_lens)
+            new = min(prefill_steps + chunk_steps + 3, self.max_model_len - prompt_len)
             fit = (self.cache.num_blocks - chunk_blocks) // -(-(prompt_len + new) // bs)
-            if fit >= decodes:
+            if fit >= decodes or decodes < 1:
                 break
-            decodes = fit
+            decodes = max(fit, decodes // 2)  # fewer decodes need fewer new tokens each
         if decodes < 1 or new < 2:
             return
         for _ in range(decodes):
             self.add_request([3 % self.config.vocab_size] * prompt_len, new, ignore_eos=True)
         for _ in range(prefill_steps):
             self.step()
-        # (a prompt of its own per call: with prefix caching on, an earlier call's would be a hit)
-        self.add_request([(4 + min(decodes, 2)) % self.config.vocab_size] * chunk_len, 1, ignore_eos=True)
+        for i, n in enumerate(chunk_lens):
+            # (a prompt of its own each: with prefix caching on, an earlier one's would be a hit)
+            rid = self.add_request([(4 + 2 * min(decodes, 2) + i) % self.config.vocab_size] * n, 1,
+                                   ignore_eos=True)
+            while rid in self._online_seqs:
+                self.step()
         while self.has_unfinished_requests():
             self.step()
 
