@@ -7,7 +7,9 @@ its 32k keys in 8 programs while the GPU idles (the bench's one-long row, 0.11x 
 the device from context_lens (decode.py, WORKLIST). This times both on the standard decode grid
 (16-bit and fp8 caches), the two interleaved in each of --rounds rounds, same process, and
 prints work list / plain per row (--modes: also "worklist2", twice the work list's budget, and
-"default", configs.decode_worklist's own choice). --grid wide adds tables wider than their
+"default", configs.decode_worklist's own choice; "specialised", the default with num_splits
+specialised again in _decode_kernel and _decode_reduce, as before they left it to the runtime so
+that a serving batch's changing split count compiles nothing). --grid wide adds tables wider than their
 lengths (an engine's fixed-width tables), where the default takes the work list on shapes alone.
 
     PYTHONPATH=src python scripts/triton_decode_worklist_ab.py --json OUT.json [--rounds 2]
@@ -22,6 +24,7 @@ replays, cold L2 (read flush between replays), median of --reps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -43,7 +46,32 @@ from ab_report import finish  # noqa: E402 - scripts/ is on sys.path when a scri
 # (configs.decode_num_splits of one sequence), so a long sequence can take twice the splits
 # and equal lengths get twice the plain plan's
 # "default": no override, what configs.decode_worklist picks from the shapes
-MODES = {"plain": (0, 1), "worklist": (1, 1), "worklist2": (1, 2), "default": (None, 1)}
+MODES = {"plain": (0, 1), "worklist": (1, 1), "worklist2": (1, 2), "default": (None, 1), "specialised": (None, 1)}
+# "specialised": the decode kernels re-jitted without do_not_specialize (built once)
+_SPECIALISED: dict = {}
+
+
+@contextlib.contextmanager
+def _kernels(mode: str):
+    """The decode kernels `mode` launches, swapped into the triton backend for the block."""
+    if mode != "specialised":
+        yield
+        return
+    import triton
+
+    from minipaged.triton import decode, ops
+
+    if not _SPECIALISED:
+        for name in ("_decode_kernel", "_decode_reduce"):
+            _SPECIALISED[name] = triton.jit(getattr(decode, name).fn)
+    saved = {name: getattr(ops, name) for name in _SPECIALISED}
+    try:
+        for name, kernel in _SPECIALISED.items():
+            setattr(ops, name, kernel)
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(ops, name, kernel)
 
 
 def _overrides(mode: str, q, k_cache, block_tables) -> dict:
@@ -83,7 +111,7 @@ def _check(mode: str, fp8: bool, dtype, device) -> str:
     truth, truth_lse = testing.decode_ref(q, keys, vals)
     lowp, _ = testing.decode_ref(q, keys, vals, lowp=True)
     try:
-        with configs.overriding(**_overrides(mode, q, kc, bt)):
+        with configs.overriding(**_overrides(mode, q, kc, bt)), _kernels(mode):
             out, lse = mp.decode_attention(q, kc, vc, bt, cl, return_lse=True, backend="triton", **kw)
         testing.assert_close(out, truth, lowp, f"{mode} fp8={fp8}", lse=lse, truth_lse=truth_lse)
     except Exception as e:  # noqa: BLE001 - a mode that is wrong is reported, not timed
@@ -93,7 +121,7 @@ def _check(mode: str, fp8: bool, dtype, device) -> str:
 
 def _time(inputs, mode: str, device, reps: int) -> float:
     q, kc, vc, bt, cl, kw = inputs
-    with configs.overriding(**_overrides(mode, q, kc, bt)):
+    with configs.overriding(**_overrides(mode, q, kc, bt)), _kernels(mode):
         fn = lambda: mp.decode_attention(q, kc, vc, bt, cl, backend="triton", check_values=False, **kw)  # noqa: E731
         t = time_fn(fn, device=device, reps=reps, cuda_graph=device.type == "cuda", max_time_s=2.0)
     return t.median_ms * 1e3
