@@ -20,6 +20,8 @@ def test_lost_cuda_context_stops_the_session(pytester):
     # The culprit fails and nothing after it runs; an ordinary failure before it does not stop
     # the session.
     pytester.makeconftest(_CONFTEST.read_text())
+    # (the modules the conftest imports, beside it)
+    pytester.makepyfile(interpreter_patch_once=_CONFTEST.with_name("interpreter_patch_once.py").read_text())
     pytester.makepyfile(
         test_inner="""
         def test_a_plain_failure():
