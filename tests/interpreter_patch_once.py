@@ -4,9 +4,9 @@ The interpreter re-patches triton.language (inspect.getmembers over tl, tl.tenso
 on every call of a @triton.jit device function, not only once per launch. Inside a launch the
 language is already patched, so each of those re-patches only rewrites the same attributes again:
 for kernels that call helpers inside their loops (the paged and decode kernels) it was about a
-fifth of CPU test time. Here a device-function call whose language modules are already patched in
-the running launch skips the re-patch; a launch, or the first helper that sees a module not
-patched yet, goes through Triton's own code as before.
+quarter of the suite's CPU time, a third of the paged kernels' tests. Here a device-function call
+whose language modules are already patched in the running launch skips the re-patch; a launch,
+or the first helper that sees a module not patched yet, goes through Triton's own code as before.
 
 install() is a no-op when the interpreter lacks the functions this relies on (another Triton
 version), so tests then run at Triton's own speed rather than fail.

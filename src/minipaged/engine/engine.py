@@ -726,8 +726,8 @@ class Engine:
         again, whose tail then attends over cached pages; and a prompt of a whole token budget
         (half the cache at most) joining one decode, then it and the medium prompt joining as
         many decodes as max_num_seqs and the cache allow. Triton still compiles a variant the
-        first time a shape class the warm-up missed reaches one of its kernels. fp8 scales that the warm-up set are
-        released: the next real prompt sets them."""
+        first time a shape class the warm-up missed reaches one of its kernels. fp8 scales that
+        the warm-up set are released: the next real prompt sets them."""
         self._check_no_online_requests("warmup()")
         recalibrate = self._calibrate_kv
         # prompts shortened to what max_model_len and the cache hold, since a request that could
