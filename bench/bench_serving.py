@@ -60,13 +60,9 @@ def _sync():
         torch.cuda.synchronize()
 
 
-# kernel name -> its argument names, as triton_variant_keys() found them (for _new_variants)
-_ARG_NAMES: dict[str, tuple[str, ...]] = {}
-
-
-def triton_variant_keys() -> set[tuple[str, str]]:
-    """(kernel name, Triton's cache key) of every compiled variant held by minipaged's Triton kernels
-    (every device). A key that appears during a run is a JIT compile (or a disk-cache load) the run
+def triton_variant_keys() -> set[tuple[str, str, tuple[str, ...]]]:
+    """(kernel@device, Triton's cache key, the kernel's argument names) of every compiled variant
+    held by minipaged's Triton kernels (every device). A key that appears during a run is a JIT compile (or a disk-cache load) the run
     waited for; its text names the specialisation (int classes, tensor alignment, constexprs) that
     was new."""
     try:
@@ -82,9 +78,9 @@ def triton_variant_keys() -> set[tuple[str, str]]:
             fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
             if isinstance(fn, JITFunction) and id(fn) not in seen:
                 seen.add(id(fn))
-                _ARG_NAMES[fn.__name__] = tuple(getattr(fn, "arg_names", ()))
+                names = tuple(getattr(fn, "arg_names", ()))
                 for device, cache in getattr(fn, "device_caches", {}).items():
-                    keys.update((f"{fn.__name__}@{device}", str(key)) for key in cache[0])
+                    keys.update((f"{fn.__name__}@{device}", str(key), names) for key in cache[0])
     return keys
 
 
@@ -112,12 +108,10 @@ def _new_variants(before: set, after: set) -> list[str]:
     from the kernel's signature; the specialisation where that differs, an int's: "D" a multiple of
     16, "" none, None unspecialised; else the type), or its whole key where it had none."""
     lines = []
-    for name, key in sorted(after - before):
+    for name, key, names in sorted(after - before):
         fields = _key_fields(key)
-        kernel = name.split("@")[0]
-        names = _ARG_NAMES.get(kernel, ())
         best = None
-        for other_name, other in after:
+        for other_name, other, _ in after:
             other_fields = _key_fields(other) if other_name == name and other != key else None
             if fields is None or other_fields is None or len(other_fields) != len(fields):
                 continue
@@ -229,8 +223,8 @@ def throughput(cfg, state, hf, backend, dev, dtype, q, hf_requests):
     t0 = time.perf_counter()
     eng.generate(_other_tokens(prompts, cfg.vocab_size), max_new_tokens=outs, ignore_eos=True)
     _sync()
-    cold_s, cold_new = time.perf_counter() - t0, _new_variants(keys, triton_variant_keys())
-    keys = triton_variant_keys()
+    cold_s, after = time.perf_counter() - t0, triton_variant_keys()
+    cold_new, keys = _new_variants(keys, after), after
     t0 = time.perf_counter()
     out = eng.generate(prompts, max_new_tokens=outs, ignore_eos=True)  # each request its own length
     _sync()
@@ -368,11 +362,12 @@ def arrivals(cfg, state, backend, dev, dtype, q, rate):
         cold_arrive.append(t)
     keys, caches = triton_variant_keys(), _host_caches()
     _, cold = serve_arrivals(eng, _other_tokens(prompts, cfg.vocab_size), outs, cold_arrive)
-    cold_new, cold_caches = _new_variants(keys, triton_variant_keys()), _grown(caches, _host_caches())
+    after, grown = triton_variant_keys(), _host_caches()
+    cold_new, cold_caches = _new_variants(keys, after), _grown(caches, grown)
     cold_ttft = [r["token_s"][0] - r["arrival_s"] for r in cold]
     _sync()
     steps = []
-    keys, caches = triton_variant_keys(), _host_caches()
+    keys, caches = after, grown
     with gc_pauses() as gcs:
         out, rec = serve_arrivals(eng, prompts, outs, arrive, step_s=steps)
     new, caches = _new_variants(keys, triton_variant_keys()), _grown(caches, _host_caches())
