@@ -30,9 +30,16 @@ _NEG_INF = float("-inf")
 # --------------------------------------------------------------------------- checks
 
 
+def _type_name(x) -> str:
+    """x's type as the messages show it: qualified unless a builtin (numpy's bool prints as "bool"
+    too, and "causal must be a bool, got bool" tells the caller nothing)."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(x)}")
     if x.layout != torch.strided or x.is_nested:
         # sparse and nested tensors have no strides: the checks below and the kernels index dense memory
         kind = "nested" if x.is_nested else x.layout
@@ -105,13 +112,13 @@ def _scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if not real_number(scale):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        raise TypeError(f"scale must be a float or None, got {_type_name(scale)}")
     return positive_float32("scale", scale)
 
 
 def _bool(name: str, x) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a bool, got {_type_name(x)}")
     return x
 
 
@@ -257,7 +264,12 @@ def _check_cache_dtype(ref_name: str, ref: torch.Tensor, k_cache: torch.Tensor, 
     """Caches share one dtype: the dtype of `ref` (q, or k for writes), or float8_e4m3fn with a
     float16/bfloat16 `ref`. Returns whether the caches are fp8."""
     if k_cache.dtype != _FP8 and v_cache.dtype != _FP8:
-        _same_dtype(ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dtype != ref.dtype:
+                # a 16-bit ref takes an FP8 cache too: say which FP8 dtype, or an e5m2 cache (or vLLM's
+                # uint8 FP8 pages) reads as "FP8 is not supported"
+                fp8 = " or float8_e4m3fn" if ref.dtype in (torch.float16, torch.bfloat16) else ""
+                raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}){fp8}, got {c.dtype}")
         return False
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache must have the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}")
@@ -278,6 +290,9 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
     if s is None:
         s = 1.0
     if isinstance(s, torch.Tensor):
+        # a sparse or nested scale has no strides: torch's NotImplementedError / "NestedTensorImpl
+        # doesn't support sizes" came out of the shape and value checks below
+        _tensor(name, s)
         if s.dtype != torch.float32:
             raise TypeError(f"{name} must be a float or a float32 tensor, got a {s.dtype} tensor")
         if s.device != cache.device:
@@ -289,7 +304,7 @@ def _kv_scale(name: str, s, fp8: bool, cache: torch.Tensor, check_values: bool) 
             raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
         return s.reshape(1).expand(num_kv_heads).contiguous() if s.dim() == 0 else s.contiguous()
     if not real_number(s):
-        raise TypeError(f"{name} must be a positive float or a float32 tensor, got {type(s).__name__}")
+        raise TypeError(f"{name} must be a positive float or a float32 tensor, got {_type_name(s)}")
     s = positive_float32(name, s)
     key = (s, num_kv_heads, cache.device)
     t = _scale_tensors.get(key)
@@ -451,15 +466,20 @@ def _fast_key(op: str, tensors: tuple, scalars: tuple, backend) -> tuple | None:
         key = tuple(key)
         hash(key)
         return key
-    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say why
+    # not tensors, unhashable arguments, or tensors without sizes (torch.nested.nested_tensor's
+    # default layout raises RuntimeError for .shape): the slow path's checks say why
+    except (AttributeError, TypeError, RuntimeError):
         return None
 
 
 def _layout_ok(q: torch.Tensor, others: tuple) -> bool:
     # what the slow path would hand the kernels as they are: contiguous, 16-byte aligned
-    for t in (q, *others):
-        if not (t.is_contiguous() and t.data_ptr() % 16 == 0):
-            return False
+    try:
+        for t in (q, *others):
+            if not (t.is_contiguous() and t.data_ptr() % 16 == 0):
+                return False
+    except RuntimeError:  # a tensor without storage (e.g. mkldnn) has no data_ptr: the slow path refuses it
+        return False
     return True
 
 

@@ -21,13 +21,14 @@ cache exactly as it was: no half-allocated sequence, no other sequence touched.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict, deque
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from .api import positive_float32, real_number
+from .api import _tensor, positive_float32, real_number
 
 try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
     import xxhash
@@ -43,11 +44,28 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; kept for strip
 
 def _token_bytes(token_ids: Sequence[int], start: int, stop: int) -> bytes:
     """Tokens [start, stop) as int64 bytes: the hash input of the blocks they make up
-    (block i of them at bytes [8 * block_size * i, 8 * block_size * (i + 1)))."""
+    (block i of them at bytes [8 * block_size * i, 8 * block_size * (i + 1))).
+
+    Integers only: a cast to int64 would hash 1.9 as 1 and "7" as 7, so another prompt's cached
+    blocks would be reused for tokens that are not its own. array('q') refuses any element that
+    is not an integer (one without __index__) at C speed; integer arrays and tensors convert whole."""
+    part = token_ids[start:stop]
+    if isinstance(part, (np.ndarray, torch.Tensor)):
+        arr = np.asarray(part)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got a {arr.ndim}-D {arr.dtype} array")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError("token ids must fit in int64")
+        return arr.astype(np.int64, copy=False).tobytes()
+    if isinstance(part, (str, bytes, bytearray, memoryview)):
+        # array('q', b"...") would read the bytes as raw int64 values
+        raise TypeError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
     try:
-        return np.asarray(token_ids[start:stop], dtype=np.int64).tobytes()
+        return array("q", part).tobytes()  # native int64, the bytes np.int64 gives
     except OverflowError:
         raise ValueError("token ids must fit in int64") from None
+    except TypeError as e:
+        raise TypeError(f"token ids must be ints: {e}") from None
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -60,6 +78,8 @@ def _layer_scales(name: str, s, num_layers: int, num_kv_heads: int, device: torc
     if s is None:
         s = 1.0
     if isinstance(s, torch.Tensor):
+        # a sparse or nested tensor has no strides: torch's RuntimeError came out of expand() / .shape
+        _tensor(name, s)
         # a bool, integer or complex tensor would be cast silently, where a bool scalar is a TypeError
         if not s.is_floating_point():
             raise TypeError(f"{name} must be a positive float or a floating-point tensor, got a {s.dtype} tensor")

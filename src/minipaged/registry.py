@@ -291,14 +291,19 @@ def all_backends() -> dict[str, Backend]:
 def available_backends(device: str | None = None) -> dict[str, tuple[bool, str]]:
     """{name: (available, reason)} for every backend, on `device` (None: the best here)."""
     if device is not None:
-        # (a typo, or a backend name given as the device, would read as "nothing runs here")
-        kind = device if isinstance(device, str) else getattr(device, "type", None)
-        if not isinstance(kind, str):
-            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-        base, colon, index = kind.partition(":")
-        if base not in ("cpu", "cuda") or colon and not index.isdigit():
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        _check_device(device)
     return {name: b.is_available(device) for name, b in _BACKENDS.items()}
+
+
+def _check_device(device) -> None:
+    """A device argument must name cpu or cuda[:N]: a typo, or a backend name given as the device,
+    would otherwise read as "nothing runs here" (BackendUnavailableError)."""
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(kind, str):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    base, colon, index = kind.partition(":")
+    if base not in ("cpu", "cuda") or colon and not index.isdigit():
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
 
 
 def _validate_name(name: str, source: str) -> str:
@@ -393,11 +398,14 @@ def get_backend(name: str | None = None, *, op: str = "prefill", device: str | N
     """The Backend that `name` (None: use_backend scope, env vars, then auto) selects.
 
     With `auto` this is what a call on `device` (default: cuda if present, else cpu)
-    would run for `op`. Raises ValueError for an unknown name and
-    BackendUnavailableError for a backend that cannot run here.
+    would run for `op`. Raises ValueError for an unknown name or a device other than
+    cpu / cuda[:N] (TypeError for a non-device) and BackendUnavailableError for a backend
+    that cannot run here.
     """
     if device is None:
         device = "cuda" if _cuda_available() else "cpu"
+    else:
+        _check_device(device)  # (resolve would call device="foo" a device no backend runs on)
     return resolve(op, device, name)
 
 
