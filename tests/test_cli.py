@@ -130,6 +130,9 @@ def test_generate_env_backend_that_cannot_run(capsys, no_work, monkeypatch):
     (["--backends", "nope"], ["--backends", "nope"]),
     (["--anchors", "nope"], ["--anchors", "nope"]),
     (["--op", "decode", "--anchors", "sdpa-efficient"], ["--anchors", "sdpa-efficient"]),
+    # was: nothing timed, "(no rows)", empty results written, exit 0
+    (["--backends", "none", "--anchors", "none"], ["--backends", "--anchors", "nothing to time"]),
+    (["--backends", ",", "--anchors", ""], ["--backends", "--anchors", "nothing to time"]),
 ])
 def test_bench_rejects_bad_flags_before_timing(argv, words, capsys, no_work, tmp_path):
     rc, _, err = _main(["bench", "--out", str(tmp_path), *argv], capsys)
@@ -291,3 +294,97 @@ def test_generate_folder_without_config_or_with_missing_weights(tmp_path, capsys
                         "--device", "cpu", "--backend", "torch"], capsys)
     _assert_usage_error(rc, err, "checkpoint lacks")
     assert err.startswith("error: checkpoint lacks"), err
+
+
+# ---------------------------------------------------------------------------- audit: late or unclear refusals
+
+
+def _tiny_checkpoint(path, state=None):
+    from minipaged.engine import Qwen3Config
+    from minipaged.engine.loader import random_state_dict, save_checkpoint
+
+    cfg = Qwen3Config.from_dict(_TINY_CONFIG)
+    save_checkpoint(str(path), cfg, random_state_dict(cfg, seed=0) if state is None else state)
+    return str(path)
+
+
+_RUN_TINY = ["--device", "cpu", "--backend", "torch", "--batch", "1", "--prompt-len", "3", "--max-new-tokens", "2"]
+
+
+def test_generate_malformed_generation_config_is_one_error_line(tmp_path, capsys):
+    # was: TypeError from int() on a dict, a traceback
+    folder = _tiny_checkpoint(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text('{"eos_token_id": {"a": 1}}')
+    rc, _, err = _main(["generate", "--model", folder, *_RUN_TINY], capsys)
+    _assert_usage_error(rc, err, "generation_config.json", "eos_token_id")
+
+
+def test_generate_quantized_checkpoint_is_one_error_line(tmp_path, capsys):
+    # was: fp8 weights cast without their scales, garbage tokens and exit 0
+    from minipaged.engine import Qwen3Config
+    from minipaged.engine.loader import random_state_dict
+
+    state = {k: (v.to(torch.float8_e4m3fn) if k.endswith("proj.weight") else v)
+             for k, v in random_state_dict(Qwen3Config.from_dict(_TINY_CONFIG)).items()}
+    folder = _tiny_checkpoint(tmp_path / "m", state)
+    rc, _, err = _main(["generate", "--model", folder, *_RUN_TINY], capsys)
+    _assert_usage_error(rc, err, "float8_e4m3fn", "quantized weights are not supported")
+
+
+def test_generate_tiny_top_p_runs(tmp_path, capsys):
+    # --top-p 1e-300 is in (0, 1] but 0.0 in float32: every token was dropped and torch.multinomial
+    # raised mid-generation (a traceback; on a GPU a device-side assert)
+    folder = _tiny_checkpoint(tmp_path / "m")
+    rc, out, err = _main(["generate", "--model", folder, *_RUN_TINY, "--temperature", "1", "--top-p", "1e-300"],
+                         capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "first output tokens" in out
+
+
+def test_generate_model_that_is_a_file(tmp_path, capsys, no_work):
+    folder = _tiny_folder(tmp_path / "m")
+    rc, _, err = _main(["generate", "--model", folder + "/config.json", "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "--model", "config.json", "is a file")  # was: "no such folder"
+
+
+def test_generate_empty_prompt_is_refused_before_the_model(tmp_path, capsys, no_work):
+    folder = _tiny_folder(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    rc, _, err = _main(["generate", "--model", folder, "--prompt", "", "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "--prompt is empty")
+
+
+def test_generate_tokenizer_that_cannot_be_loaded_says_why(tmp_path, capsys):
+    # the files exist (validate checked): the error used to say the folder needs a tokenizer
+    pytest.importorskip("transformers")
+    folder = _tiny_checkpoint(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text("{garbage")
+    rc, _, err = _main(["generate", "--model", folder, "--prompt", "hi", *_RUN_TINY], capsys)
+    _assert_usage_error(rc, err, "--prompt", "tokenizer", "cannot be loaded")
+
+
+def test_generate_batch_invariant_fp8_without_a_checkpoint(capsys, no_work):
+    # random weights have no K/V scales: the engine refused this only after drawing the 0.6B weights
+    rc, _, err = _main(["generate", "--batch-invariant", "--kv-cache-dtype", "fp8", "--dtype", "float16",
+                        "--device", "cpu"], capsys)
+    _assert_usage_error(rc, err, "--batch-invariant", "--kv-cache-dtype fp8", "--model")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: triton needs the interpreter there")
+def test_generate_batch_invariant_errors_name_that_flag(capsys, no_work, monkeypatch):
+    # they named "--backend triton", a flag the user had not given
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, _, err = _main(["generate", "--batch-invariant"], capsys)
+    _assert_usage_error(rc, err, "--batch-invariant", "TRITON_INTERPRET=1")
+    assert "--backend" not in err
+
+
+def test_generate_model_without_safetensors_installed(tmp_path, capsys, no_work, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors"
+                        else find_spec(name, *a))
+    folder = _tiny_folder(tmp_path / "m")
+    rc, _, err = _main(["generate", "--model", folder, "--device", "cpu", "--prompt-len", "4"], capsys)
+    _assert_usage_error(rc, err, "--model", "safetensors")

@@ -33,6 +33,9 @@ _BAD_CONFIGS = [
     ({**_TINY, "rope_scaling": "yarn"}, ["rope_scaling", "yarn"]),      # AttributeError: str has no .get
     ({**_TINY, "hidden_size": 0}, ["hidden_size", "0"]),                # was accepted: an engine of width 0
     ({**_TINY, "eos_token_id": "x"}, ["eos_token_id", "x"]),            # message did not name the field
+    ({**_TINY, "tie_word_embeddings": "false"}, ["tie_word_embeddings", "false"]),  # bool("false"): tied
+    ({**_TINY, "rms_norm_eps": -1}, ["rms_norm_eps", "-1"]),            # was accepted: NaN norms, token 0
+    ({**_TINY, "head_dim": 64.5}, ["head_dim", "64.5"]),                # was truncated to 64
 ]
 
 
@@ -204,3 +207,193 @@ def test_block_table_widths_are_padded_to_a_multiple_of_16():
     assert outs == alone
     assert runner_mod.table_width(1) == 16 and runner_mod.table_width(16) == 16 and runner_mod.table_width(17) == 32
     assert runner_mod.table_width(5, 1) == 5
+
+
+# ---------------------------------------------------------------------------- audit: late or unclear refusals
+
+
+def _tiny_engine(**kw) -> Engine:
+    return Engine(_TINY, device="cpu", backend="torch", **{"num_blocks": 16, **kw})
+
+
+def _no_step(eng):
+    def fail(*a, **k):
+        raise AssertionError("a step ran before the arguments were checked")
+
+    eng.runner.run = fail
+
+
+def test_sampling_extremes_never_reach_multinomial():
+    """Values that pass the range checks in float64 but not as the float32 the sampler holds them in:
+    top_p=1e-300 became 0 and dropped every token, repetition_penalty=1e-40 pushed penalised logits to
+    inf (inf - inf = NaN), top_k=2**70 overflowed int64. All three failed mid-generation (torch.multinomial's
+    RuntimeError, a device-side assert on a GPU, or 'Overflow when unpacking long long')."""
+    eng = _tiny_engine()
+    p = [[1, 2, 3]]
+    greedy = eng.generate(p, max_new_tokens=4, ignore_eos=True)
+    # the most likely token always survives the nucleus cut
+    assert eng.generate(p, max_new_tokens=4, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True) == greedy
+    # top_k past the vocabulary keeps every token: the same draws as no cut
+    want = eng.generate(p, max_new_tokens=4, temperature=1.0, top_k=0, seed=1, ignore_eos=True)
+    assert eng.generate(p, max_new_tokens=4, temperature=1.0, top_k=2**70, seed=1, ignore_eos=True) == want
+    rid = eng.add_request([1, 2, 3], 2, temperature=1.0, top_k=2**70, seed=1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    out = eng.generate([[1, 2, 3]], max_new_tokens=4, temperature=1.0, repetition_penalty=1e-40, seed=1)
+    assert all(0 <= t < _TINY["vocab_size"] for t in out[0]), out
+    assert rid is not None and eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_repetition_penalty_that_is_zero_in_float32_is_refused_before_a_step():
+    eng = _tiny_engine()
+    _no_step(eng)
+    for call in (lambda: eng.generate([[1, 2]], max_new_tokens=2, repetition_penalty=1e-300),
+                 lambda: eng.add_request([1, 2], 2, temperature=1.0, repetition_penalty=1e-50)):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            call()
+    assert not eng.has_unfinished_requests()
+
+
+def test_engine_seed_is_checked_and_numpy_sizes_are_ints(monkeypatch):
+    """Engine(seed=2**64) failed in torch ('Overflow when unpacking long long', no argument named) after
+    the argument checks; seed=np.int64 passed them and then failed in manual_seed; np.int64 sizes were
+    refused as 'must be a positive int, got np.int64(8)'."""
+    import numpy as np
+
+    real = engine_mod.random_state_dict
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were built before the seed was checked")
+
+    monkeypatch.setattr(engine_mod, "random_state_dict", no_weights)
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            _tiny_engine(seed=seed)
+    monkeypatch.setattr(engine_mod, "random_state_dict", real)
+    want = _tiny_engine(seed=3, num_blocks=8, block_size=4, max_num_seqs=2, max_model_len=64,
+                        max_num_batched_tokens=16).generate([[1, 2, 3]], max_new_tokens=3)
+    eng = _tiny_engine(seed=np.int64(3), num_blocks=np.int64(8), block_size=np.int64(4), max_num_seqs=np.int32(2),
+                       max_model_len=np.int64(64), max_num_batched_tokens=np.int64(16),
+                       gpu_memory_fraction=np.float32(0.5))
+    assert eng.generate([[1, 2, 3]], max_new_tokens=3) == want
+    assert type(eng.cache.block_size) is int and type(eng.max_num_seqs) is int
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda e: e.add_request(5), TypeError, "prompt"),               # was: 'int' object is not iterable
+    (lambda e: e.add_request(None), TypeError, "prompt"),
+    (lambda e: e.add_request(torch.tensor(3)), TypeError, "prompt"),  # was: iteration over a 0-d tensor
+    (lambda e: e.generate([torch.tensor(5)]), TypeError, "prompt 0"),
+    (lambda e: e.generate([[1]], stop_token_ids=torch.tensor(5)), TypeError, "stop_token_ids"),
+    (lambda e: e.generate([[1]], max_new_tokens=torch.tensor(2)), ValueError, "max_new_tokens"),
+    (lambda e: e.prefill_logits(5), TypeError, "prompts"),
+])
+def test_prompt_arguments_that_are_not_sequences_name_the_argument(call, exc, words):
+    eng = _tiny_engine()
+    _no_step(eng)
+    with pytest.raises(exc, match=words):
+        call(eng)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+def test_prompt_that_never_fits_is_refused_with_max_new_tokens_0():
+    """A prompt over max_model_len or the cache was accepted alone with max_new_tokens=0 (returning [[]])
+    and refused when another prompt of the call asked for a token."""
+    eng = _tiny_engine(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        eng.generate([[1] * 129], max_new_tokens=0)
+    with pytest.raises(ValueError, match="blocks"):
+        eng.generate([[1] * 20], max_new_tokens=0)
+    assert eng.generate([[1] * 8], max_new_tokens=0) == [[]]
+
+
+def test_prefill_logits_checks_its_prompts():
+    """A prompt past max_model_len indexed past the RoPE tables (IndexError on the CPU, a device-side assert on
+    a GPU); an empty list failed in max()."""
+    eng = _tiny_engine(num_blocks=32)
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        eng.prefill_logits([[1] * 129])
+    assert eng.prefill_logits([]) == []
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+    assert eng.prefill_logits([[1, 2]])[0].shape == (2, _TINY["vocab_size"])
+
+
+def _saved(folder, state=None, config=None):
+    from minipaged.engine.loader import random_state_dict, save_checkpoint
+
+    cfg = Qwen3Config.from_dict(config or _TINY)
+    save_checkpoint(str(folder), cfg, random_state_dict(cfg, seed=0) if state is None else state)
+    return str(folder)
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": {"a": 1}}', '{"eos_token_id": [null]}', '{"eos_token_id": "x"}'])
+def test_malformed_generation_config_is_a_value_error_naming_it(tmp_path, text):
+    # was: TypeError / int()'s bare ValueError, a traceback in `minipaged generate`
+    folder = _saved(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+        Engine(folder, device="cpu", backend="torch", num_blocks=4)
+    (tmp_path / "m" / "generation_config.json").write_text("[1, 2]")  # not an object: no EOS from it
+    assert Engine(folder, device="cpu", backend="torch", num_blocks=4).eos_token_ids == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.int32])
+def test_quantized_weights_are_refused(tmp_path, dtype):
+    """An FP8 / int8 checkpoint's weights were cast to the model dtype without their scales: garbage
+    tokens and no error."""
+    from minipaged.engine.loader import random_state_dict
+
+    cfg = Qwen3Config.from_dict(_TINY)
+    state = {k: (v.to(dtype) if k.endswith("proj.weight") else v) for k, v in random_state_dict(cfg).items()}
+    with pytest.raises(ValueError, match="q_proj.weight is .*quantized weights are not supported"):
+        _tiny_engine(state_dict=state)
+    folder = _saved(tmp_path / "m", state)
+    with pytest.raises(ValueError, match="quantized weights are not supported"):
+        Engine(folder, device="cpu", backend="torch", num_blocks=4)
+
+
+def test_state_dict_value_that_is_not_a_tensor_is_a_type_error():
+    from minipaged.engine.loader import random_state_dict
+
+    state = random_state_dict(Qwen3Config.from_dict(_TINY))
+    state["model.norm.weight"] = [1.0] * 32
+    with pytest.raises(TypeError, match="model.norm.weight"):  # was: AttributeError on .shape
+        _tiny_engine(state_dict=state)
+    with pytest.raises(TypeError, match="state_dict"):  # was: random weights, silently
+        Engine.from_state_dict(_TINY, None, device="cpu", backend="torch", num_blocks=4)
+
+
+def test_checkpoint_folder_kv_scales_are_read(tmp_path):
+    """The loader kept only the weights' names, so a checkpoint folder's self_attn.k_scale / v_scale
+    never reached the engine: kv_cache_dtype='fp8' calibrated instead (and batch_invariant with fp8
+    refused a checkpoint that had them)."""
+    from minipaged.engine.loader import random_state_dict
+
+    cfg = Qwen3Config.from_dict(_TINY)
+    state = random_state_dict(cfg, dtype=torch.bfloat16)
+    state["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    state["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    folder = _saved(tmp_path / "m", state)
+    eng = Engine(folder, dtype=torch.bfloat16, device="cpu", backend="torch", num_blocks=8, kv_cache_dtype="fp8")
+    assert not eng._calibrate_kv
+    assert eng.cache.k_scales.tolist() == [[0.25]] and eng.cache.v_scales.tolist() == [[0.5]]
+
+
+def test_batch_invariant_fp8_with_random_weights_is_refused_before_drawing_them(monkeypatch):
+    import minipaged as mp
+
+    if not mp.available_backends()["triton"][0]:
+        pytest.skip("needs the triton backend (TRITON_INTERPRET=1 on CPU)")
+
+    def no_weights(*a, **k):
+        raise AssertionError("random weights were drawn before batch_invariant + fp8 was refused")
+
+    monkeypatch.setattr(engine_mod, "random_state_dict", no_weights)
+    with pytest.raises(ValueError, match="k_scale/v_scale"):
+        Engine(_TINY, device="cpu", dtype=torch.float16, kv_cache_dtype="fp8", batch_invariant=True, num_blocks=8)
+
+
+def test_model_path_that_is_a_file_says_so(tmp_path):
+    folder = _folder(tmp_path / "m", _TINY)
+    with pytest.raises(NotADirectoryError, match="is a file"):  # was: "model folder ... does not exist"
+        Engine(folder + "/config.json", device="cpu", backend="torch", num_blocks=4)

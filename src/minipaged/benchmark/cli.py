@@ -92,6 +92,10 @@ def validate(args: argparse.Namespace, *, op: str | None = None) -> None:
     from .runner import check_config
 
     cfg = _config(args, op)
+    if cfg.backends == [] and cfg.anchors == []:
+        # (it timed nothing, printed "(no rows)", wrote empty results and exited 0)
+        raise ValueError(f"--backends {args.backends!r} and --anchors {args.anchors!r} leave nothing to time; "
+                         "name a backend or an anchor, or leave a flag out for its default")
     args.bench_config, args.bench_plan = cfg, check_config(cfg)
 
 

@@ -8,6 +8,7 @@ prompts (a throughput check). With a checkpoint folder holding a tokenizer,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -69,14 +70,15 @@ def _has_tokenizer(model_dir: str) -> bool:
 
 
 def _load_tokenizer(model_dir: str | None):
+    """(tokenizer or None, why it could not be loaded or None)."""
     if model_dir is None or not _has_tokenizer(model_dir):
-        return None
+        return None, None
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer files: token-id mode
-        return None
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True), None
+    except Exception as e:  # noqa: BLE001 - no usable tokenizer: token-id mode
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 # Counts of tokens, sequences and blocks: the engine keeps them in int32 tensors (block tables,
@@ -133,9 +135,28 @@ def validate(args: argparse.Namespace) -> None:
     if args.prompt is not None and args.model is None:
         raise ValueError("--prompt needs --model DIR: the random-weight model has no tokenizer "
                          "(leave --prompt out to time random token prompts)")
+    if args.model is not None and os.path.exists(args.model) and not os.path.isdir(args.model):
+        # (a config.json or .safetensors path was reported as "no such folder")
+        raise NotADirectoryError(f"--model {args.model!r} is a file; pass the checkpoint folder (config.json "
+                                 "and *.safetensors)")
     if args.model is not None and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r}: no such folder (a local Qwen3 checkpoint "
                                 "folder with config.json and *.safetensors)")
+    # optional packages the run would import only after the weights or the engine exist (a traceback there)
+    if args.model is not None and importlib.util.find_spec("safetensors") is None:
+        raise ValueError("--model needs the safetensors package to read the checkpoint: pip install safetensors "
+                         "(or minipaged[hf])")
+    if args.prompt is not None and importlib.util.find_spec("transformers") is None:
+        raise ValueError("--prompt needs the transformers package for the tokenizer: pip install transformers "
+                         "(or minipaged[hf])")
+    if args.prompt == "" and not args.chat:
+        # (refused only after the weights were loaded, as "prompt 0 is empty")
+        raise ValueError("--prompt is empty; a prompt needs at least one token")
+    if args.batch_invariant and args.kv_cache_dtype == "fp8" and args.model is None:
+        # the engine refuses this pair without checkpoint K/V scales; random weights have none, and
+        # the 0.6B random weights would be drawn first
+        raise ValueError("--batch-invariant with --kv-cache-dtype fp8 needs a --model whose checkpoint has "
+                         "k_scale/v_scale tensors (random weights have none)")
     if args.prompt is not None and not _has_tokenizer(args.model):
         raise ValueError(f"--prompt needs a tokenizer in --model {args.model!r} "
                          f"(one of {', '.join(_TOKENIZER_FILES)})")
@@ -152,31 +173,36 @@ def validate(args: argparse.Namespace) -> None:
     if args.backend is not None and args.backend.strip().lower() not in registry.backend_names():
         raise ValueError(f"--backend {args.backend!r}: unknown backend; valid names are "
                          f"{', '.join(registry.backend_names())}")
+    backend_flag = "--backend"
     if args.batch_invariant:
         if args.backend is not None and args.backend.strip().lower() not in ("auto", "triton"):
             raise ValueError(f"--batch-invariant runs on the triton kernels; got --backend {args.backend}")
+        if args.backend is None:
+            # errors below name the flag the user gave (they said "--backend triton" to one who had not)
+            backend_flag = "--batch-invariant"
         args.backend = "triton"  # what the engine will bind: resolved and checked below like any --backend
     for op in _ENGINE_OPS:
         if op not in registry.OPS:
             continue
         _chosen, source = registry.requested_name(op, args.backend)
-        flag = "--backend" if source == "backend=" else source
+        flag = backend_flag if source == "backend=" else source
         fp8 = args.kv_cache_dtype == "fp8" and op != "prefill_varlen"
         try:
             b = registry.resolve(op, device.type, args.backend, fp8_kv=fp8)
         except registry.BackendUnavailableError as e:
             if source != "backend=":
                 raise
-            raise registry.BackendUnavailableError(
-                f"--backend {args.backend}: {e}".replace(" (from backend=)", "")) from None
+            shown = f"--backend {args.backend}" if backend_flag == "--backend" else f"{backend_flag} (triton)"
+            raise registry.BackendUnavailableError(f"{shown}: {e}".replace(" (from backend=)", "")) from None
+        named = "--batch-invariant (triton)" if flag == "--batch-invariant" else f"{flag}={b.name}"
         if dtype_name not in b.dtypes:
-            raise ValueError(f"{flag}={b.name}: backend {b.name!r} does not run {dtype_name} "
+            raise ValueError(f"{named}: backend {b.name!r} does not run {dtype_name} "
                              f"(its dtypes: {', '.join(b.dtypes)}); pick --dtype from those")
         if fp8 and not b.fp8_kv:
-            raise ValueError(f"{flag}={b.name}: --kv-cache-dtype fp8 needs a backend with FP8 KV-cache "
+            raise ValueError(f"{named}: --kv-cache-dtype fp8 needs a backend with FP8 KV-cache "
                              f"kernels ({', '.join(n for n, x in registry.all_backends().items() if x.fp8_kv)})")
         if b.name == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
-            raise ValueError(f"{flag}=triton with --dtype bfloat16 on CPU: the Triton interpreter's "
+            raise ValueError(f"{named} with --dtype bfloat16 on CPU: the Triton interpreter's "
                              "bf16 tl.dot gives wrong results; use --dtype float16 or float32")
 
 
@@ -234,9 +260,11 @@ def run(args: argparse.Namespace) -> int:
     from .. import registry
     from .engine import Engine
 
-    tokenizer = _load_tokenizer(args.model)
+    tokenizer, why = _load_tokenizer(args.model)
     if args.prompt is not None and tokenizer is None:
-        return _error("--prompt needs a tokenizer in --model DIR (tokenizer.json / tokenizer_config.json)")
+        # (the files are there, validate() checked: say why they could not be read, not that they are missing)
+        return _error(f"--prompt: the tokenizer in --model {args.model!r} cannot be loaded"
+                      f"{' (' + why + ')' if why else ''}")
 
     try:
         eng = Engine(args.model, dtype=args.dtype, device=args.device, backend=args.backend,

@@ -43,6 +43,9 @@ class Qwen3Config:
                 raise ValueError(f"config {name} must be a positive int, got {val!r}")
         if not 0 < self.rope_theta < float("inf"):
             raise ValueError(f"config rope_theta must be a positive finite number, got {self.rope_theta!r}")
+        # a negative (or NaN) epsilon made every RMSNorm NaN: the engine generated token 0 with no error
+        if not 0 <= self.rms_norm_eps < float("inf"):
+            raise ValueError(f"config rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -67,15 +70,26 @@ class Qwen3Config:
             # a config.json value of the wrong type names its field, not only int()'s complaint
             val = d.get(name, default)
             try:
-                return kind(val)
-            except (TypeError, ValueError):
+                out = kind(val)
+            except (TypeError, ValueError, OverflowError):
+                out = None
+            # (int() truncated a head_dim of 64.7 to 64, and read true as 1)
+            if out is None or isinstance(val, bool) or (kind is int and isinstance(val, float) and out != val):
                 raise ValueError(f"config {name} must be {'an int' if kind is int else 'a number'}, "
                                  f"got {val!r}") from None
+            return out
+
+        def flag(name: str) -> bool:
+            # bool("false") is True: a quoted "false" for tie_word_embeddings silently tied the lm_head
+            val = d.get(name)
+            if val is None or isinstance(val, bool) or val in (0, 1) and not isinstance(val, float):
+                return bool(val)
+            raise ValueError(f"config {name} must be true or false, got {val!r}")
 
         mt = d.get("model_type")
         if mt is not None and mt != "qwen3":
             raise ValueError(f"config model_type is {mt!r}; the engine runs only 'qwen3'")
-        if d.get("use_sliding_window"):
+        if flag("use_sliding_window"):
             raise NotImplementedError("sliding-window attention (use_sliding_window=true) is not supported")
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
@@ -121,9 +135,9 @@ class Qwen3Config:
             rms_norm_eps=num("rms_norm_eps", 1e-6, float),
             # transformers' PretrainedConfig default is True; Qwen3Config's own default is False,
             # but every published Qwen3 config states it explicitly.
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag("tie_word_embeddings"),
             max_position_embeddings=num("max_position_embeddings", 40960),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=flag("attention_bias"),
             initializer_range=num("initializer_range", 0.02, float),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_list,

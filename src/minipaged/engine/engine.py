@@ -11,10 +11,10 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from ..api import integer_number
+from ..api import integer_number, real_number
 from ..paged_cache import check_device
 from .config import Qwen3Config, qwen3_0_6b_config
-from .loader import check_state_dict, load_checkpoint, random_state_dict
+from .loader import KV_SCALE_NAMES, check_state_dict, load_checkpoint, random_state_dict
 from .model import AttentionMetadata, Qwen3Model
 from .runner import ModelRunner
 from .sampler import SAMPLING_FIELDS, SamplingParams, apply_penalties, make_sampling_params, sample_checked
@@ -49,15 +49,33 @@ def default_max_model_len(cfg: Qwen3Config) -> int:
 
 
 def _positive_int(name: str, val: Any) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+    # numpy integers are ints here as everywhere else in the engine (np.int64(8) was refused as
+    # "must be a positive int, got np.int64(8)")
+    if not integer_number(val) or val < 1:
         raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
+    return int(val)
 
 
-def _check_block_size(block_size: Any) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 256 \
-            or block_size & (block_size - 1):
+def _check_block_size(block_size: Any) -> int:
+    if not integer_number(block_size) or not 1 <= block_size <= 256 or int(block_size) & (int(block_size) - 1):
         raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+    return int(block_size)
+
+
+# torch.Generator.manual_seed takes any 64-bit pattern: [-2**63, 2**64); past it torch raised
+# "Overflow when unpacking long long", which named no argument
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _iterable_ids(where: str, ids: Any) -> Any:
+    """`ids` when it can be read as a sequence of token ids, else a TypeError naming `where` (an int,
+    None or a 0-d tensor raised Python's bare "'int' object is not iterable" / "iteration over a 0-d
+    tensor"; a str would be read character by character)."""
+    if isinstance(ids, (str, bytes, numbers.Number)) or not hasattr(ids, "__iter__") \
+            or (isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim != 1):
+        raise TypeError(f"{where} must be a list of token ids, got {type(ids).__name__}"
+                        f"{' of ' + str(ids.ndim) + ' dims' if isinstance(ids, (torch.Tensor, np.ndarray)) else ''}")
+    return ids
 
 
 def _token_id(where: str, t: Any, vocab: int) -> int:
@@ -76,19 +94,20 @@ def _token_ids(where: str, ids: Any, vocab: int) -> list[int]:
     """A fresh list of the token ids in `ids`. The common case, a list of Python ints, is
     checked at C speed (a long prompt costs microseconds, not a Python call per token);
     anything else goes through _token_id one element at a time, which also names a bad one."""
+    _iterable_ids(where, ids)
     if type(ids) is list and ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
         return list(ids)
     return [_token_id(where, t, vocab) for t in ids]
 
 
-_KV_SCALE_NAMES = ("self_attn.{}_scale", "self_attn.attn.{}_scale", "self_attn.{}_proj.output_scale")
-
-
 def _stop_token_ids(stop_token_ids: Any, vocab: int) -> list[int]:
-    if stop_token_ids is not None and (isinstance(stop_token_ids, (str, bytes, numbers.Number))
-                                       or not hasattr(stop_token_ids, "__iter__")):
-        raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
-    return [_token_id("stop_token_ids", t, vocab) for t in (stop_token_ids or ())]
+    if stop_token_ids is None:
+        return []
+    try:
+        _iterable_ids("stop_token_ids", stop_token_ids)
+    except TypeError:
+        raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}") from None
+    return [_token_id("stop_token_ids", t, vocab) for t in stop_token_ids]
 
 
 def _checkpoint_kv_scales(state: dict, cfg: Qwen3Config) -> tuple:
@@ -99,7 +118,7 @@ def _checkpoint_kv_scales(state: dict, cfg: Qwen3Config) -> tuple:
     for kind in ("k", "v"):
         rows = []
         for i in range(cfg.num_hidden_layers):
-            t = next((state[f"model.layers.{i}.{n.format(kind)}"] for n in _KV_SCALE_NAMES
+            t = next((state[f"model.layers.{i}.{n.format(kind)}"] for n in KV_SCALE_NAMES
                       if f"model.layers.{i}.{n.format(kind)}" in state), None)
             rows.append(t)
         if all(t is None for t in rows):
@@ -136,13 +155,18 @@ def _eos_from_generation_config(folder: str, eos: list[int]) -> list[int]:
     path = os.path.join(folder, "generation_config.json")
     try:
         with open(path) as f:
-            extra = json.load(f).get("eos_token_id")
+            extra = json.load(f)
     except (OSError, ValueError):
         return eos
+    # a file that is not an object, or an eos_token_id that is not a token id (a dict, null, "x"),
+    # raised AttributeError / TypeError / int()'s bare ValueError: a traceback in `minipaged generate`
+    extra = extra.get("eos_token_id") if isinstance(extra, dict) else None
     if extra is None:
         return eos
-    extra = extra if isinstance(extra, list) else [extra]
-    return list(dict.fromkeys([*eos, *(int(e) for e in extra)]))
+    ids = extra if isinstance(extra, list) else [extra]
+    if not all(integer_number(e) for e in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {extra!r}")
+    return list(dict.fromkeys([*eos, *(int(e) for e in ids)]))
 
 
 def percentile(xs: Seq[float], q: float) -> float:
@@ -305,16 +329,20 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-        _check_block_size(block_size)
-        _positive_int("max_num_seqs", max_num_seqs)
+        block_size = _check_block_size(block_size)
+        max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not integer_number(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        for name, val in (("num_blocks", num_blocks), ("max_model_len", max_model_len),
-                          ("max_num_batched_tokens", max_num_batched_tokens)):
-            if val is not None:
-                _positive_int(name, val)
+        if not _SEED_MIN <= seed <= _SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a 64-bit generator seed), got {seed}")
+        seed = int(seed)  # (torch's manual_seed refuses numpy integers)
+        if num_blocks is not None:
+            num_blocks = _positive_int("num_blocks", num_blocks)
+        if max_model_len is not None:
+            max_model_len = _positive_int("max_model_len", max_model_len)
+        max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"kv_cache_dtype must be None (the model dtype) or 'fp8', got {kv_cache_dtype!r}")
         fp8 = kv_cache_dtype == "fp8"
@@ -338,8 +366,8 @@ class Engine:
         if state_dict is not None and not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict of tensors keyed by transformers' names, or None, "
                             f"got {type(state_dict).__name__}")
-        if isinstance(gpu_memory_fraction, bool) or not isinstance(gpu_memory_fraction, (int, float)) \
-                or not 0.0 < gpu_memory_fraction <= 1.0:
+        # (numpy floats too, as for the sampling numbers: np.float32(0.5) was "must be in (0, 1]")
+        if not real_number(gpu_memory_fraction) or not 0.0 < gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
         # Resolved once: an unusable backend fails here, not mid-generate, and the
         # forward calls the bound functions with no per-call lookup.
@@ -354,6 +382,10 @@ class Engine:
         self.model_path: str | None = None
         if isinstance(model, (str, os.PathLike)):
             self.model_path = os.fspath(model)
+            if os.path.exists(self.model_path) and not os.path.isdir(self.model_path):
+                # (a config.json or .safetensors path was reported as a folder that "does not exist")
+                raise NotADirectoryError(f"model {self.model_path!r} is a file; pass the checkpoint folder "
+                                         "(config.json + *.safetensors)")
             if not os.path.isdir(self.model_path):
                 raise FileNotFoundError(f"model folder {self.model_path!r} does not exist")
             cfg = Qwen3Config.from_any(self.model_path)
@@ -367,6 +399,11 @@ class Engine:
         if cfg.head_dim not in registry.all_backends()[self.ops.backends["paged"]].head_dims:
             raise ValueError(f"head_dim {cfg.head_dim} of this model is not supported by backend "
                              f"{self.ops.backends['paged']!r}")
+        if batch_invariant and fp8 and self.model_path is None and state_dict is None:
+            # random weights never carry K/V scales: refused before they are drawn, not after (the
+            # check below, once a checkpoint's tensors are read)
+            raise ValueError("batch_invariant=True with kv_cache_dtype='fp8' needs k_scale/v_scale tensors in the "
+                             "checkpoint, and random weights have none")
         if state_dict is None:
             state_dict = load_checkpoint(self.model_path, cfg) if self.model_path is not None \
                 else random_state_dict(cfg, seed=seed, dtype=self.dtype, device=self.device)
@@ -413,6 +450,10 @@ class Engine:
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], **kwargs) -> "Engine":
         """Weights from a transformers-named state dict (e.g. Qwen3ForCausalLM.state_dict())."""
+        if not isinstance(state_dict, dict):
+            # (None reached Engine(state_dict=None): random weights, silently)
+            raise TypeError(f"state_dict must be a dict of tensors keyed by transformers' names, "
+                            f"got {type(state_dict).__name__}")
         return cls(Qwen3Config.from_any(config), state_dict=state_dict, **kwargs)
 
     # ------------------------------------------------------------------ helpers
@@ -471,7 +512,9 @@ class Engine:
         computed prompt tokens, steps, time to first token per request and inter-token
         latencies. The same stats are kept in `engine.stats` until the next call.
         """
-        per_request = not isinstance(max_new_tokens, numbers.Integral) and hasattr(max_new_tokens, "__len__")
+        # (a 0-d tensor has __len__ but no length: it is one value, refused below with the rule, not by iteration)
+        per_request = not isinstance(max_new_tokens, numbers.Integral) and hasattr(max_new_tokens, "__len__") \
+            and not (isinstance(max_new_tokens, (torch.Tensor, np.ndarray)) and max_new_tokens.ndim == 0)
         for n in (max_new_tokens if per_request else [max_new_tokens]):
             if not integer_number(n) or n < 0:
                 raise ValueError(f"max_new_tokens must be a non-negative int or one per prompt, got {n!r}")
@@ -513,6 +556,13 @@ class Engine:
         per_prompt = {name: value if isinstance(value, list) else [value] * len(prompts)
                       for name, value in sampling_args.items()}
         new_tokens = [int(n) for n in max_new_tokens] if per_request else [int(max_new_tokens)] * len(prompts)
+        sched = self._new_scheduler()
+        seqs = [Sequence(p, n, index=i) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+        for s in seqs:
+            # all or nothing: reject before running anything. Also when no prompt asks for a token: a
+            # prompt over max_model_len or the cache was accepted alone with max_new_tokens=0 and
+            # refused next to a prompt that asked for one.
+            sched.check_fits(s)
         self.stats = GenerateStats()
         if not any(new_tokens):
             outputs = [[] for _ in prompts]
@@ -520,10 +570,6 @@ class Engine:
 
         self._check_no_online_requests("generate()")
         stops = self._stop_set(stop_token_ids, ignore_eos)
-        sched = self._new_scheduler()
-        seqs = [Sequence(p, n, index=i) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
-        for s in seqs:
-            sched.check_fits(s)  # all or nothing: reject before running anything
         for s in seqs:
             s.sampling = SamplingParams(**{name: per_prompt[name][s.index] for name in SAMPLING_FIELDS})
             s.stop_ids = stops
@@ -799,8 +845,19 @@ class Engine:
     def prefill_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """Full-sequence logits [len_i, V] (fp32) of one packed prefill, through the paged cache
         (no prefix cache: every token is computed)."""
+        # generate()'s rules: a prompt past max_model_len indexed past the RoPE tables (an IndexError on
+        # the CPU, a device-side assert on a GPU); no prompt at all failed in max()
+        prompts = None if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
+        if prompts is None:
+            raise TypeError("prompts must be a list of token-id lists (one list per prompt), "
+                            "e.g. [[151644, 872], [9707]]")
         seqs = [Sequence(_token_ids(f"prompt {i}", p, self.config.vocab_size), 1, index=i)
                 for i, p in enumerate(prompts)]
+        for s in seqs:
+            if len(s) > self.max_model_len:
+                raise ValueError(f"prompt {s.index} of {len(s)} tokens exceeds max_model_len={self.max_model_len}")
+        if not seqs:
+            return []
         bs = self.cache.block_size
         try:
             slots = []

@@ -56,6 +56,16 @@ def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Per-layer K/V scale tensors of FP8-KV checkpoints (Engine(kv_cache_dtype="fp8") reads them); "{}" is k or v
+KV_SCALE_NAMES = ("self_attn.{}_scale", "self_attn.attn.{}_scale", "self_attn.{}_proj.output_scale")
+
+
+def _is_kv_scale(name: str) -> bool:
+    parts = name.split(".", 3)  # model, layers, i, rest
+    return len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+        and any(parts[3] == n.format(kind) for n in KV_SCALE_NAMES for kind in "kv")
+
+
 def _normalise_key(key: str) -> str:
     # A checkpoint of the bare Qwen3Model has no "model." prefix.
     if key.startswith(("model.", "lm_head.")):
@@ -78,7 +88,8 @@ def load_checkpoint(folder: str, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     name = _normalise_key(key)
-                    if name in wanted_with_lm_head:
+                    # (the K/V scales too: they were dropped here, so a folder's scales were never used)
+                    if name in wanted_with_lm_head or _is_kv_scale(name):
                         state[name] = f.get_tensor(key)
         except (OSError, MemoryError):
             raise
@@ -92,6 +103,20 @@ def check_state_dict(state: dict[str, torch.Tensor], cfg: Qwen3Config) -> dict[s
     """Validate names/shapes; tie lm_head to the embedding when the checkpoint has none."""
     state = {_normalise_key(k): v for k, v in state.items()}
     wanted = expected_shapes(cfg)
+    for name in (*wanted, "lm_head.weight", *filter(_is_kv_scale, state)):
+        v = state.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, torch.Tensor):  # (was: AttributeError on .shape / .numel)
+            raise TypeError(f"{name} must be a tensor, got {type(v).__name__}")
+        if _is_kv_scale(name):
+            continue  # (any real dtype: read as float32)
+        if not v.dtype.is_floating_point or v.element_size() < 2:
+            # fp8 / int8 / int4-packed weights of a quantized checkpoint were cast to the model dtype without
+            # their scales: the engine generated garbage without an error
+            raise ValueError(f"{name} is {str(v.dtype).replace('torch.', '')}: quantized weights are not supported "
+                             "(the engine reads float32/float16/bfloat16 weights; kv_cache_dtype='fp8' quantises "
+                             "only the KV cache)")
     missing = [k for k in wanted if k not in state]
     if missing == ["lm_head.weight"]:
         # An untied config whose checkpoint still lacks lm_head: the only sensible reading is tying.

@@ -64,8 +64,12 @@ def make_sampling_params(temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 
     for name, val in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not (math.isfinite(val) and -2.0 <= val <= 2.0):
             raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {val}")
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        raise ValueError(f"repetition_penalty must be a finite float > 0 (1 is off), got {repetition_penalty}")
+    # > 0 also as the float32 the penalty is applied in: 1e-50 became 0.0 there, logits / 0 became inf and NaN,
+    # and torch.multinomial failed mid-generation (on a GPU: a device-side assert)
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0
+            and float(torch.tensor(float(repetition_penalty), dtype=torch.float32)) > 0):
+        raise ValueError(f"repetition_penalty must be a finite float > 0 (1 is off; at least float32's smallest, "
+                         f"about 1.4e-45), got {repetition_penalty}")
     return SamplingParams(temperature, top_p, top_k, float(presence_penalty), float(frequency_penalty),
                           float(repetition_penalty))
 
@@ -100,7 +104,10 @@ def apply_penalties(logits: torch.Tensor, params: Seq[SamplingParams], token_ids
     sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
     freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
     pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
-    z[rows] = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    # a small repetition_penalty can push a logit past float32's range (10 / 1e-38): inf - inf is NaN in
+    # the sampler's max shift, which torch.multinomial refuses (on a GPU: a device-side assert)
+    fmax = torch.finfo(torch.float32).max
+    z[rows] = (sub - freq * counts - pres * (counts > 0).to(sub.dtype)).clamp(-fmax, fmax)
     return z
 
 
@@ -159,10 +166,11 @@ def sample_checked(
     every_row = len(drawn_rows) == rows
     z = logits.float() if every_row else logits[drawn_rows].float()
     dev = z.device
+    vocab = z.shape[-1]
     temps = torch.tensor([params[i].temperature for i in drawn_rows], device=dev)
     top_ps = torch.tensor([params[i].top_p for i in drawn_rows], device=dev)
-    top_ks = torch.tensor([params[i].top_k for i in drawn_rows], device=dev)
-    vocab = z.shape[-1]
+    # top_k >= vocab keeps every token; clamped so that a huge one (2**70) is not an int64 overflow mid-step
+    top_ks = torch.tensor([min(params[i].top_k, vocab) for i in drawn_rows], device=dev)
     # Shifting by the max first keeps a tiny temperature from overflowing to inf - inf = NaN;
     # the floor keeps it representable in fp32 (below it the draw is greedy in effect).
     probs = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / temps.clamp(min=1e-30)[:, None], dim=-1)
@@ -177,7 +185,11 @@ def sample_checked(
         if bool(cut_p.any()):
             # mass strictly before each token; a token is dropped once that mass already reaches top_p
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(cut_p & (mass_before >= top_ps[:, None]), 0.0)
+            drop = cut_p & (mass_before >= top_ps[:, None])
+            # the most likely token always stays: a top_p below float32's range (1e-50) is 0.0 here, which
+            # dropped every token, and torch.multinomial failed on the empty distribution
+            drop[:, 0] = False
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
     if generators is not None:
         drawn = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(drawn_rows)])
