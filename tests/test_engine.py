@@ -617,6 +617,10 @@ def _check_bf16_engine(cfg: Qwen3Config, dev, backend: str, hf16, hf32, lens, ne
     out_g = eng.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
     out_e = eager.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
     print(f"  cuda graph used: {eng.stats.cuda_graph} (capture error: {eng.runner.graph_error})")
+    if dev.type == "cuda" and backend in ("triton", "cuda"):
+        # a failed capture decodes eagerly with only a warning: the graph-vs-eager checks below would then
+        # compare eager with eager (it happened once, a Triton compile failing in the capture's warm-up)
+        assert eng.stats.cuda_graph, f"the {backend} engine decoded without its CUDA graphs: {eng.runner.graph_error}"
     dg, de = _decode_consistency(eng, prompts, out_g), _decode_consistency(eager, prompts, out_e)
     # a wrongly decoded token sits ~4 logit std below the max; bf16 noise is a fraction of one
     tol = max(0.1, 3 * noise)
