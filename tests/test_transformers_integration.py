@@ -451,10 +451,12 @@ def test_attention_function_unpads_2d_and_4d_masks(backend, is_causal, num_heads
         q = torch.randn(B, num_heads, nq, head_dim, generator=gen)
         k = torch.randn(B, num_kv_heads, nk, head_dim, generator=gen)
         v = torch.randn(B, num_kv_heads, nk, head_dim, generator=gen)
-        q_valid = mask2d[:, nk - nq :]
         rows = torch.arange(nq)[:, None] + (nk - nq)
         visible = torch.arange(nk)[None, :] <= rows if is_causal else torch.ones(nq, nk, dtype=torch.bool)
         allowed = mask2d[:, None, :] & visible[None]
+        # causal: a padded query (its own key is padding) gives zeros; non-causal: every row that sees a
+        # key equals eager (a key mask says nothing about the queries: cross-attention's are other tokens)
+        q_valid = mask2d[:, nk - nq :] if is_causal else allowed.any(-1)
         ref = _eager_reference(q, k, v, allowed, scale)
         additive = torch.zeros(B, 1, nq, nk).masked_fill(~allowed[:, None], float("-inf"))
         kinds = (("2d", mask2d.long()), ("4d-bool", allowed[:, None]), ("4d-float", additive))
@@ -468,7 +470,7 @@ def test_attention_function_unpads_2d_and_4d_masks(backend, is_causal, num_heads
             sel = q_valid[:, :, None, None].expand_as(out)
             err = (out.double() - ref)[sel].abs().max().item() if sel.any() else 0.0
             assert err < 2e-5, f"{name} {kind}: max err {err}"
-            # padded query rows are exact zeros (never NaN)
+            # padded query rows (non-causal: rows that see no key) are exact zeros (never NaN)
             assert (out[~sel] == 0).all(), f"{name} {kind}: padded rows not zero"
 
 
@@ -607,6 +609,163 @@ def test_sliding_window_model_raises():
         pytest.skip("this transformers version builds no sliding layer from this config")
     with pytest.raises(NotImplementedError, match="sliding"):
         forward_logits(model, IMPL, torch.randint(0, VOCAB, (1, 8)))
+
+
+# --------------------------------------------------------------------------- cross-attention, inference mode, refusals
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_t5gemma():
+    """A small random encoder-decoder (T5Gemma: Gemma2-like, supports attention backends) with
+    plain attention: no softcapping, no sliding layers (sliding_window must be set, but no layer uses it)."""
+    from transformers import T5GemmaConfig, T5GemmaForConditionalGeneration
+
+    sub = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, attn_logit_softcapping=None,
+               final_logit_softcapping=None, sliding_window=4096, layer_types=["full_attention"] * 2)
+    cfg = T5GemmaConfig(encoder=dict(sub), decoder=dict(sub), vocab_size=VOCAB, pad_token_id=0, eos_token_id=1,
+                        bos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(21)
+    return T5GemmaForConditionalGeneration(cfg).eval()
+
+
+def test_cross_attention_matches_eager():
+    """Encoder-decoder cross-attention: the 2D mask marks encoder keys, the queries are decoder tokens.
+    Before: decoder queries at the slots where the (right-padded) encoder mask is 0 got zeros, a decoder
+    longer than the encoder raised, and with no encoder mask a decoder shorter than the encoder only saw
+    its first dec_len encoder tokens (the StaticCache rule)."""
+    model = tiny_t5gemma()
+    gen = torch.Generator().manual_seed(22)
+    enc = torch.randint(3, VOCAB, (2, 9), generator=gen)
+    enc_mask = torch.ones_like(enc)
+    enc_mask[1, 5:] = 0
+    # (decoder shorter than a padded encoder: the attention-function test below)
+    for dec_len, mask in ((9, enc_mask), (12, enc_mask), (4, None)):
+        dec = torch.randint(3, VOCAB, (2, dec_len), generator=gen)
+        kwargs = dict(input_ids=enc, attention_mask=mask, decoder_input_ids=dec)
+        ref = forward_logits(model, "eager", **kwargs)
+        out = forward_logits(model, IMPL, **kwargs)
+        m = logit_metrics(ref, out)
+        print(f"\n[cross-attention dec_len={dec_len} enc_mask={mask is not None}] minipaged vs eager: {fmt(m)}")
+        assert_fp32_close(m)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model.generate(input_ids=enc, attention_mask=enc_mask, **kwargs)
+    model.set_attn_implementation(IMPL)
+    with torch.no_grad():
+        out = model.generate(input_ids=enc, attention_mask=enc_mask, **kwargs)
+    assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_attention_function_non_causal_keys_are_not_queries(backend):
+    """Non-causal calls (cross-attention) with Nq != Nk and a key mask: every query row sees the valid keys,
+    through a 2D mask, a 4D mask and a broadcast [B, 1, 1, Nk] mask (BERT style, which used to be refused)."""
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2, is_causal=False)
+    gen = torch.Generator().manual_seed(23)
+    mixed = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]]).bool()
+    # every encoder right-padded: a 4D mask then also reads as causal with an offset, whose "padded"
+    # query rows (the slots of the padding keys) used to be zeros
+    right = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0, 0]]).bool()
+    for keys in (mixed, right):
+        B = keys.shape[0]
+        for nq in ((3, 12) if backend in SLOW_ON_CPU else (1, 3, 9, 12)):
+            q = torch.randn(B, 4, nq, 64, generator=gen)
+            k = torch.randn(B, 2, 9, 64, generator=gen)
+            v = torch.randn(B, 2, 9, 64, generator=gen)
+            allowed = keys[:, None, :].expand(B, nq, 9)
+            ref = _eager_reference(q, k, v, allowed, 0.125)
+            masks = {"2d": keys.long(), "4d": allowed[:, None], "4d-broadcast": keys[:, None, None, :]}
+            for kind, mask in masks.items():
+                if backend in SLOW_ON_CPU and (kind != "2d") == (keys is mixed):
+                    continue  # interpreter time: one mask kind per key set
+                with mp.use_backend(backend):
+                    out, _ = fwd(module, q, k, v, mask, scaling=0.125)
+                err = (out.double() - ref).abs().max().item()
+                assert err < 2e-5, f"B={B} Nq={nq} {kind}: max err {err}"
+
+
+def test_inference_mode_masks():
+    """Under torch.inference_mode masks are inference tensors, which have no version counter: the mask
+    cache used to raise RuntimeError on them. Its hits must also stay within one forward: a mask buffer
+    rewritten in place between two forwards must not be served from the cache."""
+    model = tiny_qwen3(4, 2, 64)
+    gen = torch.Generator().manual_seed(24)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (7, 3)]
+    ids, mask = left_padded(seqs)
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    results = []
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        with torch.inference_mode():
+            results.append(model.generate(input_ids=ids, attention_mask=mask, **kwargs).tolist())
+    assert results[0] == results[1]
+
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2)
+    q = torch.randn(1, 4, 6, 64, generator=gen)
+    k, v = torch.randn(1, 2, 6, 64, generator=gen), torch.randn(1, 2, 6, 64, generator=gen)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    with torch.inference_mode():
+        buf = causal[None, None].clone()
+        fwd(module, q, k, v, buf, scaling=0.125)
+        buf[..., :2] = False  # the same tensor, now left-padded by two
+        buf[..., :2, :] = False
+        out, _ = fwd(module, q, k, v, buf, scaling=0.125)
+    ref = _eager_reference(q, k, v, buf[:, 0].clone(), 0.125)
+    assert (out[:, 2:].double() - ref[:, 2:]).abs().max() < 2e-5
+    assert (out[:, :2] == 0).all()
+
+
+def test_full_layers_of_a_windowed_config_run():
+    """Exaone4 keeps config.sliding_window on every attention module and passes sliding_window=None for
+    its full-attention layers: with no sliding layer at all the model used to be refused; sliding layers
+    still are."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    base = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(25)
+    model = Exaone4ForCausalLM(Exaone4Config(**base, sliding_window=4, layer_types=["full_attention"] * 2)).eval()
+    seqs = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(25)) for n in (9, 5)]
+    ids, mask = left_padded(seqs)
+    ref = forward_logits(model, "eager", ids, attention_mask=mask)
+    mpt.reset_counts()
+    out = forward_logits(model, IMPL, ids, attention_mask=mask)
+    assert mpt.call_counts() == every_layer_once_per_forward(2, 1)
+    for b, s in enumerate(seqs):
+        assert_fp32_close(logit_metrics(ref[b : b + 1, -len(s) :], out[b : b + 1, -len(s) :]))
+    hybrid = Exaone4Config(**base, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(NotImplementedError, match="sliding"):
+        forward_logits(Exaone4ForCausalLM(hybrid).eval(), IMPL, ids, attention_mask=mask)
+
+
+def test_unsupported_kwargs_are_refused():
+    """Features a kernel cannot honour raise, naming the feature, instead of being dropped."""
+    fwd = transformers.AttentionInterface()[IMPL]
+    module = _Module(2)
+    q = torch.randn(1, 4, 5, 64)
+    k = v = torch.randn(1, 2, 5, 64)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        fwd(module, q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5))
+    with pytest.raises(NotImplementedError, match="head_mask"):
+        fwd(module, q, k, v, None, head_mask=torch.ones(4))
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        fwd(module, q, k, v, None, output_attentions=True)
+    fwd(module, q, k, v, None, output_attentions=False)  # asking for none is fine
+    # an unsupported device is named before the mask is read (that read used to fail on meta tensors)
+    meta = [t.to("meta") for t in (q, k, v)]
+    with pytest.raises(ValueError, match="meta"):
+        fwd(module, *meta, torch.ones(1, 5, device="meta"))
+    # through a model: output_attentions used to return an empty tuple, head_mask was ignored
+    model = tiny_qwen3(4, 2, 64)
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        forward_logits(model, IMPL, ids, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="head_mask"):
+        forward_logits(model, IMPL, ids, head_mask=torch.ones(4))
 
 
 # --------------------------------------------------------------------------- GPU: the real Qwen3-0.6B shape in bf16

@@ -15,19 +15,25 @@ the standard causal / bidirectional patterns it hands the attention function
 the 2D padding mask [B, kv_len] (or None when nothing is padded), as
 transformers does for FlashAttention. Padded batches are then *unpadded*:
 valid query and key tokens are gathered into the varlen layout, attended with
-`prefill_attention_varlen`, and scattered back; padded query rows get zeros.
-Any other pattern (custom and/or mask functions, packed sequences that
-transformers detected from position_ids, a 4D mask passed by the caller)
-arrives as a 4D mask; it is accepted only if it is exactly causal attention
-over the valid keys, causal attention within packed segments, or full
-attention over the valid keys -- which is verified -- and otherwise refused
-with NotImplementedError. A mask is never silently ignored, and the result
-always equals what eager attention computes on the real (non-padding) queries.
+`prefill_attention_varlen`, and scattered back; padded query rows of causal
+attention get zeros. Non-causal attention computes every query row over the
+valid keys (what eager gives it): the mask marks keys only, and in
+cross-attention (encoder keys, e.g. T5Gemma, BERT decoders) the queries are
+other tokens, of any number. Any other pattern (custom and/or mask functions,
+packed sequences that transformers detected from position_ids, a 4D mask
+passed by the caller) arrives as a 4D mask; it is accepted only if it is
+exactly causal attention over the valid keys, causal attention within packed
+segments, or full attention over the valid keys -- which is verified -- and
+otherwise refused with NotImplementedError. A mask is never silently ignored,
+and the result always equals what eager attention computes on the real
+(non-padding) queries.
 Explicitly packed batches (FlashAttention kwargs cu_seq_lens_q/k) go straight
 to the varlen kernel.
 
-Not supported (raise): dropout > 0 in training, sliding windows, logit
-softcapping, attention sinks. Forward only: the kernels define no backward, so
+Not supported (raise NotImplementedError, never ignored): dropout > 0 in
+training, sliding windows, logit softcapping, attention sinks, an additive
+position_bias, head_mask, output_attentions=True (the kernels never form the
+attention weights). Forward only: the kernels define no backward, so
 backward() through them raises (the torch backend runs under autograd).
 
 Debug counters, off by default (the hot path then only reads one flag):
@@ -137,19 +143,23 @@ def _unpad_from_valid(q_valid: torch.Tensor, kv_valid: torch.Tensor) -> _Unpad:
     return _Unpad(q_batch, q_pos, k_batch, k_pos, _cu_seqlens(q_lens), _cu_seqlens(k_lens), max_q, max_k)
 
 
-def _valid_from_2d(mask: torch.Tensor, num_q: int, num_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _valid_from_2d(mask: torch.Tensor, num_q: int, num_k: int,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2D padding mask [B, L] (1 = real token) -> (q_valid [B, Nq], kv_valid [B, Nk]).
 
     As for FlashAttention in transformers: the mask covers the keys from the
     left; a mask shorter than the keys (a StaticCache's unused tail) marks the
     rest invalid, a longer one is cut from the left (only the last Nk keys are
-    here). The queries are the last Nq tokens the mask covers.
+    here). Causal: the queries are the last Nq tokens the mask covers.
+    Non-causal: every query is computed over the valid keys, as eager does. The
+    mask marks keys only: in cross-attention (encoder keys) the queries are other
+    tokens, of any number, and a query row's output never depends on its own slot.
     """
     mask = mask.to(torch.bool)
     if mask.shape[1] > num_k:
         mask = mask[:, -num_k:]
     length = mask.shape[1]
-    if length < num_q:
+    if causal and length < num_q:
         raise ValueError(
             f"attention_mask covers {length} tokens but the query has {num_q}; a 2D mask must cover at least the queries"
         )
@@ -157,12 +167,18 @@ def _valid_from_2d(mask: torch.Tensor, num_q: int, num_k: int) -> tuple[torch.Te
     if length < num_k:
         kv_valid = torch.zeros(mask.shape[0], num_k, dtype=torch.bool, device=mask.device)
         kv_valid[:, :length] = mask
+    if not causal:
+        return torch.ones(mask.shape[0], num_q, dtype=torch.bool, device=mask.device), kv_valid
     return mask[:, length - num_q :], kv_valid
 
 
 def _allowed_from_4d(mask: torch.Tensor, batch: int, num_q: int, num_k: int) -> torch.Tensor:
-    """A 4D mask (bool: True = attend; float: additive 0 / very negative) -> bool [B, Nq, Nk]."""
-    if mask.shape[-2:] != (num_q, num_k) or mask.shape[0] not in (1, batch):
+    """A 4D mask (bool: True = attend; float: additive 0 / very negative) -> bool [B, Nq, Nk].
+
+    Dims of size 1 broadcast as in eager/sdpa: batch, heads, and queries ([B, 1, 1, Nk], the
+    classic BERT-style key padding mask).
+    """
+    if mask.shape[-1] != num_k or mask.shape[-2] not in (1, num_q) or mask.shape[0] not in (1, batch):
         raise ValueError(
             f"attention_mask of shape {tuple(mask.shape)} does not fit query length {num_q}, key length {num_k}, batch {batch}"
         )
@@ -184,17 +200,20 @@ def _allowed_from_4d(mask: torch.Tensor, batch: int, num_q: int, num_k: int) -> 
     return allowed[:, 0].expand(batch, num_q, num_k)
 
 
-def _valid_from_4d(allowed: torch.Tensor):
+def _valid_from_4d(allowed: torch.Tensor, queries_are_keys: bool = True):
     """Recognise allowed [B, Nq, Nk] as one of the patterns the varlen kernels compute.
 
     Returns (q_valid [B, Nq], kv_valid [B, Nk], causal, segment_starts or None):
       * causal over the valid keys, queries at key offset `o` (o = Nk - Nq with a
         DynamicCache, the past length with a StaticCache);
       * causal within packed segments (Nq == Nk, no cache): block-diagonal;
-      * full attention over the valid keys.
-    Rows of padded queries (which see no key, or whose own key is padding) are
-    not compared: their output is zeros. Anything else (sliding windows, custom
-    mask functions) raises NotImplementedError.
+      * full attention over the valid keys: every row that sees a key is computed.
+    In the causal patterns, rows of padded queries (which see no key, or whose own
+    key is padding) are not compared: their output is zeros. queries_are_keys False (a non-causal
+    module, e.g. cross-attention, whose queries are not among the keys): a row
+    whose "own key" is padding is a real query all the same, so only rows that see
+    no key may be zeros. Anything else (sliding windows, custom mask functions)
+    raises NotImplementedError.
     """
     batch, num_q, num_k = allowed.shape
     dev = allowed.device
@@ -204,6 +223,8 @@ def _valid_from_4d(allowed: torch.Tensor):
     j = torch.arange(num_k, device=dev)
 
     def same(expected, q_valid) -> bool:
+        if not queries_are_keys and bool((rows_any & ~q_valid).any()):
+            return False  # it would zero a row that sees keys
         return bool(((expected == allowed) | ~q_valid[:, :, None]).all())
 
     # Causal: the last key a real query sees is its own token, at offset + i.
@@ -223,9 +244,10 @@ def _valid_from_4d(allowed: torch.Tensor):
             same_seg = seg[:, :, None] == seg[:, None, :]
             if same(kv_valid[:, None, :] & causal & same_seg, q_valid):
                 return q_valid, kv_valid, True, starts
-    # Full attention: every row sees the same keys, so a padded query cannot be
-    # told from its row; as with a 2D mask, the queries are the last Nq keys.
-    q_valid = rows_any & kv_valid[:, num_k - num_q :] if num_q <= num_k else rows_any
+    # Full attention: every row sees the same keys, so a padded query cannot be told from its row, and
+    # in cross-attention the queries are not the keys at all: compute every row that sees a key (what
+    # eager gives it too); rows that see none are zeros.
+    q_valid = rows_any
     if same(kv_valid[:, None, :].expand_as(allowed), q_valid):
         return q_valid, kv_valid, False, None
     raise NotImplementedError(
@@ -245,46 +267,63 @@ def _unpad_segments(valid: torch.Tensor, starts: torch.Tensor) -> _Unpad:
 
 
 class _UnpadCache(threading.local):
-    """The metadata of the last mask seen: every layer of a forward shares one mask."""
+    """The metadata of the last mask seen: every layer of a forward shares one mask.
+
+    A hit needs the same tensor object, unchanged since (its version counter). Inference tensors
+    (torch.inference_mode) have no version counter, and a caller may rewrite one in place between
+    two forwards (a preallocated mask buffer): those hit only later in the same forward, i.e. for
+    a layer_idx above the last one that used the entry.
+    """
 
     def __init__(self):
         self.key = None
         self.ref = None
         self.value = None
+        self.layer = None
 
-    def get(self, tensor: torch.Tensor, key: tuple):
-        if self.ref is not None and self.ref() is tensor and self.key == (tensor._version, *key):
-            return self.value
-        return None
+    @staticmethod
+    def _version(tensor: torch.Tensor):
+        return None if tensor.is_inference() else tensor._version
 
-    def put(self, tensor: torch.Tensor, key: tuple, value) -> None:
+    def get(self, tensor: torch.Tensor, key: tuple, layer_idx=None):
+        if self.ref is None or self.ref() is not tensor or self.key != (self._version(tensor), *key):
+            return None
+        if tensor.is_inference():
+            if not isinstance(layer_idx, int) or self.layer is None or layer_idx <= self.layer:
+                return None
+            self.layer = layer_idx
+        return self.value
+
+    def put(self, tensor: torch.Tensor, key: tuple, value, layer_idx=None) -> None:
         try:
             self.ref = weakref.ref(tensor)
         except TypeError:
             self.ref = None
             return
-        self.key = (tensor._version, *key)
+        self.key = (self._version(tensor), *key)
         self.value = value
+        self.layer = layer_idx if isinstance(layer_idx, int) else None
 
 
 _mask_cache = _UnpadCache()
 
 
-def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, causal: bool):
+def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, causal: bool, layer_idx=None):
     """(unpad or None for 'no padding: dense', causal) for a 2D or 4D mask, cached per mask tensor."""
     key = (batch, num_q, num_k, causal, mask.shape, mask.device)
-    hit = _mask_cache.get(mask, key)
+    hit = _mask_cache.get(mask, key, layer_idx)
     if hit is not None:
         return hit
     if mask.dim() == 2:
         if mask.shape[0] != batch:
             raise ValueError(f"attention_mask has batch {mask.shape[0]} but the query has {batch}")
-        q_valid, kv_valid = _valid_from_2d(mask, num_q, num_k)
+        q_valid, kv_valid = _valid_from_2d(mask, num_q, num_k, causal)
     elif mask.dim() == 4:
-        q_valid, kv_valid, causal, starts = _valid_from_4d(_allowed_from_4d(mask, batch, num_q, num_k))
+        # a causal module's queries are its last keys; a non-causal one may attend to other tokens
+        q_valid, kv_valid, causal, starts = _valid_from_4d(_allowed_from_4d(mask, batch, num_q, num_k), causal)
         if starts is not None:
             plan = (_unpad_segments(q_valid, starts), True)
-            _mask_cache.put(mask, key, plan)
+            _mask_cache.put(mask, key, plan, layer_idx)
             return plan
     else:
         raise ValueError(f"attention_mask must be 2D [B, kv_len] or 4D [B, 1, Nq, Nk], got shape {tuple(mask.shape)}")
@@ -292,7 +331,7 @@ def _plan_from_mask(mask: torch.Tensor, batch: int, num_q: int, num_k: int, caus
         plan = (None, causal)
     else:
         plan = (_unpad_from_valid(q_valid, kv_valid), causal)
-    _mask_cache.put(mask, key, plan)
+    _mask_cache.put(mask, key, plan, layer_idx)
     return plan
 
 
@@ -332,8 +371,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise NotImplementedError(
             f"minipaged attention has no dropout (got dropout={dropout} in training mode); set attention_dropout=0"
         )
-    sliding_window = kwargs.get("sliding_window")
-    if sliding_window is None:
+    # The kwarg, when the model passes one, says what this layer does: Exaone4-style modules keep the
+    # config's window on every layer and pass sliding_window=None for their full-attention layers.
+    # The attribute is the fallback for models that pass nothing.
+    if "sliding_window" in kwargs:
+        sliding_window = kwargs["sliding_window"]
+    else:
         sliding_window = getattr(module, "sliding_window", None)
     if sliding_window is not None:
         raise NotImplementedError(
@@ -343,6 +386,22 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise NotImplementedError("minipaged attention does not implement logit softcapping")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("minipaged attention does not implement attention sinks")
+    # an additive score bias (T5-style relative positions, ALiBi) would be dropped: wrong output
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("minipaged attention does not implement an additive position_bias on the scores")
+    # transformers 5 forwards model(head_mask=...) down to here; eager drops it, we refuse rather than ignore it
+    if kwargs.get("head_mask") is not None:
+        raise NotImplementedError("minipaged attention does not implement head_mask (masking whole heads)")
+    # the kernels never form the attention probabilities: without this, output_attentions=True
+    # silently returns an empty tuple of attentions
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(
+            "minipaged attention cannot return attention weights (output_attentions=True); "
+            "use attn_implementation='eager' for them"
+        )
+    # before the mask is read (its analysis syncs): the kernels' own check would come after it
+    if query.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the tensors are on {query.device}: minipaged runs on cpu and cuda tensors")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -360,7 +419,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             raise ValueError(f"cu_seq_lens_q/k need a packed batch of size 1, got batch {batch}")
         return _run_packed(query, key, value, cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs, is_causal, scale, backend, layer_idx)
     if attention_mask is not None:
-        plan, is_causal = _plan_from_mask(attention_mask, batch, num_q, num_k, is_causal)
+        plan, is_causal = _plan_from_mask(attention_mask, batch, num_q, num_k, is_causal, layer_idx)
 
     if plan is None:
         _count(layer_idx, "dense")
@@ -449,8 +508,11 @@ def minipaged_mask(batch_size, q_length, kv_length, q_offset=None, kv_offset=0, 
     if mask_function is None or mask_function in standard:
         if attention_mask is None:
             # A StaticCache hands every slot to attention as a key: those past the queries hold no token
-            # yet. (A transformers that does not say where the queries start gets the old answer.)
-            seen = None if q_offset is None else int(q_offset) + q_length - int(kv_offset)
+            # yet. (A transformers that does not say where the queries start gets the old answer.) Only
+            # for causal masks: a bidirectional one is also made for cross-attention, where kv_length is
+            # the encoder's length and q_offset 0 has nothing to do with it (eager then attends every key).
+            bidirectional = mask_function is not None and mask_function is standard[1]
+            seen = None if q_offset is None or bidirectional else int(q_offset) + q_length - int(kv_offset)
             if seen is None or seen >= kv_length:
                 return None
             return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
