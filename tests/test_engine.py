@@ -488,6 +488,51 @@ def test_static_decode_buffers_path(tiny_ckpt):
     assert out == ref
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+def test_graph_capture_retried_once(tiny_ckpt, failures, monkeypatch, caplog):
+    """A failed capture is tried once more (a Triton compile in its warm-up once failed and then
+    passed on every re-run); two failures leave decode eager, with graph_error saying why. On CPU
+    the capture itself is a stand-in that fills the graphs with eager replays, as above."""
+    from minipaged.engine.runner import _graph_batch_sizes
+
+    folder, _, prompts, ref = tiny_ckpt
+    eng = _engine(folder, max_num_seqs=5, block_size=4, num_blocks=20, max_model_len=64)
+    runner = eng.runner
+    calls = []
+
+    class _EagerGraph:
+        def __init__(self, b):
+            self.b = b
+            self.out = torch.empty(b, VOCAB)
+
+        def replay(self):
+            self.out.copy_(runner._graph_forward(self.b))
+
+    def capture_all():
+        calls.append(len(calls))
+        runner._alloc_static()
+        for b in _graph_batch_sizes(runner.max_num_seqs):
+            runner.graphs[b] = _EagerGraph(b)
+            runner.graph_outputs[b] = runner.graphs[b].out
+            if len(calls) <= failures and b >= 2:  # fails mid-way: the graphs made so far must go
+                raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(runner, "_capture_all", capture_all)
+    runner.use_cuda_graph = True
+    with caplog.at_level("WARNING", logger="minipaged.engine"):
+        out = eng.generate(prompts, max_new_tokens=MAX_NEW)
+    assert out == ref
+    assert len(calls) == 2, "one retry, and only one"
+    assert "trying once more" in caplog.text
+    if failures == 1:
+        assert runner.graph_error is None and runner.graphs_active and eng.stats.cuda_graph
+        assert sorted(runner.graphs) == _graph_batch_sizes(5)
+    else:
+        assert runner.graph_error == "RuntimeError: PassManager::run failed"
+        assert not runner.graphs_active and not runner.graphs and not eng.stats.cuda_graph
+        assert "decoding eagerly" in caplog.text
+
+
 # ---------------------------------------------------------------------------- triton (interpreter)
 
 _TRITON_SCRIPT = r"""
