@@ -22,6 +22,15 @@ from hf_reference import hf_greedy, random_tokens  # noqa: E402
 VOCAB = 500
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny matmuls on a 2-core CI box: thread hand-offs cost more than they save
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def ckpt(serving_ckpt):
     return serving_ckpt
@@ -310,6 +319,174 @@ def test_online_scripts_keep_every_request_on_transformers_tokens(ckpt, work):
         want = hf_greedy(hf, prompt, n)
         mine = got.get(rid, [])
         assert mine == want[:len(mine)] and (rid in aborted or mine == want), (rid, kw)
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks
+
+
+# Differential fuzzing of the scheduling: one engine under every kind of pressure against a plain one
+# (one request at a time, no prefix cache, one prefill per prompt), with the pages checked after every
+# step. Prompts are cut from a random base and from one of a repeated token (equal blocks everywhere)
+# at block-relative lengths, or are another prompt again, a prefix of it or an extension of it.
+_FUZZ_LEN = 40  # max_model_len
+_FUZZ_BASES = [_tokens(50, 30), [7] * 30]
+_FUZZ_SAMPLING = [{}, {}, dict(temperature=1.0, top_k=8, seed=5), dict(presence_penalty=0.5, repetition_penalty=1.3)]
+
+
+@st.composite
+def _fuzz_scripts(draw):
+    """An engine configuration and a script of add / step / abort actions, drawn from a Random that
+    hypothesis seeds (a script's prompts refer to earlier ones; per-element draws gave short scripts of
+    short requests, which rarely preempted). Adds outnumber steps, so requests pile up and the drain at
+    the end runs under pressure."""
+    bs = draw(st.sampled_from([2, 1, 16]))
+    need = -(-_FUZZ_LEN // bs)  # one request of the longest length fills the pool
+    kw = dict(block_size=bs, max_model_len=_FUZZ_LEN, num_blocks=draw(st.sampled_from([need, need + 1, 4 * need])),
+              max_num_seqs=draw(st.sampled_from([3, 8, 1])),
+              enable_prefix_caching=draw(st.booleans().map(lambda b: not b)),  # on first: the simplest draw
+              # budgets that end chunks at every residue mod block_size
+              max_num_batched_tokens=draw(st.sampled_from([bs + 1, max(bs - 1, 1), 5, 64, 1])))
+    rnd = draw(st.randoms(use_true_random=False))
+    script, prompts = [], []
+    for _ in range(rnd.randint(2, 30)):
+        kind = rnd.choice(["add", "add", "add", "step", "step", "abort"])
+        if kind != "add":  # (abort: which unfinished request; True: one mid-prefill if there is one)
+            script.append(("step",) if kind == "step" else ("abort", rnd.randrange(8), rnd.random() < 0.5))
+            continue
+        for _ in range(rnd.choice([1, 1, 3])):  # a burst: prompts admitted in one step
+            rel = rnd.choice(["cut", "cut", "same", "prefix", "extend"]) if prompts else "cut"
+            if rel == "cut":
+                cut = rnd.choice([0, bs - 1, bs, bs + 1, 2 * bs + 1, rnd.randint(0, 30)])
+                prompt = rnd.choice(_FUZZ_BASES)[:cut]
+                prompt = prompt + [rnd.randrange(VOCAB) for _ in range(rnd.randint(0 if prompt else 1, 3))]
+            else:
+                src = rnd.choice(prompts)
+                prompt = {"same": src, "prefix": src[:rnd.randint(1, len(src))],
+                          "extend": src + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 3))]}[rel]
+            prompts.append(prompt[:_FUZZ_LEN - 2])
+            script.append(("add", prompts[-1], rnd.choice([20, 20, 1, 2, 5]), rnd.randrange(len(_FUZZ_SAMPLING))))
+    return kw, script
+
+
+@pytest.fixture(scope="module")
+def plain_engine(ckpt):
+    """The reference: one request at a time, no prefix cache, one prefill per prompt; results cached."""
+    eng = _engine(ckpt[0], block_size=16, num_blocks=8, max_num_seqs=1, max_model_len=_FUZZ_LEN,
+                  enable_prefix_caching=False)
+    done, keys = {}, {}
+
+    def run(prompt, n, sampling):
+        key = (tuple(prompt), n, sampling)
+        if key not in done:
+            eng.add_request(prompt, n, **_FUZZ_SAMPLING[sampling])
+            outs = []
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+            done[key] = [o.token_id for o in outs], [o.logprob for o in outs]
+        return done[key]
+
+    def last_layer_k(tokens):
+        """The last layer's K of `tokens` (a function of the whole prefix) from one plain prefill."""
+        from minipaged import PagedKVCache
+        from minipaged.engine.model import AttentionMetadata
+
+        key = tuple(tokens)
+        if key not in keys:
+            n, cfg = len(tokens), eng.config
+            cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=n,
+                                 block_size=1, dtype=torch.float32)
+            meta = AttentionMetadata("prefill", torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+                                     max_seqlen_q=n)
+            with torch.inference_mode():
+                eng.model.forward(torch.tensor(tokens), torch.arange(n), meta, cache)
+            keys[key] = cache.k_caches[-1][:, 0].clone()
+        return keys[key]
+
+    return run, last_layer_k
+
+
+def _check_pages(eng, prefix_of, last_layer_k):
+    """Pages are held by exactly the running requests (refcount = table membership, the rest free);
+    a page in two tables is a named block every holder has computed; a named block in a table is named
+    by the hash of the tokens there; every named block, referenced or evictable, holds the K of the
+    prefix its hash names."""
+    cache, sched = eng.cache, eng._online
+    bs = cache.block_size
+    running = list(sched.running) if sched is not None else []
+    assert sorted(cache.seq_ids) == sorted(s.seq_id for s in running), "pages held by a request not running"
+    holders = {}
+    for s in running:
+        table = cache.block_table(s.seq_id)
+        hashes = cache.block_hashes(s.token_ids)
+        for i, b in enumerate(table):
+            holders.setdefault(b, []).append((s, i))
+            if cache.is_cached(b):
+                assert i < len(hashes) and cache._hash_of[b] == hashes[i], f"block {b} named for other tokens"
+    assert [cache.ref_count(b) for b in range(cache.num_blocks)] == \
+        [len(holders.get(b, ())) for b in range(cache.num_blocks)], "refcounts != table membership"
+    assert cache.num_free_blocks == cache.num_blocks - len(holders)
+    for b, hs in holders.items():
+        if len(hs) > 1:
+            assert cache.is_cached(b) and all(s.num_computed >= (i + 1) * bs for s, i in hs), \
+                f"block {b} shared by {hs} is not a named block they all computed"
+    for h, b in cache._by_hash.items():
+        want = last_layer_k(prefix_of[h])[-bs:]
+        assert torch.allclose(cache.k_caches[-1][b], want, atol=1e-4), f"named block {b} holds other K"
+
+
+@given(work=_fuzz_scripts())  # (the ci profile's 12 examples take about 4 s)
+def test_any_scheduling_gives_the_plain_engines_tokens_and_logprobs(ckpt, plain_engine, work):
+    """Prefix caching, chunks ending anywhere in a block, preemption and eviction in a pool that holds
+    one longest request, block sizes 1/2/16, prompts that repeat, extend or cut each other (also in one
+    step), arrivals mid-generation and aborts mid-prefill or mid-decode: every request gets the plain
+    engine's tokens and logprobs (greedy, penalised and seeded sampling; a prefix of them if aborted),
+    the pages are consistent after every step, and all are free at the end (also after a generate()
+    with max_new_tokens 0 and 1 over the same prompts)."""
+    run, last_layer_k = plain_engine
+    kw, script = work
+    eng = _engine(ckpt[0], **kw)
+    added, aborted, got, lps, prefix_of = {}, set(), {}, {}, {}
+
+    def named(tokens):
+        for i, h in enumerate(eng.cache.block_hashes(tokens)):
+            prefix_of.setdefault(h, list(tokens[:(i + 1) * eng.cache.block_size]))
+
+    def step():
+        for o in eng.step():
+            assert o.request_id not in aborted
+            got.setdefault(o.request_id, []).append(o.token_id)
+            lps.setdefault(o.request_id, []).append(o.logprob)
+            named(added[o.request_id][0] + o.output_ids)
+        _check_pages(eng, prefix_of, last_layer_k)
+
+    for action in script:
+        if action[0] == "add":
+            _, prompt, n, sampling = action
+            added[eng.add_request(prompt, n, **_FUZZ_SAMPLING[sampling])] = prompt, n, sampling
+            named(prompt)
+        elif action[0] == "step":
+            step()
+        else:
+            live = [r for r in added if r in eng._online_seqs]
+            prefill = [r for r in live if not eng._online_seqs[r].is_decoding and eng._online_seqs[r].num_computed]
+            pick = prefill if action[2] and prefill else live
+            if pick:
+                eng.abort_request(pick[action[1] % len(pick)])
+                aborted.add(pick[action[1] % len(pick)])
+                _check_pages(eng, prefix_of, last_layer_k)
+    # a budget of 1 takes a step per token (a full script's drain takes hundreds); recompute after preemption more
+    limit = 100 + 10 * sum(len(p) + n for p, n, _ in added.values())
+    for _ in range(limit):
+        if not eng.has_unfinished_requests():
+            break
+        step()
+    assert not eng.has_unfinished_requests() and eng.cache.num_free_blocks == eng.cache.num_blocks
+    for rid, (prompt, n, sampling) in added.items():
+        want, want_lps = run(prompt, n, sampling)
+        mine = got.get(rid, [])
+        assert mine == want[:len(mine)] and (rid in aborted or mine == want), (rid, prompt, n, sampling, kw)
+        assert torch.allclose(torch.tensor(lps.get(rid, [])), torch.tensor(want_lps[:len(mine)]), atol=1e-4)
+    prompts = [p for p, _, _ in added.values()][:3]
+    news = [i % 3 for i in range(len(prompts))]  # 0, 1, 2
+    assert eng.generate(prompts, max_new_tokens=news) == [run(p, k, 0)[0] if k else [] for p, k in zip(prompts, news)]
     assert eng.cache.num_free_blocks == eng.cache.num_blocks
 
 
