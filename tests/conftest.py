@@ -108,6 +108,16 @@ def pytest_runtest_makereport(item, call):
                                    "later tests cannot run in this process")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    the engine tests' tiny matmuls on a 2-core CI box lose more to thread hand-offs than they gain."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def serving_ckpt(tmp_path_factory):
     """A tiny random Qwen3 checkpoint (2 layers, 4/2 heads of 64, vocab 500, no EOS) saved by

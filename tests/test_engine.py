@@ -36,13 +36,7 @@ def _tiny_hf_config(tie: bool = True, layers: int = 2):
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls on a 2-core CI box: thread hand-offs cost more than they save.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(seed: int = 1, lens=PROMPT_LENS) -> list[list[int]]:
@@ -452,6 +446,18 @@ def test_config_reads_old_and_new_rope_layouts():
         Qwen3Config.from_dict(dict(old, head_dim=96))
 
 
+class _EagerGraph:
+    """A stand-in for a captured decode graph on CPU: replay() runs the same forward eagerly from the
+    runner's static buffers."""
+
+    def __init__(self, runner, b):
+        self.runner, self.b = runner, b
+        self.out = torch.empty(b, VOCAB)
+
+    def replay(self):
+        self.out.copy_(self.runner._graph_forward(self.b))
+
+
 def test_static_decode_buffers_path(tiny_ckpt):
     """The CUDA-graph decode path's static buffers, batch padding and fixed-width tables, on CPU.
 
@@ -467,16 +473,8 @@ def test_static_decode_buffers_path(tiny_ckpt):
     runner._alloc_static()
     runner.s_tables.fill_(10**6)  # stale garbage beyond each row's own pages must never be read
 
-    class _EagerGraph:
-        def __init__(self, b):
-            self.b = b
-            self.out = torch.empty(b, VOCAB)
-
-        def replay(self):
-            self.out.copy_(runner._graph_forward(self.b))
-
     for b in _graph_batch_sizes(5):
-        runner.graphs[b] = _EagerGraph(b)
+        runner.graphs[b] = _EagerGraph(runner, b)
         runner.graph_outputs[b] = runner.graphs[b].out
     assert sorted(runner.graphs) == [1, 2, 4, 5]
     runner._graphs_ready = True
@@ -500,19 +498,11 @@ def test_graph_capture_retried_once(tiny_ckpt, failures, monkeypatch, caplog):
     runner = eng.runner
     calls = []
 
-    class _EagerGraph:
-        def __init__(self, b):
-            self.b = b
-            self.out = torch.empty(b, VOCAB)
-
-        def replay(self):
-            self.out.copy_(runner._graph_forward(self.b))
-
     def capture_all():
         calls.append(len(calls))
         runner._alloc_static()
         for b in _graph_batch_sizes(runner.max_num_seqs):
-            runner.graphs[b] = _EagerGraph(b)
+            runner.graphs[b] = _EagerGraph(runner, b)
             runner.graph_outputs[b] = runner.graphs[b].out
             if len(calls) <= failures and b >= 2:  # fails mid-way: the graphs made so far must go
                 raise RuntimeError("PassManager::run failed")

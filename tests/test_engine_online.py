@@ -22,13 +22,7 @@ from hf_reference import hf_greedy, random_tokens  # noqa: E402
 VOCAB = 500
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny matmuls on a 2-core CI box: thread hand-offs cost more than they save
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
