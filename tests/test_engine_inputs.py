@@ -5,6 +5,7 @@ engine that generate() can run on."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -252,6 +253,14 @@ def test_repetition_penalty_that_is_zero_in_float32_is_refused_before_a_step():
         with pytest.raises(ValueError, match="repetition_penalty"):
             call()
     assert not eng.has_unfinished_requests()
+    # the edge: at or below half float32's smallest subnormal rounds to 0.0; just above it does not
+    from minipaged.engine.sampler import make_sampling_params
+    edge = 2.0**-150
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        make_sampling_params(repetition_penalty=edge)
+    for ok in (math.nextafter(edge, 1.0), 2.0**-149):
+        p = make_sampling_params(repetition_penalty=ok)
+        assert float(torch.tensor(p.repetition_penalty, dtype=torch.float32)) > 0
 
 
 def test_engine_seed_is_checked_and_numpy_sizes_are_ints(monkeypatch):

@@ -66,8 +66,8 @@ def make_sampling_params(temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 
             raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {val}")
     # > 0 also as the float32 the penalty is applied in: 1e-50 became 0.0 there, logits / 0 became inf and NaN,
     # and torch.multinomial failed mid-generation (on a GPU: a device-side assert)
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0
-            and float(torch.tensor(float(repetition_penalty), dtype=torch.float32)) > 0):
+    # (2**-150 is half float32's smallest subnormal: anything at or below it rounds to 0.0)
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 2.0**-150):
         raise ValueError(f"repetition_penalty must be a finite float > 0 (1 is off; at least float32's smallest, "
                          f"about 1.4e-45), got {repetition_penalty}")
     return SamplingParams(temperature, top_p, top_k, float(presence_penalty), float(frequency_penalty),
