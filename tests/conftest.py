@@ -1,4 +1,6 @@
+import gc
 import os
+import tempfile
 
 import pytest
 import torch
@@ -106,6 +108,44 @@ def pytest_runtest_makereport(item, call):
     if report.failed and call.excinfo is not None and lost_cuda_context(str(call.excinfo.value)):
         item.session.shouldstop = (f"the CUDA context was lost in {item.nodeid}; "
                                    "later tests cannot run in this process")
+
+
+# Sharded runs (MINIPAGED_TEST_SHARD) put several pytest processes on one GPU. Each process's
+# caching allocator keeps what its biggest test reserved, so on an 80 GB card one shard holding
+# 50 GB from an earlier test made another shard's large test fail with an out-of-memory error
+# that says nothing about the code under test. So a shard returns its cached blocks after any
+# test that left more than _SHARD_KEEP_BYTES reserved, and a test that runs out of GPU memory is
+# run once more, alone among the retries (a file lock), after this process has freed its cache.
+_SHARD_KEEP_BYTES = 1 << 30
+_SHARD_RETRY_LOCK = os.path.join(tempfile.gettempdir(), "minipaged-test-oom-retry.lock")
+
+
+def _release_cuda_cache() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if not os.environ.get("MINIPAGED_TEST_SHARD"):
+        return (yield)
+    try:
+        return (yield)
+    except torch.OutOfMemoryError as first:
+        from filelock import FileLock  # (torch's own dependency)
+
+        if torch.cuda.is_available():
+            _release_cuda_cache()
+        with FileLock(_SHARD_RETRY_LOCK):
+            print(f"\n{item.nodeid}: out of GPU memory beside the other shards ({first}); running it again")
+            return item.runtest()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    if (os.environ.get("MINIPAGED_TEST_SHARD") and torch.cuda.is_available() and torch.cuda.is_initialized()
+            and torch.cuda.memory_reserved() > _SHARD_KEEP_BYTES):
+        _release_cuda_cache()
 
 
 @pytest.fixture(scope="module")
