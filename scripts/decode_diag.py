@@ -124,7 +124,8 @@ def main_groups(out_path):
             (40, (0, 10, 11), ((1, 32768), (32, 4096))),
             (64, (0, 7, 10, 11), ((1, 32768), (32, 4096)))]
     if os.environ.get("DIAG_SHORT"):  # short contexts, as in an engine's first decode steps
-        plan = [(hq, (0, 10, 11, 12), ((64, 192), (8, 512))) for hq in (16, 32, 64)]
+        # (20-22: the tensor-core kernel in two-warp CTAs, 3 / 4 / 2 stages)
+        plan = [(hq, (0, 10, 12, 20, 21, 22), ((64, 192), (128, 256))) for hq in (16, 32, 64)]
     for hq, variants, shapes in plan:
         for B, L in shapes:
             inputs, nbytes, ref = problem(B, L, hq)

@@ -432,6 +432,7 @@ int graph_replays_differing(const Setup& s, int variant, int splits, cudaStream_
 // scalar kernel, and the register rings where they exist (G=2, D=128, 16-bit).
 std::vector<int> tilings_for(const Prob& pr) {
   std::vector<int> v = {0, 10, 12};
+  if (!pr.fp8) v.insert(v.end(), {20, 21, 22});  // tensor cores in two-warp CTAs
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
@@ -799,6 +800,17 @@ int time_mode(int reps) {
     shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2},
                                  {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}, {64, 32768, 4},
                                  {32, 32768}, {256, 16384, 1}, {128, 32768, 1}});
+  // DECODE_TIME_EXTRA_SHAPES (a comma list of B*1000000+L, L a multiple of 16): more uniform rows,
+  // e.g. 64000192 for B=64 L=192 (short contexts at large batch).
+  if (const char* env = std::getenv("DECODE_TIME_EXTRA_SHAPES")) {
+    for (const char* at = env; *at != '\0';) {
+      const long key = std::atol(at);
+      shapes.push_back({static_cast<int>(key / 1000000), static_cast<int>(key % 1000000)});
+      at = std::strchr(at, ',');
+      if (at == nullptr) break;
+      ++at;
+    }
+  }
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();
@@ -811,6 +823,7 @@ int time_mode(int reps) {
               "p80 us", "TB/s", "check");
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
+  variants.insert(variants.end(), {20, 21, 22});
   // The integers of a comma list in environment variable `name` (none if unset).
   auto env_ints = [](const char* name) {
     std::vector<int> out;
@@ -904,7 +917,9 @@ int time_mode(int reps) {
     };
     std::vector<Twin> two_launch_o;
     char cname[32];
-    std::snprintf(cname, sizeof cname, "B=%d L=%dk%s%s", B, L / 1024,
+    char lname[16];
+    std::snprintf(lname, sizeof lname, L % 1024 == 0 ? "%dk" : "%d", L % 1024 == 0 ? L / 1024 : L);
+    std::snprintf(cname, sizeof cname, "B=%d L=%s%s%s", B, lname,
                   sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : sh.skew == 3 ? " short" : sh.skew == 4 ? " quarter" : "",
                   fp8 ? " fp8" : "");
     std::vector<int> configs;

@@ -226,6 +226,7 @@ struct DecodePlan {
   int group_tile = 1;        // query heads per CTA
   int tokens_per_iter = 32;  // tokens a CTA covers per loop iteration (split sizes are multiples)
   int smem_bytes = 0;        // dynamic shared memory
+  int threads = 128;         // threads per CTA of kernel and worklist_kernel
   // The kernel merges the splits itself (its last CTA per group, through
   // p.split_counters) and `reduce` is not launched.
   bool fused = false;

@@ -93,6 +93,7 @@ DecodePlan info() {
     k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
   }
   k.group_tile = G;
+  k.threads = kWarps * 32;
   k.tokens_per_iter = kWarps * (32 / TPT) * U;
   k.smem_bytes = STAGES >= 2 ? STAGES * U * (D / (kPieceElems * TPT)) * 2 * kWarps * 32 * 16 : 0;
   k.fused = FUSED;
@@ -117,22 +118,23 @@ DecodePlan info_d(bool fused) {
 
 // The tensor-core kernel (decode_mma.cuh): up to 16 query heads per CTA; WT
 // tokens per warp per tile; MQ: short query runs (DecodeParams::max_seqlen_q), RB row blocks
-// of 16 (query, head) rows.
+// of 16 (query, head) rows; NW warps per CTA.
 // TWIN: also the work-list twin of a plain, two-launch kernel.
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1, bool TWIN = false>
+          bool MQ = false, int RB = 1, bool TWIN = false, int NW = decode_mma::kWarps>
 DecodePlan info_mma() {
   DecodePlan k;
-  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB>;
+  k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, false, NW>;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
   if constexpr (TWIN && !FUSED && !PQ && !MQ) {
-    k.worklist_kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, false, false, WT, false, RB, true>;
+    k.worklist_kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, false, false, WT, false, RB, true, NW>;
     k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
     k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
   }
   k.group_tile = RB * decode_mma::kRows;
-  k.tokens_per_iter = decode_mma::kWarps / RB * WT;
-  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT, RB>::kBytes;
+  k.threads = NW * 32;
+  k.tokens_per_iter = NW / RB * WT;
+  k.smem_bytes = decode_mma::Smem<D, STAGES, FP8, WT, RB, NW>::kBytes;
   k.fused = FUSED;
   return k;
 }
@@ -228,6 +230,11 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   if (tiling == 10) return default_mma<T, D, false, false>(fused);  // tensor cores, any group size
 #if MINIPAGED_DECODE_BENCH_TILINGS
   if (tiling == 11) return info_mma<T, D, 2>();
+  // Tensor cores in two-warp CTAs (32-token tiles, half the ring: twice the CTAs per SM), any
+  // group size: 20, 3 stages; 21, 4 stages; 22, 2 stages.
+  if (tiling == 20) return info_mma<T, D, 3, false, false, false, 16, false, 1, false, 2>();
+  if (tiling == 21) return info_mma<T, D, 4, false, false, false, 16, false, 1, false, 2>();
+  if (tiling == 22) return info_mma<T, D, 2, false, false, false, 16, false, 1, false, 2>();
 #endif
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the
@@ -446,7 +453,7 @@ int blocks_per_sm(const DecodePlan& k) {
         cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes) != cudaSuccess)
       cudaGetLastError();
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, kWarps * 32, k.smem_bytes) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.kernel, k.threads, k.smem_bytes) != cudaSuccess) {
       cudaGetLastError();
       n = 0;
     }
@@ -602,9 +609,9 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
       return cudaErrorInvalidValue;
     decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    err = launch_pdl(k.worklist_kernel, grid, dim3(kWarps * 32), k.smem_bytes, stream, p.cc_major >= 9, p);
+    err = launch_pdl(k.worklist_kernel, grid, dim3(k.threads), k.smem_bytes, stream, p.cc_major >= 9, p);
   } else {
-    k.kernel<<<grid, kWarps * 32, k.smem_bytes, stream>>>(p);
+    k.kernel<<<grid, k.threads, k.smem_bytes, stream>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;

@@ -68,21 +68,23 @@
 namespace minipaged {
 namespace decode_mma {
 
+// Warps per CTA of the default instantiations. NW = 2 (16-bit, one row block) halves a CTA's
+// tile and ring, so twice the CTAs fit per SM: a grid of short contexts over many (sequence,
+// KV head) pairs then runs in one wave instead of two (decode/launch.cu, two_warp_mma).
 constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 
 // WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
 // barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
 // RB: MMA row blocks per CTA (2: short query runs of up to 32 rows; the warps split the rows
 // before the tokens, so a tile is kWarps / RB * WT tokens).
-template <int D, int STAGES, bool FP8 = false, int WT = 16, int RB = 1>
+template <int D, int STAGES, bool FP8 = false, int WT = 16, int RB = 1, int NW = kWarps>
 struct Smem {
-  static constexpr int kTileElems = kWarps / RB * WT * D;
+  static constexpr int kTileElems = NW / RB * WT * D;
   static constexpr int kTileBytes = kTileElems * (FP8 ? 1 : 2);
   static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
   static constexpr int kQBytes = RB * kRows * D * 2;
-  static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
+  static constexpr int kMergeBytes = NW * kRows * (D + 2) * 4;  // O, m, l per warp (fp32)
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static_assert(kMergeBytes <= kRingBytes, "the merge buffers reuse the ring");
   // +256: the base is rounded up to 256 bytes for the XOR address stepping.
@@ -169,22 +171,24 @@ __device__ __forceinline__ void bf16_rows_to_f16(uint32_t (&a)[KS][4], float (&i
 // warp's registers hold one row block, as in a decode (two blocks per warp would spill).
 // WL: the work-list twin (decode_slice; DecodePlan::worklist_kernel).
 template <typename T, int D, int STAGES, bool FP8 = false, bool FUSED = false, bool PQ = false, int WT = 16,
-          bool MQ = false, int RB = 1, bool WL = false>
-__global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1)
-                                                  : (MQ ? kMqMinBlocks : (WL ? kWorklistMinBlocks : 0)))
+          bool MQ = false, int RB = 1, bool WL = false, int NW = kWarps>
+__global__ void __launch_bounds__(NW * 32, FUSED ? (FP8 && WT == 16 ? kFusedMinBlocksFp8 : 1)
+                                                 : (MQ ? kMqMinBlocks : (WL ? kWorklistMinBlocks : 0)))
     paged_decode_mma_kernel(const DecodeParams p) {
   static_assert(WT == 16 || (WT == 32 && (FP8 || RB == 2)), "32 tokens per warp: FP8 caches or two row blocks");
   static_assert(RB == 1 || (RB == 2 && MQ), "two row blocks: short query runs only");
-  using S = Smem<D, STAGES, FP8, WT, RB>;
-  constexpr int kTile = kWarps / RB * WT;  // tokens per pipeline stage
+  static_assert(NW == kWarps || (NW == 2 && RB == 1 && !FUSED), "two-warp CTAs: one row block, two launches");
+  using S = Smem<D, STAGES, FP8, WT, RB, NW>;
+  constexpr int kCtaThreads = NW * 32;
+  constexpr int kTile = NW / RB * WT;  // tokens per pipeline stage
   using KV = std::conditional_t<FP8, uint8_t, T>;     // cache element
   using MT = std::conditional_t<FP8, __half, T>;      // the MMA operand type
   constexpr int kEPC = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
   constexpr int kChunks = D / kEPC;              // 16-byte chunks per row
-  constexpr int kRowStep = kThreads / kChunks;   // rows one copy pass covers
+  constexpr int kRowStep = kCtaThreads / kChunks;  // rows one copy pass covers
   constexpr int kCopyIters = kTile / kRowStep;
   constexpr int kDT = D / 8;                     // n-tiles of O per warp
-  static_assert(kTile % kRowStep == 0 && kRowStep % 8 == 0, "copy layout");
+  static_assert(kTile % kRowStep == 0 && kRowStep % 4 == 0, "copy layout");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   const int group = slice.group;
   {
     const T* qp = static_cast<const T*>(p.q) + slice.row * p.q_batch_stride + h0 * p.q_head_stride;
-    for (int idx = tid; idx < RB * kRows * (D / 8); idx += kThreads) {
+    for (int idx = tid; idx < RB * kRows * (D / 8); idx += kCtaThreads) {
       const int row = idx / (D / 8), ch = idx % (D / 8);
       const bool valid = row < ng;
       if constexpr (MQ) {
@@ -512,10 +516,10 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
   constexpr int kOStride = MQ && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows
-  static_assert(kWarps * kRows * (kOStride + 2) * 4 <= S::kRingBytes, "the merge buffers reuse the ring");
-  float* sm_o = reinterpret_cast<float*>(smem);         // [kWarps][kRows][kOStride]
-  float* sm_m = sm_o + kWarps * kRows * kOStride;       // [kWarps][kRows]
-  float* sm_l = sm_m + kWarps * kRows;                  // [kWarps][kRows]
+  static_assert(NW * kRows * (kOStride + 2) * 4 <= S::kRingBytes, "the merge buffers reuse the ring");
+  float* sm_o = reinterpret_cast<float*>(smem);  // [NW][kRows][kOStride]
+  float* sm_m = sm_o + NW * kRows * kOStride;    // [NW][kRows]
+  float* sm_l = sm_m + NW * kRows;               // [NW][kRows]
   constexpr bool kRealRows = MINIPAGED_DECODE_REAL_ROWS != 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -540,22 +544,22 @@ __global__ void __launch_bounds__(kThreads, FUSED ? (FP8 && WT == 16 ? kFusedMin
 
   if constexpr (MQ) {
     if constexpr (FP8) {
-      merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
+      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
                                                                           p.v_scale[kvh], FragDimOf<D>{});
     } else {
-      merge_query_rows_and_store<T, kWarps, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
+      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
                                                                            IdentityDim{});
     }
   } else if constexpr (FP8) {
-    merge_warps_and_store<T, kWarps, kRows, D, true, FragDimOf<D>, WL>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
+    merge_warps_and_store<T, NW, kRows, D, true, FragDimOf<D>, WL>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
                                                                          FragDimOf<D>{});
   } else {
-    merge_warps_and_store<T, kWarps, kRows, D, false, IdentityDim, WL>(p, slice, sm_m, sm_l, sm_o);
+    merge_warps_and_store<T, NW, kRows, D, false, IdentityDim, WL>(p, slice, sm_m, sm_l, sm_o);
   }
   if constexpr (FUSED) {
     // The merge buffers are free once the partials are stored: weights in sm_o, max / sum in sm_m / sm_l.
-    static_assert(kWarps * D >= kMaxSplits, "sm_o holds kRows rows of split weights");
-    if (slice.num_splits > 1) fused_split_reduce<T, D, kThreads>(p, slice, sm_o, sm_m, sm_l);
+    static_assert(NW * D >= kMaxSplits, "sm_o holds kRows rows of split weights");
+    if (slice.num_splits > 1) fused_split_reduce<T, D, kCtaThreads>(p, slice, sm_o, sm_m, sm_l);
   }
   decode_trace(kTrExit);
 }
