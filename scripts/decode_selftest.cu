@@ -6,7 +6,8 @@
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
 //        src/minipaged/cuda/csrc/decode/launch.cu -o decode_selftest -lgomp
-//   ./decode_selftest check          every case (exit status 0 only if all pass)
+//   ./decode_selftest check          every case (exit status 0 only if all pass;
+//                                    DECODE_CHECK_TILINGS="20,22" checks only those tilings)
 //   ./decode_selftest small          a few tiny cases, for compute-sanitizer
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
@@ -436,6 +437,19 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
+  // DECODE_CHECK_TILINGS (a comma list): check only those of them (a new tiling's GPU call)
+  if (const char* env = std::getenv("DECODE_CHECK_TILINGS")) {
+    std::vector<int> keep;
+    for (const char* at = env; *at != '\0';) {
+      keep.push_back(std::atoi(at));
+      at = std::strchr(at, ',');
+      if (at == nullptr) break;
+      ++at;
+    }
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [&](int t) { return std::find(keep.begin(), keep.end(), t) == keep.end(); }),
+            v.end());
+  }
   return v;
 }
 
