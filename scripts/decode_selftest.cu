@@ -7,7 +7,8 @@
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
 //        src/minipaged/cuda/csrc/decode/launch.cu -o decode_selftest -lgomp
 //   ./decode_selftest check          every case (exit status 0 only if all pass;
-//                                    DECODE_CHECK_TILINGS="20,22" checks only those tilings)
+//                                    DECODE_CHECK_TILINGS="20,22" checks only those tilings;
+//                                    DECODE_CHECK_BITS=0x20000 ORs variant bits into every call)
 //   ./decode_selftest small          a few tiny cases, for compute-sanitizer
 //   ./decode_selftest time [reps]    the standard decode grid, every tiling, both reductions
 //                                    (DECODE_TIME_TILINGS="0,6" times only those tilings;
@@ -126,6 +127,7 @@ size_t workspace_words(int B, int hq, int D) {
   return (partials + 3) / 4 * 4 + 4 * size_t(std::max(B, 1)) * 256 + 2 * size_t(std::max(B, 1));
 }
 int g_replays = 100;  // graph replays per check (small mode: fewer, for the sanitizers)
+int g_check_bits = 0;  // DECODE_CHECK_BITS: variant bits OR-ed into every checked call (check / small)
 int32_t* g_counters = nullptr;  // zeroed once; every fused call must leave it zero
 
 Setup make_setup(const Prob& pr, uint32_t seed) {
@@ -315,6 +317,7 @@ struct Result {
   int splits = 0;
   bool fused = false;
   bool worklist = false;  // the plan was a work list (DecodeParams::worklist)
+  int threads = 0;        // the plan's CTA size (64: a two-warp plan, which has no fused build)
 };
 
 void poison(const Setup& s, cudaStream_t st) {
@@ -341,6 +344,7 @@ bool run(const Setup& s, int variant, int splits, bool with_lse, cudaStream_t st
   r.splits = p.num_splits;
   r.fused = plan.fused && p.num_splits > 1;
   r.worklist = p.worklist > 0;
+  r.threads = plan.threads;
   return true;
 }
 
@@ -462,7 +466,7 @@ void check_setup(const Setup& s, const std::vector<int>& split_list, bool deep, 
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (int tiling : tilings_for(pr)) {
-    const int t = tiling | bits;
+    const int t = tiling | bits | g_check_bits;
     long bad_ref = 0, bad_bits = 0, bad_counters = 0, runs = 0, fused_runs = 0;
     double worst = 0;
     std::string splits_seen;
@@ -482,7 +486,7 @@ void check_setup(const Setup& s, const std::vector<int>& split_list, bool deep, 
       // The split heuristic follows the kernel's occupancy, which the fused
       // tail can change (tiling 13): bits are comparable at equal split counts, and not
       // against a work list (fused plans never take one: their splits' runs differ).
-      if (one.fused && one.splits == two.splits && !two.worklist) {
+      if (one.fused && one.splits == two.splits && !two.worklist && one.threads == two.threads) {
         ++fused_runs;
         bad_bits += !same_bits(two, one, true);
         minipaged::DecodeParams p = params_of(s, true);
@@ -943,6 +947,7 @@ int time_mode(int reps) {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
       configs.push_back(kNoReduce);
+      configs.push_back(minipaged::kDecodeVariantTwoWarpToggle);  // the two-warp rule flipped
     }
     if (!exact_variants.empty()) configs = exact_variants;
     // The row's decode parameters at `variant`, before planning.
@@ -1011,8 +1016,9 @@ int time_mode(int reps) {
       const Timing t = time_graph(ge, st, reps, fl);
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
-      char cfg[96];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s", v & 0xff, v & kFused ? " fused" : "",
+      char cfg[112];
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s%s", v & 0xff, plan.threads == 64 ? " 2warp" : "",
+                    v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
                     v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "",
@@ -1307,6 +1313,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaDeviceGetAttribute(&g_cc, cudaDevAttrComputeCapabilityMajor, dev));
   CHECK_CUDA(cudaMalloc(&g_counters, kMaxCounters * 4));
   CHECK_CUDA(cudaMemset(g_counters, 0, kMaxCounters * 4));
+  if (const char* env = std::getenv("DECODE_CHECK_BITS")) g_check_bits = static_cast<int>(std::strtol(env, nullptr, 0));
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   if (mode == "roofline") return roofline_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;

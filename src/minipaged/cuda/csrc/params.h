@@ -300,6 +300,17 @@ constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 
 #endif
 constexpr int kDecodeVariantWorklistGroupedMerge = 0x10000;
 constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE != 0;
+// Two-warp CTAs (decode/launch.cu two_warp_wanted): the 16-bit tensor-core plan runs its kernel
+// in CTAs of 2 warps and a 2-stage ring (benchmarking tiling 22's kernel: 6 CTAs per SM against
+// 2) wherever one CTA per (sequence, KV head, head chunk) already overflows a wave of the 4-warp
+// kernel's CTAs. Off by default until an A/B of the whole grid decides
+// (bench/results/nvidia-h100/decode_two_warp_1d3df54: as a tiling, 0.90-0.92x the default's time at
+// B=64 L=192, G 4-8); MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips it for a call.
+#ifndef MINIPAGED_DECODE_TWO_WARP
+#define MINIPAGED_DECODE_TWO_WARP 0
+#endif
+constexpr int kDecodeVariantTwoWarpToggle = 0x20000;
+constexpr bool kDecodeTwoWarpByDefault = MINIPAGED_DECODE_TWO_WARP != 0;
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

@@ -157,6 +157,19 @@ DecodePlan default_mma(bool fused) {
   }
 }
 
+// The 16-bit tensor-core kernel in two-warp CTAs with a 2-stage ring (tiling 22's kernel):
+// 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit per SM against 2.
+// What two_warp_wanted swaps in for default_mma<T, D, false, PQ>(false); the plain build with
+// its work-list twin, or the packed-query one.
+template <typename T, int D, bool PQ>
+DecodePlan two_warp_mma() {
+  if constexpr (PQ) {
+    return info_mma<T, D, 2, false, false, true, 16, false, 1, false, 2>();
+  } else {
+    return info_mma<T, D, 2, false, false, false, 16, false, 1, true, 2>();
+  }
+}
+
 // The tensor-core kernel on FP8 caches with 32 tokens per warp per tile and a
 // 3-stage ring (the G = 2 default, tensor_core_g2_for; what FP8 tiling 18 runs): the
 // packed-query instantiation, or the fused bit's choice.
@@ -209,6 +222,29 @@ DecodePlan select_fp8(const DecodeParams& p) {
   return info_d<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
+int blocks_per_sm(const DecodePlan& k);
+int64_t row_chunks(const DecodeParams& p, const DecodePlan& k);
+
+// Whether the two-warp plan (two_warp_mma) replaces the 16-bit default tensor-core plan k
+// (params.h kDecodeTwoWarpByDefault, flipped by kDecodeVariantTwoWarpToggle): where one CTA per
+// (sequence, KV head, head chunk) already overflows a wave of k's CTAs, so the grid runs in one
+// wave (or fewer) of the smaller CTAs instead of two or more. Plain and packed-query calls share
+// the rule (it reads the batch, the heads and the device only), so routed decode rows run the
+// kernel a plain call of the same batch runs.
+bool two_warp_wanted(const DecodeParams& p, const DecodePlan& k) {
+  if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return false;
+  if (k.kernel == nullptr || k.fused) return false;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * row_chunks(p, k);
+  return ctas > static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
+}
+
+// default_mma<T, D, false, PQ>(fused), or its two-warp twin where two_warp_wanted.
+template <typename T, int D, bool PQ>
+DecodePlan default_mma_16(const DecodeParams& p, bool fused) {
+  const DecodePlan k = default_mma<T, D, false, PQ>(fused);
+  return two_warp_wanted(p, k) ? two_warp_mma<T, D, PQ>() : k;
+}
+
 // Whether the 16-bit default for a GQA group of `group` query heads per KV head is the
 // tensor-core kernel (else the scalar one; G = 2 at D = 128 is decided per call by
 // decode_plan / tensor_core_g2). Plain and packed-query calls share this rule.
@@ -246,7 +282,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // grid (0.84-0.91x the scalar kernel's time; G = 4: 0.61-0.78x; G = 8: 0.31-0.64x;
   // bench/results/nvidia-h200/decode_d64_4a28ab1/).
   if (requested == 0 && default_tensor_cores<D>(p.num_q_heads / p.num_kv_heads))
-    return default_mma<T, D, false, false>(fused);
+    return default_mma_16<T, D, false>(p, fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
@@ -320,7 +356,7 @@ DecodePlan select_packed(const DecodeParams& p) {
     if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true, false, 0, 0, true>();
     return info<T, D, 2, TPT, 2, true, 0, true, false, 0, 0, true>();
   }
-  if (default_tensor_cores<D>(group)) return default_mma<T, D, false, true>(false);
+  if (default_tensor_cores<D>(group)) return default_mma_16<T, D, true>(p, false);
   if constexpr (D == 128) {
     if (group == 1) return info<T, D, 1, 8, 2, false, 0, false, false, 0, 0, true>();
     return info<T, D, 2, 8, 2, false, 3, false, false, 0, 0, true>();
@@ -344,8 +380,8 @@ template <typename T>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
-    return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma<T, 128, false, true>(false);
-  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma<T, 128, false, false>(fused);
+    return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma_16<T, 128, true>(p, false);
+  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma_16<T, 128, false>(p, fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
