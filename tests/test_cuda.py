@@ -123,6 +123,11 @@ EARLY_MERGE = 0x4000
 # params.h kDecodeVariantWorklistGroupedMerge: flips whether a work list's merge CTAs take four
 # sequences each (by default only where that grid still gives every SM two CTAs)
 GROUPED_MERGE = 0x10000
+# params.h kDecodeVariantTwoWarpToggle: flips the rule that runs the 16-bit tensor-core plan in
+# two-warp CTAs where one CTA per (sequence, KV head) overflows a wave of the 4-warp kernel's
+# (off by default); decode/launch.cu tilings 20-22: that kernel forced, 3 / 4 / 2 stages
+TWO_WARP = 0x20000
+TWO_WARP_TILINGS = (20, 21, 22)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -162,6 +167,73 @@ def test_decode_variants_large_groups(ops, variant, heads):
     lens = [4097, 0, 333, 16]
     q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], 128, 16, lens, torch.float16, seed=variant)
     _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"{heads} variant {variant}", variant=variant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8), (7, 7), (12, 3)], ids=["G2", "G4", "G8", "G1", "G4b"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("tiling", TWO_WARP_TILINGS)
+def test_decode_two_warp_tilings(ops, dtype, heads, D, block_size, tiling):
+    # the tensor-core kernel in two-warp CTAs (32-token tiles): empty, one-token and odd lengths,
+    # every residue of a length mod the tile, forced splits that cut inside a tile run
+    lens = [0, 1, 17, 31, 32, 33, 97, 1023, 2000]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), *heads, D, block_size, lens, dtype, seed=tiling + D)
+    for num_splits in (0, 1, 7):
+        _check_decode(ops, q, kc, vc, bt, cl, 1.0 / math.sqrt(D),
+                      f"two-warp tiling {tiling} {dtype} {heads} D{D} bs{block_size} s{num_splits}",
+                      variant=tiling, num_splits=num_splits)
+
+
+def _batch_over_one_wave(num_kv_heads):
+    """A batch whose (sequence, KV head) pairs overflow a wave of 4-warp tensor-core CTAs (2 per
+    SM) on this GPU, so that the two-warp rule fires when flipped on."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return 2 * sms // num_kv_heads + 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8)], ids=["G2", "G4", "G8"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("table_width", [0, 4096], ids=["tight", "wide"])
+def test_decode_two_warp_rule(ops, dtype, heads, D, table_width):
+    # the rule flipped (TWO_WARP) at a batch past one wave, with short, empty and long sequences;
+    # "wide": a table with room for 64k tokens, most of it -1, where the plan takes a work list
+    # (the two-warp kernel's work-list twin); the flip must not change what an unflipped call
+    # computes beyond rounding, and a graph replay must give the eager call's bits
+    B = _batch_over_one_wave(heads[1])
+    lens = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(B - 1)] + [5000]
+    q, kc, vc, bt, cl = _paged_problem(B, *heads, D, 16, lens, dtype, seed=B + D)
+    if table_width:
+        pad = torch.full((bt.shape[0], table_width - bt.shape[1]), -1, dtype=bt.dtype, device=bt.device)
+        bt = torch.cat([bt, pad], dim=1)
+    what = f"two-warp rule {dtype} {heads} D{D} B{B} width {bt.shape[1]}"
+    out = _check_decode(ops, q, kc, vc, bt, cl, 1.0 / math.sqrt(D), what, variant=TWO_WARP)
+    static_out = torch.empty_like(out)
+    graph = torch.cuda.CUDAGraph()
+    ops.decode(q, kc, vc, bt, cl, 1.0 / math.sqrt(D), variant=TWO_WARP)  # (warm-up outside capture)
+    with torch.cuda.graph(graph):
+        static_out.copy_(ops.decode(q, kc, vc, bt, cl, 1.0 / math.sqrt(D), variant=TWO_WARP))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out), f"{what}: graph replay differs from the eager call"
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8)], ids=["G2", "G4", "G8"])
+def test_paged_routed_rows_past_one_wave(ops, heads):
+    # routed decode rows (packed-query kernels) in a mixed batch whose (sequence, KV head) pairs
+    # overflow a wave of 4-warp CTAs, at the heuristic's split count: against the oracle, and bit
+    # for bit the plain decode of those sequences alone, a batch past the wave too, so that a
+    # batch-dependent kernel choice (the two-warp rule, whichever its default) picks the same
+    # kernel for both (one split: every context fits one)
+    B = _batch_over_one_wave(heads[1]) + 1
+    S_q, S_ctx = [300] + [1] * (B - 1), [2000] + [(1, 17, 97, 192, 1023)[b % 5] for b in range(B - 1)]
+    q, kc, vc, bt, cu, cl = _paged_case(S_q, S_ctx, *heads, 128, 16, torch.bfloat16, seed=B)
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"routed past one wave {heads} B{B}",
+                          variant=ROUTED)
+    o2, l2 = ops.paged(q, kc, vc, bt, cu, cl, 300, True, 0.0883, True, variant=ROUTED)
+    od, ld = ops.decode(q[300:].contiguous(), kc, vc, bt[1:].contiguous(), cl[1:].contiguous(), 0.0883, True)
+    assert torch.equal(od, o2[300:]) and torch.equal(ld, l2[300:]), "routed decode rows != decode op"
 
 
 def test_decode_long_single_sequence_splits(ops):

@@ -300,7 +300,7 @@ constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 
 #endif
 constexpr int kDecodeVariantWorklistGroupedMerge = 0x10000;
 constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE != 0;
-// Two-warp CTAs (decode/launch.cu two_warp_wanted): the 16-bit tensor-core plan runs its kernel
+// Two-warp CTAs (decode/launch.cu with_two_warp): the 16-bit tensor-core plan runs its kernel
 // in CTAs of 2 warps and a 2-stage ring (benchmarking tiling 22's kernel: 6 CTAs per SM against
 // 2) wherever one CTA per (sequence, KV head, head chunk) already overflows a wave of the 4-warp
 // kernel's CTAs. Off by default until an A/B of the whole grid decides

@@ -159,7 +159,7 @@ DecodePlan default_mma(bool fused) {
 
 // The 16-bit tensor-core kernel in two-warp CTAs with a 2-stage ring (tiling 22's kernel):
 // 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit per SM against 2.
-// What two_warp_wanted swaps in for default_mma<T, D, false, PQ>(false); the plain build with
+// What with_two_warp swaps in for default_mma<T, D, false, PQ>(false); the plain build with
 // its work-list twin, or the packed-query one.
 template <typename T, int D, bool PQ>
 DecodePlan two_warp_mma() {
@@ -222,29 +222,6 @@ DecodePlan select_fp8(const DecodeParams& p) {
   return info_d<T, D, 2, TPT, 2, true, 0, true>(fused);
 }
 
-int blocks_per_sm(const DecodePlan& k);
-int64_t row_chunks(const DecodeParams& p, const DecodePlan& k);
-
-// Whether the two-warp plan (two_warp_mma) replaces the 16-bit default tensor-core plan k
-// (params.h kDecodeTwoWarpByDefault, flipped by kDecodeVariantTwoWarpToggle): where one CTA per
-// (sequence, KV head, head chunk) already overflows a wave of k's CTAs, so the grid runs in one
-// wave (or fewer) of the smaller CTAs instead of two or more. Plain and packed-query calls share
-// the rule (it reads the batch, the heads and the device only), so routed decode rows run the
-// kernel a plain call of the same batch runs.
-bool two_warp_wanted(const DecodeParams& p, const DecodePlan& k) {
-  if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return false;
-  if (k.kernel == nullptr || k.fused) return false;
-  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * row_chunks(p, k);
-  return ctas > static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1);
-}
-
-// default_mma<T, D, false, PQ>(fused), or its two-warp twin where two_warp_wanted.
-template <typename T, int D, bool PQ>
-DecodePlan default_mma_16(const DecodeParams& p, bool fused) {
-  const DecodePlan k = default_mma<T, D, false, PQ>(fused);
-  return two_warp_wanted(p, k) ? two_warp_mma<T, D, PQ>() : k;
-}
-
 // Whether the 16-bit default for a GQA group of `group` query heads per KV head is the
 // tensor-core kernel (else the scalar one; G = 2 at D = 128 is decided per call by
 // decode_plan / tensor_core_g2). Plain and packed-query calls share this rule.
@@ -282,7 +259,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // grid (0.84-0.91x the scalar kernel's time; G = 4: 0.61-0.78x; G = 8: 0.31-0.64x;
   // bench/results/nvidia-h200/decode_d64_4a28ab1/).
   if (requested == 0 && default_tensor_cores<D>(p.num_q_heads / p.num_kv_heads))
-    return default_mma_16<T, D, false>(p, fused);
+    return default_mma<T, D, false, false>(fused);
   if constexpr (D == 128) {
     switch (g) {
       case 1:
@@ -356,7 +333,7 @@ DecodePlan select_packed(const DecodeParams& p) {
     if (group == 1) return info<T, D, 1, TPT, 4, false, 0, true, false, 0, 0, true>();
     return info<T, D, 2, TPT, 2, true, 0, true, false, 0, 0, true>();
   }
-  if (default_tensor_cores<D>(group)) return default_mma_16<T, D, true>(p, false);
+  if (default_tensor_cores<D>(group)) return default_mma<T, D, false, true>(false);
   if constexpr (D == 128) {
     if (group == 1) return info<T, D, 1, 8, 2, false, 0, false, false, 0, 0, true>();
     return info<T, D, 2, 8, 2, false, 3, false, false, 0, 0, true>();
@@ -380,8 +357,8 @@ template <typename T>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   const bool fused = p.variant & kVariantFused;
   if (p.cu_seqlens_q != nullptr)
-    return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma_16<T, 128, true>(p, false);
-  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma_16<T, 128, false>(p, fused);
+    return p.kv_fp8 ? fp8_wide_mma<T, 128, true>(false) : default_mma<T, 128, false, true>(false);
+  return p.kv_fp8 ? fp8_wide_mma<T, 128, false>(fused) : default_mma<T, 128, false, false>(fused);
 }
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
@@ -556,10 +533,32 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
     blocks_per_sm(twin);  // raises the twin's shared-memory limit on this device
   }
 }
+
+// k, or its two-warp twin (two_warp_mma) where k is the 16-bit default tensor-core plan (plain or
+// packed-query, two-launch) and the rule wants it (params.h kDecodeTwoWarpByDefault, flipped by
+// kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
+// overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer, instead
+// of two or more. The rule reads the batch, the heads and the device; plain and packed-query calls
+// share it. A forced split count keeps k, so that routed decode rows and a plain call on those
+// sequences alone run the same kernel whatever their batch sizes (tests/test_cuda.py).
+DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int requested_splits) {
+  if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return k;
+  if (requested_splits > 0 || k.kernel == nullptr || k.fused || p.kv_fp8 || p.max_seqlen_q >= 2) return k;
+  const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * row_chunks(p, k);
+  if (ctas <= static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1)) return k;
+  return by_dtype_and_dim(p, [&](auto t, auto d) -> DecodePlan {
+    using T = typename decltype(t)::type;
+    constexpr int D = decltype(d)::value;
+    if (p.cu_seqlens_q != nullptr)
+      return k.kernel == default_mma<T, D, false, true>(false).kernel ? two_warp_mma<T, D, true>() : k;
+    return k.kernel == default_mma<T, D, false, false>(false).kernel ? two_warp_mma<T, D, false>() : k;
+  });
+}
 }  // namespace
 
 DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
-  const DecodePlan tc = p.max_seqlen_q >= 2 ? DecodePlan{} : tensor_core_g2(p);
+  const DecodePlan tc =
+      p.max_seqlen_q >= 2 ? DecodePlan{} : with_two_warp(p, tensor_core_g2(p), requested_splits);
   if (tc.kernel != nullptr) {
     DecodeParams t = p;
     plan_splits(t, tc, requested_splits);
@@ -574,7 +573,7 @@ DecodePlan decode_plan(DecodeParams& p, int requested_splits) {
       return tc;
     }
   }
-  const DecodePlan k = select_kernel(p);
+  const DecodePlan k = with_two_warp(p, select_kernel(p), requested_splits);
   plan_splits(p, k, requested_splits);
   return k;
 }

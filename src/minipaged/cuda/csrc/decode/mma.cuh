@@ -70,7 +70,7 @@ namespace decode_mma {
 
 // Warps per CTA of the default instantiations. NW = 2 (16-bit, one row block) halves a CTA's
 // tile and ring, so twice the CTAs fit per SM: a grid of short contexts over many (sequence,
-// KV head) pairs then runs in one wave instead of two (decode/launch.cu, two_warp_mma).
+// KV head) pairs then runs in one wave instead of two (decode/launch.cu, with_two_warp).
 constexpr int kWarps = 4;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 
