@@ -305,8 +305,10 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
 
 // merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 32
 // rows, not a decode's 1-2 real ones, so the epilogue's cost grows with the rows and, at low
-// occupancy, every CTA's life with it. Row r's partials are those of warps r / kRowsPerBlock +
-// kRowBlocks * j (the warps of its row block) at row r % kRowsPerBlock. The first ng threads
+// occupancy, every CTA's life with it. MQ = false: the same merge for a decode's rows (one query,
+// ng heads; the tensor-core kernel's MINIPAGED_DECODE_ROW_MERGE), WL: a work list's partial rows.
+// Row r's partials are those of warps r / kRowsPerBlock + kRowBlocks * j (the warps of its row
+// block) at row r % kRowsPerBlock. The first ng threads
 // turn each row's warp maxima into weights (in place in sm_m) and sums (in sm_l, at the row's
 // first partial) and find its output place once. Then warp w merges rows w, w + kNumWarps, ...:
 // each lane takes D / 32 consecutive columns, one vector load per partial row, one reciprocal
@@ -316,7 +318,7 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
 // taken once per row.
 // kOStride: floats between the rows of sm_o (D or more, a multiple of D / 32).
 template <typename T, int kNumWarps, int kRowsPerBlock, int kRowBlocks, int D, int kOStride, bool kScaleOut,
-          class DimOf>
+          class DimOf, bool MQ = true, bool WL = false>
 __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p, const DecodeSlice& slice,
                                                            float* sm_m,        // [kNumWarps][kRowsPerBlock]
                                                            float* sm_l,        // [kNumWarps][kRowsPerBlock]
@@ -353,12 +355,12 @@ __device__ __forceinline__ void merge_query_rows_and_store(const DecodeParams& p
     sm_l[slot(row, 0)] = L;
     int out_row, h;
     int64_t split_row;
-    decode_out_row<true>(p, slice, row, out_row, h, split_row);
+    decode_out_row<MQ>(p, slice, row, out_row, h, split_row);
     if (slice.num_splits == 1) {
       sm_dst[row] = out_row * p.o_batch_stride + h * p.o_head_stride;
       if (p.lse != nullptr) p.lse[out_row * p.lse_batch_stride + h] = L > 0.f ? (mref + log2f(L)) * kLn2 : -INFINITY;
     } else {
-      const int64_t prow = decode_partial_row(p, slice, h, split_row);
+      const int64_t prow = decode_partial_row<WL>(p, slice, h, split_row);
       sm_dst[row] = prow * D;
       p.partial_lse[prow] = L > 0.f ? mref + log2f(L) : -INFINITY;
     }

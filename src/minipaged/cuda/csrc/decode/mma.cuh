@@ -57,12 +57,22 @@
 #ifndef MINIPAGED_DECODE_REAL_ROWS
 #define MINIPAGED_DECODE_REAL_ROWS 1
 #endif
-// Short query runs (MQ) only, 1: the merge buffer's rows are D + 8 floats apart, so a warp's
-// O stores (8 real rows at once, not a decode's 1-2) spread over the banks instead of hitting
-// one 8 ways: 1-2% off the H200 spec rows at B=128 L=1k and B=32 L=4k
-// (bench/results/nvidia-h200/cuda_spec_decode_2731244/). 0: unpadded, for A/B runs.
+// Short query runs (MQ), and decodes merged as they are (MINIPAGED_DECODE_ROW_MERGE), 1: the merge
+// buffer's rows are D + 8 floats apart, so a warp's O stores (8 real rows at once, not a G 2
+// decode's 1-2) spread over the banks instead of hitting one 8 ways: 1-2% off the H200 spec rows
+// at B=128 L=1k and B=32 L=4k (bench/results/nvidia-h200/cuda_spec_decode_2731244/). 0: unpadded,
+// for A/B runs.
 #ifndef MINIPAGED_MQ_PAD
 #define MINIPAGED_MQ_PAD 1
+#endif
+
+// How a decode's rows (not MQ's, which always take it) are merged across warps at the end:
+// 0, merge_warps_and_store (every element on its own); 1, the two-warp kernels through
+// merge_query_rows_and_store (per-row weights once, vector loads and stores), the 4-warp ones as
+// in 0; 2, every two-launch tensor-core kernel through it. The fused kernels keep 0 (their split
+// reduction reuses the merge buffers as the old merge leaves them).
+#ifndef MINIPAGED_DECODE_ROW_MERGE
+#define MINIPAGED_DECODE_ROW_MERGE 1
 #endif
 
 namespace minipaged {
@@ -515,7 +525,12 @@ __global__ void __launch_bounds__(NW * 32, FUSED ? (FP8 && WT == 16 ? kFusedMinB
   if (!decode_early_trigger(p)) griddep_launch_dependents();  // (else decode_slice did)
   __syncthreads();  // every warp is done with the ring: it becomes the merge buffer
 
-  constexpr int kOStride = MQ && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows
+  // A decode's rows through the short-query-run merge (MINIPAGED_DECODE_ROW_MERGE): per-row
+  // weights once, vector loads and stores, instead of every weight recomputed per element; its
+  // buffer rows padded as MQ's are (a G 8 decode stores 8 real rows too).
+  constexpr bool kRowMerge = MQ || (!FUSED && (MINIPAGED_DECODE_ROW_MERGE >= 2 ||
+                                               (MINIPAGED_DECODE_ROW_MERGE == 1 && NW != kWarps)));
+  constexpr int kOStride = kRowMerge && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows
   static_assert(NW * kRows * (kOStride + 2) * 4 <= S::kRingBytes, "the merge buffers reuse the ring");
   float* sm_o = reinterpret_cast<float*>(smem);  // [NW][kRows][kOStride]
   float* sm_m = sm_o + NW * kRows * kOStride;    // [NW][kRows]
@@ -542,17 +557,17 @@ __global__ void __launch_bounds__(NW * 32, FUSED ? (FP8 && WT == 16 ? kFusedMinB
   }
   __syncthreads();
 
-  if constexpr (MQ) {
+  if constexpr (kRowMerge) {
     if constexpr (FP8) {
-      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, true>(p, slice, sm_m, sm_l, sm_o,
-                                                                          p.v_scale[kvh], FragDimOf<D>{});
+      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, true, FragDimOf<D>, MQ, WL>(
+          p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh], FragDimOf<D>{});
     } else {
-      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, false>(p, slice, sm_m, sm_l, sm_o, 1.f,
-                                                                           IdentityDim{});
+      merge_query_rows_and_store<T, NW, kRows, RB, D, kOStride, false, IdentityDim, MQ, WL>(
+          p, slice, sm_m, sm_l, sm_o, 1.f, IdentityDim{});
     }
   } else if constexpr (FP8) {
     merge_warps_and_store<T, NW, kRows, D, true, FragDimOf<D>, WL>(p, slice, sm_m, sm_l, sm_o, p.v_scale[kvh],
-                                                                         FragDimOf<D>{});
+                                                                     FragDimOf<D>{});
   } else {
     merge_warps_and_store<T, NW, kRows, D, false, IdentityDim, WL>(p, slice, sm_m, sm_l, sm_o);
   }
