@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [launch_profile] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [two_warp_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -363,6 +363,31 @@ for s in $stages; do
         for b in ${DECODE_AB_BINS:-decode_selftest}; do
           export STAGE_TIMEOUT_time${r}_$b=${STAGE_TIMEOUT_decode_ab_time:-110}
           DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
+        done
+      done;;
+    two_warp_ab)
+      # The two-warp tensor-core decode (decode/launch.cu with_two_warp, tilings 20-22) and the row
+      # merge (decode/mma.cuh MINIPAGED_DECODE_ROW_MERGE), for each prebuilt selftest in
+      # TWO_WARP_BINS (default: decode_selftest_rm1 and _rm2, built with ROW_MERGE 1 and 2, carried
+      # in .gpubin/): memcheck of `small` and `check` of TWO_WARP_CHECK_TILINGS, both with the rule
+      # flipped on (DECODE_CHECK_BITS); then `time` of the standard grid plus short rows
+      # (TWO_WARP_SHAPES) for each head layout in TWO_WARP_HEADS, 16-bit caches, tilings
+      # TWO_WARP_TILINGS; every such row is also timed with the rule flipped.
+      export OMP_NUM_THREADS=16
+      tw_bins=${TWO_WARP_BINS:-decode_selftest_rm1 decode_selftest_rm2}
+      for b in $tw_bins; do
+        export STAGE_TIMEOUT_memcheck_$b=${STAGE_TIMEOUT_two_warp_memcheck:-60}
+        DECODE_CHECK_BITS=0x20000 run memcheck_$b compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/$b" small
+        export STAGE_TIMEOUT_check_$b=${STAGE_TIMEOUT_two_warp_check:-120}
+        DECODE_CHECK_BITS=0x20000 DECODE_CHECK_TILINGS=${TWO_WARP_CHECK_TILINGS:-0,10,22} run check_$b "$bin/$b" check
+      done
+      for heads in ${TWO_WARP_HEADS:-16,8,128 32,8,128 64,8,128}; do
+        for b in $tw_bins; do
+          name=time_${b}_${heads//,/_}
+          export STAGE_TIMEOUT_$name=${STAGE_TIMEOUT_two_warp_time:-60}
+          DECODE_TIME_HEADS=$heads DECODE_TIME_KV=16 DECODE_TIME_TILINGS=${TWO_WARP_TILINGS:-0,22} \
+            DECODE_TIME_EXTRA_SHAPES=${TWO_WARP_SHAPES:-64000192,128000256,64000512,256000192} \
+            run $name "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
       done;;
     decode_worklist)
