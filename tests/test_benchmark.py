@@ -1337,3 +1337,153 @@ def test_run_times_flashinfer_fp8_last_and_groups_it_with_its_case(fake_flashinf
         if r["backend"] == "torch fp8":
             f = next(x for x in fi if x["case"] == r["case"])
             assert r["vs_best_anchor"] == pytest.approx(f["median_ms"] / r["median_ms"])
+
+
+# ----------------------------------------------------------------------------- --heads
+
+
+def _layout(shape: dict) -> tuple[int, int, int]:
+    return shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+
+
+def test_heads_reach_every_grid_and_keep_the_grid_head_dim():
+    assert cs.grid_heads(False) == cs.QWEN3_HEADS and cs.grid_heads(True) == cs.QUICK_HEADS
+    assert _layout(cs.grid_heads(False, (32, 8, None))) == (32, 8, 128)  # no D: the standard grid's
+    assert _layout(cs.grid_heads(True, (32, 8, None))) == (32, 8, 64)  # ... and the quick grid's
+    assert _layout(cs.grid_heads(True, (64, 8, 128))) == (64, 8, 128)
+    for quick, grids in ((True, (cs.quick_prefill_cases, cs.quick_decode_cases, cs.quick_paged_cases)),
+                         (False, (cs.standard_prefill_cases, cs.standard_decode_cases, cs.standard_paged_cases))):
+        h = cs.grid_heads(quick, (12, 3, 256))
+        cases = [c for grid in grids for c in grid(h)]
+        cases += [c for f in (cs.crosscheck_prefill_cases, cs.crosscheck_decode_cases, cs.crosscheck_paged_cases)
+                  for c in f(quick, h)]
+        assert cases and {_layout(c.shape()) for c in cases} == {(12, 3, 256)}
+        # without `heads`, today's layouts (the lengths of the grids unchanged by a layout)
+        default = [c for grid in grids for c in grid()] + cs.crosscheck_decode_cases(quick)
+        assert {_layout(c.shape()) for c in default} == {_layout(cs.grid_heads(quick))}
+        assert [c.label for grid in grids for c in grid()] == [c.label for grid in grids for c in grid(h)]
+
+
+def test_heads_parse_and_reach_the_config():
+    import argparse
+
+    from minipaged.benchmark import cli as bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli._config(parser.parse_args(["--heads", "32/8"]), None).heads == (32, 8, None)
+    assert bench_cli._config(parser.parse_args(["--heads", "64/8/128"]), None).heads == (64, 8, 128)
+    assert bench_cli._config(parser.parse_args([]), None).heads is None
+    assert runner.heads_text((32, 8, None)) == "32/8" and runner.heads_text((64, 8, 128)) == "64/8/128"
+    # the help states the defaults the grids really use
+    text = " ".join(parser.format_help().split())
+    for h in (cs.QWEN3_HEADS, cs.QUICK_HEADS):
+        assert runner.heads_text(_layout(h)) in text
+
+
+def test_default_out_dir_names_a_layout_other_than_the_grid_default():
+    cpu = torch.device("cpu")
+    assert runner.default_out_dir(cpu, True, cs.grid_heads(True)) == runner.default_out_dir(cpu, True)
+    assert runner.default_out_dir(cpu, False, cs.grid_heads(False, (16, 8, None))).name == "cpu"
+    assert runner.default_out_dir(cpu, True, cs.grid_heads(True, (8, 2, None))).name == "cpu-quick-h8x2x64"
+    assert runner.default_out_dir(cpu, False, cs.grid_heads(False, (32, 8, None))).name == "cpu-h32x8x128"
+
+
+def test_quick_run_with_heads_times_and_records_that_layout(tmp_path, monkeypatch):
+    """`bench --quick --heads 8/2` (torch only, one call per row): every timed and cross-checked row
+    is at 8/2/64, the work counted is that layout's, and the default folder names the layout."""
+    from minipaged import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", "--quick", "--heads", "8/2", "--backends", "torch", "--reps", "1", "--max-time", "0",
+                   "--no-plots", "--no-progress"])
+    assert rc == 0
+    found = list((tmp_path / runner.DEFAULT_OUT_ROOT).glob("*/results.json"))
+    assert len(found) == 1 and found[0].parent.name.endswith("-quick-h8x2x64"), found
+    data = json.loads(found[0].read_text())
+    assert data["config"]["heads"] == dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+    rows, xc = data["rows"], data["crosscheck"]
+    assert {r["op"] for r in rows} == {"prefill", "decode", "paged"}
+    assert {_layout(r["shape"]) for r in rows + xc} == {(8, 2, 64)}
+    assert xc and all(r["ok"] for r in xc), xc
+    h = cs.grid_heads(True, (8, 2, None))
+    torch_rows = [r for r in rows if r["backend"] == "torch"]
+    want = cs.quick_prefill_cases(h) + cs.quick_decode_cases(h) + cs.quick_paged_cases(h)
+    assert [r["case"] for r in torch_rows] == [c.label for c in want]
+    assert all(r["status"] == "ok" and r["flops"] == c.flops for r, c in zip(torch_rows, want)), torch_rows
+    assert want[0].flops == 2 * cs.quick_prefill_cases()[0].flops  # twice the default's query heads
+    assert "Hq=8 Hkv=2 D=64" in (found[0].parent / "results.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: only torch and triton exist there")
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "32"], ["--heads", "HQ/HKV", "'32'"]),
+    (["--heads", "32/x"], ["--heads", "'32/x'"]),
+    (["--heads", "8/2/64/1"], ["--heads", "'8/2/64/1'"]),
+    (["--heads", "8/2/"], ["--heads", "'8/2/'"]),
+    (["--heads", "0/8"], ["--heads 0/8", "HQ", ">= 1"]),
+    (["--heads=8/-2"], ["--heads 8/-2", "HKV", ">= 1"]),
+    (["--heads", "8/2/0"], ["--heads 8/2/0", "D", ">= 1"]),
+    (["--heads", "12/8"], ["--heads 12/8", "HQ=12", "not a multiple of HKV=8"]),
+    (["--heads", "8/2/96", "--backends", "torch"], ["--backends torch", "D=96", "64, 128, 256"]),
+    (["--heads", "8/2/96"], ["no backend", "D=96", "torch", "triton"]),
+    (["--heads", "4/2/96", "--backends", "none", "--anchors", "sdpa-cpu"], ["oracle", "D=96", "--no-crosscheck"]),
+])
+def test_bench_rejects_bad_heads(argv, words, capsys, tmp_path, monkeypatch):
+    from minipaged import cli
+
+    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("ran before the check"))
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    rc = cli.main(["bench", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.fixture
+def narrow_backend(monkeypatch):
+    """A CPU backend ("narrow", the torch kernels) declaring the cuda backend's head dims (64, 128),
+    with triton off, so that the default backends here are torch and narrow."""
+    from minipaged import registry
+
+    assert registry._BACKENDS["cuda"].head_dims == (64, 128)
+    monkeypatch.setitem(registry._BACKENDS, "narrow", dataclasses.replace(
+        registry._BACKENDS["torch"], name="narrow", head_dims=(64, 128), availability=lambda d: (True, "test")))
+    monkeypatch.setitem(registry._BACKENDS, "triton", dataclasses.replace(
+        registry._BACKENDS["triton"], availability=lambda d: (False, "off in this test")))
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    registry.reset_caches()
+    yield "narrow"
+    monkeypatch.undo()
+    registry.reset_caches()  # (the cached availability of the patched triton must not outlive the test)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the default backends are torch and the double")
+def test_a_named_backend_that_cannot_run_the_head_dim_is_refused(narrow_backend, capsys, tmp_path, monkeypatch):
+    from minipaged import cli
+
+    monkeypatch.setattr(runner, "_run", lambda *a, **k: pytest.fail("ran before the check"))
+    rc = cli.main(["bench", "--out", str(tmp_path), "--backends", "torch,narrow", "--heads", "8/2/256"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and err.startswith("error: --backends narrow cannot run"), err
+    assert "D=256" in err and "--heads 8/2/256" in err and "64, 128" in err and "torch" not in err
+    # at the quick grid's own D=64 it runs
+    plan = runner.check_config(_cfg(backends=["narrow"], quick=True, out=str(tmp_path), heads=(8, 2, None)))
+    assert plan.backends == ["narrow"] and plan.notes == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the default backends are torch and the double")
+def test_a_default_backend_that_cannot_run_the_head_dim_is_left_out_with_a_note(narrow_backend, tmp_path):
+    logged = []
+    cfg = runner.BenchConfig(op="decode", anchors=[], quick=True, out=str(tmp_path), reps=1, max_time_s=0,
+                             plots=False, progress=False, log=logged.append, heads=(4, 2, 256))
+    assert runner.check_config(dataclasses.replace(cfg, heads=None)).backends == ["torch", "narrow"]
+    result = runner.run_bench(cfg)
+    assert result["config"]["backends"] == ["torch"]
+    assert {r["backend"] for r in result["rows"]} == {"torch"}
+    assert {_layout(r["shape"]) for r in result["rows"] + result["crosscheck"]} == {(4, 2, 256)}
+    note = next(n for n in result["notes"] if "narrow" in n)
+    assert "D=256" in note and "narrow supports head dims 64, 128 only" in note
+    assert f"note: {note}" in logged and note in (tmp_path / "results.md").read_text()

@@ -5,6 +5,7 @@ are minipaged.testing's, shared with the tests."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 import torch
 
@@ -23,81 +24,94 @@ QWEN3_HEADS = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
 QUICK_HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
 
 
-def standard_paged_cases() -> list[PagedCase]:
-    """paged_attention, Qwen3 heads, block size 16, pages scattered at random:
+def grid_heads(quick: bool, heads: tuple[int, int, int | None] | None = None) -> dict:
+    """The head layout a grid runs at: QUICK_HEADS or QWEN3_HEADS, or `heads` as --heads gives it
+    (num_q_heads, num_kv_heads, head_dim), a head_dim of None keeping the grid's own."""
+    default = QUICK_HEADS if quick else QWEN3_HEADS
+    if heads is None:
+        return dict(default)
+    hq, hkv, d = heads
+    return dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=default["head_dim"] if d is None else d)
+
+
+def standard_paged_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[PagedCase]:
+    """paged_attention, Qwen3 heads (or `heads`), block size 16, pages scattered at random:
     chunked prefill (8 x 512 new over 4k cached; 1 x 2k new over 30k cached),
     speculative verification (B=32, 4 new tokens, 4k context; and one sequence at 32k,
     the latency-bound serving case, whose grid is a few CTAs unless the keys are split)
     and a mixed batch (one 2k chunk over 2k cached + 63 decodes at 4k context) in one
     launch."""
-    h = QWEN3_HEADS
     return [
-        PagedCase("chunked", (512,) * 8, (4096 + 512,) * 8, **h),
-        PagedCase("chunked", (2048,), (30720 + 2048,), **h),
-        PagedCase("spec", (4,) * 32, (4096,) * 32, **h),
-        PagedCase("spec", (4,), (32768,), **h),
-        PagedCase("mixed", (2048,) + (1,) * 63, (4096,) * 64, **h),
+        PagedCase("chunked", (512,) * 8, (4096 + 512,) * 8, **heads),
+        PagedCase("chunked", (2048,), (30720 + 2048,), **heads),
+        PagedCase("spec", (4,) * 32, (4096,) * 32, **heads),
+        PagedCase("spec", (4,), (32768,), **heads),
+        PagedCase("mixed", (2048,) + (1,) * 63, (4096,) * 64, **heads),
     ]
 
 
-def quick_paged_cases() -> list[PagedCase]:
-    h = QUICK_HEADS
+def quick_paged_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[PagedCase]:
     return [
-        PagedCase("chunked", (32,) * 2, (96,) * 2, **h),
-        PagedCase("spec", (4,) * 4, (64,) * 4, **h),
-        PagedCase("mixed", (48,) + (1,) * 3, (96,) + (64,) * 3, **h),
+        PagedCase("chunked", (32,) * 2, (96,) * 2, **heads),
+        PagedCase("spec", (4,) * 4, (64,) * 4, **heads),
+        PagedCase("mixed", (48,) + (1,) * 3, (96,) + (64,) * 3, **heads),
     ]
 
 
-def crosscheck_paged_cases(quick: bool) -> list[PagedCase]:
+def crosscheck_paged_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[PagedCase]:
     """One call mixing a chunk over a prefix, a decode, an empty query, a fresh prompt
-    (q_len == context) and a context one past a page."""
+    (q_len == context) and a context one past a page. heads None: the grid's default layout."""
+    h = heads or grid_heads(quick)
     if quick:
-        return [PagedCase("mixed", (5, 1, 0, 20), (40, 17, 3, 20), **QUICK_HEADS)]
-    return [PagedCase("mixed", (300, 1, 4, 0, 97), (1000, 4097, 1023, 16, 97), **QWEN3_HEADS)]
+        return [PagedCase("mixed", (5, 1, 0, 20), (40, 17, 3, 20), **h)]
+    return [PagedCase("mixed", (300, 1, 4, 0, 97), (1000, 4097, 1023, 16, 97), **h)]
 
 
-def standard_prefill_cases() -> list[PrefillCase]:
-    """Causal prefill, Qwen3 heads (16 q, 8 kv, D=128): B=1 at 1k..16k and B=8 at 1k."""
-    cases = [PrefillCase(1, n, n, **QWEN3_HEADS) for n in (1024, 4096, 8192, 16384)]
-    cases.append(PrefillCase(8, 1024, 1024, **QWEN3_HEADS))
+def standard_prefill_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[PrefillCase]:
+    """Causal prefill, Qwen3 heads (16 q, 8 kv, D=128) unless `heads` says otherwise: B=1 at 1k..16k
+    and B=8 at 1k."""
+    cases = [PrefillCase(1, n, n, **heads) for n in (1024, 4096, 8192, 16384)]
+    cases.append(PrefillCase(8, 1024, 1024, **heads))
     return cases
 
 
-def standard_decode_cases() -> list[DecodeCase]:
-    """Paged decode, Qwen3 heads, block size 16: six rows where every context = L, then two
+def standard_decode_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[DecodeCase]:
+    """Paged decode, Qwen3 heads (or `heads`), block size 16: six rows where every context = L, then two
     uneven batches of 64 as a server sees them (the table as wide as the longest sequence),
     one 32k sequence last among 1k ones and lengths spread over 512-16384 (fixed seed)."""
     grid = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)]
-    cases = [DecodeCase(b, l, **QWEN3_HEADS, block_size=16) for b, l in grid]
+    cases = [DecodeCase(b, l, **heads, block_size=16) for b, l in grid]
     spread = random.Random(0)
-    cases.append(DecodeCase.of((1024,) * 63 + (32768,), **QWEN3_HEADS, block_size=16))
-    cases.append(DecodeCase.of([spread.randint(512, 16384) for _ in range(64)], **QWEN3_HEADS, block_size=16))
+    cases.append(DecodeCase.of((1024,) * 63 + (32768,), **heads, block_size=16))
+    cases.append(DecodeCase.of([spread.randint(512, 16384) for _ in range(64)], **heads, block_size=16))
     return cases
 
 
-def quick_prefill_cases() -> list[PrefillCase]:
-    return [PrefillCase(1, n, n, **QUICK_HEADS) for n in (64, 128)]
+def quick_prefill_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[PrefillCase]:
+    return [PrefillCase(1, n, n, **heads) for n in (64, 128)]
 
 
-def quick_decode_cases() -> list[DecodeCase]:
-    return [DecodeCase(b, l, **QUICK_HEADS, block_size=16) for b in (1, 4) for l in (64, 256)]
+def quick_decode_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[DecodeCase]:
+    return [DecodeCase(b, l, **heads, block_size=16) for b in (1, 4) for l in (64, 256)]
 
 
-def crosscheck_prefill_cases(quick: bool) -> list[PrefillCase]:
-    """Odd lengths and a chunk after a cached prefix (Nq < Nk, bottom-right causal)."""
+def crosscheck_prefill_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[PrefillCase]:
+    """Odd lengths and a chunk after a cached prefix (Nq < Nk, bottom-right causal).
+    heads None: the grid's default layout."""
+    h = heads or grid_heads(quick)
     if quick:
-        return [PrefillCase(1, 97, 97, **QUICK_HEADS), PrefillCase(2, 33, 80, **QUICK_HEADS)]
-    return [PrefillCase(2, 1000, 1000, **QWEN3_HEADS), PrefillCase(1, 300, 1023, **QWEN3_HEADS)]
+        return [PrefillCase(1, 97, 97, **h), PrefillCase(2, 33, 80, **h)]
+    return [PrefillCase(2, 1000, 1000, **h), PrefillCase(1, 300, 1023, **h)]
 
 
-def crosscheck_decode_cases(quick: bool) -> list[DecodeCase]:
-    """Ragged contexts including an empty one and a partial last page."""
+def crosscheck_decode_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[DecodeCase]:
+    """Ragged contexts including an empty one and a partial last page. heads None: the grid's default layout."""
+    h = heads or grid_heads(quick)
     if quick:
         lens = (0, 17, 100)
-        return [DecodeCase(len(lens), max(lens), **QUICK_HEADS, block_size=16, context_lens=lens)]
+        return [DecodeCase(len(lens), max(lens), **h, block_size=16, context_lens=lens)]
     lens = (1, 17, 1000, 4097)
-    return [DecodeCase(len(lens), max(lens), **QWEN3_HEADS, block_size=16, context_lens=lens)]
+    return [DecodeCase(len(lens), max(lens), **h, block_size=16, context_lens=lens)]
 
 
 # ----------------------------------------------------------------------------- layouts for the anchors

@@ -33,8 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> N
                              "16-bit rows (a speed-up column), with an fp8 cross-check against the torch "
                              "oracle on the same fp8 cache and FlashInfer's fp8 decode (flashinfer-decode-fp8) "
                              "when it imports. Needs --dtype bfloat16/float16 (CPU default: float16)")
+    parser.add_argument("--heads", default=None, metavar="HQ/HKV[/D]",
+                        help="head layout of every case (prefill, decode, paged and the cross-check): query "
+                             "heads / KV heads [/ head dim], HQ a multiple of HKV, e.g. 32/8 (Qwen3-8B) or "
+                             "64/8/128 (Qwen3-32B). Default: 16/8/128 (Qwen3-0.6B) on the standard grid, "
+                             "4/2/64 on the quick grid; without D the grid's head dim (128 / 64). A backend "
+                             "named in --backends that cannot run the head dim is an error; one not named is "
+                             "left out with a note")
     parser.add_argument("--out", default=None,
-                        help="results folder (default: ./minipaged-bench-results/<device>[-quick], "
+                        help="results folder (default: ./minipaged-bench-results/<device>[-quick], with "
+                             "-h<HQ>x<HKV>x<D> appended when --heads differs from the grid's default; "
                              "printed at the end)")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes; on a machine without a GPU the quick grid (torch and "
@@ -64,7 +72,9 @@ def _names(value):
 
 
 def _config(args: argparse.Namespace, op: str | None):
-    from .runner import BenchConfig
+    from .runner import BenchConfig, parse_heads
+
+    heads = getattr(args, "heads", None)
 
     return BenchConfig(
         op=op or getattr(args, "op", "all"),
@@ -81,6 +91,7 @@ def _config(args: argparse.Namespace, op: str | None):
         progress=not args.no_progress,
         seed=args.seed,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        heads=None if heads is None else parse_heads(heads),
     )
 
 

@@ -14,6 +14,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class BenchConfig:
     progress: bool = True
     seed: int = 0
     kv_cache_dtype: str = "auto"          # "fp8": decode/paged also on float8_e4m3fn caches
+    heads: tuple[int, int, int | None] | None = None  # --heads (Hq, Hkv, D); D None: the grid's; None: its layout
     log: Callable[[str], None] = field(default=print, repr=False)
 
 
@@ -252,7 +254,7 @@ def _max_abs_err(out, ref) -> float:
 
 
 def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
-               anchor_names=()) -> tuple[list[dict], dict]:
+               anchor_names=(), heads=None) -> tuple[list[dict], dict]:
     """Max |o_backend - o_fp32| for every backend on a few Qwen3-shaped cases.
 
     The oracle is the torch backend on inputs upcast to fp32; the torch backend
@@ -261,13 +263,14 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
     where failures maps (backend, op) -> error text for backends that raised.
     The SDPA anchors in `anchor_names` are checked the same way on the Nq == Nk
     prefill cases (rows with kind "anchor"; they never stop an anchor's timing).
+    heads: the cases' head layout (None: the grid's default, cases.grid_heads).
     """
     import minipaged as mp
 
     rows, failures = [], {}
-    for op, case_list in (("prefill", cs.crosscheck_prefill_cases(quick)),
-                          ("decode", cs.crosscheck_decode_cases(quick)),
-                          ("paged", cs.crosscheck_paged_cases(quick))):
+    for op, case_list in (("prefill", cs.crosscheck_prefill_cases(quick, heads)),
+                          ("decode", cs.crosscheck_decode_cases(quick, heads)),
+                          ("paged", cs.crosscheck_paged_cases(quick, heads))):
         if op not in ops:
             continue
         for case in case_list:
@@ -353,7 +356,7 @@ def crosscheck_plan_fp8(backends, device, dtype, ops):
     return compared, skipped
 
 
-def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=None) -> list[dict]:
+def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=None, heads=None) -> list[dict]:
     """Every fp8-capable backend's decode / paged output on a float8_e4m3fn cache against the
     torch oracle on the SAME fp8 cache, so the quantisation error is nobody's fault.
 
@@ -362,12 +365,13 @@ def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=No
     The oracle is the torch backend in fp32 on that cache's exact dequantisation
     (stored x scale, fp32) with q upcast; torch on the fp8 cache itself, in `dtype`, shows
     what the output rounding costs. A backend passes when its error <= 2 * that + atol(dtype),
-    the rule of crosscheck(). Raises go into `failures` under (backend, fp8_key(op))."""
+    the rule of crosscheck(). Raises go into `failures` under (backend, fp8_key(op)). heads: as crosscheck's."""
     import minipaged as mp
 
     failures = {} if failures is None else failures
     rows = []
-    for op, case_list in (("decode", cs.crosscheck_decode_cases(quick)), ("paged", cs.crosscheck_paged_cases(quick))):
+    for op, case_list in (("decode", cs.crosscheck_decode_cases(quick, heads)),
+                          ("paged", cs.crosscheck_paged_cases(quick, heads))):
         if op not in ops:
             continue
         for case in case_list:
@@ -1022,11 +1026,15 @@ def _wants_copy(cfg: BenchConfig, ops, device) -> bool:
 DEFAULT_OUT_ROOT = "minipaged-bench-results"
 
 
-def default_out_dir(device, quick: bool) -> Path:
-    """./minipaged-bench-results/<device>[-quick] under the current folder (ignored by
-    this repository's .gitignore); results meant to be committed are written with --out."""
-    slug = timing.device_slug(device)
-    return Path(DEFAULT_OUT_ROOT) / (slug + ("-quick" if quick else ""))
+def default_out_dir(device, quick: bool, heads=None) -> Path:
+    """./minipaged-bench-results/<device>[-quick][-h<Hq>x<Hkv>x<D>] under the current folder (ignored by
+    this repository's .gitignore); results meant to be committed are written with --out. The head
+    suffix appears when `heads` (a cases.grid_heads dict) is not the grid's default layout, so a
+    run at another model's shape does not overwrite the default one's results."""
+    slug = timing.device_slug(device) + ("-quick" if quick else "")
+    if heads is not None and dict(heads) != cs.grid_heads(quick):
+        slug += f"-h{heads['num_q_heads']}x{heads['num_kv_heads']}x{heads['head_dim']}"
+    return Path(DEFAULT_OUT_ROOT) / slug
 
 
 def _anchor_unavailable(name: str, device) -> str:
@@ -1054,6 +1062,8 @@ class Plan:
     backend_info: dict
     out_dir: Path
     fp8: bool = False                     # --kv-cache-dtype fp8: decode/paged also on fp8 caches
+    heads: dict | None = None             # the layout every grid runs at (None: cases.grid_heads(quick))
+    notes: list[str] = field(default_factory=list)  # logged and kept in the results' notes
 
 
 # integer flags end up in int64 (seeds, counts): anything larger is a typo, not a request
@@ -1073,6 +1083,48 @@ def _check_number(flag, value, *, minimum=None, integer=False):
         raise ValueError(f"{flag} must be >= {minimum}, got {value!r}")
 
 
+def parse_heads(text: str) -> tuple[int, int, int | None]:
+    """--heads HQ/HKV[/D] as (Hq, Hkv, D or None); ValueError naming the flag when it is not that
+    shape. The numbers themselves are judged by check_config."""
+    parts = str(text).split("/")
+    if len(parts) not in (2, 3) or not all(re.fullmatch(r"\s*[+-]?\d+\s*", x) for x in parts):
+        raise ValueError(f"--heads must be HQ/HKV or HQ/HKV/D (query heads / KV heads / head dim, e.g. 32/8 "
+                         f"or 64/8/128), got {text!r}")
+    hq, hkv, *d = (int(x) for x in parts)
+    return hq, hkv, (d[0] if d else None)
+
+
+def heads_text(heads) -> str:
+    """(Hq, Hkv, D | None) as --heads spells it."""
+    return "/".join(str(x) for x in heads if x is not None)
+
+
+def _check_heads(heads) -> tuple[int, int, int | None] | None:
+    """cfg.heads normalised to (Hq, Hkv, D | None); TypeError / ValueError for what no grid can run."""
+    if heads is None:
+        return None
+    if isinstance(heads, str) or not isinstance(heads, (tuple, list)) or len(heads) not in (2, 3):
+        raise TypeError(f"heads must be (HQ, HKV) or (HQ, HKV, D), got {heads!r}")
+    hq, hkv, d = (*heads, None)[:3]
+    for name, value in (("HQ", hq), ("HKV", hkv), ("D", d)):
+        if value is not None or name != "D":
+            _check_number(f"--heads {heads_text(heads)}: {name}", value, minimum=1, integer=True)
+    if hq % hkv:
+        raise ValueError(f"--heads {heads_text((hq, hkv, d))}: HQ={hq} is not a multiple of HKV={hkv} "
+                         "(grouped-query attention shares each KV head among HQ/HKV query heads)")
+    return hq, hkv, d
+
+
+def head_dim_reason(backend: str, head_dim: int) -> str | None:
+    """Why `backend` cannot run head dim `head_dim` by its registry entry (None: it can)."""
+    from minipaged import registry
+
+    dims = registry.all_backends()[backend].head_dims
+    if head_dim in dims:
+        return None
+    return f"{backend} supports head dims {', '.join(str(x) for x in dims)} only, not D={head_dim}"
+
+
 def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     """Every check on a BenchConfig, before any case runs: ValueError / TypeError for a
     bad value, BackendUnavailableError for a named backend that cannot run here,
@@ -1087,6 +1139,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     _check_number("--max-time", cfg.max_time_s)
     _check_number("--time-budget", cfg.time_budget_s, minimum=0)
     _check_number("--seed", cfg.seed, minimum=0, integer=True)
+    wanted_heads = _check_heads(cfg.heads)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -1134,6 +1187,8 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                 "--backends triton: minipaged.triton was imported before TRITON_INTERPRET=1 could be "
                 "set; run `TRITON_INTERPRET=1 minipaged bench ...`")
         backends = [b for b in backends if b != "triton"]
+    heads = cs.grid_heads(quick, wanted_heads)
+    backends, notes = _fit_head_dim(cfg, backends, heads, wanted_heads)
     if cfg.backends is not None:
         for name in backends:
             reasons = [_skip_reason(name, op, dtype, device) for op in ops]
@@ -1152,7 +1207,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                              f"float8_e4m3fn cache here ({why or 'no backends'}); backends with fp8 KV-cache "
                              f"kernels: {have}")
 
-    out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick)
+    out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick, heads)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".minipaged-write-test"
@@ -1161,7 +1216,29 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     except OSError as e:
         raise OSError(f"--out {str(out_dir)!r}: cannot write results there: "
                       f"{e.strerror or type(e).__name__}") from None
-    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir, fp8)
+    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir, fp8, heads, notes)
+
+
+def _fit_head_dim(cfg: BenchConfig, backends: list[str], heads: dict, wanted) -> tuple[list[str], list[str]]:
+    """(the backends that run the layout's head dim, notes for the results). A backend named in
+    --backends that cannot is an error, as a named backend unavailable here is; one that was only
+    a default is left out with a note. The cross-check's torch oracle must run it too."""
+    d = heads["head_dim"]
+    layout = f"head dim D={d}" + (f" (--heads {heads_text(wanted)})" if wanted else "")
+    unfit = {b: why for b in backends if (why := head_dim_reason(b, d))}
+    notes = []
+    if unfit and cfg.backends is not None:
+        raise ValueError(f"--backends {', '.join(unfit)} cannot run {layout}: {'; '.join(unfit.values())}")
+    if unfit:
+        backends = [b for b in backends if b not in unfit]
+        if not backends:
+            raise ValueError(f"no backend here runs {layout}: {'; '.join(unfit.values())}")
+        notes.append(f"left out at {layout}: {'; '.join(unfit.values())}")
+    oracle = head_dim_reason("torch", d)
+    if cfg.crosscheck and oracle:
+        raise ValueError(f"the cross-check's torch oracle cannot run {layout}: {oracle}; pass --no-crosscheck "
+                         "to time without it")
+    return backends, notes
 
 
 def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
@@ -1179,12 +1256,14 @@ def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
         torch.set_num_threads(1)
     try:
         return _run(cfg, device, quick, dtype, plan.ops, plan.backends, plan.backend_info, plan.out_dir, log,
-                    fp8=plan.fp8)
+                    fp8=plan.fp8, heads=plan.heads, notes=plan.notes)
     finally:
         torch.set_num_threads(saved_threads)
 
 
-def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, fp8: bool = False) -> dict:
+def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, fp8: bool = False,
+         heads: dict | None = None, notes=()) -> dict:
+    heads = heads or cs.grid_heads(quick, cfg.heads)
     env = timing.environment(device)
     env["torch_threads"] = torch.get_num_threads()
     result = dict(
@@ -1192,18 +1271,22 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
         config=dict(op=cfg.op, dtype=str(dtype).replace("torch.", ""), quick=quick,
                     backends=backends, anchors=cfg.anchors, reps=cfg.reps,
                     max_time_s=cfg.max_time_s, time_budget_s=cfg.time_budget_s, seed=cfg.seed,
-                    kv_cache_dtype=cfg.kv_cache_dtype),
+                    kv_cache_dtype=cfg.kv_cache_dtype, heads=dict(heads)),
         backends=backend_info, crosscheck=[], rows=[], copy_bandwidth_tbps=None, notes=[],
         complete=False,
     )
     log(f"minipaged bench on {env['device_name']}"
         + (f" ({env['sm_count']} SMs)" if env["sm_count"] else "")
         + f", torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit {env['git_commit'][:12]}")
-    log(f"dtype {result['config']['dtype']}, {'quick grid' if quick else 'standard grid'}, "
+    log(f"dtype {result['config']['dtype']}, {'quick grid' if quick else 'standard grid'} at "
+        f"Hq={heads['num_q_heads']} Hkv={heads['num_kv_heads']} D={heads['head_dim']}, "
         f"backends: {', '.join(backends) or '(none)'}"
         + (f"; fp8 KV-cache rows for {', '.join(fp8_backends(backends, ops, dtype, device))}" if fp8 else ""))
     if fp8:
         result["notes"].append(fp8_note(dtype, cfg, device))
+    for note in notes:
+        result["notes"].append(note)
+        log(f"note: {note}")
     for b, info in backend_info.items():
         if not info["available"]:
             log(f"  {b}: unavailable ({info['reason']})")
@@ -1218,14 +1301,14 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
             t0 = time.perf_counter()
             try:
                 rows, failures = crosscheck(backends, device, dtype, quick, log, ops,
-                                            anchor_names=_anchor_names(cfg, "prefill", device, quick))
+                                            anchor_names=_anchor_names(cfg, "prefill", device, quick), heads=heads)
             except Exception as e:  # noqa: BLE001 - the timing can still say something
                 msg = f"cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                 rows = [dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None)]
                 result["notes"].append(msg)
             if fp8:
                 try:
-                    rows += crosscheck_fp8(backends, device, dtype, quick, log, ops, failures)
+                    rows += crosscheck_fp8(backends, device, dtype, quick, log, ops, failures, heads=heads)
                 except Exception as e:  # noqa: BLE001 - the timing can still say something
                     msg = f"fp8 cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                     rows.append(dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None,
@@ -1245,9 +1328,9 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
             _free(device)
             save()
 
-        case_lists = {"prefill": cs.quick_prefill_cases() if quick else cs.standard_prefill_cases(),
-                      "decode": cs.quick_decode_cases() if quick else cs.standard_decode_cases(),
-                      "paged": cs.quick_paged_cases() if quick else cs.standard_paged_cases()}
+        case_lists = {"prefill": (cs.quick_prefill_cases if quick else cs.standard_prefill_cases)(heads),
+                      "decode": (cs.quick_decode_cases if quick else cs.standard_decode_cases)(heads),
+                      "paged": (cs.quick_paged_cases if quick else cs.standard_paged_cases)(heads)}
         fi_note = flashinfer_note(cfg, ops, device, quick)
         if fi_note:
             result["notes"].append(fi_note)
