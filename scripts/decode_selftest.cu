@@ -1,7 +1,8 @@
 // Torch-free self test and timing of the paged decode (decode/launch.cu): the
 // two-launch split reduction, the one-launch fused reduction (variant bit
-// 0x400), the register-ring tilings 13-16, the fp8 cp.async tilings 6-8 and the
-// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp).
+// 0x400), the register-ring tilings 13-16, the fp8 cp.async tilings 6-8, the
+// fp8 tensor-core tilings 10 and 18-19 (32 tokens per warp) and the two-warp tensor-core
+// tilings 20-22 (16-bit) and 23-24 (fp8).
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
@@ -440,7 +441,7 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (!pr.fp8) v.insert(v.end(), {20, 21, 22});  // tensor cores in two-warp CTAs
   if (!pr.fp8 && pr.d == 128 && pr.hq / pr.hkv == 2) v.insert(v.end(), {13, 14, 15, 16, 17});
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
-  if (pr.fp8) v.insert(v.end(), {18, 19});  // tensor cores, 32 tokens per warp
+  if (pr.fp8) v.insert(v.end(), {18, 19, 23, 24});  // tensor cores: 32 tokens per warp; two-warp CTAs
   // DECODE_CHECK_TILINGS (a comma list): check only those of them (a new tiling's GPU call)
   if (const char* env = std::getenv("DECODE_CHECK_TILINGS")) {
     std::vector<int> keep;
@@ -942,7 +943,9 @@ int time_mode(int reps) {
                   fp8 ? " fp8" : "");
     std::vector<int> configs;
     if (fp8) {
-      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, kNoReduce};  // 10: tensor cores; 18/19: 32 tokens per warp
+      // 10: tensor cores; 18/19: 32 tokens per warp; 23/24: two-warp CTAs; the two-warp rule flipped
+      configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, 23, 24, kNoReduce,
+                 minipaged::kDecodeVariantTwoWarpToggle};
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);

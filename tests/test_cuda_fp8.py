@@ -343,6 +343,35 @@ def test_fp8_decode_staged_tilings(dtype, D, page, tiling):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("tiling", [23, 24])
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2), (8, 4)], ids=["G4", "G8", "G2"])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
+    """The tensor-core kernel on fp8 caches in two-warp CTAs (decode/launch.cu select_fp8 23: 4
+    stages, 24: 6; 32-token tiles), with the split heuristic and forced splits."""
+    _run_decode(CTXS + [31, 32, 33], *heads, D, page, dtype, seed=page + D + tiling, variant=tiling)
+    _run_decode(CTXS + [31, 32, 33], *heads, D, page, dtype, seed=page + D + tiling + 1, num_splits=5,
+                variant=tiling, scales="equal")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_two_warp_rule(dtype, heads):
+    """The two-warp rule flipped (variant 0x20000, params.h kDecodeVariantTwoWarpToggle) at a batch
+    whose (sequence, KV head) pairs overflow a wave of 4-warp CTAs: short, empty and one long
+    sequence, so the plan also takes its work list."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 3 * sms // heads[1] + 3
+    ctxs = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(batch - 1)] + [9000]
+    _run_decode(ctxs, *heads, 128, 16, dtype, seed=batch, variant=0x20000)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_long_contexts_and_writer(dtype):
     """32k contexts (many splits), the cache written by the CUDA quantiser, Qwen3 heads."""

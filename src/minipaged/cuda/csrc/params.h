@@ -300,10 +300,10 @@ constexpr bool kDecodeEarlyTriggerByDefault = MINIPAGED_DECODE_EARLY_TRIGGER != 
 #endif
 constexpr int kDecodeVariantWorklistGroupedMerge = 0x10000;
 constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_GROUPED_MERGE != 0;
-// Two-warp CTAs (decode/launch.cu with_two_warp): the 16-bit tensor-core plan runs its kernel
-// in CTAs of 2 warps and a 2-stage ring (benchmarking tiling 22's kernel: 6 CTAs per SM against
-// 2) wherever one CTA per (sequence, KV head, head chunk) already overflows a wave of the 4-warp
-// kernel's CTAs. Off by default until an A/B of the whole grid decides
+// Two-warp CTAs (decode/launch.cu with_two_warp): the default tensor-core plan (16-bit caches;
+// FP8 ones from G 3) runs its kernel in CTAs of 2 warps (benchmarking tilings 22 and, FP8, 23:
+// 6 CTAs per SM against 2, FP8 3) wherever one CTA per (sequence, KV head, head chunk) already
+// overflows a wave of the 4-warp kernel's CTAs. Off by default until an A/B of the whole grid decides
 // (bench/results/nvidia-h100/decode_two_warp_1d3df54: as a tiling, 0.90-0.92x the default's time at
 // B=64 L=192, G 4-8); MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips it for a call.
 #ifndef MINIPAGED_DECODE_TWO_WARP

@@ -157,16 +157,18 @@ DecodePlan default_mma(bool fused) {
   }
 }
 
-// The 16-bit tensor-core kernel in two-warp CTAs with a 2-stage ring (tiling 22's kernel):
-// 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit per SM against 2.
-// What with_two_warp swaps in for default_mma<T, D, false, PQ>(false); the plain build with
-// its work-list twin, or the packed-query one.
-template <typename T, int D, bool PQ>
+// The tensor-core kernel in two-warp CTAs (32-token tiles), what with_two_warp swaps in for
+// default_mma<T, D, FP8, PQ>(false): the plain build with its work-list twin, or the packed-query
+// one. 16-bit caches: a 2-stage ring (tiling 22's kernel), 37 KB of shared memory against the
+// 4-warp kernel's 100 KB, so 6 CTAs fit per SM against 2. FP8: 4 stages of byte tiles (FP8
+// tiling 23's), 36 KB against 68 KB, 6 CTAs per SM against 3.
+template <typename T, int D, bool FP8, bool PQ>
 DecodePlan two_warp_mma() {
+  constexpr int kStages = FP8 ? 4 : 2;
   if constexpr (PQ) {
-    return info_mma<T, D, 2, false, false, true, 16, false, 1, false, 2>();
+    return info_mma<T, D, kStages, FP8, false, true, 16, false, 1, false, 2>();
   } else {
-    return info_mma<T, D, 2, false, false, false, 16, false, 1, true, 2>();
+    return info_mma<T, D, kStages, FP8, false, false, 16, false, 1, true, 2>();
   }
 }
 
@@ -208,6 +210,10 @@ DecodePlan select_fp8(const DecodeParams& p) {
 #if MINIPAGED_DECODE_BENCH_TILINGS
   if (tiling == 18) return info_mma<T, D, 3, true, false, false, 32>();
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
+  // the tensor-core kernel in two-warp CTAs (16 tokens per warp, 32-token tiles): 23, 4 stages;
+  // 24, 6 stages
+  if (tiling == 23) return info_mma<T, D, 4, true, false, false, 16, false, 1, false, 2>();
+  if (tiling == 24) return info_mma<T, D, 6, true, false, false, 16, false, 1, false, 2>();
 #endif
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
   if (group == 1) return info_d<T, D, 1, TPT, 4, false, 0, true>(fused);
@@ -534,8 +540,8 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   }
 }
 
-// k, or its two-warp twin (two_warp_mma) where k is the 16-bit default tensor-core plan (plain or
-// packed-query, two-launch) and the rule wants it (params.h kDecodeTwoWarpByDefault, flipped by
+// k, or its two-warp twin (two_warp_mma) where k is the default tensor-core plan of its cache
+// dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it (params.h kDecodeTwoWarpByDefault, flipped by
 // kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
 // overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer, instead
 // of two or more. The rule reads the batch, the heads and the device; plain and packed-query calls
@@ -543,15 +549,20 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
 // sequences alone run the same kernel whatever their batch sizes (tests/test_cuda.py).
 DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int requested_splits) {
   if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return k;
-  if (requested_splits > 0 || k.kernel == nullptr || k.fused || p.kv_fp8 || p.max_seqlen_q >= 2) return k;
+  if (requested_splits > 0 || k.kernel == nullptr || k.fused || p.max_seqlen_q >= 2) return k;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * row_chunks(p, k);
   if (ctas <= static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1)) return k;
   return by_dtype_and_dim(p, [&](auto t, auto d) -> DecodePlan {
     using T = typename decltype(t)::type;
     constexpr int D = decltype(d)::value;
-    if (p.cu_seqlens_q != nullptr)
-      return k.kernel == default_mma<T, D, false, true>(false).kernel ? two_warp_mma<T, D, true>() : k;
-    return k.kernel == default_mma<T, D, false, false>(false).kernel ? two_warp_mma<T, D, false>() : k;
+    const auto swap = [&](auto fp8, auto pq) {
+      constexpr bool kFp8 = decltype(fp8)::value, kPq = decltype(pq)::value;
+      return k.kernel == default_mma<T, D, kFp8, kPq>(false).kernel ? two_warp_mma<T, D, kFp8, kPq>() : k;
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (p.cu_seqlens_q != nullptr) return p.kv_fp8 ? swap(Yes{}, Yes{}) : swap(No{}, Yes{});
+    return p.kv_fp8 ? swap(Yes{}, No{}) : swap(No{}, No{});
   });
 }
 }  // namespace
