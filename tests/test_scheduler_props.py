@@ -205,12 +205,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             table = cache.block_table(s.seq_id)
             assert table[: len(tables_before[s.seq_id])] == tables_before[s.seq_id], f"{s} lost pages"
 
-        # -- queues: FCFS admission from [preempted (oldest first), previous waiting queue]
+        # -- queues: admission in the order of [preempted (oldest first), previous waiting queue];
+        #    a sequence is passed over only while it waits for a block in flight (checked below)
         queue = preempted + waiting_before
         admitted = running[len(kept):]
         assert running[: len(kept)] == kept
-        assert admitted == queue[: len(admitted)], "admission is not first come, first served"
-        assert list(sched.waiting) == queue[len(admitted):]
+        admitted_ids = {s.seq_id for s in admitted}
+        assert admitted == [s for s in queue if s.seq_id in admitted_ids], "admission is out of queue order"
+        assert list(sched.waiting) == [s for s in queue if s.seq_id not in admitted_ids], \
+            "the sequences left waiting changed order"
+        passed_over = [s for s in queue[: queue.index(admitted[-1])] if s.seq_id not in admitted_ids] \
+            if admitted else []
+        if not self.caching:
+            assert not passed_over, f"{passed_over} passed over without prefix caching"
         self._check_queues()
 
         # -- every chunk: contiguous, in order, within its sequence, on its own pages
@@ -241,12 +248,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert plan.prefix_hit_tokens == hit_tokens
         if self.caching:  # a block another sequence is computing right now is waited for, not computed twice
             in_flight = {h for s in kept if not s.is_decoding for h in cache.pending_hashes(s.seq_id)}
-            for s in admitted:
-                hit = cache.prefix_hit_tokens(s.seq_id) // bs
-                if hit < (len(s) - 1) // bs:
-                    assert cache.block_hashes(s.token_ids)[hit] not in in_flight, \
-                        f"{s} was admitted to compute block {hit}, which a running sequence is computing"
-                in_flight.update(cache.pending_hashes(s.seq_id))
+            for s in queue:
+                if s.seq_id in admitted_ids:
+                    hit = cache.prefix_hit_tokens(s.seq_id) // bs
+                    if hit < (len(s) - 1) // bs:
+                        assert cache.block_hashes(s.token_ids)[hit] not in in_flight, \
+                            f"{s} was admitted to compute block {hit}, which a running sequence is computing"
+                    in_flight.update(cache.pending_hashes(s.seq_id))
+                elif s in passed_over:  # (its matched prefix is held by the computing sequence: not evicted)
+                    hit = cache.match_prefix(s.token_ids) // bs
+                    assert hit < (len(s) - 1) // bs and cache.block_hashes(s.token_ids)[hit] in in_flight, \
+                        f"{s} was passed over though its next block {hit} is not in flight"
         assert all(c.num_tokens == 1 for c in plan.chunks[: plan.num_decodes])
 
         # -- work-conserving: a running sequence is left out only when the budget is spent, and
@@ -255,15 +267,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         if any(s.seq_id not in scheduled for s in running):
             assert plan.num_tokens == self.budget, f"{running} not all scheduled, {plan.num_tokens} tokens"
         if sched.waiting and len(running) < self.max_num_seqs and plan.num_tokens < self.budget:
-            head = sched.waiting[0]
-            cap = -(-len(head) // bs) * bs
-            tokens = head.token_ids if self.caching else None
-            blocked = not cache.can_allocate(cap, tokens)
-            if not blocked and self.caching:
-                hit = cache.match_prefix(head.token_ids) // bs
-                pending = {h for s in running if not s.is_decoding for h in cache.pending_hashes(s.seq_id)}
-                blocked = hit < (len(head) - 1) // bs and cache.block_hashes(head.token_ids)[hit] in pending
-            assert blocked, f"{head} was left waiting with pages, seats and budget to spare"
+            # every sequence before the first one that does not fit waits for a block in flight
+            pending = {h for s in running if not s.is_decoding for h in cache.pending_hashes(s.seq_id)}
+            for head in sched.waiting:
+                if self.caching:
+                    hit = cache.match_prefix(head.token_ids) // bs
+                    if hit < (len(head) - 1) // bs and cache.block_hashes(head.token_ids)[hit] in pending:
+                        continue
+                cap = -(-len(head) // bs) * bs
+                assert not cache.can_allocate(cap, head.token_ids if self.caching else None), \
+                    f"{head} was left waiting with pages, seats and budget to spare"
+                break
 
         # -- the runner: write the chunks' K/V, then every chunk reads [0, end) of its own prefix
         written = set()
@@ -388,3 +402,25 @@ def test_finish_of_a_waiting_sequence_leaves_the_queue():
     assert list(sched.waiting) == [b] and b.seq_id not in cache
     sched.finish(b, "length")
     assert not sched.has_work() and cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_sequence_waiting_for_an_in_flight_block_does_not_hold_back_the_queue():
+    """B shares A's 16-token prefix, which A (admitted first, its prompt cut into chunks) is still
+    computing: B waits in its place for the hit, and C, unrelated, is admitted behind it in the
+    same step. Once A has named the blocks, B is admitted with them as a prefix hit."""
+    cache = mp.PagedKVCache(1, 1, 64, num_blocks=32, block_size=4, dtype=torch.float32)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64,
+                      enable_prefix_caching=True)
+    prefix = list(range(1, 17))
+    a, b, c = Sequence(prefix + [20], 2), Sequence(prefix + [21, 22], 2), Sequence([30, 31, 32], 2)
+    for s in (a, b, c):
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(ch.seq, ch.start, ch.num_tokens) for ch in plan.chunks] == [(a, 0, 10)]  # the budget: A only
+    sched.update(plan)
+    plan = sched.schedule()  # A's second chunk computes blocks 2-3 of the prefix: B waits, C goes in
+    assert [ch.seq for ch in plan.chunks] == [a, c] and list(sched.waiting) == [b]
+    sched.update(plan)
+    plan = sched.schedule()
+    assert b in [ch.seq for ch in plan.chunks] and not sched.waiting
+    assert cache.prefix_hit_tokens(b.seq_id) == 16, "B computed A's prefix again"

@@ -14,9 +14,11 @@ Admission allocates blocks for the whole prompt at once, sharing the cached
 blocks of its longest cached prefix (prefix caching: those tokens are never
 computed). After every step `update()` names the blocks that became full, so
 later sequences can hit them. A waiting sequence whose next uncached block is
-one that a running sequence is computing right now waits (first come, first
-served: admission stops there) instead of computing it a second time; once
-the block is named it is a hit. When a decode needs a page and none is free, the
+one that a running sequence is computing right now waits in its place instead
+of computing it a second time (once the block is named it is a hit), and the
+sequences behind it are admitted meanwhile, as vLLM passes over requests whose
+K/V is still arriving; otherwise admission is first come, first served and stops
+at the first sequence that does not fit, so none overtakes it for pages. When a decode needs a page and none is free, the
 newest running sequence gives up its pages (preemption by recompute, as vLLM
 does): it returns to the front of the waiting queue with its prompt and the
 tokens generated so far; blocks it had named stay cached, so its re-admission
@@ -140,15 +142,17 @@ class Scheduler:
                 n = min(len(seq) - seq.num_computed, budget)
                 plan.chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
-        # 3. admissions
+        # 3. admissions, in queue order; one that waits for an in-flight block keeps its place
         in_flight = self._in_flight_blocks()
+        passed: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             capacity = self.blocks_for(len(seq)) * self.block_size
             tokens = seq.token_ids if self.enable_prefix_caching else None
             hashes = self.cache.block_hashes(tokens) if tokens is not None else None  # hashed once per try
             if tokens is not None and in_flight and self._waits_for_in_flight(tokens, hashes, in_flight):
-                break
+                passed.append(self.waiting.popleft())
+                continue
             if not self.cache.try_allocate(seq.seq_id, capacity, token_ids=tokens, block_hashes=hashes):
                 break
             self.waiting.popleft()
@@ -161,6 +165,7 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed, budget)
             plan.chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))
         if not plan.chunks and self.has_work():
             # Unreachable when check_fits holds; better a loud error than a silent spin.
             raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} running, "
