@@ -388,3 +388,33 @@ def test_generate_model_without_safetensors_installed(tmp_path, capsys, no_work,
     folder = _tiny_folder(tmp_path / "m")
     rc, _, err = _main(["generate", "--model", folder, "--device", "cpu", "--prompt-len", "4"], capsys)
     _assert_usage_error(rc, err, "--model", "safetensors")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: the default check compares the interpreted Triton")
+def test_check_heads_runs_the_cases_at_that_layout(capsys, monkeypatch):
+    from minipaged.benchmark import runner
+
+    seen = []
+    real = runner.crosscheck
+
+    def spy(*a, heads=None, **k):
+        seen.append(heads)
+        return real(*a, heads=heads, **k)
+
+    monkeypatch.setattr(runner, "crosscheck", spy)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, out, _ = _main(["check", "--heads", "8/2"], capsys)
+    assert rc == 0, out
+    assert seen == [dict(num_q_heads=8, num_kv_heads=2, head_dim=64)]
+    assert "triton agrees with the oracle on every case" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["check", "--heads", "8"], ["--heads", "HQ/HKV"]),
+    (["check", "--heads", "12/8"], ["HQ=12", "not a multiple of HKV=8"]),
+    (["check", "--heads", "8/2/96"], ["--heads 8/2/96", "torch", "D=96"]),
+])
+def test_check_bad_heads_is_one_error_line(argv, words, capsys, no_work):
+    rc, out, err = _main(argv, capsys)
+    _assert_usage_error(rc, err, *words)
+    assert out == ""

@@ -125,6 +125,18 @@ def _check_setup(args):
     return device, dtype
 
 
+def _check_validate(args) -> None:
+    """--heads as the bench takes it (ValueError / TypeError: one `error:` line, exit 2)."""
+    if args.heads is None:
+        return
+    from .benchmark import runner
+
+    heads = runner.check_heads(runner.parse_heads(args.heads))
+    why = heads[2] is not None and runner.head_dim_reason("torch", heads[2])
+    if why:
+        raise ValueError(f"--heads {args.heads}: the torch oracle cannot run it: {why}")
+
+
 def _check(args) -> int:
     """Cross-check every backend that can run here against the fp32 torch oracle.
 
@@ -138,12 +150,18 @@ def _check(args) -> int:
         from .benchmark.runner import enable_triton_interpreter
 
         enable_triton_interpreter()
-    from .benchmark import report, runner
+    from .benchmark import cases, report, runner
 
     device, dtype = _check_setup(args)
+    quick = device.type == "cpu"
+    heads = cases.grid_heads(quick, None if args.heads is None else runner.parse_heads(args.heads))
     compared, skipped = runner.crosscheck_plan(list(_available_all()), device, dtype, _CHECK_OPS)
+    # a backend that cannot run the layout's head dim is skipped with the reason, as one that cannot run here
+    unfit = {b for b, _ in compared if runner.head_dim_reason(b, heads["head_dim"])}
+    skipped += [(b, None, runner.head_dim_reason(b, heads["head_dim"])) for b in sorted(unfit)]
+    compared = [(b, op) for b, op in compared if b not in unfit]
     runnable = sorted({b for b, _ in compared}, key=list(_available_all()).index)
-    rows, _failures = runner.crosscheck(runnable, device, dtype, device.type == "cpu", print, _CHECK_OPS)
+    rows, _failures = runner.crosscheck(runnable, device, dtype, quick, print, _CHECK_OPS, heads=heads)
     print(report.crosscheck_table(rows, dtype))
     print(report.crosscheck_plan_text(compared, skipped))
     bad = [r for r in rows if not r.get("ok")]
@@ -186,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=_check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="input dtype (default: bfloat16 on a GPU, float32 on CPU)")
-    p.set_defaults(func=_check)
+    p.add_argument("--heads", default=None, metavar="HQ/HKV[/D]",
+                   help="head layout of the cases, as `minipaged bench --heads` takes it (e.g. 32/8); "
+                        "default 16/8/128 on a GPU, 4/2/64 on CPU; a backend that cannot run the head "
+                        "dim is skipped with the reason")
+    p.set_defaults(func=_check, validate=_check_validate)
     for name, (module, help_text) in _DELEGATES.items():
         p = sub.add_parser(name, help=help_text)
         try:

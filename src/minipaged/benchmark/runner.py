@@ -1099,7 +1099,7 @@ def heads_text(heads) -> str:
     return "/".join(str(x) for x in heads if x is not None)
 
 
-def _check_heads(heads) -> tuple[int, int, int | None] | None:
+def check_heads(heads) -> tuple[int, int, int | None] | None:
     """cfg.heads normalised to (Hq, Hkv, D | None); TypeError / ValueError for what no grid can run."""
     if heads is None:
         return None
@@ -1139,7 +1139,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     _check_number("--max-time", cfg.max_time_s)
     _check_number("--time-budget", cfg.time_budget_s, minimum=0)
     _check_number("--seed", cfg.seed, minimum=0, integer=True)
-    wanted_heads = _check_heads(cfg.heads)
+    wanted_heads = check_heads(cfg.heads)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
