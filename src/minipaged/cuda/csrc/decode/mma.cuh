@@ -8,8 +8,9 @@
 //   softmax      online, on the fragments (a head's row lives in one quad)
 //   O += P V     P re-packed to 16-bit in registers, V through ldmatrix.trans
 // Each of the 4 warps owns WT = 16 tokens of every 64-token tile (32 of 128 in
-// the FP8 benchmarking tilings) and keeps its own running max / sum / O; the
-// warps are merged once at the end, as in the scalar kernel. Short query runs of
+// the FP8 benchmarking tilings; NW = 2 warps: 16 of every 32-token tile) and keeps
+// its own running max / sum / O; the warps are merged once at the end, as in the
+// scalar kernel. Short query runs of
 // more than 16 rows (MQ, RB = 2) split the warps over two row blocks first: each
 // block's two warps own 32 tokens of every 64-token tile. K/V rows are
 // gathered through the block table with cp.async into a STAGES-deep ring of
