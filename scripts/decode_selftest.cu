@@ -434,6 +434,18 @@ int graph_replays_differing(const Setup& s, int variant, int splits, cudaStream_
   return bad;
 }
 
+// The integers of a comma list in environment variable `name` (none if unset).
+std::vector<int> env_ints(const char* name) {
+  std::vector<int> out;
+  const char* env = std::getenv(name);
+  for (const char* at = env; at != nullptr && *at != '\0';) {
+    out.push_back(std::atoi(at));
+    at = std::strchr(at, ',');
+    if (at != nullptr) ++at;
+  }
+  return out;
+}
+
 // Tilings worth running for a problem: the default, the tensor-core and the
 // scalar kernel, and the register rings where they exist (G=2, D=128, 16-bit).
 std::vector<int> tilings_for(const Prob& pr) {
@@ -443,18 +455,10 @@ std::vector<int> tilings_for(const Prob& pr) {
   if (pr.fp8 && pr.hq / pr.hkv == 2) v.insert(v.end(), {6, 7, 8});  // the fp8 cp.async tilings
   if (pr.fp8) v.insert(v.end(), {18, 19, 23, 24});  // tensor cores: 32 tokens per warp; two-warp CTAs
   // DECODE_CHECK_TILINGS (a comma list): check only those of them (a new tiling's GPU call)
-  if (const char* env = std::getenv("DECODE_CHECK_TILINGS")) {
-    std::vector<int> keep;
-    for (const char* at = env; *at != '\0';) {
-      keep.push_back(std::atoi(at));
-      at = std::strchr(at, ',');
-      if (at == nullptr) break;
-      ++at;
-    }
+  if (const std::vector<int> keep = env_ints("DECODE_CHECK_TILINGS"); !keep.empty())
     v.erase(std::remove_if(v.begin(), v.end(),
                            [&](int t) { return std::find(keep.begin(), keep.end(), t) == keep.end(); }),
             v.end());
-  }
   return v;
 }
 
@@ -821,15 +825,7 @@ int time_mode(int reps) {
                                  {32, 32768}, {256, 16384, 1}, {128, 32768, 1}});
   // DECODE_TIME_EXTRA_SHAPES (a comma list of B*1000000+L, L a multiple of 16): more uniform rows,
   // e.g. 64000192 for B=64 L=192 (short contexts at large batch).
-  if (const char* env = std::getenv("DECODE_TIME_EXTRA_SHAPES")) {
-    for (const char* at = env; *at != '\0';) {
-      const long key = std::atol(at);
-      shapes.push_back({static_cast<int>(key / 1000000), static_cast<int>(key % 1000000)});
-      at = std::strchr(at, ',');
-      if (at == nullptr) break;
-      ++at;
-    }
-  }
+  for (const int key : env_ints("DECODE_TIME_EXTRA_SHAPES")) shapes.push_back({key / 1000000, key % 1000000});
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();
@@ -843,17 +839,6 @@ int time_mode(int reps) {
   std::vector<int> variants;
   for (int t = 0; t <= 17; ++t) variants.push_back(t);
   variants.insert(variants.end(), {20, 21, 22});
-  // The integers of a comma list in environment variable `name` (none if unset).
-  auto env_ints = [](const char* name) {
-    std::vector<int> out;
-    const char* env = std::getenv(name);
-    for (const char* at = env; at != nullptr && *at != '\0';) {
-      out.push_back(std::atoi(at));
-      at = std::strchr(at, ',');
-      if (at != nullptr) ++at;
-    }
-    return out;
-  };
   // DECODE_TIME_TILINGS (a comma list) keeps the rows of those tilings only: an A/B of two
   // builds in one GPU call spends its seconds on the kernels that differ.
   const std::vector<int> tilings = env_ints("DECODE_TIME_TILINGS");

@@ -157,8 +157,8 @@ def _check(args) -> int:
     heads = cases.grid_heads(quick, None if args.heads is None else runner.parse_heads(args.heads))
     compared, skipped = runner.crosscheck_plan(list(_available_all()), device, dtype, _CHECK_OPS)
     # a backend that cannot run the layout's head dim is skipped with the reason, as one that cannot run here
-    unfit = {b for b, _ in compared if runner.head_dim_reason(b, heads["head_dim"])}
-    skipped += [(b, None, runner.head_dim_reason(b, heads["head_dim"])) for b in sorted(unfit)]
+    unfit = {b: why for b in {b for b, _ in compared} if (why := runner.head_dim_reason(b, heads["head_dim"]))}
+    skipped += [(b, None, unfit[b]) for b in sorted(unfit)]
     compared = [(b, op) for b, op in compared if b not in unfit]
     runnable = sorted({b for b, _ in compared}, key=list(_available_all()).index)
     rows, _failures = runner.crosscheck(runnable, device, dtype, quick, print, _CHECK_OPS, heads=heads)

@@ -303,19 +303,19 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
   }
 }
 
-// merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 32
-// rows, not a decode's 1-2 real ones, so the epilogue's cost grows with the rows and, at low
-// occupancy, every CTA's life with it. MQ = false: the same merge for a decode's rows (one query,
-// ng heads; the tensor-core kernel's MINIPAGED_DECODE_ROW_MERGE), WL: a work list's partial rows.
-// Row r's partials are those of warps r / kRowsPerBlock + kRowBlocks * j (the warps of its row
-// block) at row r % kRowsPerBlock. The first ng threads
-// turn each row's warp maxima into weights (in place in sm_m) and sums (in sm_l, at the row's
-// first partial) and find its output place once. Then warp w merges rows w, w + kNumWarps, ...:
-// each lane takes D / 32 consecutive columns, one vector load per partial row, one reciprocal
-// of the row sum per row, one vector store (columns in the output's order) or, where dim_of
-// permutes them (FP8 caches), a store per element. The per-element arithmetic (per-warp weights
-// summed in warp order, scaled by the row's 1 / L) is merge_warps_and_store's with the division
-// taken once per row.
+// merge_warps_and_store for the short query runs of the tensor-core kernel (MQ): up to 32 rows,
+// not a decode's 1-2 real ones, so the epilogue's cost grows with the rows and, at low
+// occupancy, every CTA's life with it. MQ = false: the same merge for a decode's rows (one
+// query, ng heads; the tensor-core kernel's MINIPAGED_DECODE_ROW_MERGE), WL: a work list's
+// partial rows. Row r's partials are those of warps r / kRowsPerBlock + kRowBlocks * j (the
+// warps of its row block) at row r % kRowsPerBlock. The first ng threads turn each row's warp
+// maxima into weights (in place in sm_m) and sums (in sm_l, at the row's first partial) and
+// find its output place once. Then warp w merges rows w, w + kNumWarps, ...: each lane takes
+// D / 32 consecutive columns, one vector load per partial row, one reciprocal of the row sum per
+// row, one vector store (columns in the output's order) or, where dim_of permutes them (FP8
+// caches), a store per element. The per-element arithmetic (per-warp weights summed in warp
+// order, scaled by the row's 1 / L) is merge_warps_and_store's with the division taken once per
+// row.
 // kOStride: floats between the rows of sm_o (D or more, a multiple of D / 32).
 template <typename T, int kNumWarps, int kRowsPerBlock, int kRowBlocks, int D, int kOStride, bool kScaleOut,
           class DimOf, bool MQ = true, bool WL = false>

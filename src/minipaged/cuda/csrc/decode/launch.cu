@@ -540,13 +540,20 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
   }
 }
 
+// two_warp_mma<T, D, FP8, PQ>() where k is default_mma<T, D, FP8, PQ>(false), else k.
+template <typename T, int D, bool FP8, bool PQ>
+DecodePlan two_warp_if_default(const DecodePlan& k) {
+  return k.kernel == default_mma<T, D, FP8, PQ>(false).kernel ? two_warp_mma<T, D, FP8, PQ>() : k;
+}
+
 // k, or its two-warp twin (two_warp_mma) where k is the default tensor-core plan of its cache
-// dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it (params.h kDecodeTwoWarpByDefault, flipped by
-// kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
-// overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer, instead
-// of two or more. The rule reads the batch, the heads and the device; plain and packed-query calls
-// share it. A forced split count keeps k, so that routed decode rows and a plain call on those
-// sequences alone run the same kernel whatever their batch sizes (tests/test_cuda.py).
+// dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it
+// (params.h kDecodeTwoWarpByDefault, flipped by kDecodeVariantTwoWarpToggle): where one CTA per
+// (sequence, KV head, head chunk) already overflows a wave of k's CTAs, so the grid runs in one
+// wave of the smaller CTAs, or fewer, instead of two or more. The rule reads the batch, the heads
+// and the device; plain and packed-query calls share it. A forced split count keeps k, so that
+// routed decode rows and a plain call on those sequences alone run the same kernel whatever their
+// batch sizes (tests/test_cuda.py).
 DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int requested_splits) {
   if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return k;
   if (requested_splits > 0 || k.kernel == nullptr || k.fused || p.max_seqlen_q >= 2) return k;
@@ -555,14 +562,9 @@ DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int request
   return by_dtype_and_dim(p, [&](auto t, auto d) -> DecodePlan {
     using T = typename decltype(t)::type;
     constexpr int D = decltype(d)::value;
-    const auto swap = [&](auto fp8, auto pq) {
-      constexpr bool kFp8 = decltype(fp8)::value, kPq = decltype(pq)::value;
-      return k.kernel == default_mma<T, D, kFp8, kPq>(false).kernel ? two_warp_mma<T, D, kFp8, kPq>() : k;
-    };
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (p.cu_seqlens_q != nullptr) return p.kv_fp8 ? swap(Yes{}, Yes{}) : swap(No{}, Yes{});
-    return p.kv_fp8 ? swap(Yes{}, No{}) : swap(No{}, No{});
+    if (p.cu_seqlens_q != nullptr)
+      return p.kv_fp8 ? two_warp_if_default<T, D, true, true>(k) : two_warp_if_default<T, D, false, true>(k);
+    return p.kv_fp8 ? two_warp_if_default<T, D, true, false>(k) : two_warp_if_default<T, D, false, false>(k);
   });
 }
 }  // namespace

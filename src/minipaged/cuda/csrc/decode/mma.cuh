@@ -10,9 +10,9 @@
 // Each of the 4 warps owns WT = 16 tokens of every 64-token tile (32 of 128 in
 // the FP8 benchmarking tilings; NW = 2 warps: 16 of every 32-token tile) and keeps
 // its own running max / sum / O; the warps are merged once at the end, as in the
-// scalar kernel. Short query runs of
-// more than 16 rows (MQ, RB = 2) split the warps over two row blocks first: each
-// block's two warps own 32 tokens of every 64-token tile. K/V rows are
+// scalar kernel. Short query runs of more than 16 rows (MQ, RB = 2) split the
+// warps over two row blocks first: each block's two warps own 32 tokens of every
+// 64-token tile. K/V rows are
 // gathered through the block table with cp.async into a STAGES-deep ring of
 // XOR-swizzled shared tiles (one barrier per tile); every row is addressed on
 // its own, and a run of rows inside one page shares its table entry.
@@ -79,7 +79,7 @@
 namespace minipaged {
 namespace decode_mma {
 
-// Warps per CTA of the default instantiations. NW = 2 (16-bit, one row block) halves a CTA's
+// Warps per CTA of the default instantiations. NW = 2 (one row block, either cache) halves a CTA's
 // tile and ring, so twice the CTAs fit per SM: a grid of short contexts over many (sequence,
 // KV head) pairs then runs in one wave instead of two (decode/launch.cu, with_two_warp).
 constexpr int kWarps = 4;
