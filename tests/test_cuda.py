@@ -123,10 +123,12 @@ EARLY_MERGE = 0x4000
 # params.h kDecodeVariantWorklistGroupedMerge: flips whether a work list's merge CTAs take four
 # sequences each (by default only where that grid still gives every SM two CTAs)
 GROUPED_MERGE = 0x10000
-# params.h kDecodeVariantTwoWarpToggle: flips the rule that runs the 16-bit tensor-core plan in
-# two-warp CTAs where one CTA per (sequence, KV head) overflows a wave of the 4-warp kernel's
-# (off by default); decode/launch.cu tilings 20-22: that kernel forced, 3 / 4 / 2 stages
+# params.h kDecodeVariantTwoWarpToggle: flips the rule (on by default) that runs the default
+# tensor-core plan in two-warp CTAs where one CTA per (sequence, KV head) overflows a wave of the
+# 4-warp kernel's, in tables of at most TWO_WARP_MAX_TABLE_TOKENS tokens (params.h
+# kDecodeTwoWarpMaxTableTokens); decode/launch.cu tilings 20-22: that kernel forced, 3 / 4 / 2 stages
 TWO_WARP = 0x20000
+TWO_WARP_MAX_TABLE_TOKENS = 1024
 TWO_WARP_TILINGS = (20, 21, 22)
 
 
@@ -195,25 +197,32 @@ def _batch_over_one_wave(num_kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8)], ids=["G2", "G4", "G8"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("table_width", [0, 4096], ids=["tight", "wide"])
-def test_decode_two_warp_rule(ops, dtype, heads, D, table_width):
-    # the rule flipped (TWO_WARP) at a batch past one wave, with short, empty and long sequences;
-    # "wide": a table with room for 64k tokens, most of it -1, where the plan takes a work list
-    # (the two-warp kernel's work-list twin); the flip must not change what an unflipped call
-    # computes beyond rounding, and a graph replay must give the eager call's bits
+@pytest.mark.parametrize("past_cap", [False, True], ids=["at-cap", "past-cap"])
+def test_decode_two_warp_rule(ops, dtype, heads, D, past_cap):
+    # the rule at its default (on) and flipped (TWO_WARP) at a batch past one wave, with short,
+    # empty and odd lengths, in a table of exactly the rule's cap (64 pages of 16: the longest
+    # sequence takes 63, _paged_problem adds a spare column) or one page wider (the longest takes
+    # 64): both calls against the oracle; at the cap, from G 4 (where the default plan is the
+    # tensor-core one), the two calls run different kernels, so their bits differ; past it the
+    # bit must change nothing; a graph replay gives the eager call's bits
     B = _batch_over_one_wave(heads[1])
-    lens = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(B - 1)] + [5000]
+    longest = TWO_WARP_MAX_TABLE_TOKENS - (0 if past_cap else 16)
+    lens = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(B - 1)] + [longest]
     q, kc, vc, bt, cl = _paged_problem(B, *heads, D, 16, lens, dtype, seed=B + D)
-    if table_width:
-        pad = torch.full((bt.shape[0], table_width - bt.shape[1]), -1, dtype=bt.dtype, device=bt.device)
-        bt = torch.cat([bt, pad], dim=1)
+    assert (bt.shape[1] * 16 > TWO_WARP_MAX_TABLE_TOKENS) == past_cap
+    scale = 1.0 / math.sqrt(D)
     what = f"two-warp rule {dtype} {heads} D{D} B{B} width {bt.shape[1]}"
-    out = _check_decode(ops, q, kc, vc, bt, cl, 1.0 / math.sqrt(D), what, variant=TWO_WARP)
+    out = _check_decode(ops, q, kc, vc, bt, cl, scale, what)
+    flipped = _check_decode(ops, q, kc, vc, bt, cl, scale, what + " flipped", variant=TWO_WARP)
+    if past_cap:
+        assert torch.equal(out, flipped), f"{what}: past the table cap the rule's bit changed the result"
+    elif heads[0] // heads[1] >= 4:
+        assert not torch.equal(out, flipped), f"{what}: the rule's bit did not change the kernel"
     static_out = torch.empty_like(out)
     graph = torch.cuda.CUDAGraph()
-    ops.decode(q, kc, vc, bt, cl, 1.0 / math.sqrt(D), variant=TWO_WARP)  # (warm-up outside capture)
+    ops.decode(q, kc, vc, bt, cl, scale)  # (warm-up outside capture)
     with torch.cuda.graph(graph):
-        static_out.copy_(ops.decode(q, kc, vc, bt, cl, 1.0 / math.sqrt(D), variant=TWO_WARP))
+        static_out.copy_(ops.decode(q, kc, vc, bt, cl, scale))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out), f"{what}: graph replay differs from the eager call"

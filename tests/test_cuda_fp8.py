@@ -361,13 +361,20 @@ def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_two_warp_rule(dtype, heads):
-    """The two-warp rule flipped (variant 0x20000, params.h kDecodeVariantTwoWarpToggle) at a batch
-    whose (sequence, KV head) pairs overflow a wave of 4-warp CTAs: short, empty and one long
-    sequence, so the plan also takes its work list."""
+    """The two-warp rule (params.h kDecodeTwoWarpMaxTableTokens, on by default; variant 0x20000
+    flips it) at a batch whose (sequence, KV head) pairs overflow a wave of 4-warp CTAs, short,
+    empty and odd lengths in a table of 1024 tokens (where it fires): both plans against the
+    oracle, and they must differ in bits (different kernels); one page wider, the bit must change
+    nothing."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = 3 * sms // heads[1] + 3
-    ctxs = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(batch - 1)] + [9000]
-    _run_decode(ctxs, *heads, 128, 16, dtype, seed=batch, variant=0x20000)
+    short = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(batch - 1)]
+    on, _, _ = _run_decode(short + [1008], *heads, 128, 16, dtype, seed=batch)
+    off, _, _ = _run_decode(short + [1008], *heads, 128, 16, dtype, seed=batch, variant=0x20000)
+    assert not torch.equal(on, off), "the rule's bit did not change the kernel"
+    on, _, _ = _run_decode(short + [1024], *heads, 128, 16, dtype, seed=batch)
+    off, _, _ = _run_decode(short + [1024], *heads, 128, 16, dtype, seed=batch, variant=0x20000)
+    assert torch.equal(on, off), "past the table cap the rule's bit changed the result"
 
 
 @gpu

@@ -303,12 +303,15 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // Two-warp CTAs (decode/launch.cu with_two_warp): the default tensor-core plan (16-bit caches;
 // FP8 ones from G 3) runs its kernel in CTAs of 2 warps (benchmarking tilings 22 and, FP8, 23:
 // 6 CTAs per SM against 2, FP8 3) wherever one CTA per (sequence, KV head, head chunk) already
-// overflows a wave of the 4-warp kernel's CTAs. Off by default until an A/B of the whole grid decides
-// (bench/results/nvidia-h100/decode_two_warp_1d3df54: as a tiling, 0.90-0.92x the default's time at
-// B=64 L=192, G 4-8); MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips it for a call.
+// overflows a wave of the 4-warp kernel's CTAs and the table holds at most
+// kDecodeTwoWarpMaxTableTokens tokens: the short contexts where the 4-warp grid's extra waves
+// cost most (bench/results/nvidia-h100/decode_two_warp_ab_2716344; past that cap it read neutral
+// at 1k tokens and slower at 8k). MINIPAGED_DECODE_TWO_WARP=0 turns it off for a build, the bit
+// flips it for a call.
 #ifndef MINIPAGED_DECODE_TWO_WARP
-#define MINIPAGED_DECODE_TWO_WARP 0
+#define MINIPAGED_DECODE_TWO_WARP 1
 #endif
+constexpr int64_t kDecodeTwoWarpMaxTableTokens = 1024;
 constexpr int kDecodeVariantTwoWarpToggle = 0x20000;
 constexpr bool kDecodeTwoWarpByDefault = MINIPAGED_DECODE_TWO_WARP != 0;
 inline bool decode_worklist_wanted(int variant) {

@@ -70,10 +70,12 @@
 // How a decode's rows (not MQ's, which always take it) are merged across warps at the end:
 // 0, merge_warps_and_store (every element on its own); 1, the two-warp kernels through
 // merge_query_rows_and_store (per-row weights once, vector loads and stores), the 4-warp ones as
-// in 0; 2, every tensor-core kernel through it (a fused kernel and its two-launch twin always
-// merge alike, so their partials, and outputs, stay the same bits).
+// in 0; 2 (default), every tensor-core kernel through it (a fused kernel and its two-launch twin
+// always merge alike, so their partials, and outputs, stay the same bits). The per-element merge
+// recomputes every warp's weight per element, a cost that grows with G; 2 never lost to 1 in
+// bench/results/nvidia-h100/decode_two_warp_ab_2716344.
 #ifndef MINIPAGED_DECODE_ROW_MERGE
-#define MINIPAGED_DECODE_ROW_MERGE 1
+#define MINIPAGED_DECODE_ROW_MERGE 2
 #endif
 
 namespace minipaged {
