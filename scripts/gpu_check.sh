@@ -369,23 +369,29 @@ for s in $stages; do
       # The two-warp tensor-core decode (decode/launch.cu with_two_warp, tilings 20-22) and the row
       # merge (decode/mma.cuh MINIPAGED_DECODE_ROW_MERGE), for each prebuilt selftest in
       # TWO_WARP_BINS (default: decode_selftest_rm1 and _rm2, built with ROW_MERGE 1 and 2, carried
-      # in .gpubin/): memcheck of `small` and `check` of TWO_WARP_CHECK_TILINGS, both with the rule
-      # flipped on (DECODE_CHECK_BITS); then `time` of the standard grid plus short rows
-      # (TWO_WARP_SHAPES) for each head layout in TWO_WARP_HEADS, 16-bit caches, tilings
-      # TWO_WARP_TILINGS; every such row is also timed with the rule flipped.
+      # in .gpubin/): memcheck of `small` and `check` of TWO_WARP_CHECK_TILINGS for the binaries
+      # of TWO_WARP_CHECK_BINS (default: all), both with TWO_WARP_CHECK_BITS ORed into every call
+      # (DECODE_CHECK_BITS; default 0x20000, the rule flipped); then `time` of the standard grid plus
+      # short rows (TWO_WARP_SHAPES) for each head layout in TWO_WARP_HEADS, caches of
+      # TWO_WARP_KV bits (16, or 8: FP8), tilings TWO_WARP_TILINGS (16-bit) or variants
+      # TWO_WARP_VARIANTS (when set: exactly those); every 16-bit row is also timed with the rule
+      # flipped.
       export OMP_NUM_THREADS=16
       tw_bins=${TWO_WARP_BINS:-decode_selftest_rm1 decode_selftest_rm2}
-      for b in $tw_bins; do
+      for b in ${TWO_WARP_CHECK_BINS:-$tw_bins}; do
         export STAGE_TIMEOUT_memcheck_$b=${STAGE_TIMEOUT_two_warp_memcheck:-60}
-        DECODE_CHECK_BITS=0x20000 run memcheck_$b compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/$b" small
+        DECODE_CHECK_BITS=${TWO_WARP_CHECK_BITS:-0x20000} \
+          run memcheck_$b compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/$b" small
         export STAGE_TIMEOUT_check_$b=${STAGE_TIMEOUT_two_warp_check:-120}
-        DECODE_CHECK_BITS=0x20000 DECODE_CHECK_TILINGS=${TWO_WARP_CHECK_TILINGS:-0,10,22} run check_$b "$bin/$b" check
+        DECODE_CHECK_BITS=${TWO_WARP_CHECK_BITS:-0x20000} DECODE_CHECK_TILINGS=${TWO_WARP_CHECK_TILINGS:-0,10,22} \
+          run check_$b "$bin/$b" check
       done
       for heads in ${TWO_WARP_HEADS:-16,8,128 32,8,128 64,8,128}; do
         for b in $tw_bins; do
-          name=time_${b}_${heads//,/_}
+          name=time_${b}_kv${TWO_WARP_KV:-16}_${heads//,/_}
           export STAGE_TIMEOUT_$name=${STAGE_TIMEOUT_two_warp_time:-60}
-          DECODE_TIME_HEADS=$heads DECODE_TIME_KV=16 DECODE_TIME_TILINGS=${TWO_WARP_TILINGS:-0,22} \
+          DECODE_TIME_HEADS=$heads DECODE_TIME_KV=${TWO_WARP_KV:-16} DECODE_TIME_TILINGS=${TWO_WARP_TILINGS:-0,22} \
+            DECODE_TIME_VARIANTS=${TWO_WARP_VARIANTS:-} \
             DECODE_TIME_EXTRA_SHAPES=${TWO_WARP_SHAPES:-64000192,128000256,64000512,256000192} \
             run $name "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
