@@ -916,7 +916,7 @@ int time_mode(int reps) {
     const double bytes = 2.0 * cached_tokens * row * eb + 2.0 * B * hq * D * 2;
     std::vector<uint16_t> base_o, o(size_t(B) * hq * D);
     struct Twin {
-      int variant, splits;
+      int variant, splits, threads;
       std::vector<uint16_t> o;
     };
     std::vector<Twin> two_launch_o;
@@ -994,10 +994,11 @@ int time_mode(int reps) {
       }
       if (v & kFused) {
         for (auto& e : two_launch_o)
-          if (e.variant == (v & ~kFused) && e.splits == p.num_splits && e.o != o)
+          if (e.variant == (v & ~kFused) && e.splits == p.num_splits && e.threads == plan.threads && e.o != o)
             check = "fused != two-launch bits", ++g_failures;
-      } else if (p.worklist == 0) {  // (a work list's bits are not a fused plan's: its runs differ)
-        two_launch_o.push_back({v, p.num_splits, o});
+      } else if (p.worklist == 0) {  // (a work list's bits are not a fused plan's: its runs differ;
+                                     // nor are a two-warp plan's, which has no fused twin)
+        two_launch_o.push_back({v, p.num_splits, plan.threads, o});
       }
       cudaGraph_t g;
       const cudaGraphExec_t ge = capture_decode(p, plan, st, g);

@@ -207,7 +207,7 @@ def test_decode_two_warp_rule(ops, dtype, heads, D, past_cap):
     # bit must change nothing; a graph replay gives the eager call's bits
     B = _batch_over_one_wave(heads[1])
     longest = TWO_WARP_MAX_TABLE_TOKENS - (0 if past_cap else 16)
-    lens = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(B - 1)] + [longest]
+    lens = [(0, 1, 17, 97, 192, 1007, 300)[b % 7] for b in range(B - 1)] + [longest]
     q, kc, vc, bt, cl = _paged_problem(B, *heads, D, 16, lens, dtype, seed=B + D)
     assert (bt.shape[1] * 16 > TWO_WARP_MAX_TABLE_TOKENS) == past_cap
     scale = 1.0 / math.sqrt(D)

@@ -303,11 +303,11 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // Two-warp CTAs (decode/launch.cu with_two_warp): the default tensor-core plan (16-bit caches;
 // FP8 ones from G 3) runs its kernel in CTAs of 2 warps (benchmarking tilings 22 and, FP8, 23:
 // 6 CTAs per SM against 2, FP8 3) wherever one CTA per (sequence, KV head, head chunk) already
-// overflows a wave of the 4-warp kernel's CTAs and the table holds at most
-// kDecodeTwoWarpMaxTableTokens tokens: the short contexts where the 4-warp grid's extra waves
-// cost most (bench/results/nvidia-h100/decode_two_warp_ab_2716344; past that cap it read neutral
-// at 1k tokens and slower at 8k). MINIPAGED_DECODE_TWO_WARP=0 turns it off for a build, the bit
-// flips it for a call.
+// overflows a wave of the 4-warp kernel's CTAs; on 16-bit caches only where the table holds at
+// most kDecodeTwoWarpMaxTableTokens tokens: the short contexts where the 4-warp grid's extra waves
+// cost most (bench/results/nvidia-h100/decode_two_warp_ab_2716344: at 8k tokens the 16-bit
+// two-warp kernel read slower, the FP8 one faster).
+// MINIPAGED_DECODE_TWO_WARP=0 turns it off for a build, the bit flips it for a call.
 #ifndef MINIPAGED_DECODE_TWO_WARP
 #define MINIPAGED_DECODE_TWO_WARP 1
 #endif
