@@ -361,7 +361,7 @@ def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_two_warp_rule(dtype, heads):
-    """The two-warp rule (on by default; variant 0x20000 flips it) at a batch whose (sequence, KV
+    """The two-warp rule (off by default; variant 0x20000 flips it) at a batch whose (sequence, KV
     head) pairs overflow a wave of 4-warp CTAs; on FP8 caches it has no table cap: short, empty
     and odd lengths, and the same with one 30000-token sequence in a table that takes a work list
     (the two-warp kernel's work-list twin). Both plans against the oracle; they must differ in
@@ -370,9 +370,9 @@ def test_fp8_decode_two_warp_rule(dtype, heads):
     batch = 3 * sms // heads[1] + 3
     short = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(batch - 1)]
     for last in (1008, 30000):
-        on, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last)
-        off, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last, variant=0x20000)
-        assert not torch.equal(on, off), f"last {last}: the rule's bit did not change the kernel"
+        out, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last)
+        flipped, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last, variant=0x20000)
+        assert not torch.equal(out, flipped), f"last {last}: the rule's bit did not change the kernel"
 
 
 @gpu

@@ -304,12 +304,14 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // FP8 ones from G 3) runs its kernel in CTAs of 2 warps (benchmarking tilings 22 and, FP8, 23:
 // 6 CTAs per SM against 2, FP8 3) wherever one CTA per (sequence, KV head, head chunk) already
 // overflows a wave of the 4-warp kernel's CTAs; on 16-bit caches only where the table holds at
-// most kDecodeTwoWarpMaxTableTokens tokens: the short contexts where the 4-warp grid's extra waves
-// cost most (bench/results/nvidia-h100/decode_two_warp_ab_2716344: at 8k tokens the 16-bit
-// two-warp kernel read slower, the FP8 one faster).
-// MINIPAGED_DECODE_TWO_WARP=0 turns it off for a build, the bit flips it for a call.
+// most kDecodeTwoWarpMaxTableTokens tokens (at 8k tokens the 16-bit two-warp kernel read slower).
+// Off by default: on equal lengths it won (short contexts; FP8 at any length), but a two-warp CTA
+// streams its run at half the 4-warp CTA's rate in one wave, so the longest run decides, and FP8
+// batches of random lengths read 1.05-1.12x slower (bench/results/nvidia-h100/
+// decode_two_warp_ab_2716344). MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips
+// it for a call.
 #ifndef MINIPAGED_DECODE_TWO_WARP
-#define MINIPAGED_DECODE_TWO_WARP 1
+#define MINIPAGED_DECODE_TWO_WARP 0
 #endif
 constexpr int64_t kDecodeTwoWarpMaxTableTokens = 1024;
 constexpr int kDecodeVariantTwoWarpToggle = 0x20000;
