@@ -307,7 +307,7 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // most kDecodeTwoWarpMaxTableTokens tokens (at 8k tokens the 16-bit two-warp kernel read slower).
 // Off by default: on equal lengths it won (short contexts; FP8 at any length), but a two-warp CTA
 // streams its run at half the 4-warp CTA's rate in one wave, so the longest run decides, and FP8
-// batches of random lengths read 1.05-1.12x slower (bench/results/nvidia-h100/
+// batches of random lengths read 1.04-1.12x slower (bench/results/nvidia-h100/
 // decode_two_warp_ab_2716344). MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips
 // it for a call.
 #ifndef MINIPAGED_DECODE_TWO_WARP

@@ -161,9 +161,10 @@ DecodePlan default_mma(bool fused) {
 // default_mma<T, D, FP8, PQ>(false): the plain build (FP8: with its work-list twin), or the
 // packed-query one. No 16-bit work-list twin: the rule's 16-bit tables (at most
 // kDecodeTwoWarpMaxTableTokens) are narrower than any that takes a work list
-// (decode_worklist_splits: three 2 MB split caps). 16-bit caches: a 2-stage ring (tiling 22's kernel), 37 KB of shared memory against the
-// 4-warp kernel's 100 KB, so 6 CTAs fit per SM against 2. FP8: 4 stages of byte tiles (FP8
-// tiling 23's), 36 KB against 68 KB, 6 CTAs per SM against 3.
+// (decode_worklist_splits: three 2 MB split caps). 16-bit caches: a 2-stage ring (tiling 22's
+// kernel), 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit per SM
+// against 2. FP8: 4 stages of byte tiles (FP8 tiling 23's), 36 KB against 68 KB, 6 CTAs per SM
+// against 3.
 template <typename T, int D, bool FP8, bool PQ>
 DecodePlan two_warp_mma() {
   constexpr int kStages = FP8 ? 4 : 2;
