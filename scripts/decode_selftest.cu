@@ -823,9 +823,14 @@ int time_mode(int reps) {
     shapes.insert(shapes.end(), {{64, 32768, 1}, {64, 16384, 2}, {32, 32768, 2}, {8, 32768, 2}, {256, 4096, 2},
                                  {1, 32768, 3}, {8, 32768, 3}, {64, 32768, 3}, {256, 16384, 3}, {64, 32768, 4},
                                  {32, 32768}, {256, 16384, 1}, {128, 32768, 1}});
-  // DECODE_TIME_EXTRA_SHAPES (a comma list of B*1000000+L, L a multiple of 16): more uniform rows,
-  // e.g. 64000192 for B=64 L=192 (short contexts at large batch).
-  for (const int key : env_ints("DECODE_TIME_EXTRA_SHAPES")) shapes.push_back({key / 1000000, key % 1000000});
+  // DECODE_TIME_EXTRA_SHAPES (a comma list of B*1000000+L, L a multiple of 16): more rows, e.g.
+  // 64000192 for B=64 L=192 (short contexts at large batch), each at every skew of
+  // DECODE_TIME_EXTRA_SKEWS (a comma list; default 0, equal lengths; 2: random lengths, whose
+  // longest run a one-wave plan cannot rebalance).
+  std::vector<int> extra_skews = env_ints("DECODE_TIME_EXTRA_SKEWS");
+  if (extra_skews.empty()) extra_skews = {0};
+  for (const int key : env_ints("DECODE_TIME_EXTRA_SHAPES"))
+    for (const int skew : extra_skews) shapes.push_back({key / 1000000, key % 1000000, skew});
   cudaStream_t st;
   CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const L2Flush fl = make_l2_flush();

@@ -375,7 +375,7 @@ for s in $stages; do
       # short rows (TWO_WARP_SHAPES) for each head layout in TWO_WARP_HEADS, caches of
       # TWO_WARP_KV bits (16, or 8: FP8), tilings TWO_WARP_TILINGS (16-bit) or variants
       # TWO_WARP_VARIANTS (when set: exactly those); every 16-bit row is also timed with the rule
-      # flipped.
+      # flipped. TWO_WARP_SKEWS=0,2 times the short rows at equal and at random lengths.
       export OMP_NUM_THREADS=16
       tw_bins=${TWO_WARP_BINS:-decode_selftest_rm1 decode_selftest_rm2}
       for b in ${TWO_WARP_CHECK_BINS:-$tw_bins}; do
@@ -393,6 +393,7 @@ for s in $stages; do
           DECODE_TIME_HEADS=$heads DECODE_TIME_KV=${TWO_WARP_KV:-16} DECODE_TIME_TILINGS=${TWO_WARP_TILINGS:-0,22} \
             DECODE_TIME_VARIANTS=${TWO_WARP_VARIANTS:-} \
             DECODE_TIME_EXTRA_SHAPES=${TWO_WARP_SHAPES:-64000192,128000256,64000512,256000192} \
+            DECODE_TIME_EXTRA_SKEWS=${TWO_WARP_SKEWS:-0} \
             run $name "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
       done;;
