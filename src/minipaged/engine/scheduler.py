@@ -20,10 +20,10 @@ sequences behind it are admitted meanwhile, as vLLM passes over requests whose
 K/V is still arriving; otherwise admission is first come, first served and stops
 at the first sequence that does not fit, so none overtakes it for pages. When a
 decode needs a page and none is free, the newest running sequence gives up its
-pages (preemption by recompute, as vLLM does): it returns to the front of the waiting queue with its prompt and the
-tokens generated so far; blocks it had named stay cached, so its re-admission
-usually hits them. Older sequences are never touched, so no running sequence
-ever loses K/V it will still read.
+pages (preemption by recompute, as vLLM does): it returns to the front of the
+waiting queue with its prompt and the tokens generated so far; blocks it had
+named stay cached, so its re-admission usually hits them. Older sequences are
+never touched, so no running sequence ever loses K/V it will still read.
 
 The cache owns the blocks; sequences only count their computed tokens.
 """

@@ -256,7 +256,7 @@ DecodePlan select_for_dim(const DecodeParams& p) {
   // group size: 20, 3 stages; 21, 4 stages; 22, 2 stages.
   if (tiling == 20) return info_mma<T, D, 3, false, false, false, 16, false, 1, false, 2>();
   if (tiling == 21) return info_mma<T, D, 4, false, false, false, 16, false, 1, false, 2>();
-  if (tiling == 22) return info_mma<T, D, 2, false, false, false, 16, false, 1, false, 2>();
+  if (tiling == 22) return two_warp_mma<T, D, false, false>();  // what the two-warp rule runs
 #endif
   // Default kernel choice. From 3 query heads per KV head up, the scalar
   // kernel is bound by its G multiply-adds per cached element, so the

@@ -68,14 +68,14 @@
 #endif
 
 // How a decode's rows (not MQ's, which always take it) are merged across warps at the end:
-// 0, merge_warps_and_store (every element on its own); 1, the two-warp kernels through
-// merge_query_rows_and_store (per-row weights once, vector loads and stores), the 4-warp ones as
-// in 0; 2 (default), every tensor-core kernel through it (a fused kernel and its two-launch twin
-// always merge alike, so their partials, and outputs, stay the same bits). The per-element merge
-// recomputes every warp's weight per element, a cost that grows with G; 2 never lost to 1 in
-// bench/results/nvidia-h100/decode_two_warp_ab_2716344.
+// 1 (default), through merge_query_rows_and_store (per-row weights once, vector loads and
+// stores); 0, merge_warps_and_store (every warp's weight recomputed per element, a cost that grows
+// with G), for A/B runs. A fused kernel and its two-launch twin always merge alike, so their
+// partials, and outputs, stay the same bits. The row merge never lost in
+// bench/results/nvidia-h100/decode_two_warp_ab_2716344 (its rm2 build is this default; its rm1
+// build merged only the two-warp kernels' rows that way).
 #ifndef MINIPAGED_DECODE_ROW_MERGE
-#define MINIPAGED_DECODE_ROW_MERGE 2
+#define MINIPAGED_DECODE_ROW_MERGE 1
 #endif
 
 namespace minipaged {
@@ -531,8 +531,7 @@ __global__ void __launch_bounds__(NW * 32, FUSED ? (FP8 && WT == 16 ? kFusedMinB
   // A decode's rows through the short-query-run merge (MINIPAGED_DECODE_ROW_MERGE): per-row
   // weights once, vector loads and stores, instead of every weight recomputed per element; its
   // buffer rows padded as MQ's are (a G 8 decode stores 8 real rows too).
-  constexpr bool kRowMerge =
-      MQ || MINIPAGED_DECODE_ROW_MERGE >= 2 || (MINIPAGED_DECODE_ROW_MERGE == 1 && NW != kWarps);
+  constexpr bool kRowMerge = MQ || MINIPAGED_DECODE_ROW_MERGE != 0;
   constexpr int kOStride = kRowMerge && MINIPAGED_MQ_PAD != 0 ? D + 8 : D;  // floats between sm_o rows
   static_assert(NW * kRows * (kOStride + 2) * 4 <= S::kRingBytes, "the merge buffers reuse the ring");
   float* sm_o = reinterpret_cast<float*>(smem);  // [NW][kRows][kOStride]
