@@ -369,8 +369,9 @@ for s in $stages; do
       # The two-warp tensor-core decode (decode/launch.cu with_two_warp, tilings 20-22) and the row
       # merge (decode/mma.cuh MINIPAGED_DECODE_ROW_MERGE), for each prebuilt selftest in
       # TWO_WARP_BINS (default: decode_selftest_rm1 and _rm2, carried in .gpubin/: the builds of
-      # the A/B in bench/results/nvidia-h100/decode_two_warp_ab_2716344): memcheck of `small` and `check` of TWO_WARP_CHECK_TILINGS for the binaries
-      # of TWO_WARP_CHECK_BINS (default: all), both with TWO_WARP_CHECK_BITS ORed into every call
+      # the A/B in bench/results/nvidia-h100/decode_two_warp_ab_2716344): memcheck of `small` and
+      # `check` of TWO_WARP_CHECK_TILINGS for the binaries of TWO_WARP_CHECK_BINS (default: all),
+      # both with TWO_WARP_CHECK_BITS ORed into every call
       # (DECODE_CHECK_BITS; default 0x20000, the rule flipped); then `time` of the standard grid plus
       # short rows (TWO_WARP_SHAPES) for each head layout in TWO_WARP_HEADS, caches of
       # TWO_WARP_KV bits (16, or 8: FP8), tilings TWO_WARP_TILINGS (16-bit) or variants
