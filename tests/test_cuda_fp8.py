@@ -361,18 +361,23 @@ def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_two_warp_rule(dtype, heads):
-    """The two-warp rule (off by default; variant 0x20000 flips it) at a batch whose (sequence, KV
-    head) pairs overflow a wave of 4-warp CTAs; on FP8 caches it has no table cap: short, empty
-    and odd lengths, and the same with one 30000-token sequence in a table that takes a work list
-    (the two-warp kernel's work-list twin). Both plans against the oracle; they must differ in
-    bits (different kernels)."""
+    """The two-warp rule (on by default for FP8 caches; variant 0x20000 flips it) at a batch whose
+    (sequence, KV head) pairs overflow a wave of 4-warp CTAs: short, empty and odd lengths in a
+    table of exactly the rule's 1024-token cap (64 pages of 16: the longest sequence takes 63,
+    fp8_problem adds a spare column), where the two plans run different kernels and so differ in
+    bits, and the same with one 30000-token sequence (a table that takes a work list), past the
+    cap, where the bit must change nothing. Both plans against the oracle."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = 3 * sms // heads[1] + 3
-    short = [(0, 1, 17, 97, 192, 1023, 300)[b % 7] for b in range(batch - 1)]
+    short = [(0, 1, 17, 97, 192, 1007, 300)[b % 7] for b in range(batch - 1)]
     for last in (1008, 30000):
-        out, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last)
+        out, _, (_, _, _, tables, *_) = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last)
+        assert (tables.shape[1] * 16 > 1024) == (last > 1008)
         flipped, _, _ = _run_decode(short + [last], *heads, 128, 16, dtype, seed=batch + last, variant=0x20000)
-        assert not torch.equal(out, flipped), f"last {last}: the rule's bit did not change the kernel"
+        if last > 1008:
+            assert torch.equal(out, flipped), f"last {last}: the rule's bit changed the result past the cap"
+        else:
+            assert not torch.equal(out, flipped), f"last {last}: the rule's bit did not change the kernel"
 
 
 @gpu

@@ -303,19 +303,30 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // Two-warp CTAs (decode/launch.cu with_two_warp): the default tensor-core plan (16-bit caches;
 // FP8 ones from G 3) runs its kernel in CTAs of 2 warps (benchmarking tilings 22 and, FP8, 23:
 // 6 CTAs per SM against 2, FP8 3) wherever one CTA per (sequence, KV head, head chunk) already
-// overflows a wave of the 4-warp kernel's CTAs; on 16-bit caches only where the table holds at
-// most kDecodeTwoWarpMaxTableTokens tokens (at 8k tokens the 16-bit two-warp kernel read slower).
-// Off by default: on equal lengths it won (short contexts; FP8 at any length), but a two-warp CTA
-// streams its run at half the 4-warp CTA's rate in one wave, so the longest run decides, and FP8
-// batches of random lengths read 1.04-1.12x slower (bench/results/nvidia-h100/
-// decode_two_warp_ab_2716344). MINIPAGED_DECODE_TWO_WARP=1 turns it on for a build, the bit flips
-// it for a call.
+// overflows a wave of the 4-warp kernel's CTAs, in a table of at most
+// kDecodeTwoWarpMaxTableTokens tokens: a two-warp CTA streams its run at half the 4-warp CTA's
+// rate in one wave, so past short contexts the longest run decides (16-bit at 8k tokens and FP8
+// batches of random lengths up to 16k read slower: bench/results/nvidia-h100/
+// decode_two_warp_ab_2716344). Per cache dtype, MINIPAGED_DECODE_TWO_WARP (16-bit) and
+// MINIPAGED_DECODE_TWO_WARP_FP8 turn it on for a build; the bit flips it for a call. 16-bit: off,
+// as it lost B=64 L=512 at random lengths (decode_two_warp_short_rand_da69756). The cap may be
+// raised for a benchmarking build (MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS, up to the
+// static_assert in with_two_warp).
 #ifndef MINIPAGED_DECODE_TWO_WARP
 #define MINIPAGED_DECODE_TWO_WARP 0
 #endif
-constexpr int64_t kDecodeTwoWarpMaxTableTokens = 1024;
+#ifndef MINIPAGED_DECODE_TWO_WARP_FP8
+#define MINIPAGED_DECODE_TWO_WARP_FP8 1
+#endif
+#ifndef MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS
+#define MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS 1024
+#endif
+constexpr int64_t kDecodeTwoWarpMaxTableTokens = MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS;
 constexpr int kDecodeVariantTwoWarpToggle = 0x20000;
-constexpr bool kDecodeTwoWarpByDefault = MINIPAGED_DECODE_TWO_WARP != 0;
+inline bool decode_two_warp_wanted(bool kv_fp8, int variant) {
+  const bool by_default = kv_fp8 ? MINIPAGED_DECODE_TWO_WARP_FP8 != 0 : MINIPAGED_DECODE_TWO_WARP != 0;
+  return by_default != ((variant & kDecodeVariantTwoWarpToggle) != 0);
+}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

@@ -158,21 +158,16 @@ DecodePlan default_mma(bool fused) {
 }
 
 // The tensor-core kernel in two-warp CTAs (32-token tiles), what with_two_warp swaps in for
-// default_mma<T, D, FP8, PQ>(false): the plain build (FP8: with its work-list twin), or the
-// packed-query one. No 16-bit work-list twin: the rule's 16-bit tables (at most
-// kDecodeTwoWarpMaxTableTokens) are narrower than any that takes a work list
-// (decode_worklist_splits: three 2 MB split caps). 16-bit caches: a 2-stage ring (tiling 22's
-// kernel), 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit per SM
-// against 2. FP8: 4 stages of byte tiles (FP8 tiling 23's), 36 KB against 68 KB, 6 CTAs per SM
-// against 3.
+// default_mma<T, D, FP8, PQ>(false): the plain build, or the packed-query one. No work-list twin:
+// the rule's tables (at most kDecodeTwoWarpMaxTableTokens) are narrower than any that takes a
+// work list (decode_worklist_splits: three 2 MB split caps). 16-bit caches: a 2-stage ring
+// (tiling 22's kernel), 37 KB of shared memory against the 4-warp kernel's 100 KB, so 6 CTAs fit
+// per SM against 2. FP8: 4 stages of byte tiles (FP8 tiling 23's), 36 KB against 68 KB, 6 CTAs
+// per SM against 3.
 template <typename T, int D, bool FP8, bool PQ>
 DecodePlan two_warp_mma() {
   constexpr int kStages = FP8 ? 4 : 2;
-  if constexpr (PQ) {
-    return info_mma<T, D, kStages, FP8, false, true, 16, false, 1, false, 2>();
-  } else {
-    return info_mma<T, D, kStages, FP8, false, false, 16, false, 1, FP8, 2>();
-  }
+  return info_mma<T, D, kStages, FP8, false, PQ, 16, false, 1, false, 2>();
 }
 
 // The tensor-core kernel on FP8 caches with 32 tokens per warp per tile and a
@@ -215,7 +210,7 @@ DecodePlan select_fp8(const DecodeParams& p) {
   if (tiling == 19) return info_mma<T, D, 2, true, false, false, 32>();
   // the tensor-core kernel in two-warp CTAs (16 tokens per warp, 32-token tiles): 23, 4 stages;
   // 24, 6 stages
-  if (tiling == 23) return info_mma<T, D, 4, true, false, false, 16, false, 1, false, 2>();
+  if (tiling == 23) return two_warp_mma<T, D, true, false>();  // what the two-warp rule runs
   if (tiling == 24) return info_mma<T, D, 6, true, false, false, 16, false, 1, false, 2>();
 #endif
   if (tiling == 10 || tiling == 11 || (tiling != 12 && group >= 3)) return default_mma<T, D, true, false>(fused);
@@ -551,19 +546,19 @@ DecodePlan two_warp_if_default(const DecodePlan& k) {
 
 // k, or its two-warp twin (two_warp_mma) where k is the default tensor-core plan of its cache
 // dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it
-// (params.h kDecodeTwoWarpByDefault, flipped by kDecodeVariantTwoWarpToggle): where one CTA per
-// (sequence, KV head, head chunk) already overflows a wave of k's CTAs, so the grid runs in one
-// wave of the smaller CTAs, or fewer, instead of two or more (16-bit caches: in a table of at most
-// kDecodeTwoWarpMaxTableTokens tokens). The rule reads the batch, the heads, the table's width
-// and the device; plain and packed-query calls share it. A forced split count keeps k, so that
-// routed decode rows and a plain call on those sequences alone run the same kernel whatever their
-// batch sizes (tests/test_cuda.py).
+// (params.h decode_two_warp_wanted: on for FP8 caches by default, flipped by
+// kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
+// overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer,
+// instead of two or more, in a table of at most kDecodeTwoWarpMaxTableTokens tokens. The rule
+// reads the batch, the heads, the table's width and the device; plain and packed-query calls
+// share it. A forced split count keeps k, so that routed decode rows and a plain call on those
+// sequences alone run the same kernel whatever their batch sizes (tests/test_cuda.py).
 static_assert(3 * (kMaxSplitBytes / (2 * 128 * 2)) > kDecodeTwoWarpMaxTableTokens,
-              "the 16-bit two_warp_mma has no work-list twin: its tables must stay narrower than a work list's");
+              "two_warp_mma has no work-list twin: its tables must stay narrower than a work list's");
 DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int requested_splits) {
-  if (kDecodeTwoWarpByDefault == ((p.variant & kDecodeVariantTwoWarpToggle) != 0)) return k;
+  if (!decode_two_warp_wanted(p.kv_fp8, p.variant)) return k;
   if (requested_splits > 0 || k.kernel == nullptr || k.fused || p.max_seqlen_q >= 2) return k;
-  if (!p.kv_fp8 && static_cast<int64_t>(p.max_blocks) * p.block_size > kDecodeTwoWarpMaxTableTokens) return k;
+  if (static_cast<int64_t>(p.max_blocks) * p.block_size > kDecodeTwoWarpMaxTableTokens) return k;
   const int64_t ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * row_chunks(p, k);
   if (ctas <= static_cast<int64_t>(blocks_per_sm(k)) * std::max(p.num_sms, 1)) return k;
   return by_dtype_and_dim(p, [&](auto t, auto d) -> DecodePlan {
