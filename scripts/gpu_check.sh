@@ -367,9 +367,9 @@ for s in $stages; do
       done;;
     two_warp_ab)
       # The two-warp tensor-core decode (decode/launch.cu with_two_warp, tilings 20-22) and the row
-      # merge (decode/mma.cuh MINIPAGED_DECODE_ROW_MERGE), for each prebuilt selftest in
-      # TWO_WARP_BINS (default: decode_selftest_rm1 and _rm2, carried in .gpubin/: the builds of
-      # the A/B in bench/results/nvidia-h100/decode_two_warp_ab_2716344): memcheck of `small` and
+      # merge (decode/mma.cuh MINIPAGED_DECODE_ROW_MERGE), for each selftest in TWO_WARP_BINS
+      # (builds carried in .gpubin/, e.g. with another MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS;
+      # default: decode_selftest, the shipped build, built here if not carried): memcheck of `small` and
       # `check` of TWO_WARP_CHECK_TILINGS for the binaries of TWO_WARP_CHECK_BINS (default: all),
       # both with TWO_WARP_CHECK_BITS ORed into every call
       # (DECODE_CHECK_BITS; default 0x20000, the rule flipped); then `time` of the standard grid plus
@@ -378,7 +378,8 @@ for s in $stages; do
       # TWO_WARP_VARIANTS (when set: exactly those); every 16-bit row is also timed with the rule
       # flipped. TWO_WARP_SKEWS=0,2 times the short rows at equal and at random lengths.
       export OMP_NUM_THREADS=16
-      tw_bins=${TWO_WARP_BINS:-decode_selftest_rm1 decode_selftest_rm2}
+      tw_bins=${TWO_WARP_BINS:-decode_selftest}
+      [ -n "${TWO_WARP_BINS:-}" ] || decode_selftest_bin two_warp_build decode_selftest
       for b in ${TWO_WARP_CHECK_BINS:-$tw_bins}; do
         export STAGE_TIMEOUT_memcheck_$b=${STAGE_TIMEOUT_two_warp_memcheck:-60}
         DECODE_CHECK_BITS=${TWO_WARP_CHECK_BITS:-0x20000} \
