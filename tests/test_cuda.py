@@ -123,7 +123,7 @@ EARLY_MERGE = 0x4000
 # params.h kDecodeVariantWorklistGroupedMerge: flips whether a work list's merge CTAs take four
 # sequences each (by default only where that grid still gives every SM two CTAs)
 GROUPED_MERGE = 0x10000
-# params.h kDecodeVariantTwoWarpToggle: flips the rule (off by default on 16-bit caches) that runs
+# params.h kDecodeVariantTwoWarpToggle: flips the rule (off by default) that runs
 # the default tensor-core plan in two-warp CTAs where one CTA per (sequence, KV head) overflows a
 # wave of the 4-warp kernel's, in tables of at most TWO_WARP_MAX_TABLE_TOKENS tokens (params.h
 # kDecodeTwoWarpMaxTableTokens); decode/launch.cu tilings 20-22: that kernel forced, 3 / 4 / 2 stages

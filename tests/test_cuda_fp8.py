@@ -361,7 +361,7 @@ def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8)], ids=["G4", "G8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_two_warp_rule(dtype, heads):
-    """The two-warp rule (on by default for FP8 caches; variant 0x20000 flips it) at a batch whose
+    """The two-warp rule (off by default; variant 0x20000 flips it) at a batch whose
     (sequence, KV head) pairs overflow a wave of 4-warp CTAs: short, empty and odd lengths in a
     table of exactly the rule's 1024-token cap (64 pages of 16: the longest sequence takes 63,
     fp8_problem adds a spare column), where the two plans run different kernels and so differ in

@@ -308,15 +308,17 @@ constexpr bool kDecodeWorklistGroupedMergeByDefault = MINIPAGED_DECODE_WORKLIST_
 // rate in one wave, so past short contexts the longest run decides (16-bit at 8k tokens and FP8
 // batches of random lengths up to 16k read slower: bench/results/nvidia-h100/
 // decode_two_warp_ab_2716344). Per cache dtype, MINIPAGED_DECODE_TWO_WARP (16-bit) and
-// MINIPAGED_DECODE_TWO_WARP_FP8 turn it on for a build; the bit flips it for a call. 16-bit: off,
-// as it lost B=64 L=512 at random lengths (decode_two_warp_short_rand_da69756). The cap may be
-// raised for a benchmarking build (MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS, up to the
-// static_assert in with_two_warp).
+// MINIPAGED_DECODE_TWO_WARP_FP8 turn it on for a build; the bit flips it for a call. Off for
+// both: 16-bit lost B=64 L=512 at random lengths (decode_two_warp_short_rand_da69756), FP8 under
+// the cap lost B=64-256 L=1008 at random lengths by 3-6% and B=128 L=1008 at equal ones by 8%,
+// where 2.6 waves of 4-warp CTAs become 1.3 of two-warp ones (decode_two_warp_fp8_cap_454c3f8).
+// The cap may be raised for a benchmarking build (MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS, up
+// to the static_assert in with_two_warp).
 #ifndef MINIPAGED_DECODE_TWO_WARP
 #define MINIPAGED_DECODE_TWO_WARP 0
 #endif
 #ifndef MINIPAGED_DECODE_TWO_WARP_FP8
-#define MINIPAGED_DECODE_TWO_WARP_FP8 1
+#define MINIPAGED_DECODE_TWO_WARP_FP8 0
 #endif
 #ifndef MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS
 #define MINIPAGED_DECODE_TWO_WARP_MAX_TABLE_TOKENS 1024

@@ -546,8 +546,7 @@ DecodePlan two_warp_if_default(const DecodePlan& k) {
 
 // k, or its two-warp twin (two_warp_mma) where k is the default tensor-core plan of its cache
 // dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it
-// (params.h decode_two_warp_wanted: on for FP8 caches by default, flipped by
-// kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
+// (params.h decode_two_warp_wanted: off by default, flipped by kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
 // overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer,
 // instead of two or more, in a table of at most kDecodeTwoWarpMaxTableTokens tokens. The rule
 // reads the batch, the heads, the table's width and the device; plain and packed-query calls
