@@ -546,12 +546,13 @@ DecodePlan two_warp_if_default(const DecodePlan& k) {
 
 // k, or its two-warp twin (two_warp_mma) where k is the default tensor-core plan of its cache
 // dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it
-// (params.h decode_two_warp_wanted: off by default, flipped by kDecodeVariantTwoWarpToggle): where one CTA per (sequence, KV head, head chunk) already
-// overflows a wave of k's CTAs, so the grid runs in one wave of the smaller CTAs, or fewer,
-// instead of two or more, in a table of at most kDecodeTwoWarpMaxTableTokens tokens. The rule
-// reads the batch, the heads, the table's width and the device; plain and packed-query calls
-// share it. A forced split count keeps k, so that routed decode rows and a plain call on those
-// sequences alone run the same kernel whatever their batch sizes (tests/test_cuda.py).
+// (params.h decode_two_warp_wanted: off by default, flipped by kDecodeVariantTwoWarpToggle):
+// where one CTA per (sequence, KV head, head chunk) already overflows a wave of k's CTAs, so the
+// grid runs in one wave of the smaller CTAs, or fewer, instead of two or more, in a table of at
+// most kDecodeTwoWarpMaxTableTokens tokens. The rule reads the batch, the heads, the table's
+// width and the device; plain and packed-query calls share it. A forced split count keeps k, so
+// that routed decode rows and a plain call on those sequences alone run the same kernel whatever
+// their batch sizes (tests/test_cuda.py).
 static_assert(3 * (kMaxSplitBytes / (2 * 128 * 2)) > kDecodeTwoWarpMaxTableTokens,
               "two_warp_mma has no work-list twin: its tables must stay narrower than a work list's");
 DecodePlan with_two_warp(const DecodeParams& p, const DecodePlan& k, int requested_splits) {
