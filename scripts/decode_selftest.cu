@@ -6,7 +6,8 @@
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/decode_selftest.cu \
-//        src/minipaged/cuda/csrc/decode/launch.cu -o decode_selftest -lgomp
+//        src/minipaged/cuda/csrc/decode/launch.cu src/minipaged/cuda/csrc/decode/kernels_*.cu \
+//        -o decode_selftest -lgomp
 //   ./decode_selftest check          every case (exit status 0 only if all pass;
 //                                    DECODE_CHECK_TILINGS="20,22" checks only those tilings;
 //                                    DECODE_CHECK_BITS=0x20000 ORs variant bits into every call)

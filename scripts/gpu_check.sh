@@ -66,7 +66,8 @@ decode_selftest_bin() {
   [ -x "$bin/$name" ] && return 0
   local cap_var="STAGE_TIMEOUT_$log"
   export "$cap_var=${!cap_var:-150}"
-  run "$log" nvcc $selftest_flags "$@" scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/$name" -lgomp
+  run "$log" nvcc $selftest_flags "$@" scripts/decode_selftest.cu $csrc/decode/launch.cu $csrc/decode/kernels_*.cu \
+    -o "$bin/$name" -lgomp
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
@@ -326,7 +327,8 @@ for s in $stages; do
       sbin="$bin/${DECODE_SELFTEST_NAME:-decode_selftest}"
       if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then
         STAGE_TIMEOUT_decode_selftest_build=${STAGE_TIMEOUT_decode_selftest_build:-150} run decode_selftest_build \
-          nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu -o "$bin/decode_selftest" -lgomp
+          nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu $csrc/decode/kernels_*.cu \
+            -o "$bin/decode_selftest" -lgomp
       fi
       export OMP_NUM_THREADS=16
       # DECODE_SELFTEST_STEPS: any of check sanitize time roofline (default the first three);

@@ -7,7 +7,8 @@
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/paged_ws_selftest.cu \
 //        src/minipaged/cuda/csrc/prefill/paged.cu -o /tmp/paged_ws_selftest -lgomp
-//   (or add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu: the decode kernels
+//   (or add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu and
+//   src/minipaged/cuda/csrc/decode/kernels_*.cu: the decode kernels
 //   then come from that translation unit instead of being compiled into this one)
 //   ./paged_ws_selftest check [variant filter]   every case, every variant, vs fp64
 //   ./paged_ws_selftest small                    tiny cases (for compute-sanitizer)
@@ -63,10 +64,12 @@
 #include "selftest_common.h"
 #include "prefill/dispatch.cuh"
 // The decode kernels, which the routed variants need: compiled into this
-// translation unit unless the build links decode/launch.cu itself
+// translation unit unless the build links decode/launch.cu and decode/kernels_*.cu itself
 // (-DPAGED_WS_WITH_DECODE, gpu_check's paged_ws_selftest_dec).
 #if !defined(PAGED_WS_WITH_DECODE)
+#define MINIPAGED_DECODE_KERNELS_IN_ONE_TU 1
 #include "decode/launch.cu"
+#include "decode/kernels_all.cuh"
 #endif
 
 using minipaged::DType;
@@ -469,7 +472,7 @@ static bool compare(const Built& b, const char* variant, bool bitwise_ok) {
 
 // The routed decode rows must be, bit for bit, what a plain decode call gives
 // on those sequences alone (same forced split count, same table capacity): the
-// packed-query instantiations (select_packed, decode/launch.cu) must stay the
+// packed-query instantiations (select_packed, decode/select.cuh) must stay the
 // tiling-0 kernels of plain decode. Outputs and lse of the q_len == 1 rows.
 static bool routed_matches_decode(Built& b) {
   const Case& c = b.c;

@@ -109,8 +109,8 @@ def _check_decode(ops, q, kc, vc, bt, lens, scale, what, **kw):
 HEADS = [(7, 7), (16, 8), (12, 3), (6, 2), (16, 2), (24, 1)]  # GQA 1, 2, 4, 3, 8, 24
 
 
-MMA = 10  # decode/launch.cu tiling 10: the tensor-core kernel (decode/mma.cuh), any group size
-SCALAR = 12  # decode/launch.cu tiling 12: the scalar kernel's default tiling for any group size
+MMA = 10  # decode/select.cuh tiling 10: the tensor-core kernel (decode/mma.cuh), any group size
+SCALAR = 12  # decode/select.cuh tiling 12: the scalar kernel's default tiling for any group size
 NO_PDL = 0x200  # decode/launch.cu kVariantNoPDL: plain launch of the split reduction
 # params.h kDecodeVariantWorklistToggle: the decode work list toggled against its default (on) where
 # the plan's gate allows one
@@ -126,7 +126,7 @@ GROUPED_MERGE = 0x10000
 # params.h kDecodeVariantTwoWarpToggle: flips the rule (off by default) that runs
 # the default tensor-core plan in two-warp CTAs where one CTA per (sequence, KV head) overflows a
 # wave of the 4-warp kernel's, in tables of at most TWO_WARP_MAX_TABLE_TOKENS tokens (params.h
-# kDecodeTwoWarpMaxTableTokens); decode/launch.cu tilings 20-22: that kernel forced, 3 / 4 / 2 stages
+# kDecodeTwoWarpMaxTableTokens); decode/select.cuh tilings 20-22: that kernel forced, 3 / 4 / 2 stages
 TWO_WARP = 0x20000
 TWO_WARP_MAX_TABLE_TOKENS = 1024
 TWO_WARP_TILINGS = (20, 21, 22)

@@ -28,14 +28,17 @@ SOURCES = build.cuda_sources()  # relative to csrc: "decode/launch.cu", ...
 ARCHS = ("80", "90a")
 NVCC = build.nvcc_path()
 # The translation units with kernels of their own (every launch path of the two backends).
-KERNEL_SOURCES = ("cache/write_kv.cu", "decode/launch.cu", "prefill/fast.cu", "prefill/paged.cu", "prefill/wmma.cu")
+# (decode/launch.cu: the work list's planner; decode/kernels_*.cu: the decode kernels in slices)
+DECODE_KERNEL_SOURCES = tuple(s for s in SOURCES if s.startswith("decode/kernels_"))
+KERNEL_SOURCES = ("cache/write_kv.cu", "decode/launch.cu", "prefill/fast.cu", "prefill/paged.cu",
+                  "prefill/wmma.cu") + DECODE_KERNEL_SOURCES
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): cannot compile the CUDA sources")
 
 
 # The decode's benchmarking-only tilings (forced through DecodeParams::variant by the selftest
 # and A/B scripts, never by a default plan) are left out of this compile: they are a third of
-# decode/launch.cu's kernels and of CI's slowest fixture. Every real build keeps them.
+# the decode kernels (decode/kernels_*.cu) and of CI's slowest fixture. Every real build keeps them.
 EXTRA_FLAGS = ["-DMINIPAGED_DECODE_BENCH_TILINGS=0"]
 
 
@@ -79,14 +82,21 @@ def test_decode_worklist_kernels_compiled(compiled, arch):
     # The work list's one-CTA plan kernel (decode/worklist.cuh) and the work-list twins of the
     # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED>: two q dtypes
     # x two head dims, one sequence or kWorklistMergeSeqs per CTA) ship in every decode build, so
-    # that a plan may take a work list on any device.
-    rc, log = compiled["decode/launch.cu"]
-    assert rc == 0, log[-4000:]
-    names = [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
-    assert sum("decode_worklist_plan_kernel" in n for n in names) == 1, names
+    # that a plan may take a work list on any device. The planner is decode/launch.cu's; the twins
+    # are compiled with the kernels of each (q dtype, head dim) slice (anonymous-namespace names:
+    # compared from the template name on).
+    def kernels(source):
+        rc, log = compiled[source]
+        assert rc == 0, log[-4000:]
+        return [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+
+    assert sum("decode_worklist_plan_kernel" in n for n in kernels("decode/launch.cu")) == 1
+    assert len(DECODE_KERNEL_SOURCES) == 8, DECODE_KERNEL_SOURCES  # 2 q dtypes x 2 head dims x 2 cache dtypes
+    names = [n for src in DECODE_KERNEL_SOURCES for n in kernels(src)]
+    assert not any("decode_worklist_plan_kernel" in n for n in names)
     for grouped in (0, 1):
         tail = f"ELb0ELb0ELb1ELb{grouped}EEEvNS_12DecodeParamsE"
-        twins = [n for n in names if "decode_reduce_kernel" in n and n.endswith(tail)]
+        twins = {n[n.index("decode_reduce_kernel"):] for n in names if "decode_reduce_kernel" in n and n.endswith(tail)}
         assert len(twins) == 4, (grouped, twins)
 
 

@@ -1,4 +1,4 @@
-"""GPU tests of the one-launch split reduction of the CUDA decode (decode/launch.cu
+"""GPU tests of the one-launch split reduction of the CUDA decode (decode/select.cuh
 variant bit 0x400: the last CTA of each (sequence, KV head, head chunk) merges the
 splits) and of the register-ring tilings 13-16, against an fp64 oracle written here.
 
@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-FUSED = 0x400  # decode/launch.cu kVariantFused
+FUSED = 0x400  # decode/select.cuh kVariantFused
 MMA = 10  # tensor-core kernel, any group size
 SCALAR = 12  # scalar kernel's default tiling, any group size
 RINGS = (13, 14, 15, 16, 17)  # G=2, D=128 scalar tilings with a fused build: register rings, 17 the PIPE one

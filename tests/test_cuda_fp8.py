@@ -334,7 +334,7 @@ def test_fp8_decode(dtype, D, heads, page):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_staged_tilings(dtype, D, page, tiling):
-    """The fp8 cp.async tilings of the GQA-2 scalar kernel (decode/launch.cu select_fp8:
+    """The fp8 cp.async tilings of the GQA-2 scalar kernel (decode/select.cuh select_fp8:
     rows staged through shared memory), with the split heuristic and forced splits."""
     _run_decode(CTXS, 8, 4, D, page, dtype, seed=page + D + tiling, variant=tiling)
     _run_decode(CTXS, 8, 4, D, page, dtype, seed=page + D + tiling + 1, num_splits=5, variant=tiling,
@@ -349,7 +349,7 @@ def test_fp8_decode_staged_tilings(dtype, D, page, tiling):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_fp8_decode_two_warp_tilings(dtype, D, page, heads, tiling):
-    """The tensor-core kernel on fp8 caches in two-warp CTAs (decode/launch.cu select_fp8 23: 4
+    """The tensor-core kernel on fp8 caches in two-warp CTAs (decode/select.cuh select_fp8 23: 4
     stages, 24: 6; 32-token tiles), with the split heuristic and forced splits."""
     _run_decode(CTXS + [31, 32, 33], *heads, D, page, dtype, seed=page + D + tiling, variant=tiling)
     _run_decode(CTXS + [31, 32, 33], *heads, D, page, dtype, seed=page + D + tiling + 1, num_splits=5,

@@ -88,7 +88,7 @@ constexpr int kWarps = 4;
 constexpr int kRows = 16;          // query heads per CTA (one MMA row block)
 
 // WT: tokens per warp per tile (16, or 32 for FP8 caches: one softmax step,
-// barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/launch.cu).
+// barrier and page lookup per 32 tokens; the G = 2 FP8 default, decode/select.cuh).
 // RB: MMA row blocks per CTA (2: short query runs of up to 32 rows; the warps split the rows
 // before the tokens, so a tile is kWarps / RB * WT tokens).
 template <int D, int STAGES, bool FP8 = false, int WT = 16, int RB = 1, int NW = kWarps>

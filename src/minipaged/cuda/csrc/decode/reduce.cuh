@@ -1,6 +1,6 @@
 // Split-KV reduction of paged decode (flash-decoding): merges the normalised
 // partial outputs and log2-sum-exps that the split CTAs of either decode kernel
-// wrote. Included by decode/launch.cu only.
+// wrote. Included by decode/select.cuh (the kernel slices) and decode/launch.cu.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
 template <int D>
 constexpr int kReduceRows = kReduceThreads / (D / 4);
 
-// One-launch split reduction (variant bit kVariantFused of decode/launch.cu):
+// One-launch split reduction (variant bit kVariantFused of decode/select.cuh):
 // called by every CTA of a decode kernel after it stored its partials. Each CTA
 // arrives on the counter of its (sequence, KV head, head chunk); the CTA that
 // arrives last merges the splits of its ng query heads and writes o (and lse),

@@ -1,5 +1,5 @@
 // Scalar paged decode kernel (CUDA cores), for GQA groups of 1-2 query heads
-// (any group size when forced). Included by decode/launch.cu only.
+// (any group size when forced). Included by decode/select.cuh only.
 //
 // One CTA per (split, KV head, query-head chunk, sequence). All query heads of
 // a GQA group (up to G = 8 per CTA) are processed together, so a KV head's pages

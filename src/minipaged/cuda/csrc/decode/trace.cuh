@@ -34,8 +34,8 @@ constexpr int kTraceMaxCtas = 1 << 15;
 
 #if MINIPAGED_DECODE_TRACE
 // Copies the marks of the last traced call: split [kTraceMaxCtas][kTrMarks], merge
-// [kTraceMaxCtas][kRtMarks], planner [kPtMarks] (decode/launch.cu, the one translation unit that
-// holds the kernels). A mark no CTA reached reads 0 after decode_trace_clear.
+// [kTraceMaxCtas][kRtMarks], planner [kPtMarks] (decode/launch.cu, which in a trace build holds
+// every kernel: decode/select.cuh). A mark no CTA reached reads 0 after decode_trace_clear.
 cudaError_t decode_trace_read(unsigned long long* split, unsigned long long* merge, unsigned long long* plan);
 // Zeroes every mark, so that a CTA that returns early (an unused split, a one-split merge) shows
 // no stale mark of an earlier call.
