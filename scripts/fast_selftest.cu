@@ -2,7 +2,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fopenmp \
 //        -I src/minipaged/cuda/csrc scripts/fast_selftest.cu \
-//        src/minipaged/cuda/csrc/prefill/fast.cu -o fast_selftest
+//        src/minipaged/cuda/csrc/prefill/fast*.cu -o fast_selftest
 //   ./fast_selftest check [variant filter]
 //                             correctness vs a CPU double reference (many shapes)
 //   ./fast_selftest small     two tiny cases (for compute-sanitizer)

@@ -4,7 +4,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
 //        -DMINIPAGED_ENABLE_SM90A -I src/minipaged/cuda/csrc scripts/fp8_selftest.cu \
-//        src/minipaged/cuda/csrc/prefill/paged.cu src/minipaged/cuda/csrc/decode/launch.cu \
+//        src/minipaged/cuda/csrc/prefill/paged*.cu src/minipaged/cuda/csrc/decode/launch.cu \
 //        src/minipaged/cuda/csrc/decode/kernels_*.cu src/minipaged/cuda/csrc/cache/write_kv.cu \
 //        -o fp8_selftest -lgomp
 //   ./fp8_selftest check    every case

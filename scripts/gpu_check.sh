@@ -135,8 +135,8 @@ for s in $stages; do
     invariant) run invariant python3 scripts/invariant_bench.py --out "$WORK/bench/invariant.json";;
     power) run power python3 scripts/power_probe.py ${POWER_ARGS:-} --json "$WORK/bench/power.json";;
     paged_selftest)
-      run paged_selftest_build nvcc $selftest_flags scripts/paged_selftest.cu $csrc/prefill/paged.cu \
-        -o /tmp/paged_selftest -lgomp
+      run paged_selftest_build nvcc $selftest_flags scripts/paged_selftest.cu $csrc/prefill/paged*.cu \
+        $csrc/decode/launch.cu $csrc/decode/kernels_*.cu -o /tmp/paged_selftest -lgomp
       run paged_memcheck compute-sanitizer --tool memcheck /tmp/paged_selftest small
       OMP_NUM_THREADS=16 run paged_selftest /tmp/paged_selftest check;;
     ws)
@@ -150,7 +150,7 @@ for s in $stages; do
       [ -x "$bin/ws_selftest" ] || run ws_build nvcc $selftest_flags scripts/ws_selftest.cu -o "$bin/ws_selftest" -lgomp
       # fast_selftest only when a fast_* step needs it
       [ -x "$bin/fast_selftest" ] || [[ $steps != *" fast_"* ]] || run fast_build nvcc $selftest_flags \
-        scripts/fast_selftest.cu $csrc/prefill/fast.cu -o "$bin/fast_selftest" -lgomp
+        scripts/fast_selftest.cu $csrc/prefill/fast*.cu -o "$bin/fast_selftest" -lgomp
       export OMP_NUM_THREADS=16
       [[ $steps == *" small "* ]] && STAGE_TIMEOUT_ws_small=60 run ws_small "$bin/ws_selftest" small
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_ws_check=${STAGE_TIMEOUT_ws_check:-240} run ws_check "$bin/ws_selftest" check
@@ -201,7 +201,7 @@ for s in $stages; do
       flags="$selftest_flags -Xptxas -v ${PAGED_WS_FLAGS:-}"
       mkdir -p "$bin"
       [ -x "$bin/paged_ws_selftest" ] || STAGE_TIMEOUT_paged_ws_build=400 run paged_ws_build nvcc $flags \
-        scripts/paged_ws_selftest.cu $csrc/prefill/paged.cu -o "$bin/paged_ws_selftest" -lgomp
+        scripts/paged_ws_selftest.cu $csrc/prefill/paged*.cu -o "$bin/paged_ws_selftest" -lgomp
       export OMP_NUM_THREADS=16
       # PAGED_WS_STEPS: any of small check sanitize time time1w (default the first four; time1w times
       # the mirrored block pairs on one-wave causal chunks); PAGED_WS_CHECK_FILTER limits the checked

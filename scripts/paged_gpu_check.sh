@@ -11,7 +11,8 @@ export PYTHONPATH=src MAX_JOBS=16
 csrc=src/minipaged/cuda/csrc
 has() { [[ ",$stages," == *",$1,"* ]]; }
 ( nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -DMINIPAGED_ENABLE_SM90A \
-    -I $csrc scripts/paged_selftest.cu $csrc/prefill/paged.cu -o /tmp/paged_selftest -lgomp > "$out/selftest_build.log" 2>&1
+    -I $csrc scripts/paged_selftest.cu $csrc/prefill/paged*.cu $csrc/decode/launch.cu $csrc/decode/kernels_*.cu \
+    -o /tmp/paged_selftest -lgomp > "$out/selftest_build.log" 2>&1
   echo "rc=$?" >> "$out/selftest_build.log" ) &
 ( timeout 200 python -c "from minipaged.cuda import ops, build; print(build.load())" > "$out/ext_build.log" 2>&1
   echo "rc=$?" >> "$out/ext_build.log" ) &

@@ -3,7 +3,9 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp \
 //        -DMINIPAGED_ENABLE_SM90A -I src/minipaged/cuda/csrc scripts/paged_selftest.cu \
-//        src/minipaged/cuda/csrc/prefill/paged.cu -o paged_selftest -lgomp
+//        src/minipaged/cuda/csrc/prefill/paged*.cu src/minipaged/cuda/csrc/decode/launch.cu \
+//        src/minipaged/cuda/csrc/decode/kernels_*.cu -o paged_selftest -lgomp
+//   (the decode kernels: launch_prefill_paged's callers route q_len 1 rows to them)
 //   (sm_80: -gencode=arch=compute_80,code=sm_80 and no -DMINIPAGED_ENABLE_SM90A)
 //   ./paged_selftest check [name filter]   every case, every kernel variant
 //   ./paged_selftest small                 a few tiny cases (for compute-sanitizer)

@@ -6,7 +6,7 @@
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -DMINIPAGED_ENABLE_SM90A \
 //        -Xptxas -v -Xcompiler -fopenmp -I src/minipaged/cuda/csrc scripts/paged_ws_selftest.cu \
-//        src/minipaged/cuda/csrc/prefill/paged.cu -o /tmp/paged_ws_selftest -lgomp
+//        src/minipaged/cuda/csrc/prefill/paged*.cu -o /tmp/paged_ws_selftest -lgomp
 //   (or add -DPAGED_WS_WITH_DECODE src/minipaged/cuda/csrc/decode/launch.cu and
 //   src/minipaged/cuda/csrc/decode/kernels_*.cu: the decode kernels
 //   then come from that translation unit instead of being compiled into this one)

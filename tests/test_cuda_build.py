@@ -28,10 +28,14 @@ SOURCES = build.cuda_sources()  # relative to csrc: "decode/launch.cu", ...
 ARCHS = ("80", "90a")
 NVCC = build.nvcc_path()
 # The translation units with kernels of their own (every launch path of the two backends).
-# (decode/launch.cu: the work list's planner; decode/kernels_*.cu: the decode kernels in slices)
+# (decode/launch.cu: the work list's planner; decode/kernels_*.cu: the decode kernels in slices;
+# prefill/fast_*.cu and prefill/paged_*_kv*.cu: the fast prefill kernels in slices, which the
+# kernel-free launchers prefill/fast.cu and prefill/paged.cu call)
 DECODE_KERNEL_SOURCES = tuple(s for s in SOURCES if s.startswith("decode/kernels_"))
-KERNEL_SOURCES = ("cache/write_kv.cu", "decode/launch.cu", "prefill/fast.cu", "prefill/paged.cu",
-                  "prefill/wmma.cu") + DECODE_KERNEL_SOURCES
+PREFILL_LAUNCHERS = ("prefill/fast.cu", "prefill/paged.cu")
+PREFILL_KERNEL_SOURCES = tuple(s for s in SOURCES if s.startswith(("prefill/fast_", "prefill/paged_")))
+KERNEL_SOURCES = ("cache/write_kv.cu", "decode/launch.cu", "prefill/wmma.cu") + DECODE_KERNEL_SOURCES + \
+    PREFILL_KERNEL_SOURCES
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent): cannot compile the CUDA sources")
 
@@ -53,7 +57,7 @@ def compiled(tmp_path_factory):
 
 def test_expected_sources_present():
     # The registry's two CUDA backends need all five launch paths.
-    for name in (*KERNEL_SOURCES, "binding.cpp", "params.h"):
+    for name in (*KERNEL_SOURCES, *PREFILL_LAUNCHERS, "binding.cpp", "params.h"):
         assert (CSRC / name).exists(), f"{name} missing from {CSRC}"
     assert set(KERNEL_SOURCES) <= set(SOURCES)
     # cpp_extension names every object after its source's base name
@@ -103,7 +107,8 @@ def test_decode_worklist_kernels_compiled(compiled, arch):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("source", ["prefill/fast.cu", "prefill/paged.cu"])
+@pytest.mark.parametrize("source", ["prefill/fast_f16.cu", "prefill/fast_bf16.cu", "prefill/paged_f16_kv16.cu",
+                                    "prefill/paged_bf16_kv16.cu"])
 def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
     # In an sm_90a build the dispatcher references the wgmma kernels, so they are
     # compiled, and for sm_90a they are real code (elsewhere a __trap() stub of a
@@ -114,6 +119,28 @@ def test_sm90a_build_has_real_wgmma_kernels(compiled, source):
     real = [k for k in wg if k["arch"] == "sm_90a"]
     assert real and all(k["registers"] >= 64 for k in real), real
     assert all(k["registers"] < 32 for k in wg if k["arch"] != "sm_90a")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_kernels_compile_once_in_slices(compiled, arch):
+    # The launchers compile no kernel (one there would serialise the build again), and each
+    # prefill kernel is compiled by exactly one slice: the slices split the work, not repeat it.
+    def kernels(source):
+        rc, log = compiled[source]
+        assert rc == 0, log[-4000:]
+        return [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+
+    for launcher in PREFILL_LAUNCHERS:
+        assert kernels(launcher) == [], launcher
+    # 2 q dtypes dense, 2 q dtypes x 2 cache dtypes paged
+    assert len(PREFILL_KERNEL_SOURCES) == 6, PREFILL_KERNEL_SOURCES
+    names = [n for src in PREFILL_KERNEL_SOURCES for n in kernels(src)]
+    assert names and len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
+    # each slice holds only its own q dtype's kernels (the mangled element type)
+    for src in PREFILL_KERNEL_SOURCES:
+        other = "6__half" if "bf16" in src else "13__nv_bfloat16"
+        assert not [n for n in kernels(src) if other in n], src
 
 
 @needs_nvcc

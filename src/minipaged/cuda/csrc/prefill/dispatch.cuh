@@ -1,6 +1,7 @@
 // Shape dispatch of the fast prefill kernels, shared by the dense/varlen
-// launcher (prefill/fast.cu) and the paged one (prefill/paged.cu); kPaged picks the
-// K/V tile loader of the same kernels.
+// slices (prefill/fast_*.cu) and the paged ones (prefill/paged_*_kv*.cu, through
+// prefill/slice.cuh); kPaged picks the K/V tile loader of the same kernels. The launchers
+// (prefill/fast.cu, prefill/paged.cu) include it for its host-side rules only.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -376,15 +377,6 @@ cudaError_t dispatch_dim(const PrefillParams& p, cudaStream_t stream) {
     case 128: return dispatch_causal<T, 128, kPaged>(p, stream);
     default: return cudaErrorInvalidValue;
   }
-}
-
-template <bool kPaged>
-cudaError_t dispatch_dtype(const PrefillParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kFloat16: return dispatch_dim<__half, kPaged>(p, stream);
-    case DType::kBFloat16: return dispatch_dim<__nv_bfloat16, kPaged>(p, stream);
-  }
-  return cudaErrorInvalidValue;
 }
 
 

@@ -1,9 +1,11 @@
 // Launcher of the fast prefill (dense + varlen): validates what the kernel
-// relies on, then dispatches on dtype, head dim, causal and a shape heuristic.
+// relies on, then dispatches on dtype; the slice of that dtype (prefill/fast_*.cu) dispatches
+// on head dim, causal and a shape heuristic.
 #include <cmath>
 #include <cstdint>
 
 #include "prefill/dispatch.cuh"
+#include "prefill/slice.h"
 
 namespace minipaged {
 
@@ -29,7 +31,11 @@ cudaError_t launch_prefill_fast(const PrefillParams& p, cudaStream_t stream) {
     if (s.used && s.stride % 8 != 0) return cudaErrorMisalignedAddress;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
     return cudaErrorMisalignedAddress;
-  return dispatch_dtype<false>(p, stream);
+  switch (p.dtype) {
+    case DType::kFloat16: return prefill_slice::dense<__half>(p, stream);
+    case DType::kBFloat16: return prefill_slice::dense<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace minipaged

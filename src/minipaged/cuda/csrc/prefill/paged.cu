@@ -12,67 +12,33 @@
 // so do, where GQA packing applies, the short runs of 2..16 queries
 // (paged_spec_decode: the tensor-core decode kernel, else the packed kernel);
 // this launcher keeps the rest, on the tiled kernel.
-// FP8 caches (p.kv_fp8): short queries run the GQA-packed mma.sync block with
-// FP8 K/V tiles (Fp8KV<>, prefill/mainloop_mma.cuh) on every arch; longer ones
-// the warp-specialised TMA kernel that widens e4m3 pages in shared memory
-// (CfgWsPaged8, mirrored block pairs for causal work lists of at most one wave)
-// on an sm_90a build with pages of >= 8 tokens, else the small mma.sync block.
+// FP8 caches (p.kv_fp8) have kernels of their own (prefill_slice::paged_fp8,
+// prefill/slice.cuh).
 // A batch that may mix short (q_len <= kPackMaxSeqlenQ) and long sequences
 // runs two launches, the packed kernel for the short ones and the tiled one
 // for the rest (launch_paged_split, prefill/dispatch.cuh); on an sm_90a build
 // the tiled kernel of 16-bit caches with pages of >= 8 tokens is the
 // warp-specialised TMA kernel (prefill/mainloop_ws.cuh).
+// The kernels compile in the slices of prefill/paged_*_kv*.cu (prefill/slice.h), one per
+// (q dtype, cache dtype); this unit checks, plans and calls them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "prefill/dispatch.cuh"
 #include "prefill/pack_split.h"
+#include "prefill/slice.h"
 #include "params.h"
 
 namespace minipaged {
 namespace {
 
-template <typename T, int D>
-cudaError_t dispatch_fp8_shape(const PrefillParams& p, cudaStream_t stream) {
-  using namespace fast;
-  // Causal is a runtime flag of the FP8 kernels (kCausal = true, p.causal).
-  const bool pack_ok = (p.variant == 0 || p.variant == kPagedVariantDecodeRouting) &&
-                       p.num_q_heads >= 2 * p.num_kv_heads;
-  auto packed = [&](const PrefillParams& q) {
-    return launch_prefill_cfg<Fp8KV<CfgPack<T, D>>, true, true, true>(q, stream);
-  };
-  auto tiled = [&](const PrefillParams& q) {
-#if MINIPAGED_DISPATCH_WGMMA && !defined(MINIPAGED_DISABLE_WS_FP8)
-    if (ws_paged_supported<CfgWsPaged8<T, D>>(q)) {
-      if (!q.causal) return launch_prefill_ws_paged<CfgWsPaged8<T, D>, false>(q, stream);
-      if (ws_mirror_pays(ws_paged_grid<CfgWsPaged8<T, D>>(q), sm_count(q)))
-        return launch_prefill_ws_paged<CfgWsPaged8Mirror<T, D>, true>(q, stream);
-      return launch_prefill_ws_paged<CfgWsPaged8<T, D>, true>(q, stream);
-    }
-#endif
-    return launch_prefill_cfg<Fp8KV<CfgSmall<T, D>>, true, true>(q, stream);
-  };
-  if (paged_decode_routing_ok(p)) {
-    auto packed_min2 = [&](const PrefillParams& q) {
-      return launch_prefill_cfg<WithMinSeqlenQ<Fp8KV<CfgPack<T, D>>, 2>, true, true, true>(q, stream);
-    };
-    return launch_paged_routed_rest(p, pack_ok, paged_spec_decode_ok(p), packed_min2, tiled);
-  }
-  if (p.variant == 2 || (pack_ok && p.max_seqlen_q <= kPackMaxSeqlenQ)) return packed(p);
-  if (!pack_ok) return tiled(p);
-  return launch_paged_split(p, packed, tiled);
-}
-
 cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
   if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
-  const bool d128 = p.head_dim == 128;
-  if (!d128 && p.head_dim != 64) return cudaErrorInvalidValue;
+  if (p.head_dim != 128 && p.head_dim != 64) return cudaErrorInvalidValue;
   switch (p.dtype) {
-    case DType::kFloat16: return d128 ? dispatch_fp8_shape<__half, 128>(p, stream) : dispatch_fp8_shape<__half, 64>(p, stream);
-    case DType::kBFloat16:
-      return d128 ? dispatch_fp8_shape<__nv_bfloat16, 128>(p, stream)
-                  : dispatch_fp8_shape<__nv_bfloat16, 64>(p, stream);
+    case DType::kFloat16: return prefill_slice::paged_fp8<__half>(p, stream);
+    case DType::kBFloat16: return prefill_slice::paged_fp8<__nv_bfloat16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -112,34 +78,12 @@ cudaError_t launch_paged_routed_decodes(const PrefillParams& p, int cc_major, in
 namespace {
 constexpr int64_t kPackMinSplitKeys = 128;
 
-// Resident CTAs per SM of the packed kernel for this call's dtype, head dim and cache, from
-// the occupancy calculator (shared memory bounds the 16-bit one: 3 of 57 KB on sm_90, not 4),
-// once per device and kernel.
-template <class Cfg>
-int pack_ctas_per_sm() {
-  static int cached[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 1;
-  if (cached[device] == 0) {
-    auto kernel = fast::prefill_fast_kernel<fast::WithMinSeqlenQ<Cfg, 2>, true, true, true>;
-    int blocks = 0;
-    if (Cfg::kSmemBytes > 48 * 1024)
-      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
-      (void)cudaGetLastError();
-      blocks = 1;
-    }
-    cached[device] = blocks > 0 ? blocks : 1;
-  }
-  return cached[device];
-}
-
+// Resident CTAs per SM of the packed kernel for this call's dtype, head dim and cache (shared
+// memory bounds the 16-bit one: 3 of 57 KB on sm_90, not 4), from the slice that compiles it.
 template <typename T>
 int pack_ctas_per_sm(const PrefillParams& p) {
-  using fast::CfgPack;
-  using fast::Fp8KV;
-  if (p.kv_fp8) return p.head_dim == 128 ? pack_ctas_per_sm<Fp8KV<CfgPack<T, 128>>>() : pack_ctas_per_sm<Fp8KV<CfgPack<T, 64>>>();
-  return p.head_dim == 128 ? pack_ctas_per_sm<CfgPack<T, 128>>() : pack_ctas_per_sm<CfgPack<T, 64>>();
+  return p.kv_fp8 ? prefill_slice::packed_ctas_per_sm<T, true>(p.head_dim)
+                  : prefill_slice::packed_ctas_per_sm<T, false>(p.head_dim);
 }
 }  // namespace
 
@@ -206,7 +150,11 @@ cudaError_t launch_prefill_paged(const PrefillParams& params, cudaStream_t strea
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
     return cudaErrorMisalignedAddress;
   if (p.kv_fp8) return dispatch_fp8(p, stream);
-  return dispatch_dtype<true>(p, stream);
+  switch (p.dtype) {
+    case DType::kFloat16: return prefill_slice::paged<__half>(p, stream);
+    case DType::kBFloat16: return prefill_slice::paged<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace minipaged
