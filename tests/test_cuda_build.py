@@ -80,6 +80,13 @@ def test_nvcc_compiles_without_spills(compiled, source, arch):
         )
 
 
+def _kernel_names(compiled, source, arch):
+    """The mangled names of the kernels ptxas compiled from `source` for sm_`arch`."""
+    rc, log = compiled[source]
+    assert rc == 0, log[-4000:]
+    return [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_worklist_kernels_compiled(compiled, arch):
@@ -90,9 +97,7 @@ def test_decode_worklist_kernels_compiled(compiled, arch):
     # are compiled with the kernels of each (q dtype, head dim) slice (anonymous-namespace names:
     # compared from the template name on).
     def kernels(source):
-        rc, log = compiled[source]
-        assert rc == 0, log[-4000:]
-        return [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+        return _kernel_names(compiled, source, arch)
 
     # (launch.cu compiles only the planner: a decode kernel there would serialise the build again)
     planner = kernels("decode/launch.cu")
@@ -127,9 +132,7 @@ def test_prefill_kernels_compile_once_in_slices(compiled, arch):
     # The launchers compile no kernel (one there would serialise the build again), and each
     # prefill kernel is compiled by exactly one slice: the slices split the work, not repeat it.
     def kernels(source):
-        rc, log = compiled[source]
-        assert rc == 0, log[-4000:]
-        return [k["kernel"] for k in build.parse_ptxas(log) if k["arch"] == f"sm_{arch}"]
+        return _kernel_names(compiled, source, arch)
 
     for launcher in PREFILL_LAUNCHERS:
         assert kernels(launcher) == [], launcher
