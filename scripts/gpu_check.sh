@@ -323,13 +323,9 @@ for s in $stages; do
       # rebuilds it here. The caps add up to one 10-minute call with the build.
       # DECODE_SELFTEST_NAME runs another prebuilt binary under $bin (e.g. decode_selftest_et,
       # built with -DMINIPAGED_DECODE_EARLY_TRIGGER=0) through the same steps.
-      mkdir -p "$bin"
       sbin="$bin/${DECODE_SELFTEST_NAME:-decode_selftest}"
-      if [ ! -x "$bin/decode_selftest" ] || [ -n "${DECODE_SELFTEST_REBUILD:-}" ]; then
-        STAGE_TIMEOUT_decode_selftest_build=${STAGE_TIMEOUT_decode_selftest_build:-150} run decode_selftest_build \
-          nvcc $selftest_flags -Xptxas -v scripts/decode_selftest.cu $csrc/decode/launch.cu $csrc/decode/kernels_*.cu \
-            -o "$bin/decode_selftest" -lgomp
-      fi
+      [ -n "${DECODE_SELFTEST_REBUILD:-}" ] && rm -f "$bin/decode_selftest"
+      decode_selftest_bin decode_selftest_build decode_selftest -Xptxas -v
       export OMP_NUM_THREADS=16
       # DECODE_SELFTEST_STEPS: any of check sanitize time roofline (default the first three);
       # roofline times the plainest read of each grid row's bytes in the same harness.
