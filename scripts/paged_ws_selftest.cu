@@ -65,7 +65,7 @@
 #include "prefill/dispatch.cuh"
 // The decode kernels, which the routed variants need: compiled into this
 // translation unit unless the build links decode/launch.cu and decode/kernels_*.cu itself
-// (-DPAGED_WS_WITH_DECODE, gpu_check's paged_ws_selftest_dec).
+// (-DPAGED_WS_WITH_DECODE).
 #if !defined(PAGED_WS_WITH_DECODE)
 #define MINIPAGED_DECODE_KERNELS_IN_ONE_TU 1
 #include "decode/launch.cu"

@@ -55,9 +55,8 @@ def nvcc_out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(nvcc_out):
     """Compile every source once for both archs (one nvcc run each, two at a time: CI has 2 cores)."""
-    out = nvcc_out
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(lambda src: build.compile_standalone(CSRC / src, ARCHS, out, EXTRA_FLAGS), SOURCES)
+        results = pool.map(lambda src: build.compile_standalone(CSRC / src, ARCHS, nvcc_out, EXTRA_FLAGS), SOURCES)
         return dict(zip(SOURCES, results))
 
 
@@ -96,7 +95,7 @@ def _kernel_names(compiled, source, arch):
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_worklist_kernels_compiled(compiled, arch):
-    # The work list's one-CTA plan kernel (decode/worklist.cuh) and the work-list twins of the
+    # The work list's one-CTA plan kernel (decode/worklist_plan.cuh) and the work-list twins of the
     # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED>: two q dtypes
     # x two head dims, one sequence or kWorklistMergeSeqs per CTA) ship in every decode build, so
     # that a plan may take a work list on any device. The planner is decode/launch.cu's; the twins

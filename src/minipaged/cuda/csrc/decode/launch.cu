@@ -153,7 +153,6 @@ int blocks_per_sm(const DecodePlan& k) {
   });
 }
 
-
 // CTAs per (sequence, KV head) of kernel k: the head chunks of a GQA group (short query runs:
 // one, launch_decode checks that their rows fit).
 int64_t row_chunks(const DecodeParams& p, const DecodePlan& k) {
@@ -212,7 +211,6 @@ void plan_splits(DecodeParams& p, const DecodePlan& k, int requested_splits) {
     blocks_per_sm(twin);  // raises the twin's shared-memory limit on this device
   }
 }
-
 
 // k, or its two-warp twin (decode/select.cuh two_warp_mma) where k is the default tensor-core plan of its cache
 // dtype (the G >= 3 one on FP8 caches; plain or packed-query, two-launch) and the rule wants it

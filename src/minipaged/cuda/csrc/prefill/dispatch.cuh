@@ -379,7 +379,6 @@ cudaError_t dispatch_dim(const PrefillParams& p, cudaStream_t stream) {
   }
 }
 
-
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 }  // namespace fast

@@ -35,7 +35,6 @@ namespace {
 
 cudaError_t dispatch_fp8(const PrefillParams& p, cudaStream_t stream) {
   if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
-  if (p.head_dim != 128 && p.head_dim != 64) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16: return prefill_slice::paged_fp8<__half>(p, stream);
     case DType::kBFloat16: return prefill_slice::paged_fp8<__nv_bfloat16>(p, stream);
