@@ -22,6 +22,9 @@
 //   ./decode_selftest roofline [reps] the fastest plain read of each grid row's bytes, timed
 //                                    the same way: the bound no decode kernel beats here
 //                                    (16-byte loads, and whole pages through a bulk-copy ring)
+//   ./decode_selftest paged_read [reps] the large-batch rows' paged K/V read with no math: per
+//                                    KV head as the decode reads it, as whole pages, balanced
+//                                    over the SMs, and contiguous (the layout's and grid's cost)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -64,6 +67,7 @@
 
 #include "decode/trace.cuh"
 #include "params.h"
+#include "ptx/cp_async.cuh"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
 #include "ptx/tma.cuh"
@@ -1298,6 +1302,218 @@ int roofline_mode(int reps) {
   return 0;
 }
 
+// ------------------------------------------------------------------ paged_read
+// A uniform 16-bit batch's K/V (Hkv 8, D 128, 16-token pages in shuffled order) read with no
+// math, in four ways of dealing the work to CTAs. At B >= 32 the decode streams at the copy
+// rate, a few percent behind cuDNN on contiguous K/V; this prices the page layout and the grid
+// apart from the decode kernel:
+//   0 head rows:   one CTA per (sequence, KV head), reading that head's 256-byte rows of each of
+//                  its sequence's pages in table order: the decode's own grid and pattern (a page
+//                  holds 16 such rows per tensor, 2 KB apart);
+//   1 whole pages: as many CTAs, each reading whole 32 KB pages (every KV head) of 1/Hkv of its
+//                  sequence's pages: the same bytes per CTA, each page one contiguous piece;
+//   2 balanced:    head rows on k CTAs per SM, each CTA an equal, contiguous range of the batch's
+//                  (sequence, KV head, page) pieces: no wave tail;
+//   3 contiguous:  the same bytes as one buffer per tensor, in equal ranges on k CTAs per SM.
+// Like the decode, each thread streams through a cp.async ring: S stages of one 16-byte piece of
+// K and one of V, so 2 (S - 1) copies in flight per thread. CTAs per SM (k) are set with dynamic
+// shared memory (the decode's 100 KB ring leaves two).
+constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16;
+constexpr int kPrHeadPage16 = kPrPage * kPrRow16;    // 16-byte pieces of one head's rows of a page
+constexpr int kPrPage16 = kPrHeadPage16 * kPrHeads;  // 16-byte pieces of a whole page
+
+// Piece g of CTA cta's range [g0, g1) -> its index in K (and V). The host checks that each mode
+// reads every piece once.
+template <int MODE>
+__host__ __device__ __forceinline__ size_t paged_read_at(long long g, long long g0, int cta, const int* tables,
+                                                         int log2_pages) {
+  const int pages = 1 << log2_pages;
+  if constexpr (MODE == 3) {
+    return size_t(g);
+  } else if constexpr (MODE == 1) {  // CTA (sequence, part): pages [part, part + 1) * pages / Hkv, whole
+    const int seq = cta / kPrHeads, part = cta % kPrHeads;
+    const long long off = g - g0;
+    const int j = part * (pages / kPrHeads) + int(off / kPrPage16);
+    return size_t(tables[size_t(seq) * pages + j]) * kPrPage16 + size_t(off % kPrPage16);
+  } else {  // g = ((sequence * Hkv + head) * pages + page) * 256 + token * 16 + piece
+    const int within = int(g % kPrHeadPage16);
+    const long long head_page = g / kPrHeadPage16;
+    const int j = int(head_page & (pages - 1));
+    const long long unit = head_page >> log2_pages;
+    const int h = int(unit % kPrHeads);
+    const long long seq = unit / kPrHeads;
+    const size_t blk = size_t(tables[seq * pages + j]);
+    return ((blk * kPrPage + within / kPrRow16) * kPrHeads + h) * kPrRow16 + within % kPrRow16;
+  }
+}
+
+// CTA cta's range of pieces [g0, g1): one (sequence, KV head) in modes 0-1, else an equal range
+// of whole head pages.
+template <int MODE>
+__host__ __device__ __forceinline__ void paged_read_range(int cta, int grid, int num_seqs, int log2_pages,
+                                                          long long& g0, long long& g1) {
+  if constexpr (MODE <= 1) {
+    g0 = ((long long)cta * kPrHeadPage16) << log2_pages;
+    g1 = g0 + ((long long)kPrHeadPage16 << log2_pages);
+  } else {
+    const long long head_pages = ((long long)num_seqs * kPrHeads) << log2_pages;
+    g0 = head_pages * cta / grid * kPrHeadPage16;
+    g1 = head_pages * (cta + 1) / grid * kPrHeadPage16;
+  }
+}
+
+// True when the CTAs of `grid` read every piece of a batch's K exactly once.
+template <int MODE>
+bool paged_read_covers(int num_seqs, int log2_pages, int grid, const std::vector<int>& tables) {
+  std::vector<int> hits(((size_t)num_seqs * kPrPage16) << log2_pages, 0);
+  for (int cta = 0; cta < grid; ++cta) {
+    long long g0, g1;
+    paged_read_range<MODE>(cta, grid, num_seqs, log2_pages, g0, g1);
+    for (long long g = g0; g < g1; ++g) {
+      const size_t i = paged_read_at<MODE>(g, g0, cta, tables.data(), log2_pages);
+      if (i >= hits.size()) return false;
+      ++hits[i];
+    }
+  }
+  return std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; });
+}
+
+template <int S, int MODE>
+__global__ void __launch_bounds__(kPrThreads)
+    paged_read_kernel(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __restrict__ tables,
+                      int log2_pages, int num_seqs, unsigned* sink) {
+  extern __shared__ __align__(16) uint4 pr_ring[];  // S stages x {K, V} x kPrThreads pieces (+ padding)
+  long long g0, g1;
+  paged_read_range<MODE>(blockIdx.x, gridDim.x, num_seqs, log2_pages, g0, g1);
+  const long long batches = (g1 - g0 + kPrThreads - 1) / kPrThreads;
+  // Batch b: piece g0 + b * kPrThreads + thread of K and of V into stage b % S, one commit group
+  // per batch (empty past the end, so the wait below always counts S - 1 younger groups).
+  auto issue = [&](long long b) {
+    const long long g = g0 + b * kPrThreads + threadIdx.x;
+    const bool ok = b < batches && g < g1;
+    const size_t i = ok ? paged_read_at<MODE>(g, g0, blockIdx.x, tables, log2_pages) : 0;
+    uint4* slot = pr_ring + (b % S) * 2 * kPrThreads + threadIdx.x;
+    minipaged::cp_async_16(slot, k + i, ok);
+    minipaged::cp_async_16(slot + kPrThreads, v + i, ok);
+    minipaged::cp_async_commit();
+  };
+  for (int s = 0; s < S - 1; ++s) issue(s);
+  uint32_t acc = 0;
+  for (long long b = 0; b < batches; ++b) {
+    issue(b + S - 1);
+    minipaged::cp_async_wait<S - 1>();
+    const uint4* slot = pr_ring + (b % S) * 2 * kPrThreads + threadIdx.x;  // this thread's own copies
+    const uint4 x = slot[0], y = slot[kPrThreads];
+    acc ^= x.x ^ x.y ^ x.z ^ x.w ^ y.x ^ y.y ^ y.z ^ y.w;
+  }
+  minipaged::cp_async_wait<0>();
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
+}
+
+int paged_read_mode(int reps) {
+  reps = std::max(reps, 50);
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const L2Flush fl = make_l2_flush();
+  struct Row {
+    int B, L;
+  };
+  const Row rows[] = {{32, 4096}, {64, 8192}, {256, 1024}};
+  size_t max_pieces = 0;
+  for (const Row& r : rows) max_pieces = std::max(max_pieces, size_t(r.B) * r.L / kPrPage * kPrPage16);
+  uint4 *k, *v;
+  int* tables;
+  CHECK_CUDA(cudaMalloc(&k, max_pieces * 16));
+  CHECK_CUDA(cudaMalloc(&v, max_pieces * 16));
+  CHECK_CUDA(cudaMalloc(&tables, max_pieces / kPrPage16 * 4));
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(k), max_pieces * 8, 1);
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(v), max_pieces * 8, 2);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  int smem_sm = 0, smem_cta = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&smem_cta, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  using KernelFn = void (*)(const uint4*, const uint4*, const int*, int, int, unsigned*);
+  struct Cfg {
+    int mode, stages;
+    KernelFn fn;
+  };
+  const Cfg cfgs[] = {
+      {0, 4, paged_read_kernel<4, 0>}, {0, 8, paged_read_kernel<8, 0>}, {0, 16, paged_read_kernel<16, 0>},
+      {0, 24, paged_read_kernel<24, 0>}, {1, 4, paged_read_kernel<4, 1>}, {1, 8, paged_read_kernel<8, 1>},
+      {1, 16, paged_read_kernel<16, 1>}, {1, 24, paged_read_kernel<24, 1>}, {2, 4, paged_read_kernel<4, 2>},
+      {2, 8, paged_read_kernel<8, 2>}, {2, 16, paged_read_kernel<16, 2>}, {2, 24, paged_read_kernel<24, 2>},
+      {3, 4, paged_read_kernel<4, 3>}, {3, 8, paged_read_kernel<8, 3>}, {3, 16, paged_read_kernel<16, 3>},
+      {3, 24, paged_read_kernel<24, 3>}};
+  const char* mode_names[] = {"head rows", "whole pages", "balanced", "contiguous"};
+  {  // every mode reads every piece once: 5 sequences of 64 shuffled pages, balanced modes on 7 CTAs
+    std::vector<int> t(5 * 64);
+    std::iota(t.begin(), t.end(), 0);
+    std::mt19937 rng(3);
+    std::shuffle(t.begin(), t.end(), rng);
+    const bool ok[4] = {paged_read_covers<0>(5, 6, 5 * kPrHeads, t), paged_read_covers<1>(5, 6, 5 * kPrHeads, t),
+                        paged_read_covers<2>(5, 6, 7, t), paged_read_covers<3>(5, 6, 7, t)};
+    for (int m = 0; m < 4; ++m)
+      if (!ok[m]) {
+        std::printf("FAILED: paged_read mode %s does not read every piece once\n", mode_names[m]);
+        return 1;
+      }
+  }
+  for (const Cfg& c : cfgs)
+    CHECK_CUDA(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_cta));
+  print_graph_floor(st, reps, fl);
+  std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row after %d "
+              "untimed (flush, replay) pairs; %d threads per CTA\n",
+              reps, time_warmup(), kPrThreads);
+  std::printf("%-14s %-12s %6s %7s %7s %9s %9s %9s %8s\n", "row", "mode", "stages", "CTAs/SM", "grid", "med us",
+              "p20 us", "p80 us", "TB/s");
+  for (const Row& r : rows) {
+    const int pages = r.L / kPrPage, num_blocks = r.B * pages;
+    int log2_pages = 0;
+    while ((1 << log2_pages) < pages) ++log2_pages;
+    std::vector<int> perm(num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937 rng(7);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    CHECK_CUDA(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+    const double bytes = 2.0 * num_blocks * kPrPage16 * 16;
+    char name[32];
+    std::snprintf(name, sizeof name, "B=%d L=%d", r.B, r.L);
+    Timing best[4] = {{1e30, 0, 0}, {1e30, 0, 0}, {1e30, 0, 0}, {1e30, 0, 0}};
+    int best_s[4] = {}, best_k[4] = {};
+    for (const Cfg& c : cfgs)
+      for (int ctas : {1, 2, 3, 4, 8}) {
+        const int ring = c.stages * 2 * kPrThreads * 16;
+        const int smem = std::min(smem_cta, smem_sm / ctas - 1024);  // 1 KB per CTA is reserved
+        if (ring > smem) continue;
+        int fit = 0;
+        CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, c.fn, kPrThreads, smem));
+        const int grid = c.mode <= 1 ? r.B * kPrHeads : g_num_sms * fit;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        c.fn<<<grid, kPrThreads, smem, st>>>(k, v, tables, log2_pages, r.B, fl.sink);
+        CHECK_CUDA(cudaGetLastError());
+        CHECK_CUDA(cudaStreamEndCapture(st, &g));
+        CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+        const Timing t = time_graph(ge, st, reps, fl);
+        CHECK_CUDA(cudaGraphExecDestroy(ge));
+        CHECK_CUDA(cudaGraphDestroy(g));
+        std::printf("%-14s %-12s %6d %7d %7d %9.2f %9.2f %9.2f %8.3f\n", name, mode_names[c.mode], c.stages, fit,
+                    grid, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12);
+        std::fflush(stdout);
+        if (t.med < best[c.mode].med) best[c.mode] = t, best_s[c.mode] = c.stages, best_k[c.mode] = fit;
+      }
+    for (int m = 0; m < 4; ++m)
+      std::printf("%-14s BEST %-12s %d stages, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
+                  mode_names[m], best_s[m], best_k[m], best[m].med, bytes / (best[m].med * 1e-6) / 1e12,
+                  best[m].med / best[3].med);
+  }
+  free_l2_flush(fl);
+  for (void* ptr : {(void*)k, (void*)v, (void*)tables}) CHECK_CUDA(cudaFree(ptr));
+  CHECK_CUDA(cudaStreamDestroy(st));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1311,6 +1527,7 @@ int main(int argc, char** argv) {
   if (const char* env = std::getenv("DECODE_CHECK_BITS")) g_check_bits = static_cast<int>(std::strtol(env, nullptr, 0));
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   if (mode == "roofline") return roofline_mode(argc > 2 ? std::atoi(argv[2]) : 100);
+  if (mode == "paged_read") return paged_read_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   const DType f16 = DType::kFloat16, b16 = DType::kBFloat16;
   // small: the sanitizers' cases; small_worklist: its work-list case alone (racecheck takes
   // minutes over the whole of small)
@@ -1357,7 +1574,7 @@ int main(int argc, char** argv) {
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
   } else {
-    std::fprintf(stderr, "usage: %s check|small|time|roofline [reps]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check|small|time|roofline|paged_read [reps]\n", argv[0]);
     return 2;
   }
   std::printf("%s: %d failing checks\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);

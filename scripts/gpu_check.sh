@@ -327,8 +327,10 @@ for s in $stages; do
       [ -n "${DECODE_SELFTEST_REBUILD:-}" ] && rm -f "$bin/decode_selftest"
       decode_selftest_bin decode_selftest_build decode_selftest -Xptxas -v
       export OMP_NUM_THREADS=16
-      # DECODE_SELFTEST_STEPS: any of check sanitize time roofline (default the first three);
-      # roofline times the plainest read of each grid row's bytes in the same harness.
+      # DECODE_SELFTEST_STEPS: any of check sanitize time roofline paged_read (default the first
+      # three); roofline times the plainest read of each grid row's bytes in the same harness,
+      # paged_read the large-batch rows' paged K/V read per KV head, as whole pages, balanced and
+      # contiguous, with no math.
       steps=" ${DECODE_SELFTEST_STEPS:-check sanitize time} "
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
         run decode_selftest_check "$sbin" check
@@ -346,7 +348,9 @@ for s in $stages; do
       [[ $steps == *" time "* ]] && STAGE_TIMEOUT_decode_selftest_time=${STAGE_TIMEOUT_decode_selftest_time:-110} \
         run decode_selftest_time "$sbin" time ${DECODE_SELFTEST_REPS:-100}
       [[ $steps == *" roofline "* ]] && STAGE_TIMEOUT_decode_selftest_roofline=${STAGE_TIMEOUT_decode_selftest_roofline:-150} \
-        run decode_selftest_roofline "$sbin" roofline ${DECODE_SELFTEST_REPS:-100};;
+        run decode_selftest_roofline "$sbin" roofline ${DECODE_SELFTEST_REPS:-100}
+      [[ $steps == *" paged_read "* ]] && STAGE_TIMEOUT_decode_selftest_paged_read=${STAGE_TIMEOUT_decode_selftest_paged_read:-150} \
+        run decode_selftest_paged_read "$sbin" paged_read ${DECODE_SELFTEST_REPS:-100};;
     decode_ab)
       # A/B of decode_selftest builds (names under $bin in DECODE_AB_BINS, e.g. one built with
       # -DMINIPAGED_DECODE_EARLY_TABLE=1): `check` of each, then `time` of each; DECODE_AB_ROUNDS
