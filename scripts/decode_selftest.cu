@@ -1418,7 +1418,9 @@ int paged_read_mode(int reps) {
   struct Row {
     int B, L;
   };
-  const Row rows[] = {{32, 4096}, {64, 8192}, {256, 1024}};
+  // B=1 and B=8 have fewer (sequence, KV head) units than SMs: there only the balanced and
+  // contiguous modes run (the decode splits those rows).
+  const Row rows[] = {{1, 32768}, {8, 4096}, {32, 4096}, {64, 8192}, {256, 1024}};
   size_t max_pieces = 0;
   for (const Row& r : rows) max_pieces = std::max(max_pieces, size_t(r.B) * r.L / kPrPage * kPrPage16);
   uint4 *k, *v;
@@ -1482,6 +1484,7 @@ int paged_read_mode(int reps) {
     int best_s[4] = {}, best_k[4] = {};
     for (const Cfg& c : cfgs)
       for (int ctas : {1, 2, 3, 4, 8}) {
+        if (c.mode <= 1 && r.B * kPrHeads < g_num_sms) continue;
         const int ring = c.stages * 2 * kPrThreads * 16;
         const int smem = std::min(smem_cta, smem_sm / ctas - 1024);  // 1 KB per CTA is reserved
         if (ring > smem) continue;
@@ -1504,9 +1507,10 @@ int paged_read_mode(int reps) {
         if (t.med < best[c.mode].med) best[c.mode] = t, best_s[c.mode] = c.stages, best_k[c.mode] = fit;
       }
     for (int m = 0; m < 4; ++m)
-      std::printf("%-14s BEST %-12s %d stages, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
-                  mode_names[m], best_s[m], best_k[m], best[m].med, bytes / (best[m].med * 1e-6) / 1e12,
-                  best[m].med / best[3].med);
+      if (best_s[m] != 0)
+        std::printf("%-14s BEST %-12s %d stages, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
+                    mode_names[m], best_s[m], best_k[m], best[m].med, bytes / (best[m].med * 1e-6) / 1e12,
+                    best[m].med / best[3].med);
   }
   free_l2_flush(fl);
   for (void* ptr : {(void*)k, (void*)v, (void*)tables}) CHECK_CUDA(cudaFree(ptr));
