@@ -189,6 +189,27 @@ def test_every_cross_unit_reference_is_defined(compiled, nvcc_out):
     assert not missing, missing
 
 
+@needs_nvcc
+def test_decode_selftest_builds(compiled, nvcc_out, tmp_path):
+    # scripts/decode_selftest.cu, the torch-free decode check and timing harness that the GPU calls
+    # run (gpu_check.sh decode_selftest), compiles with gpu_check's selftest flags and links against
+    # the decode units: a header change that breaks it, or a unit it needs that its build line
+    # leaves out, fails here instead of in a GPU call. (Not run: it needs a GPU.)
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    flags = re.search(r'^selftest_flags="([^"]*)"', (scripts / "gpu_check.sh").read_text(), re.M)
+    assert flags, "gpu_check.sh no longer sets selftest_flags"
+    decode_units = [s for s in SOURCES if s.startswith("decode/")]
+    assert "decode/launch.cu" in decode_units and DECODE_KERNEL_SOURCES
+    assert all(compiled[s][0] == 0 for s in decode_units)
+    objects = [Path(nvcc_out) / f"{Path(s).stem}.sm{'_'.join(ARCHS)}.o" for s in decode_units]
+    exe = tmp_path / "decode_selftest"
+    cmd = [NVCC, *flags.group(1).replace("$csrc", str(CSRC)).split(), str(scripts / "decode_selftest.cu"),
+           *map(str, objects), "-o", str(exe), "-lgomp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert exe.stat().st_size > 0
+
+
 def _build_probe(tmp_path, name, source, compiler, *flags):
     """Compiles a host-only probe (`source`, a main reading stdin) against csrc; its path."""
     src = tmp_path / f"{name}.cu"
