@@ -23,8 +23,9 @@
 //                                    the same way: the bound no decode kernel beats here
 //                                    (16-byte loads, and whole pages through a bulk-copy ring)
 //   ./decode_selftest paged_read [reps] the large-batch rows' paged K/V read with no math: per
-//                                    KV head as the decode reads it, as whole pages, balanced
-//                                    over the SMs, and contiguous (the layout's and grid's cost)
+//                                    KV head as the decode reads it, 2, 4 or 8 heads' rows at a
+//                                    time, balanced over the SMs, and contiguous (the layout's
+//                                    and the grid's cost)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -1304,23 +1305,25 @@ int roofline_mode(int reps) {
 
 // ------------------------------------------------------------------ paged_read
 // A uniform 16-bit batch's K/V (Hkv 8, D 128, 16-token pages in shuffled order) read with no
-// math, in four ways of dealing the work to CTAs. At B >= 32 the decode streams at the copy
-// rate, a few percent behind cuDNN on contiguous K/V; this prices the page layout and the grid
-// apart from the decode kernel:
+// math, in six ways of dealing the work to CTAs. At B >= 32 the decode streams at the copy rate,
+// a few percent behind cuDNN on contiguous K/V; this prices the page layout and the grid apart
+// from the decode kernel:
 //   0 head rows:   one CTA per (sequence, KV head), reading that head's 256-byte rows of each of
 //                  its sequence's pages in table order: the decode's own grid and pattern (a page
 //                  holds 16 such rows per tensor, 2 KB apart);
-//   1 whole pages: as many CTAs, each reading whole 32 KB pages (every KV head) of 1/Hkv of its
-//                  sequence's pages: the same bytes per CTA, each page one contiguous piece;
-//   2 balanced:    head rows on k CTAs per SM, each CTA an equal, contiguous range of the batch's
+//   1, 2, 3:       as many CTAs, each reading 2, 4 or all 8 KV heads' rows of 1/2, 1/4 or 1/8 of
+//                  its sequence's pages: the same bytes per CTA in 512-byte, 1 KB or 32 KB
+//                  (whole page) contiguous pieces;
+//   4 balanced:    head rows on k CTAs per SM, each CTA an equal, contiguous range of the batch's
 //                  (sequence, KV head, page) pieces: no wave tail;
-//   3 contiguous:  the same bytes as one buffer per tensor, in equal ranges on k CTAs per SM.
+//   5 contiguous:  the same bytes as one buffer per tensor, in equal ranges on k CTAs per SM.
 // Like the decode, each thread streams through a cp.async ring: S stages of one 16-byte piece of
 // K and one of V, so 2 (S - 1) copies in flight per thread. CTAs per SM (k) are set with dynamic
 // shared memory (the decode's 100 KB ring leaves two).
-constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16;
+constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16, kPrModes = 6;
 constexpr int kPrHeadPage16 = kPrPage * kPrRow16;    // 16-byte pieces of one head's rows of a page
 constexpr int kPrPage16 = kPrHeadPage16 * kPrHeads;  // 16-byte pieces of a whole page
+__host__ __device__ constexpr bool paged_read_grouped(int mode) { return mode <= 3; }  // CTA: (sequence, 1/Hkv)
 
 // Piece g of CTA cta's range [g0, g1) -> its index in K (and V). The host checks that each mode
 // reads every piece once.
@@ -1328,14 +1331,20 @@ template <int MODE>
 __host__ __device__ __forceinline__ size_t paged_read_at(long long g, long long g0, int cta, const int* tables,
                                                          int log2_pages) {
   const int pages = 1 << log2_pages;
-  if constexpr (MODE == 3) {
+  if constexpr (MODE == 5) {
     return size_t(g);
-  } else if constexpr (MODE == 1) {  // CTA (sequence, part): pages [part, part + 1) * pages / Hkv, whole
-    const int seq = cta / kPrHeads, part = cta % kPrHeads;
+  } else if constexpr (paged_read_grouped(MODE)) {
+    // CTA (sequence, u): heads [hg, hg + 1) * kGroup of pages [pp, pp + 1) * pages / kGroup,
+    // u = hg * kGroup + pp; a token's rows of the group's heads are one contiguous piece
+    constexpr int kGroup = 1 << MODE, kTokenPieces = kGroup * kPrRow16;
+    const int seq = cta / kPrHeads, u = cta % kPrHeads, hg = u / kGroup, pp = u % kGroup;
     const long long off = g - g0;
-    const int j = part * (pages / kPrHeads) + int(off / kPrPage16);
-    return size_t(tables[size_t(seq) * pages + j]) * kPrPage16 + size_t(off % kPrPage16);
-  } else {  // g = ((sequence * Hkv + head) * pages + page) * 256 + token * 16 + piece
+    const int j = pp * (pages / kGroup) + int(off / (kPrPage * kTokenPieces));
+    const int within = int(off % (kPrPage * kTokenPieces));
+    const size_t blk = size_t(tables[size_t(seq) * pages + j]);
+    return (blk * kPrPage + within / kTokenPieces) * (kPrHeads * kPrRow16) + hg * kTokenPieces +
+           within % kTokenPieces;
+  } else {  // balanced: g = ((sequence * Hkv + head) * pages + page) * 256 + token * 16 + piece
     const int within = int(g % kPrHeadPage16);
     const long long head_page = g / kPrHeadPage16;
     const int j = int(head_page & (pages - 1));
@@ -1347,12 +1356,12 @@ __host__ __device__ __forceinline__ size_t paged_read_at(long long g, long long 
   }
 }
 
-// CTA cta's range of pieces [g0, g1): one (sequence, KV head) in modes 0-1, else an equal range
-// of whole head pages.
+// CTA cta's range of pieces [g0, g1): one (sequence, KV head)'s worth in the grouped modes, else
+// an equal range of whole head pages.
 template <int MODE>
 __host__ __device__ __forceinline__ void paged_read_range(int cta, int grid, int num_seqs, int log2_pages,
                                                           long long& g0, long long& g1) {
-  if constexpr (MODE <= 1) {
+  if constexpr (paged_read_grouped(MODE)) {
     g0 = ((long long)cta * kPrHeadPage16) << log2_pages;
     g1 = g0 + ((long long)kPrHeadPage16 << log2_pages);
   } else {
@@ -1439,22 +1448,30 @@ int paged_read_mode(int reps) {
     int mode, stages;
     KernelFn fn;
   };
-  const Cfg cfgs[] = {
-      {0, 4, paged_read_kernel<4, 0>}, {0, 8, paged_read_kernel<8, 0>}, {0, 16, paged_read_kernel<16, 0>},
-      {0, 24, paged_read_kernel<24, 0>}, {1, 4, paged_read_kernel<4, 1>}, {1, 8, paged_read_kernel<8, 1>},
-      {1, 16, paged_read_kernel<16, 1>}, {1, 24, paged_read_kernel<24, 1>}, {2, 4, paged_read_kernel<4, 2>},
-      {2, 8, paged_read_kernel<8, 2>}, {2, 16, paged_read_kernel<16, 2>}, {2, 24, paged_read_kernel<24, 2>},
-      {3, 4, paged_read_kernel<4, 3>}, {3, 8, paged_read_kernel<8, 3>}, {3, 16, paged_read_kernel<16, 3>},
-      {3, 24, paged_read_kernel<24, 3>}};
-  const char* mode_names[] = {"head rows", "whole pages", "balanced", "contiguous"};
-  {  // every mode reads every piece once: 5 sequences of 64 shuffled pages, balanced modes on 7 CTAs
+  std::vector<Cfg> cfgs;
+  auto add_mode = [&](int mode, auto... fns) {
+    int stages = 4;
+    for (KernelFn fn : {fns...}) cfgs.push_back({mode, stages, fn}), stages = stages == 4 ? 8 : stages + 8;
+  };
+  // rings of 4, 8, 16 and 24 stages
+  add_mode(0, paged_read_kernel<4, 0>, paged_read_kernel<8, 0>, paged_read_kernel<16, 0>, paged_read_kernel<24, 0>);
+  add_mode(1, paged_read_kernel<4, 1>, paged_read_kernel<8, 1>, paged_read_kernel<16, 1>, paged_read_kernel<24, 1>);
+  add_mode(2, paged_read_kernel<4, 2>, paged_read_kernel<8, 2>, paged_read_kernel<16, 2>, paged_read_kernel<24, 2>);
+  add_mode(3, paged_read_kernel<4, 3>, paged_read_kernel<8, 3>, paged_read_kernel<16, 3>, paged_read_kernel<24, 3>);
+  add_mode(4, paged_read_kernel<4, 4>, paged_read_kernel<8, 4>, paged_read_kernel<16, 4>, paged_read_kernel<24, 4>);
+  add_mode(5, paged_read_kernel<4, 5>, paged_read_kernel<8, 5>, paged_read_kernel<16, 5>, paged_read_kernel<24, 5>);
+  const char* mode_names[kPrModes] = {"head rows", "2-head rows", "4-head rows", "whole pages", "balanced",
+                                      "contiguous"};
+  {  // every mode reads every piece once: 5 sequences of 64 shuffled pages, ungrouped modes on 7 CTAs
     std::vector<int> t(5 * 64);
     std::iota(t.begin(), t.end(), 0);
     std::mt19937 rng(3);
     std::shuffle(t.begin(), t.end(), rng);
-    const bool ok[4] = {paged_read_covers<0>(5, 6, 5 * kPrHeads, t), paged_read_covers<1>(5, 6, 5 * kPrHeads, t),
-                        paged_read_covers<2>(5, 6, 7, t), paged_read_covers<3>(5, 6, 7, t)};
-    for (int m = 0; m < 4; ++m)
+    const int units = 5 * kPrHeads;
+    const bool ok[kPrModes] = {paged_read_covers<0>(5, 6, units, t), paged_read_covers<1>(5, 6, units, t),
+                               paged_read_covers<2>(5, 6, units, t), paged_read_covers<3>(5, 6, units, t),
+                               paged_read_covers<4>(5, 6, 7, t),     paged_read_covers<5>(5, 6, 7, t)};
+    for (int m = 0; m < kPrModes; ++m)
       if (!ok[m]) {
         std::printf("FAILED: paged_read mode %s does not read every piece once\n", mode_names[m]);
         return 1;
@@ -1480,17 +1497,18 @@ int paged_read_mode(int reps) {
     const double bytes = 2.0 * num_blocks * kPrPage16 * 16;
     char name[32];
     std::snprintf(name, sizeof name, "B=%d L=%d", r.B, r.L);
-    Timing best[4] = {{1e30, 0, 0}, {1e30, 0, 0}, {1e30, 0, 0}, {1e30, 0, 0}};
-    int best_s[4] = {}, best_k[4] = {};
+    Timing best[kPrModes];
+    int best_s[kPrModes] = {}, best_k[kPrModes] = {};
+    for (Timing& b : best) b = {1e30, 0, 0};
     for (const Cfg& c : cfgs)
       for (int ctas : {1, 2, 3, 4, 8}) {
-        if (c.mode <= 1 && r.B * kPrHeads < g_num_sms) continue;
+        if (paged_read_grouped(c.mode) && r.B * kPrHeads < g_num_sms) continue;
         const int ring = c.stages * 2 * kPrThreads * 16;
         const int smem = std::min(smem_cta, smem_sm / ctas - 1024);  // 1 KB per CTA is reserved
         if (ring > smem) continue;
         int fit = 0;
         CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, c.fn, kPrThreads, smem));
-        const int grid = c.mode <= 1 ? r.B * kPrHeads : g_num_sms * fit;
+        const int grid = paged_read_grouped(c.mode) ? r.B * kPrHeads : g_num_sms * fit;
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -1506,11 +1524,11 @@ int paged_read_mode(int reps) {
         std::fflush(stdout);
         if (t.med < best[c.mode].med) best[c.mode] = t, best_s[c.mode] = c.stages, best_k[c.mode] = fit;
       }
-    for (int m = 0; m < 4; ++m)
+    for (int m = 0; m < kPrModes; ++m)
       if (best_s[m] != 0)
         std::printf("%-14s BEST %-12s %d stages, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
                     mode_names[m], best_s[m], best_k[m], best[m].med, bytes / (best[m].med * 1e-6) / 1e12,
-                    best[m].med / best[3].med);
+                    best[m].med / best[5].med);
   }
   free_l2_flush(fl);
   for (void* ptr : {(void*)k, (void*)v, (void*)tables}) CHECK_CUDA(cudaFree(ptr));

@@ -329,8 +329,8 @@ for s in $stages; do
       export OMP_NUM_THREADS=16
       # DECODE_SELFTEST_STEPS: any of check sanitize time roofline paged_read (default the first
       # three); roofline times the plainest read of each grid row's bytes in the same harness,
-      # paged_read the large-batch rows' paged K/V read per KV head, as whole pages, balanced and
-      # contiguous, with no math.
+      # paged_read the large-batch rows' paged K/V read per KV head, 2, 4 or 8 heads at a time,
+      # balanced and contiguous, with no math.
       steps=" ${DECODE_SELFTEST_STEPS:-check sanitize time} "
       [[ $steps == *" check "* ]] && STAGE_TIMEOUT_decode_selftest_check=${STAGE_TIMEOUT_decode_selftest_check:-120} \
         run decode_selftest_check "$sbin" check
