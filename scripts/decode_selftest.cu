@@ -1323,7 +1323,8 @@ int roofline_mode(int reps) {
 constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16, kPrModes = 6;
 constexpr int kPrHeadPage16 = kPrPage * kPrRow16;    // 16-byte pieces of one head's rows of a page
 constexpr int kPrPage16 = kPrHeadPage16 * kPrHeads;  // 16-byte pieces of a whole page
-__host__ __device__ constexpr bool paged_read_grouped(int mode) { return mode <= 3; }  // CTA: (sequence, 1/Hkv)
+// Modes 0-3: one CTA per (sequence, KV head)'s worth of bytes.
+__host__ __device__ constexpr bool paged_read_grouped(int mode) { return mode <= 3; }
 
 // Piece g of CTA cta's range [g0, g1) -> its index in K (and V). The host checks that each mode
 // reads every piece once.
