@@ -64,6 +64,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "decode/trace.cuh"
@@ -727,20 +728,29 @@ Timing time_graph(cudaGraphExec_t ge, cudaStream_t st, int reps, const L2Flush& 
   return {q(0.5), q(0.2), q(0.8)};
 }
 
+// Captures launch(st) (launches on st, no sync) in a CUDA graph and times its replays as
+// time_graph does; the graph is destroyed after.
+template <class Launch>
+Timing time_captured(cudaStream_t st, int reps, const L2Flush& fl, Launch&& launch) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  launch(st);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaStreamEndCapture(st, &g));
+  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  const Timing t = time_graph(ge, st, reps, fl);
+  CHECK_CUDA(cudaGraphExecDestroy(ge));
+  CHECK_CUDA(cudaGraphDestroy(g));
+  return t;
+}
+
 // Times and prints the graph of one empty kernel: the floor under every timed row.
 void print_graph_floor(cudaStream_t st, int reps, const L2Flush& fl) {
   int* dummy;
   CHECK_CUDA(cudaMalloc(&dummy, 4));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  empty_kernel<<<1, 32, 0, st>>>(dummy);
-  CHECK_CUDA(cudaStreamEndCapture(st, &g));
-  CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-  const Timing t = time_graph(ge, st, reps, fl);
+  const Timing t = time_captured(st, reps, fl, [&](cudaStream_t s) { empty_kernel<<<1, 32, 0, s>>>(dummy); });
   std::printf("graph of one empty kernel (the floor of every row): median %.2f us\n", t.med);
-  CHECK_CUDA(cudaGraphExecDestroy(ge));
-  CHECK_CUDA(cudaGraphDestroy(g));
   CHECK_CUDA(cudaFree(dummy));
 }
 
@@ -1229,30 +1239,23 @@ int roofline_mode(int reps) {
     const size_t n16 = size_t(r.bytes) / 16;
     // 1. The best plain read over loads in flight per thread and CTAs per SM.
     auto time_read = [&](const Cfg& c, int ctas_per_sm, int depth, bool merge) {
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      c.fn<<<g_num_sms * ctas_per_sm, kRoofThreads, c.stages * c.chunk, st>>>(buf, n16, chain, depth, 0, partial,
-                                                                                 fl.sink);
-      CHECK_CUDA(cudaGetLastError());
-      if (merge) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(16);
-        cfg.blockDim = dim3(kRoofD);
-        cfg.stream = st;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CHECK_CUDA(cudaLaunchKernelEx(&cfg, roof_merge_kernel, static_cast<const float*>(partial), out));
-      }
-      CHECK_CUDA(cudaStreamEndCapture(st, &g));
-      CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-      const Timing t = time_graph(ge, st, reps, fl);
-      CHECK_CUDA(cudaGraphExecDestroy(ge));
-      CHECK_CUDA(cudaGraphDestroy(g));
-      return t;
+      return time_captured(st, reps, fl, [&](cudaStream_t s) {
+        c.fn<<<g_num_sms * ctas_per_sm, kRoofThreads, c.stages * c.chunk, s>>>(buf, n16, chain, depth, 0, partial,
+                                                                                  fl.sink);
+        CHECK_CUDA(cudaGetLastError());
+        if (merge) {
+          cudaLaunchConfig_t cfg = {};
+          cfg.gridDim = dim3(16);
+          cfg.blockDim = dim3(kRoofD);
+          cfg.stream = s;
+          cudaLaunchAttribute attr[1];
+          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cfg.attrs = attr;
+          cfg.numAttrs = 1;
+          CHECK_CUDA(cudaLaunchKernelEx(&cfg, roof_merge_kernel, static_cast<const float*>(partial), out));
+        }
+      });
     };
     auto print = [&](const char* what, const Timing& t) {
       std::printf("%-28s %9.2f %-34s %9.2f %9.2f %9.2f %8.3f\n", r.name, r.bytes / 1e6, what, t.med, t.p20, t.p80,
@@ -1420,6 +1423,26 @@ __global__ void __launch_bounds__(kPrThreads)
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
 }
 
+struct PagedReadCfg {
+  int mode, stages;
+  void (*fn)(const uint4*, const uint4*, const int*, int, int, unsigned*);
+};
+
+// Mode M with rings of 4, 8, 16 and 24 stages.
+template <int M>
+void add_paged_read_configs(std::vector<PagedReadCfg>& cfgs) {
+  cfgs.insert(cfgs.end(), {{M, 4, paged_read_kernel<4, M>}, {M, 8, paged_read_kernel<8, M>},
+                           {M, 16, paged_read_kernel<16, M>}, {M, 24, paged_read_kernel<24, M>}});
+}
+
+// Every mode, in order.
+template <int... M>
+std::vector<PagedReadCfg> paged_read_configs(std::integer_sequence<int, M...>) {
+  std::vector<PagedReadCfg> cfgs;
+  (add_paged_read_configs<M>(cfgs), ...);
+  return cfgs;
+}
+
 int paged_read_mode(int reps) {
   reps = std::max(reps, 50);
   cudaStream_t st;
@@ -1444,23 +1467,7 @@ int paged_read_mode(int reps) {
   int smem_sm = 0, smem_cta = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&smem_cta, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  using KernelFn = void (*)(const uint4*, const uint4*, const int*, int, int, unsigned*);
-  struct Cfg {
-    int mode, stages;
-    KernelFn fn;
-  };
-  std::vector<Cfg> cfgs;
-  auto add_mode = [&](int mode, auto... fns) {
-    int stages = 4;
-    for (KernelFn fn : {fns...}) cfgs.push_back({mode, stages, fn}), stages = stages == 4 ? 8 : stages + 8;
-  };
-  // rings of 4, 8, 16 and 24 stages
-  add_mode(0, paged_read_kernel<4, 0>, paged_read_kernel<8, 0>, paged_read_kernel<16, 0>, paged_read_kernel<24, 0>);
-  add_mode(1, paged_read_kernel<4, 1>, paged_read_kernel<8, 1>, paged_read_kernel<16, 1>, paged_read_kernel<24, 1>);
-  add_mode(2, paged_read_kernel<4, 2>, paged_read_kernel<8, 2>, paged_read_kernel<16, 2>, paged_read_kernel<24, 2>);
-  add_mode(3, paged_read_kernel<4, 3>, paged_read_kernel<8, 3>, paged_read_kernel<16, 3>, paged_read_kernel<24, 3>);
-  add_mode(4, paged_read_kernel<4, 4>, paged_read_kernel<8, 4>, paged_read_kernel<16, 4>, paged_read_kernel<24, 4>);
-  add_mode(5, paged_read_kernel<4, 5>, paged_read_kernel<8, 5>, paged_read_kernel<16, 5>, paged_read_kernel<24, 5>);
+  const std::vector<PagedReadCfg> cfgs = paged_read_configs(std::make_integer_sequence<int, kPrModes>{});
   const char* mode_names[kPrModes] = {"head rows", "2-head rows", "4-head rows", "whole pages", "balanced",
                                       "contiguous"};
   {  // every mode reads every piece once: 5 sequences of 64 shuffled pages, ungrouped modes on 7 CTAs
@@ -1478,7 +1485,7 @@ int paged_read_mode(int reps) {
         return 1;
       }
   }
-  for (const Cfg& c : cfgs)
+  for (const PagedReadCfg& c : cfgs)
     CHECK_CUDA(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_cta));
   print_graph_floor(st, reps, fl);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row after %d "
@@ -1501,7 +1508,7 @@ int paged_read_mode(int reps) {
     Timing best[kPrModes];
     int best_s[kPrModes] = {}, best_k[kPrModes] = {};
     for (Timing& b : best) b = {1e30, 0, 0};
-    for (const Cfg& c : cfgs)
+    for (const PagedReadCfg& c : cfgs)
       for (int ctas : {1, 2, 3, 4, 8}) {
         if (paged_read_grouped(c.mode) && r.B * kPrHeads < g_num_sms) continue;
         const int ring = c.stages * 2 * kPrThreads * 16;
@@ -1510,16 +1517,9 @@ int paged_read_mode(int reps) {
         int fit = 0;
         CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, c.fn, kPrThreads, smem));
         const int grid = paged_read_grouped(c.mode) ? r.B * kPrHeads : g_num_sms * fit;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        c.fn<<<grid, kPrThreads, smem, st>>>(k, v, tables, log2_pages, r.B, fl.sink);
-        CHECK_CUDA(cudaGetLastError());
-        CHECK_CUDA(cudaStreamEndCapture(st, &g));
-        CHECK_CUDA(cudaGraphInstantiate(&ge, g, 0));
-        const Timing t = time_graph(ge, st, reps, fl);
-        CHECK_CUDA(cudaGraphExecDestroy(ge));
-        CHECK_CUDA(cudaGraphDestroy(g));
+        const Timing t = time_captured(st, reps, fl, [&](cudaStream_t s) {
+          c.fn<<<grid, kPrThreads, smem, s>>>(k, v, tables, log2_pages, r.B, fl.sink);
+        });
         std::printf("%-14s %-12s %6d %7d %7d %9.2f %9.2f %9.2f %8.3f\n", name, mode_names[c.mode], c.stages, fit,
                     grid, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12);
         std::fflush(stdout);
