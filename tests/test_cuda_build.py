@@ -201,7 +201,7 @@ def test_decode_selftest_builds(compiled, nvcc_out, tmp_path):
     decode_units = [s for s in SOURCES if s.startswith("decode/")]
     assert "decode/launch.cu" in decode_units and DECODE_KERNEL_SOURCES
     assert all(compiled[s][0] == 0 for s in decode_units)
-    objects = [Path(nvcc_out) / f"{Path(s).stem}.sm{'_'.join(ARCHS)}.o" for s in decode_units]
+    objects = [build.standalone_object(s, ARCHS, nvcc_out) for s in decode_units]
     exe = tmp_path / "decode_selftest"
     cmd = [NVCC, *flags.group(1).replace("$csrc", str(CSRC)).split(), str(scripts / "decode_selftest.cu"),
            *map(str, objects), "-o", str(exe), "-lgomp"]

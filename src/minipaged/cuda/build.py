@@ -238,6 +238,12 @@ def nvcc_path() -> str | None:
     return None
 
 
+def standalone_object(source: Path | str, arch, out_dir: Path | str) -> Path:
+    """The object compile_standalone writes for `source` and `arch` (one arch or a list) in out_dir."""
+    archs = [arch] if isinstance(arch, str) else list(arch)
+    return Path(out_dir) / f"{Path(source).stem}.sm{'_'.join(archs)}.o"
+
+
 def compile_standalone(source: Path | str, arch, out_dir: Path | str, extra: list[str] | None = None):
     """nvcc -c `source` for sm_`arch` (one arch or a list: one nvcc run, one ptxas
     pass per arch) with -Xptxas -v. With "90a" among the archs the sm_90a defines
@@ -250,7 +256,7 @@ def compile_standalone(source: Path | str, arch, out_dir: Path | str, extra: lis
         raise FileNotFoundError("nvcc not found")
     archs = [arch] if isinstance(arch, str) else list(arch)
     source = Path(source)
-    obj = Path(out_dir) / f"{source.stem}.sm{'_'.join(archs)}.o"
+    obj = standalone_object(source, archs, out_dir)
     cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo"]
     cmd += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     cmd += ["-Xptxas", "-v", "-I", str(CSRC), "-c", str(source), "-o", str(obj)]
