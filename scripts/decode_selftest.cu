@@ -1026,15 +1026,16 @@ int time_mode(int reps) {
       const Timing t = time_graph(ge, st, reps, fl);
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
-      char cfg[112];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s%s", v & 0xff, plan.threads == 64 ? " 2warp" : "",
+      char cfg[128];
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s%s%s", v & 0xff, plan.threads == 64 ? " 2warp" : "",
                     v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
                     v & minipaged::kDecodeVariantWorklistFixedRuns ? " fixed-runs" : "",
                     v & minipaged::kDecodeVariantWorklistEarlyMerge ? " early-merge" : "",
                     v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "",
-                    v & minipaged::kDecodeVariantWorklistGroupedMerge ? " merge-grouping-flipped" : "");
+                    v & minipaged::kDecodeVariantWorklistGroupedMerge ? " merge-grouping-flipped" : "",
+                    v & minipaged::kDecodeVariantWarpMerge ? " warp-merge" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

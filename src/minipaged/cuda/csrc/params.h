@@ -236,6 +236,9 @@ struct DecodePlan {
   void (*worklist_kernel)(const DecodeParams) = nullptr;
   void (*worklist_reduce)(const DecodeParams) = nullptr;
   void (*worklist_reduce_grouped)(const DecodeParams) = nullptr;  // kWorklistMergeSeqs per CTA
+  // reduce and worklist_reduce with one warp per query head (kDecodeVariantWarpMerge)
+  void (*reduce_warps)(const DecodeParams) = nullptr;
+  void (*worklist_reduce_warps)(const DecodeParams) = nullptr;
 };
 
 // Chooses the kernel (dtype, head dim, GQA group, p.variant) and
@@ -328,6 +331,20 @@ constexpr int kDecodeVariantTwoWarpToggle = 0x20000;
 inline bool decode_two_warp_wanted(bool kv_fp8, int variant) {
   const bool by_default = kv_fp8 ? MINIPAGED_DECODE_TWO_WARP_FP8 != 0 : MINIPAGED_DECODE_TWO_WARP != 0;
   return by_default != ((variant & kDecodeVariantTwoWarpToggle) != 0);
+}
+// Warp merge: the split merge runs one warp per (sequence, query head) and one CTA per 8 heads
+// (decode/reduce.cuh merge_split_row_warp, the same arithmetic bit for bit) instead of one
+// 256-thread CTA per (sequence, query head), whose two barriers and eight times as many CTAs
+// cost B=64 L=8k 4.0 us at G = 2 and 9.9 us at G = 8 on an H100
+// (bench/results/nvidia-h100/decode_paged_read_9614a0d). A work list's merge then takes it in
+// place of the grouped one. Off until measured: MINIPAGED_DECODE_WARP_MERGE=1 turns it on for a
+// build, the bit flips it for a call.
+#ifndef MINIPAGED_DECODE_WARP_MERGE
+#define MINIPAGED_DECODE_WARP_MERGE 0
+#endif
+constexpr int kDecodeVariantWarpMerge = 0x40000;
+inline bool decode_warp_merge_wanted(int variant) {
+  return (MINIPAGED_DECODE_WARP_MERGE != 0) != ((variant & kDecodeVariantWarpMerge) != 0);
 }
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);

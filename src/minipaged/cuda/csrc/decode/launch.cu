@@ -334,9 +334,15 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // The reduction as a programmatic dependent launch: its CTAs are set up while the split
   // kernel drains instead of after it.
-  const int seqs_per_cta = p.worklist > 0 ? worklist_merge_seqs_per_cta(p, reduce_rows) : 1;
-  const dim3 reduce_grid(p.num_q_heads, static_cast<unsigned>((reduce_rows + seqs_per_cta - 1) / seqs_per_cta));
-  const auto reduce = p.worklist == 0 ? k.reduce : seqs_per_cta > 1 ? k.worklist_reduce_grouped : k.worklist_reduce;
+  const bool warps = decode_warp_merge_wanted(p.variant);
+  const int seqs_per_cta = p.worklist > 0 && !warps ? worklist_merge_seqs_per_cta(p, reduce_rows) : 1;
+  const int heads_per_cta = warps ? kReduceWarpHeads : 1;
+  const dim3 reduce_grid((p.num_q_heads + heads_per_cta - 1) / heads_per_cta,
+                         static_cast<unsigned>((reduce_rows + seqs_per_cta - 1) / seqs_per_cta));
+  const auto reduce = p.worklist == 0      ? (warps ? k.reduce_warps : k.reduce)
+                      : seqs_per_cta > 1 ? k.worklist_reduce_grouped
+                                         : (warps ? k.worklist_reduce_warps : k.worklist_reduce);
+  if (reduce == nullptr) return cudaErrorInvalidValue;
   return launch_pdl(reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
                     p.cc_major >= 9 && !(p.variant & kVariantNoPDL), p);
 }

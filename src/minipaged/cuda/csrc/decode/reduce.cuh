@@ -24,6 +24,11 @@ constexpr int kMaxSplits = 256;
 constexpr int kReduceThreads = 256;
 static_assert(kMaxSplits <= kReduceThreads, "one log-sum-exp per thread");
 static_assert(kWorklistMaxSplits == kMaxSplits, "a work list's splits fit one merge");
+// Split rows one chain of decode_reduce_kernel covers: thread (r, col) of
+// that kernel accumulates splits r, r + ROWS, ... of its four dims.
+template <int D>
+constexpr int kReduceRows = kReduceThreads / (D / 4);
+
 // Split rows per reduction thread loaded before the weights are known: all of
 // them up to 4 * ROWS splits (32 at D = 128, 64 at D = 64).
 constexpr int kPrefetch = 4;
@@ -123,6 +128,83 @@ __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, i
   }
 }
 
+// One (row b, query head h) merge by one warp, for the merge grid of one warp per query head
+// (params.h kDecodeVariantWarpMerge): merge_split_rows' arithmetic operation for operation (the
+// row max; weights ex2(lse_s - max); their sum as warp butterflies over splits [32i, 32i + 32)
+// added in order; per output float4, ROWS fma chains over splits r, r + ROWS, ... added in chain
+// order; o * (1 / sum)), so that it, the CTA merge and the fused one agree bitwise. The CTA merge
+// spends 256 threads and two barriers on a row of a few splits; a warp needs neither barrier,
+// and a grid of one CTA per 8 heads has an eighth of the CTAs. Lane c < D / 4 owns output float4
+// c and runs all ROWS chains of it. sm_w: this warp's kMaxSplits weights.
+template <typename T, int D, bool PQ, bool MQ>
+__device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int h, int b, int S, int64_t row0,
+                                                     float* sm_w) {
+  constexpr int LANES = D / 4;
+  constexpr int ROWS = kReduceRows<D>;
+  constexpr int kPre = ROWS < 8 ? ROWS : 8;  // split rows requested with the log-sum-exps
+  constexpr int kChunks = kMaxSplits / 32;
+  static_assert(LANES <= 32, "one lane per output float4");
+  const int lane = threadIdx.x & 31;
+  const bool owner = lane < LANES;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + row0 * D) + (owner ? lane : 0);
+  float4 pre[kPre];
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    pre[s] = owner && s < S ? __ldcg(po + static_cast<int64_t>(s) * LANES) : make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* lse = p.partial_lse + row0;
+  float x[kChunks];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int s = i * 32 + lane;
+    x[i] = s < S ? __ldcg(lse + s) : -INFINITY;
+    mx = fmaxf(mx, x[i]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const float mref = mx == -INFINITY ? 0.f : mx;
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    if (i * 32 < S) {  // a chunk past S adds +0: skipping it is exact
+      const float w = fast_exp2(x[i] - mref);
+      if (i * 32 + lane < S) sm_w[i * 32 + lane] = w;
+      float L = w;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+      total += L;
+    }
+  }
+  __syncwarp();
+  if (!owner) return;
+  float4 acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < S) fma4(acc[r], sm_w[r], r < kPre ? pre[r] : __ldcg(po + static_cast<int64_t>(r) * LANES));
+  }
+  for (int k0 = ROWS; k0 < S; k0 += ROWS) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (k0 + r < S) fma4(acc[r], sm_w[k0 + r], __ldcg(po + static_cast<int64_t>(k0 + r) * LANES));
+  }
+  float4 o = acc[0];
+#pragma unroll
+  for (int r = 1; r < ROWS; ++r) o.x += acc[r].x, o.y += acc[r].y, o.z += acc[r].z, o.w += acc[r].w;
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  int out_row = b;
+  if constexpr (MQ) {
+    const int seq = b / p.max_seqlen_q;
+    out_row = p.cu_seqlens_q[seq] + (b - seq * p.max_seqlen_q);
+  } else if constexpr (PQ) {
+    out_row = p.cu_seqlens_q[b];
+  }
+  if (p.lse != nullptr && lane == 0)
+    p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
+  T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + lane * 4;
+  store4(op, o, inv);
+}
+
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.
 // MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
@@ -133,16 +215,21 @@ __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, i
 // kWorklistMergeSeqs sequences, so that a batch of short sequences, nearly all of one slot,
 // dispatches a quarter of the CTAs; the CTA merges those of its sequences that took 2+ slots
 // one after the other.
-template <typename T, int D, bool PQ = false, bool MQ = false, bool WL = false, bool GROUPED = false>
+// WARPS (params.h kDecodeVariantWarpMerge): blockIdx.x covers kReduceWarpHeads query heads, one
+// warp each (merge_split_row_warp), instead of one head per CTA.
+template <typename T, int D, bool PQ = false, bool MQ = false, bool WL = false, bool GROUPED = false,
+          bool WARPS = false>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const DecodeParams p) {
   static_assert(!WL || (!PQ && !MQ), "work lists: plain decode");
   static_assert(!GROUPED || WL, "grouped merges: work lists");
+  static_assert(!(GROUPED && WARPS), "a grouped merge has one head per CTA");
   constexpr int LANES = D / 4;                  // threads covering one split row
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
   constexpr int kRedWarps = kReduceThreads / 32;
-  __shared__ float sm_w[kReduceThreads];
+  // (the warp merge's weights, kMaxSplits per warp, share the buffer of the CTA merge's)
+  __shared__ float sm_w[WARPS ? kRedWarps * kMaxSplits : kReduceThreads];
   __shared__ float sm_warp[kRedWarps];
-  __shared__ float4 sm_o[ROWS][LANES];
+  __shared__ float4 sm_o[WARPS ? 1 : ROWS][LANES];
   reduce_trace(kRtEntry);
   reduce_trace(kRtSm);
   if constexpr (GROUPED) {
@@ -211,18 +298,21 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   // kernel has finished and its partials are visible.
   griddep_wait();
   reduce_trace(kRtWaited);
-  const int h = blockIdx.x;
+  const int warp = threadIdx.x >> 5;
+  const int h = WARPS ? static_cast<int>(blockIdx.x) * kRedWarps + warp : static_cast<int>(blockIdx.x);
   const int b = blockIdx.y;
   const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
                           : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
-  merge_split_rows<T, D, PQ, MQ>(p, h, b, S, row0, sm_w, sm_warp, sm_o);
+  if constexpr (WARPS) {
+    if (h < p.num_q_heads) merge_split_row_warp<T, D, PQ, MQ>(p, h, b, S, row0, sm_w + warp * kMaxSplits);
+  } else {
+    merge_split_rows<T, D, PQ, MQ>(p, h, b, S, row0, sm_w, sm_warp, sm_o);
+  }
   reduce_trace(kRtExit);
 }
 
-// Split rows one chain of decode_reduce_kernel covers: thread (r, col) of
-// that kernel accumulates splits r, r + ROWS, ... of its four dims.
-template <int D>
-constexpr int kReduceRows = kReduceThreads / (D / 4);
+// Query heads per CTA of the warp-per-head merge grid (decode_reduce_kernel's WARPS).
+constexpr int kReduceWarpHeads = kReduceThreads / 32;
 
 // One-launch split reduction (variant bit kVariantFused of decode/select.cuh):
 // called by every CTA of a decode kernel after it stored its partials. Each CTA

@@ -38,6 +38,14 @@ inline int group_tile(int group) {
 // the decode grid (bench/results/nvidia-h200/decode_tilings.md).
 constexpr int kVariantFused = 0x400;
 
+// The work-list merges of a plan with a work-list twin: one head per CTA, grouped, and warps.
+template <typename T, int D>
+void set_worklist_reduce(DecodePlan& k) {
+  k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
+  k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
+  k.worklist_reduce_warps = decode_reduce_kernel<T, D, false, false, true, false, true>;
+}
+
 // Scalar kernel (decode/scalar.cuh); AHEAD / MINB: its register-ring depth and
 // minimum CTAs per SM (0 / 0: the PIPE / STAGES pipelines, no register cap).
 // PQ: the packed-query instantiations (DecodeParams::cu_seqlens_q).
@@ -49,10 +57,10 @@ DecodePlan info() {
   DecodePlan k;
   k.kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, FUSED, AHEAD, MINB, PQ>;
   k.reduce = decode_reduce_kernel<T, D, PQ>;
+  k.reduce_warps = decode_reduce_kernel<T, D, PQ, false, false, false, true>;
   if constexpr (TWIN && !FUSED && !PQ) {
     k.worklist_kernel = paged_decode_kernel<T, D, G, TPT, U, PIPE, STAGES, FP8, false, AHEAD, MINB, false, true>;
-    k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
-    k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
+    set_worklist_reduce<T, D>(k);
   }
   k.group_tile = G;
   k.threads = kWarps * 32;
@@ -88,10 +96,10 @@ DecodePlan info_mma() {
   DecodePlan k;
   k.kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, false, NW>;
   k.reduce = decode_reduce_kernel<T, D, PQ, MQ>;
+  k.reduce_warps = decode_reduce_kernel<T, D, PQ, MQ, false, false, true>;
   if constexpr (TWIN && !FUSED && !PQ && !MQ) {
     k.worklist_kernel = decode_mma::paged_decode_mma_kernel<T, D, STAGES, FP8, false, false, WT, false, RB, true, NW>;
-    k.worklist_reduce = decode_reduce_kernel<T, D, false, false, true>;
-    k.worklist_reduce_grouped = decode_reduce_kernel<T, D, false, false, true, true>;
+    set_worklist_reduce<T, D>(k);
   }
   k.group_tile = RB * decode_mma::kRows;
   k.threads = NW * 32;
