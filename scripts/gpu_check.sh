@@ -3,7 +3,7 @@
 # run the benchmarks, and leave logs + JSON under $OUT (bundled into one tarball,
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [launch_profile] [invariant] [power] [paged_selftest]
-#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [two_warp_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
+#                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_bits_ab] [two_warp_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
 #                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
@@ -366,6 +366,23 @@ for s in $stages; do
           export STAGE_TIMEOUT_time${r}_$b=${STAGE_TIMEOUT_decode_ab_time:-110}
           DECODE_TIME_TILINGS=${DECODE_AB_TILINGS:-} run time${r}_$b "$bin/$b" time ${DECODE_SELFTEST_REPS:-100}
         done
+      done;;
+    decode_bits_ab)
+      # A/B of variant bits in one decode_selftest build (built here if not carried): `check` with
+      # DECODE_AB_BITS (default 0x40000, the warp merge) ORed into every call, memcheck of `small`
+      # with them, then `time` of variants 0, the bits and 0x800 (the split kernel alone) at each
+      # head layout of DECODE_AB_HEADS (default "16,8,128 64,8,128"), uneven rows included.
+      decode_selftest_bin decode_selftest_build decode_selftest
+      export OMP_NUM_THREADS=16
+      bits=${DECODE_AB_BITS:-0x40000}
+      STAGE_TIMEOUT_bits_check=${STAGE_TIMEOUT_bits_check:-150} DECODE_CHECK_BITS=$bits \
+        run bits_check "$bin/decode_selftest" check
+      STAGE_TIMEOUT_bits_memcheck=${STAGE_TIMEOUT_bits_memcheck:-60} DECODE_CHECK_BITS=$bits \
+        run bits_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/decode_selftest" small
+      for h in ${DECODE_AB_HEADS:-16,8,128 64,8,128}; do
+        export STAGE_TIMEOUT_bits_time_${h//,/_}=${STAGE_TIMEOUT_bits_time:-60}
+        DECODE_TIME_HEADS=$h DECODE_TIME_VARIANTS=0,$((bits)),2048 DECODE_TIME_SKEW=1 \
+          run bits_time_${h//,/_} "$bin/decode_selftest" time ${DECODE_SELFTEST_REPS:-100}
       done;;
     two_warp_ab)
       # The two-warp tensor-core decode (decode/launch.cu with_two_warp, tilings 20-22) and the row

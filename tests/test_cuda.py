@@ -129,6 +129,9 @@ GROUPED_MERGE = 0x10000
 # kDecodeTwoWarpMaxTableTokens); decode/select.cuh tilings 20-22: that kernel forced, 3 / 4 / 2 stages
 TWO_WARP = 0x20000
 TWO_WARP_MAX_TABLE_TOKENS = 1024
+# params.h kDecodeVariantWarpMerge: flips (off by default) the split merge with one warp per
+# (sequence, query head) and 8 heads per CTA, which must give the CTA merge's bits
+WARP_MERGE = 0x40000
 TWO_WARP_TILINGS = (20, 21, 22)
 
 
@@ -850,8 +853,9 @@ def test_decode_pdl_launch_is_bitwise_plain_launch(ops, splits):
 
 
 @pytest.mark.parametrize("flip", [EARLY_TRIGGER, EARLY_MERGE, EARLY_TRIGGER | EARLY_MERGE, NO_PDL, GROUPED_MERGE,
-                                  GROUPED_MERGE | EARLY_MERGE],
-                         ids=["trigger", "merge", "both", "no-pdl", "grouped", "grouped-late-merge"])
+                                  GROUPED_MERGE | EARLY_MERGE, WARP_MERGE, WARP_MERGE | EARLY_MERGE],
+                         ids=["trigger", "merge", "both", "no-pdl", "grouped", "grouped-late-merge", "warp",
+                              "warp-late-merge"])
 @pytest.mark.parametrize("shape", ["b1", "worklist", "worklist-b136"])
 def test_decode_merge_launch_order_is_bitwise(ops, flip, shape):
     # Where the split kernel lets its merge launch, whether a work list's merge reads its plan
@@ -871,6 +875,25 @@ def test_decode_merge_launch_order_is_bitwise(ops, flip, shape):
     for _ in range(3):
         b = ops.decode(q, kc, vc, bt, cl, 0.0883, variant=flip)
         assert torch.equal(a, b), f"{shape} variant {flip:#x}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(16, 8), (64, 8), (12, 3), (7, 7)], ids=["G2", "G8", "Hq12", "G1"])
+@pytest.mark.parametrize("splits", [0, 2, 9, 40, 256])
+def test_decode_warp_merge_is_bitwise(ops, dtype, D, heads, splits):
+    # The warp merge computes the CTA merge's operations in the same order: the same o and lse
+    # bits at every split count (40 and 256: more splits than one warp's lanes, and chains of
+    # several splits), head dim (D 64: 16 chains per output float4), and a head count that
+    # leaves the last merge CTA part empty (12 heads, 8 per CTA).
+    lens = [4097, 0, 1, 333, 2000]
+    q, kc, vc, bt, cl = _paged_problem(len(lens), heads[0], heads[1], D, 16, lens, dtype, seed=D + splits)
+    scale = 1.0 / math.sqrt(D)
+    b = _check_decode(ops, q, kc, vc, bt, cl, scale, f"warp merge {heads} D{D} splits={splits}",
+                      num_splits=splits, variant=WARP_MERGE)
+    a, la = ops.decode(q, kc, vc, bt, cl, scale, True, num_splits=splits)
+    b2, lb = ops.decode(q, kc, vc, bt, cl, scale, True, num_splits=splits, variant=WARP_MERGE)
+    assert torch.equal(a, b) and torch.equal(a, b2) and torch.equal(la, lb), f"{heads} D{D} splits={splits}"
 
 
 def test_public_api_backends(ops):

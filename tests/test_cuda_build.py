@@ -96,11 +96,11 @@ def _kernel_names(compiled, source, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_worklist_kernels_compiled(compiled, arch):
     # The work list's one-CTA plan kernel (decode/worklist_plan.cuh) and the work-list twins of the
-    # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED>: two q dtypes
-    # x two head dims, one sequence or kWorklistMergeSeqs per CTA) ship in every decode build, so
-    # that a plan may take a work list on any device. The planner is decode/launch.cu's; the twins
-    # are compiled with the kernels of each (q dtype, head dim) slice (anonymous-namespace names:
-    # compared from the template name on).
+    # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED, WARPS>: two q
+    # dtypes x two head dims; one sequence or kWorklistMergeSeqs per CTA, or one warp per head) ship
+    # in every decode build, so that a plan may take a work list on any device. The planner is
+    # decode/launch.cu's; the twins are compiled with the kernels of each (q dtype, head dim) slice
+    # (anonymous-namespace names: compared from the template name on).
     def kernels(source):
         return _kernel_names(compiled, source, arch)
 
@@ -110,10 +110,10 @@ def test_decode_worklist_kernels_compiled(compiled, arch):
     assert len(DECODE_KERNEL_SOURCES) == 8, DECODE_KERNEL_SOURCES  # 2 q dtypes x 2 head dims x 2 cache dtypes
     names = [n for src in DECODE_KERNEL_SOURCES for n in kernels(src)]
     assert not any("decode_worklist_plan_kernel" in n for n in names)
-    for grouped in (0, 1):
-        tail = f"ELb0ELb0ELb1ELb{grouped}EEEvNS_12DecodeParamsE"
+    for grouped, warps in ((0, 0), (1, 0), (0, 1)):
+        tail = f"ELb0ELb0ELb1ELb{grouped}ELb{warps}EEEvNS_12DecodeParamsE"
         twins = {n[n.index("decode_reduce_kernel"):] for n in names if "decode_reduce_kernel" in n and n.endswith(tail)}
-        assert len(twins) == 4, (grouped, twins)
+        assert len(twins) == 4, (grouped, warps, twins)
 
 
 @needs_nvcc

@@ -128,30 +128,17 @@ __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, i
   }
 }
 
-// One (row b, query head h) merge by one warp, for the merge grid of one warp per query head
-// (params.h kDecodeVariantWarpMerge): merge_split_rows' arithmetic operation for operation (the
-// row max; weights ex2(lse_s - max); their sum as warp butterflies over splits [32i, 32i + 32)
-// added in order; per output float4, ROWS fma chains over splits r, r + ROWS, ... added in chain
-// order; o * (1 / sum)), so that it, the CTA merge and the fused one agree bitwise. The CTA merge
-// spends 256 threads and two barriers on a row of a few splits; a warp needs neither barrier,
-// and a grid of one CTA per 8 heads has an eighth of the CTAs. Lane c < D / 4 owns output float4
-// c and runs all ROWS chains of it. sm_w: this warp's kMaxSplits weights.
-template <typename T, int D, bool PQ, bool MQ>
-__device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int h, int b, int S, int64_t row0,
-                                                     float* sm_w) {
-  constexpr int LANES = D / 4;
-  constexpr int ROWS = kReduceRows<D>;
-  constexpr int kPre = ROWS < 8 ? ROWS : 8;  // split rows requested with the log-sum-exps
+// The weights of one merge row, by one warp: sm_w[s] = ex2(lse_s - mref) for the S splits
+// (lane j takes splits j, 32 + j, ...), mref the row max (0 if every split is empty), total their
+// sum as warp butterflies over splits [32i, 32i + 32) added in order: decode_reduce_kernel's
+// weights bit for bit. Partials come from other CTAs: read at L2 (.cg), never from a line this
+// SM's L1 may hold from an earlier call.
+struct SplitWeights {
+  float mref, total;
+};
+__device__ __forceinline__ SplitWeights warp_split_weights(const float* lse, int S, float* sm_w) {
   constexpr int kChunks = kMaxSplits / 32;
-  static_assert(LANES <= 32, "one lane per output float4");
   const int lane = threadIdx.x & 31;
-  const bool owner = lane < LANES;
-  const float4* po = reinterpret_cast<const float4*>(p.partial_o + row0 * D) + (owner ? lane : 0);
-  float4 pre[kPre];
-#pragma unroll
-  for (int s = 0; s < kPre; ++s)
-    pre[s] = owner && s < S ? __ldcg(po + static_cast<int64_t>(s) * LANES) : make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* lse = p.partial_lse + row0;
   float x[kChunks];
   float mx = -INFINITY;
 #pragma unroll
@@ -175,6 +162,33 @@ __device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int 
       total += L;
     }
   }
+  return {mref, total};
+}
+
+// One (row b, query head h) merge by one warp, for the merge grid of one warp per query head
+// (params.h kDecodeVariantWarpMerge): merge_split_rows' arithmetic operation for operation (the
+// row max; weights ex2(lse_s - max); their sum as warp butterflies over splits [32i, 32i + 32)
+// added in order; per output float4, ROWS fma chains over splits r, r + ROWS, ... added in chain
+// order; o * (1 / sum)), so that it, the CTA merge and the fused one agree bitwise. The CTA merge
+// spends 256 threads and two barriers on a row of a few splits; a warp needs neither barrier,
+// and a grid of one CTA per 8 heads has an eighth of the CTAs. Lane c < D / 4 owns output float4
+// c and runs all ROWS chains of it. sm_w: this warp's kMaxSplits weights.
+template <typename T, int D, bool PQ, bool MQ>
+__device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int h, int b, int S, int64_t row0,
+                                                     float* sm_w) {
+  constexpr int LANES = D / 4;
+  constexpr int ROWS = kReduceRows<D>;
+  constexpr int kPre = ROWS < 8 ? ROWS : 8;  // split rows requested with the log-sum-exps
+  static_assert(LANES <= 32, "one lane per output float4");
+  const int lane = threadIdx.x & 31;
+  const bool owner = lane < LANES;
+  const float4* po = reinterpret_cast<const float4*>(p.partial_o + row0 * D) + (owner ? lane : 0);
+  float4 pre[kPre];
+#pragma unroll
+  for (int s = 0; s < kPre; ++s)
+    pre[s] = owner && s < S ? __ldcg(po + static_cast<int64_t>(s) * LANES) : make_float4(0.f, 0.f, 0.f, 0.f);
+  const SplitWeights sw = warp_split_weights(p.partial_lse + row0, S, sm_w);
+  const float mref = sw.mref, total = sw.total;
   __syncwarp();
   if (!owner) return;
   float4 acc[ROWS];
@@ -362,38 +376,13 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
   const int64_t row_base = (static_cast<int64_t>(slice.b) * p.num_q_heads + slice.h0) * stride;
   const int lane = tid & 31, warp = tid >> 5;
 
-  // Weights, one warp per head row: lane j holds splits j, 32 + j, ...
-  // Partials were written by other CTAs of this grid: they are read at L2
-  // (.cg), never from a line this SM's L1 may hold from an earlier call.
-  constexpr int kChunks = kMaxSplits / 32;
+  // Weights, one warp per head row.
   for (int row = warp; row < ng; row += kWarpsHere) {
-    const float* lse = p.partial_lse + row_base + static_cast<int64_t>(row) * stride;
-    float x[kChunks];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int s = i * 32 + lane;
-      x[i] = s < S ? __ldcg(lse + s) : -INFINITY;
-      mx = fmaxf(mx, x[i]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float mref = mx == -INFINITY ? 0.f : mx;
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      if (i * 32 < S) {  // a chunk past S adds +0: skipping it is exact
-        const float w = fast_exp2(x[i] - mref);
-        if (i * 32 + lane < S) sm_w[row * kMaxSplits + i * 32 + lane] = w;
-        float L = w;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-        total += L;
-      }
-    }
+    const SplitWeights sw = warp_split_weights(p.partial_lse + row_base + static_cast<int64_t>(row) * stride, S,
+                                               sm_w + row * kMaxSplits);
     if (lane == 0) {
-      sm_mref[row] = mref;
-      sm_total[row] = total;
+      sm_mref[row] = sw.mref;
+      sm_total[row] = sw.total;
     }
   }
   __syncthreads();
