@@ -314,6 +314,8 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
+  const bool warps = decode_warp_merge_wanted(p.variant);
+  if (warps && k.reduce_warps == nullptr) return cudaErrorInvalidValue;
   // (a work list: p.worklist slots of (sequence, split), decode/worklist.cuh)
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,
                   p.worklist > 0 ? 1 : p.num_splits);
@@ -322,7 +324,8 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
     // The plan first, then the split kernel behind it (programmatic dependent launch): its CTAs
     // are resident by the time the plan lands and wait for it in decode_slice.
     if (k.worklist_kernel == nullptr || k.worklist_reduce == nullptr || k.worklist_reduce_grouped == nullptr ||
-        k.fused || p.worklist_plan == nullptr || p.batch > kWorklistMaxBatch || p.worklist <= p.batch)
+        k.worklist_reduce_warps == nullptr || k.fused || p.worklist_plan == nullptr || p.batch > kWorklistMaxBatch ||
+        p.worklist <= p.batch)
       return cudaErrorInvalidValue;
     decode_worklist_plan_kernel<<<1, kWorklistPlanThreads, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -334,7 +337,6 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   if (err != cudaSuccess || p.num_splits == 1 || k.fused || (p.variant & kVariantNoReduce)) return err;
   // The reduction as a programmatic dependent launch: its CTAs are set up while the split
   // kernel drains instead of after it.
-  const bool warps = decode_warp_merge_wanted(p.variant);
   const int seqs_per_cta = p.worklist > 0 && !warps ? worklist_merge_seqs_per_cta(p, reduce_rows) : 1;
   const int heads_per_cta = warps ? kReduceWarpHeads : 1;
   const dim3 reduce_grid((p.num_q_heads + heads_per_cta - 1) / heads_per_cta,
@@ -342,7 +344,6 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const auto reduce = p.worklist == 0      ? (warps ? k.reduce_warps : k.reduce)
                       : seqs_per_cta > 1 ? k.worklist_reduce_grouped
                                          : (warps ? k.worklist_reduce_warps : k.worklist_reduce);
-  if (reduce == nullptr) return cudaErrorInvalidValue;
   return launch_pdl(reduce, reduce_grid, dim3(kReduceThreads), 0, stream,
                     p.cc_major >= 9 && !(p.variant & kVariantNoPDL), p);
 }
