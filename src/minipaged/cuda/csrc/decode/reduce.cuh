@@ -51,6 +51,30 @@ __device__ __forceinline__ void store4(T* op, const float4& o, float inv) {
   op[3] = Convert<T>::from_float(o.w * inv);
 }
 
+// The q / o / lse row of merge grid row b: b itself, or the packed row of a packed-query (PQ) or
+// short-run (MQ: b = sequence * max_seqlen_q + query) decode row.
+template <bool PQ, bool MQ>
+__device__ __forceinline__ int merge_out_row(const DecodeParams& p, int b) {
+  if constexpr (MQ) {
+    const int seq = b / p.max_seqlen_q;
+    return p.cu_seqlens_q[seq] + (b - seq * p.max_seqlen_q);
+  } else if constexpr (PQ) {
+    return p.cu_seqlens_q[b];
+  }
+  return b;
+}
+
+// Output float4 col of a merged (row, query head h): o / total into o, and (col 0) the row's
+// natural-log lse from its log2 max mref and weight sum total. Every merge ends here.
+template <typename T>
+__device__ __forceinline__ void store_merged(const DecodeParams& p, int out_row, int h, int col, const float4& o,
+                                             float mref, float total) {
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  if (p.lse != nullptr && col == 0)
+    p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
+  store4(static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4, o, inv);
+}
+
 // The merge of one (row b, query head h) over its S >= 2 split rows, whose partials start at
 // partial row row0 (the caller has waited for the split kernel): every thread of the CTA, its
 // shared memory sm_w [kReduceThreads], sm_warp [kReduceThreads / 32], sm_o [ROWS][D / 4].
@@ -111,20 +135,9 @@ __device__ __forceinline__ void merge_split_rows(const DecodeParams& p, int h, i
       const float4 v = sm_o[i][col];
       o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
     // Packed queries: the row is looked up here, not kept live through the
     // loop (one register more spills at sm_80's 32-register cap).
-    int out_row = b;
-    if constexpr (MQ) {
-      const int seq = b / p.max_seqlen_q;
-      out_row = p.cu_seqlens_q[seq] + (b - seq * p.max_seqlen_q);
-    } else if constexpr (PQ) {
-      out_row = p.cu_seqlens_q[b];
-    }
-    if (p.lse != nullptr && col == 0)
-      p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
-    T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + col * 4;
-    store4(op, o, inv);
+    store_merged<T>(p, merge_out_row<PQ, MQ>(p, b), h, col, o, mref, total);
   }
 }
 
@@ -188,7 +201,6 @@ __device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int 
   for (int s = 0; s < kPre; ++s)
     pre[s] = owner && s < S ? __ldcg(po + static_cast<int64_t>(s) * LANES) : make_float4(0.f, 0.f, 0.f, 0.f);
   const SplitWeights sw = warp_split_weights(p.partial_lse + row0, S, sm_w);
-  const float mref = sw.mref, total = sw.total;
   __syncwarp();
   if (!owner) return;
   float4 acc[ROWS];
@@ -205,18 +217,7 @@ __device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int 
   float4 o = acc[0];
 #pragma unroll
   for (int r = 1; r < ROWS; ++r) o.x += acc[r].x, o.y += acc[r].y, o.z += acc[r].z, o.w += acc[r].w;
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  int out_row = b;
-  if constexpr (MQ) {
-    const int seq = b / p.max_seqlen_q;
-    out_row = p.cu_seqlens_q[seq] + (b - seq * p.max_seqlen_q);
-  } else if constexpr (PQ) {
-    out_row = p.cu_seqlens_q[b];
-  }
-  if (p.lse != nullptr && lane == 0)
-    p.lse[out_row * p.lse_batch_stride + h] = total > 0.f ? (mref + log2f(total)) * kLn2 : -INFINITY;
-  T* op = static_cast<T*>(p.o) + out_row * p.o_batch_stride + h * p.o_head_stride + lane * 4;
-  store4(op, o, inv);
+  store_merged<T>(p, merge_out_row<PQ, MQ>(p, b), h, lane, o, sw.mref, sw.total);
 }
 
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
@@ -419,15 +420,7 @@ __device__ __forceinline__ void fused_split_reduce(const DecodeParams& p, const 
       const float ow = __shfl_sync(0xffffffffu, acc.w, src_lane);
       o.x += ox, o.y += oy, o.z += oz, o.w += ow;
     }
-    if (valid && r == 0) {
-      const float total = sm_total[row];
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      const int h = slice.h0 + row;
-      if (p.lse != nullptr && col == 0)
-        p.lse[slice.row * p.lse_batch_stride + h] = total > 0.f ? (sm_mref[row] + log2f(total)) * kLn2 : -INFINITY;
-      T* op = static_cast<T*>(p.o) + slice.row * p.o_batch_stride + h * p.o_head_stride + col * 4;
-      store4(op, o, inv);
-    }
+    if (valid && r == 0) store_merged<T>(p, slice.row, slice.h0 + row, col, o, sm_mref[row], sm_total[row]);
   }
 }
 
