@@ -220,6 +220,9 @@ __device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int 
   store_merged<T>(p, merge_out_row<PQ, MQ>(p, b), h, lane, o, sw.mref, sw.total);
 }
 
+// Query heads per CTA of the warp-per-head merge grid (decode_reduce_kernel's WARPS): a warp each.
+constexpr int kReduceWarpHeads = kReduceThreads / 32;
+
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.
 // MQ (short query runs, DecodeParams::max_seqlen_q): blockIdx.y is (sequence b,
@@ -242,7 +245,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   constexpr int ROWS = kReduceThreads / LANES;  // split rows in flight per round
   constexpr int kRedWarps = kReduceThreads / 32;
   // (the warp merge's weights, kMaxSplits per warp, share the buffer of the CTA merge's)
-  __shared__ float sm_w[WARPS ? kRedWarps * kMaxSplits : kReduceThreads];
+  __shared__ float sm_w[WARPS ? kReduceWarpHeads * kMaxSplits : kReduceThreads];
   __shared__ float sm_warp[kRedWarps];
   __shared__ float4 sm_o[WARPS ? 1 : ROWS][LANES];
   reduce_trace(kRtEntry);
@@ -314,7 +317,7 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   griddep_wait();
   reduce_trace(kRtWaited);
   const int warp = threadIdx.x >> 5;
-  const int h = WARPS ? static_cast<int>(blockIdx.x) * kRedWarps + warp : static_cast<int>(blockIdx.x);
+  const int h = WARPS ? static_cast<int>(blockIdx.x) * kReduceWarpHeads + warp : static_cast<int>(blockIdx.x);
   const int b = blockIdx.y;
   const int64_t row0 = WL ? row0_of_head0 + static_cast<int64_t>(h) * p.worklist
                           : (static_cast<int64_t>(b) * p.num_q_heads + h) * p.num_splits;
@@ -326,8 +329,6 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(const Dec
   reduce_trace(kRtExit);
 }
 
-// Query heads per CTA of the warp-per-head merge grid (decode_reduce_kernel's WARPS).
-constexpr int kReduceWarpHeads = kReduceThreads / 32;
 
 // One-launch split reduction (variant bit kVariantFused of decode/select.cuh):
 // called by every CTA of a decode kernel after it stored its partials. Each CTA
