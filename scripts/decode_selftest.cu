@@ -1035,7 +1035,7 @@ int time_mode(int reps) {
                     v & minipaged::kDecodeVariantWorklistEarlyMerge ? " early-merge" : "",
                     v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "",
                     v & minipaged::kDecodeVariantWorklistGroupedMerge ? " merge-grouping-flipped" : "",
-                    v & minipaged::kDecodeVariantWarpMerge ? " warp-merge" : "");
+                    v & minipaged::kDecodeVariantWarpMerge ? " warp-merge-flipped" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,

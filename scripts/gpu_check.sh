@@ -378,8 +378,8 @@ for s in $stages; do
       done;;
     decode_bits_ab)
       # A/B of variant bits in one decode_selftest build (built here if not carried): `check` with
-      # DECODE_AB_BITS (default 0x40000, the warp merge) ORed into every call, memcheck of `small`
-      # with them, then `time` of variants 0, the bits and 0x800 (the split kernel alone) at each
+      # DECODE_AB_BITS (default 0x40000: the warp-merge rule flipped) ORed into every call, memcheck
+      # of `small` with them, then `time` of variants 0, the bits and 0x800 (the split kernel alone) at each
       # head layout of DECODE_AB_HEADS (default "16,8,128 64,8,128"), uneven rows included.
       decode_selftest_bin decode_selftest_build decode_selftest
       export OMP_NUM_THREADS=16

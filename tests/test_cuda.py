@@ -896,6 +896,21 @@ def test_decode_warp_merge_is_bitwise(ops, dtype, D, heads, splits):
     assert torch.equal(a, b) and torch.equal(a, b2) and torch.equal(la, lb), f"{heads} D{D} splits={splits}"
 
 
+@pytest.mark.parametrize("splits", [2, 4, 5])
+def test_decode_warp_merge_rule_is_bitwise(ops, splits):
+    # 80 sequences of 16 query heads: the launch's rule takes the warp merge for 2 or 4 splits
+    # (160 merge CTAs, at least half of any Hopper's SMs) and the CTA merge for 5; the bit flips
+    # it either way. Both must match the oracle and each other bit for bit.
+    g = torch.Generator().manual_seed(splits)
+    lens = torch.randint(1, 2500, (80,), generator=g).tolist()
+    lens[3], lens[40] = 0, 1
+    q, kc, vc, bt, cl = _paged_problem(len(lens), 16, 8, 128, 16, lens, torch.bfloat16, seed=31 + splits)
+    a = _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"merge rule splits={splits}", num_splits=splits)
+    b = _check_decode(ops, q, kc, vc, bt, cl, 0.0883, f"merge rule flipped splits={splits}", num_splits=splits,
+                      variant=WARP_MERGE)
+    assert torch.equal(a, b), f"splits={splits}"
+
+
 def test_public_api_backends(ops):
     import minipaged as mp
 

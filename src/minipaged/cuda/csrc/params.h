@@ -334,18 +334,10 @@ inline bool decode_two_warp_wanted(bool kv_fp8, int variant) {
 }
 // Warp merge: the split merge runs one warp per (sequence, query head) and one CTA per 8 heads
 // (decode/reduce.cuh merge_split_row_warp, the same arithmetic bit for bit) instead of one
-// 256-thread CTA per (sequence, query head), whose two barriers and eight times as many CTAs
-// cost B=64 L=8k 4.0 us at G = 2 and 9.9 us at G = 8 on an H100
-// (bench/results/nvidia-h100/decode_paged_read_9614a0d). A work list's merge then takes it in
-// place of the grouped one. Off until measured: MINIPAGED_DECODE_WARP_MERGE=1 turns it on for a
-// build, the bit flips it for a call.
-#ifndef MINIPAGED_DECODE_WARP_MERGE
-#define MINIPAGED_DECODE_WARP_MERGE 0
-#endif
+// 256-thread CTA per (sequence, query head). decode/launch.cu warp_merge_by_rule picks it where
+// many rows have few splits each; the bit flips that choice for a call (a work list then takes
+// the warp merge in place of its own).
 constexpr int kDecodeVariantWarpMerge = 0x40000;
-inline bool decode_warp_merge_wanted(int variant) {
-  return (MINIPAGED_DECODE_WARP_MERGE != 0) != ((variant & kDecodeVariantWarpMerge) != 0);
-}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }
