@@ -13,6 +13,7 @@ from hypothesis import given
 
 import minipaged as mp
 from minipaged.testing import (
+    DecodeCase,
     PrefillCase,
     assert_close,
     decode_ref,
@@ -118,6 +119,27 @@ def test_decode_matches_fp64(dtype, case):
     base, _ = decode_ref(q, keys, vals, lowp=True)
     for b in range(case.batch):
         assert_close(out[b], ref[b], base[b], f"seq {b} of {case}", lse=lse[b], truth_lse=ref_lse[b])
+
+
+@pytest.mark.parametrize("budget", [1, 3 * 64 * 2 * 32, 64 * 2 * 32 * 20])
+def test_decode_in_runs_of_sequences(monkeypatch, budget):
+    # A batch whose one padded gather would pass the budget runs in runs of whole sequences:
+    # budget 1 gives each sequence its own run, the others split the batch where its long
+    # sequences fall. Same values as one gather, and each sequence against fp64.
+    from minipaged import reference
+
+    case = DecodeCase(9, 0, 4, 2, 32, block_size=4, context_lens=(5, 0, 130, 1, 17, 0, 64, 97, 3))
+    q, kc, vc, tables, lens = make_decode_inputs(case, torch.float32, "cpu", seed=5)
+    whole, whole_lse = reference.decode(q, kc, vc, tables, lens, 0.2, return_lse=True)
+    monkeypatch.setattr(reference, "_DECODE_GATHER_ELEMENTS", budget)
+    out, lse = reference.decode(q, kc, vc, tables, lens, 0.2, return_lse=True)
+    torch.testing.assert_close(out, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-6, atol=1e-6)
+    keys, vals = gather_kv(kc, vc, tables, lens)
+    ref, ref_lse = decode_ref(q, keys, vals, scale=0.2)
+    base, _ = decode_ref(q, keys, vals, lowp=True, scale=0.2)
+    for b in range(case.batch):
+        assert_close(out[b], ref[b], base[b], f"seq {b}, budget {budget}", lse=lse[b], truth_lse=ref_lse[b])
 
 
 @given(case=decode_cases(max_ctx=64))

@@ -141,14 +141,42 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
     return _result(out, lse, return_lse)
 
 
+# Gathered K elements per pass of decode: a batch whose padded [B, max_len, Hkv, D] gather would
+# pass it runs in runs of whole sequences, each padded to its own longest, so that one long
+# sequence among many short ones (a GPU test's wide table) does not need tens of GB.
+_DECODE_GATHER_ELEMENTS = 1 << 27
+
+
 def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False, k_scale=None, v_scale=None):
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32
     [B, max_blocks]; context_lens int32 [B] -> o [B, Hq, D], lse [B, Hq].
 
-    Vectorised over the batch (one gather of every sequence's pages, masked)."""
+    Vectorised over the batch (one gather of every sequence's pages, masked), in runs of
+    sequences where one gather would exceed _DECODE_GATHER_ELEMENTS."""
+    B, Hq, D = q.shape
+    row = k_cache.shape[2] * D
+    lens = context_lens.tolist()
+    if B * max(lens + [0]) * row <= _DECODE_GATHER_ELEMENTS:
+        return _decode_rows(q, k_cache, v_cache, block_tables, context_lens, max(lens + [0]), scale, return_lse,
+                            k_scale, v_scale)
+    outs, lses = [], []
+    start = 0
+    while start < B:
+        end, longest = start + 1, lens[start]
+        while end < B and (end + 1 - start) * max(longest, lens[end]) * row <= _DECODE_GATHER_ELEMENTS:
+            longest = max(longest, lens[end])
+            end += 1
+        o, lse = _decode_rows(q[start:end], k_cache, v_cache, block_tables[start:end], context_lens[start:end],
+                              longest, scale, True, k_scale, v_scale)
+        outs.append(o)
+        lses.append(lse)
+        start = end
+    return _result(torch.cat(outs), torch.cat(lses), return_lse)
+
+
+def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, max_len, scale, return_lse, k_scale, v_scale):
     B, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max().item()) if B > 0 else 0
     if max_len == 0:
         return _result(torch.zeros_like(q), torch.full((B, Hq), _NEG_INF, dtype=torch.float32, device=q.device),
                        return_lse)
