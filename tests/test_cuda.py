@@ -129,8 +129,8 @@ GROUPED_MERGE = 0x10000
 # kDecodeTwoWarpMaxTableTokens); decode/select.cuh tilings 20-22: that kernel forced, 3 / 4 / 2 stages
 TWO_WARP = 0x20000
 TWO_WARP_MAX_TABLE_TOKENS = 1024
-# params.h kDecodeVariantWarpMerge: flips (off by default) the split merge with one warp per
-# (sequence, query head) and 8 heads per CTA, which must give the CTA merge's bits
+# params.h kDecodeVariantWarpMerge: flips decode/launch.cu's choice between the split merge with
+# one warp per (sequence, query head) and 8 heads per CTA and the CTA merge, which give the same bits
 WARP_MERGE = 0x40000
 TWO_WARP_TILINGS = (20, 21, 22)
 

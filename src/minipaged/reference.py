@@ -156,9 +156,10 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, return_lse=Fa
     B, Hq, D = q.shape
     row = k_cache.shape[2] * D
     lens = context_lens.tolist()
-    if B * max(lens + [0]) * row <= _DECODE_GATHER_ELEMENTS:
-        return _decode_rows(q, k_cache, v_cache, block_tables, context_lens, max(lens + [0]), scale, return_lse,
-                            k_scale, v_scale)
+    max_len = max(lens, default=0)
+    if B * max_len * row <= _DECODE_GATHER_ELEMENTS:
+        return _decode_rows(q, k_cache, v_cache, block_tables, context_lens, max_len, scale, return_lse, k_scale,
+                            v_scale)
     outs, lses = [], []
     start = 0
     while start < B:
