@@ -1515,7 +1515,7 @@ def test_paged_spec_kv_splits(ops, dtype, block_size, splits):
     # causal and not, bit for bit repeatable: at G 2 D 128 the decode kernel's two row blocks
     # (16 x 2 rows) by default and the packed kernel under variant 3; at G 8 D 64 (16 x 8 rows)
     # the packed kernel. The decode kernel's merge grid has 10 x 16 (sequence, query) rows, so
-    # launch.cu's rule merges 2 and 3 splits with a warp per head and 7 and more with a CTA
+    # the merge rule (decode/splits.h) merges 2 and 3 splits with a warp per head, 7 and more with a CTA
     for heads, D, variant in (((16, 8), 128, 0), ((16, 8), 128, 3), ((32, 4), 64, 0)):
         q, kc, vc, bt, cu, cl = _paged_case(SPEC_Q, SPEC_CTX, *heads, D, block_size, dtype, seed=splits + block_size)
         for causal in (True, False):

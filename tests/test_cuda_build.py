@@ -681,6 +681,51 @@ def test_decode_worklist_gate(tmp_path):
     assert [int(line) for line in out] == [want for _, want in cases], list(zip(cases, out))
 
 
+# The split merge's rule (decode/splits.h decode_warp_merge_by_rule), host code: one line per
+# launch on stdin ("merge rows, query heads, splits, SMs, work-list slots"), 1 for the warp merge.
+_WARP_MERGE_RULE_PROBE = r"""
+#include <cstdio>
+#include "decode/splits.h"
+int main() {
+  long long rows;
+  int heads, splits, sms, worklist;
+  while (std::scanf("%lld %d %d %d %d", &rows, &heads, &splits, &sms, &worklist) == 5) {
+    minipaged::DecodeParams p{};
+    p.num_q_heads = heads, p.num_splits = splits, p.num_sms = sms, p.worklist = worklist;
+    std::printf("%d\n", minipaged::decode_warp_merge_by_rule(p, rows) ? 1 : 0);
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_decode_warp_merge_rule(tmp_path):
+    # Where the warp merge runs: its grid (rows x ceil(Hq / 8) CTAs) gives at least half the SMs
+    # a CTA, rows have at most 4 splits, no work list. On 132 SMs with Qwen3-0.6B's 16 query heads
+    # that is B >= 33; B=1 with 32 splits (1.05-1.16x slower as a warp merge on the H100) keeps the
+    # CTA merge.
+    exe = _build_probe(tmp_path, "warp_merge_rule", _WARP_MERGE_RULE_PROBE, NVCC)
+    cases = [  # (merge rows, query heads, splits, SMs, work-list slots) -> warp merge
+        ((1, 16, 32, 132, 0), 0),  # B=1 L=4k / 32k
+        ((32, 16, 2, 132, 0), 0),  # 64 CTAs: under half of 132
+        ((33, 16, 2, 132, 0), 1),  # 66 CTAs: exactly half
+        ((64, 16, 2, 132, 0), 1),  # B=64 L=8k, the plan's 2 splits
+        ((64, 16, 4, 132, 0), 1),
+        ((64, 16, 5, 132, 0), 0),  # more than 4 splits per row
+        ((256, 16, 2, 132, 0), 1),  # B=256 L=1k
+        ((64, 16, 2, 132, 128), 0),  # a work list keeps its own merge
+        ((9, 64, 2, 132, 0), 1),  # Qwen3-32B's 64 heads: 8 CTAs a row
+        ((8, 64, 2, 132, 0), 0),
+        ((10, 12, 3, 132, 0), 0),  # 12 heads: 2 CTAs a row, the second half empty
+        ((160, 16, 3, 132, 0), 1),  # 10 short runs of up to 16 queries (test_paged_spec_kv_splits)
+        ((29, 16, 2, 114, 0), 1),  # an H100 PCIe's 114 SMs: 58 CTAs
+        ((28, 16, 2, 114, 0), 0),
+        ((1, 16, 2, 0, 0), 1),  # (no SM count: one SM)
+    ]
+    out = _run_probe(exe, [shape for shape, _ in cases])
+    assert [int(line) for line in out] == [want for _, want in cases], list(zip(cases, out))
+
+
 @needs_nvcc
 def test_paged_spec_decode_route_rows(tmp_path):
     # Short runs of up to 32 (query, head) rows per KV head take the decode kernel (one MMA row

@@ -334,7 +334,7 @@ inline bool decode_two_warp_wanted(bool kv_fp8, int variant) {
 }
 // Warp merge: the split merge runs one warp per (sequence, query head) and one CTA per 8 heads
 // (decode/reduce.cuh merge_split_row_warp, the same arithmetic bit for bit) instead of one
-// 256-thread CTA per (sequence, query head). decode/launch.cu warp_merge_by_rule picks it where
+// 256-thread CTA per (sequence, query head). decode/splits.h decode_warp_merge_by_rule picks it where
 // many rows have few splits each; the bit flips that choice for a call (a work list then takes
 // the warp merge in place of its own).
 constexpr int kDecodeVariantWarpMerge = 0x40000;

@@ -295,20 +295,6 @@ int worklist_merge_seqs_per_cta(const DecodeParams& p, int64_t reduce_rows) {
   const bool by_rule = kDecodeWorklistGroupedMergeByDefault && grouped_ctas >= 2 * int64_t(std::max(p.num_sms, 1));
   return by_rule != ((p.variant & kDecodeVariantWorklistGroupedMerge) != 0) ? kWorklistMergeSeqs : 1;
 }
-
-// The split merge's kernel (params.h kDecodeVariantWarpMerge flips the choice): the warp merge
-// where its grid still gives half the SMs a CTA and no row has more than kWarpMergeMaxSplits
-// splits, else one CTA per (sequence, query head). A warp merges its row's splits one after
-// another, so a few rows of many splits (B=1: 16 heads of 32 splits on 2 CTAs instead of 16)
-// merge slower; many rows of few splits skip the CTA merge's barriers and idle warps and launch
-// an eighth of its CTAs. Work lists keep theirs: one long sequence's slots among short ones are
-// that few-rows-many-splits case (bench/results/nvidia-h100/decode_warp_merge_e8e95bd).
-constexpr int kWarpMergeMaxSplits = 4;
-bool warp_merge_by_rule(const DecodeParams& p, int64_t reduce_rows) {
-  if (p.worklist > 0 || p.num_splits > kWarpMergeMaxSplits) return false;
-  const int64_t ctas = reduce_rows * ((p.num_q_heads + kReduceWarpHeads - 1) / kReduceWarpHeads);
-  return 2 * ctas >= std::max(p.num_sms, 1);
-}
 }  // namespace
 
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream_t stream) {
@@ -328,7 +314,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& k, cudaStream
   const int64_t gchunks = row_chunks(p, k);
   if (reduce_rows > 65535 || p.num_kv_heads * gchunks > 65535) return cudaErrorInvalidConfiguration;
   if (k.kernel == nullptr) return cudaErrorNotSupported;
-  const bool warps = warp_merge_by_rule(p, reduce_rows) != ((p.variant & kDecodeVariantWarpMerge) != 0);
+  const bool warps = decode_warp_merge_by_rule(p, reduce_rows) != ((p.variant & kDecodeVariantWarpMerge) != 0);
   if (warps && k.reduce_warps == nullptr) return cudaErrorInvalidValue;
   // (a work list: p.worklist slots of (sequence, split), decode/worklist.cuh)
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * gchunks), p.worklist > 0 ? p.worklist : p.batch,

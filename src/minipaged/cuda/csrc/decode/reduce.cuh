@@ -220,8 +220,9 @@ __device__ __forceinline__ void merge_split_row_warp(const DecodeParams& p, int 
   store_merged<T>(p, merge_out_row<PQ, MQ>(p, b), h, lane, o, sw.mref, sw.total);
 }
 
-// Query heads per CTA of the warp-per-head merge grid (decode_reduce_kernel's WARPS): a warp each.
-constexpr int kReduceWarpHeads = kReduceThreads / 32;
+// Query heads per CTA of the warp-per-head merge grid (decode_reduce_kernel's WARPS, splits.h):
+// a warp each.
+static_assert(kReduceWarpHeads == kReduceThreads / 32, "one warp per query head");
 
 // PQ (packed queries, DecodeParams::cu_seqlens_q): only decode-row sequences
 // are merged, into their packed row; the other CTAs return at once.

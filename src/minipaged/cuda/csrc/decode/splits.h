@@ -124,6 +124,23 @@ MINIPAGED_HD SeqSplits decode_worklist_seq_splits(int ctx, int64_t t, int64_t al
   return {decode_worklist_count(ctx, run), static_cast<int>(run)};
 }
 
+// The split merge's kernel (params.h kDecodeVariantWarpMerge flips the choice) for a merge grid
+// of reduce_rows rows (sequences, or their (sequence, query) rows with short query runs): the
+// warp merge (one warp per query head, kReduceWarpHeads heads per CTA) where its grid still gives
+// half the SMs a CTA and no row has more than kWarpMergeMaxSplits splits, else one CTA per (row,
+// query head). A warp merges its row's splits one after another, so a few rows of many splits
+// (B=1: 16 heads of 32 splits on 2 CTAs instead of 16) merge slower; many rows of few splits skip
+// the CTA merge's barriers and idle warps and launch an eighth of its CTAs. Work lists keep theirs:
+// one long sequence's slots among short ones are that few-rows-many-splits case
+// (bench/results/nvidia-h100/decode_warp_merge_e8e95bd).
+constexpr int kReduceWarpHeads = 8;
+constexpr int kWarpMergeMaxSplits = 4;
+MINIPAGED_HD bool decode_warp_merge_by_rule(const DecodeParams& p, int64_t reduce_rows) {
+  if (p.worklist > 0 || p.num_splits > kWarpMergeMaxSplits) return false;
+  const int64_t ctas = reduce_rows * ((p.num_q_heads + kReduceWarpHeads - 1) / kReduceWarpHeads);
+  return 2 * ctas >= (p.num_sms > 1 ? p.num_sms : 1);
+}
+
 // The plan's limits (decode/worklist.cuh): one sequence per planner thread, and the splits one
 // merge takes (decode/reduce.cuh: kMaxSplits). A slot's entry packs b, split and count into 9
 // bits each; b = kWorklistNoSeq marks a slot past every sequence's splits.
