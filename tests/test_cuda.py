@@ -1525,6 +1525,25 @@ def test_paged_spec_kv_splits(ops, dtype, block_size, splits):
     _repeat_identical(lambda: ops.paged(q, kc, vc, bt, cu, cl, 16, True, 0.125, True, num_splits=splits)[1], n=5)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 5])
+def test_paged_routed_merge_rule_flip_is_bitwise(ops, splits):
+    # The routed decode launches of a paged call merge their splits by decode_warp_merge_by_rule
+    # (decode/splits.h), and bit 0x40000 flips it for them as in decode. 48 sequences, half one
+    # query (packed-query merge rows: 48) and half short runs of 2-4 (4 x 48 (sequence, query)
+    # rows), take the warp merge at 2 and 4 splits and the CTA merge at 5 (16 heads: half of
+    # any Hopper's SMs from 33 rows). Rule and flip must match the oracle and each other bit for bit.
+    g = torch.Generator().manual_seed(splits)
+    q_lens = [1 if i % 2 == 0 else 2 + i % 3 for i in range(48)]
+    ctx = [q + int(n) for q, n in zip(q_lens, torch.randint(0, 3000, (48,), generator=g))]
+    ctx[4], ctx[7] = 1, 3  # one key for a decode row; a run of 3 over its own 3 keys
+    q, kc, vc, bt, cu, cl = _paged_case(q_lens, ctx, 16, 8, 128, 16, torch.bfloat16, seed=40 + splits)
+    o, lse = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"routed merge rule splits={splits}",
+                          num_splits=splits)
+    o2, lse2 = _check_paged(ops, q, kc, vc, bt, cu, cl, True, 0.0883, f"routed merge flipped splits={splits}",
+                            num_splits=splits, variant=WARP_MERGE)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"splits={splits}"
+
+
 @pytest.mark.parametrize("B, ctx", [(1, 32768), (1, 4096), (4, 1000), (32, 4096)])
 def test_paged_spec_batches_split_by_default(ops, B, ctx):
     # the serving shapes of speculative verification (q_len 4), which the planner splits: one

@@ -144,7 +144,9 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
     Otherwise variant (benchmarking) picks the paged paths: 0 the tuned choice, 1 never
     pack GQA groups, 2 always, 3 the newer paths forced on, PAGED_DECODE_ROUTING (4) also
     routes the q_len == 1 rows to the decode kernels (num_splits then sets their split
-    count; variant 0 routes them too, since the routing became the default).
+    count; variant 0 routes them too, since the routing became the default). Bit 0x40000 ORed
+    into any of these flips the decode kernels' merge rule for the routed rows and short runs
+    (csrc/decode/splits.h decode_warp_merge_by_rule), as it does in decode.
     float8_e4m3fn caches take k_scale/v_scale as in decode.
     """
     out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),

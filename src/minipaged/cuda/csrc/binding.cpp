@@ -557,7 +557,9 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.causal = causal;
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
-    p.variant = static_cast<int>(variant);
+    // (the warp-merge bit flips the merge rule of the routed decode launches; the rest picks paths)
+    p.variant = static_cast<int>(variant & ~int64_t{minipaged::kDecodeVariantWarpMerge});
+    p.decode_variant = static_cast<int>(variant & minipaged::kDecodeVariantWarpMerge);
     p.kv_fp8 = fp8;
     p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;

@@ -49,6 +49,8 @@ struct PrefillParams {
   int variant;     // paged, benchmarking only: 0 tuned choice, 1 never pack GQA groups, 2 always,
                    // 3 tuned choice with the paths not yet GPU-checked (prefill/dispatch.cuh),
                    // 4 as 3 plus the decode routing (paged_decode_routing below)
+  int decode_variant;  // paged, tests and benchmarking only: the DecodeParams::variant bits of its routed
+                       // decode launches (paged_decode_params; the binding takes kDecodeVariantWarpMerge)
   int batch;
   int num_q_heads;
   int num_kv_heads;
@@ -406,7 +408,7 @@ inline DecodeParams paged_decode_params(const PrefillParams& p, int cc_major) {
   d.dtype = p.dtype;
   d.num_sms = p.num_sms;
   d.cc_major = cc_major;
-  d.variant = 0;
+  d.variant = p.decode_variant;
   d.kv_fp8 = p.kv_fp8;
   d.k_scale = p.k_scale;
   d.v_scale = p.v_scale;
