@@ -129,8 +129,9 @@ GROUPED_MERGE = 0x10000
 # kDecodeTwoWarpMaxTableTokens); decode/select.cuh tilings 20-22: that kernel forced, 3 / 4 / 2 stages
 TWO_WARP = 0x20000
 TWO_WARP_MAX_TABLE_TOKENS = 1024
-# params.h kDecodeVariantWarpMerge: flips decode/launch.cu's choice between the split merge with
-# one warp per (sequence, query head) and 8 heads per CTA and the CTA merge, which give the same bits
+# params.h kDecodeVariantWarpMerge: flips decode/splits.h decode_warp_merge_by_rule, the choice between
+# the split merge with one warp per (sequence, query head) and 8 heads per CTA and the CTA merge,
+# which give the same bits
 WARP_MERGE = 0x40000
 TWO_WARP_TILINGS = (20, 21, 22)
 
@@ -898,7 +899,7 @@ def test_decode_warp_merge_is_bitwise(ops, dtype, D, heads, splits):
 
 @pytest.mark.parametrize("splits", [2, 4, 5])
 def test_decode_warp_merge_rule_is_bitwise(ops, splits):
-    # 80 sequences of 16 query heads: the launch's rule takes the warp merge for 2 or 4 splits
+    # 80 sequences of 16 query heads: the merge rule takes the warp merge for 2 or 4 splits
     # (160 merge CTAs, at least half of any Hopper's SMs) and the CTA merge for 5; the bit flips
     # it either way. Both must match the oracle and each other bit for bit.
     g = torch.Generator().manual_seed(splits)

@@ -702,8 +702,8 @@ int main() {
 def test_decode_warp_merge_rule(tmp_path):
     # Where the warp merge runs: its grid (rows x ceil(Hq / 8) CTAs) gives at least half the SMs
     # a CTA, rows have at most 4 splits, no work list. On 132 SMs with Qwen3-0.6B's 16 query heads
-    # that is B >= 33; B=1 with 32 splits (1.05-1.16x slower as a warp merge on the H100) keeps the
-    # CTA merge.
+    # that is B >= 33; B=1 with 32 splits, slower as a warp merge
+    # (bench/results/nvidia-h100/decode_warp_merge_e8e95bd/), keeps the CTA merge.
     exe = _build_probe(tmp_path, "warp_merge_rule", _WARP_MERGE_RULE_PROBE, NVCC)
     cases = [  # (merge rows, query heads, splits, SMs, work-list slots) -> warp merge
         ((1, 16, 32, 132, 0), 0),  # B=1 L=4k / 32k
