@@ -57,7 +57,8 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
 }
 
 # decode_selftest_bin LOG NAME [nvcc flags...]: a decode_selftest build at $bin/NAME, as carried in
-# (.gpubin/, prebuilt on the dev box with the same nvcc and flags), else built here under the
+# (.gpubin/NAME or NAME.xz, prebuilt on the dev box with the same nvcc and flags by
+# scripts/gpu_bundle.sh), else built here under the
 # run name LOG (cap STAGE_TIMEOUT_LOG, default 150 s). Its 10 sources compile at once, one nvcc
 # each (one nvcc for all of them compiles them one after another, about 4x the wall time).
 decode_selftest_bin() {
@@ -65,6 +66,8 @@ decode_selftest_bin() {
   shift 2
   mkdir -p "$bin"
   [ -x "$bin/$name" ] && return 0
+  # xz-compressed by scripts/gpu_bundle.sh: the raw binary and head.tgz pass the carry limit together
+  if [ -f "$bin/$name.xz" ]; then xz -dc "$bin/$name.xz" > "$bin/$name" && chmod +x "$bin/$name" && return 0; fi
   local cap_var="STAGE_TIMEOUT_$log"
   export "$cap_var=${!cap_var:-150}"
   local objs="$bin/obj_$name"
