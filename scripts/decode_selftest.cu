@@ -26,6 +26,8 @@
 //                                    KV head as the decode reads it, 2, 4 or 8 heads' rows at a
 //                                    time, balanced over the SMs, and contiguous (the layout's
 //                                    and the grid's cost)
+//   time and paged_read take DECODE_PAGE_ORDER=sorted or contiguous: each sequence's pages read
+//   in address order, or laid out as one run (page_order)
 //
 // check / small: caches filled with NaN (16-bit 0x7fff, e4m3 0x7f) except the
 // slots of real tokens, pages in shuffled order, table entries past a
@@ -451,6 +453,35 @@ std::vector<int> env_ints(const char* name) {
     if (at != nullptr) ++at;
   }
   return out;
+}
+
+// DECODE_PAGE_ORDER, how the timed batches' pages lie in the pool (time and paged_read):
+// "shuffled" (default), the pool in random order, as the standard grid has it; "sorted", the same
+// random placement but each sequence's table ascending, so a CTA reads its pages in address order;
+// "contiguous", sequence b's pages one run, in order. Apart, they price the scattering itself and
+// the order its pages are read in (decode_paged_read_9614a0d/: the paged read trails a contiguous
+// one by 1.1-1.9%).
+const char* page_order() {
+  const char* env = std::getenv("DECODE_PAGE_ORDER");
+  return env != nullptr && *env != '\0' ? env : "shuffled";
+}
+
+// The order above applied to a shuffled pool of B tables of `pages` entries (perm, row-major).
+// The shuffle stays in every case, so the random stream after it (rand lengths) is unchanged.
+// (main refuses any other value of DECODE_PAGE_ORDER before a mode runs)
+void order_pages(std::vector<int32_t>& perm, int pages) {
+  const std::string order = page_order();
+  if (order == "sorted") {
+    for (size_t b = 0; b < perm.size(); b += pages) std::sort(perm.begin() + b, perm.begin() + b + pages);
+  } else if (order == "contiguous") {
+    std::iota(perm.begin(), perm.end(), 0);
+  }
+}
+
+// A row label's suffix naming a page order other than the default.
+std::string page_order_label() {
+  const std::string order = page_order();
+  return order == "shuffled" ? "" : " " + order;
 }
 
 // Tilings worth running for a problem: the default, the tensor-core and the
@@ -919,6 +950,7 @@ int time_mode(int reps) {
     std::iota(perm.begin(), perm.end(), 0);
     std::mt19937 rng(7);
     std::shuffle(perm.begin(), perm.end(), rng);  // scattered pages
+    order_pages(perm, per_seq);
     std::vector<int32_t> ctx(B, L);
     if (sh.skew == 4) {
       std::fill(ctx.begin(), ctx.end(), L / 4);
@@ -941,12 +973,12 @@ int time_mode(int reps) {
       std::vector<uint16_t> o;
     };
     std::vector<Twin> two_launch_o;
-    char cname[32];
+    char cname[48];
     char lname[16];
     std::snprintf(lname, sizeof lname, L % 1024 == 0 ? "%dk" : "%d", L % 1024 == 0 ? L / 1024 : L);
-    std::snprintf(cname, sizeof cname, "B=%d L=%s%s%s", B, lname,
+    std::snprintf(cname, sizeof cname, "B=%d L=%s%s%s%s", B, lname,
                   sh.skew == 1 ? " 1long" : sh.skew == 2 ? " rand" : sh.skew == 3 ? " short" : sh.skew == 4 ? " quarter" : "",
-                  fp8 ? " fp8" : "");
+                  fp8 ? " fp8" : "", page_order_label().c_str());
     std::vector<int> configs;
     if (fp8) {
       // 10: tensor cores; 18/19: 32 tokens per warp; 23/24: two-warp CTAs; the two-warp rule flipped
@@ -1502,10 +1534,11 @@ int paged_read_mode(int reps) {
     std::iota(perm.begin(), perm.end(), 0);
     std::mt19937 rng(7);
     std::shuffle(perm.begin(), perm.end(), rng);
+    order_pages(perm, pages);
     CHECK_CUDA(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
     const double bytes = 2.0 * num_blocks * kPrPage16 * 16;
-    char name[32];
-    std::snprintf(name, sizeof name, "B=%d L=%d", r.B, r.L);
+    char name[48];
+    std::snprintf(name, sizeof name, "B=%d L=%d%s", r.B, r.L, page_order_label().c_str());
     Timing best[kPrModes];
     int best_s[kPrModes] = {}, best_k[kPrModes] = {};
     for (Timing& b : best) b = {1e30, 0, 0};
@@ -1549,6 +1582,10 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&g_counters, kMaxCounters * 4));
   CHECK_CUDA(cudaMemset(g_counters, 0, kMaxCounters * 4));
   if (const char* env = std::getenv("DECODE_CHECK_BITS")) g_check_bits = static_cast<int>(std::strtol(env, nullptr, 0));
+  if (const std::string order = page_order(); order != "shuffled" && order != "sorted" && order != "contiguous") {
+    std::printf("DECODE_PAGE_ORDER=%s: want shuffled, sorted or contiguous\n", order.c_str());
+    return 2;
+  }
   if (mode == "time") return time_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   if (mode == "roofline") return roofline_mode(argc > 2 ? std::atoi(argv[2]) : 100);
   if (mode == "paged_read") return paged_read_mode(argc > 2 ? std::atoi(argv[2]) : 100);
