@@ -57,29 +57,18 @@ run() {  # run NAME CMD...: log to $WORK/logs/NAME.log, remember failures
 }
 
 # decode_selftest_bin LOG NAME [nvcc flags...]: a decode_selftest build at $bin/NAME, as carried in
-# (.gpubin/NAME or NAME.xz, prebuilt on the dev box with the same nvcc and flags by
-# scripts/gpu_bundle.sh), else built here under the
-# run name LOG (cap STAGE_TIMEOUT_LOG, default 150 s). Its 10 sources compile at once, one nvcc
-# each (one nvcc for all of them compiles them one after another, about 4x the wall time).
+# (.gpubin/NAME, or NAME.xz as scripts/gpu_bundle.sh prebuilds it on the dev box with the same nvcc
+# and flags), else built here by scripts/build_decode_selftest.sh under the run name LOG (cap
+# STAGE_TIMEOUT_LOG, default 150 s), its sources all compiling at once.
 decode_selftest_bin() {
   local log=$1 name=$2
   shift 2
   mkdir -p "$bin"
   [ -x "$bin/$name" ] && return 0
-  # xz-compressed by scripts/gpu_bundle.sh: the raw binary and head.tgz pass the carry limit together
   if [ -f "$bin/$name.xz" ]; then xz -dc "$bin/$name.xz" > "$bin/$name" && chmod +x "$bin/$name" && return 0; fi
   local cap_var="STAGE_TIMEOUT_$log"
   export "$cap_var=${!cap_var:-150}"
-  local objs="$bin/obj_$name"
-  mkdir -p "$objs"
-  run "$log" bash -c 'set -e; objs=$1; out=$2; shift 2
-    flags=("$@")
-    srcs=(scripts/decode_selftest.cu '"$csrc"'/decode/launch.cu '"$csrc"'/decode/kernels_*.cu)
-    for src in "${srcs[@]}"; do
-      nvcc "${flags[@]}" -c "$src" -o "$objs/$(basename "$src" .cu).o" &
-    done
-    for job in $(jobs -p); do wait "$job"; done
-    nvcc "${flags[@]}" "$objs"/*.o -o "$out" -lgomp' _ "$objs" "$bin/$name" $selftest_flags "$@"
+  run "$log" bash scripts/build_decode_selftest.sh "$bin/$name" 0 "$@"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
@@ -336,7 +325,7 @@ for s in $stages; do
       # DECODE_SELFTEST_NAME runs another prebuilt binary under $bin (e.g. decode_selftest_et,
       # built with -DMINIPAGED_DECODE_EARLY_TRIGGER=0) through the same steps.
       sbin="$bin/${DECODE_SELFTEST_NAME:-decode_selftest}"
-      [ -n "${DECODE_SELFTEST_REBUILD:-}" ] && rm -f "$bin/decode_selftest"
+      [ -n "${DECODE_SELFTEST_REBUILD:-}" ] && rm -f "$bin/decode_selftest" "$bin/decode_selftest.xz"
       decode_selftest_bin decode_selftest_build decode_selftest -Xptxas -v
       export OMP_NUM_THREADS=16
       # DECODE_SELFTEST_STEPS: any of check sanitize time roofline paged_read (default the first
