@@ -102,13 +102,14 @@ for s in $stages; do
     tests)
       # TESTS_LOG names the log (and the stage); STAGE_TIMEOUT_tests caps it under any name.
       # GPU_TESTS_K: a pytest -k expression (it may hold spaces; GPU_TESTS is split on them).
-      # GPU_TESTS_ARGS: more pytest arguments (e.g. "-v --tb=line": each test's result as it ends, so a
-      # stage stopped at its cap still names its failures).
+      # GPU_TESTS_ARGS: more pytest arguments (e.g. "--tb=line"). The stage runs -v: each result
+      # line names its test, so a shard stopped at its cap, which writes no JUnit file, still names
+      # its failures and passes (scripts/junit_passed.py reads the log for the next call's exclude).
       [ -n "${TESTS_LOG:-}" ] && [ -n "${STAGE_TIMEOUT_tests:-}" ] && export "STAGE_TIMEOUT_${TESTS_LOG}=${STAGE_TIMEOUT_tests}"
       # MINIPAGED_LOG_EXAMPLES: the hypothesis cross-checks print each drawn case, so a failing draw
       # and hypothesis's silent re-runs of it show in the log (gpu_tests_3e3bc37/)
       run ${TESTS_LOG:-tests} env HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} \
-        MINIPAGED_LOG_EXAMPLES=${MINIPAGED_LOG_EXAMPLES:-1} python3 -m pytest -m gpu -q -ra -s --durations=20 -p no:cacheprovider \
+        MINIPAGED_LOG_EXAMPLES=${MINIPAGED_LOG_EXAMPLES:-1} python3 -m pytest -m gpu -v -ra -s --durations=20 -p no:cacheprovider \
         --junitxml "$WORK/logs/${TESTS_LOG:-tests}.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_ARGS:-} \
         ${GPU_TESTS:-tests/};;
     tests_par)

@@ -1,0 +1,68 @@
+"""scripts/junit_passed.py, which lists the tests a capped GPU call passed so the next call can
+leave them out: from a real verbose pytest log with -s prints (whole and cut off mid-test, as a
+shard killed at its cap leaves it) and from the same run's JUnit file."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "junit_passed.py"
+
+_CASES = textwrap.dedent('''
+    import pytest
+
+    def test_plain():
+        pass
+
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_prints_first(n):
+        print(f"[case] n={n}")
+        print("selftest says: ALL PASSED")
+
+    def test_prints_then_fails():
+        print("PASSED")
+        print("this check PASSED before the failure")
+        assert False
+
+    def test_skipped():
+        pytest.skip("not here")
+
+    def test_last():
+        print("[case] last")
+''')
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("junit_passed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_passed_ids_from_a_verbose_log_and_from_junit(tmp_path):
+    root = tmp_path / "proj"
+    (root / "tests").mkdir(parents=True)
+    (root / "tests" / "test_cases.py").write_text(_CASES)
+    xml = tmp_path / "run.xml"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-v", "-v", "-s", "-p", "no:cacheprovider",
+                          "-o", "addopts=", "--junitxml", str(xml), "tests/test_cases.py"],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout  # one failure
+    log = run.stdout
+    jp = _load()
+    want = ["tests/test_cases.py::test_plain", "tests/test_cases.py::test_prints_first[1]",
+            "tests/test_cases.py::test_prints_first[2]", "tests/test_cases.py::test_last"]
+    assert jp.passed_in_log(log) == want
+    assert jp.passed(str(xml)) == want
+    # cut off inside test_last (after its print, before its outcome): it did not pass
+    cut = log[: log.index("[case] last") + len("[case] last\n")]
+    assert jp.passed_in_log(cut) == want[:-1]
+    # the command line: .log and .log.gz read alike
+    path = tmp_path / "shard.log"
+    path.write_text(cut)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == want[:-1]
