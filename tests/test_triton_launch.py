@@ -230,3 +230,66 @@ def test_a_tensor_never_shares_a_key_with_an_int():
     tensor_key = launch.launch_key((t,), {})[0]
     assert launch.launch_key((int(tensor_key),), {}) != launch.launch_key((t,), {})
     assert launch.launch_key((int(tensor_key) + 1,), {}) != launch.launch_key((t,), {})
+
+
+class _Flaky:
+    """fn[grid](...) whose first `failures` calls raise `error` (as Triton's compile does when an
+    MLIR pass fails), then returns "kernel"; counts every call."""
+
+    def __init__(self, failures: int, error: str = "PassManager::run failed"):
+        self.failures, self.error, self.calls = failures, error, 0
+        self.__name__ = "_flaky_kernel"
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise RuntimeError(self.error)
+            return "kernel"
+        return run
+
+
+@pytest.mark.parametrize("failures", [1, launch.COMPILE_RETRIES])
+def test_a_failed_compile_pass_is_compiled_again(failures):
+    fn = _Flaky(failures)
+    with pytest.warns(RuntimeWarning, match="_flaky_kernel.*PassManager::run failed.*compiling it again") as rec:
+        assert launch.fast(fn)[(1,)](1, X=2) == "kernel"
+    assert fn.calls == failures + 1
+    assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == failures
+
+
+def test_a_compile_that_keeps_failing_raises():
+    fn = _Flaky(launch.COMPILE_RETRIES + 1)
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="PassManager::run failed"):
+        launch.call_triton(fn, (1,), (), {})
+    assert fn.calls == launch.COMPILE_RETRIES + 1
+
+
+def test_other_errors_are_not_retried(recwarn):
+    fn = _Flaky(1, error="out of resource: shared memory")
+    with pytest.raises(RuntimeError, match="out of resource"):
+        launch.call_triton(fn, (1,), (), {})
+    assert fn.calls == 1 and not recwarn.list
+
+
+def test_a_cache_miss_retries_the_compile_and_caches_the_kernel(fake, monkeypatch):
+    fn, fk = fake
+    real = fn.__getitem__
+    failed = []
+
+    def flaky_getitem(grid):
+        run = real(grid)
+
+        def once(*args, **kwargs):
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("PassManager::run failed")
+            return run(*args, **kwargs)
+        return once
+
+    monkeypatch.setattr(type(fn), "__getitem__", lambda self, grid: flaky_getitem(grid))
+    x = torch.randn(16)
+    with pytest.warns(RuntimeWarning, match="_kernel"):
+        fk[(2,)](x, 16, 0.5, True, BLOCK=64)
+    fk[(2,)](x, 16, 0.5, True, BLOCK=64)
+    assert failed and [e[0] for e in fn.log] == ["triton", "hit"]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .launch import call_triton
 from .ops import _device_scope, _dot_precision
 
 
@@ -124,10 +125,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = configs.invariant_linear_config(x.dtype, x.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     with _device_scope(x):
-        _linear_kernel[grid](
+        call_triton(_linear_kernel, grid, (
             x, weight, bias if bias is not None else weight, y,
             M, N, K,
             x.stride(0), weight.stride(0), y.stride(0),
+        ), dict(
             HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -136,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-        )
+        ))
     return y
 
 
@@ -162,14 +164,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_d = triton.next_power_of_2(dim)
     block_r = configs.invariant_norm_rows(block_d, x.device)
     with _device_scope(x):
-        _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+        call_triton(_rms_norm_kernel, (triton.cdiv(num_rows, block_r),), (
             x, weight, y,
             num_rows, heads, dim, float(eps),
             stride_t, stride_h,
+        ), dict(
             W_ROWS=w_rows,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=4,
-        )
+        ))
     return y
 
