@@ -7,6 +7,8 @@
 #                               limit, and gpu_check.sh's decode stages unpack it
 #   .gpubin/head.sha            the commit, for MINIPAGED_GIT_COMMIT (the device copy has no .git)
 #   .anchors/flashinfer         ../shared/anchors/flashinfer, the benchmark's FA3 / decode anchors
+# and, not made here, .gpubin/triton_cache/: the parts of Triton's kernel cache that gpu_check.sh's
+# triton_cache stage returned from an earlier call (its top unpacks them).
 # Both folders go into .git/info/exclude. Usage: scripts/gpu_bundle.sh [--selftest]
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

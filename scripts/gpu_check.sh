@@ -4,7 +4,7 @@
 # since only a few files come back).
 #   scripts/gpu_check.sh [build] [probe] [tests] [tests_par] [bench] [e2e] [serving] [overhead] [engine_step] [launch_profile] [invariant] [power] [paged_selftest]
 #                        [ws] [ws_ncu] [ws_ab] [paged_ws] [ws8_ab] [decode_selftest] [decode_ab] [decode_bits_ab] [two_warp_ab] [decode_worklist] [decode_worklist_bench] [decode_ncu] [decode_trace] [triton_ab] [triton_paged_ab] [triton_paged_fp8_ab] [triton_paged_ncu] [triton_fp8_ab] [triton_worklist] [spec_bench] [spec_ncu] [spec_fp8_ab]
-#                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu]
+#                        [bench_fp8 | bench_fp8_decode | bench_fp8_paged] [fp8_accuracy] [sanitize] [diag] [ncu] [triton_cache]
 #   (default: build probe bench tests e2e; diag and ncu are the decode tuning runs
 #   of scripts/decode_diag.py)
 # Each stage has a wall-clock cap (STAGE_TIMEOUT_<stage>, seconds) and is stopped
@@ -72,6 +72,22 @@ decode_selftest_bin() {
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
+# Triton's kernel cache: most of a fresh machine's first minutes of GPU tests go to compiling
+# Triton kernels. The `triton_cache` stage packs the cache into $OUT (xz, 15 MB parts); parts
+# carried back in $bin/triton_cache/ are unpacked here first, so a later call (H100 or H200, both
+# sm_90) finds every kernel whose source, options and triton version are unchanged.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/minipaged_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+tc_parts=("$bin"/triton_cache/triton_cache.tar.xz.*)
+if [ -f "${tc_parts[0]}" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+  if cat "${tc_parts[@]}" | xz -dc | tar -xf - -C "$TRITON_CACHE_DIR"; then
+    echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries unpacked from ${#tc_parts[@]} carried part(s)" \
+      >> "$WORK/logs/gpu.txt"
+  else
+    echo "triton cache: the carried parts did not unpack; compiling from scratch" >> "$WORK/logs/gpu.txt"
+    rm -rf "${TRITON_CACHE_DIR:?}"/* 2>/dev/null
+  fi
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$WORK/logs/gpu.txt"
 # FlashInfer, the bench's FA3 and decode anchors: when the call carried .anchors/flashinfer (the
 # run tool's carry) and it does not import yet, make it importable here, so that no later export
@@ -297,6 +313,14 @@ for s in $stages; do
         --section WarpStateStats --section InstructionStats --section SchedulerStats --section LaunchStats --section Occupancy \
         python3 scripts/triton_paged_ncu.py ${TRITON_PAGED_NCU_ARGS:-};;
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
+    triton_cache)
+      # The Triton kernel cache as $OUT/triton_cache.tar.xz.NN (TRITON_CACHE_PART_SIZE, default
+      # 15 MiB parts; at most 8 files of 16 MiB come back from $OUT, 64 MiB in all). Copy them into .gpubin/triton_cache/ on the dev box to carry
+      # them (see the top of this script).
+      rm -f "$OUT"/triton_cache.tar.xz.*
+      run triton_cache bash -c 'tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b "$2" -d - "$1/triton_cache.tar.xz."
+        echo "$(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -sh "$TRITON_CACHE_DIR" | cut -f1) raw:"; ls -la "$1"/triton_cache.tar.xz.*' \
+        _ "$OUT" "${TRITON_CACHE_PART_SIZE:-15m}";;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active \

@@ -39,3 +39,49 @@ def test_gpu_bundle_marks_and_keeps(tmp_path):
     (repo / "scripts" / "gpu_bundle.sh").write_text((repo / "scripts" / "gpu_bundle.sh").read_text() + "\n")
     run = subprocess.run(["bash", "scripts/gpu_bundle.sh"], cwd=repo, capture_output=True, text=True)
     assert run.returncode == 0 and "working tree differs from HEAD" in run.stderr
+
+
+GPU_CHECK = SCRIPT.parent / "gpu_check.sh"
+
+
+@pytest.mark.skipif(shutil.which("xz") is None or shutil.which("split") is None, reason="needs xz and split")
+def test_triton_cache_round_trip(tmp_path):
+    """gpu_check.sh's triton_cache stage packs the cache into parts under $OUT; carried in
+    $WS_BIN/triton_cache/, they unpack into an empty cache of the next call; a damaged part
+    leaves the cache empty (compiling from scratch), not half unpacked."""
+    import os
+    import random
+
+    cache = tmp_path / "cache"
+    for i in range(3):
+        (cache / f"entry{i}").mkdir(parents=True)
+        (cache / f"entry{i}" / "k.json").write_text(f'{{"name": "k{i}"}}')
+    # incompressible, so the archive takes two parts of 64 KiB
+    (cache / "entry0" / "k.cubin").write_bytes(random.Random(0).randbytes(100 << 10))
+    repo = SCRIPT.parents[1]
+
+    def stage(name, cache_dir, out, work, ws_bin):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), OUT=str(out), WORK=str(work), WS_BIN=str(ws_bin),
+                   FLASHINFER="0", TRITON_CACHE_PART_SIZE="64k")
+        return subprocess.run(["bash", str(GPU_CHECK), name], cwd=repo, env=env, capture_output=True, text=True)
+
+    run = stage("triton_cache", cache, tmp_path / "out1", tmp_path / "work1", tmp_path / "nobin")
+    assert run.returncode == 0, run.stdout + run.stderr
+    parts = sorted((tmp_path / "out1").glob("triton_cache.tar.xz.*"))
+    assert len(parts) == 2 and all(p.stat().st_size <= 64 << 10 for p in parts)
+    carried = tmp_path / "bin" / "triton_cache"
+    carried.mkdir(parents=True)
+    for p in parts:
+        shutil.copy(p, carried / p.name)
+    fresh = tmp_path / "fresh"
+    stage("triton_cache", fresh, tmp_path / "out2", tmp_path / "work2", tmp_path / "bin")
+    assert "3 entries unpacked from 2 carried part(s)" in (tmp_path / "work2" / "logs" / "gpu.txt").read_text()
+    for f in cache.rglob("*"):
+        if f.is_file():
+            assert (fresh / f.relative_to(cache)).read_bytes() == f.read_bytes()
+    # a damaged part
+    (carried / parts[0].name).write_bytes(b"not xz")
+    broken = tmp_path / "broken"
+    stage("triton_cache", broken, tmp_path / "out3", tmp_path / "work3", tmp_path / "bin")
+    assert "did not unpack" in (tmp_path / "work3" / "logs" / "gpu.txt").read_text()
+    assert not any(broken.iterdir())
