@@ -76,8 +76,9 @@ def launch_key(args: tuple, kwargs: dict, runtime_names: frozenset = frozenset()
 # engine's eager fallback compiled the same kernel in the same process, and 1,290 compiles of
 # another such specialisation on the dev box never failed (bench/results/nvidia-h100/:
 # gpu_tests_92e4b39/, gpu_tests_3e3bc37/, gpu_tests_99dda93/).
-# A failed compile has launched nothing, so compiling again is safe; a deterministic failure
-# still raises, after COMPILE_RETRIES more tries.
+# A failed compile has launched nothing (minipaged's kernels are not autotuned, which would have
+# launched other configs first), so compiling again is safe; a deterministic failure still
+# raises, after COMPILE_RETRIES more tries.
 COMPILE_RETRIES = 2
 _PASS_FAILURE = "PassManager::run failed"
 
