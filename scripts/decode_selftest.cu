@@ -25,7 +25,9 @@
 //   ./decode_selftest paged_read [reps] the large-batch rows' paged K/V read with no math: per
 //                                    KV head as the decode reads it, 2, 4 or 8 heads' rows at a
 //                                    time, balanced over the SMs, and contiguous (the layout's
-//                                    and the grid's cost)
+//                                    and the grid's cost); and each KV head's page as one
+//                                    tensor-copy (TMA) box, per (sequence, KV head) and balanced,
+//                                    each checked once to read exactly the batch's bytes
 //   time and paged_read take DECODE_PAGE_ORDER=sorted or contiguous: each sequence's pages read
 //   in address order, or laid out as one run (page_order)
 //
@@ -74,6 +76,7 @@
 #include "ptx/cp_async.cuh"
 #include "ptx/fp8.cuh"
 #include "ptx/misc.cuh"
+#include "ptx/tensor_map.h"
 #include "ptx/tma.cuh"
 #include "selftest_common.h"
 
@@ -1355,8 +1358,12 @@ int roofline_mode(int reps) {
 //   5 contiguous:  the same bytes as one buffer per tensor, in equal ranges on k CTAs per SM.
 // Like the decode, each thread streams through a cp.async ring: S stages of one 16-byte piece of
 // K and one of V, so 2 (S - 1) copies in flight per thread. CTAs per SM (k) are set with dynamic
-// shared memory (the decode's 100 KB ring leaves two).
-constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16, kPrModes = 6;
+// shared memory (the decode's 100 KB ring leaves two). Two more modes move whole head pages with
+// the tensor-copy engine instead (paged_read_tma_kernel below):
+//   6 TMA head pages: the grid of mode 0, each head page (a KV head's 16 rows of a page, 4 KB of
+//                  K and as much V, 256-byte rows 2 KB apart) one cp.async.bulk.tensor box;
+//   7 TMA balanced: the same boxes, equal ranges of head pages on k CTAs per SM (as mode 4).
+constexpr int kPrThreads = 128, kPrHeads = 8, kPrRow16 = 16, kPrPage = 16, kPrCopyModes = 6, kPrModes = 8;
 constexpr int kPrHeadPage16 = kPrPage * kPrRow16;    // 16-byte pieces of one head's rows of a page
 constexpr int kPrPage16 = kPrHeadPage16 * kPrHeads;  // 16-byte pieces of a whole page
 // Modes 0-3: one CTA per (sequence, KV head)'s worth of bytes.
@@ -1456,6 +1463,125 @@ __global__ void __launch_bounds__(kPrThreads)
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
 }
 
+// Modes 6 and 7: CTA cta's range [u0, u1) of head pages u = (sequence * Hkv + head) * pages + j.
+constexpr int kPrTmaMaxUnits = 4096;  // a CTA's block ids, staged in shared memory (16 KB)
+__host__ __device__ __forceinline__ void paged_read_units(int mode, int cta, int grid, int num_seqs, int log2_pages,
+                                                          long long& u0, long long& u1) {
+  if (mode == 6) {
+    u0 = (long long)cta << log2_pages;
+    u1 = u0 + (1LL << log2_pages);
+  } else {
+    const long long total = ((long long)num_seqs * kPrHeads) << log2_pages;
+    u0 = total * cta / grid;
+    u1 = total * (cta + 1) / grid;
+  }
+}
+__host__ __device__ __forceinline__ int paged_read_unit_block(long long u, const int* tables, int log2_pages) {
+  const long long seq = (u >> log2_pages) / kPrHeads;
+  return tables[(seq << log2_pages) + (u & ((1LL << log2_pages) - 1))];
+}
+__host__ __device__ __forceinline__ int paged_read_unit_head(long long u, int log2_pages) {
+  return int((u >> log2_pages) % kPrHeads);
+}
+
+// True when the CTAs of `grid` read every 16-byte piece of a batch's K exactly once (mode 6 or 7).
+bool paged_read_tma_covers(int mode, int num_seqs, int log2_pages, int grid, const std::vector<int>& tables) {
+  std::vector<int> hits(((size_t)num_seqs * kPrPage16) << log2_pages, 0);
+  for (int cta = 0; cta < grid; ++cta) {
+    long long u0, u1;
+    paged_read_units(mode, cta, grid, num_seqs, log2_pages, u0, u1);
+    for (long long u = u0; u < u1; ++u) {
+      const size_t blk = size_t(paged_read_unit_block(u, tables.data(), log2_pages));
+      const int h = paged_read_unit_head(u, log2_pages);
+      for (int t = 0; t < kPrPage; ++t)
+        for (int r = 0; r < kPrRow16; ++r) {
+          const size_t i = ((blk * kPrPage + t) * kPrHeads + h) * kPrRow16 + r;
+          if (i >= hits.size()) return false;
+          ++hits[i];
+        }
+    }
+  }
+  return std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; });
+}
+
+// S stages of P head pages of K and of V, each one tensor-copy box (tmaps over [blocks, 16 tokens,
+// Hkv, D] as (D, Hkv, tokens, blocks), box (D, 1, 16, 1)) into a ring guarded by one mbarrier per
+// stage; thread 0 issues, all threads read every stage, a CTA barrier frees it. The CTA's block
+// ids are staged in shared memory first (one dependent read at the start, as a split's table run),
+// so that no issue waits on the table. xor_out (a check launch; null when timed): the XOR of
+// every word read, to compare with the XOR of the batch's K and V (xor_pieces_kernel).
+constexpr int kPrTmaAlign = 1024;  // the ring's start, rounded up (tensor copies want 128 bytes)
+template <int S, int P>
+__global__ void __launch_bounds__(kPrThreads)
+    paged_read_tma_kernel(const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                          const int* __restrict__ tables, int mode, int log2_pages, int num_seqs, unsigned* sink,
+                          unsigned* xor_out) {
+#if MINIPAGED_WGMMA_DEVICE  // the mbarrier and TMA wrappers exist in the sm_90a device pass only
+  constexpr uint32_t kBox = kPrHeadPage16 * 16;  // bytes of one head page of one tensor
+  extern __shared__ __align__(128) unsigned char pr_tma_smem[];  // S x P x {K, V} boxes, then block ids
+  __shared__ __align__(8) uint64_t full[S];
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(pr_tma_smem));
+  const uint32_t ring_s = (raw_s + kPrTmaAlign - 1) & ~uint32_t(kPrTmaAlign - 1);
+  const uint4* pr_tma_ring = reinterpret_cast<const uint4*>(pr_tma_smem + (ring_s - raw_s));
+  int* blocks = reinterpret_cast<int*>(pr_tma_smem + (ring_s - raw_s) + size_t(S) * P * 2 * kBox);
+  const uint32_t bar_s = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  long long u0, u1;
+  paged_read_units(mode, blockIdx.x, gridDim.x, num_seqs, log2_pages, u0, u1);
+  const int units = int(u1 - u0);  // <= kPrTmaMaxUnits (the host checks)
+  for (int i = threadIdx.x; i < units; i += kPrThreads) blocks[i] = paged_read_unit_block(u0 + i, tables, log2_pages);
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < S; ++st) minipaged::mbar_init(bar_s + 8u * st, 1);
+    minipaged::mbar_fence_init();
+    minipaged::tma_prefetch_desc(&tk);
+    minipaged::tma_prefetch_desc(&tv);
+  }
+  __syncthreads();
+  const int n = (units + P - 1) / P;
+  auto issue = [&](int b) {  // thread 0: stage b's head pages
+    const int st = b % S, first = b * P, cnt = min(P, units - first);
+    const uint32_t bar = bar_s + 8u * st;
+    minipaged::mbar_arrive_expect_tx(bar, 2u * kBox * cnt);
+    for (int p = 0; p < cnt; ++p) {
+      const int blk = blocks[first + p], head = paged_read_unit_head(u0 + first + p, log2_pages);
+      const uint32_t dst = ring_s + uint32_t((st * P + p) * 2) * kBox;
+      minipaged::tma_load_4d(dst, &tk, bar, 0, head, 0, blk);
+      minipaged::tma_load_4d(dst + kBox, &tv, bar, 0, head, 0, blk);
+    }
+  };
+  if (threadIdx.x == 0)
+    for (int b = 0; b < S && b < n; ++b) issue(b);
+  uint32_t acc = 0;
+  for (int b = 0; b < n; ++b) {
+    const int st = b % S, pieces = min(P, units - b * P) * 2 * kPrHeadPage16;
+    minipaged::mbar_wait(bar_s + 8u * st, uint32_t(b / S) & 1u);
+    const uint4* stage = pr_tma_ring + size_t(st) * P * 2 * kPrHeadPage16;
+    for (int j = threadIdx.x; j < pieces; j += kPrThreads) {
+      const uint4 x = stage[j];
+      acc ^= x.x ^ x.y ^ x.z ^ x.w;
+    }
+    __syncthreads();  // every thread is done with stage st
+    if (threadIdx.x == 0 && b + S < n) issue(b + S);
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
+  if (xor_out != nullptr) atomicXor(xor_out, acc);
+#endif
+}
+
+// The XOR of every 32-bit word of K's and V's first n 16-byte pieces (a batch's pages, in any order).
+__global__ void xor_pieces_kernel(const uint4* __restrict__ k, const uint4* __restrict__ v, size_t n, unsigned* out) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 x = k[i], y = v[i];
+    acc ^= x.x ^ x.y ^ x.z ^ x.w ^ y.x ^ y.y ^ y.z ^ y.w;
+  }
+  atomicXor(out, acc);
+}
+
+struct PagedReadTmaCfg {
+  int stages, pages;  // per stage
+  void (*fn)(CUtensorMap, CUtensorMap, const int*, int, int, int, unsigned*, unsigned*);
+};
+
 struct PagedReadCfg {
   int mode, stages;
   void (*fn)(const uint4*, const uint4*, const int*, int, int, unsigned*);
@@ -1494,15 +1620,37 @@ int paged_read_mode(int reps) {
   CHECK_CUDA(cudaMalloc(&k, max_pieces * 16));
   CHECK_CUDA(cudaMalloc(&v, max_pieces * 16));
   CHECK_CUDA(cudaMalloc(&tables, max_pieces / kPrPage16 * 4));
+  unsigned* xor_got;
+  CHECK_CUDA(cudaMalloc(&xor_got, 4));
   fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(k), max_pieces * 8, 1);
   fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(v), max_pieces * 8, 2);
   CHECK_CUDA(cudaDeviceSynchronize());
   int smem_sm = 0, smem_cta = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&smem_cta, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  const std::vector<PagedReadCfg> cfgs = paged_read_configs(std::make_integer_sequence<int, kPrModes>{});
+  const std::vector<PagedReadCfg> cfgs = paged_read_configs(std::make_integer_sequence<int, kPrCopyModes>{});
+  const PagedReadTmaCfg tma_cfgs[] = {{4, 1, paged_read_tma_kernel<4, 1>},  {8, 1, paged_read_tma_kernel<8, 1>},
+                                      {16, 1, paged_read_tma_kernel<16, 1>}, {4, 2, paged_read_tma_kernel<4, 2>},
+                                      {8, 2, paged_read_tma_kernel<8, 2>},   {4, 4, paged_read_tma_kernel<4, 4>}};
   const char* mode_names[kPrModes] = {"head rows", "2-head rows", "4-head rows", "whole pages", "balanced",
-                                      "contiguous"};
+                                      "contiguous", "TMA head pgs", "TMA balanced"};
+  // The tensor maps of modes 6 and 7: K and V as (D, Hkv, 16 tokens, blocks) 16-bit elements.
+  const minipaged::TensorMapEncodeFn encode = minipaged::tensor_map_encoder();
+  CUtensorMap tmap_k{}, tmap_v{};
+  bool tma_ok = encode != nullptr;
+  {
+    const cuuint64_t blocks = max_pieces / kPrPage16;
+    const cuuint64_t dims[4] = {kPrRow16 * 8, kPrHeads, kPrPage, blocks};
+    const cuuint64_t strides[3] = {kPrRow16 * 16, kPrHeads * kPrRow16 * 16, kPrPage16 * 16};  // bytes
+    const cuuint32_t box[4] = {kPrRow16 * 8, 1, kPrPage, 1};
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    for (auto [map, base] : {std::pair<CUtensorMap*, void*>{&tmap_k, k}, {&tmap_v, v}})
+      tma_ok = tma_ok && encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, base, dims, strides, box, unit,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    if (!tma_ok) std::printf("paged_read: no tensor map (encode %s): the TMA modes do not run\n",
+                             encode ? "failed" : "not found");
+  }
   {  // every mode reads every piece once: 5 sequences of 64 shuffled pages, ungrouped modes on 7 CTAs
     std::vector<int> t(5 * 64);
     std::iota(t.begin(), t.end(), 0);
@@ -1511,7 +1659,8 @@ int paged_read_mode(int reps) {
     const int units = 5 * kPrHeads;
     const bool ok[kPrModes] = {paged_read_covers<0>(5, 6, units, t), paged_read_covers<1>(5, 6, units, t),
                                paged_read_covers<2>(5, 6, units, t), paged_read_covers<3>(5, 6, units, t),
-                               paged_read_covers<4>(5, 6, 7, t),     paged_read_covers<5>(5, 6, 7, t)};
+                               paged_read_covers<4>(5, 6, 7, t),     paged_read_covers<5>(5, 6, 7, t),
+                               paged_read_tma_covers(6, 5, 6, units, t), paged_read_tma_covers(7, 5, 6, 7, t)};
     for (int m = 0; m < kPrModes; ++m)
       if (!ok[m]) {
         std::printf("FAILED: paged_read mode %s does not read every piece once\n", mode_names[m]);
@@ -1519,6 +1668,8 @@ int paged_read_mode(int reps) {
       }
   }
   for (const PagedReadCfg& c : cfgs)
+    CHECK_CUDA(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_cta));
+  for (const PagedReadTmaCfg& c : tma_cfgs)
     CHECK_CUDA(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_cta));
   print_graph_floor(st, reps, fl);
   std::printf("flush: 256 MB read kernel outside the graph, between the event pairs; %d replays per row after %d "
@@ -1559,14 +1710,53 @@ int paged_read_mode(int reps) {
         std::fflush(stdout);
         if (t.med < best[c.mode].med) best[c.mode] = t, best_s[c.mode] = c.stages, best_k[c.mode] = fit;
       }
+    int best_p[kPrModes] = {};  // TMA modes: head pages per stage
+    unsigned xor_want = 0;
+    CHECK_CUDA(cudaMemset(xor_got, 0, 4));
+    xor_pieces_kernel<<<g_num_sms * 4, 256, 0, st>>>(k, v, size_t(num_blocks) * kPrPage16, xor_got);
+    CHECK_CUDA(cudaMemcpyAsync(&xor_want, xor_got, 4, cudaMemcpyDeviceToHost, st));
+    CHECK_CUDA(cudaStreamSynchronize(st));
+    for (int mode : {6, 7})
+      for (const PagedReadTmaCfg& c : tma_cfgs)
+        for (int ctas : {1, 2, 3, 4, 8}) {
+          if (!tma_ok || (mode == 6 && r.B * kPrHeads < g_num_sms)) continue;
+          const int need = kPrTmaAlign + c.stages * c.pages * 2 * kPrHeadPage16 * 16 + kPrTmaMaxUnits * 4;
+          const int smem = std::min(smem_cta, smem_sm / ctas - 1024);
+          if (need > smem) continue;
+          int fit = 0;
+          CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, c.fn, kPrThreads, smem));
+          const int grid = mode == 6 ? r.B * kPrHeads : g_num_sms * fit;
+          const long long total = ((long long)r.B * kPrHeads) << log2_pages;
+          if (mode == 7 && (total + grid - 1) / grid > kPrTmaMaxUnits) continue;
+          // One check launch first: it must read exactly the batch's bytes (the same XOR).
+          CHECK_CUDA(cudaMemset(xor_got, 0, 4));
+          c.fn<<<grid, kPrThreads, smem, st>>>(tmap_k, tmap_v, tables, mode, log2_pages, r.B, fl.sink, xor_got);
+          CHECK_CUDA(cudaStreamSynchronize(st));
+          unsigned got = 0;
+          CHECK_CUDA(cudaMemcpy(&got, xor_got, 4, cudaMemcpyDeviceToHost));
+          if (got != xor_want) {
+            std::printf("FAILED: paged_read %s %s %dx%d read other bytes (XOR %08x, want %08x)\n", name,
+                        mode_names[mode], c.stages, c.pages, got, xor_want);
+            return 1;
+          }
+          const Timing t = time_captured(st, reps, fl, [&](cudaStream_t s) {
+            c.fn<<<grid, kPrThreads, smem, s>>>(tmap_k, tmap_v, tables, mode, log2_pages, r.B, fl.sink, nullptr);
+          });
+          std::printf("%-14s %-12s %3dx%-2d %7d %7d %9.2f %9.2f %9.2f %8.3f\n", name, mode_names[mode], c.stages,
+                      c.pages, fit, grid, t.med, t.p20, t.p80, bytes / (t.med * 1e-6) / 1e12);
+          std::fflush(stdout);
+          if (t.med < best[mode].med)
+            best[mode] = t, best_s[mode] = c.stages, best_k[mode] = fit, best_p[mode] = c.pages;
+        }
     for (int m = 0; m < kPrModes; ++m)
       if (best_s[m] != 0)
-        std::printf("%-14s BEST %-12s %d stages, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
-                    mode_names[m], best_s[m], best_k[m], best[m].med, bytes / (best[m].med * 1e-6) / 1e12,
-                    best[m].med / best[5].med);
+        std::printf("%-14s BEST %-12s %d stages%s, %d CTAs/SM: %.2f us (%.3f TB/s), %.3fx contiguous\n", name,
+                    mode_names[m], best_s[m],
+                    best_p[m] ? (" x " + std::to_string(best_p[m]) + " head pages").c_str() : "", best_k[m],
+                    best[m].med, bytes / (best[m].med * 1e-6) / 1e12, best[m].med / best[5].med);
   }
   free_l2_flush(fl);
-  for (void* ptr : {(void*)k, (void*)v, (void*)tables}) CHECK_CUDA(cudaFree(ptr));
+  for (void* ptr : {(void*)k, (void*)v, (void*)tables, (void*)xor_got}) CHECK_CUDA(cudaFree(ptr));
   CHECK_CUDA(cudaStreamDestroy(st));
   return 0;
 }

@@ -104,6 +104,7 @@
 #include "prefill/mainloop_wgmma.cuh"  // sw128_off, the descriptor conventions
 #include "prefill/softmax.cuh"
 #include "ptx/fp8.cuh"
+#include "ptx/tensor_map.h"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
 
@@ -1140,9 +1141,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const __gr
 // the given element strides, box (64, box_rows, 1, 1), 128-byte swizzle,
 // zero fill out of bounds. `encode` is cuTensorMapEncodeTiled, obtained from
 // the driver at run time (cudaGetDriverEntryPoint*), so nothing links -lcuda.
-using TensorMapEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                       const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 inline CUresult make_ws_tensor_map(TensorMapEncodeFn encode, CUtensorMap* map, const void* base, DType dtype,
                                    int head_dim, int64_t rows, int64_t heads, int64_t batch, int64_t row_stride,
@@ -1203,23 +1201,6 @@ inline CUresult make_ws_paged_map8(TensorMapEncodeFn encode, CUtensorMap* map, c
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-}
-
-// cuTensorMapEncodeTiled from the driver, looked up once (nullptr if absent).
-inline TensorMapEncodeFn tensor_map_encoder() {
-  static const TensorMapEncodeFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                             cudaEnableDefault, &found);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
-#endif
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<TensorMapEncodeFn>(ptr)
-                                                                      : nullptr;
-  }();
-  return fn;
 }
 
 // Whether the warp-specialised kernel can take p: TMA needs rows to exist
