@@ -73,7 +73,7 @@ decode_selftest_bin() {
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$WORK/logs/gpu.txt" 2>&1
 # Triton's kernel cache: most of a fresh machine's first minutes of GPU tests go to compiling
-# Triton kernels. The `triton_cache` stage packs the cache into $OUT (xz, 15 MB parts); parts
+# Triton kernels. The `triton_cache` stage packs the cache into $OUT (xz, 15 MiB parts); parts
 # carried back in $bin/triton_cache/ are unpacked here first, so a later call (H100 or H200, both
 # sm_90) finds every kernel whose source, options and triton version are unchanged.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/minipaged_triton_cache}
@@ -315,8 +315,8 @@ for s in $stages; do
     sanitize) run sanitize python3 -m pytest -m gpu -q -ra -k sanitizer tests/test_cuda.py;;
     triton_cache)
       # The Triton kernel cache as $OUT/triton_cache.tar.xz.NN (TRITON_CACHE_PART_SIZE, default
-      # 15 MiB parts; at most 8 files of 16 MiB come back from $OUT, 64 MiB in all). Copy them into .gpubin/triton_cache/ on the dev box to carry
-      # them (see the top of this script).
+      # 15 MiB parts; at most 8 files of 16 MiB come back from $OUT, 64 MiB in all). Copy them
+      # into .gpubin/triton_cache/ on the dev box to carry them (see the top of this script).
       rm -f "$OUT"/triton_cache.tar.xz.*
       run triton_cache bash -c 'tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b "$2" -d - "$1/triton_cache.tar.xz."
         echo "$(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -sh "$TRITON_CACHE_DIR" | cut -f1) raw:"; ls -la "$1"/triton_cache.tar.xz.*' \
