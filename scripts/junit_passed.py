@@ -38,11 +38,13 @@ def passed_in_log(text: str) -> list[str]:
 
 
 def passed(path: str) -> list[str]:
-    if not path.endswith(".xml"):
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", errors="replace") as f:
-            return passed_in_log(f.read())
+    """The ids `path` reports passed: a JUnit file (.xml) or a log, either of them gzipped (.gz)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", errors="replace") as f:
+        text = f.read()
+    if not path.removesuffix(".gz").endswith(".xml"):
+        return passed_in_log(text)
     out = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in ET.fromstring(text).iter("testcase"):
         if any(child.tag in ("failure", "error", "skipped") for child in case):
             continue
         module = case.get("classname", "").replace(".", "/")

@@ -4,6 +4,7 @@ shard killed at its cap leaves it) and from the same run's JUnit file."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import subprocess
 import sys
@@ -58,11 +59,17 @@ def test_passed_ids_from_a_verbose_log_and_from_junit(tmp_path):
             "tests/test_cases.py::test_prints_first[2]", "tests/test_cases.py::test_last"]
     assert jp.passed_in_log(log) == want
     assert jp.passed(str(xml)) == want
+    xml_gz = tmp_path / "run.xml.gz"
+    xml_gz.write_bytes(gzip.compress(xml.read_bytes()))
+    assert jp.passed(str(xml_gz)) == want
     # cut off inside test_last (after its print, before its outcome): it did not pass
     cut = log[: log.index("[case] last") + len("[case] last\n")]
     assert jp.passed_in_log(cut) == want[:-1]
     # the command line: .log and .log.gz read alike
     path = tmp_path / "shard.log"
     path.write_text(cut)
-    out = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == want[:-1]
+    path_gz = tmp_path / "shard.log.gz"
+    path_gz.write_bytes(gzip.compress(cut.encode()))
+    for p in (path, path_gz):
+        out = subprocess.run([sys.executable, str(SCRIPT), str(p)], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want[:-1]
