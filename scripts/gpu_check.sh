@@ -75,7 +75,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 # Triton's kernel cache: most of a fresh machine's first minutes of GPU tests go to compiling
 # Triton kernels. The `triton_cache` stage packs the cache into $OUT (xz, 15 MiB parts); parts
 # carried back in $bin/triton_cache/ are unpacked here first, so a later call (H100 or H200, both
-# sm_90) finds every kernel whose source, options and triton version are unchanged.
+# sm_90) finds every kernel whose source, options and triton version are unchanged. Unpack at the
+# path they were packed from: Triton's group files name their members by absolute path.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/minipaged_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 tc_parts=("$bin"/triton_cache/triton_cache.tar.xz.*)
