@@ -137,6 +137,16 @@ for s in $stages; do
       # The extension is built once here first (a no-op when cached): a shard that reaches a CUDA
       # test would otherwise build it while the others wait on its lock, all under their caps.
       # TESTS_PAR_BUILD=0 skips that for Triton-only selections.
+      # GPU_TESTS_PASSED: files naming tests an earlier call passed at the same kernels (JUnit
+      # .xml, verbose logs, id lists .txt; any of them .gz), left out here together with any
+      # MINIPAGED_TEST_EXCLUDE file (scripts/junit_passed.py; the list is logs/tests_excluded.txt).
+      if [ -n "${GPU_TESTS_PASSED:-}" ]; then
+        # shellcheck disable=SC2086  # a list of paths or globs
+        { python3 scripts/junit_passed.py $GPU_TESTS_PASSED; cat "${MINIPAGED_TEST_EXCLUDE:-/dev/null}"; } |
+          sort -u > "$WORK/logs/tests_excluded.txt"
+        export MINIPAGED_TEST_EXCLUDE="$WORK/logs/tests_excluded.txt"
+        echo "tests_par: leaving out $(wc -l < "$MINIPAGED_TEST_EXCLUDE") tests passed earlier"
+      fi
       [ "${TESTS_PAR_BUILD:-1}" = 1 ] && run build python3 -c "from minipaged.cuda import build; build.load()"
       n=${TEST_SHARDS:-4}
       for ((i = 0; i < n; i++)); do

@@ -38,9 +38,12 @@ def passed_in_log(text: str) -> list[str]:
 
 
 def passed(path: str) -> list[str]:
-    """The ids `path` reports passed: a JUnit file (.xml) or a log, either of them gzipped (.gz)."""
+    """The ids `path` reports passed: a JUnit file (.xml), an id list (.txt) or a log, any of them
+    gzipped (.gz)."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", errors="replace") as f:
         text = f.read()
+    if path.removesuffix(".gz").endswith(".txt"):  # an id list, as this script writes one
+        return [line.strip() for line in text.splitlines() if "::" in line]
     if not path.removesuffix(".gz").endswith(".xml"):
         return passed_in_log(text)
     out = []

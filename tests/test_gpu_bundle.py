@@ -85,3 +85,24 @@ def test_triton_cache_round_trip(tmp_path):
     stage("triton_cache", broken, tmp_path / "out3", tmp_path / "work3", tmp_path / "bin")
     assert "did not unpack" in (tmp_path / "work3" / "logs" / "gpu.txt").read_text()
     assert not any(broken.iterdir())
+
+
+def test_tests_par_leaves_out_what_passed(tmp_path):
+    """GPU_TESTS_PASSED: the ids of every listed file (here an id list and a gzipped one) and of
+    MINIPAGED_TEST_EXCLUDE's file go, once each, into the exclude list the shards read."""
+    import gzip
+    import os
+
+    a, b, c = (f"tests/test_x.py::test_{n}" for n in "abc")
+    (tmp_path / "one.txt").write_text(f"{a}\n{b}\n")
+    (tmp_path / "two.txt.gz").write_bytes(gzip.compress(f"{b}\n".encode()))
+    (tmp_path / "earlier.txt").write_text(f"{c}\n")
+    work = tmp_path / "work"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(work), FLASHINFER="0", TESTS_PAR_BUILD="0",
+               TEST_SHARDS="1", GPU_TESTS=str(tmp_path / "none"), STAGE_TIMEOUT_tests="60",
+               GPU_TESTS_PASSED=f"{tmp_path}/one.txt {tmp_path}/two.txt.gz",
+               MINIPAGED_TEST_EXCLUDE=str(tmp_path / "earlier.txt"), TRITON_CACHE_DIR=str(tmp_path / "tc"))
+    run = subprocess.run(["bash", str(GPU_CHECK), "tests_par"], cwd=SCRIPT.parents[1], env=env,
+                         capture_output=True, text=True)
+    assert "leaving out 3 tests passed earlier" in run.stdout, run.stdout + run.stderr
+    assert (work / "logs" / "tests_excluded.txt").read_text().split() == [a, b, c]

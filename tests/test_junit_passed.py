@@ -73,3 +73,9 @@ def test_passed_ids_from_a_verbose_log_and_from_junit(tmp_path):
     for p in (path, path_gz):
         out = subprocess.run([sys.executable, str(SCRIPT), str(p)], capture_output=True, text=True, check=True)
         assert out.stdout.split() == want[:-1]
+    # its own output, an id list (.txt, .txt.gz), reads back as it is
+    ids = tmp_path / "passed.txt"
+    ids.write_text(out.stdout)
+    ids_gz = tmp_path / "passed.txt.gz"
+    ids_gz.write_bytes(gzip.compress(out.stdout.encode()))
+    assert jp.passed(str(ids)) == jp.passed(str(ids_gz)) == want[:-1]
