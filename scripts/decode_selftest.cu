@@ -1369,15 +1369,38 @@ constexpr int kPrPage16 = kPrHeadPage16 * kPrHeads;  // 16-byte pieces of a whol
 // Modes 0-3: one CTA per (sequence, KV head)'s worth of bytes.
 __host__ __device__ constexpr bool paged_read_grouped(int mode) { return mode <= 3; }
 
+// Head page u = (sequence * Hkv + head) * pages + j: a KV head's 16 rows of page j of its
+// sequence. CTA cta's range [u0, u1) of them: one (sequence, KV head)'s pages (per_head: modes 0-3
+// and 6, whose grid is B x Hkv) or an equal share of the batch's (modes 4 and 7).
+constexpr int kPrTmaMaxUnits = 4096;  // a TMA CTA's block ids, staged in shared memory (16 KB)
+__host__ __device__ __forceinline__ void paged_read_units(bool per_head, int cta, int grid, int num_seqs,
+                                                          int log2_pages, long long& u0, long long& u1) {
+  if (per_head) {
+    u0 = (long long)cta << log2_pages;
+    u1 = u0 + (1LL << log2_pages);
+  } else {
+    const long long total = ((long long)num_seqs * kPrHeads) << log2_pages;
+    u0 = total * cta / grid;
+    u1 = total * (cta + 1) / grid;
+  }
+}
+__host__ __device__ __forceinline__ int paged_read_unit_block(long long u, const int* tables, int log2_pages) {
+  const long long seq = (u >> log2_pages) / kPrHeads;
+  return tables[(seq << log2_pages) + (u & ((1LL << log2_pages) - 1))];
+}
+__host__ __device__ __forceinline__ int paged_read_unit_head(long long u, int log2_pages) {
+  return int((u >> log2_pages) % kPrHeads);
+}
+
 // Piece g of CTA cta's range [g0, g1) -> its index in K (and V). The host checks that each mode
 // reads every piece once.
 template <int MODE>
 __host__ __device__ __forceinline__ size_t paged_read_at(long long g, long long g0, int cta, const int* tables,
                                                          int log2_pages) {
-  const int pages = 1 << log2_pages;
   if constexpr (MODE == 5) {
     return size_t(g);
   } else if constexpr (paged_read_grouped(MODE)) {
+    const int pages = 1 << log2_pages;
     // CTA (sequence, u): heads [hg, hg + 1) * kGroup of pages [pp, pp + 1) * pages / kGroup,
     // u = hg * kGroup + pp; a token's rows of the group's heads are one contiguous piece
     constexpr int kGroup = 1 << MODE, kTokenPieces = kGroup * kPrRow16;
@@ -1388,31 +1411,23 @@ __host__ __device__ __forceinline__ size_t paged_read_at(long long g, long long 
     const size_t blk = size_t(tables[size_t(seq) * pages + j]);
     return (blk * kPrPage + within / kTokenPieces) * (kPrHeads * kPrRow16) + hg * kTokenPieces +
            within % kTokenPieces;
-  } else {  // balanced: g = ((sequence * Hkv + head) * pages + page) * 256 + token * 16 + piece
+  } else {  // balanced: g = head page * 256 + token * 16 + piece
     const int within = int(g % kPrHeadPage16);
-    const long long head_page = g / kPrHeadPage16;
-    const int j = int(head_page & (pages - 1));
-    const long long unit = head_page >> log2_pages;
-    const int h = int(unit % kPrHeads);
-    const long long seq = unit / kPrHeads;
-    const size_t blk = size_t(tables[seq * pages + j]);
-    return ((blk * kPrPage + within / kPrRow16) * kPrHeads + h) * kPrRow16 + within % kPrRow16;
+    const long long u = g / kPrHeadPage16;
+    const size_t blk = size_t(paged_read_unit_block(u, tables, log2_pages));
+    return ((blk * kPrPage + within / kPrRow16) * kPrHeads + paged_read_unit_head(u, log2_pages)) * kPrRow16 +
+           within % kPrRow16;
   }
 }
 
-// CTA cta's range of pieces [g0, g1): one (sequence, KV head)'s worth in the grouped modes, else
-// an equal range of whole head pages.
+// CTA cta's range of pieces [g0, g1): its head pages' (paged_read_units; the grouped modes read a
+// (sequence, KV head)'s worth of bytes, if not that head's).
 template <int MODE>
 __host__ __device__ __forceinline__ void paged_read_range(int cta, int grid, int num_seqs, int log2_pages,
                                                           long long& g0, long long& g1) {
-  if constexpr (paged_read_grouped(MODE)) {
-    g0 = ((long long)cta * kPrHeadPage16) << log2_pages;
-    g1 = g0 + ((long long)kPrHeadPage16 << log2_pages);
-  } else {
-    const long long head_pages = ((long long)num_seqs * kPrHeads) << log2_pages;
-    g0 = head_pages * cta / grid * kPrHeadPage16;
-    g1 = head_pages * (cta + 1) / grid * kPrHeadPage16;
-  }
+  paged_read_units(paged_read_grouped(MODE), cta, grid, num_seqs, log2_pages, g0, g1);
+  g0 *= kPrHeadPage16;
+  g1 *= kPrHeadPage16;
 }
 
 // True when the CTAs of `grid` read every piece of a batch's K exactly once.
@@ -1463,47 +1478,6 @@ __global__ void __launch_bounds__(kPrThreads)
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps every load
 }
 
-// Modes 6 and 7: CTA cta's range [u0, u1) of head pages u = (sequence * Hkv + head) * pages + j.
-constexpr int kPrTmaMaxUnits = 4096;  // a CTA's block ids, staged in shared memory (16 KB)
-__host__ __device__ __forceinline__ void paged_read_units(int mode, int cta, int grid, int num_seqs, int log2_pages,
-                                                          long long& u0, long long& u1) {
-  if (mode == 6) {
-    u0 = (long long)cta << log2_pages;
-    u1 = u0 + (1LL << log2_pages);
-  } else {
-    const long long total = ((long long)num_seqs * kPrHeads) << log2_pages;
-    u0 = total * cta / grid;
-    u1 = total * (cta + 1) / grid;
-  }
-}
-__host__ __device__ __forceinline__ int paged_read_unit_block(long long u, const int* tables, int log2_pages) {
-  const long long seq = (u >> log2_pages) / kPrHeads;
-  return tables[(seq << log2_pages) + (u & ((1LL << log2_pages) - 1))];
-}
-__host__ __device__ __forceinline__ int paged_read_unit_head(long long u, int log2_pages) {
-  return int((u >> log2_pages) % kPrHeads);
-}
-
-// True when the CTAs of `grid` read every 16-byte piece of a batch's K exactly once (mode 6 or 7).
-bool paged_read_tma_covers(int mode, int num_seqs, int log2_pages, int grid, const std::vector<int>& tables) {
-  std::vector<int> hits(((size_t)num_seqs * kPrPage16) << log2_pages, 0);
-  for (int cta = 0; cta < grid; ++cta) {
-    long long u0, u1;
-    paged_read_units(mode, cta, grid, num_seqs, log2_pages, u0, u1);
-    for (long long u = u0; u < u1; ++u) {
-      const size_t blk = size_t(paged_read_unit_block(u, tables.data(), log2_pages));
-      const int h = paged_read_unit_head(u, log2_pages);
-      for (int t = 0; t < kPrPage; ++t)
-        for (int r = 0; r < kPrRow16; ++r) {
-          const size_t i = ((blk * kPrPage + t) * kPrHeads + h) * kPrRow16 + r;
-          if (i >= hits.size()) return false;
-          ++hits[i];
-        }
-    }
-  }
-  return std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; });
-}
-
 // S stages of P head pages of K and of V, each one tensor-copy box (tmaps over [blocks, 16 tokens,
 // Hkv, D] as (D, Hkv, tokens, blocks), box (D, 1, 16, 1)) into a ring guarded by one mbarrier per
 // stage; thread 0 issues, all threads read every stage, a CTA barrier frees it. The CTA's block
@@ -1526,7 +1500,7 @@ __global__ void __launch_bounds__(kPrThreads)
   int* blocks = reinterpret_cast<int*>(pr_tma_smem + (ring_s - raw_s) + size_t(S) * P * 2 * kBox);
   const uint32_t bar_s = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   long long u0, u1;
-  paged_read_units(mode, blockIdx.x, gridDim.x, num_seqs, log2_pages, u0, u1);
+  paged_read_units(mode == 6, blockIdx.x, gridDim.x, num_seqs, log2_pages, u0, u1);
   const int units = int(u1 - u0);  // <= kPrTmaMaxUnits (the host checks)
   for (int i = threadIdx.x; i < units; i += kPrThreads) blocks[i] = paged_read_unit_block(u0 + i, tables, log2_pages);
   if (threadIdx.x == 0) {
@@ -1657,11 +1631,12 @@ int paged_read_mode(int reps) {
     std::mt19937 rng(3);
     std::shuffle(t.begin(), t.end(), rng);
     const int units = 5 * kPrHeads;
-    const bool ok[kPrModes] = {paged_read_covers<0>(5, 6, units, t), paged_read_covers<1>(5, 6, units, t),
-                               paged_read_covers<2>(5, 6, units, t), paged_read_covers<3>(5, 6, units, t),
-                               paged_read_covers<4>(5, 6, 7, t),     paged_read_covers<5>(5, 6, 7, t),
-                               paged_read_tma_covers(6, 5, 6, units, t), paged_read_tma_covers(7, 5, 6, 7, t)};
-    for (int m = 0; m < kPrModes; ++m)
+    // (the TMA modes 6 and 7 take modes 0's and 4's head pages through the same helpers, each as
+    // one box; that a box holds those pieces, each launch checks on the device)
+    const bool ok[kPrCopyModes] = {paged_read_covers<0>(5, 6, units, t), paged_read_covers<1>(5, 6, units, t),
+                                   paged_read_covers<2>(5, 6, units, t), paged_read_covers<3>(5, 6, units, t),
+                                   paged_read_covers<4>(5, 6, 7, t),     paged_read_covers<5>(5, 6, 7, t)};
+    for (int m = 0; m < kPrCopyModes; ++m)
       if (!ok[m]) {
         std::printf("FAILED: paged_read mode %s does not read every piece once\n", mode_names[m]);
         return 1;
