@@ -10,6 +10,7 @@ reach.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import re
 import sys
@@ -65,9 +66,15 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    for path in argv:
-        for node in passed(path):
-            print(node)
+    for pattern in argv:
+        # a shell leaves a glob that matches nothing as it is (gpu_check.sh passes GPU_TESTS_PASSED
+        # unquoted): such a pattern names no file, and says so, rather than ending the list early
+        paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not paths:
+            print(f"junit_passed: no file matches {pattern}", file=sys.stderr)
+        for path in paths:
+            for node in passed(path):
+                print(node)
     return 0
 
 

@@ -79,3 +79,14 @@ def test_passed_ids_from_a_verbose_log_and_from_junit(tmp_path):
     ids_gz = tmp_path / "passed.txt.gz"
     ids_gz.write_bytes(gzip.compress(out.stdout.encode()))
     assert jp.passed(str(ids)) == jp.passed(str(ids_gz)) == want[:-1]
+
+
+def test_globs_expand_and_one_matching_nothing_only_warns(tmp_path):
+    (tmp_path / "a.txt").write_text("tests/test_a.py::one\n")
+    (tmp_path / "b.txt").write_text("tests/test_b.py::two\n")
+    # a glob the shell left as it is, because it matched nothing, comes first: it must not stop
+    # the files after it from counting
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "logs*" / "*.log*"), str(tmp_path / "*.txt")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["tests/test_a.py::one", "tests/test_b.py::two"]
+    assert "no file matches" in out.stderr
