@@ -1492,13 +1492,14 @@ __global__ void __launch_bounds__(kPrThreads)
                           unsigned* xor_out) {
 #if MINIPAGED_WGMMA_DEVICE  // the mbarrier and TMA wrappers exist in the sm_90a device pass only
   constexpr uint32_t kBox = kPrHeadPage16 * 16;  // bytes of one head page of one tensor
-  extern __shared__ __align__(128) unsigned char pr_tma_smem[];  // S x P x {K, V} boxes, then block ids
-  __shared__ __align__(8) uint64_t full[S];
+  // S x P x {K, V} boxes, then the block ids, then the S mbarriers: all dynamic, since static shared
+  // memory would come on top of the opt-in maximum the host asks for
+  extern __shared__ __align__(128) unsigned char pr_tma_smem[];
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(pr_tma_smem));
   const uint32_t ring_s = (raw_s + kPrTmaAlign - 1) & ~uint32_t(kPrTmaAlign - 1);
   const uint4* pr_tma_ring = reinterpret_cast<const uint4*>(pr_tma_smem + (ring_s - raw_s));
   int* blocks = reinterpret_cast<int*>(pr_tma_smem + (ring_s - raw_s) + size_t(S) * P * 2 * kBox);
-  const uint32_t bar_s = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint32_t bar_s = ring_s + uint32_t(S * P * 2 * kBox + kPrTmaMaxUnits * 4);
   long long u0, u1;
   paged_read_units(mode == 6, blockIdx.x, gridDim.x, num_seqs, log2_pages, u0, u1);
   const int units = int(u1 - u0);  // <= kPrTmaMaxUnits (the host checks)
@@ -1695,7 +1696,8 @@ int paged_read_mode(int reps) {
       for (const PagedReadTmaCfg& c : tma_cfgs)
         for (int ctas : {1, 2, 3, 4, 8}) {
           if (!tma_ok || (mode == 6 && r.B * kPrHeads < g_num_sms)) continue;
-          const int need = kPrTmaAlign + c.stages * c.pages * 2 * kPrHeadPage16 * 16 + kPrTmaMaxUnits * 4;
+          const int need =
+              kPrTmaAlign + c.stages * c.pages * 2 * kPrHeadPage16 * 16 + kPrTmaMaxUnits * 4 + c.stages * 8;
           const int smem = std::min(smem_cta, smem_sm / ctas - 1024);
           if (need > smem) continue;
           int fit = 0;
