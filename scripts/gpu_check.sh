@@ -328,10 +328,18 @@ for s in $stages; do
       # The Triton kernel cache as $OUT/triton_cache.tar.xz.NN (TRITON_CACHE_PART_SIZE, default
       # 15 MiB parts; at most 8 files of 16 MiB come back from $OUT, 64 MiB in all). Copy them
       # into .gpubin/triton_cache/ on the dev box to carry them (see the top of this script).
+      # TRITON_CACHE_SLIM=0 packs the IR text too; by default scripts/triton_cache_slim.py leaves
+      # it out (a cache hit reads only each kernel's metadata and binary: about an eighth).
       rm -f "$OUT"/triton_cache.tar.xz.*
-      run triton_cache bash -c 'tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b "$2" -d - "$1/triton_cache.tar.xz."
-        echo "$(ls "$TRITON_CACHE_DIR" | wc -l) entries, $(du -sh "$TRITON_CACHE_DIR" | cut -f1) raw:"; ls -la "$1"/triton_cache.tar.xz.*' \
-        _ "$OUT" "${TRITON_CACHE_PART_SIZE:-15m}";;
+      tc_src=$TRITON_CACHE_DIR
+      if [ "${TRITON_CACHE_SLIM:-1}" != 0 ]; then
+        rm -rf "$WORK/triton_cache_slim"
+        python3 scripts/triton_cache_slim.py "$TRITON_CACHE_DIR" "$WORK/triton_cache_slim" &&
+          tc_src=$WORK/triton_cache_slim
+      fi
+      run triton_cache bash -c 'tar -cf - -C "$3" . | xz -T0 -6 | split -b "$2" -d - "$1/triton_cache.tar.xz."
+        echo "$(ls "$3" | wc -l) entries, $(du -sh "$3" | cut -f1) raw:"; ls -la "$1"/triton_cache.tar.xz.*' \
+        _ "$OUT" "${TRITON_CACHE_PART_SIZE:-15m}" "$tc_src";;
     diag) run diag python3 scripts/decode_diag.py time "$WORK/bench/decode_diag.json";;
     ncu) run ncu ncu --clock-control none -k regex:decode --csv \
            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,93 @@ def test_tests_par_leaves_out_what_passed(tmp_path):
                          capture_output=True, text=True)
     assert "leaving out 3 tests passed earlier" in run.stdout, run.stdout + run.stderr
     assert (work / "logs" / "tests_excluded.txt").read_text().split() == [a, b, c]
+
+
+SLIM = SCRIPT.parent / "triton_cache_slim.py"
+_COMPILE = '''
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@triton.jit
+def twice(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < N) * 2, mask=i < N)
+
+
+src = ASTSource(twice, signature={"X": "*fp32", "Y": "*fp32", "N": "i32", "BLOCK": "constexpr"},
+                constexprs={"BLOCK": 128})
+try:
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+except Exception as err:  # no NVIDIA backend or ptxas in this triton
+    print("NO-COMPILE", type(err).__name__, err)
+    sys.exit(0)
+print("ASM", " ".join(sorted(kernel.asm.keys())))
+'''
+
+
+def _compile(cache: Path, tmp_path: Path) -> str:
+    import os
+
+    script = tmp_path / "compile_twice.py"
+    script.write_text(_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run([sys.executable, str(script)], env=dict(env, TRITON_CACHE_DIR=str(cache)),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def test_triton_cache_slim_keeps_a_cache_hit(tmp_path):
+    """A Triton compile for sm_90 (no GPU needed) fills a cache; its slim copy, put back at the
+    same path, still serves the same compile from the cache: the kernel comes back with only its
+    binary in `.asm`, where a fresh compile has every stage."""
+    cache = tmp_path / "cache"
+    first = _compile(cache, tmp_path)
+    if "NO-COMPILE" in first:
+        pytest.skip(f"triton here cannot compile for sm_90: {first.strip()}")
+    assert "ptx" in first.split() and "cubin" in first.split()
+    slim = tmp_path / "slim"
+    run = subprocess.run([sys.executable, str(SLIM), str(cache), str(slim)], capture_output=True, text=True)
+    assert run.returncode == 0 and "kept" in run.stdout, run.stdout + run.stderr
+    assert not list(slim.rglob("*.ptx")) and not list(slim.rglob("*.llir")) and list(slim.rglob("*.cubin"))
+    shutil.rmtree(cache)
+    slim.rename(cache)
+    assert _compile(cache, tmp_path).split() == ["ASM", "cubin"]  # a hit: nothing was compiled again
+    # without the group rewrite the hit is lost (Triton wants every listed file), and it compiles
+    for grp in cache.glob("*/__grp__*.json"):
+        missing = '"child_paths": {"twice.ptx": "/nowhere/twice.ptx", '
+        grp.write_text(grp.read_text().replace('"child_paths": {', missing, 1))
+    assert "ptx" in _compile(cache, tmp_path).split()
+
+
+def test_triton_cache_slim_leaves_other_files_alone(tmp_path):
+    """Files outside a group (launcher .so files, an entry cut short) and a corrupt group are
+    copied as they are; only IR that a group lists goes."""
+    import json
+
+    src = tmp_path / "src"
+    (src / "A").mkdir(parents=True)
+    (src / "B").mkdir()
+    (src / "C").mkdir()
+    for name in ("k.json", "k.cubin", "k.ptx", "k.ttgir", "k.source"):
+        (src / "A" / name).write_text(name)
+    paths = {n: f"/tmp/cache/A/{n}" for n in ("k.json", "k.cubin", "k.ptx", "k.ttgir", "k.source")}
+    (src / "A" / "__grp__k.json").write_text(json.dumps({"child_paths": paths}))
+    (src / "B" / "cuda_utils.so").write_bytes(b"\x7fELF")
+    (src / "B" / "orphan.ptx").write_text("no group lists me")
+    (src / "C" / "__grp__bad.json").write_text("{not json")
+    (src / "C" / "bad.ptx").write_text("kept with its corrupt group")
+    run = subprocess.run([sys.executable, str(SLIM), str(src), str(tmp_path / "dst")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    dst = tmp_path / "dst"
+    assert sorted(p.name for p in (dst / "A").iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]
+    assert json.loads((dst / "A" / "__grp__k.json").read_text())["child_paths"] == {
+        "k.json": "/tmp/cache/A/k.json", "k.cubin": "/tmp/cache/A/k.cubin"}
+    for rel in ("B/cuda_utils.so", "B/orphan.ptx", "C/__grp__bad.json", "C/bad.ptx"):
+        assert (dst / rel).read_bytes() == (src / rel).read_bytes()
+    again = subprocess.run([sys.executable, str(SLIM), str(src), str(dst)], capture_output=True, text=True)
+    assert again.returncode == 2 and "exists" in again.stderr
