@@ -860,7 +860,17 @@ int time_mode(int reps) {
       return 2;
     }
   }
-  const int bs = 16;
+  // DECODE_TIME_PAGE, tokens per page (default 16, the grid's): a power of two up to 1024. Larger
+  // pages make each sequence's K/V fewer, longer contiguous runs, so rows at several page sizes
+  // price the scattering that the paged layout costs against contiguous K/V.
+  int bs = 16;
+  if (const char* env = std::getenv("DECODE_TIME_PAGE")) {
+    bs = std::atoi(env);
+    if (bs <= 0 || bs > 1024 || (bs & (bs - 1)) != 0) {
+      std::fprintf(stderr, "DECODE_TIME_PAGE must be a power of two from 1 to 1024, got %s\n", env);
+      return 2;
+    }
+  }
   // skew (DECODE_TIME_SKEW=1 adds these rows): 1, every sequence L / 32 long but the last, L;
   // 2, lengths uniform in [L / 32, L] (fixed seed); 3, every sequence L / 32 long; 4, every
   // sequence L / 4 long. L is the table capacity in every case (3, 4: a table sized for longer
@@ -926,6 +936,10 @@ int time_mode(int reps) {
     if (!shape_keys.empty() &&
         std::find(shape_keys.begin(), shape_keys.end(), sh.B * 1000000 + sh.L) == shape_keys.end())
       continue;
+    if (sh.L % bs != 0) {
+      std::printf("B=%d L=%d: not a whole number of %d-token pages, skipped\n", sh.B, sh.L, bs);
+      continue;
+    }
     const int B = sh.B, L = sh.L, per_seq = L / bs;
     const int num_blocks = B * per_seq;
     const int64_t row = int64_t(hkv) * D;
