@@ -742,6 +742,7 @@ def test_quick_mode_json_schema(quick_run):
     for key in ("device_name", "sm_count", "torch", "triton", "cuda", "git_commit", "date_utc"):
         assert key in data["env"]
     assert data["config"]["quick"] is True and data["config"]["dtype"] == "float32"
+    assert data["config"]["page_size"] == 16
     rows = data["rows"]
     assert rows and all(_ROW_KEYS <= set(r) for r in rows)
     ok = [r for r in rows if r["status"] == "ok"]
@@ -1408,6 +1409,9 @@ def test_quick_run_with_heads_times_and_records_that_layout(tmp_path, monkeypatc
     assert len(found) == 1 and found[0].parent.name.endswith("-quick-h8x2x64"), found
     data = json.loads(found[0].read_text())
     assert data["config"]["heads"] == dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+    # no --page-size: 16-token pages, and no page suffix on the folder
+    assert data["config"]["page_size"] == 16 and "-p" not in found[0].parent.name
+    assert {r["shape"]["block_size"] for r in data["rows"] + data["crosscheck"] if r["op"] != "prefill"} == {16}
     rows, xc = data["rows"], data["crosscheck"]
     assert {r["op"] for r in rows} == {"prefill", "decode", "paged"}
     assert {_layout(r["shape"]) for r in rows + xc} == {(8, 2, 64)}
@@ -1484,3 +1488,139 @@ def test_a_default_backend_that_cannot_run_the_head_dim_is_left_out_with_a_note(
     note = next(n for n in result["notes"] if "narrow" in n)
     assert "D=256" in note and "narrow supports head dims 64, 128 only" in note
     assert f"note: {note}" in logged and note in (tmp_path / "results.md").read_text()
+
+
+# ----------------------------------------------------------------------------- --page-size
+
+
+def test_page_size_reaches_the_decode_and_paged_grids_and_their_crosschecks():
+    assert cs.DEFAULT_PAGE_SIZE == 16 and cs.MAX_PAGE_SIZE == 256
+    for quick, grids in ((True, (cs.quick_decode_cases, cs.quick_paged_cases)),
+                         (False, (cs.standard_decode_cases, cs.standard_paged_cases))):
+        h = cs.grid_heads(quick)
+        default = [c for grid in grids for c in grid(h)]
+        default_xc = cs.crosscheck_decode_cases(quick) + cs.crosscheck_paged_cases(quick)
+        assert {c.block_size for c in default + default_xc} == {16}  # today's pages without the flag
+        for ps in (1, 64, 256):
+            cases = [c for grid in grids for c in grid(h, ps)]
+            assert {c.block_size for c in cases} == {ps}
+            # the timed grids keep their lengths; only the page changes
+            assert [c.label for c in cases] == [c.label for c in default]
+            dec, = cs.crosscheck_decode_cases(quick, h, ps)
+            paged, = cs.crosscheck_paged_cases(quick, None, ps)
+            assert dec.block_size == paged.block_size == ps and _layout(paged.shape()) == _layout(h)
+            # one more sequence crossing two pages at any page size: 2 pages + 1 token
+            assert dec.lens == default_xc[0].lens + (2 * ps + 1,)
+            assert paged.context_lens == default_xc[1].context_lens + (2 * ps + 1,)
+            assert paged.q_lens == default_xc[1].q_lens + (ps + 2,)
+        # the prefill grid reads no pages: it has no page size to take
+        assert cs.crosscheck_prefill_cases(quick) == cs.crosscheck_prefill_cases(quick, h)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_decode_and_paged_caches_have_the_page_size(page_size):
+    """The caches the inputs builders make from the grid's cases really have `page_size` tokens a page
+    (k_cache.shape[1]), and the anchors' layouts read the same tokens from them."""
+    torch.manual_seed(0)
+    for case in cs.quick_decode_cases(page_size=page_size) + cs.crosscheck_decode_cases(True, page_size=page_size):
+        q, kc, vc, bt, cl = cs.make_decode_inputs(case, torch.float32, "cpu", seed=None, poison=False,
+                                                  spare_columns=0)
+        assert kc.shape[1] == vc.shape[1] == page_size
+        assert bt.shape[1] == -(-case.context_len // page_size)
+        if case.uniform:
+            k4, _ = cs.contiguous_kv(kc, vc, bt, case.context_len)
+            t = case.context_len - 1  # the last token of sequence 0
+            assert torch.equal(k4[0, :, t], kc[int(bt[0, t // page_size]), t % page_size])
+    for case in cs.quick_paged_cases(page_size=page_size) + cs.crosscheck_paged_cases(True, page_size=page_size):
+        _, kc, vc, bt, _, cl = cs.make_paged_inputs(case, torch.float32, "cpu", seed=None, poison=False)
+        assert kc.shape[1] == vc.shape[1] == page_size
+        k, _, cu_k = cs.gather_varlen_kv(kc, vc, bt, cl.tolist())
+        s, t = case.batch - 1, case.context_lens[-1] - 1
+        assert torch.equal(k[int(cu_k[s]) + t], kc[int(bt[s, t // page_size]), t % page_size])
+        indptr, _, last = anc.flashinfer_page_layout(bt, cl, kc.shape[1])
+        assert indptr[-1].item() == sum(-(-n // page_size) for n in case.context_lens)
+        assert last[-1].item() == (t % page_size) + 1
+
+
+def test_page_size_parse_and_reach_the_config():
+    import argparse
+
+    from minipaged.benchmark import cli as bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli._config(parser.parse_args([]), None).page_size == cs.DEFAULT_PAGE_SIZE
+    assert runner.BenchConfig().page_size == cs.DEFAULT_PAGE_SIZE
+    assert bench_cli._config(parser.parse_args(["--page-size", "64"]), None).page_size == 64
+    text = " ".join(parser.format_help().split())
+    assert "--page-size N" in text and "1 to 256" in text and "default 16" in text and "prefill" in text
+    assert "-p<N>" in text
+    assert runner.check_page_size(1) == 1 and runner.check_page_size(256) == 256
+    for bad, exc in ((0, ValueError), (3, ValueError), (512, ValueError), (-16, ValueError), (16.0, TypeError),
+                     (True, TypeError), ("16", TypeError), (None, TypeError)):
+        with pytest.raises(exc, match="--page-size"):
+            runner.check_page_size(bad)
+
+
+def test_default_out_dir_names_a_page_size_other_than_16():
+    cpu = torch.device("cpu")
+    assert runner.default_out_dir(cpu, True, None, 16) == runner.default_out_dir(cpu, True)
+    assert runner.default_out_dir(cpu, True, cs.grid_heads(True), 64).name == "cpu-quick-p64"
+    assert runner.default_out_dir(cpu, False, None, 1).name == "cpu-p1"
+    assert runner.default_out_dir(cpu, True, cs.grid_heads(True, (8, 2, None)), 256).name == "cpu-quick-h8x2x64-p256"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the quick grid")
+@pytest.mark.parametrize("argv, words", [
+    (["--page-size", "0"], ["--page-size", "power of two from 1 to 256", "got 0"]),
+    (["--page-size", "3"], ["--page-size", "power of two", "got 3"]),
+    (["--page-size", "512"], ["--page-size", "1 to 256", "got 512"]),
+    (["--page-size", "-16"], ["--page-size", "got -16"]),
+    (["--page-size=-16", "--op", "prefill"], ["--page-size", "got -16"]),  # refused even where it is unused
+    (["--page-size", "1" + "0" * 400], ["--page-size", "401-digit"]),
+])
+def test_bench_rejects_bad_page_size(argv, words, capsys, tmp_path, monkeypatch):
+    _assert_bench_refuses(argv, words, capsys, tmp_path, monkeypatch)
+    assert not list(tmp_path.iterdir())  # refused before the results folder is touched
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the quick grid, torch and the Triton interpreter")
+@pytest.mark.parametrize("op, page_size", [("decode", 1), ("decode", 64), ("paged", 1), ("paged", 64)])
+def test_quick_run_at_a_page_size_records_it_and_passes_the_crosschecks(op, page_size, tmp_path, monkeypatch,
+                                                                        capsys):
+    """`bench --quick --op OP --page-size N --kv-cache-dtype fp8` (torch and the Triton interpreter, float16,
+    one call per row): every row and cross-check (the fp8 one included) is at N-token pages, the caches
+    timed really have N tokens a page, the cross-checks pass and the default folder ends in -pN."""
+    from minipaged import cli
+
+    made = []
+    build = {"decode": cs.make_decode_inputs, "paged": cs.make_paged_inputs}[op]
+
+    def spy(case, *a, **k):
+        out = build(case, *a, **k)
+        made.append((case.block_size, out[1].shape[1], out[2].shape[1]))
+        return out
+
+    monkeypatch.setattr(cs, build.__name__, spy)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", "--quick", "--op", op, "--page-size", str(page_size), "--kv-cache-dtype", "fp8",
+                   "--reps", "1", "--max-time", "0", "--no-plots", "--no-progress"])
+    assert rc == 0
+    assert f"D=64, {page_size}-token pages, backends: " in capsys.readouterr().out  # the run's header line
+    found = list((tmp_path / runner.DEFAULT_OUT_ROOT).glob("*/results.json"))
+    assert len(found) == 1 and found[0].parent.name == f"cpu-quick-p{page_size}", found
+    data = json.loads(found[0].read_text())
+    assert data["config"]["page_size"] == page_size and data["config"]["dtype"] == "float16"
+    rows, xc = data["rows"], data["crosscheck"]
+    assert {r["op"] for r in rows} == {op} and {r["shape"]["block_size"] for r in rows + xc} == {page_size}
+    # the cross-check and the timed grid built every cache at that page size
+    assert made and set(made) == {(page_size,) * 3}
+    names = ["torch"] + (["triton"] if data["backends"]["triton"]["available"] else [])
+    assert {(r["backend"], r.get("kv_dtype")) for r in xc} == {(n, k) for n in names for k in (None, "float8_e4m3fn")}
+    assert all(r["ok"] for r in xc), xc
+    want = (cs.quick_decode_cases if op == "decode" else cs.quick_paged_cases)(page_size=page_size)
+    for name in names + [f"{n} fp8" for n in names]:
+        got = [r for r in rows if r["backend"] == name]
+        assert [r["case"] for r in got] == [c.label for c in want] and all(r["status"] == "ok" for r in got), got
+    assert not [r for r in rows if r["status"] == "error"]
+    assert f"block size {page_size}, pages scattered" in (found[0].parent / "results.md").read_text()

@@ -210,6 +210,8 @@ def test_check_names_the_backends_it_compared(capsys, monkeypatch):
     (["bench", "--op", "nope"], ["--op", "nope"]),
     (["bench", "--reps", "1" + "0" * 400], ["--reps", "401-digit"]),
     (["bench", "--seed", "1" + "0" * 400], ["--seed"]),
+    (["bench", "--page-size", "abc"], ["--page-size", "abc"]),
+    (["bench", "--page-size", "1.5"], ["--page-size", "1.5"]),
 ])
 def test_parser_errors_are_one_error_line(argv, words, capsys, no_work):
     # argparse's own errors (missing command, bad choice, not an int) used to print the usage

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..api import MAX_BLOCK_SIZE
 from ..testing import (  # noqa: F401 - the cases and builders, re-exported for the runner
     DecodeCase,
     PagedCase,
@@ -22,6 +23,9 @@ from ..testing import (  # noqa: F401 - the cases and builders, re-exported for 
 
 QWEN3_HEADS = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
 QUICK_HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
+# tokens per KV-cache page of the decode and paged grids (--page-size); prefill reads no pages
+DEFAULT_PAGE_SIZE = 16
+MAX_PAGE_SIZE = MAX_BLOCK_SIZE  # the largest page the kernels take
 
 
 def grid_heads(quick: bool, heads: tuple[int, int, int | None] | None = None) -> dict:
@@ -34,37 +38,42 @@ def grid_heads(quick: bool, heads: tuple[int, int, int | None] | None = None) ->
     return dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=default["head_dim"] if d is None else d)
 
 
-def standard_paged_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[PagedCase]:
-    """paged_attention, Qwen3 heads (or `heads`), block size 16, pages scattered at random:
+def standard_paged_cases(heads: Mapping[str, int] = QWEN3_HEADS,
+                         page_size: int = DEFAULT_PAGE_SIZE) -> list[PagedCase]:
+    """paged_attention, Qwen3 heads (or `heads`), block size 16 (or `page_size`), pages scattered at random:
     chunked prefill (8 x 512 new over 4k cached; 1 x 2k new over 30k cached),
     speculative verification (B=32, 4 new tokens, 4k context; and one sequence at 32k,
     the latency-bound serving case, whose grid is a few CTAs unless the keys are split)
     and a mixed batch (one 2k chunk over 2k cached + 63 decodes at 4k context) in one
     launch."""
     return [
-        PagedCase("chunked", (512,) * 8, (4096 + 512,) * 8, **heads),
-        PagedCase("chunked", (2048,), (30720 + 2048,), **heads),
-        PagedCase("spec", (4,) * 32, (4096,) * 32, **heads),
-        PagedCase("spec", (4,), (32768,), **heads),
-        PagedCase("mixed", (2048,) + (1,) * 63, (4096,) * 64, **heads),
+        PagedCase("chunked", (512,) * 8, (4096 + 512,) * 8, **heads, block_size=page_size),
+        PagedCase("chunked", (2048,), (30720 + 2048,), **heads, block_size=page_size),
+        PagedCase("spec", (4,) * 32, (4096,) * 32, **heads, block_size=page_size),
+        PagedCase("spec", (4,), (32768,), **heads, block_size=page_size),
+        PagedCase("mixed", (2048,) + (1,) * 63, (4096,) * 64, **heads, block_size=page_size),
     ]
 
 
-def quick_paged_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[PagedCase]:
+def quick_paged_cases(heads: Mapping[str, int] = QUICK_HEADS, page_size: int = DEFAULT_PAGE_SIZE) -> list[PagedCase]:
     return [
-        PagedCase("chunked", (32,) * 2, (96,) * 2, **heads),
-        PagedCase("spec", (4,) * 4, (64,) * 4, **heads),
-        PagedCase("mixed", (48,) + (1,) * 3, (96,) + (64,) * 3, **heads),
+        PagedCase("chunked", (32,) * 2, (96,) * 2, **heads, block_size=page_size),
+        PagedCase("spec", (4,) * 4, (64,) * 4, **heads, block_size=page_size),
+        PagedCase("mixed", (48,) + (1,) * 3, (96,) + (64,) * 3, **heads, block_size=page_size),
     ]
 
 
-def crosscheck_paged_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[PagedCase]:
+def crosscheck_paged_cases(quick: bool, heads: Mapping[str, int] | None = None,
+                           page_size: int = DEFAULT_PAGE_SIZE) -> list[PagedCase]:
     """One call mixing a chunk over a prefix, a decode, an empty query, a fresh prompt
-    (q_len == context) and a context one past a page. heads None: the grid's default layout."""
+    (q_len == context) and a context one past a 16-token page. heads None: the grid's default layout.
+    At another page_size one more sequence: a chunk of page_size + 2 queries ending a context of two
+    pages and one token (so a chunk straddles a page boundary and a context crosses pages at any size)."""
     h = heads or grid_heads(quick)
-    if quick:
-        return [PagedCase("mixed", (5, 1, 0, 20), (40, 17, 3, 20), **h)]
-    return [PagedCase("mixed", (300, 1, 4, 0, 97), (1000, 4097, 1023, 16, 97), **h)]
+    q_lens, lens = ((5, 1, 0, 20), (40, 17, 3, 20)) if quick else ((300, 1, 4, 0, 97), (1000, 4097, 1023, 16, 97))
+    if page_size != DEFAULT_PAGE_SIZE:
+        q_lens, lens = q_lens + (page_size + 2,), lens + (2 * page_size + 1,)
+    return [PagedCase("mixed", q_lens, lens, **h, block_size=page_size)]
 
 
 def standard_prefill_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[PrefillCase]:
@@ -75,15 +84,16 @@ def standard_prefill_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[Prefi
     return cases
 
 
-def standard_decode_cases(heads: Mapping[str, int] = QWEN3_HEADS) -> list[DecodeCase]:
-    """Paged decode, Qwen3 heads (or `heads`), block size 16: six rows where every context = L, then two
-    uneven batches of 64 as a server sees them (the table as wide as the longest sequence),
-    one 32k sequence last among 1k ones and lengths spread over 512-16384 (fixed seed)."""
+def standard_decode_cases(heads: Mapping[str, int] = QWEN3_HEADS,
+                          page_size: int = DEFAULT_PAGE_SIZE) -> list[DecodeCase]:
+    """Paged decode, Qwen3 heads (or `heads`), block size 16 (or `page_size`): six rows where every
+    context = L, then two uneven batches of 64 as a server sees them (the table as wide as the longest
+    sequence), one 32k sequence last among 1k ones and lengths spread over 512-16384 (fixed seed)."""
     grid = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 8192), (256, 1024)]
-    cases = [DecodeCase(b, l, **heads, block_size=16) for b, l in grid]
+    cases = [DecodeCase(b, l, **heads, block_size=page_size) for b, l in grid]
     spread = random.Random(0)
-    cases.append(DecodeCase.of((1024,) * 63 + (32768,), **heads, block_size=16))
-    cases.append(DecodeCase.of([spread.randint(512, 16384) for _ in range(64)], **heads, block_size=16))
+    cases.append(DecodeCase.of((1024,) * 63 + (32768,), **heads, block_size=page_size))
+    cases.append(DecodeCase.of([spread.randint(512, 16384) for _ in range(64)], **heads, block_size=page_size))
     return cases
 
 
@@ -91,8 +101,8 @@ def quick_prefill_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[PrefillC
     return [PrefillCase(1, n, n, **heads) for n in (64, 128)]
 
 
-def quick_decode_cases(heads: Mapping[str, int] = QUICK_HEADS) -> list[DecodeCase]:
-    return [DecodeCase(b, l, **heads, block_size=16) for b in (1, 4) for l in (64, 256)]
+def quick_decode_cases(heads: Mapping[str, int] = QUICK_HEADS, page_size: int = DEFAULT_PAGE_SIZE) -> list[DecodeCase]:
+    return [DecodeCase(b, l, **heads, block_size=page_size) for b in (1, 4) for l in (64, 256)]
 
 
 def crosscheck_prefill_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[PrefillCase]:
@@ -104,14 +114,15 @@ def crosscheck_prefill_cases(quick: bool, heads: Mapping[str, int] | None = None
     return [PrefillCase(2, 1000, 1000, **h), PrefillCase(1, 300, 1023, **h)]
 
 
-def crosscheck_decode_cases(quick: bool, heads: Mapping[str, int] | None = None) -> list[DecodeCase]:
-    """Ragged contexts including an empty one and a partial last page. heads None: the grid's default layout."""
+def crosscheck_decode_cases(quick: bool, heads: Mapping[str, int] | None = None,
+                            page_size: int = DEFAULT_PAGE_SIZE) -> list[DecodeCase]:
+    """Ragged contexts including an empty one and a partial last page. heads None: the grid's default layout.
+    At another page_size one more context of two pages and one token (one that crosses pages at any size)."""
     h = heads or grid_heads(quick)
-    if quick:
-        lens = (0, 17, 100)
-        return [DecodeCase(len(lens), max(lens), **h, block_size=16, context_lens=lens)]
-    lens = (1, 17, 1000, 4097)
-    return [DecodeCase(len(lens), max(lens), **h, block_size=16, context_lens=lens)]
+    lens = (0, 17, 100) if quick else (1, 17, 1000, 4097)
+    if page_size != DEFAULT_PAGE_SIZE:
+        lens += (2 * page_size + 1,)
+    return [DecodeCase(len(lens), max(lens), **h, block_size=page_size, context_lens=lens)]
 
 
 # ----------------------------------------------------------------------------- layouts for the anchors
@@ -150,7 +161,7 @@ def gather_varlen_kv(k_cache, v_cache, block_tables, context_lens):
     return gather(k_cache), gather(v_cache), cu_seqlens(context_lens, k_cache.device)
 
 
-def paged_from_dense(k, v, block_size: int = 16):
+def paged_from_dense(k, v, block_size: int = DEFAULT_PAGE_SIZE):
     """Dense k, v [B, Hkv, N, D] written into a fresh paged cache with scattered pages
     (for anchors that read pages on the prefill grid). Returns
     (k_cache, v_cache, block_tables, context_lens) as minipaged.testing.paged_kv lays them out."""

@@ -40,10 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, with_op: bool = True) -> N
                              "4/2/64 on the quick grid; without D the grid's head dim (128 / 64). A backend "
                              "named in --backends that cannot run the head dim is an error; one not named is "
                              "left out with a note")
+    parser.add_argument("--page-size", type=int, default=16, dest="page_size", metavar="N",
+                        help="tokens per KV-cache page in every decode and paged case and their cross-checks "
+                             "(the fp8 one included): a power of two from 1 to 256 (default 16). The prefill "
+                             "grid reads no pages and ignores it")
     parser.add_argument("--out", default=None,
                         help="results folder (default: ./minipaged-bench-results/<device>[-quick], with "
-                             "-h<HQ>x<HKV>x<D> appended when --heads differs from the grid's default; "
-                             "printed at the end)")
+                             "-h<HQ>x<HKV>x<D> appended when --heads differs from the grid's default and "
+                             "-p<N> when --page-size is not 16; printed at the end)")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes; on a machine without a GPU the quick grid (torch and "
                              "Triton-interpreter rows) is chosen anyway, and the run says so")
@@ -92,6 +96,7 @@ def _config(args: argparse.Namespace, op: str | None):
         seed=args.seed,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         heads=None if heads is None else parse_heads(heads),
+        page_size=getattr(args, "page_size", 16),
     )
 
 

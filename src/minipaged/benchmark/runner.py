@@ -59,6 +59,7 @@ class BenchConfig:
     seed: int = 0
     kv_cache_dtype: str = "auto"          # "fp8": decode/paged also on float8_e4m3fn caches
     heads: tuple[int, int, int | None] | None = None  # --heads (Hq, Hkv, D); D None: the grid's; None: its layout
+    page_size: int = cs.DEFAULT_PAGE_SIZE  # --page-size: tokens per KV page of the decode and paged cases
     log: Callable[[str], None] = field(default=print, repr=False)
 
 
@@ -254,7 +255,7 @@ def _max_abs_err(out, ref) -> float:
 
 
 def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
-               anchor_names=(), heads=None) -> tuple[list[dict], dict]:
+               anchor_names=(), heads=None, page_size=cs.DEFAULT_PAGE_SIZE) -> tuple[list[dict], dict]:
     """Max |o_backend - o_fp32| for every backend on a few Qwen3-shaped cases.
 
     The oracle is the torch backend on inputs upcast to fp32; the torch backend
@@ -263,14 +264,15 @@ def crosscheck(backends, device, dtype, quick, log, ops=("prefill", "decode"),
     where failures maps (backend, op) -> error text for backends that raised.
     The SDPA anchors in `anchor_names` are checked the same way on the Nq == Nk
     prefill cases (rows with kind "anchor"; they never stop an anchor's timing).
-    heads: the cases' head layout (None: the grid's default, cases.grid_heads).
+    heads: the cases' head layout (None: the grid's default, cases.grid_heads). page_size: the
+    tokens per page of the decode and paged cases' caches (--page-size).
     """
     import minipaged as mp
 
     rows, failures = [], {}
     for op, case_list in (("prefill", cs.crosscheck_prefill_cases(quick, heads)),
-                          ("decode", cs.crosscheck_decode_cases(quick, heads)),
-                          ("paged", cs.crosscheck_paged_cases(quick, heads))):
+                          ("decode", cs.crosscheck_decode_cases(quick, heads, page_size)),
+                          ("paged", cs.crosscheck_paged_cases(quick, heads, page_size))):
         if op not in ops:
             continue
         for case in case_list:
@@ -356,7 +358,8 @@ def crosscheck_plan_fp8(backends, device, dtype, ops):
     return compared, skipped
 
 
-def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=None, heads=None) -> list[dict]:
+def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=None, heads=None,
+                   page_size=cs.DEFAULT_PAGE_SIZE) -> list[dict]:
     """Every fp8-capable backend's decode / paged output on a float8_e4m3fn cache against the
     torch oracle on the SAME fp8 cache, so the quantisation error is nobody's fault.
 
@@ -365,13 +368,14 @@ def crosscheck_fp8(backends, device, dtype, quick, log, ops=FP8_OPS, failures=No
     The oracle is the torch backend in fp32 on that cache's exact dequantisation
     (stored x scale, fp32) with q upcast; torch on the fp8 cache itself, in `dtype`, shows
     what the output rounding costs. A backend passes when its error <= 2 * that + atol(dtype),
-    the rule of crosscheck(). Raises go into `failures` under (backend, fp8_key(op)). heads: as crosscheck's."""
+    the rule of crosscheck(). Raises go into `failures` under (backend, fp8_key(op)). heads, page_size: as
+    crosscheck's."""
     import minipaged as mp
 
     failures = {} if failures is None else failures
     rows = []
-    for op, case_list in (("decode", cs.crosscheck_decode_cases(quick, heads)),
-                          ("paged", cs.crosscheck_paged_cases(quick, heads))):
+    for op, case_list in (("decode", cs.crosscheck_decode_cases(quick, heads, page_size)),
+                          ("paged", cs.crosscheck_paged_cases(quick, heads, page_size))):
         if op not in ops:
             continue
         for case in case_list:
@@ -1026,14 +1030,17 @@ def _wants_copy(cfg: BenchConfig, ops, device) -> bool:
 DEFAULT_OUT_ROOT = "minipaged-bench-results"
 
 
-def default_out_dir(device, quick: bool, heads=None) -> Path:
-    """./minipaged-bench-results/<device>[-quick][-h<Hq>x<Hkv>x<D>] under the current folder (ignored by
-    this repository's .gitignore); results meant to be committed are written with --out. The head
-    suffix appears when `heads` (a cases.grid_heads dict) is not the grid's default layout, so a
-    run at another model's shape does not overwrite the default one's results."""
+def default_out_dir(device, quick: bool, heads=None, page_size: int = cs.DEFAULT_PAGE_SIZE) -> Path:
+    """./minipaged-bench-results/<device>[-quick][-h<Hq>x<Hkv>x<D>][-p<N>] under the current folder (ignored
+    by this repository's .gitignore); results meant to be committed are written with --out. The head
+    suffix appears when `heads` (a cases.grid_heads dict) is not the grid's default layout, the page
+    suffix when `page_size` is not 16, so a run at another model's shape or page size does not
+    overwrite the default one's results."""
     slug = timing.device_slug(device) + ("-quick" if quick else "")
     if heads is not None and dict(heads) != cs.grid_heads(quick):
         slug += f"-h{heads['num_q_heads']}x{heads['num_kv_heads']}x{heads['head_dim']}"
+    if page_size != cs.DEFAULT_PAGE_SIZE:
+        slug += f"-p{page_size}"
     return Path(DEFAULT_OUT_ROOT) / slug
 
 
@@ -1063,6 +1070,7 @@ class Plan:
     out_dir: Path
     fp8: bool = False                     # --kv-cache-dtype fp8: decode/paged also on fp8 caches
     heads: dict | None = None             # the layout every grid runs at (None: cases.grid_heads(quick))
+    page_size: int = cs.DEFAULT_PAGE_SIZE  # tokens per KV page of the decode and paged cases
     notes: list[str] = field(default_factory=list)  # logged and kept in the results' notes
 
 
@@ -1115,6 +1123,17 @@ def check_heads(heads) -> tuple[int, int, int | None] | None:
     return hq, hkv, d
 
 
+def check_page_size(page_size) -> int:
+    """cfg.page_size (--page-size) as an int; TypeError / ValueError unless it is a power of two from 1 to 256
+    (what the kernels take, as `minipaged generate --block-size`)."""
+    _check_number("--page-size", page_size, integer=True)
+    if page_size is None:
+        raise TypeError("--page-size must be an integer, got None")
+    if not 1 <= page_size <= cs.MAX_PAGE_SIZE or page_size & (page_size - 1):
+        raise ValueError(f"--page-size must be a power of two from 1 to {cs.MAX_PAGE_SIZE}, got {page_size}")
+    return page_size
+
+
 def head_dim_reason(backend: str, head_dim: int) -> str | None:
     """Why `backend` cannot run head dim `head_dim` by its registry entry (None: it can)."""
     from minipaged import registry
@@ -1140,6 +1159,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     _check_number("--time-budget", cfg.time_budget_s, minimum=0)
     _check_number("--seed", cfg.seed, minimum=0, integer=True)
     wanted_heads = check_heads(cfg.heads)
+    page_size = check_page_size(cfg.page_size)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {cfg.dtype!r}")
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -1207,7 +1227,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
                              f"float8_e4m3fn cache here ({why or 'no backends'}); backends with fp8 KV-cache "
                              f"kernels: {have}")
 
-    out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick, heads)
+    out_dir = Path(cfg.out) if cfg.out else default_out_dir(device, quick, heads, page_size)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".minipaged-write-test"
@@ -1216,7 +1236,7 @@ def check_config(cfg: BenchConfig, *, log=None) -> Plan:
     except OSError as e:
         raise OSError(f"--out {str(out_dir)!r}: cannot write results there: "
                       f"{e.strerror or type(e).__name__}") from None
-    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir, fp8, heads, notes)
+    return Plan(device, quick, dtype, ops, backends, backend_info, out_dir, fp8, heads, page_size, notes)
 
 
 def _fit_head_dim(cfg: BenchConfig, backends: list[str], heads: dict, wanted) -> tuple[list[str], list[str]]:
@@ -1256,14 +1276,15 @@ def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
         torch.set_num_threads(1)
     try:
         return _run(cfg, device, quick, dtype, plan.ops, plan.backends, plan.backend_info, plan.out_dir, log,
-                    fp8=plan.fp8, heads=plan.heads, notes=plan.notes)
+                    fp8=plan.fp8, heads=plan.heads, page_size=plan.page_size, notes=plan.notes)
     finally:
         torch.set_num_threads(saved_threads)
 
 
 def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, fp8: bool = False,
-         heads: dict | None = None, notes=()) -> dict:
+         heads: dict | None = None, page_size: int | None = None, notes=()) -> dict:
     heads = heads or cs.grid_heads(quick, cfg.heads)
+    page_size = page_size or cfg.page_size
     env = timing.environment(device)
     env["torch_threads"] = torch.get_num_threads()
     result = dict(
@@ -1271,7 +1292,7 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
         config=dict(op=cfg.op, dtype=str(dtype).replace("torch.", ""), quick=quick,
                     backends=backends, anchors=cfg.anchors, reps=cfg.reps,
                     max_time_s=cfg.max_time_s, time_budget_s=cfg.time_budget_s, seed=cfg.seed,
-                    kv_cache_dtype=cfg.kv_cache_dtype, heads=dict(heads)),
+                    kv_cache_dtype=cfg.kv_cache_dtype, heads=dict(heads), page_size=page_size),
         backends=backend_info, crosscheck=[], rows=[], copy_bandwidth_tbps=None, notes=[],
         complete=False,
     )
@@ -1279,8 +1300,9 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
         + (f" ({env['sm_count']} SMs)" if env["sm_count"] else "")
         + f", torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit {env['git_commit'][:12]}")
     log(f"dtype {result['config']['dtype']}, {'quick grid' if quick else 'standard grid'} at "
-        f"Hq={heads['num_q_heads']} Hkv={heads['num_kv_heads']} D={heads['head_dim']}, "
-        f"backends: {', '.join(backends) or '(none)'}"
+        f"Hq={heads['num_q_heads']} Hkv={heads['num_kv_heads']} D={heads['head_dim']}"
+        + (f", {page_size}-token pages" if {"decode", "paged"} & set(ops) else "")
+        + f", backends: {', '.join(backends) or '(none)'}"
         + (f"; fp8 KV-cache rows for {', '.join(fp8_backends(backends, ops, dtype, device))}" if fp8 else ""))
     if fp8:
         result["notes"].append(fp8_note(dtype, cfg, device))
@@ -1301,14 +1323,16 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
             t0 = time.perf_counter()
             try:
                 rows, failures = crosscheck(backends, device, dtype, quick, log, ops,
-                                            anchor_names=_anchor_names(cfg, "prefill", device, quick), heads=heads)
+                                            anchor_names=_anchor_names(cfg, "prefill", device, quick), heads=heads,
+                                            page_size=page_size)
             except Exception as e:  # noqa: BLE001 - the timing can still say something
                 msg = f"cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                 rows = [dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None)]
                 result["notes"].append(msg)
             if fp8:
                 try:
-                    rows += crosscheck_fp8(backends, device, dtype, quick, log, ops, failures, heads=heads)
+                    rows += crosscheck_fp8(backends, device, dtype, quick, log, ops, failures, heads=heads,
+                                           page_size=page_size)
                 except Exception as e:  # noqa: BLE001 - the timing can still say something
                     msg = f"fp8 cross-check aborted: {type(e).__name__}: {_first_line(e)}"
                     rows.append(dict(op="-", case="-", backend="-", ok=False, error=msg, max_abs_err=None,
@@ -1329,8 +1353,8 @@ def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, f
             save()
 
         case_lists = {"prefill": (cs.quick_prefill_cases if quick else cs.standard_prefill_cases)(heads),
-                      "decode": (cs.quick_decode_cases if quick else cs.standard_decode_cases)(heads),
-                      "paged": (cs.quick_paged_cases if quick else cs.standard_paged_cases)(heads)}
+                      "decode": (cs.quick_decode_cases if quick else cs.standard_decode_cases)(heads, page_size),
+                      "paged": (cs.quick_paged_cases if quick else cs.standard_paged_cases)(heads, page_size)}
         fi_note = flashinfer_note(cfg, ops, device, quick)
         if fi_note:
             result["notes"].append(fi_note)
