@@ -76,16 +76,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 # Triton kernels. The `triton_cache` stage packs the cache into $OUT (xz, 15 MiB parts); parts
 # carried back in $bin/triton_cache/ are unpacked here first, so a later call (H100 or H200, both
 # sm_90) finds every kernel whose source, options and triton version are unchanged. Unpack at the
-# path they were packed from: Triton's group files name their members by absolute path.
+# path they were packed from: Triton's group files name their members by absolute path. The unpack
+# line also goes to logs/triton_cache_unpack.log, which a later run of this script in the same call
+# does not rewrite (gpu.txt it does).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/minipaged_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 tc_parts=("$bin"/triton_cache/triton_cache.tar.xz.*)
 if [ -f "${tc_parts[0]}" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
   if cat "${tc_parts[@]}" | xz -dc | tar -xf - -C "$TRITON_CACHE_DIR"; then
     echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries unpacked from ${#tc_parts[@]} carried part(s)" \
-      >> "$WORK/logs/gpu.txt"
+      | tee -a "$WORK/logs/gpu.txt" >> "$WORK/logs/triton_cache_unpack.log"
   else
-    echo "triton cache: the carried parts did not unpack; compiling from scratch" >> "$WORK/logs/gpu.txt"
+    echo "triton cache: the carried parts did not unpack; compiling from scratch" \
+      | tee -a "$WORK/logs/gpu.txt" >> "$WORK/logs/triton_cache_unpack.log"
     rm -rf "${TRITON_CACHE_DIR:?}"/* 2>/dev/null
   fi
 fi
