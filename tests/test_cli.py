@@ -411,7 +411,35 @@ def test_check_heads_runs_the_cases_at_that_layout(capsys, monkeypatch):
     assert "triton agrees with the oracle on every case" in out
 
 
+@pytest.mark.skipif(not CPU_ONLY, reason="CPU: the default check compares the interpreted Triton")
+def test_check_page_size_builds_decode_caches_of_that_size(capsys, monkeypatch):
+    from minipaged.benchmark import runner, cases
+
+    seen, sizes = [], set()
+    real, real_cases = runner.crosscheck, cases.crosscheck_decode_cases
+
+    def spy(*a, page_size=16, **k):
+        seen.append(page_size)
+        return real(*a, page_size=page_size, **k)
+
+    def spy_cases(*a, **k):
+        built = real_cases(*a, **k)
+        sizes.update(c.block_size for c in built)
+        return built
+
+    monkeypatch.setattr(runner, "crosscheck", spy)
+    monkeypatch.setattr(cases, "crosscheck_decode_cases", spy_cases)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, out, _ = _main(["check", "--page-size", "4"], capsys)
+    assert rc == 0, out
+    assert seen == [4] and sizes == {4}
+    assert "triton agrees with the oracle on every case" in out
+
+
 @pytest.mark.parametrize("argv, words", [
+    (["check", "--page-size", "0"], ["--page-size", "power of two", "got 0"]),
+    (["check", "--page-size", "48"], ["--page-size", "power of two", "got 48"]),
+    (["check", "--page-size", "512"], ["--page-size", "power of two", "got 512"]),
     (["check", "--heads", "8"], ["--heads", "HQ/HKV"]),
     (["check", "--heads", "12/8"], ["HQ=12", "not a multiple of HKV=8"]),
     (["check", "--heads", "8/2/96"], ["--heads 8/2/96", "torch", "D=96"]),

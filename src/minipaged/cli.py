@@ -126,11 +126,12 @@ def _check_setup(args):
 
 
 def _check_validate(args) -> None:
-    """--heads as the bench takes it (ValueError / TypeError: one `error:` line, exit 2)."""
-    if args.heads is None:
-        return
+    """--heads and --page-size as the bench takes them (ValueError / TypeError: one `error:` line, exit 2)."""
     from .benchmark import runner
 
+    runner.check_page_size(args.page_size)
+    if args.heads is None:
+        return
     heads = runner.check_heads(runner.parse_heads(args.heads))
     why = heads[2] is not None and runner.head_dim_reason("torch", heads[2])
     if why:
@@ -161,7 +162,8 @@ def _check(args) -> int:
     skipped += [(b, None, unfit[b]) for b in sorted(unfit)]
     compared = [(b, op) for b, op in compared if b not in unfit]
     runnable = sorted({b for b, _ in compared}, key=list(_available_all()).index)
-    rows, _failures = runner.crosscheck(runnable, device, dtype, quick, print, _CHECK_OPS, heads=heads)
+    rows, _failures = runner.crosscheck(runnable, device, dtype, quick, print, _CHECK_OPS, heads=heads,
+                                        page_size=args.page_size)
     print(report.crosscheck_table(rows, dtype))
     print(report.crosscheck_plan_text(compared, skipped))
     bad = [r for r in rows if not r.get("ok")]
@@ -208,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="head layout of the cases, as `minipaged bench --heads` takes it (e.g. 32/8); "
                         "default 16/8/128 on a GPU, 4/2/64 on CPU; a backend that cannot run the head "
                         "dim is skipped with the reason")
+    p.add_argument("--page-size", type=int, default=16, dest="page_size", metavar="N",
+                   help="tokens per KV-cache page of the decode cases, as `minipaged bench --page-size` takes "
+                        "it: a power of two from 1 to 256 (default 16)")
     p.set_defaults(func=_check, validate=_check_validate)
     for name, (module, help_text) in _DELEGATES.items():
         p = sub.add_parser(name, help=help_text)
