@@ -128,6 +128,12 @@ def real_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def is_block_size(n: int) -> bool:
+    """Whether n tokens per page is one the kernels take: a power of two from 1 to MAX_BLOCK_SIZE.
+    The one rule behind every block-size / page-size check (API, cache, engine, CLIs)."""
+    return 1 <= n <= MAX_BLOCK_SIZE and n & (n - 1) == 0
+
+
 def integer_number(x) -> bool:
     """An integer that is not a bool: Python's, or numpy's integer scalars (numbers.Integral)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -219,7 +225,7 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if not (1 <= block_size <= MAX_BLOCK_SIZE) or block_size & (block_size - 1):
+    if not is_block_size(block_size):
         raise ValueError(f"block_size (k_cache.shape[1]) must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     return num_blocks, block_size, num_kv_heads, head_dim
 

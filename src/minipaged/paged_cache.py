@@ -28,7 +28,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 import torch
 
-from .api import _tensor, positive_float32, real_number
+from .api import MAX_BLOCK_SIZE, _tensor, is_block_size, positive_float32, real_number
 
 try:  # a fast, process-stable hash; blake2b is the (slower, equally stable) fallback
     import xxhash
@@ -158,8 +158,8 @@ class PagedKVCache:
         if num_blocks > _MAX_BLOCKS:
             raise ValueError(f"num_blocks must be at most {_MAX_BLOCKS} (block ids are int32 table entries), "
                              f"got {num_blocks}")
-        if not (1 <= block_size <= 256) or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+        if not is_block_size(block_size):
+            raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)} (what the kernels support), got {head_dim}")
         if not isinstance(dtype, torch.dtype):

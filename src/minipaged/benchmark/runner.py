@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..api import is_block_size
 from . import anchors as anc
 from . import cases as cs
 from . import flops, outputs, report, timing
@@ -1129,7 +1130,7 @@ def check_page_size(page_size) -> int:
     _check_number("--page-size", page_size, integer=True)
     if page_size is None:
         raise TypeError("--page-size must be an integer, got None")
-    if not 1 <= page_size <= cs.MAX_PAGE_SIZE or page_size & (page_size - 1):
+    if not is_block_size(page_size):
         raise ValueError(f"--page-size must be a power of two from 1 to {cs.MAX_PAGE_SIZE}, got {page_size}")
     return page_size
 

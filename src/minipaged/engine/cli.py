@@ -101,6 +101,7 @@ def validate(args: argparse.Namespace) -> None:
     import torch
 
     from .. import registry
+    from ..api import MAX_BLOCK_SIZE, is_block_size
     from .sampler import SAMPLING_FIELDS, make_sampling_params
 
     _positive("--batch", args.batch)
@@ -112,9 +113,8 @@ def validate(args: argparse.Namespace) -> None:
     _positive("--max-num-batched-tokens", args.max_num_batched_tokens)
     # torch.manual_seed takes any 64-bit pattern
     _positive("--seed", args.seed, minimum=-(2**63), maximum=2**64 - 1)
-    bs = args.block_size
-    if not 1 <= bs <= 256 or bs & (bs - 1):
-        raise ValueError(f"--block-size must be a power of two from 1 to 256, got {bs}")
+    if not is_block_size(args.block_size):
+        raise ValueError(f"--block-size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {args.block_size}")
     _positive("--top-k", args.top_k, minimum=0)
     # the engine's own sampling rules, with the flags named in the message
     try:

@@ -11,7 +11,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from ..api import integer_number, real_number
+from ..api import MAX_BLOCK_SIZE, integer_number, is_block_size, real_number
 from ..paged_cache import check_device
 from .config import Qwen3Config, qwen3_0_6b_config
 from .loader import KV_SCALE_NAMES, check_state_dict, load_checkpoint, random_state_dict
@@ -57,8 +57,8 @@ def _positive_int(name: str, val: Any) -> int:
 
 
 def _check_block_size(block_size: Any) -> int:
-    if not integer_number(block_size) or not 1 <= block_size <= 256 or int(block_size) & (int(block_size) - 1):
-        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+    if not integer_number(block_size) or not is_block_size(int(block_size)):
+        raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
     return int(block_size)
 
 
