@@ -998,9 +998,11 @@ int time_mode(int reps) {
                   fp8 ? " fp8" : "", page_order_label().c_str());
     std::vector<int> configs;
     if (fp8) {
-      // 10: tensor cores; 18/19: 32 tokens per warp; 23/24: two-warp CTAs; the two-warp rule flipped
+      // 10: tensor cores; 18/19: 32 tokens per warp; 23/24: two-warp CTAs; the two-warp rule
+      // flipped; the short-ring rule flipped (both reductions; it acts on pages of 64+ tokens)
       configs = {0, kFused, 6, 7, 8, 10, 10 | kFused, 18, 19, 23, 24, kNoReduce,
-                 minipaged::kDecodeVariantTwoWarpToggle};
+                 minipaged::kDecodeVariantTwoWarpToggle, minipaged::kDecodeVariantFp8ShortRing,
+                 minipaged::kDecodeVariantFp8ShortRing | kFused};
     } else {
       for (int t : variants) configs.push_back(t), configs.push_back(t | kFused);
       configs.push_back(kNoPDL);
@@ -1076,7 +1078,7 @@ int time_mode(int reps) {
       if (nc > 0 && counters_nonzero(nc) != 0) check = "counters left non-zero", ++g_failures;
       const int gchunks = (hq / hkv + plan.group_tile - 1) / plan.group_tile;
       char cfg[128];
-      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s%s%s", v & 0xff, plan.threads == 64 ? " 2warp" : "",
+      std::snprintf(cfg, sizeof cfg, "tiling %d%s%s%s%s%s%s%s%s%s%s%s", v & 0xff, plan.threads == 64 ? " 2warp" : "",
                     v & kFused ? " fused" : "",
                     v & kNoPDL ? " no-PDL" : "", v & kNoReduce ? " no-reduce" : "",
                     p.worklist > 0 ? " worklist" : (v & minipaged::kDecodeVariantWorklistToggle) ? " no-worklist" : "",
@@ -1084,7 +1086,8 @@ int time_mode(int reps) {
                     v & minipaged::kDecodeVariantWorklistEarlyMerge ? " early-merge" : "",
                     v & minipaged::kDecodeVariantEarlyTrigger ? " early-trigger" : "",
                     v & minipaged::kDecodeVariantWorklistGroupedMerge ? " merge-grouping-flipped" : "",
-                    v & minipaged::kDecodeVariantWarpMerge ? " warp-merge-flipped" : "");
+                    v & minipaged::kDecodeVariantWarpMerge ? " warp-merge-flipped" : "",
+                    v & minipaged::kDecodeVariantFp8ShortRing ? " short-ring-flipped" : "");
       // (a work list's grid: its slots, not B x splits)
       const int ctas = (p.worklist > 0 ? p.worklist : p.num_splits * B) * hkv * gchunks;
       std::printf("%-12s %-22s %6d %6d %9.2f %9.2f %9.2f %8.3f  %s\n", cname, cfg, p.num_splits, ctas, t.med, t.p20,
@@ -1815,6 +1818,12 @@ int main(int argc, char** argv) {
           check_problem({std::string(dt == b16 ? "fp8 bf16 G" : "fp8 fp16 G") + std::to_string(hh.first / hh.second),
                          dt, true, hh.first, hh.second, D, 16, {0, 1, 17, 97, 1023, 4097}},
                         splits, dt == b16 && D == 128 && hh.first == 16 && hh.second == 8, seed++);
+    // The short-ring rule flipped over 64-token pages (params.h decode_fp8_short_ring_wanted): the
+    // G = 2 FP8 tensor-core kernel with a 2-stage ring wherever its splits are long enough.
+    for (DType dt : {b16, f16})
+      check_problem({std::string(dt == b16 ? "fp8 bf16" : "fp8 fp16") + " G2 D128 p64 short ring", dt, true, 16, 8,
+                     128, 64, {0, 1, 17, 97, 1023, 4097, 30000}},
+                    splits, dt == b16, seed++, minipaged::kDecodeVariantFp8ShortRing);
   } else {
     std::fprintf(stderr, "usage: %s check|small|time|roofline|paged_read [reps]\n", argv[0]);
     return 2;

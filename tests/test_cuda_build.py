@@ -94,6 +94,27 @@ def _kernel_names(compiled, source, arch):
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
+def test_decode_fp8_short_ring_kernels_compiled(compiled, arch):
+    # The short-ring rule (params.h decode_fp8_short_ring_wanted; a variant bit or a build flag
+    # turns it on) runs the G = 2 FP8 tensor-core kernel (32-token tiles) with a 2-stage ring in
+    # place of 3 in every plan that takes it: plain with its work-list twin, fused, packed-query.
+    # So every real build has both depths of all four, in the FP8 D = 128 slices only. (The
+    # benchmarking tiling 19 is the plain 2-stage kernel alone, and this compile leaves it out.)
+    def wide_fp8(source, stages):
+        # paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, WL, NW>
+        pattern = re.compile(rf"paged_decode_mma_kernelI(?:6__half|13__nv_bfloat16)Li128ELi{stages}ELb1E"
+                             r"Lb([01])ELb([01])ELi32ELb0ELi1ELb([01])ELi4EE")
+        return {m.groups() for n in _kernel_names(compiled, source, arch) if (m := pattern.search(n))}
+
+    plans = {("0", "0", "0"), ("0", "0", "1"), ("1", "0", "0"), ("0", "1", "0")}  # (FUSED, PQ, WL)
+    for source in DECODE_KERNEL_SOURCES:
+        want = plans if source.endswith("_d128_kv8.cu") else set()
+        assert wide_fp8(source, 3) == want, (source, wide_fp8(source, 3))
+        assert wide_fp8(source, 2) == want, (source, wide_fp8(source, 2))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
 def test_decode_worklist_kernels_compiled(compiled, arch):
     # The work list's one-CTA plan kernel (decode/worklist_plan.cuh) and the work-list twins of the
     # merge (decode_reduce_kernel<T, D, PQ = false, MQ = false, WL = true, GROUPED, WARPS>: two q

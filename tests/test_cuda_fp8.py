@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import shutil
 import subprocess
 
@@ -378,6 +379,58 @@ def test_fp8_decode_two_warp_rule(dtype, heads):
             assert torch.equal(out, flipped), f"last {last}: the rule's bit changed the result past the cap"
         else:
             assert not torch.equal(out, flipped), f"last {last}: the rule's bit did not change the kernel"
+
+
+# paged_decode_mma_kernel<T, D, STAGES, FP8, FUSED, PQ, WT, MQ, RB, WL, NW>: the template
+# arguments of a launched kernel's demangled name, as the profiler reports it
+_MMA_ARGS = re.compile(r"paged_decode_mma_kernel<([^<>]*)>")
+
+
+def _wide_fp8_stages(fn) -> set[int]:
+    """The ring depths of the FP8 32-token tensor-core decode kernels (D 128) that fn() launches,
+    read from the kernel names in a torch profiler trace. Fails if the trace holds no decode
+    kernel at all (a profiler that records no names must not pass for "no wide kernel")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "paged_decode" in e.name]
+    assert names, "the profiler recorded no decode kernel"
+    stages = set()
+    for name in names:
+        if m := _MMA_ARGS.search(name):
+            args = [a.strip().removeprefix("(int)").removeprefix("(bool)") for a in m.group(1).split(",")]
+            if args[1] == "128" and args[3] in ("true", "1") and args[6] == "32":
+                stages.add(int(args[2]))
+    return stages
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_short_ring_rule(dtype):
+    """The short-ring rule (off by default; variant 0x80000 flips it): over 64-token pages the G = 2
+    FP8 tensor-core kernel with 32-token tiles runs a 2-stage ring in place of 3, in the plain
+    plan, the fused one, a work-list batch and the paged route's decode rows; over 16-token pages
+    the bit changes nothing. The profiler's kernel names tell the rings apart. Every call is
+    checked against the oracle, and each batch must take the wide kernel without the bit too (a
+    30000-token sequence: long splits)."""
+    ctxs = [30000, 1, 0, 4097, 17, 1023]
+    uneven = [17, 0, 1, 300, 8193, 1023] * 14 + [30000]  # more than half a wave: a work list
+    for page, flipped in ((64, 2), (16, 3)):
+        for bits in (0, 0x400):  # two-launch, fused
+            seed = page + bits
+            assert _wide_fp8_stages(lambda: _run_decode(ctxs, 16, 8, 128, page, dtype, seed=seed, variant=bits)) == {3}
+            assert _wide_fp8_stages(
+                lambda: _run_decode(ctxs, 16, 8, 128, page, dtype, seed=seed, variant=bits | 0x80000)) == {flipped}
+        assert _wide_fp8_stages(lambda: _run_decode(uneven, 16, 8, 128, page, dtype, seed=3, variant=0x80000)) == {
+            flipped}
+        # a mixed batch: its q_len == 1 rows run the packed-query decode build, the chunk a prefill kernel
+        q_lens, paged_ctxs = [1, 1, 1, 40, 1, 1], [30000, 1, 17, 4097, 300, 1023]
+        for bits, stages in ((0, 3), (0x80000, flipped)):
+            assert _wide_fp8_stages(lambda: _run_paged(q_lens, paged_ctxs, 16, 8, 128, page, dtype, seed=5,
+                                                       variant=bits)) == {stages}
 
 
 @gpu

@@ -146,7 +146,8 @@ def paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seq
     routes the q_len == 1 rows to the decode kernels (num_splits then sets their split
     count; variant 0 routes them too, since the routing became the default). Bit 0x40000 ORed
     into any of these flips the decode kernels' merge rule for the routed rows and short runs
-    (csrc/decode/splits.h decode_warp_merge_by_rule), as it does in decode.
+    (csrc/decode/splits.h decode_warp_merge_by_rule), as it does in decode; bit 0x80000 flips the
+    FP8 short-ring rule of the routed rows (csrc/params.h decode_fp8_short_ring_wanted).
     float8_e4m3fn caches take k_scale/v_scale as in decode.
     """
     out = _ops().paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, int(max_seqlen_q),

@@ -557,9 +557,10 @@ OutLse paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     p.causal = causal;
     p.dtype = dtype;
     p.num_sms = num_sms(q.get_device());
-    // (the warp-merge bit flips the merge rule of the routed decode launches; the rest picks paths)
-    p.variant = static_cast<int>(variant & ~int64_t{minipaged::kDecodeVariantWarpMerge});
-    p.decode_variant = static_cast<int>(variant & minipaged::kDecodeVariantWarpMerge);
+    // (the warp-merge and short-ring bits flip rules of the routed decode launches; the rest picks paths)
+    constexpr int64_t kRoutedDecodeBits = minipaged::kDecodeVariantWarpMerge | minipaged::kDecodeVariantFp8ShortRing;
+    p.variant = static_cast<int>(variant & ~kRoutedDecodeBits);
+    p.decode_variant = static_cast<int>(variant & kRoutedDecodeBits);
     p.kv_fp8 = fp8;
     p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
     p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;

@@ -50,7 +50,8 @@ struct PrefillParams {
                    // 3 tuned choice with the paths not yet GPU-checked (prefill/dispatch.cuh),
                    // 4 as 3 plus the decode routing (paged_decode_routing below)
   int decode_variant;  // paged, tests and benchmarking only: the DecodeParams::variant bits of its routed
-                       // decode launches (paged_decode_params; the binding takes kDecodeVariantWarpMerge)
+                       // decode launches (paged_decode_params; the binding takes kDecodeVariantWarpMerge
+                       // and kDecodeVariantFp8ShortRing)
   int batch;
   int num_q_heads;
   int num_kv_heads;
@@ -340,6 +341,23 @@ inline bool decode_two_warp_wanted(bool kv_fp8, int variant) {
 // many rows have few splits each; the bit flips that choice for a call (a work list then takes
 // the warp merge in place of its own).
 constexpr int kDecodeVariantWarpMerge = 0x40000;
+// Short FP8 ring: the G = 2 FP8 tensor-core kernel (32-token tiles, decode/select.cuh
+// fp8_wide_mma) with a 2-stage ring in place of 3 over pages of at least
+// kDecodeFp8ShortRingMinPage tokens. With the same bytes at the same addresses, the 3-stage ring
+// took 1.04x its 16-token-page time over 64-token pages, and the 2-stage ring 0.99x: ahead of
+// both (H100, contiguous pages, B=32 and B=64: bench/results/nvidia-h100/
+// decode_fp8_page_cause_f1ade67). Off until shuffled pages on every grid row say the same;
+// MINIPAGED_DECODE_FP8_SHORT_RING turns it on for a build, the bit flips it for a call (plain,
+// work-list, fused and packed-query plans alike).
+#ifndef MINIPAGED_DECODE_FP8_SHORT_RING
+#define MINIPAGED_DECODE_FP8_SHORT_RING 0
+#endif
+constexpr int kDecodeFp8ShortRingMinPage = 64;
+constexpr int kDecodeVariantFp8ShortRing = 0x80000;
+inline bool decode_fp8_short_ring_wanted(int block_size, int variant) {
+  const bool on = (MINIPAGED_DECODE_FP8_SHORT_RING != 0) != ((variant & kDecodeVariantFp8ShortRing) != 0);
+  return on && block_size >= kDecodeFp8ShortRingMinPage;
+}
 inline bool decode_worklist_wanted(int variant) {
   return kDecodeWorklistByDefault != ((variant & kDecodeVariantWorklistToggle) != 0);
 }

@@ -66,9 +66,9 @@ constexpr int kVariantNoReduce = 0x800;
 // The tensor-core alternative to the scalar kernel for G = 2 at D = 128 with the default
 // tiling (a packed-query call: always), both cache dtypes; {} elsewhere (decode/select.cuh
 // has the kernels). decode_plan takes it when its splits are long
-// (kMinTokensPerSplitTensorCores). The choice depends on the table width and the split count
-// only, so routed decode rows and a plain decode call with the same forced split count run the
-// same kernel.
+// (kMinTokensPerSplitTensorCores). The choice depends on the table width, the split count and
+// (FP8: the short-ring rule) the page size only, so routed decode rows and a plain decode call
+// with the same forced split count run the same kernel.
 DecodePlan tensor_core_g2(const DecodeParams& p) {
   if (p.head_dim != 128 || p.num_kv_heads <= 0 || p.num_q_heads != 2 * p.num_kv_heads) return {};
   if (p.cu_seqlens_q == nullptr && (p.variant & 0xff) != 0) return {};

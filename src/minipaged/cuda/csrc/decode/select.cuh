@@ -141,15 +141,16 @@ DecodePlan two_warp_mma() {
 }
 
 // The tensor-core kernel on FP8 caches with 32 tokens per warp per tile and a
-// 3-stage ring (the G = 2 default, tensor_core_g2_for; what FP8 tiling 18 runs): the
-// packed-query instantiation, or the fused bit's choice.
-template <typename T, int D, bool PQ>
+// STAGES-deep ring (the G = 2 default, tensor_core_g2_for: 3 stages, what FP8 tiling 18 runs;
+// 2 under the short-ring rule, what tiling 19 runs): the packed-query instantiation, or the
+// fused bit's choice.
+template <typename T, int D, bool PQ, int STAGES = 3>
 DecodePlan fp8_wide_mma(bool fused) {
   if constexpr (PQ) {
-    return info_mma<T, D, 3, true, false, true, 32>();
+    return info_mma<T, D, STAGES, true, false, true, 32>();
   } else {
-    return fused ? info_mma<T, D, 3, true, true, false, 32>()
-                 : info_mma<T, D, 3, true, false, false, 32, false, 1, true>();
+    return fused ? info_mma<T, D, STAGES, true, true, false, 32>()
+                 : info_mma<T, D, STAGES, true, false, false, 32, false, 1, true>();
   }
 }
 
@@ -362,13 +363,16 @@ DecodePlan select_kernel_for(const DecodeParams& p) {
 // On FP8 caches it runs 32 tokens per warp per tile with a 3-stage ring (FP8 tiling 18: 0.83x
 // the time of the 4-stage, 16-token tiling at B=64 L=8k, 0.96x at B=1 L=32k;
 // bench/results/nvidia-h200/decode_tilings.md, sixth session), with the fused bit too (the
-// fused build of the same kernel, so both reductions merge the same partials).
+// fused build of the same kernel, so both reductions merge the same partials). Over pages of
+// 64+ tokens the short-ring rule (params.h decode_fp8_short_ring_wanted) takes 2 stages.
 template <typename T, bool FP8>
 DecodePlan tensor_core_g2_for(const DecodeParams& p) {
   using namespace decode_select;
   const bool fused = p.variant & kVariantFused;
   const bool packed = p.cu_seqlens_q != nullptr;
   if constexpr (FP8) {
+    if (decode_fp8_short_ring_wanted(p.block_size, p.variant))
+      return packed ? fp8_wide_mma<T, 128, true, 2>(false) : fp8_wide_mma<T, 128, false, 2>(fused);
     return packed ? fp8_wide_mma<T, 128, true>(false) : fp8_wide_mma<T, 128, false>(fused);
   } else {
     return packed ? default_mma<T, 128, false, true>(false) : default_mma<T, 128, false, false>(fused);
