@@ -747,6 +747,34 @@ def test_decode_warp_merge_rule(tmp_path):
     assert [int(line) for line in out] == [want for _, want in cases], list(zip(cases, out))
 
 
+# The FP8 short-ring rule (params.h decode_fp8_short_ring_wanted), host code: one line per call
+# on stdin ("block size, variant"), 1 where the G = 2 FP8 tensor-core plan takes the 2-stage ring.
+_SHORT_RING_PROBE = r"""
+#include <cstdio>
+#include "params.h"
+int main() {
+  int block_size, variant;
+  while (std::scanf("%d %d", &block_size, &variant) == 2)
+    std::printf("%d\n", minipaged::decode_fp8_short_ring_wanted(block_size, variant) ? 1 : 0);
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("build_on", [False, True], ids=["default", "build-flag"])
+def test_decode_fp8_short_ring_rule(tmp_path, build_on):
+    # Off by default until its shuffled-page A/B (bench/results/nvidia-h100/decode_fp8_page_cause_f1ade67/):
+    # bit 0x80000 turns it on for a call, MINIPAGED_DECODE_FP8_SHORT_RING=1 for a build (and the
+    # bit then off); either way only over pages of 64+ tokens, where the 3-stage ring measured slower.
+    # Other variant bits (the fused bit, a tiling, the two-warp bit) change nothing.
+    flags = ["-DMINIPAGED_DECODE_FP8_SHORT_RING=1"] if build_on else []
+    exe = _build_probe(tmp_path, "short_ring", _SHORT_RING_PROBE, NVCC, *flags)
+    rows = [(bs, v) for bs in (1, 8, 16, 32, 64, 128, 256) for v in (0, 0x80000, 0x400, 0x80400, 0x20000, 0x80012)]
+    out = _run_probe(exe, rows)
+    want = [int(bs >= 64 and (build_on != bool(v & 0x80000))) for bs, v in rows]
+    assert [int(line) for line in out] == want, list(zip(rows, out))
+
+
 @needs_nvcc
 def test_paged_spec_decode_route_rows(tmp_path):
     # Short runs of up to 32 (query, head) rows per KV head take the decode kernel (one MMA row
