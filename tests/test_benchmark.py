@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from minipaged import reference
+from minipaged.api import MAX_BLOCK_SIZE
 from minipaged.benchmark import anchors as anc
 from minipaged.benchmark import cases as cs
 from minipaged.benchmark import flops, report, runner, timing
@@ -1494,7 +1495,7 @@ def test_a_default_backend_that_cannot_run_the_head_dim_is_left_out_with_a_note(
 
 
 def test_page_size_reaches_the_decode_and_paged_grids_and_their_crosschecks():
-    assert cs.DEFAULT_PAGE_SIZE == 16 and cs.MAX_PAGE_SIZE == 256
+    assert cs.DEFAULT_PAGE_SIZE == 16 and MAX_BLOCK_SIZE == 256
     for quick, grids in ((True, (cs.quick_decode_cases, cs.quick_paged_cases)),
                          (False, (cs.standard_decode_cases, cs.standard_paged_cases))):
         h = cs.grid_heads(quick)

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 
 import torch
 
-from ..api import MAX_BLOCK_SIZE
 from ..testing import (  # noqa: F401 - the cases and builders, re-exported for the runner
     DecodeCase,
     PagedCase,
@@ -25,7 +24,6 @@ QWEN3_HEADS = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
 QUICK_HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
 # tokens per KV-cache page of the decode and paged grids (--page-size); prefill reads no pages
 DEFAULT_PAGE_SIZE = 16
-MAX_PAGE_SIZE = MAX_BLOCK_SIZE  # the largest page the kernels take
 
 
 def grid_heads(quick: bool, heads: tuple[int, int, int | None] | None = None) -> dict:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..api import is_block_size
+from ..api import MAX_BLOCK_SIZE, is_block_size
 from . import anchors as anc
 from . import cases as cs
 from . import flops, outputs, report, timing
@@ -1131,7 +1131,7 @@ def check_page_size(page_size) -> int:
     if page_size is None:
         raise TypeError("--page-size must be an integer, got None")
     if not is_block_size(page_size):
-        raise ValueError(f"--page-size must be a power of two from 1 to {cs.MAX_PAGE_SIZE}, got {page_size}")
+        raise ValueError(f"--page-size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {page_size}")
     return page_size
 
 
@@ -1283,9 +1283,8 @@ def run_bench(cfg: BenchConfig, plan: Plan | None = None) -> dict:
 
 
 def _run(cfg, device, quick, dtype, ops, backends, backend_info, out_dir, log, fp8: bool = False,
-         heads: dict | None = None, page_size: int | None = None, notes=()) -> dict:
+         heads: dict | None = None, page_size: int = cs.DEFAULT_PAGE_SIZE, notes=()) -> dict:
     heads = heads or cs.grid_heads(quick, cfg.heads)
-    page_size = page_size or cfg.page_size
     env = timing.environment(device)
     env["torch_threads"] = torch.get_num_threads()
     result = dict(
